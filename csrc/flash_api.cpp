@@ -1,0 +1,188 @@
+// Host side of the forward op: validate, fill Flash_fwd_params, launch. No op registration
+// here (see torch_bindings.cpp).
+#include "flash_api.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+#include "kernels/block_info.h"
+#include "kernels/flash.h"
+
+namespace flash_sm75 {
+namespace {
+
+void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.dim() == 4, "flash_attention_sm75: ", name,
+                    " must be 4-D (batch, seqlen, num_heads, head_dim) in BSHD layout, got ",
+                    t.dim(), "-D of shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kHalf, "flash_attention_sm75: ", name,
+                    " must be float16 (SM75 tensor cores have no bf16/fp32 MMA), got ",
+                    t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == q.device(), "flash_attention_sm75: ", name,
+                    " must be on the same device as q (", q.device(), "), got ", t.device());
+  TORCH_CHECK_VALUE(t.numel() > 0, "flash_attention_sm75: ", name,
+                    " must be non-empty (every dimension >= 1), got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.stride(-1) == 1, "flash_attention_sm75: ", name,
+                    " must have a contiguous last dimension (stride(-1) == 1), got strides ",
+                    t.strides());
+}
+
+void check_alignment(const at::Tensor& t, const char* name) {
+  // The kernel moves 16-byte vectors: 8 fp16 elements.
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int i = 0; i < 3; ++i) ok = ok && (t.size(i) == 1 || t.stride(i) % 8 == 0);
+  TORCH_CHECK_VALUE(ok, "flash_attention_sm75: ", name,
+                    " must be 16-byte aligned with batch/seq/head strides divisible by 8 "
+                    "elements, got strides ",
+                    t.strides());
+}
+
+void check_key_bound(const std::optional<at::Tensor>& t, const char* name, const at::Tensor& q) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_VALUE(t->scalar_type() == at::kInt, "flash_attention_sm75: ", name,
+                    " must be int32, got ", t->scalar_type());
+  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == q.size(0), "flash_attention_sm75: ", name,
+                    " must have shape (batch,) = (", q.size(0), ",), got ", t->sizes());
+  TORCH_CHECK_VALUE(t->device() == q.device(), "flash_attention_sm75: ", name,
+                    " must be on the same device as q (", q.device(), "), got ", t->device());
+  TORCH_CHECK_VALUE(t->is_contiguous(), "flash_attention_sm75: ", name, " must be contiguous");
+}
+
+}  // namespace
+
+double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        std::optional<double> softmax_scale,
+                        const std::optional<at::Tensor>& leftpad_k,
+                        const std::optional<at::Tensor>& seqused_k) {
+  check_tensor(q, "q", q);
+  check_tensor(k, "k", q);
+  check_tensor(v, "v", q);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "flash_attention_sm75: k and v must have the same shape, got k ",
+                    k.sizes(), " and v ", v.sizes());
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0), "flash_attention_sm75: q and k must have the same batch size, got ",
+                    q.size(0), " and ", k.size(0));
+  TORCH_CHECK_VALUE(k.size(3) == q.size(3), "flash_attention_sm75: q and k must have the same head_dim, got ",
+                    q.size(3), " and ", k.size(3));
+  const int64_t d = q.size(3);
+  TORCH_CHECK_VALUE(d == 64 || d == 128, "flash_attention_sm75: head_dim must be 64 or 128, got ", d);
+  TORCH_CHECK_VALUE(q.size(2) % k.size(2) == 0,
+                    "flash_attention_sm75: num_heads (", q.size(2), ") must be a multiple of num_heads_k (",
+                    k.size(2), ") for GQA/MQA");
+  for (int i = 0; i < 3; ++i) {
+    TORCH_CHECK_VALUE(q.size(i) <= INT32_MAX && k.size(i) <= INT32_MAX,
+                      "flash_attention_sm75: batch, seqlen and heads must each be < 2^31");
+  }
+  check_key_bound(leftpad_k, "leftpad_k", q);
+  check_key_bound(seqused_k, "seqused_k", q);
+  const double scale = softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
+  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0.0,
+                    "flash_attention_sm75: softmax_scale must be a finite number > 0, got ", scale);
+  return scale;
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v,
+                                           std::optional<double> softmax_scale, bool is_causal,
+                                           bool causal_bottom_right,
+                                           const std::optional<at::Tensor>& leftpad_k,
+                                           const std::optional<at::Tensor>& seqused_k) {
+  const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
+  TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
+  check_alignment(q, "q");
+  check_alignment(k, "k");
+  check_alignment(v, "v");
+
+  c10::cuda::CUDAGuard device_guard{q.device()};
+  const auto* props = at::cuda::getDeviceProperties(q.get_device());
+  TORCH_CHECK(props->major * 10 + props->minor >= 75,
+              "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or newer), got ",
+              props->major, ".", props->minor);
+
+  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
+  const int64_t seqlen_k = k.size(1), h_k = k.size(2);
+  at::Tensor out = at::empty({b, seqlen_q, h, d}, q.options());
+  at::Tensor lse = at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
+
+  Flash_fwd_params params{};
+  params.q_ptr = q.data_ptr();
+  params.k_ptr = k.data_ptr();
+  params.v_ptr = v.data_ptr();
+  params.o_ptr = out.data_ptr();
+  params.softmax_lse_ptr = lse.data_ptr<float>();
+  params.leftpad_k = leftpad_k.has_value() ? leftpad_k->data_ptr<int>() : nullptr;
+  params.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
+  params.q_batch_stride = q.stride(0);
+  params.q_row_stride = q.stride(1);
+  params.q_head_stride = q.stride(2);
+  params.k_batch_stride = k.stride(0);
+  params.k_row_stride = k.stride(1);
+  params.k_head_stride = k.stride(2);
+  params.v_batch_stride = v.stride(0);
+  params.v_row_stride = v.stride(1);
+  params.v_head_stride = v.stride(2);
+  params.o_batch_stride = out.stride(0);
+  params.o_row_stride = out.stride(1);
+  params.o_head_stride = out.stride(2);
+  params.b = static_cast<int>(b);
+  params.seqlen_q = static_cast<int>(seqlen_q);
+  params.seqlen_k = static_cast<int>(seqlen_k);
+  params.h = static_cast<int>(h);
+  params.h_k = static_cast<int>(h_k);
+  params.h_h_k_ratio = static_cast<int>(h / h_k);
+  params.d = static_cast<int>(d);
+  params.scale_softmax = static_cast<float>(scale);
+  params.scale_softmax_log2 = static_cast<float>(scale * M_LOG2E);
+  params.is_causal = is_causal;
+  params.causal_offset = causal_offset(params.seqlen_q, params.seqlen_k, causal_bottom_right);
+
+  try {
+    run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v,
+                                               std::optional<double> softmax_scale,
+                                               bool is_causal, bool causal_bottom_right,
+                                               const std::optional<at::Tensor>& leftpad_k,
+                                               const std::optional<at::Tensor>& seqused_k) {
+  const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
+  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2);
+  const int64_t seqlen_k = k.size(1), h_k = k.size(2);
+  // (b, h, s, d) in float32; GQA by repeating K/V heads (the reference may copy).
+  at::Tensor qf = q.to(at::kFloat).transpose(1, 2);
+  at::Tensor kf = k.to(at::kFloat).transpose(1, 2).repeat_interleave(h / h_k, 1);
+  at::Tensor vf = v.to(at::kFloat).transpose(1, 2).repeat_interleave(h / h_k, 1);
+  at::Tensor s = at::matmul(qf, kf.transpose(-1, -2)) * scale;  // b, h, sq, sk
+
+  const int off = causal_offset(static_cast<int>(seqlen_q), static_cast<int>(seqlen_k),
+                                causal_bottom_right);
+  at::Tensor visible = at::empty({b, 1, seqlen_q, seqlen_k}, q.options().dtype(at::kBool));
+  auto vis = visible.accessor<bool, 4>();
+  at::Tensor lp = leftpad_k.has_value() ? leftpad_k->contiguous() : at::Tensor();
+  at::Tensor su = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
+  for (int64_t bi = 0; bi < b; ++bi) {
+    const KeyRange kr = key_range(static_cast<int>(seqlen_k),
+                                  lp.defined() ? lp.data_ptr<int>() : nullptr,
+                                  su.defined() ? su.data_ptr<int>() : nullptr, static_cast<int>(bi));
+    for (int64_t i = 0; i < seqlen_q; ++i) {
+      for (int64_t j = 0; j < seqlen_k; ++j) {
+        vis[bi][0][i][j] = key_visible(static_cast<int>(i), static_cast<int>(j), kr, is_causal, off);
+      }
+    }
+  }
+  s = s.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
+  at::Tensor lse = at::logsumexp(s, -1);  // -inf for rows that see nothing
+  at::Tensor p = at::exp(s - lse.unsqueeze(-1)).nan_to_num(0.0);
+  at::Tensor out = at::matmul(p, vf).transpose(1, 2).to(at::kHalf).contiguous();
+  return {out, lse.contiguous()};
+}
+
+}  // namespace flash_sm75

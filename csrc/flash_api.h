@@ -1,0 +1,49 @@
+// C++ entry points of flash-attention-sm75, usable from LibTorch without Python.
+//
+// Tensors use the BSHD layout (batch, seqlen, heads, head_dim) with any strides whose last
+// dimension is contiguous; a BHSD tensor is passed as its transpose(1, 2) view.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace flash_sm75 {
+
+// Forward attention, FlashAttention-2 algorithm on SM75 tensor cores (CUDA tensors) or a float32
+// reference (CPU tensors).
+//   q:           batch x seqlen_q x num_heads   x head_dim, float16
+//   k, v:        batch x seqlen_k x num_heads_k x head_dim, float16; num_heads % num_heads_k == 0
+//   softmax_scale: > 0, default 1/sqrt(head_dim)
+//   is_causal:   key j visible to query i iff j <= i + (causal_bottom_right ? seqlen_k - seqlen_q : 0)
+//   leftpad_k:   optional int32 (batch,): first visible key per batch entry (default 0)
+//   seqused_k:   optional int32 (batch,): one past the last visible key (default seqlen_k)
+// Returns (out: batch x seqlen_q x num_heads x head_dim float16, contiguous;
+//          softmax_lse: batch x num_heads x seqlen_q float32, contiguous, natural log;
+//          rows that see no key get out = 0 and softmax_lse = -inf).
+// Throws c10::ValueError (Python ValueError) naming the argument for invalid input, before any
+// kernel launch.
+std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v,
+                                           std::optional<double> softmax_scale, bool is_causal,
+                                           bool causal_bottom_right,
+                                           const std::optional<at::Tensor>& leftpad_k,
+                                           const std::optional<at::Tensor>& seqused_k);
+
+// The same contract computed with ATen ops in float32 on the CPU (reference and fallback).
+std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v,
+                                               std::optional<double> softmax_scale,
+                                               bool is_causal, bool causal_bottom_right,
+                                               const std::optional<at::Tensor>& leftpad_k,
+                                               const std::optional<at::Tensor>& seqused_k);
+
+// Input validation shared by both implementations (exposed for the C++ tests). Returns the
+// softmax scale to use.
+double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        std::optional<double> softmax_scale,
+                        const std::optional<at::Tensor>& leftpad_k,
+                        const std::optional<at::Tensor>& seqused_k);
+
+}  // namespace flash_sm75

@@ -1,0 +1,80 @@
+// Which keys a query tile can see: per-batch key ranges, causal offset, tile-level pruning.
+//
+// Plain arithmetic usable on host and device, so the GoogleTest suite checks exactly the code
+// the kernel runs.
+#pragma once
+
+#ifdef __CUDACC__
+#define FLASH_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FLASH_HOST_DEVICE inline
+#endif
+
+namespace flash_sm75 {
+
+FLASH_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
+FLASH_HOST_DEVICE int imin(int a, int b) { return a < b ? a : b; }
+FLASH_HOST_DEVICE int imax(int a, int b) { return a > b ? a : b; }
+
+// The causal offset c: key j is visible to query i iff j <= i + c.
+//   bottom_right (FlashAttention `causal`): c = seqlen_k - seqlen_q, the last query sees every key;
+//   top-left (torch SDPA `is_causal`):      c = 0, query i sees keys 0..i.
+FLASH_HOST_DEVICE int causal_offset(int seqlen_q, int seqlen_k, bool bottom_right) {
+  return bottom_right ? seqlen_k - seqlen_q : 0;
+}
+
+// Visible keys of one batch entry, before the causal mask: [key_start, key_end).
+// Values are clamped into [0, seqlen_k] so a bad leftpad_k/seqused_k can never make the
+// kernel read out of bounds (at worst every key is masked and the output is 0).
+struct KeyRange {
+  int key_start;
+  int key_end;
+};
+FLASH_HOST_DEVICE KeyRange key_range(int seqlen_k, const int* leftpad_k, const int* seqused_k,
+                                     int batch) {
+  int start = leftpad_k ? imin(imax(leftpad_k[batch], 0), seqlen_k) : 0;
+  int end = seqused_k ? imin(imax(seqused_k[batch], start), seqlen_k) : seqlen_k;
+  return {start, end};
+}
+
+// Range [n_block_min, n_block_max) of key tiles (size block_n) that query tile m_block
+// (rows m_block*block_m .. min(seqlen_q, (m_block+1)*block_m) - 1) must visit. Tiles entirely
+// outside the key range or entirely above the causal diagonal are skipped. An empty range
+// (max <= min) means no row of the tile sees any key: output 0, LSE -inf.
+struct BlockRange {
+  int n_block_min;
+  int n_block_max;
+};
+FLASH_HOST_DEVICE BlockRange n_block_range(int m_block, int block_m, int block_n, int seqlen_q,
+                                           KeyRange kr, bool is_causal, int causal_off) {
+  int n_min = kr.key_start / block_n;
+  int last_key = kr.key_end;  // exclusive
+  if (is_causal) {
+    int last_row = imin(seqlen_q, (m_block + 1) * block_m) - 1;
+    // The last row of the tile sees keys <= last_row + causal_off.
+    last_key = imin(last_key, imax(last_row + causal_off + 1, 0));
+  }
+  int n_max = ceil_div(last_key, block_n);
+  if (last_key <= kr.key_start) n_max = n_min;  // nothing visible
+  return {n_min, n_max};
+}
+
+// True when key tile n_block needs no per-element mask for query tile m_block: it lies inside
+// the key range and, if causal, entirely on or below the diagonal for the tile's first row.
+FLASH_HOST_DEVICE bool tile_is_unmasked(int m_block, int n_block, int block_m, int block_n,
+                                        KeyRange kr, bool is_causal, int causal_off) {
+  int n_start = n_block * block_n;
+  int n_end = n_start + block_n;
+  if (n_start < kr.key_start || n_end > kr.key_end) return false;
+  if (is_causal && n_end - 1 > m_block * block_m + causal_off) return false;
+  return true;
+}
+
+// Element-level visibility, the definition the tile logic above must agree with.
+FLASH_HOST_DEVICE bool key_visible(int row, int col, KeyRange kr, bool is_causal,
+                                   int causal_off) {
+  if (col < kr.key_start || col >= kr.key_end) return false;
+  return !is_causal || col <= row + causal_off;
+}
+
+}  // namespace flash_sm75

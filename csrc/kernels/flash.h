@@ -1,0 +1,64 @@
+// Parameters shared by the host API and the SM75 FlashAttention kernels.
+//
+// Layout convention: every tensor is addressed through explicit strides (in elements), so
+// BSHD (batch, seqlen, heads, head_dim) and BHSD (a transpose(1, 2) view of BSHD) inputs use
+// the same kernel. Only the last dimension must be contiguous. All strides and offsets are
+// 64-bit (index_t) so that tensors with more than 2^31 elements are addressed correctly.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace flash_sm75 {
+
+using index_t = int64_t;
+
+struct Flash_fwd_params {
+  // ---- inputs (fp16) -------------------------------------------------------------------
+  const void* q_ptr;   // batch x seqlen_q x h   x d
+  const void* k_ptr;   // batch x seqlen_k x h_k x d
+  const void* v_ptr;   // batch x seqlen_k x h_k x d
+  // ---- outputs -----------------------------------------------------------------------
+  void* o_ptr;              // batch x seqlen_q x h x d (fp16)
+  float* softmax_lse_ptr;   // batch x h x seqlen_q (fp32, contiguous), natural-log LSE of scaled scores
+
+  // ---- optional per-batch key ranges (int32, batch entries) or nullptr ------------------
+  // Keys j with leftpad_k[b] <= j < seqused_k[b] are visible in batch b; the others are
+  // masked. Defaults: 0 and seqlen_k. Used for left/right padded batches (HF masks).
+  const int* leftpad_k;   // first valid key index per batch
+  const int* seqused_k;   // one past the last valid key index per batch
+
+  // ---- strides, in elements ------------------------------------------------------------
+  index_t q_batch_stride, q_row_stride, q_head_stride;
+  index_t k_batch_stride, k_row_stride, k_head_stride;
+  index_t v_batch_stride, v_row_stride, v_head_stride;
+  index_t o_batch_stride, o_row_stride, o_head_stride;
+
+  // ---- sizes ---------------------------------------------------------------------------
+  int b;            // batch size
+  int seqlen_q;     // query length (>= 1)
+  int seqlen_k;     // key/value length (>= 1)
+  int h;            // number of query heads
+  int h_k;          // number of key/value heads (h % h_k == 0)
+  int h_h_k_ratio;  // h / h_k: query head i reads kv head i / h_h_k_ratio (GQA/MQA)
+  int d;            // head dimension (64 or 128)
+
+  // ---- softmax -------------------------------------------------------------------------
+  float scale_softmax;        // multiplies q.k (default 1/sqrt(d))
+  float scale_softmax_log2;   // scale_softmax * log2(e): the kernel evaluates exp2, not exp
+
+  // ---- masking -------------------------------------------------------------------------
+  bool is_causal;       // apply the causal mask below
+  int causal_offset;    // key j is visible to query i iff j <= i + causal_offset.
+                        // seqlen_k - seqlen_q: bottom-right (FlashAttention `causal`);
+                        // 0: top-left (torch SDPA `is_causal`).
+};
+
+// Host entry: dispatches on head dim and causal flag. Defined in flash_fwd_dispatch.cu.
+void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream);
+
+// One explicit specialization per generated instantiation file (instantiations/*.cu).
+template <int kHeadDim, bool Is_causal>
+void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream);
+
+}  // namespace flash_sm75

@@ -1,0 +1,63 @@
+// Tile shapes of the SM75 forward kernel, one specialization per head dim.
+//
+// This header is plain C++ (no device code) so that host code and the GoogleTest suite can
+// check every instantiation's shared-memory budget against the Turing limits.
+#pragma once
+
+namespace flash_sm75 {
+
+// Turing (sm_75) limits the kernels must respect.
+constexpr int kSm75MaxSmemPerBlock = 64 * 1024;   // dynamic shared memory per block (opt-in)
+constexpr int kSm75DefaultSmemPerBlock = 48 * 1024;  // without cudaFuncSetAttribute
+constexpr int kSm75MaxThreadsPerBlock = 1024;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct Flash_fwd_kernel_traits {
+  static constexpr int kHeadDim = kHeadDim_;  // d
+  static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
+  static constexpr int kBlockN = kBlockN_;    // Bc: keys per K/V tile
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+
+  // Each warp owns 16 query rows: one m16 MMA tile, so S and P never leave its registers.
+  static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");
+  static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16 (ldmatrix.x4 k-pairs)");
+  static_assert(kBlockN % 16 == 0, "Bc must be a multiple of 16 (ldmatrix.x4 n-pairs)");
+
+  // Shared memory holds one K tile and one V tile, Bc x d fp16 each, row-major with the 16-byte
+  // chunks of row r XOR-swizzled by (r % 8) so that ldmatrix (8 rows, same logical chunk)
+  // touches 8 distinct bank groups. The Q tile (before the loop) and the output tile (after it)
+  // are staged through the same, contiguous K+V space, so neither needs its own.
+  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row
+  static constexpr int kSmemTileBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kSmemSize = 2 * kSmemTileBytes;
+  static_assert(kBlockM <= 2 * kBlockN, "Q and O tiles are staged through the K+V buffers");
+  static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
+
+  // Global <-> shared copies move 16 bytes per thread per step.
+  static constexpr int kTileChunks = kBlockN * kChunksPerRow;
+  static_assert(kTileChunks % kNThreads == 0, "tile copy must divide evenly over the threads");
+  static constexpr int kChunksPerThread = kTileChunks / kNThreads;
+  static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q/O copy must divide evenly");
+  static constexpr int kQChunksPerThread = kBlockM * kChunksPerRow / kNThreads;
+};
+
+// The tile configuration used for each head dim. Why these shapes (see DESIGN.md):
+//  * Each warp keeps 16 rows of Q (d/4 registers), O (d/2 fp32 registers) and S (Bc/2 fp32
+//    registers) in registers; Bc = 64 gives a 16 x 64 S tile per warp.
+//  * d = 64: Br = 64 with 4 warps (~165 registers/thread, 16 KiB smem): three CTAs fit a T4 SM.
+//  * d = 128: Br = 128 with 8 warps. With 4 warps the per-thread register staging of the next
+//    K/V tile (Bc*d/128 halves) pushes the kernel past 255 registers and ptxas spills; 8 warps
+//    halve that staging and fit (~245 registers, no spills). 32 KiB of smem.
+template <int kHeadDim>
+struct Fwd_tile_config;
+template <>
+struct Fwd_tile_config<64> {
+  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4>;
+};
+template <>
+struct Fwd_tile_config<128> {
+  using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8>;
+};
+
+}  // namespace flash_sm75

@@ -1,0 +1,47 @@
+// Host-side launch planning: grid size, threads and shared memory for a problem. Plain C++
+// (no device code) so the GoogleTest suite checks it without a GPU.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernel_traits.h"
+
+namespace flash_sm75 {
+
+struct FwdLaunchPlan {
+  int block_m;          // query rows per CTA
+  int block_n;          // keys per K/V tile
+  int num_m_blocks;     // ceil(seqlen_q / block_m)
+  int64_t num_blocks;   // CTAs in the 1-D grid: num_m_blocks * b * h
+  int num_threads;      // threads per CTA
+  int smem_bytes;       // dynamic shared memory per CTA
+};
+
+template <typename Kt>
+inline FwdLaunchPlan make_fwd_plan(int b, int h, int seqlen_q) {
+  FwdLaunchPlan p;
+  p.block_m = Kt::kBlockM;
+  p.block_n = Kt::kBlockN;
+  p.num_m_blocks = (seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
+  p.num_blocks = static_cast<int64_t>(p.num_m_blocks) * b * h;
+  p.num_threads = Kt::kNThreads;
+  p.smem_bytes = Kt::kSmemSize;
+  // gridDim.x is limited to 2^31 - 1 CTAs.
+  if (p.num_blocks > INT32_MAX) {
+    throw std::invalid_argument("flash_attention_sm75: batch * heads * ceil(seqlen_q / " +
+                                std::to_string(Kt::kBlockM) + ") = " +
+                                std::to_string(p.num_blocks) + " exceeds the 2^31-1 grid limit");
+  }
+  return p;
+}
+
+inline FwdLaunchPlan plan_fwd_launch(int d, int b, int h, int seqlen_q) {
+  if (d == 64) return make_fwd_plan<Fwd_tile_config<64>::Traits>(b, h, seqlen_q);
+  if (d == 128) return make_fwd_plan<Fwd_tile_config<128>::Traits>(b, h, seqlen_q);
+  throw std::invalid_argument("flash_attention_sm75: head_dim must be 64 or 128, got " +
+                              std::to_string(d));
+}
+
+}  // namespace flash_sm75

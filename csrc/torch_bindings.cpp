@@ -1,0 +1,18 @@
+// Op registration: schemas under TORCH_LIBRARY, implementations per dispatch key. Fake (meta)
+// implementations and autograd are registered from Python (flash_attention_sm75/_ops.py).
+#include <torch/library.h>
+
+#include "flash_api.h"
+
+TORCH_LIBRARY(flash_attention_sm75, m) {
+  // q: (b, seqlen_q, h, d) fp16; k, v: (b, seqlen_k, h_k, d) fp16; any strides, last dim contiguous.
+  // Returns out (b, seqlen_q, h, d) fp16 contiguous and softmax_lse (b, h, seqlen_q) fp32.
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool is_causal=False, "
+      "bool causal_bottom_right=True, Tensor? leftpad_k=None, Tensor? seqused_k=None) "
+      "-> (Tensor out, Tensor softmax_lse)");
+}
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) { m.impl("fwd", &flash_sm75::mha_fwd); }
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) { m.impl("fwd", &flash_sm75::mha_fwd_cpu); }
