@@ -83,35 +83,19 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return scale;
 }
 
-std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor& k,
-                                           const at::Tensor& v,
-                                           std::optional<double> softmax_scale, bool is_causal,
-                                           bool causal_bottom_right,
-                                           const std::optional<at::Tensor>& leftpad_k,
-                                           const std::optional<at::Tensor>& seqused_k) {
-  const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
-  TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
-  check_alignment(q, "q");
-  check_alignment(k, "k");
-  check_alignment(v, "v");
-
-  c10::cuda::CUDAGuard device_guard{q.device()};
-  const auto* props = at::cuda::getDeviceProperties(q.get_device());
-  TORCH_CHECK(props->major * 10 + props->minor >= 75,
-              "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or newer), got ",
-              props->major, ".", props->minor);
-
+void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
+                      double softmax_scale, bool is_causal, bool causal_bottom_right,
+                      const std::optional<at::Tensor>& leftpad_k,
+                      const std::optional<at::Tensor>& seqused_k) {
+  params = Flash_fwd_params{};
   const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);
-  at::Tensor out = at::empty({b, seqlen_q, h, d}, q.options());
-  at::Tensor lse = at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
-
-  Flash_fwd_params params{};
   params.q_ptr = q.data_ptr();
   params.k_ptr = k.data_ptr();
   params.v_ptr = v.data_ptr();
   params.o_ptr = out.data_ptr();
-  params.softmax_lse_ptr = lse.data_ptr<float>();
+  params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
   params.leftpad_k = leftpad_k.has_value() ? leftpad_k->data_ptr<int>() : nullptr;
   params.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
   params.q_batch_stride = q.stride(0);
@@ -133,11 +117,38 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   params.h_k = static_cast<int>(h_k);
   params.h_h_k_ratio = static_cast<int>(h / h_k);
   params.d = static_cast<int>(d);
-  params.scale_softmax = static_cast<float>(scale);
-  params.scale_softmax_log2 = static_cast<float>(scale * M_LOG2E);
+  params.scale_softmax = static_cast<float>(softmax_scale);
+  params.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   params.is_causal = is_causal;
   params.causal_offset = causal_offset(params.seqlen_q, params.seqlen_k, causal_bottom_right);
 
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v,
+                                           std::optional<double> softmax_scale, bool is_causal,
+                                           bool causal_bottom_right,
+                                           const std::optional<at::Tensor>& leftpad_k,
+                                           const std::optional<at::Tensor>& seqused_k) {
+  const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
+  TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
+  check_alignment(q, "q");
+  check_alignment(k, "k");
+  check_alignment(v, "v");
+
+  c10::cuda::CUDAGuard device_guard{q.device()};
+  const auto* props = at::cuda::getDeviceProperties(q.get_device());
+  TORCH_CHECK(props->major * 10 + props->minor >= 75,
+              "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or newer), got ",
+              props->major, ".", props->minor);
+
+  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
+  at::Tensor out = at::empty({b, seqlen_q, h, d}, q.options());
+  at::Tensor lse = at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
+
+  Flash_fwd_params params;
+  set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
+                   seqused_k);
   try {
     run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());
   } catch (const std::invalid_argument& e) {

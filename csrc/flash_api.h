@@ -9,6 +9,8 @@
 #include <optional>
 #include <tuple>
 
+#include "kernels/flash.h"
+
 namespace flash_sm75 {
 
 // Forward attention, FlashAttention-2 algorithm on SM75 tensor cores (CUDA tensors) or a float32
@@ -45,5 +47,12 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         std::optional<double> softmax_scale,
                         const std::optional<at::Tensor>& leftpad_k,
                         const std::optional<at::Tensor>& seqused_k);
+
+// Fills the kernel parameters from validated tensors (out and softmax_lse already allocated).
+void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
+                      double softmax_scale, bool is_causal, bool causal_bottom_right,
+                      const std::optional<at::Tensor>& leftpad_k,
+                      const std::optional<at::Tensor>& seqused_k);
 
 }  // namespace flash_sm75

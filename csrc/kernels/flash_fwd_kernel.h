@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       // ---- online softmax on the accumulator fragments (rows g and g + 8 of the warp)
       uint32_t p_frag[kBN / 8][2];
       {
-        float scaled_max[2];
+        float scaled_max[2], alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           float mx = m_i[r];
@@ -215,14 +215,18 @@ __global__ void __launch_bounds__(Kt::kNThreads)
           // A row that has seen no key yet keeps m = -inf; use 0 as the shift so that
           // exp2(-inf - shift) = 0 instead of exp2(-inf + inf) = NaN.
           scaled_max[r] = (mx == -INFINITY) ? 0.f : mx * scale_log2;
-          const float alpha = exp2f(m_i[r] * scale_log2 - scaled_max[r]);
+          alpha[r] = exp2f(m_i[r] * scale_log2 - scaled_max[r]);
           m_i[r] = mx;
-          l_i[r] *= alpha;
+          l_i[r] *= alpha[r];
+        }
+        // Rescale O by alpha = exp2(m_old - m_new). (Skipping it when no max grew was measured
+        // slower on the H200: the branch breaks the scheduling of the unrolled tile; DESIGN.md.)
 #pragma unroll
-          for (int dt = 0; dt < kD / 8; ++dt) {
-            acc_o[dt][2 * r] *= alpha;
-            acc_o[dt][2 * r + 1] *= alpha;
-          }
+        for (int dt = 0; dt < kD / 8; ++dt) {
+          acc_o[dt][0] *= alpha[0];
+          acc_o[dt][1] *= alpha[0];
+          acc_o[dt][2] *= alpha[1];
+          acc_o[dt][3] *= alpha[1];
         }
 #pragma unroll
         for (int nt = 0; nt < kBN / 8; ++nt) {

@@ -12,7 +12,7 @@ namespace flash_sm75 {
 
 template <typename Kt, bool Is_causal>
 void run_flash_fwd(Flash_fwd_params& params, cudaStream_t stream) {
-  const FwdLaunchPlan plan = plan_fwd_launch(params.d, params.b, params.h, params.seqlen_q);
+  const FwdLaunchPlan plan = make_fwd_plan<Kt>(params.b, params.h, params.seqlen_q);
   auto kernel = &flash_fwd_kernel<Kt, Is_causal>;
   if (Kt::kSmemSize > kSm75DefaultSmemPerBlock) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -30,8 +30,9 @@ struct Flash_fwd_kernel_traits {
   // are staged through the same, contiguous K+V space, so neither needs its own.
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row
   static constexpr int kSmemTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kSmemSize = 2 * kSmemTileBytes;
-  static_assert(kBlockM <= 2 * kBlockN, "Q and O tiles are staged through the K+V buffers");
+  static constexpr int kSmemQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kSmemSize =
+      2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes;
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   // Global <-> shared copies move 16 bytes per thread per step.

@@ -1,0 +1,192 @@
+// Tile shapes, shared-memory layout and launch planning of the SM75 backward kernels.
+//
+// Plain C++ (no device code), like kernel_traits.h, so host code and tests can check every
+// configuration against the Turing limits.
+//
+// Three kernels do the work (see flash_bwd_kernel.h):
+//  1. preprocess: D = rowsum(dO * O) - dLSE, one fp32 per query row.
+//  2. dK/dV kernel: one CTA per (key block of Bc keys, batch, kv head). It keeps dK and dV of
+//     its keys in registers and streams the query tiles (Br rows) of every q-head of its GQA
+//     group. Optionally (atomic mode) it also adds dQ = dS K of each tile into an fp32 buffer.
+//  3. dQ: either a convert kernel (atomic mode: scale, fp32 -> fp16) or a separate dQ kernel
+//     over query tiles (deterministic mode) that recomputes S, P, dP like the forward.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernel_traits.h"
+
+namespace flash_sm75 {
+
+// dK/dV kernel. kNWarps warps = (kBlockN / 16 key groups) x (kNWarpsM query splits): warp
+// (wn, wm) owns keys 16 wn .. 16 wn + 15 of the block and query columns
+// wm * kWarpCols .. (wm + 1) * kWarpCols - 1 of each query tile. It computes the transposed
+// scores S^T = K Q^T directly, so the rows of its accumulators are keys: P^T and dS^T are then
+// already the A operands (fp16 registers) of dV += P^T dO and dK += dS^T Q. The kNWarpsM partial
+// dK/dV of one key group are summed through shared memory once, at the end.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct Flash_bwd_kernel_traits {
+  static constexpr int kHeadDim = kHeadDim_;  // d
+  static constexpr int kBlockM = kBlockM_;    // Br: query rows per tile of the inner loop
+  static constexpr int kBlockN = kBlockN_;    // Bc: keys per CTA
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+
+  static constexpr int kNWarpsN = kBlockN / 16;        // key groups
+  static constexpr int kNWarpsM = kNWarps / kNWarpsN;  // query splits
+  static constexpr int kWarpCols = kBlockM / (kNWarps / (kBlockN / 16));  // queries per warp
+  static_assert(kBlockN % 16 == 0, "each warp owns 16 keys");
+  static_assert(kNWarps % kNWarpsN == 0, "warps must tile (key groups x query splits)");
+  static_assert(kBlockM % kNWarpsM == 0 && kWarpCols % 16 == 0,
+                "each warp's query columns must be a multiple of 16 (ldmatrix.x4 pairs)");
+  static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16");
+
+  // dQ tile (atomic mode) = dS (Br x Bc) K (Bc x d), split over the warps as
+  // (Br / 16 row groups) x (kDqWarpsN column groups of kDqCols).
+  static constexpr int kDqWarpsM = kBlockM / 16;
+  static constexpr int kDqWarpsN = kNWarps / kDqWarpsM;
+  static constexpr int kDqCols = kHeadDim / kDqWarpsN;
+  static_assert(kBlockM % 16 == 0 && kNWarps % kDqWarpsM == 0, "dQ row groups must tile the warps");
+  static_assert(kHeadDim % kDqWarpsN == 0 && kDqCols % 16 == 0, "dQ column groups of 16k");
+
+  // ---- shared memory (bytes). fp16 tiles are row-major with XOR-swizzled 16-byte chunks
+  // (swizzle_offset); every swizzled tile starts 256-byte aligned (swizzle_xor relies on it).
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kQTileBytes = kBlockM * kHeadDim * 2;
+  // dS^T (Bc x Br fp16), rows padded by 16 bytes: an odd number of 16-byte units per row
+  // makes both the half2 stores and the ldmatrix.trans reads conflict-free.
+  static constexpr int kDsRowHalves = kBlockM + 8;
+  static constexpr int kDsBytes = kBlockN * kDsRowHalves * 2;
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKVTileBytes;
+  static constexpr int kOffQ = kOffV + kKVTileBytes;
+  static constexpr int kOffDo = kOffQ + kQTileBytes;
+  static constexpr int kOffLse = kOffDo + kQTileBytes;  // Br fp32: lse * log2(e) (+inf: no key)
+  static constexpr int kOffDsum = kOffLse + kBlockM * 4;  // Br fp32: D
+  static constexpr int kOffDs = kOffDsum + kBlockM * 4;
+  static constexpr int kSmemSizeNoDq = kOffDs;
+  static constexpr int kSmemSizeAtomicDq = kOffDs + kDsBytes;
+  static_assert(kOffDs % 16 == 0, "ldmatrix rows must be 16-byte aligned");
+  static_assert(kKVTileBytes % 256 == 0 && kQTileBytes % 256 == 0, "256-byte aligned tiles");
+  // Aliases: the fp32 dQ tile (Br x d) reuses sQ + sdO; the fp32 dK/dV reduction buffer
+  // (Bc x d) reuses sK + sV.
+  static_assert(kBlockM * kHeadDim * 4 == 2 * kQTileBytes, "dQ tile aliases sQ + sdO");
+  static_assert(kBlockN * kHeadDim * 4 == 2 * kKVTileBytes, "reduction aliases sK + sV");
+  static_assert(kSmemSizeAtomicDq <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
+
+  // ---- global <-> shared copies, 16 bytes per thread per step
+  static constexpr int kKVChunksPerThread = kBlockN * kChunksPerRow / kNThreads;
+  static constexpr int kQChunksPerThread = kBlockM * kChunksPerRow / kNThreads;
+  static_assert(kBlockN * kChunksPerRow % kNThreads == 0, "K/V copy must divide evenly");
+  static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q/dO copy must divide evenly");
+  static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
+  static_assert(kBlockM * kHeadDim % kNThreads == 0, "dQ atomics must divide evenly");
+};
+
+// Deterministic dQ kernel: the forward's structure. Each warp owns 16 query rows (Q and dO
+// fragments stay in registers), the CTA streams K/V tiles of Bc keys and accumulates
+// dQ += dS K in registers. Q and dO are staged through the K/V space before the loop.
+template <int kHeadDim_, int kBlockN_, int kNWarps_>
+struct Flash_bwd_dq_kernel_traits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kBlockM = 16 * kNWarps;
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "multiples of 16");
+
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kSmemTileBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kQTileBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kSmemSize =
+      2 * kSmemTileBytes > kQTileBytes ? 2 * kSmemTileBytes : kQTileBytes;
+  static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
+
+  static constexpr int kChunksPerThread = kBlockN * kChunksPerRow / kNThreads;
+  static constexpr int kQChunksPerThread = kBlockM * kChunksPerRow / kNThreads;
+  static_assert(kBlockN * kChunksPerRow % kNThreads == 0, "tile copy must divide evenly");
+  static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q copy must divide evenly");
+};
+
+// The configuration used for each head dim. Why these shapes:
+//  * dK/dV kernel, 8 warps = 4 key groups x 2 query splits, Bc = 64 keys per CTA. Per thread
+//    dK and dV take d/2 fp32 registers each; S^T, dP^T take kWarpCols/2 each.
+//    d = 64:  Br = 64 (32 query columns per warp), ~41 KiB smem in atomic mode.
+//    d = 128: Br = 32 (16 query columns per warp); K, V, Q, dO and dS^T take ~53 KiB, so
+//             Br = 64 would not fit the 64 KiB of an SM75 block.
+//  * dQ kernel: d = 64 like the forward (Br = 64, 4 warps, Bc = 64); d = 128 keeps Q, dO and dQ
+//    (d/4 + d/4 + d/2 registers) resident, so Bc = 32 keeps S, dP small enough not to spill.
+template <int kHeadDim>
+struct Bwd_tile_config;
+template <>
+struct Bwd_tile_config<64> {
+  using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
+  using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4>;
+};
+template <>
+struct Bwd_tile_config<128> {
+  using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
+  using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
+};
+
+// Preprocess / convert kernels: 256 threads, 8 elements (16 bytes of fp16) per thread.
+constexpr int kBwdAuxThreads = 256;
+
+struct BwdLaunchPlan {
+  int num_n_blocks;          // key blocks of the dK/dV kernel
+  int64_t dkdv_blocks;       // num_n_blocks * b * h_k
+  int dkdv_threads;
+  int dkdv_smem;             // bytes (depends on the dQ mode)
+  int num_m_blocks_dq;       // query tiles of the dQ kernel
+  int64_t dq_blocks;         // num_m_blocks_dq * b * h (deterministic mode)
+  int dq_threads;
+  int dq_smem;
+  int64_t preprocess_blocks;  // b * h * seqlen_q rows, 256 / (d / 8) rows per block
+  int64_t convert_blocks;     // b * seqlen_q * h * d / 8 threads of work (atomic mode)
+};
+
+template <typename Kt, typename Kq>
+inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seqlen_k,
+                                   bool dq_atomic) {
+  BwdLaunchPlan p;
+  p.num_n_blocks = (seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN;
+  p.dkdv_blocks = static_cast<int64_t>(p.num_n_blocks) * b * h_k;
+  p.dkdv_threads = Kt::kNThreads;
+  p.dkdv_smem = dq_atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq;
+  p.num_m_blocks_dq = (seqlen_q + Kq::kBlockM - 1) / Kq::kBlockM;
+  p.dq_blocks = static_cast<int64_t>(p.num_m_blocks_dq) * b * h;
+  p.dq_threads = Kq::kNThreads;
+  p.dq_smem = Kq::kSmemSize;
+  const int64_t rows = static_cast<int64_t>(b) * h * seqlen_q;
+  const int rows_per_block = kBwdAuxThreads / (Kt::kHeadDim / 8);
+  p.preprocess_blocks = (rows + rows_per_block - 1) / rows_per_block;
+  p.convert_blocks = (rows * (Kt::kHeadDim / 8) + kBwdAuxThreads - 1) / kBwdAuxThreads;
+  const int64_t worst = p.dkdv_blocks > p.dq_blocks ? p.dkdv_blocks : p.dq_blocks;
+  const int64_t worst2 = p.preprocess_blocks > p.convert_blocks ? p.preprocess_blocks
+                                                                 : p.convert_blocks;
+  if (worst > INT32_MAX || worst2 > INT32_MAX) {
+    throw std::invalid_argument(
+        "flash_attention_sm75: backward grid exceeds the 2^31-1 CTA limit (batch * heads * "
+        "seqlen too large)");
+  }
+  return p;
+}
+
+inline BwdLaunchPlan plan_bwd_launch(int d, int b, int h, int h_k, int seqlen_q, int seqlen_k,
+                                     bool dq_atomic) {
+  if (d == 64) {
+    return make_bwd_plan<Bwd_tile_config<64>::Traits, Bwd_tile_config<64>::DqTraits>(
+        b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
+  }
+  if (d == 128) {
+    return make_bwd_plan<Bwd_tile_config<128>::Traits, Bwd_tile_config<128>::DqTraits>(
+        b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
+  }
+  throw std::invalid_argument("flash_attention_sm75: head_dim must be 64 or 128, got " +
+                              std::to_string(d));
+}
+
+}  // namespace flash_sm75

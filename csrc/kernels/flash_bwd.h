@@ -1,0 +1,48 @@
+// Parameters of the SM75 FlashAttention backward pass (FlashAttention-2 style).
+//
+// Flash_bwd_params extends the forward parameters: q/k/v, the forward output o (read only here),
+// the forward softmax_lse (read only), strides, sizes, scale and masking are inherited with the
+// same meaning; the backward adds dO, the gradients and the fp32 workspaces.
+#pragma once
+
+#include "flash.h"
+
+namespace flash_sm75 {
+
+struct Flash_bwd_params : public Flash_fwd_params {
+  // ---- input: gradient of the output, batch x seqlen_q x h x d (fp16, any strides, last dim 1)
+  const void* do_ptr;
+  index_t do_batch_stride, do_row_stride, do_head_stride;
+
+  // ---- outputs (fp16): dq like q (h heads), dk/dv like k/v (h_k heads, GQA-summed)
+  void* dq_ptr;
+  void* dk_ptr;
+  void* dv_ptr;
+  index_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  index_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  index_t dv_batch_stride, dv_row_stride, dv_head_stride;
+
+  // ---- fp32 workspaces
+  // D = rowsum(dO * O) - dLSE: batch x h x seqlen_q, contiguous (written by the preprocess).
+  float* dsoftmax_sum;
+  // Optional gradient of softmax_lse (batch x h x seqlen_q, contiguous) or nullptr. A gradient
+  // g flowing into lse_i adds g_i * P_ij to dS_ij, i.e. it is folded into D.
+  const float* dlse_ptr;
+  // Atomic dQ mode only: batch x h x seqlen_q x d fp32, zero-initialised, contiguous; the main
+  // kernel adds every key block's dS K into it, a final kernel scales and converts to fp16.
+  float* dq_accum_ptr;
+
+  // true: dQ accumulated with fp32 atomics inside the dK/dV kernel (fast, not bitwise
+  // reproducible). false: dQ from a separate kernel over query tiles that recomputes S/P/dP
+  // (deterministic, no atomics, ~1.4x the matmul work of the atomic mode).
+  bool dq_atomic;
+};
+
+// Host entry: dispatches on head dim and causal flag (flash_bwd_dispatch.cpp).
+void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
+
+// One explicit specialization per generated instantiation file (instantiations/flash_bwd_*.cu).
+template <int kHeadDim, bool Is_causal>
+void run_mha_bwd_(Flash_bwd_params& params, cudaStream_t stream);
+
+}  // namespace flash_sm75

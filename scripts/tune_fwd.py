@@ -1,0 +1,107 @@
+"""Time forward-kernel tile variants side by side (development tool, needs a CUDA GPU).
+
+Builds one extension with one translation unit per (head_dim, Br, Bc, warps) variant, compiled
+for sm_75 (+PTX) in parallel, then times each variant and SDPA mem-efficient on the same inputs.
+Usage: python scripts/tune_fwd.py [--n 4096 8192] [--variants 128,128,64,8 128,64,32,4]
+"""
+import argparse
+import os
+import pathlib
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.cpp_extension import load
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+TU = """
+#include "flash_api.h"
+#include "kernels/flash_fwd_launch_template.h"
+namespace flash_sm75 {{
+void run_variant_{i}(Flash_fwd_params& p, cudaStream_t s) {{
+  using Kt = Flash_fwd_kernel_traits<{d}, {bm}, {bn}, {w}>;
+  if (p.is_causal) run_flash_fwd<Kt, true>(p, s); else run_flash_fwd<Kt, false>(p, s);
+}}
+}}
+"""
+
+BIND = """
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include "flash_api.h"
+namespace flash_sm75 {{ {decls} }}
+using namespace flash_sm75;
+at::Tensor run(at::Tensor q, at::Tensor k, at::Tensor v, bool causal, int64_t variant) {{
+  auto out = at::empty({{q.size(0), q.size(1), q.size(2), q.size(3)}}, q.options());
+  auto lse = at::empty({{q.size(0), q.size(2), q.size(1)}}, q.options().dtype(at::kFloat));
+  Flash_fwd_params p;
+  set_params_fprop(p, q, k, v, out, lse, 1.0 / std::sqrt((double)q.size(3)), causal, true,
+                   std::nullopt, std::nullopt);
+  auto s = at::cuda::getCurrentCUDAStream().stream();
+  switch (variant) {{ {cases} }}
+  return out;
+}}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ m.def("run", &run); }}
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--variants", nargs="+",
+                    default=["64,64,64,4", "64,128,64,8", "64,64,32,4",
+                             "128,128,64,8", "128,64,32,4", "128,128,32,8"])
+    args = ap.parse_args()
+    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    srcs = []
+    for i, (d, bm, bn, w) in enumerate(variants):
+        f = tmp / f"v{i}.cu"
+        f.write_text(TU.format(i=i, d=d, bm=bm, bn=bn, w=w))
+        srcs.append(str(f))
+    decls = " ".join(f"void run_variant_{i}(Flash_fwd_params&, cudaStream_t);" for i in range(len(variants)))
+    cases = " ".join(f"case {i}: run_variant_{i}(p, s); break;" for i in range(len(variants)))
+    (tmp / "bind.cpp").write_text(BIND.format(decls=decls, cases=cases))
+    srcs += [str(tmp / "bind.cpp"), str(ROOT / "csrc/flash_api.cpp"),
+             str(ROOT / "csrc/kernels/flash_fwd_dispatch.cpp")]
+    srcs += sorted(str(p) for p in (ROOT / "csrc/kernels/instantiations").glob("flash_fwd_*.cu"))
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "7.5+PTX"
+    mod = load("fa_sm75_tune", srcs, extra_include_paths=[str(ROOT / "csrc")],
+               extra_cuda_cflags=["-O3", "--use_fast_math", "-std=c++17", "-Xptxas=-warn-spills"],
+               build_directory=str(tmp), verbose=False)
+
+    def bench(fn):
+        for _ in range(3):
+            fn()
+        st, en = torch.cuda.Event(True), torch.cuda.Event(True)
+        ts = []
+        for _ in range(15):
+            st.record(); fn(); en.record(); torch.cuda.synchronize(); ts.append(st.elapsed_time(en))
+        return sorted(ts)[len(ts) // 2]
+
+    B, H = 4, 16
+    for n in args.n:
+        for causal in (False, True):
+            for d in sorted({v[0] for v in variants}):
+                q = torch.randn(B, H, n, d, device="cuda", dtype=torch.half)
+                k, v = torch.randn_like(q), torch.randn_like(q)
+                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                    t_me = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                fl = 4 * B * H * n * n * d / (2 if causal else 1)
+                row = [f"d={d} N={n} causal={int(causal)} memeff {fl / t_me / 1e9:6.1f}"]
+                for i, var in enumerate(variants):
+                    if var[0] != d:
+                        continue
+                    o = mod.run(qt, kt, vt, causal, i)
+                    err = (o.transpose(1, 2).float() - ref.float()).abs().max().item()
+                    t = bench(lambda: mod.run(qt, kt, vt, causal, i))
+                    row.append(f"{var[1]}x{var[2]}w{var[3]}: {fl / t / 1e9:6.1f} ({t_me / t:.2f}x, err {err:.0e})")
+                print(" | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
