@@ -1,0 +1,611 @@
+"""Shared helpers for the benchmarks in this folder (timing, memory, environment, tables, JSON,
+plots, the mma_peak ceiling). Import from a benchmark script with:
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _common as C
+
+Nothing here needs a GPU to import; every CUDA-only helper degrades to a CPU path or returns
+None so the scripts can be exercised with `--dry-run` on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+MMA_PEAK_SRC = os.path.join(BENCH_DIR, "mma_peak.cu")
+MMA_ARCH_FLAGS = ["-gencode", "arch=compute_75,code=[sm_75,compute_75]"]
+
+
+def ensure_repo_on_path() -> None:
+    """Make `import flash_attention_sm75` find the in-place build in the repo root."""
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+
+
+# --------------------------------------------------------------------------------------------
+# Our op
+# --------------------------------------------------------------------------------------------
+
+class Ours:
+    """Handles to our forward op in BHSD layout.
+
+    `bhsd(q, k, v, causal)` prefers the public `flash_attention_sm75.flash_attention_forward`
+    (what users call); if the package does not export it yet, it falls back to the raw op
+    `torch.ops.flash_attention_sm75.fwd` on the BSHD views. `op_bhsd` always calls the raw op,
+    which lets the decode benchmark show the Python wrapper's overhead.
+    """
+
+    def __init__(self) -> None:
+        self.error: Optional[str] = None
+        self.entry: Optional[str] = None
+        self.bhsd: Optional[Callable] = None
+        self.op_bhsd: Optional[Callable] = None
+        ensure_repo_on_path()
+        try:
+            import flash_attention_sm75 as pkg  # noqa: F401
+        except Exception as e:  # pragma: no cover - depends on the build
+            self.error = f"import flash_attention_sm75 failed: {type(e).__name__}: {e}"
+            return
+        op = None
+        try:
+            op = torch.ops.flash_attention_sm75.fwd
+        except (AttributeError, RuntimeError):
+            try:
+                import flash_attention_sm75._C  # noqa: F401
+                op = torch.ops.flash_attention_sm75.fwd
+            except Exception as e:
+                self.error = f"op flash_attention_sm75::fwd unavailable: {type(e).__name__}: {e}"
+        if op is not None:
+            def op_bhsd(q, k, v, causal=False, _op=op):
+                out, _lse = _op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                is_causal=causal)
+                return out.transpose(1, 2)
+            self.op_bhsd = op_bhsd
+        fn = getattr(pkg, "flash_attention_forward", None)
+        if fn is None:
+            try:
+                from flash_attention_sm75 import interface as _iface  # type: ignore
+                fn = getattr(_iface, "flash_attention_forward", None)
+            except Exception:
+                fn = None
+        if fn is not None:
+            def bhsd(q, k, v, causal=False, _fn=fn):
+                out = _fn(q, k, v, causal=causal)
+                return out[0] if isinstance(out, (tuple, list)) else out
+            self.bhsd = bhsd
+            self.entry = "flash_attention_sm75.flash_attention_forward"
+        elif self.op_bhsd is not None:
+            self.bhsd = self.op_bhsd
+            self.entry = "torch.ops.flash_attention_sm75.fwd (flash_attention_forward not exported)"
+        if self.bhsd is None and self.error is None:
+            self.error = "neither flash_attention_forward nor the fwd op is available"
+
+    @property
+    def available(self) -> bool:
+        return self.bhsd is not None
+
+
+def kernel_name(d: int, causal: bool) -> str:
+    """Benchmark case name = the kernel instantiation it exercises (csrc/kernels/instantiations)."""
+    return f"flash_fwd_hdim{d}_fp16{'_causal' if causal else ''}_sm75"
+
+
+# --------------------------------------------------------------------------------------------
+# torch SDPA baselines
+# --------------------------------------------------------------------------------------------
+
+def sdpa_backends() -> Dict[str, Any]:
+    """name -> SDPBackend for the torch SDPA baselines (missing enum members are skipped)."""
+    from torch.nn.attention import SDPBackend
+    table = {
+        "efficient": "EFFICIENT_ATTENTION",
+        "flash": "FLASH_ATTENTION",
+        "cudnn": "CUDNN_ATTENTION",
+        "math": "MATH",
+    }
+    return {k: getattr(SDPBackend, v) for k, v in table.items() if hasattr(SDPBackend, v)}
+
+
+def sdpa_context(backend) -> contextlib.AbstractContextManager:
+    from torch.nn.attention import sdpa_kernel
+    return sdpa_kernel([backend])
+
+
+def sdpa_bhsd(q, k, v, causal=False):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+def triton_available() -> bool:
+    try:
+        import triton.testing  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def triton_usable() -> bool:
+    """triton imports AND do_bench works on this GPU (probe once with a tiny kernel)."""
+    if not (triton_available() and torch.cuda.is_available()):
+        return False
+    try:
+        import triton.testing
+        x = torch.zeros(1024, device="cuda")
+        triton.testing.do_bench(lambda: x.add_(1), warmup=1, rep=2)
+        return True
+    except Exception as e:
+        print(f"triton.testing.do_bench unusable ({type(e).__name__}: {e}); using CUDA events")
+        return False
+
+
+_L2_FLUSH: Optional[torch.Tensor] = None
+
+
+def _l2_flush_buffer(device) -> torch.Tensor:
+    global _L2_FLUSH
+    if _L2_FLUSH is None or _L2_FLUSH.device != torch.device(device):
+        _L2_FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=device)
+    return _L2_FLUSH
+
+
+def bench_cuda_events(fn: Callable, warmup_ms: float = 25, rep_ms: float = 100,
+                      min_reps: int = 5, max_reps: int = 1000) -> Dict[str, Any]:
+    """Median of per-call CUDA-event times, L2 flushed (256 MiB memset) before every call,
+    the same protocol as triton.testing.do_bench (used when triton is missing)."""
+    flush = _l2_flush_buffer(torch.cuda.current_device())
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(3):
+        flush.zero_()
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    est = max(s.elapsed_time(e) / 3, 1e-3)
+    n_warm = max(1, int(warmup_ms / est))
+    n_rep = min(max_reps, max(min_reps, int(rep_ms / est)))
+    for _ in range(n_warm):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    for i in range(n_rep):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    return _summary(times, "cuda_events_l2flush")
+
+
+def bench_triton(fn: Callable, warmup_ms: float = 25, rep_ms: float = 100) -> Dict[str, Any]:
+    import triton.testing
+    med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                            quantiles=[0.5, 0.2, 0.8])
+    return {"ms": float(med), "p20_ms": float(p20), "p80_ms": float(p80), "n": None,
+            "method": "triton.testing.do_bench(median, l2 flush)"}
+
+
+def bench_cpu(fn: Callable, reps: int = 5) -> Dict[str, Any]:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return _summary(sorted(times), "cpu_perf_counter")
+
+
+def _summary(sorted_times: List[float], method: str) -> Dict[str, Any]:
+    def q(p):
+        idx = min(len(sorted_times) - 1, max(0, int(round(p * (len(sorted_times) - 1)))))
+        return float(sorted_times[idx])
+    return {"ms": float(statistics.median(sorted_times)), "p20_ms": q(0.2), "p80_ms": q(0.8),
+            "n": len(sorted_times), "method": method}
+
+
+def bench(fn: Callable, device: str, warmup_ms: float = 25, rep_ms: float = 100,
+          use_triton: Optional[bool] = None, cpu_reps: int = 5) -> Dict[str, Any]:
+    """Median time of fn() in ms (plus p20/p80). GPU: triton do_bench when importable, else CUDA
+    events; both flush L2 before each call, so every case reads its inputs from HBM."""
+    if device != "cuda":
+        return bench_cpu(fn, cpu_reps)
+    if use_triton is None:
+        use_triton = triton_available()
+    if use_triton:
+        return bench_triton(fn, warmup_ms, rep_ms)
+    return bench_cuda_events(fn, warmup_ms, rep_ms)
+
+
+def bench_launch_loop(fn: Callable, device: str, calls: int = 200, trials: int = 5) -> float:
+    """Per-call ms of `calls` back-to-back calls (no sync, no flush): bounded below by the GPU time
+    and by the host-side cost of one call, so it exposes Python/dispatch overhead on tiny shapes."""
+    fn()
+    if device != "cuda":
+        ts = []
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            ts.append((time.perf_counter() - t0) * 1e3 / calls)
+        return float(statistics.median(ts))
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(trials):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        s.record()
+        for _ in range(calls):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / calls)
+    return float(statistics.median(ts))
+
+
+def peak_extra_memory(fn: Callable, device: str) -> Optional[int]:
+    """Bytes allocated at peak during fn() above what was allocated before it (inputs excluded,
+    the output and any workspace included). None on CPU."""
+    if device != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+def is_oom(e: BaseException) -> bool:
+    oom_t = getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom_t is not None and isinstance(e, oom_t)) or "out of memory" in str(e).lower()
+
+
+def cuda_context_ok() -> bool:
+    """False after a sticky CUDA error (e.g. illegal address): nothing more can run."""
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        return True
+    except Exception:
+        return False
+
+
+def attention_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
+    """Forward FLOPs as FlashAttention's benchmarks count them: 4*b*h*sq*sk*d (two GEMMs),
+    halved for causal (the exact visible fraction for sq == sk is (n+1)/(2n))."""
+    f = 4.0 * b * h * sq * sk * d
+    return f / 2 if causal else f
+
+
+def tflops(flop: float, ms: Optional[float]) -> Optional[float]:
+    if ms is None or ms <= 0:
+        return None
+    return flop / (ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------
+
+def _run(cmd: Sequence[str], timeout: float = 20, cwd: Optional[str] = None) -> Optional[str]:
+    try:
+        r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    except Exception:
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+NVSMI_FIELDS = ["name", "driver_version", "pci.bus_id", "clocks.sm", "clocks.max.sm",
+                "clocks.mem", "clocks.max.mem", "clocks.applications.graphics", "power.draw",
+                "power.limit", "temperature.gpu", "persistence_mode"]
+
+
+def nvidia_smi_query() -> Optional[List[Dict[str, str]]]:
+    """One dict per GPU from nvidia-smi --query-gpu; drops fields this driver does not know."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    fields = list(NVSMI_FIELDS)
+    for _ in range(2):
+        out = _run([exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"])
+        if out is not None:
+            rows = []
+            for line in out.splitlines():
+                vals = [v.strip() for v in line.split(",")]
+                if len(vals) == len(fields):
+                    rows.append(dict(zip(fields, vals)))
+            return rows
+        fields = ["name", "driver_version", "clocks.sm", "clocks.max.sm"]
+    return None
+
+
+def git_info() -> Dict[str, Any]:
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
+    return {"commit": commit, "dirty": (bool(status) if status is not None else None)}
+
+
+def env_info(device: str) -> Dict[str, Any]:
+    info: Dict[str, Any] = {
+        "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": (torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None),
+        "device": device,
+        "git": git_info(),
+    }
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception:
+        info["triton"] = None
+    nvcc = find_nvcc()
+    info["nvcc"] = nvcc
+    if nvcc:
+        v = _run([nvcc, "--version"])
+        m = re.search(r"release ([0-9.]+)", v or "")
+        info["nvcc_version"] = m.group(1) if m else None
+    if device == "cuda" and torch.cuda.is_available():
+        idx = torch.cuda.current_device()
+        p = torch.cuda.get_device_properties(idx)
+        info["gpu"] = {
+            "name": p.name,
+            "capability": f"{p.major}.{p.minor}",
+            "sms": p.multi_processor_count,
+            "total_memory_gib": round(p.total_memory / 2**30, 2),
+            "l2_cache_mib": (round(getattr(p, "L2_cache_size", 0) / 2**20, 1)
+                             if getattr(p, "L2_cache_size", None) else None),
+        }
+        info["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    else:
+        info["gpu"] = None
+    info["nvidia_smi"] = nvidia_smi_query()
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# mma_peak (SM75-instruction ceiling)
+# --------------------------------------------------------------------------------------------
+
+def find_nvcc() -> Optional[str]:
+    exe = shutil.which("nvcc")
+    if exe:
+        return exe
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception:
+        CUDA_HOME = None
+    for root in filter(None, [os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"]):
+        cand = os.path.join(root, "bin", "nvcc")
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def build_mma_peak(cache_dir: str, log: Callable[[str], None] = print) -> Optional[str]:
+    """Compile benchmarks/mma_peak.cu for sm_75 (+compute_75 PTX) into cache_dir; reuse the
+    binary when it is newer than the source. Returns the binary path or None."""
+    os.makedirs(cache_dir, exist_ok=True)
+    binary = os.path.join(cache_dir, "mma_peak")
+    if (os.path.isfile(binary) and os.path.getmtime(binary) >= os.path.getmtime(MMA_PEAK_SRC)):
+        return binary
+    nvcc = find_nvcc()
+    if nvcc is None:
+        log("mma_peak: nvcc not found; SM75 ceiling unavailable")
+        return None
+    cmd = [nvcc, "-O3", *MMA_ARCH_FLAGS, "-o", binary, MMA_PEAK_SRC]
+    log("mma_peak: " + " ".join(cmd))
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except Exception as e:
+        log(f"mma_peak: build failed: {e}")
+        return None
+    if r.returncode != 0:
+        log(f"mma_peak: build failed (rc={r.returncode}):\n{r.stdout}{r.stderr}")
+        return None
+    return binary
+
+
+def run_mma_peak(binary: str, quick: bool = False, log: Callable[[str], None] = print,
+                 timeout: float = 240) -> Optional[Dict[str, Any]]:
+    """Run the mma_peak binary; returns its MMA_PEAK_JSON dict plus the raw output, or None."""
+    dev = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cmd = [binary] + (["--quick"] if quick else [])
+    if torch.cuda.is_available():
+        cmd += ["--device", str(torch.cuda.current_device())]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except Exception as e:
+        log(f"mma_peak: run failed: {e}")
+        return None
+    text = (r.stdout or "") + (r.stderr or "")
+    for line in text.splitlines():
+        log("  " + line)
+    if r.returncode != 0:
+        log(f"mma_peak: exited with {r.returncode} (CUDA_VISIBLE_DEVICES={dev})")
+        return None
+    for line in reversed(text.splitlines()):
+        if line.startswith("MMA_PEAK_JSON "):
+            try:
+                res = json.loads(line[len("MMA_PEAK_JSON "):])
+            except json.JSONDecodeError:
+                break
+            res["raw_output"] = r.stdout
+            return res
+    log("mma_peak: no MMA_PEAK_JSON line in output")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Output: tables, JSON, plots
+# --------------------------------------------------------------------------------------------
+
+def fmt(x: Any, spec: str = ".2f", missing: str = "-") -> str:
+    if x is None:
+        return missing
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return missing if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, (int, float)):
+        return format(x, spec)
+    return str(x)
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
+                 left: Iterable[int] = (0,)) -> str:
+    """Plain-text table, columns aligned; columns whose index is in `left` are left-aligned,
+    the rest right-aligned. Cells are str()-ed (None -> '-')."""
+    left = set(left)
+    srows = [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [len(h) for h in headers]
+    for r in srows:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+
+    def line(cells):
+        return "  ".join(c.ljust(widths[i]) if i in left else c.rjust(widths[i])
+                         for i, c in enumerate(cells)).rstrip()
+    out = [line(list(headers)), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in srows]
+    return "\n".join(out)
+
+
+def _json_default(o):
+    if isinstance(o, (torch.dtype, torch.device)):
+        return str(o)
+    if hasattr(o, "item"):
+        return o.item()
+    return str(o)
+
+
+def _finite(o: Any) -> Any:
+    """NaN/inf -> None so the file is strict JSON."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {str(k): _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def write_json(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_finite(obj), f, indent=1, default=_json_default)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# Fixed colours/markers so the same backend looks the same in every plot.
+SERIES_STYLE = {
+    "ours": dict(color="tab:red", marker="o", linewidth=2.2),
+    "ours_op": dict(color="tab:pink", marker="o", linestyle=":"),
+    "efficient": dict(color="tab:blue", marker="s"),
+    "flash": dict(color="tab:green", marker="^"),
+    "cudnn": dict(color="tab:purple", marker="v"),
+    "math": dict(color="tab:gray", marker="x"),
+}
+
+
+def plot_panels(path: str, panels: List[Dict[str, Any]], ncols: int, suptitle: str = "",
+                panel_size=(5.0, 3.8)) -> Optional[str]:
+    """Grid of line plots. Each panel: {"title", "x" (list), "series": {name: [y or None]},
+    "xlabel", "ylabel", "logx2" (bool, log2 x axis), "logy" (bool), "ymin0" (bool, y from 0),
+    "hline": (y, label)|None}.
+    Missing points (None) are skipped. Returns the path, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"plot skipped: matplotlib unavailable ({e})")
+        return None
+    n = max(1, len(panels))
+    ncols = max(1, min(ncols, n))
+    nrows = (n + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_size[0] * ncols, panel_size[1] * nrows),
+                             squeeze=False)
+    for i, p in enumerate(panels):
+        ax = axes[i // ncols][i % ncols]
+        xs = p["x"]
+        for name, ys in p["series"].items():
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None and not
+                   (isinstance(y, float) and math.isnan(y))]
+            if not pts:
+                continue
+            style = dict(SERIES_STYLE.get(name, {}))
+            style.setdefault("marker", ".")
+            ax.plot([a for a, _ in pts], [b for _, b in pts], label=name, markersize=4, **style)
+        if p.get("hline"):
+            y, label = p["hline"]
+            if y is not None:
+                ax.axhline(y, color="black", linestyle="--", linewidth=1, label=label)
+        if p.get("logx2"):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([str(x) for x in xs], fontsize=7)
+        if p.get("logy"):
+            ax.set_yscale("log")
+        elif p.get("ymin0"):
+            ax.set_ylim(bottom=0)
+        ax.set_title(p.get("title", ""), fontsize=9)
+        ax.set_xlabel(p.get("xlabel", ""), fontsize=8)
+        ax.set_ylabel(p.get("ylabel", ""), fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for j in range(n, nrows * ncols):
+        axes[j // ncols][j % ncols].axis("off")
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+class Tee:
+    """print() to stdout and collect the lines, to save the report as text as well."""
+
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+
+    def __call__(self, *args) -> None:
+        s = " ".join(str(a) for a in args)
+        print(s, flush=True)
+        self.lines.append(s)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"

@@ -1,0 +1,467 @@
+#!/usr/bin/env python3
+"""Forward-pass benchmark: our SM75 FlashAttention kernel vs torch SDPA backends.
+
+Default sweep (FlashAttention-style): B=4, H=16, fp16, d in {64, 128},
+N = Sq = Sk in {512, ..., 16384}, causal off/on. For every case it times, in the same process:
+  ours       flash_attention_sm75.flash_attention_forward(q, k, v, causal=...)  (BHSD)
+  efficient  torch SDPA memory-efficient backend (what Turing users get today)
+  flash      torch SDPA flash backend (sm80+ only; '-' where unsupported)
+  cudnn      torch SDPA cuDNN backend ('-' where unsupported)
+  math       torch SDPA math backend (eager; skipped for N > --math-max-n)
+and reports median ms, TFLOP/s (4*B*H*N^2*d, halved for causal), ours-vs-efficient speed ratio
+(t_efficient / t_ours, > 1 means ours is faster), peak extra memory (max_memory_allocated minus
+what was allocated before the call: output + workspace, inputs excluded), max |ours - backend|,
+and ours as a % of the SM75-instruction ceiling measured by benchmarks/mma_peak.cu in the same run.
+
+Timing: triton.testing.do_bench (median) when triton imports, else CUDA events; both flush L2
+(256 MiB memset) before each timed call, so inputs come from HBM even for small N.
+
+Outputs under --out-dir: <tag>.json (environment + all numbers), <tag>.png (TFLOP/s and memory
+vs N), <tag>.txt (the printed tables). `--dry-run` runs tiny shapes on the CPU (our CPU reference
+op and SDPA on CPU) to exercise the table/JSON/plot code without a GPU.
+
+Examples:
+  python3 benchmarks/bench_forward.py --out-dir bench_out --decode
+  python3 benchmarks/bench_forward.py --quick --out-dir /tmp/b
+  python3 benchmarks/bench_forward.py --d 128 --n 4096 8192 --causal on
+  python3 benchmarks/bench_forward.py --dry-run --out-dir /tmp/dry
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+import torch  # noqa: E402
+
+ALL_BACKENDS = ["ours", "efficient", "flash", "cudnn", "math"]
+DECODE_BACKENDS = ["ours", "ours_op", "efficient", "flash", "cudnn", "math"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d", type=int, nargs="+", default=None, help="head dims (default 64 128)")
+    p.add_argument("--n", type=int, nargs="+", default=None,
+                   help="sequence lengths, Sq = Sk (default 512 ... 16384)")
+    p.add_argument("--causal", choices=["off", "on", "both"], default="both")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 4)")
+    p.add_argument("--heads", type=int, default=None, help="heads (default 16)")
+    p.add_argument("--backends", default=",".join(ALL_BACKENDS),
+                   help=f"comma list from {ALL_BACKENDS}")
+    p.add_argument("--quick", action="store_true",
+                   help="N in {1024, 4096}, shorter timing, quick mma_peak sweep")
+    p.add_argument("--math-max-n", type=int, default=8192,
+                   help="skip the math backend above this N (it materializes B*H*N*N scores)")
+    p.add_argument("--decode", action="store_true",
+                   help="also time decode-like shapes (q_len=1) to expose wrapper overhead")
+    p.add_argument("--decode-sk", type=int, nargs="+", default=None,
+                   help="key lengths for --decode (default 512 4096)")
+    p.add_argument("--decode-batch", type=int, default=None, help="batch for --decode (default 4)")
+    p.add_argument("--out-dir", default="bench_out")
+    p.add_argument("--tag", default="bench_forward", help="output file name stem")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the mma_peak binary is built/cached (default <out-dir>/.cache)")
+    p.add_argument("--mma-peak-tflops", type=float, default=None,
+                   help="use this SM75 ceiling instead of running mma_peak")
+    p.add_argument("--no-mma-peak", action="store_true", help="do not build/run mma_peak")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, tiny shapes: exercises table/JSON/plot without a GPU")
+    p.add_argument("--warmup-ms", type=float, default=None)
+    p.add_argument("--rep-ms", type=float, default=None)
+    p.add_argument("--no-triton", action="store_true", help="time with CUDA events, not do_bench")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+
+    if a.dry_run:
+        a.device = a.device or "cpu"
+        a.d = a.d or [64, 128]
+        a.n = a.n or [64, 128, 256]
+        a.batch = a.batch or 1
+        a.heads = a.heads or 2
+        a.decode_sk = a.decode_sk or [64, 256]
+        a.decode_batch = a.decode_batch or 1
+        a.decode = True
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.d = a.d or [64, 128]
+    a.n = a.n or ([1024, 4096] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
+    a.batch = a.batch or 4
+    a.heads = a.heads or 16
+    a.decode_sk = a.decode_sk or [512, 4096]
+    a.decode_batch = a.decode_batch or 4
+    a.warmup_ms = a.warmup_ms if a.warmup_ms is not None else (10 if a.quick else 25)
+    a.rep_ms = a.rep_ms if a.rep_ms is not None else (40 if a.quick else 100)
+    a.causal_list = {"off": [False], "on": [True], "both": [False, True]}[a.causal]
+    a.backend_list = [b.strip() for b in a.backends.split(",") if b.strip()]
+    bad = [b for b in a.backend_list if b not in ALL_BACKENDS]
+    if bad:
+        p.error(f"unknown backends {bad}; choose from {ALL_BACKENDS}")
+    for dd in a.d:
+        if dd not in (64, 128):
+            p.error("our kernel supports d in {64, 128}")
+    a.cache_dir = a.cache_dir or os.path.join(a.out_dir, ".cache")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False (use --dry-run)")
+    return a
+
+
+class Runner:
+    def __init__(self, args, log):
+        self.a = args
+        self.log = log
+        self.ours = C.Ours()
+        self.sdpa = C.sdpa_backends()
+        self.context_broken = False
+        self.use_triton = (not args.no_triton) and args.device == "cuda" and C.triton_usable()
+
+    def impl(self, name):
+        """(callable(q, k, v, causal), context manager factory) for a backend, or a reason."""
+        if name == "ours":
+            if not self.ours.available:
+                return None, None, self.ours.error
+            return self.ours.bhsd, contextlib.nullcontext, None
+        if name == "ours_op":
+            if self.ours.op_bhsd is None:
+                return None, None, self.ours.error or "raw op unavailable"
+            return self.ours.op_bhsd, contextlib.nullcontext, None
+        if name not in self.sdpa:
+            return None, None, f"SDPBackend for {name} not in this torch"
+        be = self.sdpa[name]
+        return C.sdpa_bhsd, (lambda be=be: C.sdpa_context(be)), None
+
+    def sync(self):
+        if self.a.device == "cuda":
+            torch.cuda.synchronize()
+
+    def measure(self, name, q, k, v, causal, flop, ref=None, loop_calls=0):
+        """Run one backend on one case. Returns (record dict, output tensor or None)."""
+        rec = {"backend": name, "ms": None, "tflops": None, "status": "ok"}
+        fn_impl, ctx_factory, why = self.impl(name)
+        if fn_impl is None:
+            rec["status"] = f"unavailable: {why}"
+            return rec, None
+        if self.context_broken:
+            rec["status"] = "skipped: CUDA context broken by an earlier error"
+            return rec, None
+
+        def fn():
+            return fn_impl(q, k, v, causal)
+        out = None
+        try:
+            with ctx_factory():
+                out = fn()
+                self.sync()
+                if ref is not None and out is not None:
+                    rec["max_abs_diff_vs_ours"] = float((out.float() - ref.float()).abs().max())
+                rec["peak_extra_bytes"] = C.peak_extra_memory(fn, self.a.device)
+                t = C.bench(fn, self.a.device, self.a.warmup_ms, self.a.rep_ms,
+                            use_triton=self.use_triton)
+                if loop_calls:
+                    rec["loop_ms_per_call"] = C.bench_launch_loop(fn, self.a.device,
+                                                                   calls=loop_calls)
+            rec.update(t)
+            rec["tflops"] = C.tflops(flop, rec["ms"])
+        except Exception as e:  # backend not supported for this shape/GPU, OOM, kernel error
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            rec["status"] = ("oom: " if C.is_oom(e) else "error: ") + msg[:300]
+            rec["ms"] = rec["tflops"] = None
+            out = None
+            if self.a.device == "cuda":
+                if not C.cuda_context_ok():
+                    self.context_broken = True
+                    self.log(f"  !! CUDA context broken after {name}: {msg}")
+                    self.log(traceback.format_exc())
+                else:
+                    torch.cuda.empty_cache()
+        return rec, out
+
+
+def make_inputs(b, h, sq, sk, d, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    def mk(s):
+        return torch.randn(b, h, s, d, generator=g, dtype=torch.float32).to(
+            device=device, dtype=torch.float16)
+    return mk(sq), mk(sk), mk(sk)
+
+
+def run_forward_sweep(args, runner, log):
+    cases = []
+    for d in args.d:
+        for causal in args.causal_list:
+            for n in args.n:
+                case = {"kernel": C.kernel_name(d, causal), "d": d, "causal": causal, "n": n,
+                        "batch": args.batch, "heads": args.heads,
+                        "flop": C.attention_flops(args.batch, args.heads, n, n, d, causal),
+                        "backends": {}}
+                t0 = time.time()
+                try:
+                    q, k, v = make_inputs(args.batch, args.heads, n, n, d, args.device, args.seed)
+                except Exception as e:
+                    case["error"] = f"input allocation failed: {e}"
+                    cases.append(case)
+                    continue
+                ref = None
+                for name in args.backend_list:
+                    if name == "math" and n > args.math_max_n:
+                        case["backends"][name] = {"backend": name, "ms": None, "tflops": None,
+                                                  "status": f"skipped: N > --math-max-n "
+                                                            f"{args.math_max_n}"}
+                        continue
+                    rec, out = runner.measure(name, q, k, v, causal, case["flop"],
+                                              ref=None if name == "ours" else ref)
+                    if name == "ours":
+                        ref = out
+                    del out
+                    case["backends"][name] = rec
+                del q, k, v, ref
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                case["wall_s"] = round(time.time() - t0, 2)
+                short = "  ".join(
+                    f"{nm}={fmt_tf(r.get('tflops'))}" for nm, r in case["backends"].items())
+                log(f"[{case['kernel']} N={n}] TFLOP/s: {short}  ({case['wall_s']} s)")
+                cases.append(case)
+    return cases
+
+
+def run_decode(args, runner, log):
+    rows = []
+    for d in args.d:
+        for sk in args.decode_sk:
+            b, h = args.decode_batch, args.heads
+            case = {"kernel": C.kernel_name(d, False), "d": d, "causal": False, "sq": 1, "sk": sk,
+                    "batch": b, "heads": h, "flop": C.attention_flops(b, h, 1, sk, d, False),
+                    "backends": {}}
+            q, k, v = make_inputs(b, h, 1, sk, d, args.device, args.seed)
+            ref = None
+            for name in DECODE_BACKENDS:
+                base = "ours" if name == "ours_op" else name
+                if base not in args.backend_list:
+                    continue
+                rec, out = runner.measure(name, q, k, v, False, case["flop"],
+                                          ref=None if name == "ours" else ref,
+                                          loop_calls=20 if args.device == "cpu" else 200)
+                if name == "ours":
+                    ref = out
+                del out
+                case["backends"][name] = rec
+            del q, k, v, ref
+            rows.append(case)
+            log(f"[decode d={d} Sk={sk}] us: " + "  ".join(
+                f"{nm}={C.fmt(None if r.get('ms') is None else r['ms'] * 1e3, '.1f')}"
+                for nm, r in case["backends"].items()))
+    return rows
+
+
+def fmt_tf(x):
+    return C.fmt(x, ".1f" if (x is None or x >= 10) else ".3g")
+
+
+def mib(x):
+    return None if x is None else x / 2**20
+
+
+def ratio(case, a, b):
+    ta, tb = case["backends"].get(a, {}).get("ms"), case["backends"].get(b, {}).get("ms")
+    return None if not ta or not tb else ta / tb
+
+
+def forward_tables(cases, backends, ceiling):
+    perf_headers = ["kernel", "N", "ours ms"] + [f"{b} TF" for b in backends] + \
+                   ["ours/eff", "%ceil", "maxdiff"]
+    perf_rows, mem_rows = [], []
+    mem_backends = [b for b in backends]
+    mem_headers = ["kernel", "N"] + [f"{b} MiB" for b in mem_backends] + ["eff/ours mem"]
+    for c in cases:
+        bk = c["backends"]
+        ours = bk.get("ours", {})
+        r = ratio(c, "efficient", "ours")  # t_eff / t_ours
+        pct = None if (ceiling is None or ours.get("tflops") is None) else \
+            100.0 * ours["tflops"] / ceiling
+        c["ratio_ours_vs_efficient"] = r
+        c["pct_of_sm75_ceiling"] = pct
+        diffs = [v.get("max_abs_diff_vs_ours") for n, v in bk.items()
+                 if v.get("max_abs_diff_vs_ours") is not None]
+        perf_rows.append([c["kernel"], c["n"], C.fmt(ours.get("ms"), ".3f")] +
+                         [fmt_tf(bk.get(b, {}).get("tflops")) for b in backends] +
+                         [C.fmt(r, ".2f") + ("x" if r is not None else ""), C.fmt(pct, ".1f"),
+                          C.fmt(max(diffs) if diffs else None, ".1e")])
+        om = bk.get("ours", {}).get("peak_extra_bytes")
+        em = bk.get("efficient", {}).get("peak_extra_bytes")
+        mem_rows.append([c["kernel"], c["n"]] +
+                        [C.fmt(mib(bk.get(b, {}).get("peak_extra_bytes")), ".1f")
+                         for b in mem_backends] +
+                        [C.fmt(None if not om or em is None else em / om, ".2f")])
+    return (C.format_table(perf_headers, perf_rows), C.format_table(mem_headers, mem_rows))
+
+
+def decode_table(rows):
+    names = []
+    for r in rows:
+        for n in r["backends"]:
+            if n not in names:
+                names.append(n)
+    headers = ["kernel", "Sk"] + [f"{n} gpu/loop us" for n in names] + ["eff/ours"]
+
+    def us(x):
+        return None if x is None else x * 1e3
+    out = []
+    for r in rows:
+        bk = r["backends"]
+        rt = ratio(r, "efficient", "ours")
+        cells = []
+        for n in names:
+            g, lp = us(bk.get(n, {}).get("ms")), us(bk.get(n, {}).get("loop_ms_per_call"))
+            cells.append("-" if g is None else f"{g:.1f}/{C.fmt(lp, '.1f')}")
+        out.append([r["kernel"], r["sk"]] + cells +
+                   [C.fmt(rt, ".2f") + ("x" if rt is not None else "")])
+    return C.format_table(headers, out)
+
+
+def make_plot(path, cases, args, ceiling, env):
+    panels_tf, panels_mem = [], []
+    for d in args.d:
+        for causal in args.causal_list:
+            sel = sorted([c for c in cases if c["d"] == d and c["causal"] == causal],
+                         key=lambda c: c["n"])
+            if not sel:
+                continue
+            xs = [c["n"] for c in sel]
+            title = f"{C.kernel_name(d, causal)}  (B={args.batch}, H={args.heads})"
+            panels_tf.append({
+                "title": title, "x": xs, "xlabel": "N (= Sq = Sk)", "ylabel": "TFLOP/s",
+                "logx2": True, "ymin0": True,
+                "series": {b: [c["backends"].get(b, {}).get("tflops") for c in sel]
+                           for b in args.backend_list},
+                "hline": (ceiling, f"mma.sync m16n8k8 ceiling {ceiling:.0f}") if ceiling else None,
+            })
+            panels_mem.append({
+                "title": "peak extra memory: " + title, "x": xs, "xlabel": "N",
+                "ylabel": "MiB (output + workspace)", "logx2": True, "logy": True,
+                "series": {b: [mib(c["backends"].get(b, {}).get("peak_extra_bytes"))
+                               for c in sel] for b in args.backend_list},
+            })
+    if not any(y is not None for p in panels_mem for ys in p["series"].values() for y in ys):
+        panels_mem = []  # CPU runs: no allocator statistics
+    panels = panels_tf + panels_mem
+    if not panels:
+        return None
+    gpu = (env.get("gpu") or {}).get("name") or env.get("device")
+    sup = (f"flash_attention_sm75 forward vs torch SDPA on {gpu}  (torch {env['torch']}, "
+           f"commit {(env['git'].get('commit') or '?')[:10]})")
+    return C.plot_panels(path, panels, ncols=max(1, len(panels_tf)), suptitle=sup)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    log = C.Tee()
+    t_start = time.time()
+    env = C.env_info(args.device)
+    runner = Runner(args, log)
+    log(f"device={args.device} gpu={(env.get('gpu') or {}).get('name')} torch={env['torch']} "
+        f"cuda={env['torch_cuda']} triton={env['triton']} commit={env['git'].get('commit')}")
+    log(f"ours: {runner.ours.entry or 'UNAVAILABLE: ' + str(runner.ours.error)}")
+    if args.device == "cuda":
+        log(f"timing: {'triton.testing.do_bench' if runner.use_triton else 'CUDA events'} median, "
+            f"warmup {args.warmup_ms} ms, rep {args.rep_ms} ms, L2 flushed before each call")
+    else:
+        log("timing: CPU perf_counter median (dry run: numbers are meaningless)")
+    if env.get("nvidia_smi"):
+        for g in env["nvidia_smi"]:
+            log("nvidia-smi: " + ", ".join(f"{k}={v}" for k, v in g.items()))
+
+    # 1. SM75-instruction ceiling (GPU idle, before the attention runs).
+    mma = {"source": None, "peak_tflops": None}
+    if args.mma_peak_tflops is not None:
+        mma = {"source": "--mma-peak-tflops", "peak_tflops": args.mma_peak_tflops}
+    elif not args.no_mma_peak:
+        binary = C.build_mma_peak(args.cache_dir, log=log)
+        mma["binary_built"] = binary is not None
+        if binary and args.device == "cuda":
+            res = C.run_mma_peak(binary, quick=args.quick, log=log)
+            if res:
+                mma.update(res)
+                mma["source"] = "benchmarks/mma_peak.cu (this run)"
+        elif binary:
+            log("mma_peak: built; not run (no GPU in this mode)")
+    ceiling = mma.get("peak_tflops")
+    log(f"SM75-instruction ceiling: {C.fmt(ceiling, '.1f')} TFLOP/s ({mma.get('source')})")
+
+    # 2. Forward sweep.
+    cases = run_forward_sweep(args, runner, log)
+    perf_t, mem_t = forward_tables(cases, args.backend_list, ceiling)
+
+    # 3. Decode shapes.
+    dec = run_decode(args, runner, log) if args.decode else []
+
+    env["nvidia_smi_after"] = C.nvidia_smi_query() if args.device == "cuda" else None
+    log("")
+    log(f"== forward, fp16, B={args.batch}, H={args.heads}; TF = TFLOP/s (4*B*H*N^2*d, /2 causal); "
+        f"ours/eff = t_efficient / t_ours; %ceil = ours / SM75 mma ceiling "
+        f"({C.fmt(ceiling, '.1f')} TFLOP/s); maxdiff = max |backend - ours| ==")
+    log(perf_t)
+    log("")
+    log("== peak extra memory per call, MiB (max_memory_allocated - allocated before; "
+        "output + workspace, inputs excluded) ==")
+    log(mem_t)
+    if dec:
+        log("")
+        log(f"== decode (q_len=1, B={args.decode_batch}, H={args.heads}, not causal); gpu = median "
+            "GPU time (L2 flushed); loop = per call over 200 back-to-back calls (host-overhead "
+            "bound); eff/ours = gpu t_efficient / t_ours ==")
+        log(decode_table(dec))
+    problems = sorted({f"{n}: {r['status']}" for c in cases + dec
+                       for n, r in c["backends"].items() if r.get("status", "ok") != "ok"
+                       and not r["status"].startswith("skipped: N >")})
+    if problems:
+        log("")
+        log("== backends that did not run ==")
+        for p in problems[:40]:
+            log("  " + p)
+
+    result = {
+        "benchmark": "bench_forward",
+        "args": {k: v for k, v in vars(args).items()},
+        "env": env,
+        "ours_entry": runner.ours.entry,
+        "ours_error": runner.ours.error,
+        "timing_method": ("triton.testing.do_bench" if runner.use_triton else "cuda_events")
+        if args.device == "cuda" else "cpu",
+        "allow_fp16_bf16_reduction_math_sdp": (
+            torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+            if hasattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed") else None),
+        "sm75_ceiling": mma,
+        "cases": cases,
+        "decode": dec,
+        "cuda_context_broken": runner.context_broken,
+        "wall_s": round(time.time() - t_start, 1),
+    }
+    json_path = os.path.join(args.out_dir, f"{args.tag}.json")
+    C.write_json(json_path, result)
+    png = None
+    if not args.no_plot:
+        png = make_plot(os.path.join(args.out_dir, f"{args.tag}.png"), cases, args, ceiling, env)
+    log("")
+    log(f"wrote {json_path}" + (f", {png}" if png else "") +
+        f", {os.path.join(args.out_dir, args.tag + '.txt')}  ({result['wall_s']} s)")
+    with open(os.path.join(args.out_dir, f"{args.tag}.txt"), "w") as f:
+        f.write(log.text())
+    # Non-zero exit if our kernel never produced a number (so gpu_suite flags the step).
+    ours_ok = any(c["backends"].get("ours", {}).get("ms") is not None for c in cases)
+    if "ours" in args.backend_list and cases and not ours_ok:
+        print("bench_forward: our kernel produced no timing", file=sys.stderr)
+        return 1
+    return 2 if runner.context_broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Tiny driver for compute-sanitizer: launches every forward kernel instantiation
+(d in {64, 128} x causal in {False, True}) on small, odd shapes that hit the edge paths
+(partial Q/K tiles, Sq > Sk rows that see no key, decode q_len=1, GQA, strided BHSD views,
+leftpad_k / seqused_k including an empty key range), and checks each result against the op's
+CPU reference implementation.
+
+    compute-sanitizer --tool memcheck  python3 scripts/sanitize_driver.py
+    compute-sanitizer --tool racecheck python3 scripts/sanitize_driver.py
+
+Exit status: 0 if every launch ran and matched, 1 on a mismatch, 2 if the op/GPU is missing.
+Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so memcheck sees each tensor as its own allocation
+(out-of-bounds reads inside the caching allocator's larger blocks would otherwise go unseen).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+# (name, B, Sq, Sk, H, Hk, leftpad_k or None, seqused_k or None, bhsd_view)
+CASES = [
+    ("odd_gqa", 2, 37, 53, 4, 2, None, None, False),
+    ("decode", 3, 1, 77, 3, 1, None, None, False),
+    ("sq_gt_sk", 2, 65, 33, 2, 2, None, None, False),
+    ("multi_tile_bhsd", 1, 130, 191, 2, 1, None, None, True),
+    ("leftpad_seqused", 3, 129, 130, 2, 1, [0, 5, 17], [130, 100, 17], False),
+    ("seqused_only", 2, 17, 70, 2, 2, None, [1, 64], False),
+]
+
+
+def load_op():
+    try:
+        import flash_attention_sm75  # noqa: F401
+    except Exception as e:
+        print(f"sanitize_driver: import flash_attention_sm75 failed: {e}")
+        return None
+    try:
+        return torch.ops.flash_attention_sm75.fwd
+    except (AttributeError, RuntimeError):
+        try:
+            import flash_attention_sm75._C  # noqa: F401
+            return torch.ops.flash_attention_sm75.fwd
+        except Exception as e:
+            print(f"sanitize_driver: op flash_attention_sm75::fwd unavailable: {e}")
+            return None
+
+
+def make(b, s, h, d, device, gen, bhsd):
+    if bhsd:  # BHSD storage viewed as BSHD (non-contiguous batch/seq/head strides)
+        x = torch.randn(b, h, s, d, generator=gen).to(torch.float16)
+        return x.to(device).transpose(1, 2)
+    return torch.randn(b, s, h, d, generator=gen).to(torch.float16).to(device)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (self-test)")
+    ap.add_argument("--no-check", action="store_true", help="skip the CPU reference comparison")
+    ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    args = ap.parse_args(argv)
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("sanitize_driver: no CUDA device")
+        return 2
+    op = load_op()
+    if op is None:
+        return 2
+    dev = torch.device(args.device)
+    gen = torch.Generator().manual_seed(1234)
+    launches, failures = 0, []
+    for d in args.d:
+        for causal in (False, True):
+            for bottom_right in ((True, False) if causal else (True,)):
+                for (name, b, sq, sk, h, hk, lp, su, bhsd) in CASES:
+                    q = make(b, sq, h, d, dev, gen, bhsd)
+                    k = make(b, sk, hk, d, dev, gen, bhsd)
+                    v = make(b, sk, hk, d, dev, gen, bhsd)
+                    lpt = None if lp is None else torch.tensor(lp, dtype=torch.int32, device=dev)
+                    sut = None if su is None else torch.tensor(su, dtype=torch.int32, device=dev)
+                    scale = 0.5 / (d ** 0.5) if name == "odd_gqa" else None
+                    tag = (f"d={d} causal={causal} bottom_right={bottom_right} {name} "
+                           f"B={b} Sq={sq} Sk={sk} H={h} Hk={hk}")
+                    try:
+                        out, lse = op(q, k, v, softmax_scale=scale, is_causal=causal,
+                                      causal_bottom_right=bottom_right, leftpad_k=lpt,
+                                      seqused_k=sut)
+                        if dev.type == "cuda":
+                            torch.cuda.synchronize()
+                    except Exception as e:
+                        failures.append(f"{tag}: raised {type(e).__name__}: {e}")
+                        print("FAIL", failures[-1], flush=True)
+                        continue
+                    launches += 1
+                    if args.no_check:
+                        print("ran ", tag, flush=True)
+                        continue
+                    ro, rl = op(q.cpu(), k.cpu(), v.cpu(), softmax_scale=scale,
+                                is_causal=causal, causal_bottom_right=bottom_right,
+                                leftpad_k=None if lpt is None else lpt.cpu(),
+                                seqused_k=None if sut is None else sut.cpu())
+                    o_err = (out.cpu().float() - ro.float()).abs().max().item()
+                    lc, rlc = lse.cpu(), rl
+                    same_inf = bool(torch.equal(torch.isinf(lc), torch.isinf(rlc)))
+                    fin = torch.isfinite(rlc)
+                    l_err = ((lc[fin] - rlc[fin]).abs().max().item() if fin.any() else 0.0)
+                    ok = o_err <= 2e-2 and l_err <= 1e-2 and same_inf and \
+                        bool(torch.isfinite(out).all())
+                    print(("ok  " if ok else "FAIL"), tag,
+                          f"max|out-ref|={o_err:.2e} max|lse-ref|={l_err:.2e} "
+                          f"inf-pattern={'same' if same_inf else 'DIFFERENT'}", flush=True)
+                    if not ok:
+                        failures.append(tag)
+    print(f"SANITIZE_DRIVER launches={launches} failures={len(failures)}")
+    for f in failures:
+        print("  failed:", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
