@@ -44,6 +44,9 @@ STAMP=/tmp/gpu_suite_build.stamp    # hash of the sources this machine last buil
 mkdir -p "$LOGS" "$BENCH" "$CACHE"
 
 export MAX_JOBS=${MAX_JOBS:-16}
+# The GPU machine's image presets TORCH_CUDA_ARCH_LIST=9.0a; we test the Turing build (sm_75 SASS
+# + compute_75 PTX that the driver JIT-compiles for the H200). Override with SUITE_ARCH_LIST.
+export TORCH_CUDA_ARCH_LIST="${SUITE_ARCH_LIST:-7.5+PTX}"
 CLEAN_BUILD=${CLEAN_BUILD:-1}
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-420}
 TEST_TIMEOUT=${TEST_TIMEOUT:-300}
