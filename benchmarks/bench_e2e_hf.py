@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""End-to-end transformers benchmark: our kernel vs stock SDPA (memory-efficient backend).
+
+A Qwen2-0.5B-shaped model (random weights from a fixed seed, fp16; or ``--model PATH``) runs
+prefill and greedy generation with
+
+* ``ours``  -- ``attn_implementation="flash_attention_sm75"``;
+* ``stock`` -- ``attn_implementation="sdpa"`` under
+  ``torch.nn.attention.sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)``: what Turing users get
+  today (torch's FlashAttention backend needs sm_80+). If the efficient kernel rejects
+  ``enable_gqa`` on this torch, transformers' ``repeat_kv`` path is used for stock, as
+  transformers itself does whenever a mask is passed (recorded as ``stock_gqa`` in the JSON).
+
+Both run in the same process on the same model (switched with ``set_attn_implementation``).
+For each batch size and prompt length:
+
+* ``prefill ms``: median latency of one forward over the prompt (``use_cache=False``,
+  ``logits_to_keep=1`` as in ``generate``, so the vocabulary projection does not dominate);
+* ``gen tok/s``: ``batch * new_tokens / time`` of ``generate(max_new_tokens=N, greedy)``,
+  prefill included; ``decode tok/s``: the same without the prefill time;
+* ``peak GiB``: ``torch.cuda.max_memory_allocated`` during generate (weights included) and
+  ``prefill peak``: during the prefill forward.
+
+Prompts are equal-length random tokens; ``--left-pad`` makes batch rows shorter by 0, 1/8, 2/8,
+... of the length (left padded), which exercises the mask path. Outputs: a table on stdout,
+``--out`` JSON, ``--png`` plot (matplotlib, optional).
+
+Examples::
+
+    python3 benchmarks/bench_e2e_hf.py --out bench_out/e2e_hf.json --png bench_out/e2e_hf.png
+    python3 benchmarks/bench_e2e_hf.py --quick --out /tmp/e2e.json
+    python3 benchmarks/bench_e2e_hf.py --device cpu --config qwen2 --lengths 64 --batches 1 \
+        --new-tokens 4 --out /tmp/e2e_cpu.json        # CPU smoke test (tiny model)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+
+import _common as C  # noqa: E402
+
+IMPLS = ("ours", "stock")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="local transformers checkpoint directory (default: random weights)")
+    p.add_argument("--config", default="qwen2-0.5b",
+                   help="named config for random weights (flash_attention_sm75.integrations."
+                        "configs; default qwen2-0.5b)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5, help="timed prefill repetitions (median)")
+    p.add_argument("--gen-repeats", type=int, default=2, help="timed generate repetitions")
+    p.add_argument("--left-pad", action="store_true", help="left-padded rows of varying length")
+    p.add_argument("--decode-on-sdpa", action="store_true",
+                   help="ours: run decode steps (q_len == 1) on torch SDPA, only prefill on ours")
+    p.add_argument("--impls", default="ours,stock", help="comma list of ours,stock")
+    p.add_argument("--quick", action="store_true",
+                   help="lengths 512 2048, repeats 2/1, 16 new tokens")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write results as JSON here")
+    p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.lengths = [512, 2048]
+        args.repeats, args.gen_repeats, args.new_tokens = 2, 1, 16
+    args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    for s in args.impls:
+        if s not in IMPLS:
+            p.error(f"unknown impl {s!r}; choose from {IMPLS}")
+    return args
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device):
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def reset_peak(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def efficient_supports_gqa(device) -> bool:
+    """Whether torch's memory-efficient SDPA kernel accepts enable_gqa=True here."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 4, 8, 64, device=device, dtype=torch.float16)
+    k = torch.randn(1, 2, 8, 64, device=device, dtype=torch.float16)
+    try:
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True,
+                                                             enable_gqa=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+@contextlib.contextmanager
+def stock_context(device, use_gqa: bool):
+    """SDPA forced to the memory-efficient backend (CUDA); on CPU, default SDPA."""
+    if device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    saved = hf_sdpa.use_gqa_in_sdpa
+    if not use_gqa:
+        hf_sdpa.use_gqa_in_sdpa = lambda *a, **k: False  # repeat_kv, as with any mask
+    try:
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            yield
+    finally:
+        hf_sdpa.use_gqa_in_sdpa = saved
+
+
+def make_inputs(batch, length, vocab, left_pad, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, length), generator=g)
+    am = torch.ones(batch, length, dtype=torch.long)
+    if left_pad:
+        for b in range(batch):
+            pad = (length * (b % 8)) // 8
+            am[b, :pad] = 0
+    ids = ids.masked_fill(am == 0, 0)
+    return ids.to(device), am.to(device)
+
+
+def run_case(model, impl, batch, length, args, device, hf, stock_gqa) -> Dict[str, Any]:
+    vocab = model.config.vocab_size
+    ids, am = make_inputs(batch, length, vocab, args.left_pad, device, args.seed + length + batch)
+    model.set_attn_implementation("flash_attention_sm75" if impl == "ours" else "sdpa")
+    ctx = (lambda: stock_context(device, stock_gqa)) if impl == "stock" else contextlib.nullcontext
+    res: Dict[str, Any] = {"impl": impl, "batch": batch, "length": length}
+
+    def prefill():
+        return model(input_ids=ids, attention_mask=am, use_cache=False, logits_to_keep=1)
+
+    def generate():
+        return model.generate(input_ids=ids, attention_mask=am, max_new_tokens=args.new_tokens,
+                              do_sample=False, use_cache=True, pad_token_id=0)
+
+    try:
+        with torch.inference_mode(), ctx():
+            hf.reset_stats()
+            reset_peak(device)
+            timed(prefill, device)  # warm-up (and the kernel/fallback counts of one forward)
+            res["prefill_peak_gib"] = peak_gib(device)
+            stats = hf.get_stats()
+            res["prefill_attention"] = {"kernel": stats["kernel"], "fallback": stats["fallback"],
+                                        "reasons": stats["reasons"]}
+            times = [timed(prefill, device)[0] for _ in range(max(1, args.repeats))]
+            res["prefill_ms"] = statistics.median(times) * 1e3
+
+            timed(lambda: model.generate(input_ids=ids, attention_mask=am, max_new_tokens=2,
+                                         do_sample=False, pad_token_id=0), device)
+            hf.reset_stats()
+            reset_peak(device)
+            gtimes = []
+            for _ in range(max(1, args.gen_repeats)):
+                t, out = timed(generate, device)
+                gtimes.append(t)
+            res["gen_peak_gib"] = peak_gib(device)
+            new = out.shape[1] - ids.shape[1]
+            stats = hf.get_stats()
+            res["generate_attention"] = {"kernel_prefill": stats["kernel_prefill"],
+                                         "kernel_decode": stats["kernel_decode"],
+                                         "fallback": stats["fallback"],
+                                         "reasons": stats["reasons"]}
+            t_gen = statistics.median(gtimes)
+            res["new_tokens"] = new
+            res["gen_s"] = t_gen
+            res["gen_tok_s"] = batch * new / t_gen
+            t_dec = t_gen - res["prefill_ms"] / 1e3
+            res["decode_tok_s"] = batch * max(new - 1, 0) / t_dec if t_dec > 0 else None
+    except Exception as e:  # OOM or a backend refusing the shape: record and go on
+        if C.is_oom(e):
+            res["error"] = "OOM"
+        else:
+            res["error"] = f"{type(e).__name__}: {e}"[:300]
+        if device.type == "cuda" and not C.cuda_context_ok():
+            raise
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available; use --device cpu for a smoke test", file=sys.stderr)
+        return 1
+    from flash_attention_sm75.integrations import transformers as hf
+    from flash_attention_sm75.integrations.configs import load_model
+
+    if device.type == "cpu":
+        hf.configure(allow_cpu_reference=True)  # smoke test: the op's CPU reference
+    if args.decode_on_sdpa:
+        hf.configure(decode_on_kernel=False)
+
+    source = args.model or args.config
+    model = load_model(source, dtype=torch.float16, device=device, seed=args.seed,
+                       attn_implementation="flash_attention_sm75", num_hidden_layers=args.layers)
+    model.generation_config.eos_token_id = None  # always generate exactly --new-tokens
+    cfg = model.config
+    stock_gqa = efficient_supports_gqa(device) if device.type == "cuda" else True
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    print(f"model: {source} ({cfg.model_type}, {cfg.num_hidden_layers} layers, "
+          f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, head_dim "
+          f"{head_dim}), fp16, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    print(f"stock = sdpa + SDPBackend.EFFICIENT_ATTENTION"
+          f"{'' if stock_gqa else ' (GQA via repeat_kv: efficient kernel has no enable_gqa)'}; "
+          f"ours = flash_attention_sm75 (decode on {'SDPA' if args.decode_on_sdpa else 'kernel'})"
+          f"; new tokens {args.new_tokens}; left pad {args.left_pad}")
+
+    results: List[Dict[str, Any]] = []
+    for batch in args.batches:
+        for length in args.lengths:
+            for impl in args.impls:
+                r = run_case(model, impl, batch, length, args, device, hf, stock_gqa)
+                results.append(r)
+                if "error" in r:
+                    print(f"  B={batch} N={length} {impl}: {r['error']}")
+                else:
+                    print(f"  B={batch} N={length} {impl}: prefill {r['prefill_ms']:.2f} ms, "
+                          f"generate {r['gen_tok_s']:.1f} tok/s, peak {C.fmt(r['gen_peak_gib'])}"
+                          f" GiB; attention prefill {r['prefill_attention']['kernel']} kernel / "
+                          f"{r['prefill_attention']['fallback']} fallback")
+
+    def get(impl, batch, length, key):
+        for r in results:
+            if r["impl"] == impl and r["batch"] == batch and r["length"] == length:
+                return r.get(key)
+        return None
+
+    rows = []
+    for batch in args.batches:
+        for length in args.lengths:
+            po, ps = get("ours", batch, length, "prefill_ms"), get("stock", batch, length,
+                                                                    "prefill_ms")
+            go, gs = get("ours", batch, length, "gen_tok_s"), get("stock", batch, length,
+                                                                   "gen_tok_s")
+            do, ds = get("ours", batch, length, "decode_tok_s"), get("stock", batch, length,
+                                                                      "decode_tok_s")
+            rows.append([
+                batch, length,
+                C.fmt(po), C.fmt(ps), C.fmt(ps / po if po and ps else None, ".2f"),
+                C.fmt(go, ".1f"), C.fmt(gs, ".1f"), C.fmt(go / gs if go and gs else None, ".2f"),
+                C.fmt(do, ".1f"), C.fmt(ds, ".1f"),
+                C.fmt(get("ours", batch, length, "prefill_peak_gib"), ".2f"),
+                C.fmt(get("stock", batch, length, "prefill_peak_gib"), ".2f"),
+                C.fmt(get("ours", batch, length, "gen_peak_gib"), ".2f"),
+                C.fmt(get("stock", batch, length, "gen_peak_gib"), ".2f"),
+            ])
+    headers = ["B", "N", "prefill ms ours", "stock", "speedup", "gen tok/s ours", "stock",
+               "speedup", "decode tok/s ours", "stock", "prefill peak GiB ours", "stock",
+               "gen peak GiB ours", "stock"]
+    print()
+    print(C.format_table(headers, rows, left=()))
+
+    if args.out:
+        C.write_json(args.out, {
+            "benchmark": "bench_e2e_hf",
+            "args": vars(args),
+            "model": {"source": source, "model_type": cfg.model_type,
+                      "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+                      "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
+                      "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
+            "stock": "sdpa+EFFICIENT_ATTENTION",
+            "stock_gqa": "enable_gqa" if stock_gqa else "repeat_kv",
+            "env": C.env_info(device.type),
+            "transformers": __import__("transformers").__version__,
+            "results": results,
+        })
+        print(f"wrote {args.out}")
+    if args.png:
+        panels = []
+        for batch in args.batches:
+            xs = list(args.lengths)
+            panels.append({"title": f"prefill latency, batch {batch}", "x": xs, "logx2": True,
+                           "logy": True, "xlabel": "prompt length", "ylabel": "ms",
+                           "series": {"ours": [get("ours", batch, n, "prefill_ms") for n in xs],
+                                      "efficient": [get("stock", batch, n, "prefill_ms")
+                                                    for n in xs]}})
+            panels.append({"title": f"generate {args.new_tokens} tokens, batch {batch}",
+                           "x": xs, "logx2": True, "ymin0": True, "xlabel": "prompt length",
+                           "ylabel": "tokens/s",
+                           "series": {"ours": [get("ours", batch, n, "gen_tok_s") for n in xs],
+                                      "efficient": [get("stock", batch, n, "gen_tok_s")
+                                                    for n in xs]}})
+            panels.append({"title": f"peak memory (generate), batch {batch}", "x": xs,
+                           "logx2": True, "ymin0": True, "xlabel": "prompt length",
+                           "ylabel": "GiB",
+                           "series": {"ours": [get("ours", batch, n, "gen_peak_gib") for n in xs],
+                                      "efficient": [get("stock", batch, n, "gen_peak_gib")
+                                                    for n in xs]}})
+        path = C.plot_panels(args.png, panels, ncols=3,
+                             suptitle=f"transformers end to end: {source}, fp16")
+        if path:
+            print(f"wrote {path}")
+    ok = any("error" not in r and r["impl"] == "ours" for r in results) or "ours" not in args.impls
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Run models that use ``attn_implementation="sdpa"`` on the SM75 FlashAttention kernel.
+
+This module re-exports :func:`apply_patch` and :func:`remove_patch` (the interface of the earlier
+port), implemented in :mod:`flash_attention_sm75.integrations.transformers`::
+
+    from llama_attention_replacement import apply_patch, remove_patch
+
+    apply_patch()          # every Llama/Qwen2/Qwen3/Mistral model on "sdpa" now uses the kernel,
+    ...                    # loaded before or after this call
+    remove_patch()         # exactly the previous behaviour again
+
+    with apply_patch():    # or scoped
+        model.generate(...)
+
+The patch replaces transformers' global ``"sdpa"`` attention entry (models look it up at every
+forward). Calls the kernel cannot run (CPU, fp32/bf16, head_dim not 64/128, masks other than
+causal + padding, ...) go to the original SDPA function. New code can instead load models with
+``attn_implementation="flash_attention_sm75"`` (see hf_generate.py).
+
+Run as a script, it demonstrates the patch on a Llama-3.2-1B-shaped model (random weights, 4
+layers by default) or a local checkpoint (``--model PATH``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from flash_attention_sm75.integrations.transformers import (  # noqa: E402,F401
+    apply_patch,
+    get_stats,
+    is_patched,
+    remove_patch,
+    reset_stats,
+)
+
+__all__ = ["apply_patch", "remove_patch", "is_patched"]
+
+
+def main(argv=None):
+    from flash_attention_sm75.integrations.configs import load_model
+
+    p = argparse.ArgumentParser(description="apply_patch()/remove_patch() demo")
+    p.add_argument("--model", default=None, help="local checkpoint directory")
+    p.add_argument("--config", default="llama-3.2-1b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    # Loaded BEFORE the patch, with the stock "sdpa" attention.
+    model = load_model(args.model or args.config, dtype=torch.float16, device=device,
+                       attn_implementation="sdpa",
+                       num_hidden_layers=None if args.model else args.layers)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, model.config.vocab_size, (2, args.prompt_len), generator=g)
+    am = torch.ones_like(ids)
+    am[1, : args.prompt_len // 3] = 0  # a left-padded row
+    ids, am = ids.to(device), am.to(device)
+
+    def logits():
+        with torch.inference_mode():
+            return model(input_ids=ids, attention_mask=am).logits.float()
+
+    stock = logits()
+    with apply_patch():
+        reset_stats()
+        patched = logits()
+        stats = get_stats()
+        print(f"patched: attention calls on the kernel {stats['kernel']}, on torch SDPA "
+              f"{stats['fallback']} {stats['reasons'] or ''}")
+    assert not is_patched()
+    real = am.bool()
+    print(f"max |patched - stock| logits over real tokens: "
+          f"{(patched - stock)[real].abs().max().item():.4g}")
+    reset_stats()
+    again = logits()
+    print(f"after remove_patch(): kernel calls {get_stats()['kernel']}, identical to stock: "
+          f"{torch.equal(again, stock)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Model configurations shared by the transformers tests, examples and benchmarks.
+
+No weights can be downloaded in this project's environments, so the examples, GPU tests and the
+end-to-end benchmark build models from real architecture configurations with random weights drawn
+from a fixed seed. The shapes (hidden size, heads, KV heads, head_dim, intermediate size,
+vocabulary) are those of the public checkpoints, which is what matters for attention performance
+and for exercising the kernel's GQA and head_dim paths.
+
+* ``"qwen2-0.5b"``: Qwen2-0.5B (24 layers, 14 heads, 2 KV heads, head_dim 64).
+* ``"llama-3.2-1b"``: Llama-3.2-1B (16 layers, 32 heads, 8 KV heads, head_dim 64, llama3 RoPE).
+* ``"llama-2-7b"``: Llama-2-7B shapes (32 heads, 32 KV heads, head_dim 128), 2 layers by default.
+
+:data:`TINY_CONFIGS` are two-layer models of the four families the patch targets (Llama, Qwen2,
+Qwen3, Mistral) with head_dim 64, small enough for CPU unit tests.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+__all__ = [
+    "REALISTIC_CONFIGS",
+    "TINY_CONFIGS",
+    "build_random_model",
+    "load_model",
+    "make_config",
+]
+
+# Keyword arguments of the transformers config classes, keyed by a short name. "model_type"
+# selects the config class (transformers.AutoConfig.for_model).
+REALISTIC_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "qwen2-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        hidden_act="silu",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+    "llama-2-7b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        intermediate_size=11008,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+}
+
+_TINY_COMMON = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    intermediate_size=256,
+    vocab_size=128,
+    max_position_embeddings=512,
+    hidden_act="silu",
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+TINY_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "llama": dict(model_type="llama", **_TINY_COMMON),
+    "qwen2": dict(model_type="qwen2", use_sliding_window=False, **_TINY_COMMON),
+    "qwen3": dict(model_type="qwen3", **_TINY_COMMON),
+    # Mistral keeps its default sliding window (4096): longer than any test prompt, so the
+    # masks it builds are plain causal + padding masks.
+    "mistral": dict(model_type="mistral", **_TINY_COMMON),
+}
+
+
+def make_config(name: str, num_hidden_layers: Optional[int] = None, **overrides: Any):
+    """Build a transformers config from one of the named configurations.
+
+    Parameters
+    ----------
+    name : str
+        A key of :data:`REALISTIC_CONFIGS` (``"qwen2-0.5b"``, ``"llama-3.2-1b"``,
+        ``"llama-2-7b"``) or of :data:`TINY_CONFIGS` (``"llama"``, ``"qwen2"``, ``"qwen3"``,
+        ``"mistral"``).
+    num_hidden_layers : int, optional
+        Override the number of decoder layers (e.g. a few layers of a big model for fast tests).
+    **overrides
+        Any other config attribute to override.
+
+    Returns
+    -------
+    transformers.PretrainedConfig
+        A config of the model family's own class (``LlamaConfig``, ``Qwen2Config``, ...).
+
+    Raises
+    ------
+    KeyError
+        If ``name`` is not a known configuration.
+    """
+    from transformers import AutoConfig
+
+    if name in REALISTIC_CONFIGS:
+        kwargs = copy.deepcopy(REALISTIC_CONFIGS[name])
+    elif name in TINY_CONFIGS:
+        kwargs = copy.deepcopy(TINY_CONFIGS[name])
+    else:
+        known = sorted(REALISTIC_CONFIGS) + sorted(TINY_CONFIGS)
+        raise KeyError(f"unknown config {name!r}; known: {known}")
+    if num_hidden_layers is not None:
+        kwargs["num_hidden_layers"] = int(num_hidden_layers)
+    kwargs.update(overrides)
+    model_type = kwargs.pop("model_type")
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def build_random_model(
+    config,
+    *,
+    dtype: torch.dtype = torch.float16,
+    device: Union[str, torch.device] = "cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    num_hidden_layers: Optional[int] = None,
+    init_device: Union[str, torch.device, None] = None,
+):
+    """Build a causal LM with random weights from a fixed seed, in eval mode.
+
+    Parameters
+    ----------
+    config : str or transformers.PretrainedConfig
+        A name accepted by :func:`make_config`, or a config object.
+    dtype : torch.dtype, optional
+        Parameter dtype (default ``torch.float16``).
+    device : str or torch.device, optional
+        Where the model ends up.
+    seed : int, optional
+        Seed of ``torch.manual_seed`` before the weights are initialised.
+    attn_implementation : str, optional
+        ``"sdpa"`` (default), ``"eager"``, ``"flash_attention_sm75"``, ... The model can switch
+        later with ``model.set_attn_implementation``.
+    num_hidden_layers : int, optional
+        Override the number of layers when ``config`` is a name.
+    init_device : str or torch.device, optional
+        Device on which the weights are allocated and drawn (default: ``device``; initialising a
+        0.5B-parameter model on a GPU takes a fraction of a second, on a CPU tens of seconds).
+        A seed gives the same weights for the same ``init_device`` (CPU and CUDA generators
+        differ).
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        An ``AutoModelForCausalLM`` model in eval mode.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "flash_attention_sm75":
+        from . import transformers as _hf  # noqa: F401  (registers the attention name)
+
+        _hf.register()
+    if isinstance(config, str):
+        config = make_config(config, num_hidden_layers=num_hidden_layers)
+    init_device = torch.device(init_device if init_device is not None else device)
+    torch.manual_seed(seed)
+    try:
+        with init_device:
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation)
+    except Exception as e:  # pragma: no cover - initialisation on that device not supported
+        if init_device.type == "cpu":
+            raise
+        import logging
+
+        logging.getLogger("flash_attention_sm75").warning(
+            "initialising on %s failed (%s: %s); initialising on the CPU", init_device,
+            type(e).__name__, e)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device).eval()
+
+
+def load_model(
+    path_or_name: str,
+    *,
+    dtype: torch.dtype = torch.float16,
+    device: Union[str, torch.device] = "cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    num_hidden_layers: Optional[int] = None,
+):
+    """Load a local checkpoint, or build a random-weight model from a named configuration.
+
+    Parameters
+    ----------
+    path_or_name : str
+        A local directory with a transformers checkpoint (loaded with ``from_pretrained``, never
+        downloaded: ``local_files_only=True``), or a configuration name (see
+        :func:`make_config`).
+    dtype, device, seed, attn_implementation, num_hidden_layers
+        As in :func:`build_random_model`; ``seed`` and ``num_hidden_layers`` only apply to
+        random-weight models (initialised on ``device``).
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        The model in eval mode on ``device``.
+    """
+    if os.path.isdir(path_or_name):
+        from transformers import AutoModelForCausalLM
+
+        if attn_implementation == "flash_attention_sm75":
+            from . import transformers as _hf
+
+            _hf.register()
+        model = AutoModelForCausalLM.from_pretrained(
+            path_or_name, dtype=dtype, attn_implementation=attn_implementation,
+            local_files_only=True)
+        return model.to(device).eval()
+    return build_random_model(path_or_name, dtype=dtype, device=device, seed=seed,
+                              attn_implementation=attn_implementation,
+                              num_hidden_layers=num_hidden_layers)

@@ -1,0 +1,828 @@
+"""Hugging Face transformers integration.
+
+Two ways to run transformers models on the SM75 FlashAttention kernel:
+
+1. **Registered attention implementation.** Importing this module registers
+   :func:`flash_attention_sm75_forward` with ``transformers.AttentionInterface`` (and the
+   ``sdpa`` mask builder with ``AttentionMaskInterface``) under the name
+   ``"flash_attention_sm75"``, so::
+
+       AutoModelForCausalLM.from_pretrained(path, attn_implementation="flash_attention_sm75")
+       model.set_attn_implementation("flash_attention_sm75")
+
+   work for every model that dispatches through ``ALL_ATTENTION_FUNCTIONS``.
+
+2. **Patch.** :func:`apply_patch` replaces the ``"sdpa"`` entry of transformers' global attention
+   mapping, so Llama, Qwen2, Qwen3 and Mistral models running with ``attn_implementation="sdpa"``
+   use the kernel, whether they were loaded before or after the patch (models look the function
+   up at every forward). :func:`remove_patch` restores the previous entry; the handle returned by
+   :func:`apply_patch` is also a context manager.
+
+The attention function follows transformers' ``sdpa_attention_forward``: BHSD ``query``,
+``key``, ``value``; ``attention_mask`` ``None``, a boolean ``(B, 1, Sq, Sk)`` mask (True = attend)
+or an additive float mask; returns ``(output (B, Sq, H, D), None)``. GQA runs natively (K/V with
+fewer heads go straight to the op, no ``repeat_kv``).
+
+Masks are classified (:func:`classify_attention_mask`): a mask runs on the kernel only if it is
+exactly "key range per batch row" (``leftpad_k[b] <= j < seqused_k[b]``), optionally AND a causal
+diagonal, which covers no mask, causal, left/right padding, chunked prefill and decode with a
+cache. Anything else (arbitrary 4-D masks, packed-sequence/document masks, sliding windows, float
+masks with other values), any unsupported input (CPU, fp32/bf16, head_dim not in {64, 128},
+dropout, autograd, ``output_attentions``) calls transformers' own ``sdpa_attention_forward``
+with the original arguments, and the reason is logged at DEBUG on the ``"flash_attention_sm75"``
+logger and counted in :func:`get_stats`.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+
+from .. import _ops
+
+__all__ = [
+    "ATTENTION_NAME",
+    "DEFAULT_PATCH_MODEL_TYPES",
+    "MaskInfo",
+    "PatchHandle",
+    "apply_patch",
+    "classify_attention_mask",
+    "configure",
+    "flash_attention_sm75_forward",
+    "get_stats",
+    "is_patched",
+    "register",
+    "remove_patch",
+    "reset_stats",
+]
+
+logger = logging.getLogger("flash_attention_sm75")
+
+ATTENTION_NAME = "flash_attention_sm75"
+"""Name under which the attention function is registered with transformers."""
+
+DEFAULT_PATCH_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+"""``config.model_type`` values that :func:`apply_patch` routes to the kernel by default."""
+
+_SUPPORTED_HEAD_DIMS = tuple(getattr(_ops, "SUPPORTED_HEAD_DIMS", (64, 128)))
+
+# ----------------------------------------------------------------------------------------------
+# Settings and statistics
+# ----------------------------------------------------------------------------------------------
+
+_SETTINGS: Dict[str, bool] = {
+    # q_len == 1 (decode with a KV cache) runs on the kernel when the mask classifies.
+    "decode_on_kernel": True,
+    # Testing aid: run the op's CPU float32 reference implementation for CPU fp16 tensors
+    # instead of falling back (lets the whole classification -> op path run without a GPU).
+    "allow_cpu_reference": False,
+}
+
+_STATS_LOCK = threading.Lock()
+_STATS: Dict[str, Any] = {}
+
+
+def reset_stats() -> None:
+    """Zero the counters returned by :func:`get_stats`."""
+    with _STATS_LOCK:
+        _STATS.clear()
+        _STATS.update(kernel=0, kernel_prefill=0, kernel_decode=0, fallback=0,
+                      reasons=collections.Counter())
+
+
+reset_stats()
+
+
+def get_stats() -> Dict[str, Any]:
+    """Return a snapshot of how many attention calls ran on the kernel and on the fallback.
+
+    Returns
+    -------
+    dict
+        ``{"kernel": n, "kernel_prefill": n, "kernel_decode": n, "fallback": n,
+        "reasons": {reason: n}}``. One count per attention call, i.e. per layer and forward.
+        ``kernel_decode`` counts calls with ``q_len == 1``.
+
+    Examples
+    --------
+    >>> reset_stats(); model(input_ids); assert get_stats()["kernel"] > 0
+    """
+    with _STATS_LOCK:
+        snap = dict(_STATS)
+        snap["reasons"] = dict(_STATS["reasons"])
+    return snap
+
+
+def _count_kernel(q_len: int) -> None:
+    with _STATS_LOCK:
+        _STATS["kernel"] += 1
+        _STATS["kernel_decode" if q_len == 1 else "kernel_prefill"] += 1
+
+
+def _count_fallback(reason: str) -> None:
+    with _STATS_LOCK:
+        _STATS["fallback"] += 1
+        _STATS["reasons"][reason] += 1
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("transformers attention falls back to torch SDPA: %s", reason)
+
+
+def configure(*, decode_on_kernel: Optional[bool] = None,
+              allow_cpu_reference: Optional[bool] = None) -> Dict[str, bool]:
+    """Change the integration's settings; arguments left as ``None`` are unchanged.
+
+    Parameters
+    ----------
+    decode_on_kernel : bool, optional
+        Run ``q_len == 1`` calls (decode with a KV cache) on the kernel when the mask is a pure
+        key range (default ``True``). ``False`` sends every decode step to torch SDPA.
+    allow_cpu_reference : bool, optional
+        Run the op's CPU float32 reference implementation for CPU fp16 inputs instead of falling
+        back (default ``False``). A testing aid: it is slow, but exercises mask classification and
+        the op call without a GPU.
+
+    Returns
+    -------
+    dict
+        The previous settings, which can be passed back as ``configure(**previous)``.
+    """
+    previous = dict(_SETTINGS)
+    if decode_on_kernel is not None:
+        _SETTINGS["decode_on_kernel"] = bool(decode_on_kernel)
+    if allow_cpu_reference is not None:
+        _SETTINGS["allow_cpu_reference"] = bool(allow_cpu_reference)
+    return previous
+
+
+def _is_strict() -> bool:
+    try:
+        from ..sdpa import is_strict
+    except Exception:  # pragma: no cover - sdpa.py missing or broken
+        return False
+    return bool(is_strict())
+
+
+# ----------------------------------------------------------------------------------------------
+# Mask classification
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaskInfo:
+    """How an attention mask maps onto the op's arguments.
+
+    Attributes
+    ----------
+    causal : bool
+        Pass ``is_causal=True`` (bottom-right aligned: key ``j`` visible to query ``i`` iff
+        ``j <= i + kv_len - q_len``).
+    kv_len : int
+        Number of keys to pass to the op (``key[:, :, :kv_len]``); smaller than the key length
+        when the mask hides every key beyond it (e.g. a static cache's unused slots), which moves
+        the causal diagonal accordingly.
+    leftpad_k, seqused_k : torch.Tensor or None
+        int32 ``(B,)`` tensors on the mask's device: keys ``leftpad_k[b] <= j < seqused_k[b]``
+        are visible in batch row ``b``. ``None`` means no key-range restriction.
+    kind : str
+        Human-readable category (``"none"``, ``"causal"``, ``"causal+key-range"``,
+        ``"causal+key-range (truncated keys)"``, ``"key-range"``).
+    """
+
+    causal: bool
+    kv_len: int
+    leftpad_k: Optional[torch.Tensor]
+    seqused_k: Optional[torch.Tensor]
+    kind: str
+
+
+_Classification = Tuple[Optional[MaskInfo], Optional[str]]
+
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 8
+# id(mask) -> (weakref(mask), signature, (MaskInfo | None, reason | None))
+_CLASSIFY_CACHE: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+
+
+def _mask_signature(mask: torch.Tensor, extra: tuple) -> tuple:
+    try:
+        version = mask._version
+    except Exception:  # inference tensors have no version counter
+        version = None
+    return (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask.dtype, mask.device,
+            version) + extra
+
+
+def _blocked_values(mask: torch.Tensor, query_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    blocked = torch.isneginf(mask) | (mask == torch.finfo(mask.dtype).min)
+    if query_dtype is not None and query_dtype.is_floating_point and query_dtype != mask.dtype:
+        qmin = torch.finfo(query_dtype).min
+        if qmin >= torch.finfo(mask.dtype).min:  # representable in the mask's dtype
+            blocked |= mask == qmin
+    return blocked
+
+
+def _describe_mismatch(allowed: torch.Tensor) -> str:
+    """Name the way a boolean (B, Sq, Sk) mask departs from 'causal AND key range' (one sync)."""
+    sk = allowed.shape[-1]
+    as_int = allowed.to(torch.int32)
+    count = as_int.sum(-1)
+    first = as_int.argmax(-1)
+    end = sk - as_int.flip(-1).argmax(-1)
+    nonempty = count > 0
+    holes = (nonempty & (count != end - first)).any()
+    big = torch.iinfo(torch.int64).max
+    first64 = first.to(torch.int64)
+    start_min = torch.where(nonempty, first64, big).amin(-1)
+    start_max = torch.where(nonempty, first64, -1).amax(-1)
+    moving_start = (start_max > start_min).any()
+    holes_, moving_ = torch.stack([holes, moving_start]).tolist()
+    if holes_:
+        return ("mask rows have non-contiguous visible keys (packed-sequence/document or "
+                "arbitrary mask)")
+    if moving_:
+        return ("the first visible key moves with the query (sliding-window, chunked or "
+                "packed-sequence mask)")
+    return "mask is not causal AND a per-row key range (arbitrary mask)"
+
+
+def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: int,
+                       query_dtype: Optional[torch.dtype]) -> "_Classification":
+    if mask.dim() != 4:
+        return None, f"attention_mask is {mask.dim()}-D, expected a 4-D (B, 1, q_len, kv_len) mask"
+    bm, hm, sqm, skm = mask.shape
+    if skm != kv_len:
+        return None, f"attention_mask has {skm} key columns but there are {kv_len} keys"
+    if bm not in (1, batch_size) or sqm not in (1, q_len):
+        return None, (f"attention_mask shape {list(mask.shape)} does not broadcast to "
+                      f"({batch_size}, *, {q_len}, {kv_len})")
+    if kv_len == 0 or q_len == 0:
+        return None, "empty query or key sequence"
+
+    # The 0-d flags below are gathered into one host sync at the end.
+    flags = []
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.dtype.is_floating_point:
+        allowed = mask == 0
+        flags.append(~(allowed | _blocked_values(mask, query_dtype)).all())
+    else:
+        return None, f"attention_mask dtype {mask.dtype} is neither bool nor floating point"
+
+    if hm > 1:
+        flags.append((allowed != allowed[:, :1]).any())
+    allowed = allowed[:, 0]  # (bm, sqm, kv_len)
+    n_invalid = len(flags)
+
+    dev = allowed.device
+    col_any = allowed.any(dim=1)  # (bm, kv_len): key j visible to some query of row b
+    col_i32 = col_any.to(torch.int32)
+    has_any = col_any.any(dim=-1)
+    lo = torch.where(has_any, col_i32.argmax(-1), 0)
+    hi = torch.where(has_any, kv_len - col_i32.flip(-1).argmax(-1), 0)
+    max_hi = hi.max()
+
+    j = torch.arange(kv_len, device=dev)
+    in_range = (j >= lo[:, None]) & (j < hi[:, None])  # (bm, kv_len)
+
+    # Candidate A: causal, bottom-right on the full key length (dynamic cache, no cache).
+    # Candidate B: causal, bottom-right on keys [0, max(seqused)) (static cache slots unused).
+    # Candidate C: key range only (bidirectional padding masks; decode).
+    causal_possible = sqm == q_len and q_len > 1
+    i = torch.arange(q_len, device=dev)[:, None]
+    if causal_possible:
+        expected = in_range[:, None, :] & (j[None, :] <= i + (kv_len - q_len))[None]
+        flags.append(expected.bitwise_xor_(allowed).any())
+        del expected
+        expected = in_range[:, None, :] & (j[None, :] <= i + (max_hi - q_len))[None]
+        flags.append(expected.bitwise_xor_(allowed).any())
+        del expected
+    else:
+        flags.extend([torch.ones((), dtype=torch.bool, device=dev)] * 2)
+    flags.append((allowed ^ in_range[:, None, :]).any())
+
+    values = torch.stack([f.to(torch.int64) for f in flags] + [max_hi.to(torch.int64)]).tolist()
+    invalid = values[:n_invalid]
+    mis_a, mis_b, mis_c, max_hi_val = values[n_invalid:]
+
+    if mask.dtype != torch.bool and invalid[0]:
+        return None, "float attention_mask has values other than 0 and -inf/min-dtype"
+    if hm > 1 and invalid[-1]:
+        return None, "attention_mask differs between heads"
+
+    if bm != batch_size:
+        lo = lo.expand(batch_size)
+        hi = hi.expand(batch_size)
+    leftpad = lo.to(torch.int32).contiguous()
+    seqused = hi.to(torch.int32).contiguous()
+
+    if max_hi_val == 0:
+        return None, "attention_mask hides every key"
+    if q_len == 1:
+        # A single query row: the causal diagonal (bottom-right) hides nothing, so A == C.
+        if not mis_c:
+            return MaskInfo(False, kv_len, leftpad, seqused, "key-range"), None
+    else:
+        if not mis_a:
+            return MaskInfo(True, kv_len, leftpad, seqused, "causal+key-range"), None
+        if not mis_b:
+            return MaskInfo(True, int(max_hi_val), leftpad, seqused,
+                            "causal+key-range (truncated keys)"), None
+        if not mis_c:
+            return MaskInfo(False, kv_len, leftpad, seqused, "key-range"), None
+    return None, _describe_mismatch(allowed)
+
+
+def classify_attention_mask(
+    attention_mask: torch.Tensor,
+    batch_size: int,
+    q_len: int,
+    kv_len: int,
+    query_dtype: Optional[torch.dtype] = None,
+) -> Tuple[Optional[MaskInfo], Optional[str]]:
+    """Decide whether a transformers attention mask runs on the kernel, and with which arguments.
+
+    The op sees, per batch row ``b``, the keys ``leftpad_k[b] <= j < seqused_k[b]``, optionally
+    intersected with a bottom-right causal diagonal. The mask is accepted only if it equals such a
+    pattern **exactly**: the key range is derived from the columns the mask uses anywhere in the
+    row (``leftpad_k`` = first, ``seqused_k`` = last + 1), the pattern is rebuilt and compared
+    element-wise with the mask. Three patterns are tried: causal on all ``kv_len`` keys (no cache
+    or a dynamic cache, left/right padding, chunked prefill), causal on the keys before
+    ``max(seqused_k)`` (a static cache whose later slots are unused) and no causal diagonal
+    (bidirectional padding masks; decode, where one query row makes the diagonal irrelevant).
+
+    Parameters
+    ----------
+    attention_mask : torch.Tensor
+        4-D ``(B or 1, 1 or H, q_len or 1, kv_len)`` mask: bool (True = attend) or floating point
+        additive (0 = attend, ``-inf`` or the dtype's minimum = masked; any other value makes it
+        fall back). A mask that differs between heads falls back.
+    batch_size, q_len, kv_len : int
+        Sizes of the query and key tensors.
+    query_dtype : torch.dtype, optional
+        dtype of the query; the minimum of this dtype also counts as "masked" in a float mask of
+        a wider dtype.
+
+    Returns
+    -------
+    info : MaskInfo or None
+        The op arguments, or ``None`` if the mask must fall back.
+    reason : str or None
+        Why it falls back (``None`` when ``info`` is given).
+
+    Notes
+    -----
+    Cost: a few element-wise passes over the mask and **one** host synchronisation (a single
+    ``.tolist()`` of the stacked 0-d flags); a mask that falls back costs one more to name the
+    reason. The result is cached per mask object (transformers passes the same mask tensor to
+    every layer of a forward), keyed on identity (weak reference), data pointer, shape, strides
+    and version counter. Inference tensors have no version counter, so a mask modified in place
+    between calls under ``torch.inference_mode()`` would not be re-classified; transformers
+    builds a new mask for every forward.
+    """
+    extra = (int(batch_size), int(q_len), int(kv_len), query_dtype)
+    key = id(attention_mask)
+    tracing = torch.jit.is_tracing() or torch.compiler.is_compiling()
+    if not tracing:
+        signature = _mask_signature(attention_mask, extra)
+        with _CACHE_LOCK:
+            hit = _CLASSIFY_CACHE.get(key)
+            if hit is not None and hit[0]() is attention_mask and hit[1] == signature:
+                _CLASSIFY_CACHE.move_to_end(key)
+                return hit[2]
+    result = _classify_uncached(attention_mask, int(batch_size), int(q_len), int(kv_len),
+                                query_dtype)
+    if not tracing:
+        try:
+            ref = weakref.ref(attention_mask)
+        except TypeError:  # pragma: no cover
+            return result
+        with _CACHE_LOCK:
+            for k in [k for k, v in _CLASSIFY_CACHE.items() if v[0]() is None]:
+                del _CLASSIFY_CACHE[k]
+            _CLASSIFY_CACHE[key] = (ref, signature, result)
+            _CLASSIFY_CACHE.move_to_end(key)
+            while len(_CLASSIFY_CACHE) > _CACHE_SIZE:
+                _CLASSIFY_CACHE.popitem(last=False)
+    return result
+
+
+def _clear_classification_cache() -> None:
+    with _CACHE_LOCK:
+        _CLASSIFY_CACHE.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention function
+# ----------------------------------------------------------------------------------------------
+
+_SDPA_POSITIONAL = ("dropout", "scaling", "is_causal", "position_bias")
+
+
+def _bind_sdpa_args(args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """Arguments after ``attention_mask``, named as in ``sdpa_attention_forward``."""
+    bound = {"dropout": 0.0, "scaling": None, "is_causal": None, "position_bias": None}
+    for name, value in zip(_SDPA_POSITIONAL, args):
+        bound[name] = value
+    for name in _SDPA_POSITIONAL:
+        if name in kwargs:
+            bound[name] = kwargs[name]
+    return bound
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs) -> Optional[str]:
+    if kwargs.get("output_attentions", False):
+        return "output_attentions=True"
+    if bound["position_bias"] is not None:
+        return "position_bias is not supported"
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return "query/key/value are not 4-D tensors"
+    dev = query.device
+    if key.device != dev or value.device != dev:
+        return "query, key and value are on different devices"
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if _cuda_capability(index) < (7, 5):
+            return f"CUDA device capability {_cuda_capability(index)} < (7, 5)"
+    elif dev.type == "cpu":
+        if not _SETTINGS["allow_cpu_reference"]:
+            return "CPU tensors (the kernel runs on CUDA; CPU uses torch SDPA)"
+    else:
+        return f"device type {dev.type!r} is not supported"
+    if not _ops.EXTENSION_AVAILABLE:
+        return f"the compiled extension is not available ({_ops.EXTENSION_ERROR})"
+    if not (query.dtype == key.dtype == value.dtype == torch.float16):
+        return f"dtype {query.dtype} (the kernel supports float16 only)"
+    b, h, _, d = query.shape
+    if key.shape[0] != b or value.shape[0] != b:
+        return "batch sizes of query/key/value differ"
+    if key.shape != value.shape:
+        return f"key shape {list(key.shape)} != value shape {list(value.shape)}"
+    if key.shape[-1] != d or d not in _SUPPORTED_HEAD_DIMS:
+        return f"head_dim {d} (supported: {_SUPPORTED_HEAD_DIMS})"
+    h_k = key.shape[1]
+    if h_k == 0 or h % h_k != 0:
+        return f"num_heads {h} is not a multiple of num_key_value_heads {h_k}"
+    groups = getattr(module, "num_key_value_groups", None)
+    if isinstance(groups, int) and groups >= 1 and h != h_k * groups:
+        return (f"module.num_key_value_groups={groups} does not match query heads {h} / key "
+                f"heads {h_k}")
+    dropout = bound["dropout"]
+    if dropout is None:
+        dropout = 0.0
+    if not isinstance(dropout, (int, float)) or dropout != 0.0:
+        return f"dropout={dropout} (the kernel has no dropout)"
+    scaling = bound["scaling"]
+    if scaling is not None and not (
+            isinstance(scaling, (int, float)) and not isinstance(scaling, bool)
+            and math.isfinite(scaling) and scaling > 0):
+        return f"scaling={scaling!r} is not a finite positive number"
+    if torch.is_grad_enabled() and not getattr(_ops, "HAS_BACKWARD", False) and (
+            query.requires_grad or key.requires_grad or value.requires_grad):
+        return "inputs require grad (no backward kernel yet)"
+    if torch.jit.is_tracing():
+        return "torch.jit tracing"
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            return f"attention_mask of type {type(attention_mask).__name__}"
+        if attention_mask.device != dev:
+            return "attention_mask is on another device"
+    return None
+
+
+def _plan(module, query, key, attention_mask, is_causal) -> "_Classification":
+    """Map the call onto the op (``MaskInfo``) or return the reason to fall back."""
+    b, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    if q_len == 1 and not _SETTINGS["decode_on_kernel"]:
+        return None, "decode (q_len == 1) is configured to use torch SDPA"
+    if attention_mask is None:
+        # transformers' rule (sdpa_attention_forward): causal only for q_len > 1 without a mask,
+        # torch SDPA's top-left alignment. With kv_len > q_len (prefill into an empty static
+        # cache) SDPA slices the keys to q_len, where top-left == bottom-right.
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        causal = bool(q_len > 1 and is_causal)
+        if not causal:
+            return MaskInfo(False, kv_len, None, None, "none"), None
+        if kv_len < q_len:
+            return None, f"causal without a mask and kv_len {kv_len} < q_len {q_len}"
+        return MaskInfo(True, q_len, None, None, "causal"), None
+    return classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype)
+
+
+def _bshd_for_kernel(x: torch.Tensor) -> torch.Tensor:
+    """BHSD tensor -> BSHD view the kernel accepts (a copy only if strides/alignment demand)."""
+    t = x.transpose(1, 2)
+    ok = t.stride(-1) == 1 and all(t.shape[i] == 1 or t.stride(i) % 8 == 0 for i in range(3))
+    if ok and t.device.type == "cuda":
+        ok = t.data_ptr() % 16 == 0
+    if not ok:
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+    return t
+
+
+def _run_kernel(query, key, value, scaling, info: MaskInfo) -> torch.Tensor:
+    kv_len = info.kv_len
+    if kv_len != key.shape[2]:
+        key = key[:, :, :kv_len]
+        value = value[:, :, :kv_len]
+    q = _bshd_for_kernel(query)
+    k = _bshd_for_kernel(key)
+    v = _bshd_for_kernel(value)
+    scale = None if scaling is None else float(scaling)
+    # Inputs were checked by _unsupported_reason/_bshd_for_kernel; the op re-validates in C++
+    # and raises ValueError (caught by the caller -> fallback), so no Python re-validation here.
+    out, _ = torch.ops.flash_attention_sm75.fwd(q, k, v, scale, info.causal, True,
+                                                info.leftpad_k, info.seqused_k)
+    return out
+
+
+def _stock_sdpa_forward() -> Callable:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def _attention(fallback: Callable, module, query, key, value, attention_mask, args, kwargs):
+    bound = _bind_sdpa_args(args, kwargs)
+    reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs)
+    info = None
+    if reason is None:
+        info, reason = _plan(module, query, key, attention_mask, bound["is_causal"])
+    if reason is None:
+        try:
+            out = _run_kernel(query, key, value, bound["scaling"], info)
+        except ValueError as e:  # the op's input validation (contract: ValueError)
+            reason = f"kernel rejected the inputs: {e}"
+        else:
+            _count_kernel(query.shape[2])
+            return out, None
+    if _is_strict():
+        raise ValueError(f"flash_attention_sm75: strict mode, cannot run on the kernel: {reason}")
+    _count_fallback(reason)
+    return fallback(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def flash_attention_sm75_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    *args: Any,
+    **kwargs: Any,
+) -> Tuple[torch.Tensor, None]:
+    """transformers attention function running the SM75 FlashAttention kernel.
+
+    Same signature and return as transformers' ``sdpa_attention_forward``; registered as
+    ``"flash_attention_sm75"`` by :func:`register`.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer. ``module.is_causal`` (when ``is_causal`` is not given) and
+        ``module.num_key_value_groups`` are honoured.
+    query : torch.Tensor
+        ``(B, H, q_len, D)``.
+    key, value : torch.Tensor
+        ``(B, H_kv, kv_len, D)``; ``H % H_kv == 0`` (GQA/MQA run natively, no K/V copy).
+    attention_mask : torch.Tensor or None
+        As built by transformers for SDPA: ``None`` (causal when ``q_len > 1``, as in
+        ``sdpa_attention_forward``), a boolean 4-D mask or an additive float mask. See
+        :func:`classify_attention_mask` for which masks run on the kernel.
+    *args, **kwargs
+        ``dropout`` (default 0.0), ``scaling`` (default ``1/sqrt(D)``), ``is_causal``,
+        ``position_bias`` and anything else transformers passes (ignored on the kernel path, as
+        ``sdpa_attention_forward`` ignores it).
+
+    Returns
+    -------
+    attn_output : torch.Tensor
+        ``(B, q_len, H, D)``, the layout transformers expects from attention functions.
+    attn_weights : None
+
+    Notes
+    -----
+    Unsupported calls run transformers' ``sdpa_attention_forward`` with the unchanged arguments
+    (bitwise the stock result), after logging the reason at DEBUG on the
+    ``"flash_attention_sm75"`` logger and counting it in :func:`get_stats`. In strict mode
+    (:func:`flash_attention_sm75.set_strict`) they raise ``ValueError`` instead. Rows of queries
+    that see no key (left padding) are 0 on the kernel path.
+    """
+    return _attention(_stock_sdpa_forward(), module, query, key, value, attention_mask, args,
+                      kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+_REGISTER_LOCK = threading.RLock()
+
+
+def _install_flash_name_guard() -> None:
+    """Stop transformers from trying to import a FlashAttention package for our name.
+
+    transformers treats every ``attn_implementation`` containing ``"flash"`` as a FlashAttention
+    flavour and, when a model is created or switched, calls
+    ``modeling_utils.lazy_import_flash_attention(name)``, which looks for ``flash_attn`` or a
+    hub kernel and raises for ``"flash_attention_sm75"``. The guard answers that pre-load call
+    for our name only; every other name goes to transformers' function unchanged. The functions
+    transformers' FlashAttention path uses at run time are not touched.
+    """
+    try:
+        import transformers.modeling_utils as modeling_utils
+    except Exception:  # pragma: no cover
+        return
+    original = getattr(modeling_utils, "lazy_import_flash_attention", None)
+    if original is None or getattr(original, "_flash_attention_sm75_guard", False):
+        return
+
+    @functools.wraps(original)
+    def lazy_import_flash_attention(implementation, *args, **kwargs):
+        base = implementation.split("|")[-1] if isinstance(implementation, str) else implementation
+        if base == ATTENTION_NAME:
+            return (None, None, None, None, None), None
+        return original(implementation, *args, **kwargs)
+
+    lazy_import_flash_attention._flash_attention_sm75_guard = True
+    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+
+
+def register() -> None:
+    """Register ``"flash_attention_sm75"`` with transformers (idempotent; done on import).
+
+    Registers :func:`flash_attention_sm75_forward` with ``transformers.AttentionInterface`` and
+    transformers' SDPA mask builder (``masking_utils.sdpa_mask``) with ``AttentionMaskInterface``
+    under the same name (without a mask builder transformers would pass no padding mask), and
+    installs the guard described in :func:`_install_flash_name_guard`.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    with _REGISTER_LOCK:
+        AttentionInterface.register(ATTENTION_NAME, flash_attention_sm75_forward)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        _install_flash_name_guard()
+
+
+# ----------------------------------------------------------------------------------------------
+# Patch of the "sdpa" entry
+# ----------------------------------------------------------------------------------------------
+
+
+class _PatchState:
+    def __init__(self) -> None:
+        self.active = False
+        self.model_types: Optional[frozenset] = None
+        # (mapping dict, key, previous function, wrapper, alive-flag list)
+        self.entries: list = []
+
+
+_PATCH = _PatchState()
+
+
+def _make_sdpa_wrapper(previous: Callable) -> Tuple[Callable, list]:
+    alive = [True]
+
+    @functools.wraps(previous)
+    def sdpa_attention_forward(module, query, key, value, attention_mask=None, *args, **kwargs):
+        if alive[0] and _PATCH.active:
+            types = _PATCH.model_types
+            model_type = getattr(getattr(module, "config", None), "model_type", None)
+            if types is None or model_type in types:
+                return _attention(previous, module, query, key, value, attention_mask, args,
+                                  kwargs)
+        return previous(module, query, key, value, attention_mask, *args, **kwargs)
+
+    sdpa_attention_forward._flash_attention_sm75_patch = True
+    return sdpa_attention_forward, alive
+
+
+class PatchHandle:
+    """Returned by :func:`apply_patch`; as a context manager it undoes that call on exit.
+
+    On exit the patch is removed only if this :func:`apply_patch` call installed it (a patch that
+    was already active before stays active), so nested use restores exactly the previous state.
+    """
+
+    def __init__(self, installed: bool) -> None:
+        self.installed = installed
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.installed:
+            remove_patch()
+            self.installed = False
+
+    def remove(self) -> None:
+        """Remove the patch now (same as :func:`remove_patch`)."""
+        remove_patch()
+        self.installed = False
+
+
+def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES) -> PatchHandle:
+    """Route transformers' ``"sdpa"`` attention of Llama/Qwen2/Qwen3/Mistral to the kernel.
+
+    Replaces the ``"sdpa"`` entry of ``transformers.AttentionInterface``'s global mapping (and of
+    ``ALL_ATTENTION_FUNCTIONS``' local mapping, if someone overrode it there) with a wrapper.
+    Models look the function up at every forward, so models loaded before and after the patch
+    are affected. Attention layers whose ``config.model_type`` is not in ``model_types``, and
+    calls after :func:`remove_patch`, go to the previous function unchanged. Unsupported calls
+    fall back to the previous function too (see :func:`flash_attention_sm75_forward`).
+
+    Parameters
+    ----------
+    model_types : iterable of str or None, optional
+        ``config.model_type`` values to route (default :data:`DEFAULT_PATCH_MODEL_TYPES`:
+        ``llama``, ``qwen2``, ``qwen3``, ``mistral``). ``None`` routes every model that uses
+        ``"sdpa"``.
+
+    Returns
+    -------
+    PatchHandle
+        A context manager: ``with apply_patch(): ...`` removes the patch on exit if this call
+        installed it.
+
+    Notes
+    -----
+    Patching twice is harmless: the second call only updates ``model_types``; there is never
+    more than one wrapper.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    types = None if model_types is None else frozenset(model_types)
+    with _REGISTER_LOCK:
+        register()
+        _PATCH.model_types = types
+        if _PATCH.active:
+            return PatchHandle(installed=False)
+        entries = []
+        maps = [AttentionInterface._global_mapping]
+        local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", None)
+        if isinstance(local, dict) and "sdpa" in local:
+            maps.append(local)
+        for mapping in maps:
+            previous = mapping["sdpa"]
+            wrapper, alive = _make_sdpa_wrapper(previous)
+            mapping["sdpa"] = wrapper
+            entries.append((mapping, "sdpa", previous, wrapper, alive))
+        _PATCH.entries = entries
+        _PATCH.active = True
+    return PatchHandle(installed=True)
+
+
+def remove_patch() -> bool:
+    """Undo :func:`apply_patch`: put the previous ``"sdpa"`` function back.
+
+    Returns
+    -------
+    bool
+        ``True`` if a patch was removed, ``False`` if none was active (calling it twice is
+        harmless).
+
+    Notes
+    -----
+    If someone replaced the ``"sdpa"`` entry after :func:`apply_patch` (wrapping ours), their
+    entry is left in place and our wrapper inside it becomes a pass-through to the function it
+    wrapped.
+    """
+    with _REGISTER_LOCK:
+        if not _PATCH.active:
+            return False
+        for mapping, key, previous, wrapper, alive in _PATCH.entries:
+            alive[0] = False
+            if mapping.get(key) is wrapper:
+                mapping[key] = previous
+            else:
+                logger.warning("the 'sdpa' attention entry was replaced after apply_patch(); "
+                               "leaving it in place (our wrapper inside it is now inactive)")
+        _PATCH.entries = []
+        _PATCH.active = False
+        _PATCH.model_types = None
+    return True
+
+
+def is_patched() -> bool:
+    """Return whether :func:`apply_patch` is in effect."""
+    return _PATCH.active
+
+
+try:
+    register()
+except ImportError as _e:  # pragma: no cover - transformers missing or too old
+    logger.debug("transformers integration not registered: %s", _e)

@@ -1,0 +1,667 @@
+"""CPU tests of the Hugging Face transformers integration (run in CI, no GPU needed).
+
+* registration of ``attn_implementation="flash_attention_sm75"`` (``from_pretrained``,
+  ``from_config``, ``set_attn_implementation``) for tiny random Llama/Qwen2/Qwen3/Mistral models;
+* apply_patch/remove_patch: models loaded before and after, idempotence, context manager,
+  restoration of the exact previous entry, model-type filter;
+* on CPU every call falls back and the logits equal stock SDPA bitwise (``torch.equal``);
+* mask classification on constructed masks (transformers' own mask builders and hand-made ones):
+  which run on the kernel with which ``leftpad_k``/``seqused_k``, which fall back;
+* the kernel path end to end through the op's CPU float32 reference implementation
+  (``configure(allow_cpu_reference=True)``), compared with torch SDPA on real tokens.
+"""
+import copy
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    and_masks,
+    bidirectional_mask_function,
+    causal_mask_function,
+    packed_sequence_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+from flash_attention_sm75 import _ops  # noqa: E402
+from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
+from flash_attention_sm75.integrations.configs import (  # noqa: E402
+    REALISTIC_CONFIGS,
+    TINY_CONFIGS,
+    build_random_model,
+    make_config,
+)
+
+FAMILIES = sorted(TINY_CONFIGS)  # llama, mistral, qwen2, qwen3
+
+needs_op = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
+                              reason=f"extension not built: {_ops.EXTENSION_ERROR}")
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    original_sdpa = AttentionInterface._global_mapping["sdpa"]
+    settings = hf.configure()
+    hf.remove_patch()
+    hf.reset_stats()
+    hf._clear_classification_cache()
+    yield
+    hf.remove_patch()
+    hf.configure(**settings)
+    ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
+    AttentionInterface._global_mapping["sdpa"] = original_sdpa
+    hf._clear_classification_cache()
+
+
+def _padded_batch(lengths, vocab=128, seed=0, side="left"):
+    g = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), s), generator=g)
+    am = torch.zeros(len(lengths), s, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if side == "left":
+            am[b, s - n:] = 1
+        else:
+            am[b, :n] = 1
+    ids = ids.masked_fill(am == 0, 0)
+    return ids, am
+
+
+def _logits(model, ids, am):
+    with torch.inference_mode():
+        return model(input_ids=ids, attention_mask=am).logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------
+
+
+def test_registered_with_transformers():
+    hf.register()
+    hf.register()  # idempotent
+    assert "flash_attention_sm75" in ALL_ATTENTION_FUNCTIONS.valid_keys()
+    assert ALL_ATTENTION_FUNCTIONS["flash_attention_sm75"] is hf.flash_attention_sm75_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_sm75"] is sdpa_mask
+    import flash_attention_sm75
+    assert flash_attention_sm75.apply_patch is hf.apply_patch
+    assert flash_attention_sm75.remove_patch is hf.remove_patch
+    from flash_attention_sm75 import integrations
+    assert integrations.get_stats is hf.get_stats
+
+
+def test_configs_have_the_real_shapes():
+    q = make_config("qwen2-0.5b")
+    assert (q.hidden_size, q.num_hidden_layers, q.num_attention_heads, q.num_key_value_heads,
+            q.intermediate_size, q.vocab_size) == (896, 24, 14, 2, 4864, 151936)
+    assert q.hidden_size // q.num_attention_heads == 64
+    ll = make_config("llama-3.2-1b")
+    assert (ll.hidden_size, ll.num_hidden_layers, ll.num_attention_heads, ll.num_key_value_heads,
+            ll.head_dim, ll.intermediate_size, ll.vocab_size) == (2048, 16, 32, 8, 64, 8192, 128256)
+    l2 = make_config("llama-2-7b", num_hidden_layers=3)
+    assert (l2.hidden_size, l2.num_attention_heads, l2.num_key_value_heads, l2.head_dim,
+            l2.intermediate_size, l2.vocab_size, l2.num_hidden_layers) == (
+                4096, 32, 32, 128, 11008, 32000, 3)
+    assert set(REALISTIC_CONFIGS) == {"qwen2-0.5b", "llama-3.2-1b", "llama-2-7b"}
+    with pytest.raises(KeyError):
+        make_config("no-such-model")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_pretrained_with_attn_implementation(tmp_path, family):
+    model = build_random_model(family, dtype=torch.float32, seed=1)
+    model.save_pretrained(tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="flash_attention_sm75", dtype=torch.float32)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa",
+                                                 dtype=torch.float32)
+    assert ours.config._attn_implementation == "flash_attention_sm75"
+    assert stock.config._attn_implementation == "sdpa"
+    ids, am = _padded_batch([9, 5, 2], seed=2)
+    hf.reset_stats()
+    a = _logits(ours.eval(), ids, am)
+    stats = hf.get_stats()
+    b = _logits(stock.eval(), ids, am)
+    assert torch.equal(a, b)
+    # CPU: every call falls back (2 layers -> 2 calls), with the reason recorded.
+    assert stats["kernel"] == 0 and stats["fallback"] == 2
+    assert any("CPU" in r for r in stats["reasons"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_set_attn_implementation_cpu_logits_equal(family, dtype):
+    model = build_random_model(family, dtype=dtype, seed=3)
+    ids, am = _padded_batch([11, 7, 11, 1], seed=4)
+    stock = _logits(model, ids, am)
+    stock_nomask = _logits(model, ids[:1], None)
+    model.set_attn_implementation("flash_attention_sm75")
+    assert model.config._attn_implementation == "flash_attention_sm75"
+    ours = _logits(model, ids, am)
+    ours_nomask = _logits(model, ids[:1], None)
+    assert torch.equal(ours, stock)
+    assert torch.equal(ours_nomask, stock_nomask)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(_logits(model, ids, am), stock)
+
+
+def test_from_config_and_generate_cpu_equal():
+    cfg = make_config("qwen2")
+    torch.manual_seed(5)
+    ours = AutoModelForCausalLM.from_config(cfg, attn_implementation="flash_attention_sm75").eval()
+    stock = copy.deepcopy(ours)
+    stock.set_attn_implementation("sdpa")
+    ids, am = _padded_batch([6, 3, 6], seed=6)
+    kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        a = ours.generate(ids, **kw)
+        b = stock.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch
+# ---------------------------------------------------------------------------------------------
+
+
+def test_patch_models_loaded_before_and_after():
+    before = build_random_model("llama", dtype=torch.float32, seed=7)
+    ids, am = _padded_batch([8, 4], seed=8)
+    reference = _logits(before, ids, am)
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    handle = hf.apply_patch()
+    assert hf.is_patched()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not original
+    after = build_random_model("llama", dtype=torch.float32, seed=7)
+    assert after.config._attn_implementation == "sdpa"
+    hf.reset_stats()
+    a = _logits(before, ids, am)
+    b = _logits(after, ids, am)
+    stats = hf.get_stats()
+    assert stats["fallback"] == 4 and stats["kernel"] == 0  # both models were routed to us
+    assert torch.equal(a, reference) and torch.equal(b, reference)
+
+    assert hf.remove_patch() is True
+    assert not hf.is_patched()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+    assert AttentionInterface._global_mapping["sdpa"] is original
+    hf.reset_stats()
+    assert torch.equal(_logits(before, ids, am), reference)
+    assert hf.get_stats()["fallback"] == 0  # no longer routed
+    del handle
+
+
+def test_patch_twice_is_harmless_and_remove_restores():
+    original = AttentionInterface._global_mapping["sdpa"]
+    hf.apply_patch()
+    wrapper = AttentionInterface._global_mapping["sdpa"]
+    second = hf.apply_patch()
+    assert AttentionInterface._global_mapping["sdpa"] is wrapper
+    assert wrapper.__wrapped__ is original  # one wrapper, around the original
+    assert second.installed is False
+    assert hf.remove_patch() is True
+    assert AttentionInterface._global_mapping["sdpa"] is original
+    assert hf.remove_patch() is False
+    assert AttentionInterface._global_mapping["sdpa"] is original
+
+
+def test_patch_context_manager_and_nesting():
+    original = AttentionInterface._global_mapping["sdpa"]
+    with hf.apply_patch() as handle:
+        assert handle.installed and hf.is_patched()
+        with hf.apply_patch():
+            assert hf.is_patched()
+        assert hf.is_patched()  # the inner block did not install it, so it does not remove it
+    assert not hf.is_patched()
+    assert AttentionInterface._global_mapping["sdpa"] is original
+    # exceptions inside the block still restore
+    with pytest.raises(RuntimeError):
+        with hf.apply_patch():
+            raise RuntimeError("boom")
+    assert AttentionInterface._global_mapping["sdpa"] is original
+
+
+def test_patch_model_type_filter():
+    llama = build_random_model("llama", dtype=torch.float32, seed=9)
+    qwen2 = build_random_model("qwen2", dtype=torch.float32, seed=9)
+    ids, am = _padded_batch([5, 3], seed=10)
+    with hf.apply_patch(model_types=["llama"]):
+        hf.reset_stats()
+        _logits(qwen2, ids, am)
+        assert hf.get_stats()["fallback"] == 0
+        _logits(llama, ids, am)
+        assert hf.get_stats()["fallback"] == 2
+    with hf.apply_patch():  # default: the four families
+        for fam in FAMILIES:
+            m = build_random_model(fam, dtype=torch.float32, seed=9)
+            hf.reset_stats()
+            _logits(m, ids, am)
+            assert hf.get_stats()["fallback"] == 2, fam
+
+
+def test_patch_local_mapping_and_foreign_override():
+    def custom(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = custom  # instance-local override
+    hf.apply_patch()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not custom
+    hf.remove_patch()
+    assert ALL_ATTENTION_FUNCTIONS._local_mapping["sdpa"] is custom
+    del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    original = AttentionInterface._global_mapping["sdpa"]
+    hf.apply_patch()
+    ours = AttentionInterface._global_mapping["sdpa"]
+    calls = []
+
+    def foreign(*args, **kwargs):
+        calls.append(1)
+        return ours(*args, **kwargs)
+
+    AttentionInterface.register("sdpa", foreign)  # someone wraps us after the patch
+    hf.remove_patch()
+    assert AttentionInterface._global_mapping["sdpa"] is foreign  # left in place
+    model = build_random_model("llama", dtype=torch.float32, seed=11)
+    ids, am = _padded_batch([4, 2], seed=12)
+    hf.reset_stats()
+    _logits(model, ids, am)
+    assert calls and hf.get_stats()["fallback"] == 0  # our wrapper is a pass-through now
+    AttentionInterface._global_mapping["sdpa"] = original
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask classification
+# ---------------------------------------------------------------------------------------------
+
+
+def _hf_mask(batch, q_len, kv_len, pad2d=None, q_offset=0, mask_function=causal_mask_function):
+    return sdpa_mask(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=q_offset,
+                     kv_offset=0, mask_function=mask_function,
+                     attention_mask=None if pad2d is None else pad2d.bool(),
+                     allow_is_causal_skip=False)
+
+
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _assert_info(info, reason, causal, kv_len, leftpad, seqused):
+    assert reason is None, reason
+    assert info.causal is causal
+    assert info.kv_len == kv_len
+    assert info.leftpad_k.dtype == torch.int32 and info.seqused_k.dtype == torch.int32
+    assert torch.equal(info.leftpad_k, _i32(leftpad))
+    assert torch.equal(info.seqused_k, _i32(seqused))
+
+
+def test_classify_causal():
+    mask = _hf_mask(2, 7, 7)
+    info, reason = hf.classify_attention_mask(mask, 2, 7, 7)
+    _assert_info(info, reason, True, 7, [0, 0], [7, 7])
+
+
+def test_classify_left_padding():
+    _, am = _padded_batch([4, 7, 1], side="left")
+    mask = _hf_mask(3, 7, 7, am)
+    info, reason = hf.classify_attention_mask(mask, 3, 7, 7)
+    _assert_info(info, reason, True, 7, [3, 0, 6], [7, 7, 7])
+    assert info.kind == "causal+key-range"
+
+
+def test_classify_right_padding():
+    _, am = _padded_batch([4, 7, 1], side="right")
+    mask = _hf_mask(3, 7, 7, am)
+    info, reason = hf.classify_attention_mask(mask, 3, 7, 7)
+    _assert_info(info, reason, True, 7, [0, 0, 0], [4, 7, 1])
+
+
+def test_classify_chunked_prefill_with_cache():
+    # 5 tokens already in a dynamic cache, 4 new queries: kv_len 9, bottom-right causal.
+    _, am = _padded_batch([9, 6], side="left")
+    mask = _hf_mask(2, 4, 9, am, q_offset=5)
+    info, reason = hf.classify_attention_mask(mask, 2, 4, 9)
+    _assert_info(info, reason, True, 9, [0, 3], [9, 9])
+
+
+def test_classify_decode():
+    _, am = _padded_batch([9, 6, 2], side="left")
+    mask = _hf_mask(3, 1, 9, am, q_offset=8)
+    info, reason = hf.classify_attention_mask(mask, 3, 1, 9)
+    _assert_info(info, reason, False, 9, [0, 3, 7], [9, 9, 9])
+    assert info.kind == "key-range"
+
+
+def test_classify_static_cache_prefill_truncates_keys():
+    # Static cache of 16 slots, prompt of 5 tokens: slots 5..15 are unused (masked for all rows).
+    _, am = _padded_batch([5, 3], side="left")
+    mask = _hf_mask(2, 5, 16, am)
+    info, reason = hf.classify_attention_mask(mask, 2, 5, 16)
+    _assert_info(info, reason, True, 5, [0, 2], [5, 5])
+    assert "truncated" in info.kind
+
+
+def test_classify_bidirectional_padding():
+    _, am = _padded_batch([6, 2], side="right")
+    mask = _hf_mask(2, 6, 6, am, mask_function=bidirectional_mask_function)
+    info, reason = hf.classify_attention_mask(mask, 2, 6, 6)
+    _assert_info(info, reason, False, 6, [0, 0], [6, 2])
+
+
+def test_classify_broadcast_batch():
+    mask = _hf_mask(1, 5, 5)
+    info, reason = hf.classify_attention_mask(mask, 3, 5, 5)
+    _assert_info(info, reason, True, 5, [0, 0, 0], [5, 5, 5])
+
+
+@pytest.mark.parametrize("blocked", ["-inf", "min"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_classify_float_masks(blocked, dtype):
+    _, am = _padded_batch([6, 3], side="left")
+    allowed = _hf_mask(2, 6, 6, am)
+    value = float("-inf") if blocked == "-inf" else torch.finfo(dtype).min
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, value)
+    info, reason = hf.classify_attention_mask(mask, 2, 6, 6, torch.float16)
+    _assert_info(info, reason, True, 6, [0, 3], [6, 6])
+
+
+def test_classify_float32_mask_with_float16_min():
+    allowed = _hf_mask(1, 4, 4)
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float16).min)
+    info, reason = hf.classify_attention_mask(mask, 1, 4, 4, torch.float16)
+    _assert_info(info, reason, True, 4, [0], [4])
+
+
+@pytest.mark.parametrize("odd", [-1e4, -1.0, 0.5])
+def test_classify_float_mask_odd_values_fall_back(odd):
+    allowed = _hf_mask(2, 5, 5)
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    mask[0, 0, 4, 1] = odd
+    info, reason = hf.classify_attention_mask(mask, 2, 5, 5, torch.float16)
+    assert info is None and "values other than" in reason
+
+
+def test_classify_arbitrary_mask_falls_back():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 1, 6, 6, generator=g) > 0.5
+    mask[..., 0] = True
+    info, reason = hf.classify_attention_mask(mask, 2, 6, 6)
+    assert info is None and reason
+
+
+def test_classify_hole_in_key_range_falls_back():
+    mask = _hf_mask(1, 6, 6).clone()
+    mask[0, 0, 5, 2] = False  # one key hidden from one query only
+    info, reason = hf.classify_attention_mask(mask, 1, 6, 6)
+    assert info is None and "non-contiguous" in reason
+
+
+def test_classify_packed_sequences_fall_back():
+    packed = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    fn = and_masks(causal_mask_function, packed_sequence_mask_function(packed))
+    mask = _hf_mask(1, 8, 8, mask_function=fn)
+    info, reason = hf.classify_attention_mask(mask, 1, 8, 8)
+    assert info is None and "packed" in reason
+
+
+def test_classify_sliding_window_falls_back():
+    mask = _hf_mask(2, 8, 8, mask_function=sliding_window_causal_mask_function(3))
+    info, reason = hf.classify_attention_mask(mask, 2, 8, 8)
+    assert info is None and "sliding-window" in reason
+
+
+def test_classify_sliding_window_wider_than_sequence_runs():
+    # transformers builds sliding-window masks for Mistral/Qwen2 sliding layers; when the window
+    # covers the whole sequence the mask is plain causal and runs on the kernel.
+    mask = _hf_mask(2, 8, 8, mask_function=sliding_window_causal_mask_function(4096))
+    info, reason = hf.classify_attention_mask(mask, 2, 8, 8)
+    _assert_info(info, reason, True, 8, [0, 0], [8, 8])
+
+
+def test_classify_head_dependent_mask_falls_back():
+    mask = _hf_mask(1, 4, 4).expand(1, 2, 4, 4).clone()
+    mask[0, 1, 3, 0] = False
+    info, reason = hf.classify_attention_mask(mask, 1, 4, 4)
+    assert info is None and "heads" in reason
+    same = _hf_mask(1, 4, 4).expand(1, 2, 4, 4)
+    info, reason = hf.classify_attention_mask(same, 1, 4, 4)
+    _assert_info(info, reason, True, 4, [0], [4])
+
+
+def test_classify_bad_shapes_and_dtypes_fall_back():
+    assert hf.classify_attention_mask(torch.ones(4, 4, dtype=torch.bool), 1, 4, 4)[0] is None
+    assert hf.classify_attention_mask(_hf_mask(1, 4, 4), 1, 4, 5)[0] is None
+    assert hf.classify_attention_mask(_hf_mask(2, 4, 4), 3, 4, 4)[0] is None
+    assert hf.classify_attention_mask(_hf_mask(1, 4, 4).long(), 1, 4, 4)[0] is None
+    info, reason = hf.classify_attention_mask(torch.zeros(1, 1, 4, 4, dtype=torch.bool), 1, 4, 4)
+    assert info is None and "every key" in reason
+
+
+def test_classification_is_cached_per_mask_object():
+    mask = _hf_mask(2, 5, 5).clone()
+    first = hf.classify_attention_mask(mask, 2, 5, 5)
+    again = hf.classify_attention_mask(mask, 2, 5, 5)
+    assert again is first
+    other = hf.classify_attention_mask(mask.clone(), 2, 5, 5)
+    assert other is not first and other[0].kind == first[0].kind
+    mask[0, 0, 4, 2] = False  # in-place change (a hole) bumps the version counter
+    changed = hf.classify_attention_mask(mask, 2, 5, 5)
+    assert changed is not first and changed[0] is None
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, heads, kv_heads, is_causal=True):
+        super().__init__()
+        self.is_causal = is_causal
+        self.num_key_value_groups = heads // kv_heads
+
+
+def test_plan_without_mask():
+    q = torch.zeros(2, 4, 6, 64, dtype=torch.float16)
+    k = torch.zeros(2, 2, 6, 64, dtype=torch.float16)
+    info, _ = hf._plan(_Attn(4, 2), q, k, None, None)
+    assert info.causal and info.kv_len == 6 and info.leftpad_k is None
+    info, _ = hf._plan(_Attn(4, 2, is_causal=False), q, k, None, None)
+    assert not info.causal
+    info, _ = hf._plan(_Attn(4, 2), q, k, None, False)  # is_causal kwarg wins over the module
+    assert not info.causal
+    # empty static cache prefill: SDPA slices the keys to q_len (top-left == bottom-right)
+    k_static = torch.zeros(2, 2, 16, 64, dtype=torch.float16)
+    info, _ = hf._plan(_Attn(4, 2), q, k_static, None, None)
+    assert info.causal and info.kv_len == 6
+    # decode without a mask: every key visible
+    info, _ = hf._plan(_Attn(4, 2), q[:, :, :1], k_static, None, None)
+    assert not info.causal and info.kv_len == 16
+    hf.configure(decode_on_kernel=False)
+    info, reason = hf._plan(_Attn(4, 2), q[:, :, :1], k_static, None, None)
+    assert info is None and "decode" in reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention function: fallbacks and the kernel path via the op's CPU reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _qkv(b, h, h_k, sq, sk, d, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, h_k, sk, d, generator=g).to(dtype)
+    v = torch.randn(b, h_k, sk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def _fallback_case(name):
+    q, k, v = _qkv(2, 4, 2, 5, 5, 64)
+    mod = _Attn(4, 2)
+    mask = _hf_mask(2, 5, 5)
+    kwargs = {}
+    if name == "fp32":
+        q, k, v = q.float(), k.float(), v.float()
+    elif name == "head_dim":
+        q, k, v = _qkv(2, 4, 2, 5, 5, 32)
+    elif name == "dropout":
+        kwargs["dropout"] = 0.1
+    elif name == "output_attentions":
+        kwargs["output_attentions"] = True
+    elif name == "grad":
+        q.requires_grad_(True)
+    elif name == "packed":
+        packed = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
+        mask = _hf_mask(2, 5, 5, mask_function=and_masks(
+            causal_mask_function, packed_sequence_mask_function(packed)))
+    elif name == "decode_off":
+        hf.configure(decode_on_kernel=False)
+        q = q[:, :, :1]
+        mask = _hf_mask(2, 1, 5, q_offset=4)
+    return mod, q, k, v, mask, kwargs
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("cpu", "CPU"), ("fp32", "dtype"), ("head_dim", "head_dim"), ("dropout", "dropout"),
+    ("output_attentions", "output_attentions"), ("grad", "grad"), ("packed", "packed"),
+    ("decode_off", "decode"),
+])
+def test_fallback_reasons_and_exact_stock_output(name, expected, caplog):
+    if name != "cpu":
+        if not _ops.EXTENSION_AVAILABLE:
+            pytest.skip("extension not built")
+        if name == "grad" and getattr(_ops, "HAS_BACKWARD", False):
+            pytest.skip("the op has a backward now; inputs requiring grad run on the kernel")
+        hf.configure(allow_cpu_reference=True)  # so that only the named problem remains
+    mod, q, k, v, mask, kwargs = _fallback_case(name)
+    if name == "dropout":
+        torch.manual_seed(0)
+    with caplog.at_level(logging.DEBUG, logger="flash_attention_sm75"):
+        out, weights = hf.flash_attention_sm75_forward(mod, q, k, v, mask, **kwargs)
+    if name == "dropout":
+        torch.manual_seed(0)
+    ref, _ = sdpa_attention_forward(mod, q, k, v, mask, **kwargs)
+    assert weights is None
+    assert torch.equal(out, ref)
+    stats = hf.get_stats()
+    assert stats["kernel"] == 0 and stats["fallback"] == 1
+    (reason,) = stats["reasons"]
+    assert expected in reason, reason
+    assert any(expected in rec.getMessage() for rec in caplog.records)
+
+
+def test_strict_mode_raises_instead_of_falling_back():
+    sdpa_mod = pytest.importorskip("flash_attention_sm75.sdpa")
+    if not hasattr(sdpa_mod, "strict"):
+        pytest.skip("no strict mode")
+    mod, q, k, v, mask, _ = _fallback_case("cpu")
+    with sdpa_mod.strict():
+        with pytest.raises(ValueError, match="CPU"):
+            hf.flash_attention_sm75_forward(mod, q, k, v, mask)
+
+
+def _real_rows(mask, b, sq):
+    """(B, Sq) bool: query rows that see at least one key."""
+    if mask is None:
+        return torch.ones(b, sq, dtype=torch.bool)
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    return allowed[:, 0].any(-1).expand(b, sq)
+
+
+def _kernel_cases():
+    _, left = _padded_batch([9, 4, 7], side="left")
+    _, right = _padded_batch([9, 4, 7], side="right")
+    _, left_dec = _padded_batch([12, 5, 9], side="left")
+    causal = _hf_mask(3, 9, 9)
+    return {
+        "none-causal": (9, 9, None, "causal"),
+        "causal-mask": (9, 9, causal, "causal+key-range"),
+        "left-pad": (9, 9, _hf_mask(3, 9, 9, left), "causal+key-range"),
+        "right-pad": (9, 9, _hf_mask(3, 9, 9, right), "causal+key-range"),
+        "left-pad-float": (9, 9, torch.zeros(3, 1, 9, 9, dtype=torch.float16).masked_fill(
+            ~_hf_mask(3, 9, 9, left), float("-inf")), "causal+key-range"),
+        "chunked-prefill": (4, 12, _hf_mask(3, 4, 12, left_dec, q_offset=8), "causal+key-range"),
+        "decode": (1, 12, _hf_mask(3, 1, 12, left_dec, q_offset=11), "key-range"),
+        "decode-nomask": (1, 12, None, "none"),
+        "static-prefill": (9, 16, _hf_mask(3, 9, 16, left), "truncated"),
+        "static-prefill-nomask": (9, 16, None, "causal"),
+    }
+
+
+@needs_op
+@pytest.mark.parametrize("case", sorted(_kernel_cases()))
+@pytest.mark.parametrize("heads,d", [((4, 2), 64), ((2, 2), 128), ((4, 1), 64)])
+def test_kernel_path_matches_sdpa_on_real_rows(case, heads, d):
+    hf.configure(allow_cpu_reference=True)
+    sq, sk, mask, kind = _kernel_cases()[case]
+    h, h_k = heads
+    q, k, v = _qkv(3, h, h_k, sq, sk, d, seed=sum(map(ord, case)))
+    mod = _Attn(h, h_k)
+    scaling = 0.1 if d == 128 else None
+    if mask is not None:
+        info, reason = hf.classify_attention_mask(mask, 3, sq, sk, q.dtype)
+        assert reason is None and kind in info.kind
+    with torch.inference_mode():
+        out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, mask, scaling=scaling)
+        ref, _ = sdpa_attention_forward(mod, q.float(), k.float(), v.float(),
+                                        None if mask is None else mask.float()
+                                        if mask.dtype != torch.bool else mask,
+                                        scaling=scaling)
+    assert hf.get_stats()["kernel"] == 1, hf.get_stats()
+    assert out.shape == (3, sq, h, d) and out.dtype == torch.float16 and out.is_contiguous()
+    rows = _real_rows(mask, 3, sq)
+    # op: fp16 in, float32 math, fp16 out -> within fp16 rounding of the fp32 SDPA result.
+    torch.testing.assert_close(out.float()[rows], ref[rows], atol=2e-3, rtol=2e-3)
+    if (~rows).any():  # queries that see no key (left padding) are 0 on our path
+        assert torch.all(out[~rows] == 0)
+
+
+@needs_op
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_kernel_path_via_cpu_reference(family):
+    """Whole model: classification + op (CPU reference) vs stock SDPA, padded prefill + generate."""
+    hf.configure(allow_cpu_reference=True)
+    model = build_random_model(family, dtype=torch.float16, seed=13,
+                               attn_implementation="flash_attention_sm75")
+    ref32 = copy.deepcopy(model).float()
+    ref32.set_attn_implementation("sdpa")
+    ids, am = _padded_batch([24, 9, 17], seed=14)
+    ours = _logits(model, ids, am)
+    assert hf.get_stats()["kernel_prefill"] == 2 and hf.get_stats()["fallback"] == 0
+    ref = _logits(ref32, ids, am)
+    real = am.bool()
+    torch.testing.assert_close(ours.float()[real], ref[real], atol=1e-2, rtol=1e-2)
+
+    hf.reset_stats()
+    with torch.inference_mode():
+        gen = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    stats = hf.get_stats()
+    assert stats["kernel_prefill"] == 2 and stats["kernel_decode"] == 2 * 5
+    assert stats["fallback"] == 0
+    full_am = torch.cat([am, torch.ones(3, 6, dtype=am.dtype)], dim=1)
+    teacher = _logits(ref32, gen.sequences, full_am)[:, ids.shape[1] - 1:-1]
+    torch.testing.assert_close(torch.stack(gen.logits, 1).float(), teacher, atol=1e-2, rtol=1e-2)
+
+
+@needs_op
+def test_patched_sdpa_model_runs_kernel_path_via_cpu_reference():
+    hf.configure(allow_cpu_reference=True)
+    model = build_random_model("qwen3", dtype=torch.float16, seed=15)
+    ids, am = _padded_batch([10, 3], seed=16)
+    stock = _logits(model, ids, am)
+    with hf.apply_patch():
+        ours = _logits(model, ids, am)
+        assert hf.get_stats()["kernel"] == 2
+    real = am.bool()
+    torch.testing.assert_close(ours[real].float(), stock[real].float(), atol=1e-2, rtol=1e-2)
+    hf.reset_stats()
+    assert torch.equal(_logits(model, ids, am), stock)
+    assert hf.get_stats()["kernel"] == 0
