@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def sources():
     files = ["csrc/flash_api.cpp", "csrc/torch_bindings.cpp", "csrc/python_module.cpp",
-             "csrc/kernels/flash_fwd_dispatch.cpp"]
+             "csrc/kernels/flash_fwd_dispatch.cpp", "csrc/flash_bwd_api.cpp",
+             "csrc/kernels/flash_bwd_dispatch.cpp"]
     files += sorted(glob.glob("csrc/kernels/instantiations/*.cu"))
     return files
 

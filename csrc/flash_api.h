@@ -55,4 +55,37 @@ void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::T
                       const std::optional<at::Tensor>& leftpad_k,
                       const std::optional<at::Tensor>& seqused_k);
 
+// ---- backward (csrc/flash_bwd_api.cpp) --------------------------------------------------------
+// Gradients of mha_fwd. dout and out: like q (out and softmax_lse are mha_fwd's outputs);
+// softmax_scale: the value the forward used (> 0). Returns (dq like q; dk, dv like k, v: h_k
+// heads, summed over the q-heads of each kv-head), float16, contiguous BSHD. Rows that saw no
+// key give zero gradients; keys outside [leftpad_k, seqused_k) get zero dk/dv.
+// deterministic: no floating-point atomics (bitwise reproducible; dQ from a separate kernel
+// that recomputes S/P/dP, ~1.4x the matmul work of the default atomic dQ accumulation).
+// grad_softmax_lse: optional gradient flowing into softmax_lse (batch x h x seqlen_q float32).
+// Inputs not in the kernel layout (last dim contiguous, 16-byte aligned, strides % 8) are
+// copied, not rejected.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, bool deterministic,
+    const std::optional<at::Tensor>& grad_softmax_lse);
+
+// The same contract computed with ATen ops in float32 on the CPU.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, bool deterministic,
+    const std::optional<at::Tensor>& grad_softmax_lse);
+
+// Backward input validation (check_fwd_inputs plus dout/out/softmax_lse/grad_softmax_lse).
+double check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& out,
+                        const at::Tensor& softmax_lse, double softmax_scale,
+                        const std::optional<at::Tensor>& leftpad_k,
+                        const std::optional<at::Tensor>& seqused_k,
+                        const std::optional<at::Tensor>& grad_softmax_lse);
+
 }  // namespace flash_sm75

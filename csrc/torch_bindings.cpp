@@ -16,3 +16,19 @@ TORCH_LIBRARY(flash_attention_sm75, m) {
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) { m.impl("fwd", &flash_sm75::mha_fwd); }
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) { m.impl("fwd", &flash_sm75::mha_fwd_cpu); }
+
+// ---- backward ----------------------------------------------------------------------------------
+// Gradients of fwd (functional, no mutation). dout/out like q, softmax_lse as returned by fwd,
+// softmax_scale the value fwd used. Returns dq (like q), dk, dv (like k, v), fp16 contiguous BSHD.
+// grad_softmax_lse: optional gradient flowing into fwd's softmax_lse output.
+TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+      "float softmax_scale, bool is_causal, bool causal_bottom_right, Tensor? leftpad_k=None, "
+      "Tensor? seqused_k=None, bool deterministic=False, Tensor? grad_softmax_lse=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) { m.impl("bwd", &flash_sm75::mha_bwd); }
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) { m.impl("bwd", &flash_sm75::mha_bwd_cpu); }

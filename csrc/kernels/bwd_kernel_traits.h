@@ -51,13 +51,16 @@ struct Flash_bwd_kernel_traits {
   static_assert(kBlockM % 16 == 0 && kNWarps % kDqWarpsM == 0, "dQ row groups must tile the warps");
   static_assert(kHeadDim % kDqWarpsN == 0 && kDqCols % 16 == 0, "dQ column groups of 16k");
 
-  // ---- shared memory (bytes). fp16 tiles are row-major with XOR-swizzled 16-byte chunks
-  // (swizzle_offset); every swizzled tile starts 256-byte aligned (swizzle_xor relies on it).
+  // ---- shared memory (bytes). fp16 tiles are row-major with rows padded to d + 8 halves: 8
+  // consecutive rows are an odd number of 16-byte units apart, so ldmatrix (8 rows, same
+  // column chunk) is conflict-free, and every fragment address is a constant offset from one
+  // per-lane base (no XOR-swizzle address registers, which made ptxas spill at d = 128).
   static constexpr int kChunksPerRow = kHeadDim / 8;
-  static constexpr int kKVTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kQTileBytes = kBlockM * kHeadDim * 2;
-  // dS^T (Bc x Br fp16), rows padded by 16 bytes: an odd number of 16-byte units per row
-  // makes both the half2 stores and the ldmatrix.trans reads conflict-free.
+  static constexpr int kRowHalves = kHeadDim + 8;
+  static constexpr int kKVTileBytes = kBlockN * kRowHalves * 2;
+  static constexpr int kQTileBytes = kBlockM * kRowHalves * 2;
+  // dS^T (Bc x Br fp16), rows padded by 16 bytes likewise: conflict-free half2 stores and
+  // ldmatrix.trans reads.
   static constexpr int kDsRowHalves = kBlockM + 8;
   static constexpr int kDsBytes = kBlockN * kDsRowHalves * 2;
   static constexpr int kOffK = 0;
@@ -69,12 +72,13 @@ struct Flash_bwd_kernel_traits {
   static constexpr int kOffDs = kOffDsum + kBlockM * 4;
   static constexpr int kSmemSizeNoDq = kOffDs;
   static constexpr int kSmemSizeAtomicDq = kOffDs + kDsBytes;
-  static_assert(kOffDs % 16 == 0, "ldmatrix rows must be 16-byte aligned");
-  static_assert(kKVTileBytes % 256 == 0 && kQTileBytes % 256 == 0, "256-byte aligned tiles");
+  static_assert(kOffDs % 16 == 0 && kQTileBytes % 16 == 0, "ldmatrix rows must be 16-byte aligned");
   // Aliases: the fp32 dQ tile (Br x d) reuses sQ + sdO; the fp32 dK/dV reduction buffer
   // (Bc x d) reuses sK + sV.
-  static_assert(kBlockM * kHeadDim * 4 == 2 * kQTileBytes, "dQ tile aliases sQ + sdO");
-  static_assert(kBlockN * kHeadDim * 4 == 2 * kKVTileBytes, "reduction aliases sK + sV");
+  // (fp32 tiles have rows padded to d + 8 floats, see fp32_tile_offset.)
+  static_assert(kBlockM * (kHeadDim + 8) * 4 == 2 * kQTileBytes, "dQ tile aliases sQ + sdO");
+  static_assert(kBlockN * (kHeadDim + 8) * 4 == 2 * kKVTileBytes, "reduction aliases sK + sV");
+  static_assert(kHeadDim % 32 == 0 && kNThreads % kHeadDim == 0, "dQ atomics: whole rows per step");
   static_assert(kSmemSizeAtomicDq <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   // ---- global <-> shared copies, 16 bytes per thread per step
@@ -114,8 +118,8 @@ struct Flash_bwd_dq_kernel_traits {
 // The configuration used for each head dim. Why these shapes:
 //  * dK/dV kernel, 8 warps = 4 key groups x 2 query splits, Bc = 64 keys per CTA. Per thread
 //    dK and dV take d/2 fp32 registers each; S^T, dP^T take kWarpCols/2 each.
-//    d = 64:  Br = 64 (32 query columns per warp), ~41 KiB smem in atomic mode.
-//    d = 128: Br = 32 (16 query columns per warp); K, V, Q, dO and dS^T take ~53 KiB, so
+//    d = 64:  Br = 64 (32 query columns per warp), 45.5 KiB smem in atomic mode.
+//    d = 128: Br = 32 (16 query columns per warp); K, V, Q, dO and dS^T take 56.25 KiB, so
 //             Br = 64 would not fit the 64 KiB of an SM75 block.
 //  * dQ kernel: d = 64 like the forward (Br = 64, 4 warps, Bc = 64); d = 128 keeps Q, dO and dQ
 //    (d/4 + d/4 + d/2 registers) resident, so Bc = 32 keeps S, dP small enough not to spill.

@@ -1,0 +1,202 @@
+// Host side of the backward op: validate, fill Flash_bwd_params, allocate the fp32 workspaces,
+// launch (CUDA); and the float32 ATen implementation of the same contract (CPU). No op
+// registration here (see torch_bindings.cpp).
+#include "flash_api.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "kernels/block_info.h"
+#include "kernels/flash_bwd.h"
+
+namespace flash_sm75 {
+namespace {
+
+// The kernels read 16-byte vectors: last dim contiguous, 16-byte aligned data pointer, batch /
+// seq / head strides divisible by 8 elements. The backward is mostly called by autograd with
+// whatever layout the incoming gradient has (e.g. an expanded or sliced dout), so instead of
+// rejecting other layouts it copies them into a contiguous tensor.
+bool kernel_layout_ok(const at::Tensor& t) {
+  if (t.stride(-1) != 1) return false;
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int i = 0; i < 3; ++i) {
+    if (t.size(i) != 1 && t.stride(i) % 8 != 0) return false;
+  }
+  return true;
+}
+
+at::Tensor to_kernel_layout(const at::Tensor& t) {
+  if (!t.defined() || t.dim() != 4 || t.numel() == 0 || t.scalar_type() != at::kHalf) return t;
+  if (kernel_layout_ok(t)) return t;
+  return t.clone(at::MemoryFormat::Contiguous);
+}
+
+void check_like_q(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kHalf, "flash_attention_sm75: ", name,
+                    " must be float16, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.sizes() == q.sizes(), "flash_attention_sm75: ", name,
+                    " must have the shape of q ", q.sizes(), ", got ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == q.device(), "flash_attention_sm75: ", name,
+                    " must be on the same device as q (", q.device(), "), got ", t.device());
+}
+
+void check_lse_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, "flash_attention_sm75: ", name,
+                    " must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(2) &&
+                        t.size(2) == q.size(1),
+                    "flash_attention_sm75: ", name, " must have shape (batch, num_heads, seqlen_q) = (",
+                    q.size(0), ", ", q.size(2), ", ", q.size(1), "), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == q.device(), "flash_attention_sm75: ", name,
+                    " must be on the same device as q (", q.device(), "), got ", t.device());
+}
+
+// FLASH_SM75_BWD_DQ=separate forces the deterministic dQ kernel even when deterministic=False
+// (a tuning knob: which dQ mode is faster depends on the GPU's fp32 atomic throughput).
+bool env_forces_separate_dq() {
+  const char* v = std::getenv("FLASH_SM75_BWD_DQ");
+  return v != nullptr && std::strcmp(v, "separate") == 0;
+}
+
+}  // namespace
+
+double check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& out,
+                        const at::Tensor& softmax_lse, double softmax_scale,
+                        const std::optional<at::Tensor>& leftpad_k,
+                        const std::optional<at::Tensor>& seqused_k,
+                        const std::optional<at::Tensor>& grad_softmax_lse) {
+  const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
+  check_like_q(dout, "dout", q);
+  check_like_q(out, "out", q);
+  check_lse_like(softmax_lse, "softmax_lse", q);
+  if (grad_softmax_lse.has_value()) check_lse_like(*grad_softmax_lse, "grad_softmax_lse", q);
+  return scale;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
+    const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+    const at::Tensor& out_, const at::Tensor& softmax_lse_, double softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, bool deterministic,
+    const std::optional<at::Tensor>& grad_softmax_lse) {
+  const at::Tensor q = to_kernel_layout(q_), k = to_kernel_layout(k_), v = to_kernel_layout(v_);
+  const at::Tensor dout = to_kernel_layout(dout_), out = to_kernel_layout(out_);
+  const double scale = check_bwd_inputs(dout, q, k, v, out, softmax_lse_, softmax_scale,
+                                        leftpad_k, seqused_k, grad_softmax_lse);
+  TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
+  c10::cuda::CUDAGuard device_guard{q.device()};
+  const auto* props = at::cuda::getDeviceProperties(q.get_device());
+  TORCH_CHECK(props->major * 10 + props->minor >= 75,
+              "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or newer), got ",
+              props->major, ".", props->minor);
+
+  const at::Tensor softmax_lse = softmax_lse_.contiguous();
+  at::Tensor dlse;
+  if (grad_softmax_lse.has_value()) dlse = grad_softmax_lse->contiguous();
+
+  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
+  const int64_t seqlen_k = k.size(1), h_k = k.size(2);
+  at::Tensor dq = at::empty({b, seqlen_q, h, d}, q.options());
+  at::Tensor dk = at::empty({b, seqlen_k, h_k, d}, q.options());
+  at::Tensor dv = at::empty({b, seqlen_k, h_k, d}, q.options());
+  at::Tensor dsoftmax_sum = at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
+  const bool dq_atomic = !deterministic && !env_forces_separate_dq();
+  at::Tensor dq_accum;
+  if (dq_atomic) dq_accum = at::zeros({b, h, seqlen_q, d}, q.options().dtype(at::kFloat));
+
+  Flash_bwd_params params{};
+  set_params_fprop(params, q, k, v, out, softmax_lse, scale, is_causal, causal_bottom_right,
+                   leftpad_k, seqused_k);
+  params.do_ptr = dout.data_ptr();
+  params.do_batch_stride = dout.stride(0);
+  params.do_row_stride = dout.stride(1);
+  params.do_head_stride = dout.stride(2);
+  params.dq_ptr = dq.data_ptr();
+  params.dk_ptr = dk.data_ptr();
+  params.dv_ptr = dv.data_ptr();
+  params.dq_batch_stride = dq.stride(0);
+  params.dq_row_stride = dq.stride(1);
+  params.dq_head_stride = dq.stride(2);
+  params.dk_batch_stride = dk.stride(0);
+  params.dk_row_stride = dk.stride(1);
+  params.dk_head_stride = dk.stride(2);
+  params.dv_batch_stride = dv.stride(0);
+  params.dv_row_stride = dv.stride(1);
+  params.dv_head_stride = dv.stride(2);
+  params.dsoftmax_sum = dsoftmax_sum.data_ptr<float>();
+  params.dlse_ptr = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
+  params.dq_accum_ptr = dq_atomic ? dq_accum.data_ptr<float>() : nullptr;
+  params.dq_atomic = dq_atomic;
+
+  try {
+    run_mha_bwd(params, at::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, bool /*deterministic: always*/,
+    const std::optional<at::Tensor>& grad_softmax_lse) {
+  const double scale = check_bwd_inputs(to_kernel_layout(dout), to_kernel_layout(q),
+                                        to_kernel_layout(k), to_kernel_layout(v),
+                                        to_kernel_layout(out), softmax_lse, softmax_scale,
+                                        leftpad_k, seqused_k, grad_softmax_lse);
+  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
+  const int64_t seqlen_k = k.size(1), h_k = k.size(2);
+  const int64_t ratio = h / h_k;
+  // (b, h, s, d) float32; K/V repeated over the q-heads of each kv-head.
+  const at::Tensor qf = q.to(at::kFloat).transpose(1, 2);
+  const at::Tensor kf = k.to(at::kFloat).transpose(1, 2).repeat_interleave(ratio, 1);
+  const at::Tensor vf = v.to(at::kFloat).transpose(1, 2).repeat_interleave(ratio, 1);
+  const at::Tensor dof = dout.to(at::kFloat).transpose(1, 2);
+  const at::Tensor of = out.to(at::kFloat).transpose(1, 2);
+
+  const int off = causal_offset(static_cast<int>(seqlen_q), static_cast<int>(seqlen_k),
+                                causal_bottom_right);
+  at::Tensor visible = at::empty({b, 1, seqlen_q, seqlen_k}, q.options().dtype(at::kBool));
+  auto vis = visible.accessor<bool, 4>();
+  const at::Tensor lp = leftpad_k.has_value() ? leftpad_k->contiguous() : at::Tensor();
+  const at::Tensor su = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
+  for (int64_t bi = 0; bi < b; ++bi) {
+    const KeyRange kr = key_range(static_cast<int>(seqlen_k),
+                                  lp.defined() ? lp.data_ptr<int>() : nullptr,
+                                  su.defined() ? su.data_ptr<int>() : nullptr, static_cast<int>(bi));
+    for (int64_t i = 0; i < seqlen_q; ++i) {
+      for (int64_t j = 0; j < seqlen_k; ++j) {
+        vis[bi][0][i][j] = key_visible(static_cast<int>(i), static_cast<int>(j), kr, is_causal, off);
+      }
+    }
+  }
+
+  // P from the saved LSE (as the kernel does); rows with lse = -inf saw no key: P = 0.
+  const at::Tensor lse = softmax_lse.to(at::kFloat).unsqueeze(-1);  // b, h, sq, 1
+  const at::Tensor s = at::matmul(qf, kf.transpose(-1, -2)) * scale;
+  const at::Tensor keep = visible.logical_and(at::isfinite(lse));
+  const at::Tensor p = at::where(keep, at::exp(s - lse), at::zeros({}, s.options()));
+  at::Tensor dsum = (dof * of).sum(-1, /*keepdim=*/true);
+  if (grad_softmax_lse.has_value()) dsum = dsum - grad_softmax_lse->to(at::kFloat).unsqueeze(-1);
+  const at::Tensor dp = at::matmul(dof, vf.transpose(-1, -2));
+  const at::Tensor ds = p * (dp - dsum);
+  const at::Tensor dq = at::matmul(ds, kf) * scale;                     // b, h, sq, d
+  at::Tensor dk = at::matmul(ds.transpose(-1, -2), qf) * scale;         // b, h, sk, d
+  at::Tensor dv = at::matmul(p.transpose(-1, -2), dof);                 // b, h, sk, d
+  dk = dk.view({b, h_k, ratio, seqlen_k, d}).sum(2);
+  dv = dv.view({b, h_k, ratio, seqlen_k, d}).sum(2);
+  return {dq.transpose(1, 2).to(at::kHalf).contiguous(), dk.transpose(1, 2).to(at::kHalf).contiguous(),
+          dv.transpose(1, 2).to(at::kHalf).contiguous()};
+}
+
+}  // namespace flash_sm75

@@ -1,0 +1,786 @@
+// FlashAttention backward for SM75 (Turing) tensor cores.
+//
+// Algorithm: FlashAttention-2 backward (Dao, arXiv:2307.08691, Algorithm 2). With the saved
+// log-sum-exp L, P = exp(scale * Q K^T - L) is recomputed tile by tile, and
+//   dV = P^T dO,   dP = dO V^T,   dS = P o (dP - D) with D = rowsum(dO o O),
+//   dQ = scale * dS K,   dK = scale * dS^T Q.
+// A gradient g of the lse output adds g_i P_ij to dS_ij; it is folded into D (D - g).
+//
+// Kernels (shapes in bwd_kernel_traits.h):
+//  * flash_bwd_preprocess_kernel: D, one fp32 per query row.
+//  * flash_bwd_dkdv_kernel: one CTA per (key block, batch, kv head); dK, dV of its Bc keys stay
+//    in registers while it streams the query tiles of every q-head of the GQA group (so K/V are
+//    never expanded and dK/dV come out already summed over the group). Warps compute
+//    S^T = K Q^T and dP^T = V dO^T directly: accumulator rows are keys, and the fp32
+//    accumulator layout of mma.m16n8k8 equals its fp16 A layout, so P^T and dS^T are packed to
+//    fp16 in registers and used at once as the A operands of dV += P^T dO and dK += dS^T Q.
+//    Atomic dQ mode: dS^T also goes to shared memory and the CTA adds dS K for the tile into an
+//    fp32 buffer with coalesced atomicAdd (staged through shared memory).
+//  * flash_bwd_convert_dq_kernel (atomic mode): dq = scale * dq_accum in fp16.
+//  * flash_bwd_dq_kernel (deterministic mode): the forward's structure over query tiles,
+//    recomputing S, P, dP and accumulating dQ = dS K in registers. No atomics anywhere, so
+//    gradients are bitwise reproducible.
+//
+// SM75 specifics: only mma.sync.m16n8k8 and ldmatrix(.trans); no cp.async (global loads of the
+// next tile are issued into registers before the current tile's MMAs and stored to shared memory
+// after them, as in the forward); exp2 with scale * log2(e) folded in.
+#pragma once
+
+#include <cmath>
+#include <cuda_fp16.h>
+
+#include "block_info.h"
+#include "bwd_block_info.h"
+#include "bwd_kernel_traits.h"
+#include "flash_bwd.h"
+#include "flash_fwd_kernel.h"  // load_tile_g2r / store_tile_r2s
+#include "utils.h"
+
+namespace flash_sm75 {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Offset (floats) of element (row, col) in a row-major fp32 tile with kCols columns and rows
+// padded to kCols + 8 floats (kCols a multiple of 32): float2 stores from an mma accumulator
+// (8 rows x 4 column pairs per instruction) touch every bank at most twice (the minimum for
+// 64-bit stores), a warp reading 32 consecutive floats of a row touches 32 distinct banks, and
+// a thread's successive rows are constant offsets apart. The tile is exactly two padded fp16
+// tiles of the same shape, which it aliases.
+template <int kCols>
+__device__ __forceinline__ int fp32_tile_offset(int row, int col) {
+  return row * (kCols + 8) + col;
+}
+
+// ---------------------------------------------------------------------------------------------
+// D_i = sum_c dO[i][c] * O[i][c] - dlse_i, for every (batch, head, query row): kHeadDim / 8
+// threads per row, one 16-byte chunk each, reduced with shuffles.
+template <int kHeadDim>
+__global__ void __launch_bounds__(kBwdAuxThreads)
+    flash_bwd_preprocess_kernel(const Flash_bwd_params params) {
+  constexpr int kCPR = kHeadDim / 8;
+  constexpr int kRowsPerBlock = kBwdAuxThreads / kCPR;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kCPR;
+  const int c = threadIdx.x % kCPR;
+  const int64_t total = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
+  float acc = 0.f;
+  if (row < total) {
+    const int i = static_cast<int>(row % params.seqlen_q);
+    const int64_t bh = row / params.seqlen_q;
+    const int bidb = static_cast<int>(bh / params.h);
+    const int bidh = static_cast<int>(bh % params.h);
+    const __half* dout = static_cast<const __half*>(params.do_ptr) + bidb * params.do_batch_stride +
+                         i * params.do_row_stride + bidh * params.do_head_stride + c * 8;
+    const __half* o = static_cast<const __half*>(params.o_ptr) + bidb * params.o_batch_stride +
+                      i * params.o_row_stride + bidh * params.o_head_stride + c * 8;
+    const uint4 a = __ldg(reinterpret_cast<const uint4*>(dout));
+    const uint4 b = __ldg(reinterpret_cast<const uint4*>(o));
+    const uint32_t av[4] = {a.x, a.y, a.z, a.w};
+    const uint32_t bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      __half2 ha, hb;
+      *reinterpret_cast<uint32_t*>(&ha) = av[j];
+      *reinterpret_cast<uint32_t*>(&hb) = bv[j];
+      const float2 fa = __half22float2(ha);
+      const float2 fb = __half22float2(hb);
+      acc = fmaf(fa.x, fb.x, acc);
+      acc = fmaf(fa.y, fb.y, acc);
+    }
+  }
+#pragma unroll
+  for (int off = kCPR / 2; off >= 1; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (row < total && c == 0) {
+    if (params.dlse_ptr != nullptr) acc -= params.dlse_ptr[row];
+    params.dsoftmax_sum[row] = acc;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Atomic mode: dq (fp16, strided) = softmax_scale * dq_accum (fp32, batch x h x seqlen_q x d).
+template <int kHeadDim>
+__global__ void __launch_bounds__(kBwdAuxThreads)
+    flash_bwd_convert_dq_kernel(const Flash_bwd_params params) {
+  constexpr int kCPR = kHeadDim / 8;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * kBwdAuxThreads + threadIdx.x;
+  const int64_t total = static_cast<int64_t>(params.b) * params.h * params.seqlen_q * kCPR;
+  if (idx >= total) return;
+  const int c = static_cast<int>(idx % kCPR);
+  const int64_t row = idx / kCPR;  // (batch, head, query) row of dq_accum
+  const int i = static_cast<int>(row % params.seqlen_q);
+  const int64_t bh = row / params.seqlen_q;
+  const int bidb = static_cast<int>(bh / params.h);
+  const int bidh = static_cast<int>(bh % params.h);
+  const float4* src = reinterpret_cast<const float4*>(params.dq_accum_ptr + row * kHeadDim + c * 8);
+  const float4 x = src[0];
+  const float4 y = src[1];
+  const float s = params.scale_softmax;
+  uint4 out;
+  out.x = pack_half2(x.x * s, x.y * s);
+  out.y = pack_half2(x.z * s, x.w * s);
+  out.z = pack_half2(y.x * s, y.y * s);
+  out.w = pack_half2(y.z * s, y.w * s);
+  __half* dst = static_cast<__half*>(params.dq_ptr) + bidb * params.dq_batch_stride +
+                i * params.dq_row_stride + bidh * params.dq_head_stride + c * 8;
+  *reinterpret_cast<uint4*>(dst) = out;
+}
+
+// Adds the partial accumulators (16 keys x d per warp) of query splits wm = 1 .. kNWarpsM - 1
+// into those of wm = 0, through the fp32 buffer sRed (Bc x d). Called by all threads; the caller
+// guarantees sRed is free.
+template <typename Kt>
+__device__ __forceinline__ void reduce_over_query_splits(float (&acc)[Kt::kHeadDim / 8][4],
+                                                         float* sRed, int wn, int wm, int g,
+                                                         int t) {
+  constexpr int kD = Kt::kHeadDim;
+  const int row = 16 * wn + g;
+  for (int src = 1; src < Kt::kNWarpsM; ++src) {
+    if (wm == src) {
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        const int col = 8 * dt + 2 * t;
+        *reinterpret_cast<float2*>(sRed + fp32_tile_offset<kD>(row, col)) =
+            make_float2(acc[dt][0], acc[dt][1]);
+        *reinterpret_cast<float2*>(sRed + fp32_tile_offset<kD>(row + 8, col)) =
+            make_float2(acc[dt][2], acc[dt][3]);
+      }
+    }
+    __syncthreads();
+    if (wm == 0) {
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        const int col = 8 * dt + 2 * t;
+        const float2 x = *reinterpret_cast<const float2*>(sRed + fp32_tile_offset<kD>(row, col));
+        const float2 y = *reinterpret_cast<const float2*>(sRed + fp32_tile_offset<kD>(row + 8, col));
+        acc[dt][0] += x.x;
+        acc[dt][1] += x.y;
+        acc[dt][2] += y.x;
+        acc[dt][3] += y.y;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registers -> shared memory for the dK/dV kernel's padded layout: row r of a tile starts at
+// r * kRowHalves halves (d + 8: rows are an odd number of 16-byte units apart, so the 8 rows an
+// ldmatrix reads hit 8 distinct bank groups). Unlike the XOR swizzle, every k-step / n-tile of a
+// fragment is then a constant byte offset from one per-lane base address (an immediate in LDSM),
+// which keeps the address registers out of the way of the dK/dV accumulators.
+template <typename Kt, int kN>
+__device__ __forceinline__ void store_tile_r2s_padded(const uint4 (&stage)[kN], __half* smem,
+                                                      int tid) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int idx = tid + i * Kt::kNThreads;
+    const int r = idx / Kt::kChunksPerRow;
+    const int c = idx % Kt::kChunksPerRow;
+    *reinterpret_cast<uint4*>(smem + r * Kt::kRowHalves + c * 8) = stage[i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK / dV (and, in atomic mode, dQ partial sums). See the file comment and
+// Flash_bwd_kernel_traits for the work split.
+template <typename Kt, bool Is_causal, bool Atomic_dq>
+__global__ void __launch_bounds__(Kt::kNThreads, 1)
+    flash_bwd_dkdv_kernel(const Flash_bwd_params params) {
+  constexpr int kD = Kt::kHeadDim;
+  constexpr int kBM = Kt::kBlockM;
+  constexpr int kBN = Kt::kBlockN;
+  constexpr int kRowH = Kt::kRowHalves;     // padded row stride of sK, sV, sQ, sdO (halves)
+  constexpr int kRowB = Kt::kRowHalves * 2;  // same, bytes
+  constexpr int kWC = Kt::kWarpCols;
+  constexpr int kDsRow = Kt::kDsRowHalves;
+  constexpr uint32_t kVfromK = Kt::kOffV - Kt::kOffK;     // byte offset sV - sK
+  constexpr uint32_t kDofromQ = Kt::kOffDo - Kt::kOffQ;   // byte offset sdO - sQ
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kOffK);    // Bc x d (padded rows)
+  __half* sV = reinterpret_cast<__half*>(smem_raw + Kt::kOffV);    // Bc x d
+  __half* sQ = reinterpret_cast<__half*>(smem_raw + Kt::kOffQ);    // Br x d
+  __half* sdO = reinterpret_cast<__half*>(smem_raw + Kt::kOffDo);  // Br x d
+  float* sLse = reinterpret_cast<float*>(smem_raw + Kt::kOffLse);  // Br: lse * log2(e)
+  float* sDsum = reinterpret_cast<float*>(smem_raw + Kt::kOffDsum);  // Br: D
+  __half* sdS = reinterpret_cast<__half*>(smem_raw + Kt::kOffDs);  // Bc x (Br + 8): dS^T
+  float* sdQ = reinterpret_cast<float*>(smem_raw + Kt::kOffQ);     // Br x d fp32, aliases sQ+sdO
+  float* sRed = reinterpret_cast<float*>(smem_raw + Kt::kOffK);    // Bc x d fp32, aliases sK+sV
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int mi = lane / 8;             // which 8x8 matrix of an ldmatrix.x4 this lane addresses
+  const int wn = warp % Kt::kNWarpsN;  // key group: keys 16 wn .. 16 wn + 15
+  const int wm = warp / Kt::kNWarpsN;  // query split: columns qc0 .. qc0 + kWC - 1 of a tile
+  const int qc0 = wm * kWC;
+
+  // ---- (key block, batch, kv head) of this CTA. Causal: the first key blocks are seen by the
+  // most queries, so they are scheduled first.
+  const int num_n_blocks = ceil_div(params.seqlen_k, kBN);
+  const int64_t num_bhk = static_cast<int64_t>(params.b) * params.h_k;
+  const int64_t linear = blockIdx.x;
+  int n_block;
+  int64_t bhk;
+  if (Is_causal) {
+    bhk = linear % num_bhk;
+    n_block = static_cast<int>(linear / num_bhk);
+  } else {
+    n_block = static_cast<int>(linear % num_n_blocks);
+    bhk = linear / num_n_blocks;
+  }
+  const int bidb = static_cast<int>(bhk / params.h_k);
+  const int bidh_k = static_cast<int>(bhk % params.h_k);
+  const int ratio = params.h_h_k_ratio;
+  const int n0 = n_block * kBN;
+
+  const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
+  const MBlockRange mr = m_block_range(n_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
+                                       params.causal_offset);
+  const int num_m = imax(mr.m_block_max - mr.m_block_min, 0);
+  const int total = num_m * ratio;  // (q head of the group, query tile) iterations
+  const float scale_log2 = params.scale_softmax_log2;
+
+  float acc_dk[kD / 8][4];
+  float acc_dv[kD / 8][4];
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc_dk[i][j] = 0.f;
+      acc_dv[i][j] = 0.f;
+    }
+  }
+
+  if (total > 0) {
+    // ---- K and V of the block -> shared memory, rows outside the key range zero-filled.
+    {
+      const __half* k_base = static_cast<const __half*>(params.k_ptr) +
+                             bidb * params.k_batch_stride + bidh_k * params.k_head_stride;
+      const __half* v_base = static_cast<const __half*>(params.v_ptr) +
+                             bidb * params.v_batch_stride + bidh_k * params.v_head_stride;
+      uint4 kv[Kt::kKVChunksPerThread];
+      load_tile_g2r<Kt>(kv, k_base, params.k_row_stride, n0, kr.key_start, kr.key_end, tid);
+      store_tile_r2s_padded<Kt>(kv, sK, tid);
+      load_tile_g2r<Kt>(kv, v_base, params.v_row_stride, n0, kr.key_start, kr.key_end, tid);
+      store_tile_r2s_padded<Kt>(kv, sV, tid);
+    }
+
+    // ---- register staging of one (Q, dO, lse, D) query tile; rows past seqlen_q are zero.
+    uint4 q_stage[Kt::kQChunksPerThread];
+    uint4 do_stage[Kt::kQChunksPerThread];
+    float lse_stage = 0.f, dsum_stage = 0.f;
+    auto load_tile = [&](int it) {
+      const int head = bidh_k * ratio + it / num_m;
+      const int m0 = (mr.m_block_min + it % num_m) * kBM;
+      const __half* q_base = static_cast<const __half*>(params.q_ptr) +
+                             bidb * params.q_batch_stride + head * params.q_head_stride;
+      const __half* do_base = static_cast<const __half*>(params.do_ptr) +
+                              bidb * params.do_batch_stride + head * params.do_head_stride;
+      load_tile_g2r<Kt>(q_stage, q_base, params.q_row_stride, m0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt>(do_stage, do_base, params.do_row_stride, m0, 0, params.seqlen_q, tid);
+      if (tid < kBM) {
+        const int row = m0 + tid;
+        const int64_t off = (static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + row;
+        // Rows past seqlen_q and rows that saw no key in the forward (lse = -inf) get
+        // lse = +inf: P = exp2(s - inf) = 0, so they contribute nothing (never NaN).
+        const float lse = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
+        lse_stage = lse == -INFINITY ? INFINITY : lse * kLog2e;
+        dsum_stage = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
+      }
+    };
+    auto store_tile = [&]() {
+      store_tile_r2s_padded<Kt>(q_stage, sQ, tid);
+      store_tile_r2s_padded<Kt>(do_stage, sdO, tid);
+      if (tid < kBM) {
+        sLse[tid] = lse_stage;
+        sDsum[tid] = dsum_stage;
+      }
+    };
+    load_tile(0);
+    store_tile();
+    __syncthreads();
+
+    // Per-lane ldmatrix base addresses; k-steps / n-tiles are constant offsets from them.
+    //  A of S^T / dP^T (non-trans): this warp's 16 keys of K / V, matrices (keys +0..7 | +8..15)
+    //    x (chunk 2kk | 2kk+1): regs {0,1} = k-step 2kk, {2,3} = k-step 2kk+1.
+    //  B of S^T / dP^T (non-trans): Q / dO rows = queries, matrices (queries +0..7 | +8..15 of
+    //    the 16-query pair np) x (chunk 2kk | 2kk+1).
+    //  B of dV / dK (trans): dO / Q rows = queries = the k dimension, matrices (queries +0..7 |
+    //    +8..15) x (chunk 2np | 2np+1).
+    const uint32_t k_a_addr = smem_u32addr(sK + (16 * wn + (lane % 16)) * kRowH + (lane / 16) * 8);
+    const uint32_t q_b_addr =
+        smem_u32addr(sQ + (qc0 + (mi >> 1) * 8 + (lane % 8)) * kRowH + (mi & 1) * 8);
+    const uint32_t q_t_addr =
+        smem_u32addr(sQ + (qc0 + (mi & 1) * 8 + (lane % 8)) * kRowH + (mi >> 1) * 8);
+
+    for (int it = 0; it < total; ++it) {
+      const int head = bidh_k * ratio + it / num_m;
+      const int m_block = mr.m_block_min + it % num_m;
+      const int m0 = m_block * kBM;
+      const bool has_next = it + 1 < total;
+      // Next tile's global loads in flight during this tile's MMAs. Atomic mode issues them
+      // later (before dQ = dS K), where fewer registers are live.
+      if (!Atomic_dq && has_next) load_tile(it + 1);
+
+      // Order: S^T -> P^T -> dV += P^T dO -> dP^T -> dS^T -> dK += dS^T Q, so that S^T and dP^T
+      // are never both being accumulated (register pressure at d = 128).
+      // ---- S^T = K_w Q^T: 16 keys x kWC queries per warp, fp32.
+      float acc_s[kWC / 8][4];
+#pragma unroll
+      for (int i = 0; i < kWC / 8; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc_s[i][j] = 0.f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, k_a_addr + kk * 32);
+        const uint32_t a_lo[2] = {a[0], a[1]};
+        const uint32_t a_hi[2] = {a[2], a[3]};
+#pragma unroll
+        for (int np = 0; np < kWC / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, q_b_addr + np * 16 * kRowB + kk * 32);
+          mma_m16n8k8(acc_s[2 * np], a_lo, b[0]);
+          mma_m16n8k8(acc_s[2 * np], a_hi, b[1]);
+          mma_m16n8k8(acc_s[2 * np + 1], a_lo, b[2]);
+          mma_m16n8k8(acc_s[2 * np + 1], a_hi, b[3]);
+        }
+      }
+
+      // ---- P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked; kept in acc_s.
+      // Element (nt, e): key 16 wn + g + 8 (e >= 2), query qc0 + 8 nt + 2 t + (e & 1).
+      const bool need_mask =
+          !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset);
+      uint32_t p_frag[kWC / 8][2];
+#pragma unroll
+      for (int nt = 0; nt < kWC / 8; ++nt) {
+        const int qcol = qc0 + 8 * nt + 2 * t;
+        const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = exp2f(fmaf(acc_s[nt][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+          if (need_mask) {
+            const int key = n0 + 16 * wn + g + (e >= 2 ? 8 : 0);
+            const int query = m0 + qcol + (e & 1);
+            if (!key_visible(query, key, kr, Is_causal, params.causal_offset)) p = 0.f;
+          }
+          acc_s[nt][e] = p;
+        }
+        p_frag[nt][0] = pack_half2(acc_s[nt][0], acc_s[nt][1]);
+        p_frag[nt][1] = pack_half2(acc_s[nt][2], acc_s[nt][3]);
+      }
+
+      // ---- dV += P^T dO (16 keys x d per warp; k = this warp's queries).
+#pragma unroll
+      for (int kp = 0; kp < kWC / 16; ++kp) {
+#pragma unroll
+        for (int np = 0; np < kD / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, q_t_addr + kDofromQ + kp * 16 * kRowB + np * 32);
+          mma_m16n8k8(acc_dv[2 * np], p_frag[2 * kp], b[0]);
+          mma_m16n8k8(acc_dv[2 * np], p_frag[2 * kp + 1], b[1]);
+          mma_m16n8k8(acc_dv[2 * np + 1], p_frag[2 * kp], b[2]);
+          mma_m16n8k8(acc_dv[2 * np + 1], p_frag[2 * kp + 1], b[3]);
+        }
+      }
+
+      // ---- dP^T = V_w dO^T.
+      float acc_dp[kWC / 8][4];
+#pragma unroll
+      for (int i = 0; i < kWC / 8; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc_dp[i][j] = 0.f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, k_a_addr + kVfromK + kk * 32);
+        const uint32_t a_lo[2] = {a[0], a[1]};
+        const uint32_t a_hi[2] = {a[2], a[3]};
+#pragma unroll
+        for (int np = 0; np < kWC / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, q_b_addr + kDofromQ + np * 16 * kRowB + kk * 32);
+          mma_m16n8k8(acc_dp[2 * np], a_lo, b[0]);
+          mma_m16n8k8(acc_dp[2 * np], a_hi, b[1]);
+          mma_m16n8k8(acc_dp[2 * np + 1], a_lo, b[2]);
+          mma_m16n8k8(acc_dp[2 * np + 1], a_hi, b[3]);
+        }
+      }
+
+      // ---- dS^T = P^T o (dP^T - D[query]) (fp16 A fragments; also to sdS in atomic mode).
+      uint32_t ds_frag[kWC / 8][2];
+#pragma unroll
+      for (int nt = 0; nt < kWC / 8; ++nt) {
+        const int qcol = qc0 + 8 * nt + 2 * t;
+        const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + qcol);
+        ds_frag[nt][0] = pack_half2(acc_s[nt][0] * (acc_dp[nt][0] - dsum2.x),
+                                    acc_s[nt][1] * (acc_dp[nt][1] - dsum2.y));
+        ds_frag[nt][1] = pack_half2(acc_s[nt][2] * (acc_dp[nt][2] - dsum2.x),
+                                    acc_s[nt][3] * (acc_dp[nt][3] - dsum2.y));
+        if (Atomic_dq) {
+          __half* row_ptr = sdS + (16 * wn + g) * kDsRow + qcol;
+          *reinterpret_cast<uint32_t*>(row_ptr) = ds_frag[nt][0];
+          *reinterpret_cast<uint32_t*>(row_ptr + 8 * kDsRow) = ds_frag[nt][1];
+        }
+      }
+
+      // ---- dK += dS^T Q.
+#pragma unroll
+      for (int kp = 0; kp < kWC / 16; ++kp) {
+#pragma unroll
+        for (int np = 0; np < kD / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, q_t_addr + kp * 16 * kRowB + np * 32);
+          mma_m16n8k8(acc_dk[2 * np], ds_frag[2 * kp], b[0]);
+          mma_m16n8k8(acc_dk[2 * np], ds_frag[2 * kp + 1], b[1]);
+          mma_m16n8k8(acc_dk[2 * np + 1], ds_frag[2 * kp], b[2]);
+          mma_m16n8k8(acc_dk[2 * np + 1], ds_frag[2 * kp + 1], b[3]);
+        }
+      }
+
+      if (Atomic_dq) {
+        __syncthreads();  // dS^T complete in smem; every warp is done with sQ and sdO
+        if (has_next) load_tile(it + 1);
+        // ---- dQ_tile = dS K: warp (rq, cq) computes rows 16 rq .. 16 rq + 15 and columns
+        // cq * kDqCols .. of the Br x d tile, k = the Bc keys. A = dS from sdS^T (trans),
+        // B = K (k = keys) from sK (trans).
+        constexpr int kDqC = Kt::kDqCols;
+        const int rq = warp % Kt::kDqWarpsM;
+        const int cq = warp / Kt::kDqWarpsM;
+        const uint32_t ds_a_addr =
+            smem_u32addr(sdS + ((mi >> 1) * 8 + (lane % 8)) * kDsRow + 16 * rq + (mi & 1) * 8);
+        const uint32_t k_t_addr =
+            smem_u32addr(sK + ((mi & 1) * 8 + (lane % 8)) * kRowH + cq * kDqC + (mi >> 1) * 8);
+        float acc_dq[kDqC / 8][4];
+#pragma unroll
+        for (int i = 0; i < kDqC / 8; ++i) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc_dq[i][j] = 0.f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, ds_a_addr + kk * 16 * kDsRow * 2);
+          const uint32_t a_lo[2] = {a[0], a[1]};
+          const uint32_t a_hi[2] = {a[2], a[3]};
+#pragma unroll
+          for (int np = 0; np < kDqC / 16; ++np) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, k_t_addr + kk * 16 * kRowB + np * 32);
+            mma_m16n8k8(acc_dq[2 * np], a_lo, b[0]);
+            mma_m16n8k8(acc_dq[2 * np], a_hi, b[1]);
+            mma_m16n8k8(acc_dq[2 * np + 1], a_lo, b[2]);
+            mma_m16n8k8(acc_dq[2 * np + 1], a_hi, b[3]);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < kDqC / 8; ++nt) {
+          const int row = 16 * rq + g;
+          const int col = cq * kDqC + 8 * nt + 2 * t;
+          *reinterpret_cast<float2*>(sdQ + fp32_tile_offset<kD>(row, col)) =
+              make_float2(acc_dq[nt][0], acc_dq[nt][1]);
+          *reinterpret_cast<float2*>(sdQ + fp32_tile_offset<kD>(row + 8, col)) =
+              make_float2(acc_dq[nt][2], acc_dq[nt][3]);
+        }
+        __syncthreads();
+        // Coalesced fp32 atomics: the tile's rows are contiguous in dq_accum (b, h, sq, d). Each
+        // step covers kRowsPerStep whole rows; the thread's column is fixed, so every step is a
+        // constant offset (immediates, no per-step address registers).
+        constexpr int kRowsPerStep = Kt::kNThreads / kD;
+        const int my_row = tid / kD;
+        const float* src = sdQ + fp32_tile_offset<kD>(my_row, tid % kD);
+        float* dq_acc = params.dq_accum_ptr +
+                        ((static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + m0) * kD +
+                        tid;
+        const int rows_left = params.seqlen_q - m0 - my_row;
+#pragma unroll
+        for (int i = 0; i < kBM / kRowsPerStep; ++i) {
+          if (i * kRowsPerStep < rows_left) {
+            atomicAdd(dq_acc + i * Kt::kNThreads, src[i * kRowsPerStep * (kD + 8)]);
+          }
+        }
+      }
+
+      __syncthreads();  // every warp is done with sQ, sdO, sLse, sDsum (and sdQ, sdS)
+      if (has_next) {
+        store_tile();
+        __syncthreads();
+      }
+    }
+  }
+
+  // ---- epilogue: sum the kNWarpsM partial dK/dV of each key group through shared memory
+  // (sRed aliases sK + sV, free now), then the wm == 0 warps write dK * scale and dV.
+  if (Kt::kNWarpsM > 1) {
+    __syncthreads();
+    reduce_over_query_splits<Kt>(acc_dk, sRed, wn, wm, g, t);
+    reduce_over_query_splits<Kt>(acc_dv, sRed, wn, wm, g, t);
+  }
+  if (wm == 0) {
+    __half* dk_base = static_cast<__half*>(params.dk_ptr) + bidb * params.dk_batch_stride +
+                      bidh_k * params.dk_head_stride;
+    __half* dv_base = static_cast<__half*>(params.dv_ptr) + bidb * params.dv_batch_stride +
+                      bidh_k * params.dv_head_stride;
+    const float scale = params.scale_softmax;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = n0 + 16 * wn + g + 8 * r;
+      if (key < params.seqlen_k) {
+#pragma unroll
+        for (int dt = 0; dt < kD / 8; ++dt) {
+          const int col = 8 * dt + 2 * t;
+          *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) =
+              pack_half2(acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
+          *reinterpret_cast<uint32_t*>(dv_base + key * params.dv_row_stride + col) =
+              pack_half2(acc_dv[dt][2 * r], acc_dv[dt][2 * r + 1]);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic dQ: one CTA per (query tile, batch, head), 16 query rows per warp, streaming the
+// K/V tiles the tile sees (the forward's loop): S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+template <typename Kt, bool Is_causal>
+__global__ void __launch_bounds__(Kt::kNThreads)
+    flash_bwd_dq_kernel(const Flash_bwd_params params) {
+  constexpr int kD = Kt::kHeadDim;
+  constexpr int kBM = Kt::kBlockM;
+  constexpr int kBN = Kt::kBlockN;
+  constexpr int kCPR = Kt::kChunksPerRow;
+  constexpr int kRowBytes = kD * 2;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __half* sK = reinterpret_cast<__half*>(smem_raw);  // Bc x d; with sV the Q / dO / dQ staging
+  __half* sV = sK + kBN * kD;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+
+  const int num_m_blocks = ceil_div(params.seqlen_q, kBM);
+  const int64_t num_bh = static_cast<int64_t>(params.b) * params.h;
+  const int64_t linear = blockIdx.x;
+  int m_block;
+  int64_t bh;
+  if (Is_causal) {
+    bh = linear % num_bh;
+    m_block = num_m_blocks - 1 - static_cast<int>(linear / num_bh);
+  } else {
+    m_block = static_cast<int>(linear % num_m_blocks);
+    bh = linear / num_m_blocks;
+  }
+  const int bidb = static_cast<int>(bh / params.h);
+  const int bidh = static_cast<int>(bh % params.h);
+  const int bidh_k = bidh / params.h_h_k_ratio;
+
+  const __half* q_base = static_cast<const __half*>(params.q_ptr) + bidb * params.q_batch_stride +
+                         bidh * params.q_head_stride;
+  const __half* do_base = static_cast<const __half*>(params.do_ptr) +
+                          bidb * params.do_batch_stride + bidh * params.do_head_stride;
+  const __half* k_base = static_cast<const __half*>(params.k_ptr) + bidb * params.k_batch_stride +
+                         bidh_k * params.k_head_stride;
+  const __half* v_base = static_cast<const __half*>(params.v_ptr) + bidb * params.v_batch_stride +
+                         bidh_k * params.v_head_stride;
+  __half* dq_base = static_cast<__half*>(params.dq_ptr) + bidb * params.dq_batch_stride +
+                    bidh * params.dq_head_stride;
+
+  const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
+  const BlockRange nb = n_block_range(m_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
+                                      params.causal_offset);
+  const int row0 = m_block * kBM;
+  const float scale_log2 = params.scale_softmax_log2;
+
+  // lse (log2 units; +inf for rows without keys or past seqlen_q) and D of rows g, g + 8.
+  float lse_l2[2], dsum[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 16 * warp + g + 8 * r;
+    const int64_t off = bh * params.seqlen_q + row;
+    const float lse = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
+    lse_l2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    dsum[r] = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
+  }
+
+  float acc_dq[kD / 8][4];
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc_dq[i][j] = 0.f;
+  }
+
+  if (nb.n_block_max > nb.n_block_min) {
+    uint4 stage[Kt::kChunksPerThread];
+    // ---- Q and dO tiles -> smem -> A fragments in registers (as q_frag in the forward).
+    uint32_t q_frag[kD / 16][4];
+    uint32_t do_frag[kD / 16][4];
+    const uint32_t a_addr =
+        smem_u32addr(sK + swizzle_offset<kCPR>(16 * warp + (lane % 16), lane / 16));
+    {
+      uint4 qstage[Kt::kQChunksPerThread];
+      load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
+      store_tile_r2s<Kt>(qstage, sK, tid);
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(q_frag[kk], swizzle_xor(a_addr, kk));
+      __syncthreads();
+      load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, params.seqlen_q, tid);
+      store_tile_r2s<Kt>(qstage, sK, tid);
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(do_frag[kk], swizzle_xor(a_addr, kk));
+      __syncthreads();
+    }
+    load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, nb.n_block_min * kBN, kr.key_start,
+                      kr.key_end, tid);
+    store_tile_r2s<Kt>(stage, sK, tid);
+    __syncthreads();
+
+    // B of S = Q K^T and dP = dO V^T: K / V non-trans (as in the forward);
+    // B of dQ += dS K: K trans (the forward's V pattern).
+    const int mi = lane / 8;
+    const uint32_t k_lane_addr =
+        smem_u32addr(sK + swizzle_offset<kCPR>((mi >> 1) * 8 + (lane % 8), mi & 1));
+    const uint32_t v_lane_addr =
+        smem_u32addr(sV + swizzle_offset<kCPR>((mi >> 1) * 8 + (lane % 8), mi & 1));
+    const uint32_t kt_lane_addr =
+        smem_u32addr(sK + swizzle_offset<kCPR>((mi & 1) * 8 + (lane % 8), mi >> 1));
+
+    for (int n_block = nb.n_block_min; n_block < nb.n_block_max; ++n_block) {
+      // V_j: global loads in flight while S_j is computed.
+      load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, n_block * kBN, kr.key_start,
+                        kr.key_end, tid);
+
+      float acc_s[kBN / 8][4];
+#pragma unroll
+      for (int i = 0; i < kBN / 8; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc_s[i][j] = 0.f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t a_lo[2] = {q_frag[kk][0], q_frag[kk][1]};
+        const uint32_t a_hi[2] = {q_frag[kk][2], q_frag[kk][3]};
+        const uint32_t k_addr = swizzle_xor(k_lane_addr, kk);
+#pragma unroll
+        for (int np = 0; np < kBN / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, k_addr + np * 16 * kRowBytes);
+          mma_m16n8k8(acc_s[2 * np], a_lo, b[0]);
+          mma_m16n8k8(acc_s[2 * np], a_hi, b[1]);
+          mma_m16n8k8(acc_s[2 * np + 1], a_lo, b[2]);
+          mma_m16n8k8(acc_s[2 * np + 1], a_hi, b[3]);
+        }
+      }
+      // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s).
+      const bool need_mask =
+          !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset);
+#pragma unroll
+      for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = exp2f(fmaf(acc_s[nt][e], scale_log2, -lse_l2[e >> 1]));
+          if (need_mask) {
+            const int row = row0 + 16 * warp + g + (e >= 2 ? 8 : 0);
+            const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
+            if (!key_visible(row, col, kr, Is_causal, params.causal_offset)) p = 0.f;
+          }
+          acc_s[nt][e] = p;
+        }
+      }
+
+      store_tile_r2s<Kt>(stage, sV, tid);
+      __syncthreads();  // V_j visible
+      const bool has_next = n_block + 1 < nb.n_block_max;
+      if (has_next) {  // K_{j+1}: global loads in flight during dP and dQ
+        load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, (n_block + 1) * kBN, kr.key_start,
+                          kr.key_end, tid);
+      }
+
+      // ---- dP = dO V_j^T, then dS = P o (dP - D) as fp16 A fragments.
+      uint32_t ds_frag[kBN / 8][2];
+      {
+        float acc_dp[kBN / 8][4];
+#pragma unroll
+        for (int i = 0; i < kBN / 8; ++i) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc_dp[i][j] = 0.f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          const uint32_t a_lo[2] = {do_frag[kk][0], do_frag[kk][1]};
+          const uint32_t a_hi[2] = {do_frag[kk][2], do_frag[kk][3]};
+          const uint32_t v_addr = swizzle_xor(v_lane_addr, kk);
+#pragma unroll
+          for (int np = 0; np < kBN / 16; ++np) {
+            uint32_t b[4];
+            ldmatrix_x4(b, v_addr + np * 16 * kRowBytes);
+            mma_m16n8k8(acc_dp[2 * np], a_lo, b[0]);
+            mma_m16n8k8(acc_dp[2 * np], a_hi, b[1]);
+            mma_m16n8k8(acc_dp[2 * np + 1], a_lo, b[2]);
+            mma_m16n8k8(acc_dp[2 * np + 1], a_hi, b[3]);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < kBN / 8; ++nt) {
+          ds_frag[nt][0] = pack_half2(acc_s[nt][0] * (acc_dp[nt][0] - dsum[0]),
+                                      acc_s[nt][1] * (acc_dp[nt][1] - dsum[0]));
+          ds_frag[nt][1] = pack_half2(acc_s[nt][2] * (acc_dp[nt][2] - dsum[1]),
+                                      acc_s[nt][3] * (acc_dp[nt][3] - dsum[1]));
+        }
+      }
+
+      // ---- dQ += dS K_j (k = keys).
+#pragma unroll
+      for (int kp = 0; kp < kBN / 16; ++kp) {
+#pragma unroll
+        for (int np = 0; np < kD / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, swizzle_xor(kt_lane_addr, np) + kp * 16 * kRowBytes);
+          mma_m16n8k8(acc_dq[2 * np], ds_frag[2 * kp], b[0]);
+          mma_m16n8k8(acc_dq[2 * np], ds_frag[2 * kp + 1], b[1]);
+          mma_m16n8k8(acc_dq[2 * np + 1], ds_frag[2 * kp], b[2]);
+          mma_m16n8k8(acc_dq[2 * np + 1], ds_frag[2 * kp + 1], b[3]);
+        }
+      }
+      __syncthreads();  // every warp is done with K_j and V_j
+      if (has_next) {
+        store_tile_r2s<Kt>(stage, sK, tid);
+        __syncthreads();
+      }
+    }
+  }
+
+  // ---- epilogue: dq = scale * acc_dq in fp16, staged through smem for 16-byte row stores.
+  const float scale = params.scale_softmax;
+  __half* sO = sK;
+#pragma unroll
+  for (int dt = 0; dt < kD / 8; ++dt) {
+    const int row = 16 * warp + g;
+    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, dt) + 2 * t) =
+        pack_half2(acc_dq[dt][0] * scale, acc_dq[dt][1] * scale);
+    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, dt) + 2 * t) =
+        pack_half2(acc_dq[dt][2] * scale, acc_dq[dt][3] * scale);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < Kt::kQChunksPerThread; ++i) {
+    const int idx = tid + i * Kt::kNThreads;
+    const int r = idx / kCPR;
+    const int c = idx % kCPR;
+    const int grow = row0 + r;
+    if (grow < params.seqlen_q) {
+      *reinterpret_cast<uint4*>(dq_base + grow * params.dq_row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(sO + swizzle_offset<kCPR>(r, c));
+    }
+  }
+}
+
+}  // namespace flash_sm75

@@ -1,0 +1,55 @@
+// Launch sequence of the backward pass for one (head dim, causal) instantiation.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "bwd_kernel_traits.h"
+#include "flash_bwd.h"
+#include "flash_bwd_kernel.h"
+
+namespace flash_sm75 {
+
+template <typename Kernel>
+void set_max_dynamic_smem(Kernel kernel, int bytes) {
+  if (bytes > kSm75DefaultSmemPerBlock) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("flash_attention_sm75: cudaFuncSetAttribute failed: ") +
+                               cudaGetErrorString(err));
+    }
+  }
+}
+
+// 1. D = rowsum(dO o O) - dLSE.  2. dK/dV kernel (atomic mode: + dQ partial sums).
+// 3. atomic mode: dq = scale * dq_accum; deterministic mode: the dQ kernel.
+// Atomic mode expects params.dq_accum_ptr zero-filled (the host API allocates it with zeros).
+template <int kHeadDim, bool Is_causal>
+void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
+  using Kt = typename Bwd_tile_config<kHeadDim>::Traits;
+  using Kq = typename Bwd_tile_config<kHeadDim>::DqTraits;
+  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq>(params.b, params.h, params.h_k, params.seqlen_q,
+                                                   params.seqlen_k, params.dq_atomic);
+  flash_bwd_preprocess_kernel<kHeadDim>
+      <<<static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads, 0, stream>>>(params);
+  if (params.dq_atomic) {
+    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, true>;
+    set_max_dynamic_smem(kernel, plan.dkdv_smem);
+    kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
+             stream>>>(params);
+    flash_bwd_convert_dq_kernel<kHeadDim>
+        <<<static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads, 0, stream>>>(params);
+  } else {
+    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false>;
+    set_max_dynamic_smem(kernel, plan.dkdv_smem);
+    kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
+             stream>>>(params);
+    auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal>;
+    set_max_dynamic_smem(dq_kernel, plan.dq_smem);
+    dq_kernel<<<static_cast<unsigned>(plan.dq_blocks), plan.dq_threads, plan.dq_smem, stream>>>(
+        params);
+  }
+}
+
+}  // namespace flash_sm75

@@ -1,0 +1,103 @@
+"""Autograd for ``flash_attention_sm75::fwd`` through the backward op ``flash_attention_sm75::bwd``.
+
+:func:`register_backward` (idempotent) registers
+
+* a fake (meta) implementation of ``bwd`` (``torch.compile`` / ``torch.export`` / FakeTensorMode):
+  ``dq`` like ``q`` and ``dk``/``dv`` like ``k``/``v``, contiguous BSHD, exactly what the C++
+  allocates;
+* the autograd formula of ``fwd``: saves ``q, k, v, out, softmax_lse`` (O(N) memory, no
+  attention matrix) and calls ``bwd``. A gradient flowing into ``softmax_lse`` (returned with
+  ``return_lse=True``) is passed on as ``grad_softmax_lse`` and handled exactly.
+
+Determinism: the backward is bitwise reproducible when ``torch.use_deterministic_algorithms(True)``
+is in effect or inside :func:`deterministic_backward`. It then computes dQ in a separate kernel
+(no floating-point atomics), which costs about 1.4x the matmul work of the default mode (dQ
+accumulated with fp32 atomics) and no extra memory; the default mode allocates an fp32
+``(batch, num_heads, seqlen_q, head_dim)`` dQ accumulator.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Iterator
+
+import torch
+
+__all__ = ["deterministic_backward", "is_deterministic_backward", "register_backward"]
+
+_registered = False
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def deterministic_backward(enabled: bool = True) -> Iterator[None]:
+    """Within the block, backward passes run in deterministic mode (this thread only).
+
+    The flag is read when the backward runs (``loss.backward()``), not when the forward runs.
+    """
+    prev = getattr(_local, "deterministic", None)
+    _local.deterministic = enabled
+    try:
+        yield
+    finally:
+        _local.deterministic = prev
+
+
+def is_deterministic_backward() -> bool:
+    """True if the next backward on this thread runs without floating-point atomics."""
+    flag = getattr(_local, "deterministic", None)
+    if flag is not None:
+        return bool(flag)
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_bottom_right,
+              leftpad_k=None, seqused_k=None, deterministic=False, grad_softmax_lse=None):
+    torch._check(dout.shape == q.shape, lambda: "flash_attention_sm75: dout must have the shape of q")
+    torch._check(out.shape == q.shape, lambda: "flash_attention_sm75: out must have the shape of q")
+    # The C++: at::empty({b, sq, h, d}, q.options()) and at::empty({b, sk, h_k, d}, ...) twice.
+    return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k = inputs
+    out, softmax_lse = output
+    ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k)
+    ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
+    ctx.is_causal = bool(is_causal)
+    ctx.causal_bottom_right = bool(causal_bottom_right)
+    # Unused outputs (usually softmax_lse) get None instead of a materialized zero tensor.
+    ctx.set_materialize_grads(False)
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, softmax_lse, leftpad_k, seqused_k = ctx.saved_tensors
+    none = (None,) * 5  # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k
+    if grad_out is None and grad_lse is None:
+        return (None, None, None) + none
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
+        grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
+        ctx.causal_bottom_right, leftpad_k, seqused_k, is_deterministic_backward(), grad_lse)
+    return (dq, dk, dv) + none
+
+
+def register_backward() -> bool:
+    """Register the fake of ``bwd`` and the autograd formula of ``fwd``. Returns False (and does
+    nothing) when the compiled extension, or its ``bwd`` op, is not available."""
+    global _registered
+    if _registered:
+        return True
+    try:
+        from . import _C  # noqa: F401  (loads the op library)
+    except ImportError:
+        return False
+    if not hasattr(torch.ops.flash_attention_sm75, "bwd"):
+        return False
+    torch.library.register_fake("flash_attention_sm75::bwd")(_bwd_fake)
+    torch.library.register_autograd("flash_attention_sm75::fwd", _fwd_backward,
+                                    setup_context=_fwd_setup_context)
+    _registered = True
+    return True

@@ -1,0 +1,286 @@
+"""Backward pass of flash_attention_sm75: gradients against a float64 autograd reference.
+
+GPU tests (skipped without CUDA) use FlashAttention's criterion: for each of dq, dk, dv,
+``max|ours - ref64| <= 2 * max|pt16 - ref64| + atol``, where ``pt16`` is the same attention
+computed by PyTorch in float16 (matmuls in fp16, softmax in fp32) and differentiated by autograd.
+CPU tests check the float32 CPU implementation of ``bwd`` and the autograd wiring.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+ext = pytest.importorskip("flash_attention_sm75._C", reason="extension not built")
+from flash_attention_sm75._backward import deterministic_backward, register_backward  # noqa: E402
+
+HAS_BWD = register_backward()
+pytestmark = pytest.mark.skipif(not HAS_BWD, reason="bwd op not in the built extension")
+HAS_CUDA = torch.cuda.is_available()
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+ops = torch.ops.flash_attention_sm75
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+def visible_mask(B, Sq, Sk, causal, bottom_right, leftpad_k=None, seqused_k=None, device="cpu"):
+    i = torch.arange(Sq, device=device)[:, None]
+    j = torch.arange(Sk, device=device)[None, :]
+    vis = torch.ones(B, 1, Sq, Sk, dtype=torch.bool, device=device)
+    if causal:
+        off = Sk - Sq if bottom_right else 0
+        vis = vis & (j <= i + off)
+    if leftpad_k is not None:
+        lp = leftpad_k.to(device).long().clamp(0, Sk)
+        vis = vis & (j[None, None] >= lp.view(B, 1, 1, 1))
+    if seqused_k is not None:
+        su = seqused_k.to(device).long().clamp(0, Sk)
+        vis = vis & (j[None, None] < su.view(B, 1, 1, 1))
+    return vis
+
+
+def attention_ref(q, k, v, scale, causal, bottom_right, leftpad_k=None, seqused_k=None,
+                  dtype=torch.float64):
+    """BSHD attention in `dtype` (float64 reference, or float16 = the PyTorch baseline with an
+    fp32 softmax). Rows that see no key output 0. Differentiable."""
+    B, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    qd, kd, vd = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
+    kd = kd.repeat_interleave(H // Hk, 1)
+    vd = vd.repeat_interleave(H // Hk, 1)
+    s = (qd * scale) @ kd.transpose(-1, -2) if dtype == torch.float16 else (qd @ kd.transpose(-1, -2)) * scale
+    vis = visible_mask(B, Sq, Sk, causal, bottom_right, leftpad_k, seqused_k, q.device)
+    s = s.masked_fill(~vis, float("-inf"))
+    p = torch.softmax(s.float() if dtype == torch.float16 else s, dim=-1)
+    p = p.masked_fill(~vis.any(-1, keepdim=True), 0.0).to(dtype)
+    return (p @ vd).transpose(1, 2)
+
+
+def make_inputs(B, Sq, Sk, H, Hk, D, device, layout="bshd", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=torch.float16)
+
+    if layout == "bhsd":  # non-contiguous BSHD views of BHSD storage
+        q = rnd(B, H, Sq, D).transpose(1, 2)
+        k = rnd(B, Hk, Sk, D).transpose(1, 2)
+        v = rnd(B, Hk, Sk, D).transpose(1, 2)
+        do = rnd(B, H, Sq, D).transpose(1, 2)
+    elif layout == "sliced":  # every head is a slice of a wider row (strides % 8 == 0)
+        q = rnd(B, Sq, H, D + 8)[..., :D]
+        k = rnd(B, Sk, Hk, D + 8)[..., :D]
+        v = rnd(B, Sk, Hk, D + 8)[..., :D]
+        do = rnd(B, Sq, H, D + 8)[..., :D]
+    else:
+        q, k, v, do = rnd(B, Sq, H, D), rnd(B, Sk, Hk, D), rnd(B, Sk, Hk, D), rnd(B, Sq, H, D)
+    return q, k, v, do
+
+
+def grads(fn, q, k, v, do):
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out = fn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do.to(out.dtype))
+    return out, dq, dk, dv
+
+
+def check_against_reference(q, k, v, do, causal, bottom_right, lp=None, su=None,
+                            deterministic=False, atol=1e-3):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = ops.fwd(q, k, v, scale, causal, bottom_right, lp, su)
+    dq, dk, dv = ops.bwd(do, q, k, v, out, lse, scale, causal, bottom_right, lp, su, deterministic)
+    for t in (dq, dk, dv):
+        assert t.dtype == torch.float16 and t.is_contiguous()
+        assert not torch.isnan(t).any()
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+    _, dq_ref, dk_ref, dv_ref = grads(
+        lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su), q, k, v, do)
+    _, dq_pt, dk_pt, dv_pt = grads(
+        lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su,
+                                      dtype=torch.float16), q, k, v, do)
+    for name, ours, ref, pt in (("dq", dq, dq_ref, dq_pt), ("dk", dk, dk_ref, dk_pt),
+                                ("dv", dv, dv_ref, dv_pt)):
+        err = (ours.double() - ref).abs().max().item()
+        err_pt = (pt.double() - ref).abs().max().item()
+        assert err <= 2 * err_pt + atol, f"{name}: ours {err:.3e} vs pytorch fp16 {err_pt:.3e}"
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+CAUSAL_MODES = [(False, True), (True, True), (True, False)]  # (is_causal, bottom_right)
+SEQLENS = [(1, 1), (7, 7), (127, 129), (129, 127), (1, 1000), (1000, 7), (1000, 1000), (113, 203)]
+
+
+@cuda_only
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES)
+@pytest.mark.parametrize("seqlens", SEQLENS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_seqlens(d, seqlens, causal, bottom_right, deterministic):
+    Sq, Sk = seqlens
+    q, k, v, do = make_inputs(2, Sq, Sk, 4, 2, d, "cuda", seed=Sq * 7 + Sk)
+    check_against_reference(q, k, v, do, causal, bottom_right, deterministic=deterministic)
+
+
+@cuda_only
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("h,h_k", [(4, 4), (4, 2), (8, 2), (8, 1)])  # MHA, GQA 2 and 4, MQA
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_gqa(d, causal, bottom_right, h, h_k, deterministic):
+    q, k, v, do = make_inputs(2, 257, 300, h, h_k, d, "cuda", seed=h * 10 + h_k)
+    check_against_reference(q, k, v, do, causal, bottom_right, deterministic=deterministic)
+
+
+@cuda_only
+@pytest.mark.parametrize("layout", ["bhsd", "sliced"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_strided(d, layout):
+    q, k, v, do = make_inputs(2, 200, 190, 4, 2, d, "cuda", layout=layout, seed=3)
+    assert not q.is_contiguous()
+    check_against_reference(q, k, v, do, True, True)
+
+
+@cuda_only
+def test_bwd_unaligned_dout_is_copied():
+    # e.g. the expanded gradient of out.sum(): stride 0 everywhere
+    q, k, v, _ = make_inputs(1, 65, 65, 2, 2, 64, "cuda")
+    do = torch.ones(1, 1, 1, 1, device="cuda", dtype=torch.float16).expand(1, 65, 2, 64)
+    check_against_reference(q, k, v, do, False, True)
+
+
+@cuda_only
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_key_ranges(d, causal, bottom_right, deterministic):
+    B, S = 4, 300
+    q, k, v, do = make_inputs(B, S, S, 4, 2, d, "cuda", seed=11)
+    lp = torch.tensor([0, 5, 100, S], dtype=torch.int32, device="cuda")  # last: no key at all
+    su = torch.tensor([S, 250, 120, S], dtype=torch.int32, device="cuda")
+    dq, dk, dv = check_against_reference(q, k, v, do, causal, bottom_right, lp, su,
+                                         deterministic=deterministic)
+    for b in range(B):
+        lo, hi = int(lp[b]), int(su[b])
+        outside = torch.ones(S, dtype=torch.bool, device="cuda")
+        outside[lo:max(lo, hi)] = False
+        assert (dk[b][outside] == 0).all() and (dv[b][outside] == 0).all()
+    assert (dq[3] == 0).all()  # rows that saw no key: zero gradient, not NaN
+
+
+@cuda_only
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_deterministic_bitwise(d):
+    q, k, v, do = make_inputs(2, 1000, 1000, 8, 2, d, "cuda", seed=5)
+    scale = d ** -0.5
+    out, lse = ops.fwd(q, k, v, scale, True, True)
+    first = ops.bwd(do, q, k, v, out, lse, scale, True, True, None, None, True)
+    for _ in range(3):
+        again = ops.bwd(do, q, k, v, out, lse, scale, True, True, None, None, True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@cuda_only
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_autograd_through_fwd(deterministic):
+    q, k, v, do = make_inputs(2, 300, 300, 4, 2, 64, "cuda", seed=9)
+    scale = 0.125
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    with deterministic_backward(deterministic):
+        out, _ = ops.fwd(q, k, v, scale, True, True)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    _, dq_ref, dk_ref, dv_ref = grads(
+        lambda a, b, c: attention_ref(a, b, c, scale, True, True), q, k, v, do)
+    for ours, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert (ours.double() - ref).abs().max().item() < 2e-2
+
+
+@cuda_only
+def test_grad_through_lse():
+    # loss uses softmax_lse too: its gradient must be included (d lse_i / d s_ij = P_ij)
+    q, k, v, do = make_inputs(1, 150, 170, 2, 1, 64, "cuda", seed=2)
+    scale = 0.125
+    glse = torch.randn(1, 2, 150, device="cuda", dtype=torch.float32)
+    q1, k1, v1 = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out, lse = ops.fwd(q1, k1, v1, scale, True, True)
+    torch.autograd.backward((out, lse), (do, glse))
+
+    q2, k2, v2 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    s = (q2.transpose(1, 2) @ k2.transpose(1, 2).repeat_interleave(2, 1).transpose(-1, -2)) * scale
+    vis = visible_mask(1, 150, 170, True, True, device="cuda")
+    s = s.masked_fill(~vis, float("-inf"))
+    lse_ref = torch.logsumexp(s, -1)
+    o_ref = (torch.softmax(s, -1) @ v2.transpose(1, 2).repeat_interleave(2, 1)).transpose(1, 2)
+    torch.autograd.backward((o_ref, lse_ref), (do.double(), glse.double()))
+    for a, b in ((q1, q2), (k1, k2), (v1, v2)):
+        assert (a.grad.double() - b.grad).abs().max().item() < 2e-2
+
+
+@cuda_only
+def test_bwd_memory_is_linear():
+    # N = 16k: an N x N fp32 matrix per head would be 1 GiB; the backward must stay O(N).
+    N, H, D = 16384, 4, 64
+    q, k, v, do = make_inputs(1, N, N, H, H, D, "cuda", seed=1)
+    out, lse = ops.fwd(q, k, v, None, True, True)
+    torch.cuda.synchronize()
+    for deterministic in (False, True):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads_ = ops.bwd(do, q, k, v, out, lse, D ** -0.5, True, True, None, None, deterministic)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        io_bytes = q.numel() * 2  # one (N, H, D) fp16 tensor = 8 MiB
+        # dq, dk, dv (3 io) + fp32 dq accumulator (2 io) + D; far below N^2 * 4 bytes (1 GiB).
+        assert peak <= 8 * io_bytes, f"peak {peak / 2**20:.1f} MiB"
+        del grads_
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the float32 implementation against float64 autograd, and the autograd wiring.
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES)
+@pytest.mark.parametrize("Sq,Sk,h,h_k", [(5, 9, 4, 2), (9, 5, 4, 1), (33, 33, 2, 2), (1, 17, 4, 4)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cpu_bwd_matches_autograd(d, Sq, Sk, h, h_k, causal, bottom_right):
+    q, k, v, do = make_inputs(2, Sq, Sk, h, h_k, d, "cpu", seed=Sq + Sk)
+    lp = torch.tensor([0, 2], dtype=torch.int32)
+    su = torch.tensor([Sk, max(2, Sk - 2)], dtype=torch.int32)
+    scale = 1.0 / math.sqrt(d)
+    out, lse = ops.fwd(q, k, v, scale, causal, bottom_right, lp, su)
+    dq, dk, dv = ops.bwd(do, q, k, v, out, lse, scale, causal, bottom_right, lp, su)
+    _, dq_ref, dk_ref, dv_ref = grads(
+        lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su), q, k, v, do)
+    for ours, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert not torch.isnan(ours).any()
+        # fp16 output rounding + D computed from the fp16 `out`
+        assert (ours.double() - ref).abs().max().item() <= 1e-2 * max(1.0, ref.abs().max().item())
+
+
+def test_cpu_autograd_and_no_key_rows():
+    B, S = 2, 12
+    q, k, v, do = make_inputs(B, S, S, 2, 1, 64, "cpu", seed=4)
+    lp = torch.tensor([0, S], dtype=torch.int32)  # batch 1 sees no key
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    out, _ = ops.fwd(q, k, v, None, False, True, lp, None)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    assert not any(torch.isnan(t).any() for t in (dq, dk, dv))
+    assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
+
+
+def test_opcheck_bwd_cpu():
+    q, k, v, do = make_inputs(1, 9, 11, 4, 2, 64, "cpu", seed=6)
+    out, lse = ops.fwd(q, k, v, 0.125, True, True)
+    torch.library.opcheck(ops.bwd.default, (do, q, k, v, out, lse, 0.125, True, True))
+    lp = torch.tensor([1], dtype=torch.int32)
+    torch.library.opcheck(ops.bwd.default, (do, q, k, v, out, lse, 0.125, False, True, lp, None,
+                                            True, torch.randn(1, 4, 9)))
+
+
+def test_opcheck_fwd_autograd_cpu():
+    q, k, v, _ = make_inputs(1, 9, 11, 4, 2, 64, "cpu", seed=7)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    torch.library.opcheck(ops.fwd.default, (q, k, v, 0.125, True, True))
