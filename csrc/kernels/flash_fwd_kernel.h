@@ -15,8 +15,6 @@
 //  * No cp.async on SM75: the next tile's global loads are issued into registers before the
 //    current tile's MMAs and written to shared memory after them (register double buffering):
 //    V_j is fetched while S_j = Q K_j^T and its softmax run, K_{j+1} while O += P_j V_j runs.
-//    V_j's loads are issued before the barrier that closes iteration j-1, so the compiler
-//    cannot sink them below the S MMAs.
 #pragma once
 
 #include <cmath>
@@ -43,9 +41,11 @@ __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* 
     const int r = idx / Kt::kChunksPerRow;
     const int c = idx % Kt::kChunksPerRow;
     const int grow = row0 + r;
-    const bool valid = grow >= valid_begin && grow < valid_end;
-    // The address is only formed (and dereferenced) for valid rows.
-    stage[i] = ldg_nc_v4_or_zero(valid ? base + grow * row_stride + c * 8 : base, valid);
+    if (grow >= valid_begin && grow < valid_end) {
+      stage[i] = __ldg(reinterpret_cast<const uint4*>(base + grow * row_stride + c * 8));
+    } else {
+      stage[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
   }
 }
 
@@ -144,9 +144,6 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, nb.n_block_min * kBN, kr.key_start,
                       kr.key_end, tid);
     store_tile_r2s<Kt>(stage, sK, tid);
-    // V of the first tile: in flight across the barrier and the first S = Q K^T.
-    load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, nb.n_block_min * kBN, kr.key_start,
-                      kr.key_end, tid);
     __syncthreads();
 
     // Per-lane ldmatrix base addresses (chunk pair 0); swizzle_xor selects chunk pair kk.
@@ -161,8 +158,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         smem_u32addr(sV + swizzle_offset<kCPR>((mi & 1) * 8 + (lane % 8), mi >> 1));
 
     for (int n_block = nb.n_block_min; n_block < nb.n_block_max; ++n_block) {
-      // V_j's global loads (issued before the barrier that ends the previous iteration, where
-      // the compiler cannot sink them) are in flight while S_j and its softmax are computed.
+      // V_j: global loads in flight while S_j and its softmax are computed.
+      load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, n_block * kBN, kr.key_start,
+                        kr.key_end, tid);
 
       // ---- S = Q K_j^T (16 x Bc per warp, fp32)
       float acc_s[kBN / 8][4];
@@ -267,11 +265,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
           mma_m16n8k8(acc_o[2 * np + 1], p_frag[2 * kp + 1], b[3]);
         }
       }
-      if (has_next) {
-        store_tile_r2s<Kt>(stage, sK, tid);
-        load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, (n_block + 1) * kBN, kr.key_start,
-                          kr.key_end, tid);
-      }
+      if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
       __syncthreads();  // K_{j+1} visible; every warp is done with V_j
     }
   }

@@ -64,26 +64,6 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// 16-byte global load through the read-only path, or zeros when !valid. `volatile` keeps the
-// load where it is written: without it the compiler sank the V-tile loads below the S = Q K^T
-// MMAs, leaving only the softmax to hide their latency.
-__device__ __forceinline__ uint4 ldg_nc_v4_or_zero(const void* ptr, bool valid) {
-  uint4 r;
-  asm volatile(
-      "{\n"
-      "  .reg .pred p;\n"
-      "  setp.ne.b32 p, %5, 0;\n"
-      "  mov.b32 %0, 0;\n"
-      "  mov.b32 %1, 0;\n"
-      "  mov.b32 %2, 0;\n"
-      "  mov.b32 %3, 0;\n"
-      "  @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      "}\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(ptr), "r"(static_cast<int>(valid)));
-  return r;
-}
-
 // Max / sum over the 4 lanes of a quad (the lanes that share one accumulator row).
 __device__ __forceinline__ float quad_allreduce_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
