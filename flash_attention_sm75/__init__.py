@@ -1,0 +1,52 @@
+"""FlashAttention for NVIDIA Turing (sm_75) GPUs as PyTorch ops.
+
+Public API:
+
+* :func:`flash_attn_func` -- FlashAttention's API, BSHD tensors, bottom-right causal.
+* :func:`flash_attention_forward` -- the same for BHSD tensors.
+* :func:`scaled_dot_product_attention` -- drop-in for ``torch.nn.functional``'s SDPA (BHSD,
+  top-left causal), falling back to torch for unsupported input; :func:`why_not_supported`,
+  :func:`strict`, :func:`set_strict` control and explain the fallback.
+* :func:`apply_patch` / :func:`remove_patch` -- Hugging Face transformers integration (imported
+  lazily, so transformers is optional).
+
+The op itself is ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md).
+"""
+from ._ops import EXTENSION_AVAILABLE, EXTENSION_ERROR
+from .interface import flash_attention_forward, flash_attn_func
+from .sdpa import is_strict, scaled_dot_product_attention, set_strict, strict, why_not_supported
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EXTENSION_AVAILABLE",
+    "EXTENSION_ERROR",
+    "__version__",
+    "apply_patch",
+    "flash_attention_forward",
+    "flash_attn_func",
+    "is_strict",
+    "remove_patch",
+    "scaled_dot_product_attention",
+    "set_strict",
+    "strict",
+    "why_not_supported",
+]
+
+_LAZY = {"apply_patch": ".integrations.transformers", "remove_patch": ".integrations.transformers"}
+
+
+def __getattr__(name):
+    # Imported on first use so that `import flash_attention_sm75` works without transformers.
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(_LAZY[name], __name__)
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,218 @@
+"""Loads the compiled op library and registers its Python-side pieces.
+
+``import flash_attention_sm75._C`` runs the C++ static registrars (``TORCH_LIBRARY``), which
+define ``torch.ops.flash_attention_sm75.fwd`` with CUDA and CPU implementations. This module adds
+what is registered from Python:
+
+* a fake (meta) implementation, used by ``torch.compile``/``torch.export``/``FakeTensorMode``,
+  which validates the inputs with ``torch._check_value`` (the rules and messages of the C++
+  ``check_fwd_inputs``) and allocates exactly what the C++ allocates;
+* autograd: the formula of ``_backward.register_backward`` (through the ``bwd`` op) when the
+  built library has that op, otherwise a stub whose backward raises ``NotImplementedError``
+  (without any registration PyTorch's fallback would silently return wrong gradients);
+* :func:`validate_fwd_inputs`, the eager validation used by the public functions before they call
+  the op, raising ``ValueError`` that names the argument and the accepted values.
+
+See docs/CONTRACT.md for the op contract.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "EXTENSION_AVAILABLE",
+    "EXTENSION_ERROR",
+    "HAS_BACKWARD",
+    "SUPPORTED_HEAD_DIMS",
+    "validate_fwd_inputs",
+]
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.flash_attention_sm75.*)
+
+    EXTENSION_AVAILABLE: bool = True
+    EXTENSION_ERROR: Optional[str] = None
+except ImportError as e:  # not built, or built against another torch/CUDA
+    EXTENSION_AVAILABLE = False
+    EXTENSION_ERROR = f"{type(e).__name__}: {e}"
+
+# True when the autograd formula of flash_attention_sm75::fwd (through the bwd op, see
+# _backward.py) is registered; False when the built library has no bwd op, in which case a stub
+# makes backward raise NotImplementedError.
+HAS_BACKWARD: bool = False
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+_PREFIX = "flash_attention_sm75: "
+_INT32_MAX = 2**31 - 1
+
+
+def _shape(t: torch.Tensor) -> list:
+    # Printed like the C++ IntArrayRef: [1, 2, 3]
+    return list(t.shape)
+
+
+def _strides(t: torch.Tensor) -> list:
+    return list(t.stride())
+
+
+def _validate(
+    check: Callable[[object, Callable[[], str]], None],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float],
+    leftpad_k: Optional[torch.Tensor],
+    seqused_k: Optional[torch.Tensor],
+    layout: str,
+    check_alignment: bool,
+) -> None:
+    """The op's input rules, in the order of the C++ ``check_fwd_inputs`` + ``mha_fwd``.
+
+    ``check(cond, msg)`` raises ``ValueError(msg())`` when ``cond`` is false. ``layout`` ("bshd"
+    or "bhsd") only changes how shapes are described; the tensors are the caller's own.
+    """
+    if layout == "bshd":
+        dims = "(batch, seqlen, num_heads, head_dim) in BSHD layout"
+        head_dim_ = 2
+    else:
+        dims = "(batch, num_heads, seqlen, head_dim) in BHSD layout"
+        head_dim_ = 1
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check(isinstance(t, torch.Tensor),
+              lambda: f"{_PREFIX}{name} must be a torch.Tensor, got {type(t).__name__}")
+        check(t.dim() == 4,
+              lambda: f"{_PREFIX}{name} must be 4-D {dims}, got {t.dim()}-D of shape {_shape(t)}")
+        check(t.dtype == torch.float16,
+              lambda: f"{_PREFIX}{name} must be float16 (SM75 tensor cores have no bf16/fp32 MMA), "
+                      f"got {t.dtype}")
+        check(t.device == q.device,
+              lambda: f"{_PREFIX}{name} must be on the same device as q ({q.device}), got {t.device}")
+        check(t.numel() > 0,
+              lambda: f"{_PREFIX}{name} must be non-empty (every dimension >= 1), got shape {_shape(t)}")
+        check(t.stride(-1) == 1,
+              lambda: f"{_PREFIX}{name} must have a contiguous last dimension (stride(-1) == 1), "
+                      f"got strides {_strides(t)}")
+
+    check(k.shape == v.shape,
+          lambda: f"{_PREFIX}k and v must have the same shape, got k {_shape(k)} and v {_shape(v)}")
+    check(k.shape[0] == q.shape[0],
+          lambda: f"{_PREFIX}q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    check(k.shape[3] == q.shape[3],
+          lambda: f"{_PREFIX}q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
+    d = q.shape[3]
+    check(d == 64 or d == 128, lambda: f"{_PREFIX}head_dim must be 64 or 128, got {d}")
+    h, h_k = q.shape[head_dim_], k.shape[head_dim_]
+    check(h % h_k == 0,
+          lambda: f"{_PREFIX}num_heads ({h}) must be a multiple of num_heads_k ({h_k}) for GQA/MQA")
+    for t in (q, k):
+        for i in range(3):
+            check(t.shape[i] <= _INT32_MAX,
+                  lambda: f"{_PREFIX}batch, seqlen and heads must each be < 2^31")
+
+    for name, t in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
+        if t is None:
+            continue
+        check(isinstance(t, torch.Tensor),
+              lambda: f"{_PREFIX}{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        check(t.dtype == torch.int32, lambda: f"{_PREFIX}{name} must be int32, got {t.dtype}")
+        check(t.dim() == 1 and t.shape[0] == q.shape[0],
+              lambda: f"{_PREFIX}{name} must have shape (batch,) = ({q.shape[0]},), got {_shape(t)}")
+        check(t.device == q.device,
+              lambda: f"{_PREFIX}{name} must be on the same device as q ({q.device}), got {t.device}")
+        check(t.is_contiguous(), lambda: f"{_PREFIX}{name} must be contiguous")
+
+    if softmax_scale is not None:
+        ok = (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+              and math.isfinite(softmax_scale) and softmax_scale > 0)
+        check(ok, lambda: f"{_PREFIX}softmax_scale must be a finite number > 0, got {softmax_scale!r}")
+
+    if check_alignment and q.device.type == "cuda":
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            # data_ptr() cannot be traced by torch.compile; the C++ op re-checks it at run time.
+            ptr_ok = torch.compiler.is_compiling() or t.data_ptr() % 16 == 0
+            ok = ptr_ok and all(t.shape[i] == 1 or t.stride(i) % 8 == 0 for i in range(3))
+            check(ok, lambda: f"{_PREFIX}{name} must be 16-byte aligned with batch/seq/head strides "
+                              f"divisible by 8 elements, got strides {_strides(t)}")
+
+
+def _raise_value_error(cond: object, msg: Callable[[], str]) -> None:
+    if not cond:
+        raise ValueError(msg())
+
+
+def validate_fwd_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    layout: str = "bshd",
+) -> None:
+    """Raise ``ValueError`` (naming the argument and the accepted values) for input the op rejects.
+
+    Checks everything the C++ ``check_fwd_inputs`` checks, plus the CUDA alignment rule (16-byte
+    aligned data pointer, batch/seq/head strides divisible by 8), in the same order and with the
+    same messages, so no kernel is launched on bad input. ``layout`` is ``"bshd"`` (the op's own
+    layout) or ``"bhsd"`` (tensors as passed to :func:`flash_attention_forward`); the rules are the
+    same, only the dimension names in the messages differ.
+    """
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"{_PREFIX}layout must be 'bshd' or 'bhsd', got {layout!r}")
+    if isinstance(q, torch.Tensor) and q.device.type not in ("cuda", "cpu", "meta"):
+        raise ValueError(f"{_PREFIX}q must be a CUDA tensor (or CPU for the float32 reference "
+                         f"implementation), got device {q.device}")
+    _validate(_raise_value_error, q, k, v, softmax_scale, leftpad_k, seqused_k, layout,
+              check_alignment=True)
+
+
+if EXTENSION_AVAILABLE:
+
+    @torch.library.register_fake("flash_attention_sm75::fwd")
+    def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=True,
+                  leftpad_k=None, seqused_k=None):
+        # Never reads data; strides are checked (the pointer is not known to a fake).
+        def check(cond, msg):
+            torch._check_value(cond, msg)
+
+        _validate(check, q, k, v, softmax_scale, leftpad_k, seqused_k, "bshd",
+                  check_alignment=False)
+        if q.device.type == "cuda":
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                for i in range(3):
+                    torch._check_value(
+                        t.shape[i] == 1 or t.stride(i) % 8 == 0,
+                        lambda: f"{_PREFIX}{name} must be 16-byte aligned with batch/seq/head "
+                                f"strides divisible by 8 elements, got strides {_strides(t)}")
+        b, seqlen_q, h, d = q.shape
+        # Same as the C++: at::empty({b, sq, h, d}, q.options()) and a float32 (b, h, sq).
+        out = q.new_empty((b, seqlen_q, h, d))
+        lse = q.new_empty((b, h, seqlen_q), dtype=torch.float32)
+        return out, lse
+
+    def _stub_setup_context(ctx, inputs, output):
+        pass
+
+    def _stub_backward(ctx, grad_out, grad_lse):
+        raise NotImplementedError(
+            "flash_attention_sm75: the backward pass is not implemented yet; run the forward "
+            "under torch.no_grad()/torch.inference_mode(), or use "
+            "flash_attention_sm75.scaled_dot_product_attention, which falls back to "
+            "torch.nn.functional.scaled_dot_product_attention when inputs require grad")
+
+    try:
+        from ._backward import register_backward
+    except ImportError:  # the backward's Python side is not part of this build
+        register_backward = None
+    if register_backward is not None and register_backward():
+        HAS_BACKWARD = True
+    else:
+        # Without an Autograd kernel PyTorch's fallback lets backward run and returns wrong
+        # (missing) gradients with only a warning; this makes backward fail loudly instead.
+        torch.library.register_autograd("flash_attention_sm75::fwd", _stub_backward,
+                                        setup_context=_stub_setup_context)

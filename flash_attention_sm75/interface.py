@@ -1,0 +1,244 @@
+"""Direct FlashAttention API: :func:`flash_attn_func` (BSHD) and :func:`flash_attention_forward` (BHSD).
+
+Both call ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md) after validating the
+input in Python, so bad input raises ``ValueError`` before any kernel launch. Both use the
+FlashAttention (bottom-right) causal alignment. For torch SDPA semantics (top-left causal,
+fallback for unsupported input) use :func:`flash_attention_sm75.scaled_dot_product_attention`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import _ops
+
+__all__ = ["flash_attn_func", "flash_attention_forward"]
+
+
+def _require_extension() -> None:
+    if not _ops.EXTENSION_AVAILABLE:
+        raise RuntimeError(
+            "flash_attention_sm75: the compiled extension flash_attention_sm75._C could not be "
+            f"imported ({_ops.EXTENSION_ERROR}); build it with `pip install .` or "
+            "`python setup.py build_ext --inplace`")
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact attention with the FlashAttention-2 algorithm, BSHD layout (FlashAttention's API).
+
+    Computes ``softmax(softmax_scale * q @ k^T + mask) @ v`` per batch entry and head without
+    materializing the attention matrix. Argument names and order follow the ``flash_attn``
+    package, so code using ``flash_attn.flash_attn_func(q, k, v, softmax_scale=..., causal=...)``
+    can switch by changing the import (``dropout_p``, ``window_size``, ``softcap`` and
+    ``alibi_slopes`` are not supported).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Queries, shape ``(batch_size, seqlen_q, num_heads, head_dim)``, dtype ``torch.float16``.
+        CUDA tensor (compute capability >= 7.5), or CPU tensor (computed by a float32 reference
+        implementation). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
+        16-byte aligned and the batch, sequence and head strides divisible by 8 elements.
+    k : torch.Tensor
+        Keys, shape ``(batch_size, seqlen_k, num_heads_k, head_dim)``, same dtype, device and
+        stride requirements as ``q``. ``num_heads`` must be divisible by ``num_heads_k``
+        (grouped-query / multi-query attention, see Notes). ``head_dim`` must be 64 or 128.
+    v : torch.Tensor
+        Values, same shape as ``k``, same dtype, device and stride requirements as ``q``.
+    softmax_scale : float, optional
+        Multiplier of ``q @ k^T`` before the softmax; must be finite and > 0. Default ``None``
+        means ``1 / sqrt(head_dim)``.
+    causal : bool, optional
+        Default ``False``. If ``True``, apply a causal mask aligned to the **bottom-right**
+        corner of the attention matrix (FlashAttention convention, see Notes): query ``i`` sees
+        key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
+    return_lse : bool, optional
+        Default ``False``. If ``True``, also return the softmax log-sum-exp.
+
+    Returns
+    -------
+    out : torch.Tensor
+        Shape ``(batch_size, seqlen_q, num_heads, head_dim)``, ``torch.float16``, contiguous,
+        on the device of ``q``. Returned alone when ``return_lse`` is ``False``.
+    (out, softmax_lse) : tuple of torch.Tensor
+        When ``return_lse`` is ``True``. ``softmax_lse`` has shape
+        ``(batch_size, num_heads, seqlen_q)``, ``torch.float32``, contiguous: the natural log of
+        ``sum_j exp(softmax_scale * q_i . k_j)`` over the keys row ``i`` sees.
+
+    Raises
+    ------
+    ValueError
+        If an input is invalid: not 4-D, not float16, on different devices, empty, last
+        dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
+        ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
+        ``num_heads_k``, or ``softmax_scale`` not a finite number > 0. The message names the
+        argument. Raised before any kernel launch.
+    RuntimeError
+        If the compiled extension is not available, or the GPU's compute capability is < 7.5.
+    NotImplementedError
+        On ``backward()`` through the result if the built extension has no backward op
+        (``flash_attention_sm75._ops.HAS_BACKWARD`` is False).
+
+    Notes
+    -----
+    Causal mask (1 = visible), bottom-right aligned, for ``seqlen_q = 2, seqlen_k = 5``::
+
+        1 1 1 1 0
+        1 1 1 1 1
+
+    and for ``seqlen_q = 5, seqlen_k = 2``::
+
+        0 0
+        0 0
+        0 0
+        1 0
+        1 1
+
+    A query row that sees no key (the first three rows above) gets an output of 0 and a
+    ``softmax_lse`` of ``-inf`` (never NaN). With ``seqlen_q == seqlen_k`` this is the usual
+    lower-triangular mask, the same as ``torch.nn.functional.scaled_dot_product_attention``'s
+    ``is_causal`` (which is top-left aligned and differs when ``seqlen_q != seqlen_k``).
+
+    Grouped-query attention: if ``num_heads_k < num_heads``, query head ``i`` uses key/value head
+    ``i // (num_heads // num_heads_k)``; e.g. with 6 query heads and 2 KV heads, query heads
+    0, 1, 2 use KV head 0 and query heads 3, 4, 5 use KV head 1. ``num_heads_k == 1`` is
+    multi-query attention. K/V are not copied.
+
+    Algorithm: FlashAttention-2 (T. Dao, "FlashAttention-2: Faster Attention with Better
+    Parallelism and Work Partitioning", 2023, arXiv:2307.08691), building on FlashAttention
+    (T. Dao et al., 2022, arXiv:2205.14135), implemented for Turing (sm_75) tensor cores.
+
+    Examples
+    --------
+    >>> q = torch.randn(2, 128, 8, 64, device="cuda", dtype=torch.float16)
+    >>> k = torch.randn(2, 256, 2, 64, device="cuda", dtype=torch.float16)
+    >>> v = torch.randn_like(k)
+    >>> out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    (torch.Size([2, 128, 8, 64]), torch.Size([2, 8, 128]))
+    """
+    _require_extension()
+    _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bshd")
+    out, softmax_lse = torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, causal, True)
+    if return_lse:
+        return out, softmax_lse
+    return out
+
+
+def flash_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact attention with the FlashAttention-2 algorithm, BHSD layout.
+
+    The same computation as :func:`flash_attn_func`, for tensors laid out like
+    ``torch.nn.functional.scaled_dot_product_attention``'s ``(batch, heads, seq, head_dim)``.
+    The inputs are passed to the kernel as ``x.transpose(1, 2)`` views: nothing is copied.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Queries, shape ``(batch_size, num_heads, seqlen_q, head_dim)``, dtype ``torch.float16``.
+        CUDA tensor (compute capability >= 7.5), or CPU tensor (float32 reference
+        implementation). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
+        16-byte aligned and the batch, head and sequence strides divisible by 8 elements.
+    k : torch.Tensor
+        Keys, shape ``(batch_size, num_heads_k, seqlen_k, head_dim)``, same dtype, device and
+        stride requirements as ``q``. ``num_heads`` must be divisible by ``num_heads_k`` (GQA,
+        see Notes). ``head_dim`` must be 64 or 128.
+    v : torch.Tensor
+        Values, same shape as ``k``, same dtype, device and stride requirements as ``q``.
+    causal : bool, optional
+        Default ``False``. If ``True``, apply a causal mask aligned to the **bottom-right**
+        corner (FlashAttention convention): query ``i`` sees key ``j`` iff
+        ``j <= i + seqlen_k - seqlen_q``. Note this differs from torch SDPA's ``is_causal``
+        (top-left) when ``seqlen_q != seqlen_k``; see Notes.
+    softmax_scale : float, optional
+        Multiplier of ``q @ k^T`` before the softmax; must be finite and > 0. Default ``None``
+        means ``1 / sqrt(head_dim)``.
+    return_lse : bool, optional
+        Default ``False``. If ``True``, also return the softmax log-sum-exp.
+
+    Returns
+    -------
+    out : torch.Tensor
+        Shape ``(batch_size, num_heads, seqlen_q, head_dim)``, ``torch.float16``, on the device
+        of ``q``. It is a ``transpose(1, 2)`` view of a contiguous BSHD tensor (like the output
+        of torch's memory-efficient SDPA), so ``out.transpose(1, 2)`` is contiguous. Returned
+        alone when ``return_lse`` is ``False``.
+    (out, softmax_lse) : tuple of torch.Tensor
+        When ``return_lse`` is ``True``. ``softmax_lse`` has shape
+        ``(batch_size, num_heads, seqlen_q)``, ``torch.float32``, contiguous: the natural log of
+        ``sum_j exp(softmax_scale * q_i . k_j)`` over the keys row ``i`` sees.
+
+    Raises
+    ------
+    ValueError
+        If an input is invalid: not 4-D, not float16, on different devices, empty, last
+        dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
+        ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
+        ``num_heads_k``, or ``softmax_scale`` not a finite number > 0. The message names the
+        argument. Raised before any kernel launch.
+    RuntimeError
+        If the compiled extension is not available, or the GPU's compute capability is < 7.5.
+    NotImplementedError
+        On ``backward()`` through the result if the built extension has no backward op
+        (``flash_attention_sm75._ops.HAS_BACKWARD`` is False).
+
+    Notes
+    -----
+    ``causal=True`` is **bottom-right** aligned (as in FlashAttention), not top-left as in
+    ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``. Mask (1 = visible)
+    for ``seqlen_q = 3, seqlen_k = 5``::
+
+        bottom-right (this function)     top-left (torch SDPA is_causal)
+        1 1 1 0 0                        1 0 0 0 0
+        1 1 1 1 0                        1 1 0 0 0
+        1 1 1 1 1                        1 1 1 0 0
+
+    and for ``seqlen_q = 4, seqlen_k = 2`` (bottom-right)::
+
+        0 0
+        0 0
+        1 0
+        1 1
+
+    A query row that sees no key gets an output of 0 and a ``softmax_lse`` of ``-inf``. The two
+    alignments agree when ``seqlen_q == seqlen_k``. For top-left semantics use
+    :func:`flash_attention_sm75.scaled_dot_product_attention`.
+
+    Grouped-query attention: if ``num_heads_k < num_heads``, query head ``i`` uses key/value head
+    ``i // (num_heads // num_heads_k)`` (the mapping of torch SDPA's ``enable_gqa=True``);
+    ``num_heads_k == 1`` is multi-query attention. K/V are not copied.
+
+    Algorithm: FlashAttention-2 (T. Dao, 2023, arXiv:2307.08691), building on FlashAttention
+    (T. Dao et al., 2022, arXiv:2205.14135), implemented for Turing (sm_75) tensor cores.
+
+    Examples
+    --------
+    >>> q = torch.randn(2, 8, 128, 64, device="cuda", dtype=torch.float16)
+    >>> k = torch.randn(2, 8, 128, 64, device="cuda", dtype=torch.float16)
+    >>> v = torch.randn_like(k)
+    >>> flash_attention_forward(q, k, v, causal=True).shape
+    torch.Size([2, 8, 128, 64])
+    """
+    _require_extension()
+    _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bhsd")
+    out, softmax_lse = torch.ops.flash_attention_sm75.fwd(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal, True)
+    out = out.transpose(1, 2)
+    if return_lse:
+        return out, softmax_lse
+    return out

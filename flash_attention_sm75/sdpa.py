@@ -1,0 +1,314 @@
+"""Drop-in replacement for ``torch.nn.functional.scaled_dot_product_attention``.
+
+:func:`scaled_dot_product_attention` has torch's signature and semantics. It runs the SM75
+FlashAttention kernel when the call is supported and otherwise calls torch's own SDPA with the
+same arguments, logging the reason at DEBUG level on the ``"flash_attention_sm75"`` logger.
+:func:`why_not_supported` says why a call would fall back. In strict mode (environment variable
+``FLASH_ATTENTION_SM75_STRICT=1``, :func:`set_strict`, or the :func:`strict` context manager) an
+unsupported call raises ``ValueError`` instead of falling back.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _ops
+
+__all__ = ["scaled_dot_product_attention", "why_not_supported", "strict", "set_strict",
+           "is_strict"]
+
+logger = logging.getLogger("flash_attention_sm75")
+
+STRICT_ENV_VAR = "FLASH_ATTENTION_SM75_STRICT"
+_TRUE_STRINGS = ("1", "true", "yes", "on")
+
+# None: follow the environment variable; True/False: set by set_strict()/strict().
+_strict_override: Optional[bool] = None
+
+_INT32_MAX = 2**31 - 1
+
+
+def set_strict(enabled: Optional[bool]) -> None:
+    """Turn strict mode on or off for the whole process.
+
+    Parameters
+    ----------
+    enabled : bool or None
+        ``True``: :func:`scaled_dot_product_attention` raises ``ValueError`` for calls it cannot
+        run on the FlashAttention kernel instead of falling back to torch. ``False``: always
+        fall back. ``None``: follow the ``FLASH_ATTENTION_SM75_STRICT`` environment variable
+        again (strict if it is ``1``, ``true``, ``yes`` or ``on``), the initial state.
+    """
+    global _strict_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"flash_attention_sm75: enabled must be a bool or None, got {enabled!r}")
+    _strict_override = enabled
+
+
+def is_strict() -> bool:
+    """Return whether strict mode is on (see :func:`set_strict`)."""
+    if _strict_override is not None:
+        return _strict_override
+    return os.environ.get(STRICT_ENV_VAR, "").strip().lower() in _TRUE_STRINGS
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True) -> Iterator[None]:
+    """Context manager that turns strict mode on (or off) and restores the previous state.
+
+    Parameters
+    ----------
+    enabled : bool, optional
+        Default ``True``: inside the block unsupported calls of
+        :func:`scaled_dot_product_attention` raise ``ValueError(reason)``. ``False`` forces the
+        fallback even if ``FLASH_ATTENTION_SM75_STRICT=1``.
+
+    Notes
+    -----
+    The state is process-wide (not per thread).
+
+    Examples
+    --------
+    >>> with flash_attention_sm75.strict():
+    ...     out = flash_attention_sm75.scaled_dot_product_attention(q, k, v)
+    """
+    global _strict_override
+    previous = _strict_override
+    set_strict(enabled)
+    try:
+        yield
+    finally:
+        _strict_override = previous
+
+
+def _tensor_problem(name: str, t: object) -> Optional[str]:
+    if not isinstance(t, torch.Tensor):
+        return f"{name} is a {type(t).__name__}, not a torch.Tensor"
+    if t.is_nested:
+        return f"{name} is a nested tensor"
+    if t.dim() != 4:
+        return (f"{name} is {t.dim()}-D (shape {list(t.shape)}); only 4-D "
+                f"(batch, num_heads, seqlen, head_dim) inputs are supported")
+    if t.dtype != torch.float16:
+        return f"{name}.dtype is {t.dtype}; only torch.float16 is supported"
+    return None
+
+
+def _alignment_problem(name: str, t: torch.Tensor) -> Optional[str]:
+    """Why a 4-D BHSD tensor cannot be read by the kernel's 16-byte vector loads, or None."""
+    if t.stride(-1) != 1:
+        return f"{name}.stride(-1) is {t.stride(-1)}; the last dimension must be contiguous"
+    # No data pointer while tracing (torch.compile): the C++ op checks it at run time.
+    if not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0:
+        return f"{name}'s data pointer is not 16-byte aligned"
+    for i in range(3):
+        if t.shape[i] != 1 and t.stride(i) % 8 != 0:
+            return (f"{name}.stride() is {tuple(t.stride())}; batch, head and sequence strides "
+                    f"must be divisible by 8 elements")
+    return None
+
+
+def why_not_supported(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> Optional[str]:
+    """Why :func:`scaled_dot_product_attention` would not use the FlashAttention kernel.
+
+    Takes the arguments of :func:`scaled_dot_product_attention` and reads only their metadata
+    (shape, dtype, device, strides, ``requires_grad``); it launches nothing.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        Query, ``(batch, num_heads, seqlen_q, head_dim)`` for the kernel path.
+    key : torch.Tensor
+        Key, ``(batch, num_heads_k, seqlen_k, head_dim)`` for the kernel path.
+    value : torch.Tensor
+        Value, same shape as ``key`` for the kernel path.
+    attn_mask : torch.Tensor, optional
+        Default ``None``. Any mask makes the call fall back.
+    dropout_p : float, optional
+        Default ``0.0``. Any nonzero value makes the call fall back (torch's SDPA applies dropout
+        whenever ``dropout_p > 0``, in training and in eval).
+    is_causal : bool, optional
+        Default ``False``. Supported either way (top-left alignment, as torch).
+    scale : float, optional
+        Default ``None`` (``1 / sqrt(head_dim)``). A value that is not finite and > 0 makes the
+        call fall back.
+    enable_gqa : bool, optional
+        Default ``False``. Needed (as in torch) when ``num_heads != num_heads_k``.
+
+    Returns
+    -------
+    str or None
+        ``None`` if the kernel can run this call, otherwise a human-readable reason (the first
+        one found), e.g. ``"query.dtype is torch.float32; only torch.float16 is supported"``.
+
+    Notes
+    -----
+    Requirements for the kernel path: the compiled extension is importable; query, key and value
+    are 4-D float16 CUDA tensors on one GPU of compute capability >= 7.5; no ``attn_mask``;
+    ``dropout_p == 0``; one ``head_dim`` of 64 or 128 for all three; key and value of the same
+    shape; equal batch sizes (no broadcasting); ``num_heads == num_heads_k``, or
+    ``enable_gqa=True`` and ``num_heads % num_heads_k == 0``; ``scale`` None or finite > 0; no
+    tensor requires grad while grad mode is on, unless the extension has the backward op; no
+    empty tensor; last dimension
+    contiguous, data pointers 16-byte aligned, other strides divisible by 8 elements.
+
+    Under ``torch.compile`` the compute-capability and data-pointer alignment checks are skipped
+    (not traceable); the C++ op still checks both at run time and raises instead of falling back.
+    Strides, shapes, dtypes and devices are checked as in eager mode.
+    """
+    if not _ops.EXTENSION_AVAILABLE:
+        return f"the compiled extension flash_attention_sm75._C is not available ({_ops.EXTENSION_ERROR})"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        problem = _tensor_problem(name, t)
+        if problem is not None:
+            return problem
+    if attn_mask is not None:
+        return "attn_mask is given; only attn_mask=None is supported (use is_causal for a causal mask)"
+    if dropout_p != 0.0:
+        return (f"dropout_p={dropout_p!r}; dropout is not supported (torch SDPA applies dropout "
+                f"whenever dropout_p > 0, in eval mode too)")
+
+    b, h, s_q, d = query.shape
+    if key.shape != value.shape:
+        return (f"key shape {list(key.shape)} and value shape {list(value.shape)} differ; they "
+                f"must be equal")
+    b_k, h_k, s_k, d_k = key.shape
+    if d != d_k:
+        return f"query head_dim {d} and key head_dim {d_k} differ"
+    if d not in _ops.SUPPORTED_HEAD_DIMS:
+        return f"head_dim is {d}; only 64 and 128 are supported"
+    if b != b_k:
+        return f"query batch size {b} and key batch size {b_k} differ (no broadcasting)"
+    if h != h_k:
+        if not enable_gqa:
+            return (f"query has {h} heads and key/value have {h_k}, but enable_gqa=False "
+                    f"(torch raises an error for this)")
+        if h_k == 0 or h % h_k != 0:
+            return f"query heads ({h}) are not a multiple of key/value heads ({h_k})"
+    if scale is not None:
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            return f"scale is a {type(scale).__name__}; a Python float is required"
+        if not (math.isfinite(scale) and scale > 0):
+            return f"scale={scale!r}; only a finite scale > 0 is supported"
+    if torch.is_grad_enabled() and not _ops.HAS_BACKWARD and (
+            query.requires_grad or key.requires_grad or value.requires_grad):
+        return "an input requires grad and the backward pass is not implemented yet"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.numel() == 0:
+            return f"{name} is empty (shape {list(t.shape)})"
+        if max(t.shape[:3]) > _INT32_MAX:
+            return f"{name} has a batch, head or sequence size >= 2^31"
+
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.device.type != "cuda":
+            return f"{name} is on device {t.device}; only CUDA tensors are supported"
+    if key.device != query.device or value.device != query.device:
+        return (f"query, key and value are on different devices ({query.device}, {key.device}, "
+                f"{value.device})")
+    if not torch.compiler.is_compiling():
+        major, minor = torch.cuda.get_device_capability(query.device)
+        if (major, minor) < (7, 5):
+            return f"the GPU has compute capability {major}.{minor}; 7.5 or newer is required"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        problem = _alignment_problem(name, t)
+        if problem is not None:
+            return problem
+    return None
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, *, scale=None, enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention`` on the SM75 FlashAttention kernel.
+
+    Same signature (``scale`` and ``enable_gqa`` keyword-only) and semantics as torch's
+    function: supported calls run the FlashAttention-2
+    kernel, all others are passed unchanged to
+    ``torch.nn.functional.scaled_dot_product_attention`` (or raise in strict mode). The reason of
+    each fallback is logged at DEBUG level on the ``"flash_attention_sm75"`` logger; see
+    :func:`why_not_supported` for the exact requirements.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        Query, shape ``(batch, num_heads, seqlen_q, head_dim)``. Kernel path: ``torch.float16``,
+        CUDA (compute capability >= 7.5), ``head_dim`` 64 or 128, ``stride(-1) == 1``, 16-byte
+        aligned, other strides divisible by 8 elements. Any other input torch accepts (3-D, 5-D,
+        float32, bfloat16, CPU, ...) is handled by the fallback.
+    key : torch.Tensor
+        Key, shape ``(batch, num_heads_k, seqlen_k, head_dim)``; same requirements as ``query``.
+    value : torch.Tensor
+        Value, same shape as ``key`` on the kernel path; same requirements as ``query``.
+    attn_mask : torch.Tensor, optional
+        Default ``None``. Boolean or additive mask as in torch; any mask uses the fallback.
+    dropout_p : float, optional
+        Default ``0.0``. Dropout probability, applied as torch does (whenever > 0, also in eval
+        mode); any nonzero value uses the fallback.
+    is_causal : bool, optional
+        Default ``False``. If ``True``, a causal mask aligned to the **top-left** corner, as in
+        torch: query ``i`` sees key ``j`` iff ``j <= i`` (see Notes).
+    scale : float, optional
+        Default ``None`` means ``1 / sqrt(head_dim)``. Kernel path for finite values > 0; other
+        values (which torch accepts) use the fallback.
+    enable_gqa : bool, optional
+        Default ``False``. As in torch: if ``True``, ``num_heads`` may be a multiple of
+        ``num_heads_k`` and query head ``i`` uses key/value head ``i // (num_heads //
+        num_heads_k)``. With ``False`` and different head counts, torch's error is raised.
+
+    Returns
+    -------
+    torch.Tensor
+        Attention output, shape ``(batch, num_heads, seqlen_q, head_dim_v)``, dtype of
+        ``query``. On the kernel path it is a ``transpose(1, 2)`` view of a contiguous BSHD tensor
+        (as with torch's memory-efficient backend).
+
+    Raises
+    ------
+    ValueError
+        In strict mode, if the call cannot use the kernel; the message contains the reason.
+    RuntimeError
+        Whatever torch's SDPA raises for invalid input on the fallback path (e.g. different head
+        counts with ``enable_gqa=False``).
+
+    Notes
+    -----
+    ``is_causal`` is top-left aligned, unlike FlashAttention's ``causal`` (bottom-right); they
+    agree when ``seqlen_q == seqlen_k``. For ``seqlen_q = 3, seqlen_k = 5`` (1 = visible)::
+
+        1 0 0 0 0
+        1 1 0 0 0
+        1 1 1 0 0
+
+    Algorithm: FlashAttention-2 (T. Dao, 2023, arXiv:2307.08691); FlashAttention (T. Dao et al.,
+    2022, arXiv:2205.14135).
+    """
+    reason = why_not_supported(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                               enable_gqa=enable_gqa)
+    if reason is None:
+        out, _ = torch.ops.flash_attention_sm75.fwd(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale,
+            is_causal, False)
+        return out.transpose(1, 2)
+    if is_strict():
+        raise ValueError(f"flash_attention_sm75: cannot run scaled_dot_product_attention on the "
+                         f"FlashAttention kernel (strict mode): {reason}")
+    if not torch.compiler.is_compiling():
+        logger.debug("scaled_dot_product_attention falls back to torch: %s", reason)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                          dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)

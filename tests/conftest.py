@@ -1,0 +1,37 @@
+"""Shared pytest configuration.
+
+* ``@pytest.mark.gpu`` tests are skipped cleanly without a CUDA GPU of compute capability >= 7.5
+  (the kernel's minimum), so the CPU part of the suite runs anywhere (CI).
+* Every test starts from the same RNG state (tests that need their own seed set it).
+"""
+import pytest
+import torch
+
+
+def _gpu_skip_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (7, 5):
+        return f"needs a GPU of compute capability >= 7.5, found {major}.{minor}"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,320 @@
+"""Numerics of the forward op and the direct API (flash_attn_func / flash_attention_forward).
+
+Output and LSE are compared with the float64 reference (tests/reference.py) under
+FlashAttention's criterion (out) and a fixed LSE tolerance. GPU tests run the SM75 kernel with
+NaN-poisoned allocator memory; CPU tests run the op's float32 CPU implementation.
+"""
+import math
+
+import pytest
+import torch
+
+import flash_attention_sm75 as fa
+from reference import (assert_close_fa, assert_lse_close, attention_ref, poisoned_cuda_memory,
+                       seed_from)
+
+pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
+                                reason=f"extension not built: {fa.EXTENSION_ERROR}")
+
+op = torch.ops.flash_attention_sm75.fwd if fa.EXTENSION_AVAILABLE else None
+
+CAUSAL_MODES = ["none", "bottom_right", "top_left"]
+SMALL_SEQLENS = [1, 7, 64, 127, 128, 129]
+# Selected (seqlen_q, seqlen_k) pairs with the long lengths 1000, 2048, 4097.
+BIG_PAIRS = [(1000, 1000), (2048, 2048), (4097, 4097), (1, 4097), (4097, 1), (7, 2048),
+             (2048, 7), (129, 1000), (1000, 129), (1000, 2048), (2048, 1000), (127, 4097),
+             (4097, 128), (64, 2048)]
+
+
+def causal_args(mode):
+    """(is_causal, causal_bottom_right) for a causal mode name."""
+    return {"none": (False, True), "bottom_right": (True, True), "top_left": (True, False)}[mode]
+
+
+def run_op(q, k, v, mode, softmax_scale=None, leftpad_k=None, seqused_k=None):
+    """Call the kernel: via flash_attn_func where it can express the case, else the raw op."""
+    is_causal, bottom_right = causal_args(mode)
+    if bottom_right and leftpad_k is None and seqused_k is None:
+        return fa.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=is_causal,
+                                  return_lse=True)
+    return op(q, k, v, softmax_scale, is_causal, bottom_right, leftpad_k, seqused_k)
+
+
+def check_against_ref(q, k, v, mode, out, lse, softmax_scale=None, leftpad_k=None,
+                      seqused_k=None, layout="bshd"):
+    is_causal, bottom_right = causal_args(mode)
+    kw = dict(causal=is_causal, causal_bottom_right=bottom_right, softmax_scale=softmax_scale,
+              leftpad_k=leftpad_k, seqused_k=seqused_k, layout=layout)
+    out_ref, lse_ref = attention_ref(q, k, v, **kw)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
+    assert out.dtype == torch.float16
+    assert_close_fa(out, out_ref, out_pt)
+    assert_lse_close(lse, lse_ref)
+    return out_ref, lse_ref
+
+
+def make_qkv(b, s_q, s_k, h, h_k, d, device, seed, scale=1.0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = (torch.randn(b, s_q, h, d, generator=g) * scale).to(device=device, dtype=torch.float16)
+    k = (torch.randn(b, s_k, h_k, d, generator=g) * scale).to(device=device, dtype=torch.float16)
+    v = torch.randn(b, s_k, h_k, d, generator=g).to(device=device, dtype=torch.float16)
+    return q, k, v
+
+
+def gpu_case(b, s_q, s_k, h, h_k, d, mode, softmax_scale=None, input_scale=1.0):
+    q, k, v = make_qkv(b, s_q, s_k, h, h_k, d, "cuda", seed_from(b, s_q, s_k, h, h_k, d, mode),
+                       input_scale)
+    with poisoned_cuda_memory():
+        out, lse = run_op(q, k, v, mode, softmax_scale)
+    assert out.shape == (b, s_q, h, d) and out.is_contiguous()
+    assert lse.shape == (b, h, s_q) and lse.dtype == torch.float32 and lse.is_contiguous()
+    check_against_ref(q, k, v, mode, out, lse, softmax_scale)
+
+
+# ----------------------------------------------------------------------------------- CPU op
+
+
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("s_q,s_k", [(1, 1), (7, 13), (13, 7), (64, 64), (33, 100)])
+@pytest.mark.parametrize("h,h_k", [(2, 2), (4, 2), (4, 1)])
+def test_cpu_op_matches_reference(s_q, s_k, d, mode, h, h_k):
+    q, k, v = make_qkv(2, s_q, s_k, h, h_k, d, "cpu", seed_from(s_q, s_k, d, mode, h, h_k))
+    out, lse = run_op(q, k, v, mode)
+    assert out.shape == (2, s_q, h, d) and out.is_contiguous()
+    check_against_ref(q, k, v, mode, out, lse)
+
+
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+def test_cpu_op_key_ranges(mode):
+    b, s_q, s_k, h, d = 5, 9, 20, 2, 64
+    q, k, v = make_qkv(b, s_q, s_k, h, h, d, "cpu", seed_from("ranges", mode))
+    leftpad = torch.tensor([0, 3, 12, 20, 15], dtype=torch.int32)
+    seqused = torch.tensor([20, 17, 12, 25, 5], dtype=torch.int32)  # batch 2-4 see nothing
+    out, lse = run_op(q, k, v, mode, leftpad_k=leftpad, seqused_k=seqused)
+    check_against_ref(q, k, v, mode, out, lse, leftpad_k=leftpad, seqused_k=seqused)
+    assert torch.all(out[2:] == 0) and torch.isneginf(lse[2:]).all()
+
+
+def test_cpu_op_softmax_scale_and_bhsd_views():
+    q, k, v = make_qkv(2, 16, 24, 4, 2, 64, "cpu", 7)
+    qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # BHSD storage
+    out, lse = fa.flash_attention_forward(qb, kb, vb, causal=True, softmax_scale=0.3,
+                                          return_lse=True)
+    assert out.shape == (2, 4, 16, 64) and out.transpose(1, 2).is_contiguous()
+    check_against_ref(qb, kb, vb, "bottom_right", out, lse, softmax_scale=0.3, layout="bhsd")
+
+
+# ----------------------------------------------------------------------------------- GPU grid
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("s_k", SMALL_SEQLENS)
+@pytest.mark.parametrize("s_q", SMALL_SEQLENS)
+def test_gpu_small_seqlens(s_q, s_k, d, mode):
+    gpu_case(2, s_q, s_k, 2, 2, d, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("s_q,s_k", BIG_PAIRS)
+def test_gpu_long_seqlens(s_q, s_k, d, mode):
+    gpu_case(1, s_q, s_k, 2, 2, d, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b", [1, 3, 4])
+@pytest.mark.parametrize("h,h_k", [(4, 4), (4, 2), (8, 2), (16, 2), (8, 1), (6, 3)])
+def test_gpu_batch_and_gqa(h, h_k, b, d, mode):
+    # (8, 2): ratio 4, (16, 2): ratio 8, (8, 1): MQA.
+    gpu_case(b, 113, 257, h, h_k, d, mode)
+    gpu_case(b, 257, 113, h, h_k, d, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("s_q,s_k", [(128, 128), (200, 1000), (1000, 200)])
+def test_gpu_large_magnitude(s_q, s_k, d, mode):
+    # Scaled scores reach about +-60: exp() of them overflows fp16 (max ~65504 = e^11), so a
+    # softmax without the running max would give inf/NaN.
+    input_scale = math.sqrt(15.0)  # q.k * d^-1/2 ~ N(0, 15^2)
+    q, k, v = make_qkv(2, s_q, s_k, 2, 2, d, "cuda", seed_from("big", s_q, s_k, d, mode),
+                       input_scale)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(d)
+    assert scores.abs().max().item() > 40.0  # the test really has large scores
+    with poisoned_cuda_memory():
+        out, lse = run_op(q, k, v, mode)
+    check_against_ref(q, k, v, mode, out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softmax_scale", [0.01, 0.3, 1.0])
+def test_gpu_softmax_scale(softmax_scale):
+    q, k, v = make_qkv(2, 130, 190, 4, 2, 64, "cuda", seed_from("scale", softmax_scale))
+    with poisoned_cuda_memory():
+        out, lse = run_op(q, k, v, "bottom_right", softmax_scale)
+    check_against_ref(q, k, v, "bottom_right", out, lse, softmax_scale)
+
+
+# ------------------------------------------------------------------ non-contiguous / strided
+
+
+def _strided_inputs(kind, b, s_q, s_k, h, h_k, d, seed):
+    """q, k, v (BSHD views unless kind == 'bhsd') with non-contiguous but valid strides."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device="cuda", dtype=torch.float16)
+
+    if kind == "bhsd":  # BHSD contiguous tensors; the API passes transpose(1, 2) views
+        return rnd(b, h, s_q, d), rnd(b, h_k, s_k, d), rnd(b, h_k, s_k, d)
+    if kind == "seq_slice":  # slices along the sequence (storage offset of 5 rows)
+        return (rnd(b, s_q + 11, h, d)[:, 5:5 + s_q], rnd(b, s_k + 9, h_k, d)[:, 3:3 + s_k],
+                rnd(b, s_k + 9, h_k, d)[:, 8:8 + s_k])
+    if kind == "head_slice":  # every other head / a range of heads of a wider tensor
+        return (rnd(b, s_q, 2 * h, d)[:, :, ::2], rnd(b, s_k, h_k + 3, d)[:, :, 3:],
+                rnd(b, s_k, h_k + 1, d)[:, :, :h_k])
+    if kind == "packed_qkv":  # one (B, S, 3, H, D) tensor, as from a fused QKV projection
+        assert s_q == s_k and h == h_k
+        qkv = rnd(b, s_q, 3, h, d)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if kind == "padded_head_dim":  # rows padded to d + 8 elements
+        return (rnd(b, s_q, h, d + 8)[..., :d], rnd(b, s_k, h_k, d + 8)[..., :d],
+                rnd(b, s_k, h_k, d + 16)[..., 8:8 + d])
+    if kind == "broadcast_kv":  # k/v shared by the batch (batch stride 0) and heads (stride 0)
+        k = rnd(1, s_k, 1, d).expand(b, s_k, h_k, d)
+        v = rnd(1, s_k, h_k, d).expand(b, s_k, h_k, d)
+        return rnd(b, s_q, h, d), k, v
+    raise ValueError(kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kind", ["bhsd", "seq_slice", "head_slice", "packed_qkv",
+                                  "padded_head_dim", "broadcast_kv"])
+def test_gpu_strided_inputs(kind, d, mode):
+    b, s_q, s_k, h, h_k = 2, 150, 150, 4, 4
+    if kind in ("head_slice", "broadcast_kv"):
+        s_q, h_k = 97, 2
+    q, k, v = _strided_inputs(kind, b, s_q, s_k, h, h_k, d, seed_from(kind, d, mode))
+    if kind != "bhsd":
+        assert not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+    is_causal, bottom_right = causal_args(mode)
+    with poisoned_cuda_memory():
+        if kind == "bhsd":
+            out, lse = op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                          is_causal, bottom_right)
+            out = out.transpose(1, 2)
+        else:
+            out, lse = run_op(q, k, v, mode)
+    layout = "bhsd" if kind == "bhsd" else "bshd"
+    check_against_ref(q, k, v, mode, out, lse, layout=layout)
+
+
+@pytest.mark.gpu
+def test_gpu_flash_attention_forward_bhsd_view():
+    q, k, v = _strided_inputs("bhsd", 2, 77, 300, 8, 2, 128, 11)
+    with poisoned_cuda_memory():
+        out, lse = fa.flash_attention_forward(q, k, v, causal=True, return_lse=True)
+    # A BHSD view of a contiguous BSHD result, no copy.
+    assert out.shape == (2, 8, 77, 128) and out.transpose(1, 2).is_contiguous()
+    check_against_ref(q, k, v, "bottom_right", out, lse, layout="bhsd")
+    out_only = fa.flash_attention_forward(q, k, v, causal=True)
+    assert torch.equal(out_only, out)
+
+
+# ------------------------------------------------------------------------- key ranges
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("s_q,s_k", [(1, 200), (64, 200), (200, 200), (333, 200), (50, 1000)])
+@pytest.mark.parametrize("which", ["both", "leftpad_only", "seqused_only"])
+def test_gpu_key_ranges(which, s_q, s_k, d, mode):
+    b, h = 6, 2
+    q, k, v = make_qkv(b, s_q, s_k, h, h, d, "cuda", seed_from("kr", which, s_q, s_k, d, mode))
+    # per batch: full, inner range, empty (start == end), start == s_k, end > s_k (clamped),
+    # start > end (empty)
+    leftpad = torch.tensor([0, 17, s_k // 2, s_k, 5, 100], dtype=torch.int32, device="cuda")
+    seqused = torch.tensor([s_k, s_k - 20, s_k // 2, s_k + 50, s_k + 7, 50], dtype=torch.int32,
+                           device="cuda")
+    if which == "leftpad_only":
+        seqused = None
+    if which == "seqused_only":
+        leftpad = None
+    is_causal, bottom_right = causal_args(mode)
+    with poisoned_cuda_memory():
+        out, lse = op(q, k, v, None, is_causal, bottom_right, leftpad, seqused)
+    out_ref, lse_ref = check_against_ref(q, k, v, mode, out, lse, leftpad_k=leftpad,
+                                         seqused_k=seqused)
+    empty_rows = torch.isneginf(lse_ref)  # (b, h, s_q)
+    if which == "both":
+        assert empty_rows[2:4].all() and empty_rows[5].all()  # the test has empty batches
+    # Rows that see nothing: exactly 0 and -inf, never NaN.
+    out_rows = out.transpose(1, 2)[empty_rows]  # (n, d)
+    assert torch.all(out_rows == 0)
+    assert torch.isneginf(lse[empty_rows]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_bottom_right_rows_without_keys(d):
+    # seqlen_q > seqlen_k with bottom-right causal: the first s_q - s_k rows see no key.
+    s_q, s_k = 300, 70
+    q, k, v = make_qkv(2, s_q, s_k, 4, 2, d, "cuda", seed_from("noKeys", d))
+    with poisoned_cuda_memory():
+        out, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :s_q - s_k] == 0)
+    assert torch.isneginf(lse[:, :, :s_q - s_k]).all()
+    assert torch.isfinite(lse[:, :, s_q - s_k:]).all()
+    check_against_ref(q, k, v, "bottom_right", out, lse)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_cpu_op():
+    # The CUDA kernel and the CPU implementation of the same op agree.
+    q, k, v = make_qkv(2, 100, 180, 8, 2, 64, "cuda", 3)
+    leftpad = torch.tensor([0, 30], dtype=torch.int32)
+    seqused = torch.tensor([170, 180], dtype=torch.int32)
+    out, lse = op(q, k, v, None, True, False, leftpad.cuda(), seqused.cuda())
+    out_cpu, lse_cpu = op(q.cpu(), k.cpu(), v.cpu(), None, True, False, leftpad, seqused)
+    # Both round to fp16 (the kernel also rounds P to fp16): a few fp16 ulps of |out| <= ~4.
+    assert (out.cpu().float() - out_cpu.float()).abs().max().item() <= 1e-2
+    assert_lse_close(lse.cpu(), lse_cpu.double())
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_and_stream_safe():
+    q, k, v = make_qkv(2, 513, 513, 4, 4, 128, "cuda", 5)
+    out1, lse1 = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out2, lse2 = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_gpu_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    q, k, v = make_qkv(2, 100, 160, 8, 2, 128, "cuda", 9)
+
+    def f(q, k, v):
+        out, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return out, lse
+
+    out, lse = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
+    out_e, lse_e = f(q, k, v)
+    assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+    check_against_ref(q, k, v, "bottom_right", out, lse)

@@ -1,0 +1,358 @@
+"""Registration of torch.ops.flash_attention_sm75.fwd: schema, fake (meta) impl, opcheck,
+torch.compile / torch.export, the autograd stub, and the package's exports. CPU only."""
+import importlib
+import os
+import subprocess
+import re
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_attention_sm75 as fa
+from flash_attention_sm75 import _ops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+needs_ext = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
+                               reason=f"extension not built: {fa.EXTENSION_ERROR}")
+
+SCHEMA = ("flash_attention_sm75::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, "
+          "bool is_causal=False, bool causal_bottom_right=True, Tensor? leftpad_k=None, "
+          "Tensor? seqused_k=None) -> (Tensor out, Tensor softmax_lse)")
+
+
+def _op():
+    return torch.ops.flash_attention_sm75.fwd
+
+
+def qkv(b=2, s_q=5, s_k=7, h=4, h_k=2, d=64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s_q, h, d, generator=g).half().to(device)
+    k = torch.randn(b, s_k, h_k, d, generator=g).half().to(device)
+    v = torch.randn(b, s_k, h_k, d, generator=g).half().to(device)
+    return q, k, v
+
+
+def test_extension_loaded():
+    # Fails (rather than skips) when the compiled library is missing: everything else needs it.
+    assert fa.EXTENSION_AVAILABLE, f"flash_attention_sm75._C failed to import: {fa.EXTENSION_ERROR}"
+    assert fa.EXTENSION_ERROR is None
+    assert isinstance(fa.EXTENSION_AVAILABLE, bool)
+
+
+@needs_ext
+def test_schema_matches_contract():
+    assert str(_op().default._schema) == SCHEMA
+
+
+# ------------------------------------------------------------------------------ fake impl
+
+
+FAKE_CASES = [
+    # (b, s_q, s_k, h, h_k, d, kwargs)
+    (2, 5, 7, 4, 2, 64, {}),
+    (1, 1, 300, 8, 1, 128, {"is_causal": True}),
+    (3, 129, 17, 6, 3, 64, {"is_causal": True, "causal_bottom_right": False,
+                            "softmax_scale": 0.5}),
+]
+
+
+@needs_ext
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("b,s_q,s_k,h,h_k,d,kwargs", FAKE_CASES)
+def test_fake_shapes_dtypes_strides(b, s_q, s_k, h, h_k, d, kwargs, device):
+    # Fake CUDA tensors need no GPU.
+    with FakeTensorMode():
+        q = torch.empty(b, h, s_q, d, dtype=torch.float16, device=device).transpose(1, 2)
+        k = torch.empty(b, s_k, h_k, d, dtype=torch.float16, device=device)
+        v = torch.empty(b, s_k, h_k, d, dtype=torch.float16, device=device)
+        out, lse = _op()(q, k, v, **kwargs)
+    assert out.shape == (b, s_q, h, d) and out.dtype == torch.float16
+    assert out.stride() == torch.empty(b, s_q, h, d).stride()  # contiguous BSHD
+    assert lse.shape == (b, h, s_q) and lse.dtype == torch.float32
+    assert lse.stride() == torch.empty(b, h, s_q).stride()
+    assert out.device.type == device and lse.device.type == device
+
+
+@needs_ext
+@pytest.mark.parametrize("layout", ["bshd", "bhsd_view", "sliced"])
+def test_fake_matches_real_cpu_metadata(layout):
+    q, k, v = qkv(2, 9, 12, 4, 2, 128)
+    if layout == "bhsd_view":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    elif layout == "sliced":
+        q = torch.cat([q, q], dim=1)[:, 3:12]
+    real = _op()(q, k, v, None, True, False)
+    mode = FakeTensorMode()
+    fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+    with mode:
+        fake = _op()(fq, fk, fv, None, True, False)
+    for r, f in zip(real, fake):
+        assert (r.shape, r.dtype, r.stride(), r.device) == (f.shape, f.dtype, f.stride(), f.device)
+
+
+@needs_ext
+def test_meta_tensors():
+    q, k, v = (t.to("meta") for t in qkv(2, 3, 4, 4, 4, 64))
+    out, lse = _op()(q, k, v)
+    assert out.device.type == "meta" and out.shape == (2, 3, 4, 64)
+    assert lse.shape == (2, 4, 3) and lse.dtype == torch.float32
+
+
+def _bad_inputs():
+    """(name, q, k, v, kwargs) the op must reject."""
+    q, k, v = qkv(2, 5, 7, 4, 2, 64)
+    lp = torch.zeros(2, dtype=torch.int32)
+    return [
+        ("head_dim", q[..., :32].contiguous(), k[..., :32].contiguous(),
+         v[..., :32].contiguous(), {}),
+        ("dtype", q.float(), k, v, {}),
+        ("v_dtype", q, k, v.bfloat16(), {}),
+        ("dim", q[0], k[0], v[0], {}),
+        ("gqa", q[:, :, :3], k, v, {}),
+        ("kv_shape", q, k, v[:, :6], {}),
+        ("batch", q[:1], k, v, {}),
+        ("head_dim_mismatch", q, k[..., :32].contiguous(), v[..., :32].contiguous(), {}),
+        ("empty", q[:, :0], k, v, {}),
+        ("last_stride", q.transpose(1, 3).contiguous().transpose(1, 3), k, v, {}),
+        ("scale_zero", q, k, v, {"softmax_scale": 0.0}),
+        ("scale_negative", q, k, v, {"softmax_scale": -1.0}),
+        ("scale_nan", q, k, v, {"softmax_scale": float("nan")}),
+        ("scale_inf", q, k, v, {"softmax_scale": float("inf")}),
+        ("leftpad_dtype", q, k, v, {"leftpad_k": lp.long()}),
+        ("leftpad_shape", q, k, v, {"leftpad_k": torch.zeros(3, dtype=torch.int32)}),
+        ("seqused_2d", q, k, v, {"seqused_k": torch.zeros(2, 1, dtype=torch.int32)}),
+        ("seqused_noncontig", q, k, v, {"seqused_k": torch.zeros(4, dtype=torch.int32)[::2]}),
+    ]
+
+
+def _message_head(msg):
+    # C++ and Python print dtypes differently (Float vs torch.float32); compare up to "got".
+    return msg.split(", got")[0].split(" got ")[0].strip()
+
+
+@needs_ext
+@pytest.mark.parametrize("case", _bad_inputs(), ids=lambda c: c[0])
+def test_fake_and_cpu_op_reject_the_same_input(case):
+    name, q, k, v, kwargs = case
+    with pytest.raises(ValueError, match="^flash_attention_sm75: ") as real_err:
+        _op()(q, k, v, **kwargs)
+    mode = FakeTensorMode()
+    conv = {key: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+            for key, t in kwargs.items()}
+    fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+    with mode, pytest.raises(ValueError, match="^flash_attention_sm75: ") as fake_err:
+        _op()(fq, fk, fv, **conv)
+    # The public validation says the same (for the op's own BSHD layout).
+    with pytest.raises(ValueError, match="^flash_attention_sm75: ") as py_err:
+        _ops.validate_fwd_inputs(q, k, v, kwargs.get("softmax_scale"), kwargs.get("leftpad_k"),
+                                 kwargs.get("seqused_k"))
+    real_head = _message_head(str(real_err.value))
+    assert _message_head(str(fake_err.value)) == real_head
+    assert _message_head(str(py_err.value)) == real_head
+
+
+@needs_ext
+def test_fake_checks_cuda_alignment_of_strides():
+    with FakeTensorMode():
+        base = torch.empty(2, 8, 4, 68, dtype=torch.float16, device="cuda")
+        q = base[..., :64]  # head stride 68: not a multiple of 8
+        k = torch.empty(2, 8, 4, 64, dtype=torch.float16, device="cuda")
+        with pytest.raises(ValueError, match="q must be 16-byte aligned"):
+            _op()(q, k, k)
+        out, _ = _op()(k, k, k)
+        assert out.shape == k.shape
+
+
+# ------------------------------------------------------------------------------- opcheck
+
+
+OPCHECK_CASES = [
+    ("basic", (2, 5, 7, 2, 2, 64), {}),
+    ("gqa_causal_br", (2, 9, 4, 4, 2, 64), {"is_causal": True}),
+    ("mqa_causal_tl", (1, 6, 11, 4, 1, 128), {"is_causal": True, "causal_bottom_right": False}),
+    ("scale", (2, 3, 3, 2, 2, 128), {"softmax_scale": 0.25}),
+    ("key_ranges", (3, 4, 10, 2, 1, 64),
+     {"leftpad_k": torch.tensor([0, 2, 9], dtype=torch.int32),
+      "seqused_k": torch.tensor([10, 8, 3], dtype=torch.int32), "is_causal": True}),
+]
+
+
+@needs_ext
+@pytest.mark.parametrize("name,shape,kwargs", OPCHECK_CASES, ids=[c[0] for c in OPCHECK_CASES])
+@pytest.mark.parametrize("bhsd", [False, True])
+def test_opcheck(name, shape, kwargs, bhsd):
+    q, k, v = qkv(*shape)
+    if bhsd:  # transposed views, as flash_attention_forward passes them
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    result = torch.library.opcheck(_op().default, (q, k, v), kwargs)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+# -------------------------------------------------------------------- compile / export
+
+
+@needs_ext
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_flash_attn_func(backend):
+    torch._dynamo.reset()
+    q, k, v = qkv(2, 6, 9, 4, 2, 64)
+
+    def f(q, k, v):
+        out, lse = fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return out.float() * 2, lse
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    out_c, lse_c = compiled(q, k, v)
+    out_e, lse_e = f(q, k, v)
+    assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
+
+
+@needs_ext
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_flash_attention_forward_bhsd(backend):
+    torch._dynamo.reset()
+    q, k, v = (t.transpose(1, 2).contiguous() for t in qkv(2, 6, 9, 4, 2, 128))
+    f = lambda q, k, v: fa.flash_attention_forward(q, k, v, causal=True, softmax_scale=0.2)  # noqa: E731
+    out_c = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
+    out_e = f(q, k, v)
+    assert torch.equal(out_c, out_e) and out_c.stride() == out_e.stride()
+
+
+@needs_ext
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_raw_op_dynamic_shapes(backend):
+    torch._dynamo.reset()
+
+    def f(q, k, v, lp):
+        out, lse = torch.ops.flash_attention_sm75.fwd(q, k, v, None, True, False, lp, None)
+        return out + 1, lse
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend, dynamic=True)
+    for s_q, s_k in [(5, 9), (8, 13), (3, 4)]:
+        q, k, v = qkv(2, s_q, s_k, 4, 2, 64)
+        lp = torch.tensor([0, 1], dtype=torch.int32)
+        got, want = compiled(q, k, v, lp), f(q, k, v, lp)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_ext
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_sdpa_wrapper_cpu_fallback(backend):
+    torch._dynamo.reset()
+    q, k, v = (t.transpose(1, 2) for t in qkv(2, 6, 6, 4, 2, 64))
+
+    def f(q, k, v):
+        return fa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    out_c = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=True)
+    assert torch.equal(out_c, expected)
+
+
+@needs_ext
+def test_compile_rejects_bad_input_at_trace_time():
+    torch._dynamo.reset()
+    q, k, v = qkv(1, 4, 4, 2, 2, 64)
+    f = torch.compile(lambda q, k, v: fa.flash_attn_func(q, k, v, softmax_scale=-1.0),
+                      fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="softmax_scale must be a finite number > 0"):
+        f(q, k, v)
+
+
+@needs_ext
+def test_export():
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.ops.flash_attention_sm75.fwd(q, k, v, None, True, True)[0]
+
+    q, k, v = qkv(2, 5, 7, 4, 2, 64)
+    ep = torch.export.export(M(), (q, k, v))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert torch.ops.flash_attention_sm75.fwd.default in targets
+    assert torch.equal(ep.module()(q, k, v), M()(q, k, v))
+
+
+# ------------------------------------------------------------------------------- autograd
+
+
+@needs_ext
+@pytest.mark.skipif(_ops.HAS_BACKWARD, reason="the backward op is built")
+def test_backward_stub_raises():
+    q, k, v = (t.requires_grad_() for t in qkv(1, 4, 4, 2, 2, 64))
+    out = fa.flash_attn_func(q, k, v)  # forward works with grad enabled
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match="backward pass is not implemented"):
+        out.float().sum().backward()
+    with torch.no_grad():
+        assert not fa.flash_attn_func(q, k, v).requires_grad
+
+
+@needs_ext
+@pytest.mark.skipif(not _ops.HAS_BACKWARD, reason="the backward op is not built")
+@pytest.mark.parametrize("mode", ["none", "bottom_right", "top_left"])
+@pytest.mark.parametrize("s_q,s_k,h,h_k", [(7, 13, 4, 2), (13, 13, 2, 2), (9, 20, 4, 1)])
+def test_backward_cpu_matches_reference(s_q, s_k, h, h_k, mode):
+    from reference import assert_close_fa, attention_ref
+
+    is_causal, bottom_right = {"none": (False, True), "bottom_right": (True, True),
+                               "top_left": (True, False)}[mode]
+    q, k, v = (t.requires_grad_() for t in qkv(2, s_q, s_k, h, h_k, 64, seed=s_q + s_k))
+    out, lse = torch.ops.flash_attention_sm75.fwd(q, k, v, None, is_causal, bottom_right)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    kw = dict(causal=is_causal, causal_bottom_right=bottom_right)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(attention_ref(*leaves64, **kw)[0], leaves64, g.double())
+    leaves16 = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    pt = torch.autograd.grad(attention_ref(*leaves16, upcast=False, reorder_ops=True, **kw)[0],
+                             leaves16, g)
+    for name, ours, r, p in zip(("dq", "dk", "dv"), grads, ref, pt):
+        assert ours.shape == r.shape and ours.dtype == torch.float16
+        assert_close_fa(ours, r, p, name)
+
+
+# ------------------------------------------------------------------------------- package
+
+
+def test_public_exports():
+    for name in ["flash_attention_forward", "flash_attn_func", "scaled_dot_product_attention",
+                 "why_not_supported", "strict", "set_strict", "EXTENSION_AVAILABLE",
+                 "__version__", "apply_patch", "remove_patch"]:
+        assert name in fa.__all__, name
+    for name in fa.__all__:
+        if name not in ("apply_patch", "remove_patch"):
+            assert hasattr(fa, name), name
+    assert callable(fa.flash_attn_func) and callable(fa.scaled_dot_product_attention)
+    with pytest.raises(AttributeError):
+        fa.no_such_attribute  # noqa: B018
+
+
+def test_version_matches_pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        text = f.read()
+    project = text.split("[project]", 1)[1].split("\n[", 1)[0]
+    version = re.search(r'^version\s*=\s*"([^"]+)"', project, flags=re.M).group(1)
+    assert fa.__version__ == version
+
+
+def test_import_does_not_import_transformers():
+    code = ("import sys, flash_attention_sm75 as fa; "
+            "assert 'transformers' not in sys.modules, 'transformers imported eagerly'; "
+            "assert 'flash_attention_sm75.integrations.transformers' not in sys.modules; "
+            "print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+def test_lazy_apply_patch():
+    try:
+        module = importlib.import_module("flash_attention_sm75.integrations.transformers")
+    except ImportError as e:  # written by another part of the project / transformers missing
+        pytest.skip(f"integration not importable: {e}")
+    assert fa.apply_patch is module.apply_patch
+    assert fa.remove_patch is module.remove_patch

@@ -1,0 +1,502 @@
+"""The SDPA-compatible wrapper: dispatch, fallback, why_not_supported, logging, strict mode.
+
+CPU tests check the fallback (every CPU call falls back) and the kernel branch's plumbing (by
+forcing the branch, which then runs the op's CPU implementation). GPU tests compare the kernel
+path with the float64 reference and every fallback branch with torch's own SDPA.
+"""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_attention_sm75 as fa
+from flash_attention_sm75 import _ops, sdpa
+from reference import assert_close_fa, attention_ref, poisoned_cuda_memory, seed_from
+
+pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
+                                reason=f"extension not built: {fa.EXTENSION_ERROR}")
+
+LOGGER = "flash_attention_sm75"
+
+
+@pytest.fixture(autouse=True)
+def _no_strict(monkeypatch):
+    # Each test starts in non-strict mode whatever the environment says.
+    monkeypatch.delenv(sdpa.STRICT_ENV_VAR, raising=False)
+    monkeypatch.setattr(sdpa, "_strict_override", None)
+
+
+def bhsd(b=2, h=4, h_k=4, s_q=8, s_k=8, d=64, dtype=torch.float16, device="cpu", seed=0,
+         d_v=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, s_q, d, generator=g).to(dtype=dtype, device=device)
+    k = torch.randn(b, h_k, s_k, d, generator=g).to(dtype=dtype, device=device)
+    v = torch.randn(b, h_k, s_k, d_v or d, generator=g).to(dtype=dtype, device=device)
+    return q, k, v
+
+
+def assert_same_as_torch(args, kwargs):
+    """Our wrapper returns torch's result bit for bit, or raises torch's exception."""
+    try:
+        expected = F.scaled_dot_product_attention(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever torch raises, we must raise too
+        with pytest.raises(type(e)) as ours:
+            fa.scaled_dot_product_attention(*args, **kwargs)
+        assert str(ours.value) == str(e)
+        return None
+    out = fa.scaled_dot_product_attention(*args, **kwargs)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert torch.equal(out, expected)
+    return out
+
+
+def _kernel_ref_check(q, k, v, out, is_causal, scale=None):
+    kw = dict(causal=is_causal, causal_bottom_right=False, softmax_scale=scale, layout="bhsd")
+    ref, _ = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
+    assert_close_fa(out, ref, pt)
+
+
+# --------------------------------------------------------------------- why_not_supported (CPU)
+
+
+def _reason_cases():
+    q, k, v = bhsd()
+    kg, vg = bhsd(h_k=2)[1:]
+    return [
+        ("cpu", (q, k, v), {}, "only CUDA tensors are supported"),
+        ("fp32", bhsd(dtype=torch.float32), {}, "query.dtype is torch.float32; only torch.float16"),
+        ("bf16_value", (q, k, v.bfloat16()), {}, "value.dtype is torch.bfloat16"),
+        ("3d", (q[0], k[0], v[0]), {}, "query is 3-D"),
+        ("5d", (q[None], k[None], v[None]), {}, "query is 5-D"),
+        ("mask", (q, k, v), {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, "attn_mask is given"),
+        ("dropout", (q, k, v), {"dropout_p": 0.1}, "dropout_p=0.1; dropout is not supported"),
+        ("head_dim_80", bhsd(d=80), {}, "head_dim is 80; only 64 and 128"),
+        ("head_dim_32", bhsd(d=32), {}, "head_dim is 32"),
+        ("value_head_dim", bhsd(d_v=128), {}, "key shape [2, 4, 8, 64] and value shape [2, 4, 8, 128] differ"),
+        ("qk_head_dim", (bhsd(d=128)[0], k, v), {}, "query head_dim 128 and key head_dim 64 differ"),
+        ("batch", (q[:1], k, v), {}, "query batch size 1 and key batch size 2 differ"),
+        ("gqa_disabled", (q, kg, vg), {}, "enable_gqa=False"),
+        ("gqa_not_multiple", (bhsd(h=6)[0], bhsd(h_k=4)[1], bhsd(h_k=4)[2]),
+         {"enable_gqa": True}, "query heads (6) are not a multiple of key/value heads (4)"),
+        ("scale_zero", (q, k, v), {"scale": 0.0}, "scale=0.0; only a finite scale > 0"),
+        ("scale_negative", (q, k, v), {"scale": -1.0}, "scale=-1.0"),
+        ("scale_inf", (q, k, v), {"scale": float("inf")}, "scale=inf"),
+        ("empty", (q[:, :, :0], k, v), {}, "query is empty"),
+        ("nested", (torch.nested.nested_tensor([q[0], q[1]], layout=torch.jagged), k, v), {},
+         "nested tensor"),
+        ("not_tensor", (q, k.tolist(), v), {}, "key is a list, not a torch.Tensor"),
+    ] + ([] if _ops.HAS_BACKWARD else [
+        ("requires_grad", (q.clone().requires_grad_(), k, v), {}, "requires grad"),
+    ])
+
+
+REASON_CASES = _reason_cases()
+
+
+@pytest.mark.parametrize("case", REASON_CASES, ids=[c[0] for c in REASON_CASES])
+def test_why_not_supported_reasons(case):
+    _, args, kwargs, expected = case
+    reason = fa.why_not_supported(*args, **kwargs)
+    assert isinstance(reason, str) and expected in reason, reason
+
+
+def test_why_not_supported_accepts_gqa_and_no_grad_on_cpu_until_the_device_check():
+    q, k, v = bhsd(h=8, h_k=2)
+    assert "only CUDA" in fa.why_not_supported(q, k, v, enable_gqa=True, is_causal=True,
+                                               scale=0.1)
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        assert "only CUDA" in fa.why_not_supported(qg, k, v, enable_gqa=True)
+    if _ops.HAS_BACKWARD:  # with a backward, requiring grad is no reason to fall back
+        assert "only CUDA" in fa.why_not_supported(qg, k, v, enable_gqa=True)
+
+
+def test_why_not_supported_extension_missing(monkeypatch):
+    monkeypatch.setattr(_ops, "EXTENSION_AVAILABLE", False)
+    monkeypatch.setattr(_ops, "EXTENSION_ERROR", "ImportError: boom")
+    reason = fa.why_not_supported(*bhsd(device="cpu"))
+    assert "extension" in reason and "ImportError: boom" in reason
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("ok", None),
+    ("last_stride", "stride(-1) is"),
+    ("misaligned_ptr", "not 16-byte aligned"),
+    ("odd_stride", "must be divisible by 8"),
+    ("size1_odd_stride", None),
+])
+def test_alignment_problem(kind, expected):
+    base = torch.zeros(2, 4, 16, 64, dtype=torch.float16)
+    t = {
+        "ok": base,
+        "last_stride": base.transpose(2, 3),
+        "misaligned_ptr": base.view(-1)[4:4 + 2 * 4 * 15 * 64].view(2, 4, 15, 64)
+        if base.data_ptr() % 16 == 0 else None,
+        "odd_stride": torch.zeros(2, 4, 16, 68, dtype=torch.float16)[..., :64],
+        # a size-1 dim's stride is never used, so it may be anything
+        "size1_odd_stride": torch.zeros(1, 4, 16, 68, dtype=torch.float16)[:, :1, :1, :64],
+    }[kind]
+    if t is None:
+        pytest.skip("CPU allocation not 16-byte aligned")
+    problem = sdpa._alignment_problem("query", t)
+    if expected is None:
+        assert problem is None
+    else:
+        assert expected in problem
+
+
+def test_alignment_and_device_checks_trace_under_compile():
+    # The CUDA-only part of why_not_supported must trace with fullgraph=True (no data_ptr()).
+    torch._dynamo.reset()
+
+    def f(t, other):
+        problem = sdpa._alignment_problem("query", t)
+        mismatch = other.device != t.device
+        return t * (1 if problem is None else 2) + (3 if mismatch else 0)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    base = torch.ones(2, 4, 16, 64, dtype=torch.float16)
+    odd = torch.ones(2, 4, 16, 68, dtype=torch.float16)[..., :64]
+    assert compiled(base, base).max().item() == 1.0
+    assert compiled(odd, base).max().item() == 2.0
+    assert compiled(base.transpose(2, 3), base).max().item() == 2.0
+
+
+# ----------------------------------------------------------------------------- fallback (CPU)
+
+
+FALLBACK_CALLS = [
+    ("plain", {}),
+    ("causal", {"is_causal": True}),
+    ("scale", {"scale": 0.3}),
+    ("gqa", {"enable_gqa": True, "h_k": 2}),
+    ("mask_bool", {"attn_mask": "bool"}),
+    ("mask_float", {"attn_mask": "float"}),
+    ("fp32", {"dtype": torch.float32}),
+    ("head_dim_80", {"d": 80}),
+    ("3d", {"three_d": True}),
+    ("unequal_lengths_causal", {"is_causal": True, "s_q": 5, "s_k": 11}),
+]
+
+
+def _build_call(spec, device="cpu", seed=0):
+    spec = dict(spec)
+    shape = {key: spec.pop(key) for key in ("h_k", "d", "dtype", "s_q", "s_k") if key in spec}
+    q, k, v = bhsd(device=device, seed=seed, **shape)
+    if spec.pop("three_d", False):
+        q, k, v = q[0], k[0], v[0]
+    mask = spec.get("attn_mask")
+    if mask == "bool":
+        m = torch.rand(q.shape[-2], k.shape[-2], device=device) > 0.3
+        m[:, 0] = True  # no fully masked row (torch would give NaN, and NaN != NaN)
+        spec["attn_mask"] = m
+    elif mask == "float":
+        spec["attn_mask"] = torch.randn(q.shape[-2], k.shape[-2], device=device).to(q.dtype)
+    return (q, k, v), spec
+
+
+@pytest.mark.parametrize("name,spec", FALLBACK_CALLS, ids=[c[0] for c in FALLBACK_CALLS])
+def test_cpu_fallback_equals_torch(name, spec):
+    args, kwargs = _build_call(spec)
+    assert fa.why_not_supported(*args, **kwargs) is not None
+    assert assert_same_as_torch(args, kwargs) is not None
+
+
+def test_cpu_fallback_dropout_with_fixed_seed():
+    args = bhsd(dtype=torch.float32)
+    torch.manual_seed(123)
+    out = fa.scaled_dot_product_attention(*args, dropout_p=0.5)
+    torch.manual_seed(123)
+    expected = F.scaled_dot_product_attention(*args, dropout_p=0.5)
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, F.scaled_dot_product_attention(*args))  # dropout did happen
+
+
+def test_cpu_fallback_positional_arguments():
+    q, k, v = bhsd()
+    mask = torch.rand(8, 8) > 0.5
+    assert torch.equal(fa.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=0.2),
+                       F.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=0.2))
+    # As in torch, scale and enable_gqa are keyword-only.
+    with pytest.raises(TypeError):
+        fa.scaled_dot_product_attention(q, k, v, mask, 0.0, False, 0.2)
+
+
+def test_cpu_fallback_heads_mismatch_raises_like_torch():
+    q, k, v = bhsd(h=8, h_k=2)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v)
+    assert assert_same_as_torch((q, k, v), {}) is None  # raised the same error
+
+
+def test_cpu_fallback_backward_matches_torch():
+    q, k, v = (t.requires_grad_() for t in bhsd(dtype=torch.float32))
+    fa.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    for g, t in zip(grads, (q, k, v)):
+        assert torch.equal(g, t.grad)
+
+
+def test_fallback_logs_reason_at_debug(caplog):
+    args = bhsd(d=80)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        fa.scaled_dot_product_attention(*args)
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert len(records) == 1 and records[0].levelno == logging.DEBUG
+    assert fa.why_not_supported(*args) in records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        fa.scaled_dot_product_attention(*args)
+    assert not [r for r in caplog.records if r.name == LOGGER]
+
+
+# ------------------------------------------------------------------------------ strict mode
+
+
+def test_strict_context_manager_raises_reason():
+    args = bhsd(dtype=torch.float32)
+    reason = fa.why_not_supported(*args)
+    with fa.strict():
+        assert fa.is_strict()
+        with pytest.raises(ValueError) as err:
+            fa.scaled_dot_product_attention(*args)
+    assert reason in str(err.value) and "strict" in str(err.value)
+    assert not fa.is_strict()
+    fa.scaled_dot_product_attention(*args)  # falls back again
+
+
+def test_strict_env_var(monkeypatch):
+    args = bhsd()
+    for value in ["1", "true", "ON", "yes"]:
+        monkeypatch.setenv("FLASH_ATTENTION_SM75_STRICT", value)
+        assert fa.is_strict()
+        with pytest.raises(ValueError, match="only CUDA tensors are supported"):
+            fa.scaled_dot_product_attention(*args)
+    for value in ["0", "", "false"]:
+        monkeypatch.setenv("FLASH_ATTENTION_SM75_STRICT", value)
+        assert not fa.is_strict()
+        assert fa.scaled_dot_product_attention(*args).shape == args[0].shape
+
+
+def test_set_strict_and_overrides(monkeypatch):
+    args = bhsd()
+    fa.set_strict(True)
+    try:
+        with pytest.raises(ValueError, match="only CUDA"):
+            fa.scaled_dot_product_attention(*args)
+        with fa.strict(False):  # nested override, restored afterwards
+            assert not fa.is_strict()
+            fa.scaled_dot_product_attention(*args)
+        assert fa.is_strict()
+    finally:
+        fa.set_strict(None)
+    monkeypatch.setenv("FLASH_ATTENTION_SM75_STRICT", "1")
+    with fa.strict(False):
+        assert torch.equal(fa.scaled_dot_product_attention(*args),
+                           F.scaled_dot_product_attention(*args))
+    assert fa.is_strict()  # back to following the environment
+    with pytest.raises(ValueError, match="enabled must be a bool or None"):
+        fa.set_strict("yes")
+
+
+def test_strict_restored_after_exception():
+    with pytest.raises(RuntimeError):
+        with fa.strict():
+            raise RuntimeError("inside")
+    assert not fa.is_strict()
+
+
+# --------------------------------------------------------- kernel branch plumbing (CPU op)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("s_q,s_k,h,h_k,scale", [(6, 13, 4, 2, None), (13, 6, 4, 4, 0.2),
+                                                 (9, 9, 8, 1, None)])
+def test_kernel_branch_on_cpu_op(monkeypatch, s_q, s_k, h, h_k, scale, is_causal):
+    # Force the kernel branch; on CPU tensors the op's CPU implementation runs. Checks the BHSD
+    # <-> BSHD plumbing, the top-left causal alignment, GQA and the scale against the reference.
+    calls = []
+    monkeypatch.setattr(sdpa, "why_not_supported", lambda *a, **kw: calls.append(1))
+    q, k, v = bhsd(h=h, h_k=h_k, s_q=s_q, s_k=s_k, seed=seed_from(s_q, s_k, h, is_causal))
+    out = fa.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                          enable_gqa=h != h_k)
+    assert calls == [1]
+    assert out.shape == (2, h, s_q, 64) and out.transpose(1, 2).is_contiguous()
+    _kernel_ref_check(q, k, v, out, is_causal, scale)
+    if h == h_k:
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                  is_causal=is_causal, scale=scale)
+        assert (out.float() - expected).abs().max().item() < 5e-3
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+
+KERNEL_CASES = [
+    # (b, h, h_k, s_q, s_k, d, is_causal, scale, enable_gqa)
+    (2, 4, 4, 1, 1, 64, False, None, False),
+    (2, 4, 4, 1, 1, 128, True, None, False),
+    (2, 4, 4, 7, 129, 64, True, None, False),
+    (2, 4, 4, 129, 7, 128, True, None, False),
+    (1, 2, 2, 1000, 1000, 64, True, None, False),
+    (1, 2, 2, 1000, 1000, 128, False, 0.05, False),
+    (2, 4, 4, 1, 2048, 64, True, None, False),
+    (2, 4, 4, 1, 2048, 128, False, None, False),
+    (2, 8, 2, 333, 1000, 128, True, None, True),
+    (3, 8, 1, 200, 64, 64, True, None, True),
+    (2, 6, 3, 128, 128, 64, False, 0.3, True),
+    (4, 4, 4, 127, 128, 128, True, None, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_kernel_path_matches_reference(case):
+    b, h, h_k, s_q, s_k, d, is_causal, scale, enable_gqa = case
+    q, k, v = bhsd(b, h, h_k, s_q, s_k, d, device="cuda", seed=seed_from(*case))
+    assert fa.why_not_supported(q, k, v, None, 0.0, is_causal, scale=scale,
+                                enable_gqa=enable_gqa) is None
+    with fa.strict(), poisoned_cuda_memory():  # strict: raises if it would fall back
+        out = fa.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    assert out.shape == (b, h, s_q, d) and out.dtype == torch.float16
+    _kernel_ref_check(q, k, v, out, is_causal, scale)
+    # Same semantics as torch's SDPA (top-left causal, GQA mapping) in float32.
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                              is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    ref, _ = attention_ref(q, k, v, causal=is_causal, causal_bottom_right=False,
+                           softmax_scale=scale, layout="bhsd")
+    assert (expected.double() - ref).abs().max().item() < 1e-3  # the reference agrees with torch
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_path_hf_style_views():
+    # (B, S, H*D) projections viewed as (B, S, H, D) and transposed to BHSD, as HF models do.
+    b, s, h, h_k, d = 2, 300, 8, 2, 64
+    x = torch.randn(b, s, (h + 2 * h_k) * d, device="cuda", dtype=torch.float16)
+    q = x[..., :h * d].view(b, s, h, d).transpose(1, 2)
+    k = x[..., h * d:(h + h_k) * d].view(b, s, h_k, d).transpose(1, 2)
+    v = x[..., (h + h_k) * d:].view(b, s, h_k, d).transpose(1, 2)
+    assert fa.why_not_supported(q, k, v, is_causal=True, enable_gqa=True) is None
+    with poisoned_cuda_memory():
+        out = fa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    _kernel_ref_check(q, k, v, out, True)
+
+
+def _gpu_fallback_cases():
+    return [
+        ("mask_bool", {"attn_mask": "bool"}, "attn_mask"),
+        ("mask_float", {"attn_mask": "float"}, "attn_mask"),
+        ("fp32", {"dtype": torch.float32}, "float32"),
+        ("bf16", {"dtype": torch.bfloat16}, "bfloat16"),
+        ("head_dim_80", {"d": 80}, "head_dim is 80"),
+        ("head_dim_32", {"d": 32}, "head_dim is 32"),
+        ("3d", {"three_d": True}, "3-D"),
+        ("causal_unequal_fp32", {"is_causal": True, "s_q": 5, "s_k": 11,
+                                 "dtype": torch.float32}, "float32"),
+        ("scale_negative", {"scale": -0.5}, "scale=-0.5"),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,spec,reason", _gpu_fallback_cases(),
+                         ids=[c[0] for c in _gpu_fallback_cases()])
+def test_gpu_fallback_equals_torch(name, spec, reason):
+    args, kwargs = _build_call(spec, device="cuda", seed=seed_from(name))
+    assert reason in fa.why_not_supported(*args, **kwargs)
+    assert assert_same_as_torch(args, kwargs) is not None
+    with fa.strict(), pytest.raises(ValueError, match=reason.replace("(", r"\(")):
+        fa.scaled_dot_product_attention(*args, **kwargs)
+
+
+@pytest.mark.gpu
+def test_gpu_fallback_dropout_fixed_seed():
+    q, k, v = bhsd(2, 4, 4, 64, 64, 64, device="cuda")
+    assert "dropout" in fa.why_not_supported(q, k, v, dropout_p=0.2)
+    torch.manual_seed(7)
+    out = fa.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+    torch.manual_seed(7)
+    expected = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_requires_grad_backward_matches_torch():
+    # Without the backward op: falls back to torch (whose grads we then get); with it: the
+    # kernel path, whose grads must match torch's up to fp16 accuracy.
+    q, k, v = (t.requires_grad_() for t in bhsd(2, 4, 4, 64, 64, 64, device="cuda"))
+    reason = fa.why_not_supported(q, k, v)
+    if _ops.HAS_BACKWARD:
+        assert reason is None
+    else:
+        assert "requires grad" in reason
+    out = fa.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.float().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
+    for g, t in zip(grads, (q, k, v)):
+        # Equal up to fp16 rounding and summation order (atomics); a wrong gradient is O(1) off.
+        assert torch.allclose(g.float(), t.grad.float(), atol=1e-2, rtol=2e-2)
+    with torch.no_grad():  # no grad needed: the kernel runs
+        assert fa.why_not_supported(q, k, v) is None
+
+
+@pytest.mark.gpu
+def test_gpu_fallback_heads_mismatch_raises_like_torch():
+    q, k, v = bhsd(2, 8, 2, 16, 16, 64, device="cuda")
+    assert "enable_gqa=False" in fa.why_not_supported(q, k, v)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v)
+    assert_same_as_torch((q, k, v), {})
+
+
+@pytest.mark.gpu
+def test_gpu_fallback_misaligned_and_odd_strides():
+    q, k, v = bhsd(2, 4, 4, 32, 32, 64, device="cuda")
+    flat = torch.empty(q.numel() + 4, dtype=torch.float16, device="cuda")
+    q_mis = flat[4:].view(q.shape).copy_(q)
+    assert "not 16-byte aligned" in fa.why_not_supported(q_mis, k, v)
+    k_odd = torch.zeros(2, 4, 32, 68, dtype=torch.float16, device="cuda")[..., :64].copy_(k)
+    assert "divisible by 8" in fa.why_not_supported(q, k_odd, v)
+    for args in [(q_mis, k, v), (q, k_odd, v)]:
+        assert assert_same_as_torch(args, {}) is not None
+
+
+@pytest.mark.gpu
+def test_gpu_fallback_empty_and_value_head_dim():
+    q, k, v = bhsd(2, 4, 4, 16, 16, 64, device="cuda")
+    empty = q[:, :, :0]
+    assert "empty" in fa.why_not_supported(empty, k, v)
+    assert_same_as_torch((empty, k, v), {})
+    v128 = torch.randn(2, 4, 16, 128, device="cuda", dtype=torch.float16)
+    assert "differ" in fa.why_not_supported(q, k, v128)
+    assert_same_as_torch((q, k, v128), {})
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_devices_fall_back_to_torch_error():
+    q, k, v = bhsd(2, 4, 4, 16, 16, 64, device="cuda")
+    assert "only CUDA" in fa.why_not_supported(q, k.cpu(), v)
+    assert_same_as_torch((q, k.cpu(), v), {})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_gpu_compile_kernel_path(backend):
+    torch._dynamo.reset()
+    q, k, v = bhsd(2, 8, 2, 100, 100, 64, device="cuda")
+
+    def f(q, k, v):
+        return fa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    out = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
+    assert torch.equal(out, f(q, k, v))
+    _kernel_ref_check(q, k, v, out, True)

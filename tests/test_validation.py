@@ -1,0 +1,267 @@
+"""Input validation of the public API (ValueError naming the argument, before any launch) and
+the documentation of the public signatures."""
+import inspect
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_attention_sm75 as fa
+from flash_attention_sm75 import _ops, interface, sdpa
+
+pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
+                                reason=f"extension not built: {fa.EXTENSION_ERROR}")
+
+
+def bshd(b=2, s_q=5, s_k=7, h=4, h_k=2, d=64, dtype=torch.float16, device="cpu"):
+    q = torch.randn(b, s_q, h, d).to(dtype=dtype, device=device)
+    k = torch.randn(b, s_k, h_k, d).to(dtype=dtype, device=device)
+    v = torch.randn(b, s_k, h_k, d).to(dtype=dtype, device=device)
+    return q, k, v
+
+
+def to_bhsd(q, k, v):
+    return tuple(t.transpose(1, 2) for t in (q, k, v))
+
+
+def _cases():
+    """(id, (q, k, v), kwargs, regex); tensors in BSHD, converted for the BHSD function."""
+    q, k, v = bshd()
+    return [
+        ("q_not_tensor", (q.tolist(), k, v), {}, r"q must be a torch\.Tensor, got list"),
+        ("q_3d", (q[0], k, v), {}, r"q must be 4-D .* got 3-D of shape \[5, 4, 64\]"),
+        ("k_5d", (q, k.unsqueeze(0), v), {}, r"k must be 4-D .* got 5-D"),
+        ("q_fp32", (q.float(), k, v), {}, r"q must be float16 .* got torch\.float32"),
+        ("k_bf16", (q, k.bfloat16(), v), {}, r"k must be float16 .* got torch\.bfloat16"),
+        ("v_fp32", (q, k, v.float()), {}, r"v must be float16 .* got torch\.float32"),
+        ("device", (q, k.to("meta"), v), {}, r"k must be on the same device as q \(cpu\), got meta"),
+        ("q_empty", (q[:, :0], k, v), {}, r"q must be non-empty \(every dimension >= 1\)"),
+        ("k_empty", (q, k[:, :0], v[:, :0]), {}, r"k must be non-empty"),
+        ("last_stride", (q, k, v.transpose(1, 3).contiguous().transpose(1, 3)), {},
+         r"v must have a contiguous last dimension \(stride\(-1\) == 1\)"),
+        ("kv_shape", (q, k, v[:, :6]), {}, r"k and v must have the same shape"),
+        ("batch", (q[:1], k, v), {}, r"q and k must have the same batch size, got 1 and 2"),
+        ("head_dim_mismatch", (q, k[..., :32], v[..., :32]), {},
+         r"q and k must have the same head_dim, got 64 and 32"),
+        ("head_dim_80", bshd(d=80), {}, r"head_dim must be 64 or 128, got 80"),
+        ("head_dim_32", bshd(d=32), {}, r"head_dim must be 64 or 128, got 32"),
+        ("head_dim_256", bshd(d=256), {}, r"head_dim must be 64 or 128, got 256"),
+        ("gqa", bshd(h=6, h_k=4), {},
+         r"num_heads \(6\) must be a multiple of num_heads_k \(4\)"),
+        ("kv_heads_more", bshd(h=2, h_k=4), {},
+         r"num_heads \(2\) must be a multiple of num_heads_k \(4\)"),
+        ("scale_zero", (q, k, v), {"softmax_scale": 0.0},
+         r"softmax_scale must be a finite number > 0, got 0\.0"),
+        ("scale_negative", (q, k, v), {"softmax_scale": -0.5}, r"softmax_scale must be .* -0\.5"),
+        ("scale_nan", (q, k, v), {"softmax_scale": float("nan")}, r"softmax_scale .* nan"),
+        ("scale_inf", (q, k, v), {"softmax_scale": float("inf")}, r"softmax_scale .* inf"),
+        ("scale_str", (q, k, v), {"softmax_scale": "0.1"}, r"softmax_scale .* '0\.1'"),
+        ("scale_bool", (q, k, v), {"softmax_scale": True}, r"softmax_scale .* True"),
+    ]
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_flash_attn_func_errors(case, monkeypatch):
+    _, (q, k, v), kwargs, regex = case
+    calls = []
+    real_op = torch.ops.flash_attention_sm75.fwd
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
+                        lambda *a, **kw: calls.append(a) or real_op(*a, **kw))
+    with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex):
+        fa.flash_attn_func(q, k, v, **kwargs)
+    assert calls == []  # rejected before reaching the op (so before any kernel launch)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_flash_attention_forward_errors(case, monkeypatch):
+    _, (q, k, v), kwargs, regex = case
+    calls = []
+    real_op = torch.ops.flash_attention_sm75.fwd
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
+                        lambda *a, **kw: calls.append(a) or real_op(*a, **kw))
+    args = tuple(t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t
+                 for t in (q, k, v))
+    # The same rules and messages; shapes are printed as the caller passed them.
+    with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex):
+        fa.flash_attention_forward(*args, **kwargs)
+    assert calls == []
+
+
+def test_bhsd_messages_name_the_bhsd_layout():
+    q, k, v = to_bhsd(*bshd())
+    with pytest.raises(ValueError, match=r"\(batch, num_heads, seqlen, head_dim\) in BHSD layout"):
+        fa.flash_attention_forward(q[0], k, v)
+    with pytest.raises(ValueError, match=r"\(batch, seqlen, num_heads, head_dim\) in BSHD layout"):
+        fa.flash_attn_func(q[0], k, v)
+
+
+def test_valid_input_reaches_the_op(monkeypatch):
+    calls = []
+    real_op = torch.ops.flash_attention_sm75.fwd
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
+                        lambda *a, **kw: calls.append(a) or real_op(*a, **kw))
+    q, k, v = bshd()
+    out = fa.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True)
+    assert len(calls) == 1 and out.shape == q.shape
+    # (q, k, v, softmax_scale, is_causal, causal_bottom_right)
+    assert calls[0][3:] == (0.1, True, True)
+    out_b = fa.flash_attention_forward(*to_bhsd(q, k, v), causal=True, softmax_scale=0.1)
+    assert len(calls) == 2 and calls[1][3:] == (0.1, True, True)
+    assert calls[1][0].data_ptr() == q.data_ptr()  # a view, not a copy
+    assert torch.equal(out_b.transpose(1, 2), out)
+
+
+@pytest.mark.parametrize("ret", [False, True])
+def test_return_lse_forms(ret):
+    q, k, v = bshd()
+    res = fa.flash_attn_func(q, k, v, return_lse=ret)
+    res_b = fa.flash_attention_forward(*to_bhsd(q, k, v), return_lse=ret)
+    if ret:
+        assert isinstance(res, tuple) and len(res) == 2 and res[1].shape == (2, 4, 5)
+        assert isinstance(res_b, tuple) and len(res_b) == 2 and torch.equal(res[1], res_b[1])
+    else:
+        assert isinstance(res, torch.Tensor) and isinstance(res_b, torch.Tensor)
+
+
+@pytest.mark.parametrize("kwargs,regex", [
+    ({"leftpad_k": torch.zeros(2, dtype=torch.int64)}, r"leftpad_k must be int32, got torch\.int64"),
+    ({"seqused_k": torch.zeros(3, dtype=torch.int32)},
+     r"seqused_k must have shape \(batch,\) = \(2,\), got \[3\]"),
+    ({"leftpad_k": torch.zeros(2, 1, dtype=torch.int32)}, r"leftpad_k must have shape \(batch,\)"),
+    ({"seqused_k": torch.zeros(2, dtype=torch.int32, device="meta")},
+     r"seqused_k must be on the same device as q \(cpu\), got meta"),
+    ({"leftpad_k": torch.zeros(4, dtype=torch.int32)[::2]}, r"leftpad_k must be contiguous"),
+    ({"leftpad_k": [0, 0]}, r"leftpad_k must be a torch\.Tensor or None, got list"),
+])
+def test_key_range_argument_errors(kwargs, regex):
+    q, k, v = bshd()
+    with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex):
+        _ops.validate_fwd_inputs(q, k, v, **kwargs)
+
+
+def test_validate_accepts_valid_and_rejects_bad_layout():
+    q, k, v = bshd()
+    _ops.validate_fwd_inputs(q, k, v, 0.5, torch.zeros(2, dtype=torch.int32),
+                             torch.full((2,), 7, dtype=torch.int32))
+    _ops.validate_fwd_inputs(*to_bhsd(q, k, v), layout="bhsd")
+    with pytest.raises(ValueError, match="layout must be 'bshd' or 'bhsd'"):
+        _ops.validate_fwd_inputs(q, k, v, layout="sbhd")
+
+
+def test_extension_missing_raises_runtime_error(monkeypatch):
+    monkeypatch.setattr(_ops, "EXTENSION_AVAILABLE", False)
+    monkeypatch.setattr(_ops, "EXTENSION_ERROR", "ImportError: test")
+    with pytest.raises(RuntimeError, match="could not be imported .*ImportError: test"):
+        fa.flash_attn_func(*bshd())
+    with pytest.raises(RuntimeError, match="could not be imported"):
+        fa.flash_attention_forward(*to_bhsd(*bshd()))
+
+
+# ------------------------------------------------------------------------------ CUDA-only
+
+
+@pytest.mark.gpu
+def test_cuda_alignment_errors():
+    q, k, v = bshd(device="cuda")
+    flat = torch.empty(q.numel() + 4, dtype=torch.float16, device="cuda")
+    q_misaligned = flat[4:].view(q.shape)  # 8-byte offset
+    assert q_misaligned.data_ptr() % 16 != 0
+    msg = r"^flash_attention_sm75: q must be 16-byte aligned"
+    with pytest.raises(ValueError, match=msg):
+        fa.flash_attn_func(q_misaligned, k, v)
+    with pytest.raises(ValueError, match=msg):  # the C++ check
+        torch.ops.flash_attention_sm75.fwd(q_misaligned, k, v)
+    k_odd_stride = torch.zeros(2, 7, 2, 68, dtype=torch.float16, device="cuda")[..., :64]
+    with pytest.raises(ValueError, match=r"^flash_attention_sm75: k must be 16-byte aligned"):
+        fa.flash_attn_func(q, k_odd_stride, v)
+    with pytest.raises(ValueError, match=r"^flash_attention_sm75: k must be 16-byte aligned"):
+        torch.ops.flash_attention_sm75.fwd(q, k_odd_stride, v)
+
+
+@pytest.mark.gpu
+def test_cuda_device_mismatch():
+    q, k, v = bshd(device="cuda")
+    with pytest.raises(ValueError, match=r"k must be on the same device as q \(cuda:0\), got cpu"):
+        fa.flash_attn_func(q, k.cpu(), v)
+    with pytest.raises(ValueError, match=r"k must be on the same device as q"):
+        torch.ops.flash_attention_sm75.fwd(q, k.cpu(), v)
+    lp = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"leftpad_k must be on the same device as q"):
+        torch.ops.flash_attention_sm75.fwd(q, k, v, None, False, True, lp)
+
+
+# ------------------------------------------------------------------------------ docstrings
+
+
+PUBLIC_FUNCTIONS = [interface.flash_attn_func, interface.flash_attention_forward,
+                    sdpa.scaled_dot_product_attention, sdpa.why_not_supported, sdpa.strict,
+                    sdpa.set_strict]
+
+
+def _documented_parameters(doc):
+    """Names listed in the numpydoc 'Parameters' section."""
+    section = doc.split("Parameters\n")[1].split("\n    Returns\n")[0]
+    section = re.split(r"\n    (?:Notes|Raises|Examples)\n", section)[0]
+    return re.findall(r"^    (\w+) : ", section, flags=re.M)
+
+
+@pytest.mark.parametrize("func", PUBLIC_FUNCTIONS, ids=lambda f: f.__name__)
+def test_docstring_documents_exactly_the_signature(func):
+    doc = func.__doc__
+    assert doc and "Parameters\n" in doc, f"{func.__name__} has no numpydoc Parameters section"
+    params = list(inspect.signature(func).parameters)
+    documented = _documented_parameters(doc)
+    assert documented == params, (documented, params)  # same names, same order, no phantoms
+
+
+@pytest.mark.parametrize("func", PUBLIC_FUNCTIONS[:3], ids=lambda f: f.__name__)
+def test_docstring_sections_and_sources(func):
+    doc = func.__doc__
+    for section in ["Parameters", "Returns", "Raises", "Notes"]:
+        assert f"\n    {section}\n    {'-' * len(section)}\n" in doc, section
+    assert "arXiv:2307.08691" in doc and "arXiv:2205.14135" in doc
+
+
+def test_direct_api_docstrings_say_bottom_right_and_draw_the_mask():
+    for func in (fa.flash_attn_func, fa.flash_attention_forward):
+        doc = func.__doc__
+        assert "bottom-right" in doc
+        assert "seqlen_q != seqlen_k" in doc or "seqlen_q = 2, seqlen_k = 5" in doc
+        assert re.search(r"\n\s+0 0\n\s+0 0\n", doc)  # rows without keys drawn
+        assert "i // (num_heads // num_heads_k)" in doc
+    assert "top-left" in fa.scaled_dot_product_attention.__doc__
+
+
+def _torch_sdpa_parameters():
+    # torch's SDPA is a builtin without __signature__; the aten schema has names, defaults and
+    # which arguments are keyword-only.
+    schema = torch.ops.aten.scaled_dot_product_attention.default._schema
+    return [(a.name, a.default_value, a.kwarg_only) for a in schema.arguments]
+
+
+def _ours(func):
+    return [(n, None if p.default is inspect.Parameter.empty else p.default,
+             p.kind is inspect.Parameter.KEYWORD_ONLY)
+            for n, p in inspect.signature(func).parameters.items()]
+
+
+def test_sdpa_signature_equals_torch():
+    theirs = _torch_sdpa_parameters()
+    assert [t[0] for t in theirs][:3] == ["query", "key", "value"]  # the schema is what we think
+    assert _ours(fa.scaled_dot_product_attention) == theirs
+    # The docstring's first line in torch names the same parameters in the same order.
+    first = F.scaled_dot_product_attention.__doc__.split("->")[0]
+    assert re.findall(r"(\w+)(?:=[^,)]*)?[,)]", first.replace("\n", " ")) == [t[0] for t in theirs]
+    # why_not_supported takes exactly the same arguments.
+    assert _ours(fa.why_not_supported) == theirs
+
+
+def test_flash_attn_func_signature_follows_flash_attn_order():
+    assert list(inspect.signature(fa.flash_attn_func).parameters) == [
+        "q", "k", "v", "softmax_scale", "causal", "return_lse"]
+    assert list(inspect.signature(fa.flash_attention_forward).parameters) == [
+        "q", "k", "v", "causal", "softmax_scale", "return_lse"]
