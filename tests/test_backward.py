@@ -18,7 +18,11 @@ from flash_attention_sm75._backward import deterministic_backward, register_back
 HAS_BWD = register_backward()
 pytestmark = pytest.mark.skipif(not HAS_BWD, reason="bwd op not in the built extension")
 HAS_CUDA = torch.cuda.is_available()
-cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def cuda_only(fn):
+    # `gpu` marker: conftest.py skips it without a GPU of compute capability >= 7.5.
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(fn))
 
 ops = torch.ops.flash_attention_sm75
 

@@ -295,7 +295,7 @@ int main(int argc, char** argv) {
       add(1, 100, 33, 2, 1, d, true, true, false, false, 0, atomic);   // bottom-right, sq > sk
       add(3, 65, 90, 4, 1, d, false, true, true, true, 1, atomic);     // MQA, key ranges
       add(1, 1, 1, 1, 1, d, false, true, false, false, 0, atomic);
-      add(1, 7, 129, 2, 2, d, true, false, true, false, 2, atomic);
+      add(1, 7, 129, 2, 2, d, true, true, true, false, 2, atomic);    // bottom-right, few rows
     }
   }
   if (mode == "full") {
