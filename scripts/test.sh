@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# The project's test command (README and .ci/run use exactly this):
+#
+#     bash scripts/test.sh
+#
+# Needs python3 + pip, a CUDA toolkit (nvcc) and a C++ compiler; no GPU. It
+#   1. installs torch==2.11.0 (if another version is present), the build tools and the package
+#      with its test extras: pip install -e '.[test]' --no-build-isolation (MAX_JOBS=2);
+#   2. runs scripts/check_sm75.py (sm_75 registers/spills/smem + generate_kernels.py --check);
+#   3. runs python -m pytest -q tests (no tests collected, or none passed, is a failure);
+#   4. configures, builds and runs the LibTorch/GoogleTest suite with CMake + CTest (zero tests,
+#      or none passed, is a failure);
+# and prints one summary line. GPU tests skip themselves when no GPU is visible.
+#
+# Knobs: PYTHON (default python3), MAX_JOBS (default 2), TORCH_INDEX_URL (index for torch),
+#        BUILD_DIR (CMake build dir, default build/cmake), SKIP_INSTALL=1 (use what is installed).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+export MAX_JOBS=${MAX_JOBS:-2}
+export NVCC_THREADS=${NVCC_THREADS:-1}
+BUILD_DIR=${BUILD_DIR:-build/cmake}
+RESULTS=build/test-results
+TORCH_VERSION=2.11.0
+mkdir -p "$RESULTS"
+
+T0=$SECONDS
+declare -a SUMMARY=()
+FAILED=0
+
+log() { printf '\n==== [%s +%ds] %s\n' "$(date +%H:%M:%S)" "$((SECONDS - T0))" "$*"; }
+fail() {
+  FAILED=1
+  SUMMARY+=("$1 FAILED")
+  printf '\n!!!! %s FAILED\n' "$1" >&2
+}
+finish() {
+  FINISHED=1
+  local t=$((SECONDS - T0))
+  local status=PASSED
+  [ "$FAILED" -eq 0 ] || status=FAILED
+  local joined
+  joined=$(printf '%s; ' "${SUMMARY[@]}")
+  printf '\nTEST SUMMARY: %s in %dm%02ds: %s\n' "$status" $((t / 60)) $((t % 60)) "${joined%; }"
+  [ "$FAILED" -eq 0 ]
+}
+
+# A step that aborts the script (set -e: install, environment) still gets a summary line.
+on_exit() {
+  local rc=$?
+  if [ -z "${FINISHED:-}" ]; then
+    printf '\nTEST SUMMARY: FAILED (aborted with exit %d after %ds; see the log above)\n' \
+      "$rc" $((SECONDS - T0)) >&2
+  fi
+}
+trap on_exit EXIT
+
+# ---- CUDA toolkit ------------------------------------------------------------------------------
+if ! command -v nvcc >/dev/null 2>&1; then
+  for d in "${CUDA_HOME:-}" /usr/local/cuda; do
+    if [ -n "$d" ] && [ -x "$d/bin/nvcc" ]; then export PATH="$d/bin:$PATH"; break; fi
+  done
+fi
+command -v nvcc >/dev/null 2>&1 || { echo "scripts/test.sh: nvcc not found (set CUDA_HOME)" >&2; exit 1; }
+export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+
+# ---- Python environment -------------------------------------------------------------------------
+# A distro python that refuses pip installs (PEP 668) gets a venv that still sees its packages.
+if [ -z "${VIRTUAL_ENV:-}" ] && "$PY" - <<'EOF'
+import os, sys, sysconfig
+sys.exit(0 if sys.prefix == sys.base_prefix and os.path.exists(
+    os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)
+EOF
+then
+  log "externally managed python: using venv .venv (--system-site-packages)"
+  [ -x .venv/bin/python ] || "$PY" -m venv --system-site-packages .venv
+  PY=$ROOT/.venv/bin/python
+fi
+PIP=("$PY" -m pip)
+
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+  log "install: torch==$TORCH_VERSION, build tools, pip install -e '.[test]' (MAX_JOBS=$MAX_JOBS)"
+  if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
+      2>/dev/null; then
+    if [ -n "${TORCH_INDEX_URL:-}" ]; then
+      "${PIP[@]}" install "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
+    else
+      "${PIP[@]}" install "torch==$TORCH_VERSION"
+    fi
+  fi
+  "${PIP[@]}" install "setuptools>=64" wheel ninja
+  # CMake >= 3.22 for the C++ suite; the PyPI wheel when the system has none or an older one.
+  if ! cmake --version 2>/dev/null | "$PY" -c "
+import re, sys
+m = re.search(r'(\d+)\.(\d+)', sys.stdin.read())
+sys.exit(0 if m and (int(m.group(1)), int(m.group(2))) >= (3, 22) else 1)"; then
+    "${PIP[@]}" install "cmake>=3.22"
+  fi
+  "${PIP[@]}" install -e '.[test]' --no-build-isolation
+  SUMMARY+=("install OK")
+else
+  SUMMARY+=("install skipped")
+fi
+# Tools pip put next to the interpreter (cmake, ninja) come first.
+PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+export PATH
+"$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
+'GPU available:', torch.cuda.is_available())"
+
+# ---- 1. sm_75 resource check -------------------------------------------------------------------
+log "scripts/check_sm75.py"
+if "$PY" scripts/check_sm75.py --jobs "$MAX_JOBS" --json "$RESULTS/check_sm75.json"; then
+  n=$("$PY" -c "import json; d=json.load(open('$RESULTS/check_sm75.json')); \
+print(sum(k['entry'] for k in d['kernels']))")
+  SUMMARY+=("check_sm75 OK ($n kernels)")
+else
+  fail "check_sm75"
+fi
+
+# ---- 2. pytest ---------------------------------------------------------------------------------
+# Counts come from the JUnit XML: "no tests collected" (exit 5) or zero passed tests fail.
+count_junit() {  # file -> "tests failures errors skipped passed"
+  "$PY" - "$1" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+t = {k: sum(int(s.get(k, 0) or 0) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+skipped = t["skipped"]
+if not skipped:  # ctest writes <skipped/> children but may leave the attribute out
+    skipped = sum(1 for s in suites for c in s.iter("testcase")
+                  if c.find("skipped") is not None or c.get("status") in ("notrun", "disabled"))
+passed = t["tests"] - t["failures"] - t["errors"] - skipped
+print(t["tests"], t["failures"], t["errors"], skipped, passed)
+EOF
+}
+
+log "python -m pytest -q tests"
+rc=0
+"$PY" -m pytest -q tests --junitxml="$RESULTS/pytest.xml" || rc=$?
+if [ "$rc" -eq 5 ]; then
+  fail "pytest (no tests collected)"
+elif [ ! -f "$RESULTS/pytest.xml" ]; then
+  fail "pytest (exit $rc, no report)"
+else
+  read -r total failures errors skipped passed < <(count_junit "$RESULTS/pytest.xml")
+  if [ "$rc" -ne 0 ]; then
+    fail "pytest (exit $rc: $failures failed, $errors errors, $passed passed)"
+  elif [ "$passed" -le 0 ]; then
+    fail "pytest (0 passed of $total)"
+  else
+    SUMMARY+=("pytest OK ($passed passed, $skipped skipped)")
+  fi
+fi
+
+# ---- 3. CMake + CTest (LibTorch library, GoogleTest) ------------------------------------------
+log "cmake configure + build ($BUILD_DIR) + ctest"
+generator=()
+command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
+if [ -f "$BUILD_DIR/CMakeCache.txt" ] && ! grep -q "CMAKE_HOME_DIRECTORY:INTERNAL=$ROOT\$" \
+    "$BUILD_DIR/CMakeCache.txt"; then
+  rm -rf "$BUILD_DIR"  # a cache from another checkout
+fi
+if ! cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DPython3_EXECUTABLE="$PY" -DFLASH_SM75_BUILD_TESTS=ON; then
+  fail "cmake configure"
+elif ! cmake --build "$BUILD_DIR" --parallel "$MAX_JOBS"; then
+  fail "cmake build"
+else
+  rc=0
+  ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j "$MAX_JOBS" \
+    --output-junit "$ROOT/$RESULTS/ctest.xml" || rc=$?
+  if [ ! -f "$RESULTS/ctest.xml" ]; then
+    fail "ctest (exit $rc, no report)"
+  else
+    read -r total failures errors skipped passed < <(count_junit "$RESULTS/ctest.xml")
+    if [ "$rc" -ne 0 ]; then
+      fail "ctest (exit $rc: $failures failed, $passed passed)"
+    elif [ "$passed" -le 0 ]; then
+      fail "ctest (0 passed of $total)"
+    else
+      SUMMARY+=("ctest OK ($passed passed, $skipped skipped)")
+    fi
+  fi
+fi
+
+finish

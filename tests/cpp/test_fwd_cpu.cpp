@@ -1,0 +1,171 @@
+// mha_fwd_cpu (the float32 ATen reference / CPU implementation) against the naive
+// double-precision loop of reference.h, and the registered op flash_attention_sm75::fwd on CPU.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <tuple>
+
+#include "flash_api.h"
+#include "reference.h"
+
+namespace flash_sm75 {
+namespace {
+
+using flash_sm75_test::AttnCase;
+using flash_sm75_test::expect_matches_reference;
+using flash_sm75_test::make_inputs;
+using flash_sm75_test::naive_attention;
+
+struct Named {
+  std::string name;
+  AttnCase c;
+};
+std::ostream& operator<<(std::ostream& os, const Named& n) { return os << n.name; }
+
+AttnCase mk(int64_t b, int64_t sq, int64_t sk, int64_t h, int64_t hk, int64_t d, bool causal,
+            bool bottom_right = true) {
+  AttnCase c;
+  c.b = b;
+  c.sq = sq;
+  c.sk = sk;
+  c.h = h;
+  c.hk = hk;
+  c.d = d;
+  c.is_causal = causal;
+  c.bottom_right = bottom_right;
+  c.seed = static_cast<uint64_t>(b * 1000003 + sq * 1009 + sk * 31 + h * 7 + d + causal);
+  return c;
+}
+
+std::vector<Named> cases() {
+  std::vector<Named> v;
+  for (int64_t d : {64, 128}) {
+    const std::string ds = "d" + std::to_string(d);
+    v.push_back({ds + "_plain", mk(2, 17, 23, 2, 2, d, false)});
+    v.push_back({ds + "_causal_br_sq_lt_sk", mk(1, 9, 40, 2, 1, d, true, true)});
+    v.push_back({ds + "_causal_tl_sq_lt_sk", mk(1, 9, 40, 2, 1, d, true, false)});
+    // seqlen_q > seqlen_k: bottom-right leaves the first sq - sk rows without keys.
+    v.push_back({ds + "_causal_br_sq_gt_sk", mk(2, 33, 12, 2, 2, d, true, true)});
+    v.push_back({ds + "_causal_tl_sq_gt_sk", mk(2, 33, 12, 2, 2, d, true, false)});
+    v.push_back({ds + "_causal_square", mk(1, 65, 65, 1, 1, d, true, true)});
+    v.push_back({ds + "_gqa_4_2", mk(2, 11, 19, 4, 2, d, false)});
+    v.push_back({ds + "_gqa_6_3_causal", mk(1, 14, 14, 6, 3, d, true)});
+    v.push_back({ds + "_mqa_6_1", mk(1, 7, 30, 6, 1, d, false)});
+    AttnCase c = mk(1, 5, 9, 2, 1, d, false);
+    c.scale = 0.37;
+    v.push_back({ds + "_custom_scale", c});
+    c = mk(2, 13, 29, 4, 2, d, false);
+    c.bhsd = true;
+    v.push_back({ds + "_bhsd_strided", c});
+    // Left/right padded keys (HF padded batches), with GQA, causal both alignments.
+    for (bool causal : {false, true}) {
+      for (bool br : {false, true}) {
+        if (!causal && !br) continue;
+        c = mk(3, 21, 26, 4, 2, d, causal, br);
+        c.leftpad = {0, 5, 11};
+        c.seqused = {26, 20, 26};
+        v.push_back({ds + "_padded" + (causal ? (br ? "_causal_br" : "_causal_tl") : ""), c});
+      }
+    }
+    // Out-of-range bounds are clamped; an empty window gives zero rows.
+    c = mk(4, 6, 10, 2, 2, d, false);
+    c.leftpad = {-3, 4, 12, 7};
+    c.seqused = {15, 3, 20, 10};  // batch 1: seqused < leftpad; batch 2: leftpad past the end
+    v.push_back({ds + "_clamped_and_empty_windows", c});
+    c = mk(2, 8, 16, 2, 1, d, true, true);
+    c.seqused = {16, 6};
+    v.push_back({ds + "_seqused_only_causal", c});
+  }
+  return v;
+}
+
+class FwdCpu : public ::testing::TestWithParam<Named> {};
+
+TEST_P(FwdCpu, MatchesNaiveDoubleReference) {
+  const AttnCase& c = GetParam().c;
+  auto in = make_inputs(c);
+  auto [out, lse] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right,
+                                in.leftpad_k, in.seqused_k);
+  // Contract: out (b, sq, h, d) fp16 contiguous; lse (b, h, sq) fp32 contiguous.
+  EXPECT_EQ(out.sizes(), (at::IntArrayRef{c.b, c.sq, c.h, c.d}));
+  EXPECT_EQ(out.scalar_type(), at::kHalf);
+  EXPECT_TRUE(out.is_contiguous());
+  EXPECT_EQ(lse.sizes(), (at::IntArrayRef{c.b, c.h, c.sq}));
+  EXPECT_EQ(lse.scalar_type(), at::kFloat);
+  EXPECT_TRUE(lse.is_contiguous());
+  auto [ref_out, ref_lse] = naive_attention(in.q, in.k, in.v, c);
+  // fp32 math rounded to fp16 at the end: half an fp16 ulp plus float32 noise.
+  expect_matches_reference(out, lse, ref_out, ref_lse, /*out_atol=*/1e-3, /*out_rtol=*/1e-3,
+                           /*lse_atol=*/1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, FwdCpu, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Named>& i) { return i.param.name; });
+
+TEST(FwdCpuSemantics, RowsWithoutKeysAreZeroAndNegInf) {
+  AttnCase c = mk(1, 6, 3, 1, 1, 64, /*causal=*/true, /*bottom_right=*/true);
+  auto in = make_inputs(c);
+  auto [out, lse] = mha_fwd_cpu(in.q, in.k, in.v, std::nullopt, true, true, std::nullopt,
+                                std::nullopt);
+  // off = 3 - 6 = -3: rows 0..2 see nothing, rows 3..5 see keys 0..i-3.
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(std::isinf(lse[0][0][i].item<float>()) && lse[0][0][i].item<float>() < 0) << i;
+    EXPECT_EQ(out[0][i].abs().sum().item<float>(), 0.f) << i;
+  }
+  // Row 3 sees exactly key 0: softmax of one element is 1, so out = v[0] and lse = scale*q.k.
+  EXPECT_TRUE(at::allclose(out[0][3].to(at::kFloat), in.v[0][0].to(at::kFloat), 0, 1e-3));
+  const float s = (in.q[0][3][0].to(at::kFloat) * in.k[0][0][0].to(at::kFloat)).sum().item<float>() / 8.f;
+  EXPECT_NEAR(lse[0][0][3].item<float>(), s, 1e-4);
+}
+
+TEST(FwdCpuSemantics, DecodeBottomRightSeesAllTopLeftSeesFirst) {
+  // seqlen_q = 1: bottom-right causal equals non-causal; top-left sees key 0 only.
+  AttnCase c = mk(1, 1, 50, 2, 2, 128, true);
+  auto in = make_inputs(c);
+  auto full = mha_fwd_cpu(in.q, in.k, in.v, std::nullopt, false, true, std::nullopt, std::nullopt);
+  auto br = mha_fwd_cpu(in.q, in.k, in.v, std::nullopt, true, true, std::nullopt, std::nullopt);
+  auto tl = mha_fwd_cpu(in.q, in.k, in.v, std::nullopt, true, false, std::nullopt, std::nullopt);
+  EXPECT_TRUE(at::equal(std::get<0>(full), std::get<0>(br)));
+  EXPECT_TRUE(at::equal(std::get<1>(full), std::get<1>(br)));
+  EXPECT_TRUE(at::allclose(std::get<0>(tl)[0][0].to(at::kFloat),
+                           in.v[0][0].to(at::kFloat), 0, 1e-3));
+}
+
+// The op registered by torch_bindings.cpp, called through the dispatcher with CPU tensors: the
+// CPU kernel is mha_fwd_cpu and errors stay c10::ValueError.
+using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&, std::optional<double>, bool,
+                                                  bool, const std::optional<at::Tensor>&,
+                                                  const std::optional<at::Tensor>&);
+
+TEST(FwdOp, RegisteredAndDispatchesToCpu) {
+  auto op = c10::Dispatcher::singleton()
+                .findSchemaOrThrow("flash_attention_sm75::fwd", "")
+                .typed<FwdSig>();
+  const std::string schema = c10::toString(op.schema());
+  EXPECT_NE(schema.find("float? softmax_scale=None"), std::string::npos) << schema;
+  EXPECT_NE(schema.find("bool causal_bottom_right=True"), std::string::npos) << schema;
+  EXPECT_NE(schema.find("-> (Tensor out, Tensor softmax_lse)"), std::string::npos) << schema;
+
+  AttnCase c = mk(2, 10, 21, 4, 2, 64, true, false);
+  c.leftpad = {2, 0};
+  c.seqused = {21, 15};
+  auto in = make_inputs(c);
+  auto [out, lse] = op.call(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right, in.leftpad_k,
+                            in.seqused_k);
+  auto [want_out, want_lse] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right,
+                                          in.leftpad_k, in.seqused_k);
+  EXPECT_TRUE(at::equal(out, want_out));
+  EXPECT_TRUE(at::equal(lse, want_lse));
+
+  EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, 0.0, false, true, std::nullopt, std::nullopt),
+                     "softmax_scale");
+}
+
+}  // namespace
+}  // namespace flash_sm75

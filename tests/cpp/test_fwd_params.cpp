@@ -1,0 +1,91 @@
+// set_params_fprop (csrc/flash_api.cpp): Flash_fwd_params filled from strided BSHD/BHSD inputs.
+// Host-only: the tensors live on the CPU, nothing is launched.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <optional>
+
+#include "flash_api.h"
+
+namespace flash_sm75 {
+namespace {
+
+TEST(FwdParams, BshdContiguous) {
+  const int64_t b = 2, sq = 5, sk = 9, h = 6, hk = 2, d = 64;
+  at::Tensor q = at::zeros({b, sq, h, d}, at::kHalf);
+  at::Tensor k = at::zeros({b, sk, hk, d}, at::kHalf);
+  at::Tensor v = at::zeros({b, sk, hk, d}, at::kHalf);
+  at::Tensor out = at::empty({b, sq, h, d}, at::kHalf);
+  at::Tensor lse = at::empty({b, h, sq}, at::kFloat);
+  at::Tensor lp = at::zeros({b}, at::kInt), su = at::full({b}, sk, at::kInt);
+  Flash_fwd_params p;
+  set_params_fprop(p, q, k, v, out, lse, 0.125, /*is_causal=*/true, /*bottom_right=*/true, lp,
+                   su);
+  EXPECT_EQ(p.q_ptr, q.data_ptr());
+  EXPECT_EQ(p.k_ptr, k.data_ptr());
+  EXPECT_EQ(p.v_ptr, v.data_ptr());
+  EXPECT_EQ(p.o_ptr, out.data_ptr());
+  EXPECT_EQ(p.softmax_lse_ptr, lse.data_ptr<float>());
+  EXPECT_EQ(p.leftpad_k, lp.data_ptr<int>());
+  EXPECT_EQ(p.seqused_k, su.data_ptr<int>());
+  EXPECT_EQ(p.q_batch_stride, sq * h * d);
+  EXPECT_EQ(p.q_row_stride, h * d);
+  EXPECT_EQ(p.q_head_stride, d);
+  EXPECT_EQ(p.k_batch_stride, sk * hk * d);
+  EXPECT_EQ(p.k_row_stride, hk * d);
+  EXPECT_EQ(p.k_head_stride, d);
+  EXPECT_EQ(p.v_row_stride, hk * d);
+  EXPECT_EQ(p.o_batch_stride, sq * h * d);
+  EXPECT_EQ(p.o_row_stride, h * d);
+  EXPECT_EQ(p.o_head_stride, d);
+  EXPECT_EQ(p.b, b);
+  EXPECT_EQ(p.seqlen_q, sq);
+  EXPECT_EQ(p.seqlen_k, sk);
+  EXPECT_EQ(p.h, h);
+  EXPECT_EQ(p.h_k, hk);
+  EXPECT_EQ(p.h_h_k_ratio, 3);
+  EXPECT_EQ(p.d, d);
+  EXPECT_FLOAT_EQ(p.scale_softmax, 0.125f);
+  EXPECT_FLOAT_EQ(p.scale_softmax_log2, static_cast<float>(0.125 / std::log(2.0)));
+  EXPECT_TRUE(p.is_causal);
+  EXPECT_EQ(p.causal_offset, sk - sq);
+}
+
+TEST(FwdParams, BhsdViewsAndSlices) {
+  // BHSD storage passed as transpose(1, 2): the strides say where everything is.
+  const int64_t b = 3, sq = 7, sk = 11, h = 4, hk = 4, d = 128;
+  at::Tensor q = at::zeros({b, h, sq, d}, at::kHalf).transpose(1, 2);
+  // k and v: slices of a packed (b, sk, 2, hk, d) KV buffer.
+  at::Tensor kv = at::zeros({b, sk, 2, hk, d}, at::kHalf);
+  at::Tensor k = kv.select(2, 0), v = kv.select(2, 1);
+  at::Tensor out = at::empty({b, sq, h, d}, at::kHalf);
+  at::Tensor lse = at::empty({b, h, sq}, at::kFloat);
+  Flash_fwd_params p;
+  set_params_fprop(p, q, k, v, out, lse, 0.5, /*is_causal=*/true, /*bottom_right=*/false,
+                   std::nullopt, std::nullopt);
+  EXPECT_EQ(p.q_batch_stride, h * sq * d);
+  EXPECT_EQ(p.q_row_stride, d);
+  EXPECT_EQ(p.q_head_stride, sq * d);
+  EXPECT_EQ(p.k_batch_stride, sk * 2 * hk * d);
+  EXPECT_EQ(p.k_row_stride, 2 * hk * d);
+  EXPECT_EQ(p.k_head_stride, d);
+  EXPECT_EQ(p.v_row_stride, 2 * hk * d);
+  EXPECT_EQ(static_cast<const char*>(p.v_ptr) - static_cast<const char*>(p.k_ptr),
+            hk * d * 2);  // v starts one (hk, d) block of fp16 after k
+  EXPECT_EQ(p.leftpad_k, nullptr);
+  EXPECT_EQ(p.seqused_k, nullptr);
+  EXPECT_EQ(p.h_h_k_ratio, 1);
+  EXPECT_EQ(p.causal_offset, 0);  // top-left
+  // Decode shape (seqlen_q = 1), non-causal: the offset is still filled in.
+  at::Tensor q1 = at::zeros({1, 1, h, d}, at::kHalf);
+  set_params_fprop(p, q1, k.narrow(0, 0, 1), v.narrow(0, 0, 1), out.narrow(0, 0, 1).narrow(1, 0, 1),
+                   lse.narrow(0, 0, 1).narrow(2, 0, 1), 0.5, false, true, std::nullopt,
+                   std::nullopt);
+  EXPECT_EQ(p.seqlen_q, 1);
+  EXPECT_FALSE(p.is_causal);
+  EXPECT_EQ(p.causal_offset, sk - 1);
+}
+
+}  // namespace
+}  // namespace flash_sm75

@@ -1,0 +1,78 @@
+// csrc/kernels/kernel_traits.h: every forward instantiation's tiles respect the Turing (sm_75)
+// limits: shared memory per block, threads per block, warp/MMA tiling.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <regex>
+#include <set>
+#include <string>
+
+#include "kernels/kernel_traits.h"
+
+namespace flash_sm75 {
+namespace {
+
+template <int D>
+using Traits = typename Fwd_tile_config<D>::Traits;
+
+// Head dims with a forward tile configuration checked below. Every generated forward
+// instantiation must use one of them (see InstantiationsAreCovered).
+const std::set<int> kCheckedFwdHeadDims = {64, 128};
+
+template <typename Kt>
+void expect_fits_sm75(int head_dim) {
+  SCOPED_TRACE("head_dim " + std::to_string(head_dim));
+  EXPECT_EQ(Kt::kHeadDim, head_dim);
+  EXPECT_LE(Kt::kSmemSize, kSm75MaxSmemPerBlock);
+  EXPECT_GT(Kt::kSmemSize, 0);
+  EXPECT_LE(Kt::kNThreads, kSm75MaxThreadsPerBlock);
+  EXPECT_EQ(Kt::kNThreads % 32, 0);
+  EXPECT_EQ(Kt::kNThreads, 32 * Kt::kNWarps);
+  EXPECT_EQ(Kt::kBlockM, 16 * Kt::kNWarps);  // one m16 MMA row tile per warp
+  EXPECT_EQ(Kt::kBlockN % 16, 0);
+  EXPECT_EQ(Kt::kHeadDim % 16, 0);
+  // K and V tiles in fp16; Q and O are staged through the same space.
+  EXPECT_EQ(Kt::kSmemSize, 2 * Kt::kBlockN * Kt::kHeadDim * 2);
+  EXPECT_LE(Kt::kBlockM * Kt::kHeadDim * 2, Kt::kSmemSize);
+  EXPECT_EQ(Kt::kChunksPerThread * Kt::kNThreads, Kt::kBlockN * Kt::kHeadDim / 8);
+  EXPECT_EQ(Kt::kQChunksPerThread * Kt::kNThreads, Kt::kBlockM * Kt::kHeadDim / 8);
+}
+
+TEST(KernelTraits, EveryFwdConfigFitsSm75) {
+  expect_fits_sm75<Traits<64>>(64);
+  expect_fits_sm75<Traits<128>>(128);
+  EXPECT_EQ(kSm75MaxSmemPerBlock, 64 * 1024);
+  EXPECT_EQ(kSm75DefaultSmemPerBlock, 48 * 1024);
+  EXPECT_EQ(kSm75MaxThreadsPerBlock, 1024);
+}
+
+#ifdef FLASH_SM75_SOURCE_DIR
+// Every csrc/kernels/instantiations/flash_fwd_hdim{D}_fp16[_causal]_sm75.cu must have its head
+// dim checked above, so a new instantiation cannot skip the shared-memory check.
+TEST(KernelTraits, InstantiationsAreCovered) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(FLASH_SM75_SOURCE_DIR) / "csrc" / "kernels" / "instantiations";
+  ASSERT_TRUE(fs::is_directory(dir)) << dir;
+  const std::regex fwd_re("flash_fwd_hdim([0-9]+)_fp16(_causal)?_sm75\\.cu");
+  std::set<std::string> seen;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.path().extension() != ".cu") continue;
+    std::smatch m;
+    if (!std::regex_match(name, m, fwd_re)) continue;  // other directions: not checked here
+    const int d = std::stoi(m[1].str());
+    EXPECT_TRUE(kCheckedFwdHeadDims.count(d)) << name << " has no tile check in this test";
+    seen.insert(name);
+  }
+  // The head dims x causal matrix is complete.
+  for (int d : kCheckedFwdHeadDims) {
+    for (const char* c : {"", "_causal"}) {
+      const std::string name = "flash_fwd_hdim" + std::to_string(d) + "_fp16" + c + "_sm75.cu";
+      EXPECT_TRUE(seen.count(name)) << "missing instantiation " << name;
+    }
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace flash_sm75

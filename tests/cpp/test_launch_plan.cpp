@@ -1,0 +1,79 @@
+// csrc/kernels/launch_plan.h: grid/threads/smem per head dim and the errors for impossible
+// launches.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/launch_plan.h"
+
+namespace flash_sm75 {
+namespace {
+
+template <int D>
+using Traits = typename Fwd_tile_config<D>::Traits;
+
+template <int D>
+void expect_plan(int b, int h, int seqlen_q) {
+  using Kt = Traits<D>;
+  SCOPED_TRACE("d=" + std::to_string(D) + " b=" + std::to_string(b) + " h=" + std::to_string(h) +
+               " sq=" + std::to_string(seqlen_q));
+  const FwdLaunchPlan p = plan_fwd_launch(D, b, h, seqlen_q);
+  EXPECT_EQ(p.block_m, Kt::kBlockM);
+  EXPECT_EQ(p.block_n, Kt::kBlockN);
+  EXPECT_EQ(p.num_m_blocks, (seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM);
+  EXPECT_EQ(p.num_blocks, static_cast<int64_t>(p.num_m_blocks) * b * h);
+  EXPECT_EQ(p.num_threads, Kt::kNThreads);
+  EXPECT_EQ(p.smem_bytes, Kt::kSmemSize);
+  EXPECT_GE(static_cast<int64_t>(p.num_m_blocks) * p.block_m, seqlen_q);  // every row covered
+  EXPECT_LT(static_cast<int64_t>(p.num_m_blocks - 1) * p.block_m, seqlen_q);  // no empty CTA row
+}
+
+TEST(LaunchPlan, GridThreadsSmem) {
+  for (int sq : {1, 63, 64, 65, 97, 1024, 1025, 16384}) {
+    for (int bh : {1, 3, 32}) {
+      expect_plan<64>(bh, 2 * bh + 1, sq);
+      expect_plan<128>(bh + 1, bh, sq);
+    }
+  }
+}
+
+TEST(LaunchPlan, GridLimit) {
+  for (int d : {64, 128}) {
+    const int bm = d == 64 ? Traits<64>::kBlockM : Traits<128>::kBlockM;
+    const int sq = bm * 1024;  // 1024 row tiles
+    // 1024 * 2048 * 1023 = 2^31 - 2^21 CTAs: allowed.
+    EXPECT_NO_THROW(plan_fwd_launch(d, 2048, 1023, sq));
+    EXPECT_EQ(plan_fwd_launch(d, 2048, 1023, sq).num_blocks, (int64_t{1} << 31) - (1 << 21));
+    // 1024 * 2048 * 1024 = 2^31 CTAs: one more than gridDim.x allows.
+    try {
+      plan_fwd_launch(d, 2048, 1024, sq);
+      ADD_FAILURE() << "expected std::invalid_argument for a 2^31 CTA grid, d=" << d;
+    } catch (const std::invalid_argument& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind("flash_attention_sm75:", 0), 0u) << msg;
+      EXPECT_NE(msg.find("2147483648"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("grid"), std::string::npos) << msg;
+    }
+    // Far beyond: the CTA count is computed in 64 bits.
+    EXPECT_THROW(plan_fwd_launch(d, 1 << 16, 1 << 10, 1 << 30), std::invalid_argument);
+  }
+}
+
+TEST(LaunchPlan, UnsupportedHeadDim) {
+  for (int d : {0, 32, 80, 96, 256, -64}) {
+    try {
+      plan_fwd_launch(d, 1, 1, 128);
+      ADD_FAILURE() << "expected std::invalid_argument for head_dim " << d;
+    } catch (const std::invalid_argument& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind("flash_attention_sm75:", 0), 0u) << msg;
+      EXPECT_NE(msg.find("head_dim"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(std::to_string(d)), std::string::npos) << msg;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flash_sm75
