@@ -83,8 +83,10 @@ def make_inputs(B, Sq, Sk, H, Hk, D, device, layout="bshd", seed=0):
     return q, k, v, do
 
 
-def grads(fn, q, k, v, do):
-    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+def grads(fn, q, k, v, do, dtype=torch.float64):
+    """Autograd gradients of fn with leaves in `dtype` (float64 for the reference, so its
+    gradients are not rounded back to fp16; float16 for the PyTorch baseline)."""
+    q, k, v = (x.detach().to(dtype).requires_grad_(True) for x in (q, k, v))
     out = fn(q, k, v)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do.to(out.dtype))
     return out, dq, dk, dv
@@ -104,7 +106,7 @@ def check_against_reference(q, k, v, do, causal, bottom_right, lp=None, su=None,
         lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su), q, k, v, do)
     _, dq_pt, dk_pt, dv_pt = grads(
         lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su,
-                                      dtype=torch.float16), q, k, v, do)
+                                      dtype=torch.float16), q, k, v, do, dtype=torch.float16)
     for name, ours, ref, pt in (("dq", dq, dq_ref, dq_pt), ("dk", dk, dk_ref, dk_pt),
                                 ("dv", dv, dv_ref, dv_pt)):
         err = (ours.double() - ref).abs().max().item()

@@ -164,20 +164,53 @@ inline void run_block(Uint3 block_idx, int nthreads, const std::function<void()>
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_entry, 0);
   }
-  std::vector<int> order(nthreads);
+  // Two schedules, picked at random per CTA: round-robin over all threads in a shuffled order,
+  // or "greedy warps": the warps get a random priority (redrawn at every block barrier) and
+  // the highest-priority warp with a runnable thread runs until all its threads block, so one
+  // warp runs as far ahead of the others as the block barriers allow. The latter exposes a
+  // missing __syncthreads (a read of shared memory another warp has not written yet: NaN poison
+  // or stale data).
+  const bool greedy = std::uniform_int_distribution<int>(0, 1)(m.rng) == 1;
+  const int nwarps = nthreads / 32;
+  std::vector<int> order(nthreads), warp_order(nwarps), lane_order(32);
   for (int i = 0; i < nthreads; ++i) order[i] = i;
+  for (int i = 0; i < nwarps; ++i) warp_order[i] = i;
+  for (int i = 0; i < 32; ++i) lane_order[i] = i;
+  uint64_t prio_gen = ~uint64_t(0);
   int remaining = nthreads;
+  auto runnable = [&](const Fiber& f) {
+    return !f.done && (f.waiting_on == nullptr || f.waiting_on->gen != f.wait_gen);
+  };
+  auto resume = [&](int i) {
+    m.cur = i;
+    swapcontext(&m.sched, &m.fibers[i].ctx);
+    if (m.fibers[i].done) --remaining;
+  };
   while (remaining > 0) {
-    std::shuffle(order.begin(), order.end(), m.rng);
     bool progressed = false;
-    for (int i : order) {
-      Fiber& f = m.fibers[i];
-      if (f.done) continue;
-      if (f.waiting_on != nullptr && f.waiting_on->gen == f.wait_gen) continue;
-      m.cur = i;
-      swapcontext(&m.sched, &f.ctx);
-      progressed = true;
-      if (f.done) --remaining;
+    if (greedy) {
+      if (m.block_bar.gen != prio_gen) {
+        prio_gen = m.block_bar.gen;
+        std::shuffle(warp_order.begin(), warp_order.end(), m.rng);
+      }
+      for (int w : warp_order) {
+        std::shuffle(lane_order.begin(), lane_order.end(), m.rng);
+        for (int l : lane_order) {
+          if (runnable(m.fibers[w * 32 + l])) {
+            resume(w * 32 + l);
+            progressed = true;
+          }
+        }
+        if (progressed) break;
+      }
+    } else {
+      std::shuffle(order.begin(), order.end(), m.rng);
+      for (int i : order) {
+        if (runnable(m.fibers[i])) {
+          resume(i);
+          progressed = true;
+        }
+      }
     }
     if (!progressed) {
       std::fprintf(stderr, "emu: deadlock (a barrier some threads never reach)\n");

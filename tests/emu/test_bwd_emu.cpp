@@ -277,9 +277,49 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
 
 }  // namespace
 
+// m_block_range (bwd_block_info.h) against brute force: every query tile holding a row that sees
+// a key of the block must be in the range, and the range must not start before the first such
+// tile (the end is always the last tile).
+int check_m_block_range() {
+  int bad = 0;
+  for (int sq : {1, 5, 31, 32, 33, 64, 100, 130})
+    for (int sk : {1, 7, 64, 65, 129, 200})
+      for (int causal = 0; causal < 2; ++causal)
+        for (int br = 0; br < 2; ++br)
+          for (int lp : {0, 3, 64})
+            for (int su : {sk, sk / 2, 70}) {
+              const int bm = 32, bn = 64;
+              const KeyRange kr{std::min(lp, sk), std::max(std::min(su, sk), std::min(lp, sk))};
+              const int off = causal_offset(sq, sk, br);
+              for (int nb = 0; nb * bn < sk; ++nb) {
+                const MBlockRange r = m_block_range(nb, bm, bn, sq, kr, causal, off);
+                int first = -1;
+                for (int i = 0; i < sq && first < 0; ++i)
+                  for (int j = nb * bn; j < std::min(sk, (nb + 1) * bn); ++j)
+                    if (key_visible(i, j, kr, causal, off)) {
+                      first = i / bm;
+                      break;
+                    }
+                const bool ok = first < 0 ? r.m_block_max <= r.m_block_min
+                                          : r.m_block_min == first &&
+                                                r.m_block_max == (sq + bm - 1) / bm;
+                if (!ok) {
+                  ++bad;
+                  std::printf("BAD m_block_range sq=%d sk=%d causal=%d br=%d lp=%d su=%d nb=%d: "
+                              "[%d,%d) first=%d\n", sq, sk, causal, br, lp, su, nb,
+                              r.m_block_min, r.m_block_max, first);
+                }
+              }
+            }
+  std::printf("%s m_block_range brute force\n", bad ? "BAD" : "OK ");
+  return bad ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
-  // Usage: test_bwd_emu [quick|full]
+  // Usage: test_bwd_emu [quick|full|blockinfo]
   const std::string mode = argc > 1 ? argv[1] : "quick";
+  int fails = check_m_block_range();
+  if (mode == "blockinfo") return fails;
   std::vector<Case> cases;
   uint32_t seed = 1;
   auto add = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, bool br, bool lp,
@@ -307,7 +347,6 @@ int main(int argc, char** argv) {
       }
     }
   }
-  int fails = 0;
   for (const Case& c : cases) fails += run_case(c, true).ok ? 0 : 1;
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
