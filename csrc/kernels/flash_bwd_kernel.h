@@ -267,13 +267,25 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       store_tile_r2s_padded<Kt>(kv, sV, tid);
     }
 
+    // Iteration it visits q-head it / num_m of the group and query tile tile_m_block(it). Atomic
+    // mode rotates the tile order by n_block: the CTAs of one head, which run concurrently, then
+    // add into different dq_accum rows at any moment instead of all hitting the same addresses
+    // (same-address atomics serialize in L2). The rotation is a fixed function of n_block, so
+    // the dK/dV sums keep a fixed order.
+    const int rotate = Atomic_dq ? n_block % num_m : 0;
+    auto tile_m_block = [&](int it) {
+      int m = it % num_m + rotate;
+      if (m >= num_m) m -= num_m;
+      return mr.m_block_min + m;
+    };
+
     // ---- register staging of one (Q, dO, lse, D) query tile; rows past seqlen_q are zero.
     uint4 q_stage[Kt::kQChunksPerThread];
     uint4 do_stage[Kt::kQChunksPerThread];
     float lse_stage = 0.f, dsum_stage = 0.f;
     auto load_tile = [&](int it) {
       const int head = bidh_k * ratio + it / num_m;
-      const int m0 = (mr.m_block_min + it % num_m) * kBM;
+      const int m0 = tile_m_block(it) * kBM;
       const __half* q_base = static_cast<const __half*>(params.q_ptr) +
                              bidb * params.q_batch_stride + head * params.q_head_stride;
       const __half* do_base = static_cast<const __half*>(params.do_ptr) +
@@ -317,7 +329,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     for (int it = 0; it < total; ++it) {
       const int head = bidh_k * ratio + it / num_m;
-      const int m_block = mr.m_block_min + it % num_m;
+      const int m_block = tile_m_block(it);
       const int m0 = m_block * kBM;
       const bool has_next = it + 1 < total;
       // Next tile's global loads in flight during this tile's MMAs. Atomic mode issues them
