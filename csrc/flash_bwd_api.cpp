@@ -57,11 +57,13 @@ void check_lse_like(const at::Tensor& t, const char* name, const at::Tensor& q) 
                     " must be on the same device as q (", q.device(), "), got ", t.device());
 }
 
-// FLASH_SM75_BWD_DQ=separate forces the deterministic dQ kernel even when deterministic=False
-// (a tuning knob: which dQ mode is faster depends on the GPU's fp32 atomic throughput).
-bool env_forces_separate_dq() {
+// dQ mode. Default: the separate dQ kernel (no atomics, deterministic), which measured as fast
+// or faster than atomic accumulation on the H200 proxy for every shape of scripts/smoke_bwd.py
+// (DESIGN.md). FLASH_SM75_BWD_DQ=atomic selects fp32 atomicAdd accumulation of dQ instead (a
+// tuning knob for GPUs with fast fp32 atomics); deterministic=True always uses the separate kernel.
+bool env_selects_atomic_dq() {
   const char* v = std::getenv("FLASH_SM75_BWD_DQ");
-  return v != nullptr && std::strcmp(v, "separate") == 0;
+  return v != nullptr && std::strcmp(v, "atomic") == 0;
 }
 
 }  // namespace
@@ -107,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   at::Tensor dk = at::empty({b, seqlen_k, h_k, d}, q.options());
   at::Tensor dv = at::empty({b, seqlen_k, h_k, d}, q.options());
   at::Tensor dsoftmax_sum = at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
-  const bool dq_atomic = !deterministic && !env_forces_separate_dq();
+  const bool dq_atomic = !deterministic && env_selects_atomic_dq();
   at::Tensor dq_accum;
   if (dq_atomic) dq_accum = at::zeros({b, h, seqlen_q, d}, q.options().dtype(at::kFloat));
 

@@ -47,6 +47,10 @@ export MAX_JOBS=${MAX_JOBS:-16}
 # The GPU machine's image presets TORCH_CUDA_ARCH_LIST=9.0a; we test the Turing build (sm_75 SASS
 # + compute_75 PTX that the driver JIT-compiles for the H200). Override with SUITE_ARCH_LIST.
 export TORCH_CUDA_ARCH_LIST="${SUITE_ARCH_LIST:-7.5+PTX}"
+# The image also presets CC/CXX=/opt/gcc/bin/gcc: with it, std::ostream formatting of integers
+# inside our library (every TORCH_CHECK message with a number) segfaults at run time
+# (libstdc++ facet mismatch; cuda-gdb backtrace in DESIGN.md). Build with the system compiler.
+if [ -x /usr/bin/g++ ] && [ -z "${SUITE_KEEP_CXX:-}" ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 CLEAN_BUILD=${CLEAN_BUILD:-1}
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-420}
 TEST_TIMEOUT=${TEST_TIMEOUT:-300}

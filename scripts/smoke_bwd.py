@@ -21,8 +21,8 @@ parser.add_argument("--quick", action="store_true", help="numerics only, no timi
 parser.add_argument("--dq-mode", choices=["atomic", "separate"], default=None,
                     help="sets FLASH_SM75_BWD_DQ for the non-deterministic runs")
 args = parser.parse_args()
-if args.dq_mode == "separate":
-    os.environ["FLASH_SM75_BWD_DQ"] = "separate"
+if args.dq_mode:
+    os.environ["FLASH_SM75_BWD_DQ"] = args.dq_mode
 
 import flash_attention_sm75._C  # noqa: E402,F401
 from flash_attention_sm75._backward import register_backward  # noqa: E402

@@ -7,7 +7,9 @@ CPU tests check the float32 CPU implementation of ``bwd`` and the autograd wirin
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -92,11 +94,29 @@ def grads(fn, q, k, v, do, dtype=torch.float64):
     return out, dq, dk, dv
 
 
+@contextlib.contextmanager
+def dq_mode(mode):
+    """Select the backward's dQ kernel for the calls inside the block (env read per call)."""
+    prev = os.environ.get("FLASH_SM75_BWD_DQ")
+    os.environ["FLASH_SM75_BWD_DQ"] = mode
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("FLASH_SM75_BWD_DQ", None)
+        else:
+            os.environ["FLASH_SM75_BWD_DQ"] = prev
+
+
 def check_against_reference(q, k, v, do, causal, bottom_right, lp=None, su=None,
                             deterministic=False, atol=1e-3):
     scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = ops.fwd(q, k, v, scale, causal, bottom_right, lp, su)
-    dq, dk, dv = ops.bwd(do, q, k, v, out, lse, scale, causal, bottom_right, lp, su, deterministic)
+    # deterministic=False exercises the atomic-dQ kernel (opt-in via FLASH_SM75_BWD_DQ=atomic);
+    # deterministic=True the separate dQ kernel, which is also the default.
+    with dq_mode("separate" if deterministic else "atomic"):
+        dq, dk, dv = ops.bwd(do, q, k, v, out, lse, scale, causal, bottom_right, lp, su,
+                             deterministic)
     for t in (dq, dk, dv):
         assert t.dtype == torch.float16 and t.is_contiguous()
         assert not torch.isnan(t).any()
