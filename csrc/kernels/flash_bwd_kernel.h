@@ -34,6 +34,7 @@
 #include "bwd_kernel_traits.h"
 #include "flash_bwd.h"
 #include "flash_fwd_kernel.h"  // load_tile_g2r / store_tile_r2s
+#include "fragment.h"
 #include "utils.h"
 
 namespace flash_sm75 {
@@ -340,11 +341,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       // are never both being accumulated (register pressure at d = 128).
       // ---- S^T = K_w Q^T: 16 keys x kWC queries per warp, fp32.
       float acc_s[kWC / 8][4];
-#pragma unroll
-      for (int i = 0; i < kWC / 8; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc_s[i][j] = 0.f;
-      }
+      zero_acc(acc_s);
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         uint32_t a[4];
@@ -355,10 +352,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         for (int np = 0; np < kWC / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4(b, q_b_addr + np * 16 * kRowB + kk * 32);
-          mma_m16n8k8(acc_s[2 * np], a_lo, b[0]);
-          mma_m16n8k8(acc_s[2 * np], a_hi, b[1]);
-          mma_m16n8k8(acc_s[2 * np + 1], a_lo, b[2]);
-          mma_m16n8k8(acc_s[2 * np + 1], a_hi, b[3]);
+          mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
         }
       }
 
@@ -392,20 +386,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         for (int np = 0; np < kD / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, q_t_addr + kDofromQ + kp * 16 * kRowB + np * 32);
-          mma_m16n8k8(acc_dv[2 * np], p_frag[2 * kp], b[0]);
-          mma_m16n8k8(acc_dv[2 * np], p_frag[2 * kp + 1], b[1]);
-          mma_m16n8k8(acc_dv[2 * np + 1], p_frag[2 * kp], b[2]);
-          mma_m16n8k8(acc_dv[2 * np + 1], p_frag[2 * kp + 1], b[3]);
+          mma_k2n2(acc_dv[2 * np], acc_dv[2 * np + 1], p_frag[2 * kp], p_frag[2 * kp + 1], b);
         }
       }
 
       // ---- dP^T = V_w dO^T.
       float acc_dp[kWC / 8][4];
-#pragma unroll
-      for (int i = 0; i < kWC / 8; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc_dp[i][j] = 0.f;
-      }
+      zero_acc(acc_dp);
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         uint32_t a[4];
@@ -416,10 +403,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         for (int np = 0; np < kWC / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4(b, q_b_addr + kDofromQ + np * 16 * kRowB + kk * 32);
-          mma_m16n8k8(acc_dp[2 * np], a_lo, b[0]);
-          mma_m16n8k8(acc_dp[2 * np], a_hi, b[1]);
-          mma_m16n8k8(acc_dp[2 * np + 1], a_lo, b[2]);
-          mma_m16n8k8(acc_dp[2 * np + 1], a_hi, b[3]);
+          mma_k2n2(acc_dp[2 * np], acc_dp[2 * np + 1], a_lo, a_hi, b);
         }
       }
 
@@ -447,10 +431,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         for (int np = 0; np < kD / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, q_t_addr + kp * 16 * kRowB + np * 32);
-          mma_m16n8k8(acc_dk[2 * np], ds_frag[2 * kp], b[0]);
-          mma_m16n8k8(acc_dk[2 * np], ds_frag[2 * kp + 1], b[1]);
-          mma_m16n8k8(acc_dk[2 * np + 1], ds_frag[2 * kp], b[2]);
-          mma_m16n8k8(acc_dk[2 * np + 1], ds_frag[2 * kp + 1], b[3]);
+          mma_k2n2(acc_dk[2 * np], acc_dk[2 * np + 1], ds_frag[2 * kp], ds_frag[2 * kp + 1], b);
         }
       }
 
@@ -468,11 +449,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         const uint32_t k_t_addr =
             smem_u32addr(sK + ((mi & 1) * 8 + (lane % 8)) * kRowH + cq * kDqC + (mi >> 1) * 8);
         float acc_dq[kDqC / 8][4];
-#pragma unroll
-        for (int i = 0; i < kDqC / 8; ++i) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) acc_dq[i][j] = 0.f;
-        }
+        zero_acc(acc_dq);
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk) {
           uint32_t a[4];
@@ -483,10 +460,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           for (int np = 0; np < kDqC / 16; ++np) {
             uint32_t b[4];
             ldmatrix_x4_trans(b, k_t_addr + kk * 16 * kRowB + np * 32);
-            mma_m16n8k8(acc_dq[2 * np], a_lo, b[0]);
-            mma_m16n8k8(acc_dq[2 * np], a_hi, b[1]);
-            mma_m16n8k8(acc_dq[2 * np + 1], a_lo, b[2]);
-            mma_m16n8k8(acc_dq[2 * np + 1], a_hi, b[3]);
+            mma_k2n2(acc_dq[2 * np], acc_dq[2 * np + 1], a_lo, a_hi, b);
           }
         }
 #pragma unroll
@@ -622,11 +596,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   }
 
   float acc_dq[kD / 8][4];
-#pragma unroll
-  for (int i = 0; i < kD / 8; ++i) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc_dq[i][j] = 0.f;
-  }
+  zero_acc(acc_dq);
 
   if (nb.n_block_max > nb.n_block_min) {
     uint4 stage[Kt::kChunksPerThread];
@@ -671,11 +641,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
                         kr.key_end, tid);
 
       float acc_s[kBN / 8][4];
-#pragma unroll
-      for (int i = 0; i < kBN / 8; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc_s[i][j] = 0.f;
-      }
+      zero_acc(acc_s);
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         const uint32_t a_lo[2] = {q_frag[kk][0], q_frag[kk][1]};
@@ -685,10 +651,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         for (int np = 0; np < kBN / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4(b, k_addr + np * 16 * kRowBytes);
-          mma_m16n8k8(acc_s[2 * np], a_lo, b[0]);
-          mma_m16n8k8(acc_s[2 * np], a_hi, b[1]);
-          mma_m16n8k8(acc_s[2 * np + 1], a_lo, b[2]);
-          mma_m16n8k8(acc_s[2 * np + 1], a_hi, b[3]);
+          mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
         }
       }
       // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s).
@@ -720,11 +683,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       uint32_t ds_frag[kBN / 8][2];
       {
         float acc_dp[kBN / 8][4];
-#pragma unroll
-        for (int i = 0; i < kBN / 8; ++i) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) acc_dp[i][j] = 0.f;
-        }
+        zero_acc(acc_dp);
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
           const uint32_t a_lo[2] = {do_frag[kk][0], do_frag[kk][1]};
@@ -734,10 +693,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
           for (int np = 0; np < kBN / 16; ++np) {
             uint32_t b[4];
             ldmatrix_x4(b, v_addr + np * 16 * kRowBytes);
-            mma_m16n8k8(acc_dp[2 * np], a_lo, b[0]);
-            mma_m16n8k8(acc_dp[2 * np], a_hi, b[1]);
-            mma_m16n8k8(acc_dp[2 * np + 1], a_lo, b[2]);
-            mma_m16n8k8(acc_dp[2 * np + 1], a_hi, b[3]);
+            mma_k2n2(acc_dp[2 * np], acc_dp[2 * np + 1], a_lo, a_hi, b);
           }
         }
 #pragma unroll
@@ -756,10 +712,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         for (int np = 0; np < kD / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, swizzle_xor(kt_lane_addr, np) + kp * 16 * kRowBytes);
-          mma_m16n8k8(acc_dq[2 * np], ds_frag[2 * kp], b[0]);
-          mma_m16n8k8(acc_dq[2 * np], ds_frag[2 * kp + 1], b[1]);
-          mma_m16n8k8(acc_dq[2 * np + 1], ds_frag[2 * kp], b[2]);
-          mma_m16n8k8(acc_dq[2 * np + 1], ds_frag[2 * kp + 1], b[3]);
+          mma_k2n2(acc_dq[2 * np], acc_dq[2 * np + 1], ds_frag[2 * kp], ds_frag[2 * kp + 1], b);
         }
       }
       __syncthreads();  // every warp is done with K_j and V_j

@@ -23,6 +23,7 @@
 #include "block_info.h"
 #include "flash.h"
 #include "kernel_traits.h"
+#include "fragment.h"
 #include "utils.h"
 
 namespace flash_sm75 {
@@ -116,11 +117,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   float m_i[2] = {-INFINITY, -INFINITY};  // running max of raw scores, rows g and g + 8
   float l_i[2] = {0.f, 0.f};              // running sum of exp2(s * scale_log2 - m), per thread
   float acc_o[kD / 8][4];                 // unnormalised O, 16 x d per warp
-#pragma unroll
-  for (int i = 0; i < kD / 8; ++i) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc_o[i][j] = 0.f;
-  }
+  zero_acc(acc_o);
 
   if (nb.n_block_max > nb.n_block_min) {
     uint4 stage[Kt::kChunksPerThread];
@@ -164,11 +161,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
       // ---- S = Q K_j^T (16 x Bc per warp, fp32)
       float acc_s[kBN / 8][4];
-#pragma unroll
-      for (int i = 0; i < kBN / 8; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc_s[i][j] = 0.f;
-      }
+      zero_acc(acc_s);
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         const uint32_t a_lo[2] = {q_frag[kk][0], q_frag[kk][1]};
@@ -178,10 +171,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         for (int np = 0; np < kBN / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4(b, k_addr + np * 16 * kRowBytes);
-          mma_m16n8k8(acc_s[2 * np], a_lo, b[0]);
-          mma_m16n8k8(acc_s[2 * np], a_hi, b[1]);
-          mma_m16n8k8(acc_s[2 * np + 1], a_lo, b[2]);
-          mma_m16n8k8(acc_s[2 * np + 1], a_hi, b[3]);
+          mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
         }
       }
 
@@ -259,10 +249,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         for (int np = 0; np < kD / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, swizzle_xor(v_lane_addr, np) + kp * 16 * kRowBytes);
-          mma_m16n8k8(acc_o[2 * np], p_frag[2 * kp], b[0]);
-          mma_m16n8k8(acc_o[2 * np], p_frag[2 * kp + 1], b[1]);
-          mma_m16n8k8(acc_o[2 * np + 1], p_frag[2 * kp], b[2]);
-          mma_m16n8k8(acc_o[2 * np + 1], p_frag[2 * kp + 1], b[3]);
+          mma_k2n2(acc_o[2 * np], acc_o[2 * np + 1], p_frag[2 * kp], p_frag[2 * kp + 1], b);
         }
       }
       if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
