@@ -158,6 +158,29 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   return {out, lse};
 }
 
+at::Tensor cpu_visibility_mask(const at::Tensor& q, const at::Tensor& k, bool is_causal,
+                               bool causal_bottom_right,
+                               const std::optional<at::Tensor>& leftpad_k,
+                               const std::optional<at::Tensor>& seqused_k) {
+  // Vectorised form of key_range() + key_visible() (block_info.h): the same clamping rules.
+  const int64_t b = q.size(0), seqlen_q = q.size(1), seqlen_k = k.size(1);
+  const auto idx = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor i = at::arange(seqlen_q, idx).view({1, 1, seqlen_q, 1});
+  const at::Tensor j = at::arange(seqlen_k, idx).view({1, 1, 1, seqlen_k});
+  at::Tensor start = leftpad_k.has_value() ? leftpad_k->to(at::kCPU, at::kLong).clamp(0, seqlen_k)
+                                           : at::zeros({b}, idx);
+  at::Tensor end = seqused_k.has_value()
+                       ? at::maximum(seqused_k->to(at::kCPU, at::kLong).clamp_max(seqlen_k), start)
+                       : at::full({b}, seqlen_k, idx);
+  at::Tensor visible = j.ge(start.view({b, 1, 1, 1})).logical_and(j.lt(end.view({b, 1, 1, 1})));
+  if (is_causal) {
+    const int off = causal_offset(static_cast<int>(seqlen_q), static_cast<int>(seqlen_k),
+                                  causal_bottom_right);
+    visible = visible.logical_and(j.le(i + off));
+  }
+  return visible;  // (b, 1, seqlen_q, seqlen_k) bool
+}
+
 std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v,
                                                std::optional<double> softmax_scale,
@@ -165,33 +188,20 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& leftpad_k,
                                                const std::optional<at::Tensor>& seqused_k) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
-  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2);
-  const int64_t seqlen_k = k.size(1), h_k = k.size(2);
+  const int64_t h = q.size(2), h_k = k.size(2);
   // (b, h, s, d) in float32; GQA by repeating K/V heads (the reference may copy).
   at::Tensor qf = q.to(at::kFloat).transpose(1, 2);
   at::Tensor kf = k.to(at::kFloat).transpose(1, 2).repeat_interleave(h / h_k, 1);
   at::Tensor vf = v.to(at::kFloat).transpose(1, 2).repeat_interleave(h / h_k, 1);
   at::Tensor s = at::matmul(qf, kf.transpose(-1, -2)) * scale;  // b, h, sq, sk
 
-  const int off = causal_offset(static_cast<int>(seqlen_q), static_cast<int>(seqlen_k),
-                                causal_bottom_right);
-  at::Tensor visible = at::empty({b, 1, seqlen_q, seqlen_k}, q.options().dtype(at::kBool));
-  auto vis = visible.accessor<bool, 4>();
-  at::Tensor lp = leftpad_k.has_value() ? leftpad_k->contiguous() : at::Tensor();
-  at::Tensor su = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
-  for (int64_t bi = 0; bi < b; ++bi) {
-    const KeyRange kr = key_range(static_cast<int>(seqlen_k),
-                                  lp.defined() ? lp.data_ptr<int>() : nullptr,
-                                  su.defined() ? su.data_ptr<int>() : nullptr, static_cast<int>(bi));
-    for (int64_t i = 0; i < seqlen_q; ++i) {
-      for (int64_t j = 0; j < seqlen_k; ++j) {
-        vis[bi][0][i][j] = key_visible(static_cast<int>(i), static_cast<int>(j), kr, is_causal, off);
-      }
-    }
-  }
+  const at::Tensor visible =
+      cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k, seqused_k);
   s = s.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
   at::Tensor lse = at::logsumexp(s, -1);  // -inf for rows that see nothing
-  at::Tensor p = at::exp(s - lse.unsqueeze(-1)).nan_to_num(0.0);
+  // Rows that see no key give 0 (exp(-inf - -inf) is NaN there); NaN/inf in the inputs still
+  // propagate, as in torch SDPA.
+  at::Tensor p = at::exp(s - lse.unsqueeze(-1)).masked_fill(lse.unsqueeze(-1).isneginf(), 0.0);
   at::Tensor out = at::matmul(p, vf).transpose(1, 2).to(at::kHalf).contiguous();
   return {out, lse.contiguous()};
 }

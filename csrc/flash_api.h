@@ -48,6 +48,14 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const std::optional<at::Tensor>& leftpad_k,
                         const std::optional<at::Tensor>& seqused_k);
 
+// Which keys each query sees, (batch, 1, seqlen_q, seqlen_k) bool on the CPU: the mask rule of
+// csrc/kernels/block_info.h (key ranges clamped into [0, seqlen_k], causal offset), used by the
+// CPU reference implementations.
+at::Tensor cpu_visibility_mask(const at::Tensor& q, const at::Tensor& k, bool is_causal,
+                               bool causal_bottom_right,
+                               const std::optional<at::Tensor>& leftpad_k,
+                               const std::optional<at::Tensor>& seqused_k);
+
 // Fills the kernel parameters from validated tensors (out and softmax_lse already allocated).
 void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,

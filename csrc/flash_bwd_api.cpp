@@ -156,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
                                         to_kernel_layout(k), to_kernel_layout(v),
                                         to_kernel_layout(out), softmax_lse, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
-  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
+  const int64_t b = q.size(0), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);
   const int64_t ratio = h / h_k;
   // (b, h, s, d) float32; K/V repeated over the q-heads of each kv-head.
@@ -166,22 +166,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
   const at::Tensor dof = dout.to(at::kFloat).transpose(1, 2);
   const at::Tensor of = out.to(at::kFloat).transpose(1, 2);
 
-  const int off = causal_offset(static_cast<int>(seqlen_q), static_cast<int>(seqlen_k),
-                                causal_bottom_right);
-  at::Tensor visible = at::empty({b, 1, seqlen_q, seqlen_k}, q.options().dtype(at::kBool));
-  auto vis = visible.accessor<bool, 4>();
-  const at::Tensor lp = leftpad_k.has_value() ? leftpad_k->contiguous() : at::Tensor();
-  const at::Tensor su = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
-  for (int64_t bi = 0; bi < b; ++bi) {
-    const KeyRange kr = key_range(static_cast<int>(seqlen_k),
-                                  lp.defined() ? lp.data_ptr<int>() : nullptr,
-                                  su.defined() ? su.data_ptr<int>() : nullptr, static_cast<int>(bi));
-    for (int64_t i = 0; i < seqlen_q; ++i) {
-      for (int64_t j = 0; j < seqlen_k; ++j) {
-        vis[bi][0][i][j] = key_visible(static_cast<int>(i), static_cast<int>(j), kr, is_causal, off);
-      }
-    }
-  }
+  const at::Tensor visible =
+      cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k, seqused_k);
 
   // P from the saved LSE (as the kernel does); rows with lse = -inf saw no key: P = 0.
   const at::Tensor lse = softmax_lse.to(at::kFloat).unsqueeze(-1);  // b, h, sq, 1

@@ -97,6 +97,9 @@ def main(argv=None):
     dtype = torch.float16
     if device.type == "cpu":
         print("note: no GPU; every attention call falls back to torch SDPA on the CPU")
+    if args.model and not os.path.isdir(args.model):
+        raise SystemExit(f"--model {args.model!r}: no such directory (a local checkpoint "
+                         "directory is expected; use --config NAME for random weights)")
     source = args.model or args.config
     model = load_model(source, dtype=dtype, device=device, seed=args.seed,
                        attn_implementation="flash_attention_sm75", num_hidden_layers=args.layers)

@@ -24,6 +24,13 @@ def _require_extension() -> None:
             "`python setup.py build_ext --inplace`")
 
 
+def _check_bool(name: str, value: object) -> None:
+    # `causal=0.125` (a scale passed positionally in the wrong slot) must not silently mean True.
+    if not isinstance(value, bool):
+        raise ValueError(f"flash_attention_sm75: {name} must be a bool (True or False), "
+                         f"got {type(value).__name__} {value!r}")
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -35,10 +42,12 @@ def flash_attn_func(
     """Exact attention with the FlashAttention-2 algorithm, BSHD layout (FlashAttention's API).
 
     Computes ``softmax(softmax_scale * q @ k^T + mask) @ v`` per batch entry and head without
-    materializing the attention matrix. Argument names and order follow the ``flash_attn``
-    package, so code using ``flash_attn.flash_attn_func(q, k, v, softmax_scale=..., causal=...)``
-    can switch by changing the import (``dropout_p``, ``window_size``, ``softcap`` and
-    ``alibi_slopes`` are not supported).
+    materializing the attention matrix. Argument names follow the ``flash_attn`` package and the
+    positional order is FlashAttention-3's ``(q, k, v, softmax_scale, causal)``, so code using
+    ``flash_attn.flash_attn_func(q, k, v, softmax_scale=..., causal=...)`` can switch by
+    changing the import. FlashAttention-2's order has ``dropout_p`` before ``softmax_scale``:
+    pass ``softmax_scale`` and ``causal`` by keyword when porting such calls (``dropout_p``,
+    ``window_size``, ``softcap`` and ``alibi_slopes`` are not supported).
 
     Parameters
     ----------
@@ -79,8 +88,9 @@ def flash_attn_func(
         If an input is invalid: not 4-D, not float16, on different devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, or ``softmax_scale`` not a finite number > 0. The message names the
-        argument. Raised before any kernel launch.
+        ``num_heads_k``, ``softmax_scale`` not a finite number > 0, or ``causal`` /
+        ``return_lse`` not a bool. The message names the argument. Raised before any kernel
+        launch.
     RuntimeError
         If the compiled extension is not available, or the GPU's compute capability is < 7.5.
     NotImplementedError
@@ -126,6 +136,8 @@ def flash_attn_func(
     (torch.Size([2, 128, 8, 64]), torch.Size([2, 8, 128]))
     """
     _require_extension()
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
     _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bshd")
     out, softmax_lse = torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, causal, True)
     if return_lse:
@@ -189,8 +201,9 @@ def flash_attention_forward(
         If an input is invalid: not 4-D, not float16, on different devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, or ``softmax_scale`` not a finite number > 0. The message names the
-        argument. Raised before any kernel launch.
+        ``num_heads_k``, ``softmax_scale`` not a finite number > 0, or ``causal`` /
+        ``return_lse`` not a bool. The message names the argument. Raised before any kernel
+        launch.
     RuntimeError
         If the compiled extension is not available, or the GPU's compute capability is < 7.5.
     NotImplementedError
@@ -235,6 +248,8 @@ def flash_attention_forward(
     torch.Size([2, 8, 128, 64])
     """
     _require_extension()
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
     _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bhsd")
     out, softmax_lse = torch.ops.flash_attention_sm75.fwd(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal, True)

@@ -66,7 +66,7 @@ fi
 command -v nvcc >/dev/null 2>&1 || { echo "scripts/test.sh: nvcc not found (set CUDA_HOME)" >&2; exit 1; }
 export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
 
-# ---- Python environment -------------------------------------------------------------------------
+# ---- 1. Python environment ----------------------------------------------------------------------
 # A distro python that refuses pip installs (PEP 668) gets a venv that still sees its packages.
 if [ -z "${VIRTUAL_ENV:-}" ] && "$PY" - <<'EOF'
 import os, sys, sysconfig
@@ -109,7 +109,7 @@ export PATH
 "$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
 'GPU available:', torch.cuda.is_available())"
 
-# ---- 1. sm_75 resource check -------------------------------------------------------------------
+# ---- 2. sm_75 resource check ------------------------------------------------------------------
 log "scripts/check_sm75.py"
 if "$PY" scripts/check_sm75.py --jobs "$MAX_JOBS" --json "$RESULTS/check_sm75.json"; then
   n=$("$PY" -c "import json; d=json.load(open('$RESULTS/check_sm75.json')); \
@@ -119,7 +119,7 @@ else
   fail "check_sm75"
 fi
 
-# ---- 2. pytest ---------------------------------------------------------------------------------
+# ---- 3. pytest --------------------------------------------------------------------------------
 # Counts come from the JUnit XML: "no tests collected" (exit 5) or zero passed tests fail.
 count_junit() {  # file -> "tests failures errors skipped passed"
   "$PY" - "$1" <<'EOF'
@@ -154,7 +154,7 @@ else
   fi
 fi
 
-# ---- 3. CMake + CTest (LibTorch library, GoogleTest) ------------------------------------------
+# ---- 4. CMake + CTest (LibTorch library, GoogleTest) ------------------------------------------
 log "cmake configure + build ($BUILD_DIR) + ctest"
 generator=()
 command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)

@@ -265,3 +265,35 @@ def test_flash_attn_func_signature_follows_flash_attn_order():
         "q", "k", "v", "softmax_scale", "causal", "return_lse"]
     assert list(inspect.signature(fa.flash_attention_forward).parameters) == [
         "q", "k", "v", "causal", "softmax_scale", "return_lse"]
+
+
+# ------------------------------------------------------------------ flags and non-finite input
+
+
+@pytest.mark.parametrize("fn,to_layout", [(lambda *a, **kw: fa.flash_attn_func(*a, **kw), None),
+                                          (lambda *a, **kw: fa.flash_attention_forward(*a, **kw), "bhsd")],
+                         ids=["flash_attn_func", "flash_attention_forward"])
+@pytest.mark.parametrize("flag,value", [("causal", 0.125), ("causal", 1), ("causal", "yes"),
+                                        ("return_lse", 1)])
+def test_flags_must_be_bool(fn, to_layout, flag, value):
+    # A scale passed positionally into `causal` must not silently switch the mask on.
+    q, k, v = bshd()
+    if to_layout == "bhsd":
+        q, k, v = to_bhsd(q, k, v)
+    with pytest.raises(ValueError, match=rf"^flash_attention_sm75: {flag} must be a bool"):
+        fn(q, k, v, **{flag: value})
+
+
+def test_cpu_op_propagates_nan_and_zeroes_only_keyless_rows():
+    q, k, v = bshd(s_q=5, s_k=5)
+    q = q.clone()
+    q[0, 1, 0, 0] = float("nan")
+    out, lse = torch.ops.flash_attention_sm75.fwd(q, k, v, None, True, False)
+    assert torch.isnan(out[0, 1, 0]).all()      # the NaN query row stays NaN (as in torch SDPA)
+    assert not torch.isnan(out[1]).any()        # other batch entries are unaffected
+    # A row that sees no key (top-left causal with leftpad) is exactly 0 with lse -inf.
+    lp = torch.tensor([3, 0], dtype=torch.int32)
+    q2, k2, v2 = bshd(s_q=5, s_k=5)
+    out2, lse2 = torch.ops.flash_attention_sm75.fwd(q2, k2, v2, None, True, False, lp, None)
+    assert torch.equal(out2[0, :3], torch.zeros_like(out2[0, :3]))
+    assert torch.isneginf(lse2[0, :, :3]).all() and torch.isfinite(lse2[0, :, 3:]).all()
