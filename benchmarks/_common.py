@@ -347,7 +347,9 @@ def nvidia_smi_query() -> Optional[List[Dict[str, str]]]:
 
 
 def git_info() -> Dict[str, Any]:
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
+    """Commit of the checkout; where git or .git is missing (the GPU machine gets a copy of the
+    working tree without history), the caller can pass it in FA_SM75_COMMIT."""
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT) or os.environ.get("FA_SM75_COMMIT")
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
     return {"commit": commit, "dirty": (bool(status) if status is not None else None)}
 
