@@ -9,11 +9,13 @@
   attention matrix) and calls ``bwd``. A gradient flowing into ``softmax_lse`` (returned with
   ``return_lse=True``) is passed on as ``grad_softmax_lse`` and handled exactly.
 
-Determinism: the backward is bitwise reproducible when ``torch.use_deterministic_algorithms(True)``
-is in effect or inside :func:`deterministic_backward`. It then computes dQ in a separate kernel
-(no floating-point atomics), which costs about 1.4x the matmul work of the default mode (dQ
-accumulated with fp32 atomics) and no extra memory; the default mode allocates an fp32
-``(batch, num_heads, seqlen_q, head_dim)`` dQ accumulator.
+Determinism: by default dQ is computed by a separate kernel with no floating-point atomics, so
+the backward is bitwise reproducible. That kernel recomputes S, P and dP (about 1.4x the matmul
+work of accumulating dQ with fp32 atomics) yet measured as fast or faster on the H200 proxy
+(docs/BACKWARD.md). ``FLASH_SM75_BWD_DQ=atomic`` selects the atomic mode (an fp32
+``(batch, num_heads, seqlen_q, head_dim)`` accumulator, not reproducible bit for bit); it is
+ignored when ``torch.use_deterministic_algorithms(True)`` is in effect or inside
+:func:`deterministic_backward`, which always use the separate kernel.
 """
 from __future__ import annotations
 
