@@ -28,9 +28,11 @@ exactly "key range per batch row" (``leftpad_k[b] <= j < seqused_k[b]``), option
 diagonal, which covers no mask, causal, left/right padding, chunked prefill and decode with a
 cache. Anything else (arbitrary 4-D masks, packed-sequence/document masks, sliding windows, float
 masks with other values), any unsupported input (CPU, fp32/bf16, head_dim not in {64, 128},
-dropout, autograd, ``output_attentions``) calls transformers' own ``sdpa_attention_forward``
+dropout, ``output_attentions``) calls transformers' own ``sdpa_attention_forward``
 with the original arguments, and the reason is logged at DEBUG on the ``"flash_attention_sm75"``
-logger and counted in :func:`get_stats`.
+logger and counted in :func:`get_stats`. Inputs that require grad (training) run on the kernel,
+whose backward is registered with autograd; only an extension built without the backward op
+falls back for them.
 """
 from __future__ import annotations
 
