@@ -54,7 +54,7 @@ struct Flash_fwd_params {
                         // 0: top-left (torch SDPA `is_causal`).
 };
 
-// Host entry: dispatches on head dim and causal flag. Defined in flash_fwd_dispatch.cu.
+// Host entry: dispatches on head dim and causal flag. Defined in flash_fwd_dispatch.cpp.
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream);
 
 // One explicit specialization per generated instantiation file (instantiations/*.cu).

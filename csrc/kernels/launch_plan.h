@@ -24,7 +24,8 @@ inline FwdLaunchPlan make_fwd_plan(int b, int h, int seqlen_q) {
   FwdLaunchPlan p;
   p.block_m = Kt::kBlockM;
   p.block_n = Kt::kBlockN;
-  p.num_m_blocks = (seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
+  // In 64 bits: seqlen_q + kBlockM - 1 overflows int for seqlen_q near 2^31.
+  p.num_m_blocks = static_cast<int>((static_cast<int64_t>(seqlen_q) + Kt::kBlockM - 1) / Kt::kBlockM);
   p.num_blocks = static_cast<int64_t>(p.num_m_blocks) * b * h;
   p.num_threads = Kt::kNThreads;
   p.smem_bytes = Kt::kSmemSize;
