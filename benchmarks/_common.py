@@ -611,3 +611,52 @@ class Tee:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line shared by the sweep benchmarks (bench_forward.py, bench_backward.py)
+
+
+def add_sweep_args(p, backends, n_default_help, tag):
+    """Options every sweep benchmark has: shapes, causal, backends, output, timing."""
+    p.add_argument("--d", type=int, nargs="+", default=None, help="head dims (default 64 128)")
+    p.add_argument("--n", type=int, nargs="+", default=None,
+                   help=f"sequence lengths, Sq = Sk (default {n_default_help})")
+    p.add_argument("--causal", choices=["off", "on", "both"], default="both")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 4)")
+    p.add_argument("--heads", type=int, default=None, help="heads (default 16)")
+    p.add_argument("--backends", default=",".join(backends), help=f"comma list from {backends}")
+    p.add_argument("--out-dir", default="bench_out")
+    p.add_argument("--tag", default=tag, help="output file name stem")
+    p.add_argument("--warmup-ms", type=float, default=None)
+    p.add_argument("--rep-ms", type=float, default=None)
+    p.add_argument("--no-triton", action="store_true", help="time with CUDA events, not do_bench")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def finish_sweep_args(p, a, backends, n_full, timing_full, timing_quick=(10, 40)):
+    """Fill the defaults left unset (after a script's own --dry-run defaults) and validate.
+
+    ``timing_*`` are (warmup_ms, rep_ms); ``--quick`` uses N = 1024, 4096 and ``timing_quick``.
+    """
+    import torch
+
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.d = a.d or [64, 128]
+    a.n = a.n or ([1024, 4096] if a.quick else list(n_full))
+    a.batch = a.batch or 4
+    a.heads = a.heads or 16
+    warmup, rep = timing_quick if a.quick else timing_full
+    a.warmup_ms = a.warmup_ms if a.warmup_ms is not None else warmup
+    a.rep_ms = a.rep_ms if a.rep_ms is not None else rep
+    a.causal_list = {"off": [False], "on": [True], "both": [False, True]}[a.causal]
+    a.backend_list = [b.strip() for b in a.backends.split(",") if b.strip()]
+    bad = [b for b in a.backend_list if b not in backends]
+    if bad:
+        p.error(f"unknown backends {bad}; choose from {backends}")
+    for dd in a.d:
+        if dd not in (64, 128):
+            p.error("our kernel supports d in {64, 128}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False (use --dry-run)")

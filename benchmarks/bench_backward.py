@@ -72,14 +72,7 @@ for _name, _style in {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--d", type=int, nargs="+", default=None, help="head dims (default 64 128)")
-    p.add_argument("--n", type=int, nargs="+", default=None,
-                   help="sequence lengths, Sq = Sk (default 1024 ... 16384)")
-    p.add_argument("--causal", choices=["off", "on", "both"], default="both")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 4)")
-    p.add_argument("--heads", type=int, default=None, help="heads (default 16)")
-    p.add_argument("--backends", default=",".join(ALL_BACKENDS),
-                   help=f"comma list from {ALL_BACKENDS}")
+    C.add_sweep_args(p, ALL_BACKENDS, "1024 ... 16384", "bench_backward")
     p.add_argument("--dq-mode", choices=["separate", "atomic", "both"], default=None,
                    help=f"our dQ kernel: sets ${DQ_ENV} for our calls (default: the current "
                         f"${DQ_ENV}, i.e. 'separate' unless it says 'atomic'); 'both' times "
@@ -91,17 +84,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="N in {1024, 4096}, shorter timing")
     p.add_argument("--bar-n", type=int, default=None,
                    help="N of the issue-5 bar rows (default 4096; dry run: its middle N)")
-    p.add_argument("--out-dir", default="bench_out")
-    p.add_argument("--tag", default="bench_backward", help="output file name stem")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="cpu implies --dry-run sizes unless --n/--batch/--heads are given")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes: exercises every code path without a GPU")
-    p.add_argument("--warmup-ms", type=float, default=None)
-    p.add_argument("--rep-ms", type=float, default=None)
-    p.add_argument("--no-triton", action="store_true", help="time with CUDA events, not do_bench")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
     if a.dry_run and a.device == "cuda":
@@ -117,24 +103,9 @@ def parse_args(argv=None):
         a.bar_n = a.bar_n or sorted(a.n)[len(a.n) // 2]
         if a.dq_mode is None:
             a.dq_mode = "both"  # exercise the two-mode path too
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    a.d = a.d or [64, 128]
-    a.n = a.n or ([1024, 4096] if a.quick else [1024, 2048, 4096, 8192, 16384])
-    a.batch = a.batch or 4
-    a.heads = a.heads or 16
+    C.finish_sweep_args(p, a, ALL_BACKENDS, [1024, 2048, 4096, 8192, 16384],
+                        timing_full=(20, 60))
     a.bar_n = a.bar_n or 4096
-    a.warmup_ms = a.warmup_ms if a.warmup_ms is not None else (10 if a.quick else 20)
-    a.rep_ms = a.rep_ms if a.rep_ms is not None else (40 if a.quick else 60)
-    a.causal_list = {"off": [False], "on": [True], "both": [False, True]}[a.causal]
-    a.backend_list = [b.strip() for b in a.backends.split(",") if b.strip()]
-    bad = [b for b in a.backend_list if b not in ALL_BACKENDS]
-    if bad:
-        p.error(f"unknown backends {bad}; choose from {ALL_BACKENDS}")
-    for dd in a.d:
-        if dd not in (64, 128):
-            p.error("our kernel supports d in {64, 128}")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but torch.cuda.is_available() is False (use --dry-run)")
     # Our variants: (series name, dQ mode).
     env_mode = "atomic" if os.environ.get(DQ_ENV) == "atomic" else "separate"
     a.dq_requested = a.dq_mode

@@ -47,14 +47,7 @@ DECODE_BACKENDS = ["ours", "ours_op", "efficient", "flash", "cudnn", "math"]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--d", type=int, nargs="+", default=None, help="head dims (default 64 128)")
-    p.add_argument("--n", type=int, nargs="+", default=None,
-                   help="sequence lengths, Sq = Sk (default 512 ... 16384)")
-    p.add_argument("--causal", choices=["off", "on", "both"], default="both")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 4)")
-    p.add_argument("--heads", type=int, default=None, help="heads (default 16)")
-    p.add_argument("--backends", default=",".join(ALL_BACKENDS),
-                   help=f"comma list from {ALL_BACKENDS}")
+    C.add_sweep_args(p, ALL_BACKENDS, "512 ... 16384", "bench_forward")
     p.add_argument("--quick", action="store_true",
                    help="N in {1024, 4096}, shorter timing, quick mma_peak sweep")
     p.add_argument("--math-max-n", type=int, default=8192,
@@ -64,8 +57,6 @@ def parse_args(argv=None):
     p.add_argument("--decode-sk", type=int, nargs="+", default=None,
                    help="key lengths for --decode (default 512 4096)")
     p.add_argument("--decode-batch", type=int, default=None, help="batch for --decode (default 4)")
-    p.add_argument("--out-dir", default="bench_out")
-    p.add_argument("--tag", default="bench_forward", help="output file name stem")
     p.add_argument("--cache-dir", default=None,
                    help="where the mma_peak binary is built/cached (default <out-dir>/.cache)")
     p.add_argument("--mma-peak-tflops", type=float, default=None,
@@ -74,11 +65,6 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes: exercises table/JSON/plot without a GPU")
-    p.add_argument("--warmup-ms", type=float, default=None)
-    p.add_argument("--rep-ms", type=float, default=None)
-    p.add_argument("--no-triton", action="store_true", help="time with CUDA events, not do_bench")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
     if a.dry_run:
@@ -90,26 +76,11 @@ def parse_args(argv=None):
         a.decode_sk = a.decode_sk or [64, 256]
         a.decode_batch = a.decode_batch or 1
         a.decode = True
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    a.d = a.d or [64, 128]
-    a.n = a.n or ([1024, 4096] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
-    a.batch = a.batch or 4
-    a.heads = a.heads or 16
+    C.finish_sweep_args(p, a, ALL_BACKENDS, [512, 1024, 2048, 4096, 8192, 16384],
+                        timing_full=(25, 100))
     a.decode_sk = a.decode_sk or [512, 4096]
     a.decode_batch = a.decode_batch or 4
-    a.warmup_ms = a.warmup_ms if a.warmup_ms is not None else (10 if a.quick else 25)
-    a.rep_ms = a.rep_ms if a.rep_ms is not None else (40 if a.quick else 100)
-    a.causal_list = {"off": [False], "on": [True], "both": [False, True]}[a.causal]
-    a.backend_list = [b.strip() for b in a.backends.split(",") if b.strip()]
-    bad = [b for b in a.backend_list if b not in ALL_BACKENDS]
-    if bad:
-        p.error(f"unknown backends {bad}; choose from {ALL_BACKENDS}")
-    for dd in a.d:
-        if dd not in (64, 128):
-            p.error("our kernel supports d in {64, 128}")
     a.cache_dir = a.cache_dir or os.path.join(a.out_dir, ".cache")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but torch.cuda.is_available() is False (use --dry-run)")
     return a
 
 
