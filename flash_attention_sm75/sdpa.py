@@ -27,6 +27,7 @@ logger = logging.getLogger("flash_attention_sm75")
 
 STRICT_ENV_VAR = "FLASH_ATTENTION_SM75_STRICT"
 _TRUE_STRINGS = ("1", "true", "yes", "on")
+_FALSE_STRINGS = ("", "0", "false", "no", "off")
 
 # None: follow the environment variable; True/False: set by set_strict()/strict().
 _strict_override: Optional[bool] = None
@@ -43,7 +44,8 @@ def set_strict(enabled: Optional[bool]) -> None:
         ``True``: :func:`scaled_dot_product_attention` raises ``ValueError`` for calls it cannot
         run on the FlashAttention kernel instead of falling back to torch. ``False``: always
         fall back. ``None``: follow the ``FLASH_ATTENTION_SM75_STRICT`` environment variable
-        again (strict if it is ``1``, ``true``, ``yes`` or ``on``), the initial state.
+        again (strict if it is ``1``, ``true``, ``yes`` or ``on``; off if unset, empty, ``0``,
+        ``false``, ``no`` or ``off``; any other value raises ``ValueError``), the initial state.
     """
     global _strict_override
     if enabled is not None and not isinstance(enabled, bool):
@@ -55,7 +57,13 @@ def is_strict() -> bool:
     """Return whether strict mode is on (see :func:`set_strict`)."""
     if _strict_override is not None:
         return _strict_override
-    return os.environ.get(STRICT_ENV_VAR, "").strip().lower() in _TRUE_STRINGS
+    value = os.environ.get(STRICT_ENV_VAR, "").strip().lower()
+    if value not in _TRUE_STRINGS and value not in _FALSE_STRINGS:
+        raise ValueError(
+            f"flash_attention_sm75: environment variable {STRICT_ENV_VAR}={value!r} is not "
+            f"understood; use one of {_TRUE_STRINGS} (strict) or {_FALSE_STRINGS[1:]} / unset "
+            "(fall back)")
+    return value in _TRUE_STRINGS
 
 
 @contextlib.contextmanager

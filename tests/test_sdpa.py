@@ -284,6 +284,16 @@ def test_strict_env_var(monkeypatch):
         assert fa.scaled_dot_product_attention(*args).shape == args[0].shape
 
 
+def test_strict_env_var_rejects_unknown_values(monkeypatch):
+    args = bhsd()
+    for value in ["2", "strict", "enabled"]:
+        monkeypatch.setenv("FLASH_ATTENTION_SM75_STRICT", value)
+        with pytest.raises(ValueError, match="FLASH_ATTENTION_SM75_STRICT=.* is not understood"):
+            fa.is_strict()
+        with pytest.raises(ValueError, match="FLASH_ATTENTION_SM75_STRICT"):
+            fa.scaled_dot_product_attention(*args)
+
+
 def test_set_strict_and_overrides(monkeypatch):
     args = bhsd()
     fa.set_strict(True)
