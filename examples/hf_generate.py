@@ -28,25 +28,38 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
-from flash_attention_sm75.integrations.configs import load_model  # noqa: E402
+from flash_attention_sm75.integrations.configs import (  # noqa: E402
+    REALISTIC_CONFIGS, TINY_CONFIGS, load_model)
+
+CONFIG_NAMES = set(REALISTIC_CONFIGS) | set(TINY_CONFIGS)
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="local checkpoint directory")
-    p.add_argument("--config", default="qwen2-0.5b",
-                   help="named config for random weights: qwen2-0.5b, llama-3.2-1b, llama-2-7b, "
-                        "or a tiny one (llama, qwen2, qwen3, mistral)")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--config", default="qwen2-0.5b", choices=sorted(CONFIG_NAMES),
+                   help="named config for random weights (default qwen2-0.5b): the real-shape "
+                        "qwen2-0.5b, llama-3.2-1b, llama-2-7b, or a tiny llama/qwen2/qwen3/mistral")
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help="override the number of layers")
     p.add_argument("--prompt", default="FlashAttention on Turing GPUs",
                    help="prompt text (needs a tokenizer in --model)")
-    p.add_argument("--prompt-len", type=int, default=128,
+    p.add_argument("--prompt-len", type=_positive_int, default=128,
                    help="random prompt length when there is no tokenizer")
-    p.add_argument("--batch", type=int, default=1,
+    p.add_argument("--batch", type=_positive_int, default=1,
                    help="batch size; rows get shorter prompts (left padded) when > 1")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--new-tokens", type=_positive_int, default=32,
+                   help="tokens to generate (greedy), default 32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="default: cuda if available, else cpu (every call then falls back)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--compare", action="store_true", help="also run stock SDPA and compare")
     return p.parse_args(argv)
 
