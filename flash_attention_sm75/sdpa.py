@@ -46,6 +46,11 @@ def set_strict(enabled: Optional[bool]) -> None:
         fall back. ``None``: follow the ``FLASH_ATTENTION_SM75_STRICT`` environment variable
         again (strict if it is ``1``, ``true``, ``yes`` or ``on``; off if unset, empty, ``0``,
         ``false``, ``no`` or ``off``; any other value raises ``ValueError``), the initial state.
+
+    Raises
+    ------
+    ValueError
+        If ``enabled`` is not a bool or None.
     """
     global _strict_override
     if enabled is not None and not isinstance(enabled, bool):
@@ -54,7 +59,19 @@ def set_strict(enabled: Optional[bool]) -> None:
 
 
 def is_strict() -> bool:
-    """Return whether strict mode is on (see :func:`set_strict`)."""
+    """Return whether strict mode is on (see :func:`set_strict`).
+
+    Returns
+    -------
+    bool
+        The :func:`set_strict` / :func:`strict` setting if one is in force, else the value of
+        ``FLASH_ATTENTION_SM75_STRICT``.
+
+    Raises
+    ------
+    ValueError
+        If ``FLASH_ATTENTION_SM75_STRICT`` decides and holds an unrecognised value.
+    """
     if _strict_override is not None:
         return _strict_override
     value = os.environ.get(STRICT_ENV_VAR, "").strip().lower()
@@ -76,6 +93,11 @@ def strict(enabled: bool = True) -> Iterator[None]:
         Default ``True``: inside the block unsupported calls of
         :func:`scaled_dot_product_attention` raise ``ValueError(reason)``. ``False`` forces the
         fallback even if ``FLASH_ATTENTION_SM75_STRICT=1``.
+
+    Raises
+    ------
+    ValueError
+        If ``enabled`` is not a bool.
 
     Notes
     -----

@@ -622,6 +622,12 @@ def flash_attention_sm75_forward(
     ``"flash_attention_sm75"`` logger and counting it in :func:`get_stats`. In strict mode
     (:func:`flash_attention_sm75.set_strict`) they raise ``ValueError`` instead. Rows of queries
     that see no key (left padding) are 0 on the kernel path.
+
+    Raises
+    ------
+    ValueError
+        In strict mode, for a call that would fall back (the message gives the reason); or when
+        a call falls back and ``FLASH_ATTENTION_SM75_STRICT`` holds an unrecognised value.
     """
     return _attention(_stock_sdpa_forward(), module, query, key, value, attention_mask, args,
                       kwargs)
@@ -759,6 +765,11 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
     PatchHandle
         A context manager: ``with apply_patch(): ...`` removes the patch on exit if this call
         installed it.
+
+    Raises
+    ------
+    ImportError
+        If transformers is not installed (nothing is patched then).
 
     Notes
     -----
