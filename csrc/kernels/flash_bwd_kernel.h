@@ -641,19 +641,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
                         kr.key_end, tid);
 
       float acc_s[kBN / 8][4];
-      zero_acc(acc_s);
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        const uint32_t a_lo[2] = {q_frag[kk][0], q_frag[kk][1]};
-        const uint32_t a_hi[2] = {q_frag[kk][2], q_frag[kk][3]};
-        const uint32_t k_addr = swizzle_xor(k_lane_addr, kk);
-#pragma unroll
-        for (int np = 0; np < kBN / 16; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4(b, k_addr + np * 16 * kRowBytes);
-          mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
-        }
-      }
+      gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
       // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s).
       const bool need_mask =
           !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset);
@@ -683,19 +671,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       uint32_t ds_frag[kBN / 8][2];
       {
         float acc_dp[kBN / 8][4];
-        zero_acc(acc_dp);
-#pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) {
-          const uint32_t a_lo[2] = {do_frag[kk][0], do_frag[kk][1]};
-          const uint32_t a_hi[2] = {do_frag[kk][2], do_frag[kk][3]};
-          const uint32_t v_addr = swizzle_xor(v_lane_addr, kk);
-#pragma unroll
-          for (int np = 0; np < kBN / 16; ++np) {
-            uint32_t b[4];
-            ldmatrix_x4(b, v_addr + np * 16 * kRowBytes);
-            mma_k2n2(acc_dp[2 * np], acc_dp[2 * np + 1], a_lo, a_hi, b);
-          }
-        }
+        gemm_rs_bt<kD, kBN, kRowBytes>(acc_dp, do_frag, v_lane_addr);
 #pragma unroll
         for (int nt = 0; nt < kBN / 8; ++nt) {
           ds_frag[nt][0] = pack_half2(acc_s[nt][0] * (acc_dp[nt][0] - dsum[0]),

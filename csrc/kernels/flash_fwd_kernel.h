@@ -161,19 +161,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
       // ---- S = Q K_j^T (16 x Bc per warp, fp32)
       float acc_s[kBN / 8][4];
-      zero_acc(acc_s);
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        const uint32_t a_lo[2] = {q_frag[kk][0], q_frag[kk][1]};
-        const uint32_t a_hi[2] = {q_frag[kk][2], q_frag[kk][3]};
-        const uint32_t k_addr = swizzle_xor(k_lane_addr, kk);
-#pragma unroll
-        for (int np = 0; np < kBN / 16; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4(b, k_addr + np * 16 * kRowBytes);
-          mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
-        }
-      }
+      gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
 
       // ---- mask: only tiles crossing the key range or the causal diagonal pay for it.
       if (!tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset)) {

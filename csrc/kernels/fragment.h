@@ -31,4 +31,28 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kTiles][4]) {
   }
 }
 
+// acc (16 x kN fp32 per warp, zeroed here) = A (16 x kK, fp16 A fragments held in registers,
+// a_frag[kk] = k-steps 2kk and 2kk + 1 as loaded by ldmatrix.x4) times B^T, where B is a kN x kK
+// row-major tile in the XOR-swizzled shared layout and b_lane_addr is this lane's non-transposed
+// ldmatrix address for chunk pair 0 (matrices: rows +0..7 | +8..15 x chunk 0 | 1). Used for
+// S = Q K^T (forward and backward dQ kernel) and dP = dO V^T.
+template <int kK, int kN, int kRowBytes>
+__device__ __forceinline__ void gemm_rs_bt(float (&acc)[kN / 8][4],
+                                           const uint32_t (&a_frag)[kK / 16][4],
+                                           uint32_t b_lane_addr) {
+  zero_acc(acc);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const uint32_t a_lo[2] = {a_frag[kk][0], a_frag[kk][1]};
+    const uint32_t a_hi[2] = {a_frag[kk][2], a_frag[kk][3]};
+    const uint32_t b_addr = swizzle_xor(b_lane_addr, kk);
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_addr + np * 16 * kRowBytes);
+      mma_k2n2(acc[2 * np], acc[2 * np + 1], a_lo, a_hi, b);
+    }
+  }
+}
+
 }  // namespace flash_sm75
