@@ -136,22 +136,30 @@ print(t["tests"], t["failures"], t["errors"], skipped, passed)
 EOF
 }
 
+# judge_junit NAME EXIT_CODE REPORT: fails on a missing report, a non-zero exit, or nothing passed.
+judge_junit() {
+  local name=$1 rc=$2 report=$3 total failures errors skipped passed
+  if [ ! -f "$report" ]; then
+    fail "$name (exit $rc, no report)"
+    return
+  fi
+  read -r total failures errors skipped passed < <(count_junit "$report")
+  if [ "$rc" -ne 0 ]; then
+    fail "$name (exit $rc: $failures failed, $errors errors, $passed passed)"
+  elif [ "$passed" -le 0 ]; then
+    fail "$name (0 passed of $total)"
+  else
+    SUMMARY+=("$name OK ($passed passed, $skipped skipped)")
+  fi
+}
+
 log "python -m pytest -q tests"
 rc=0
 "$PY" -m pytest -q tests --junitxml="$RESULTS/pytest.xml" || rc=$?
 if [ "$rc" -eq 5 ]; then
   fail "pytest (no tests collected)"
-elif [ ! -f "$RESULTS/pytest.xml" ]; then
-  fail "pytest (exit $rc, no report)"
 else
-  read -r total failures errors skipped passed < <(count_junit "$RESULTS/pytest.xml")
-  if [ "$rc" -ne 0 ]; then
-    fail "pytest (exit $rc: $failures failed, $errors errors, $passed passed)"
-  elif [ "$passed" -le 0 ]; then
-    fail "pytest (0 passed of $total)"
-  else
-    SUMMARY+=("pytest OK ($passed passed, $skipped skipped)")
-  fi
+  judge_junit pytest "$rc" "$RESULTS/pytest.xml"
 fi
 
 # ---- 4. CMake + CTest (LibTorch library, GoogleTest) ------------------------------------------
@@ -171,18 +179,7 @@ else
   rc=0
   ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j "$MAX_JOBS" \
     --output-junit "$ROOT/$RESULTS/ctest.xml" || rc=$?
-  if [ ! -f "$RESULTS/ctest.xml" ]; then
-    fail "ctest (exit $rc, no report)"
-  else
-    read -r total failures errors skipped passed < <(count_junit "$RESULTS/ctest.xml")
-    if [ "$rc" -ne 0 ]; then
-      fail "ctest (exit $rc: $failures failed, $passed passed)"
-    elif [ "$passed" -le 0 ]; then
-      fail "ctest (0 passed of $total)"
-    else
-      SUMMARY+=("ctest OK ($passed passed, $skipped skipped)")
-    fi
-  fi
+  judge_junit ctest "$rc" "$RESULTS/ctest.xml"
 fi
 
 finish
