@@ -2,7 +2,8 @@
 
 Builds one extension with one translation unit per (head_dim, Br, Bc, warps) variant, compiled
 for sm_75 (+PTX) in parallel, then times each variant and SDPA mem-efficient on the same inputs.
-Usage: python scripts/tune_fwd.py [--n 4096 8192] [--variants 128,128,64,8 128,64,32,4]
+Usage: python scripts/tune_fwd.py [--n 4096 8192] [--variants 128,128,64,8 128,64,32,4,1,3]
+A variant is d,Br,Bc,warps[,q_in_smem(0/1)[,min_blocks_per_sm]] (Flash_fwd_kernel_traits).
 """
 import argparse
 import os
@@ -21,7 +22,7 @@ TU = """
 #include "kernels/flash_fwd_launch_template.h"
 namespace flash_sm75 {{
 void run_variant_{i}(Flash_fwd_params& p, cudaStream_t s) {{
-  using Kt = Flash_fwd_kernel_traits<{d}, {bm}, {bn}, {w}>;
+  using Kt = Flash_fwd_kernel_traits<{d}, {bm}, {bn}, {w}, {qs}, {mb}>;
   if (p.is_causal) run_flash_fwd<Kt, true>(p, s); else run_flash_fwd<Kt, false>(p, s);
 }}
 }}
@@ -55,11 +56,12 @@ def main():
                              "128,128,64,8", "128,64,32,4", "128,128,32,8"])
     args = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
+    variants = [v + (0, 1)[len(v) - 4:] for v in variants]
     tmp = pathlib.Path(tempfile.mkdtemp())
     srcs = []
-    for i, (d, bm, bn, w) in enumerate(variants):
+    for i, (d, bm, bn, w, qs, mb) in enumerate(variants):
         f = tmp / f"v{i}.cu"
-        f.write_text(TU.format(i=i, d=d, bm=bm, bn=bn, w=w))
+        f.write_text(TU.format(i=i, d=d, bm=bm, bn=bn, w=w, qs="true" if qs else "false", mb=mb))
         srcs.append(str(f))
     decls = " ".join(f"void run_variant_{i}(Flash_fwd_params&, cudaStream_t);" for i in range(len(variants)))
     cases = " ".join(f"case {i}: run_variant_{i}(p, s); break;" for i in range(len(variants)))
@@ -73,12 +75,20 @@ def main():
                build_directory=str(tmp), verbose=False)
 
     def bench(fn):
+        # Back-to-back calls between two events, so host-side launch cost overlaps the GPU
+        # work (it would dominate single-call timings of the ~30 us N=512 cases).
         for _ in range(3):
             fn()
         st, en = torch.cuda.Event(True), torch.cuda.Event(True)
         ts = []
-        for _ in range(15):
-            st.record(); fn(); en.record(); torch.cuda.synchronize(); ts.append(st.elapsed_time(en))
+        for _ in range(7):
+            torch.cuda.synchronize()
+            st.record()
+            for _ in range(20):
+                fn()
+            en.record()
+            torch.cuda.synchronize()
+            ts.append(st.elapsed_time(en) / 20)
         return sorted(ts)[len(ts) // 2]
 
     B, H = 4, 16
@@ -99,7 +109,8 @@ def main():
                     o = mod.run(qt, kt, vt, causal, i)
                     err = (o.transpose(1, 2).float() - ref.float()).abs().max().item()
                     t = bench(lambda: mod.run(qt, kt, vt, causal, i))
-                    row.append(f"{var[1]}x{var[2]}w{var[3]}: {fl / t / 1e9:6.1f} ({t_me / t:.2f}x, err {err:.0e})")
+                    tag = f"{var[1]}x{var[2]}w{var[3]}" + ("q" if var[4] else "") + f"m{var[5]}"
+                    row.append(f"{tag}: {fl / t / 1e9:6.1f} ({t_me / t:.2f}x, err {err:.0e})")
                 print(" | ".join(row), flush=True)
 
 

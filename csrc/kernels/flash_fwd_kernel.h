@@ -63,7 +63,7 @@ __device__ __forceinline__ void store_tile_r2s(const uint4 (&stage)[kN], __half*
 }
 
 template <typename Kt, bool Is_causal>
-__global__ void __launch_bounds__(Kt::kNThreads)
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     flash_fwd_kernel(const Flash_fwd_params params) {
   constexpr int kD = Kt::kHeadDim;
   constexpr int kBM = Kt::kBlockM;
@@ -72,8 +72,11 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   constexpr int kRowBytes = kD * 2;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __half* sK = reinterpret_cast<__half*>(smem_raw);  // Bc x d; with sV, the Q and O staging
-  __half* sV = sK + kBN * kD;                         // Bc x d
+  // kQInSmem: [sQ: Br x d][sK][sV], O staged through sQ. Otherwise [sK][sV], with the Q tile
+  // (before the loop) and the O tile (after it) staged through the contiguous K+V space.
+  __half* sQ = reinterpret_cast<__half*>(smem_raw);
+  __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kSmemKVOffset);  // Bc x d
+  __half* sV = sK + kBN * kD;                                            // Bc x d
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -121,25 +124,28 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
   if (nb.n_block_max > nb.n_block_min) {
     uint4 stage[Kt::kChunksPerThread];
-    // ---- prologue: Q tile -> the K+V space -> registers; then the first K tile -> sK.
+    // ---- prologue: the Q tile and the first K tile are fetched together (one global-memory
+    // round trip, not two); Q -> shared -> (unless kQInSmem) registers, then K_0 -> sK.
+    const uint32_t q_lane_addr =
+        smem_u32addr(sQ + swizzle_offset<kCPR>(16 * warp + (lane % 16), lane / 16));
     {
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
-      store_tile_r2s<Kt>(qstage, sK, tid);
+      load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, nb.n_block_min * kBN, kr.key_start,
+                        kr.key_end, tid);
+      store_tile_r2s<Kt>(qstage, sQ, tid);
     }
-    __syncthreads();
-    // Q stays in registers for the whole loop: q_frag[kk] holds the A fragments of k-steps
-    // 2kk (regs 0, 1) and 2kk + 1 (regs 2, 3) for this warp's 16 rows.
-    uint32_t q_frag[kD / 16][4];
-    {
-      const uint32_t q_addr =
-          smem_u32addr(sK + swizzle_offset<kCPR>(16 * warp + (lane % 16), lane / 16));
+    // Without kQInSmem, Q stays in registers for the whole loop: q_frag[kk] holds the A
+    // fragments of k-steps 2kk (regs 0, 1) and 2kk + 1 (regs 2, 3) for this warp's 16 rows.
+    uint32_t q_frag[Kt::kQInSmem ? 1 : kD / 16][4];
+    if (!Kt::kQInSmem) {
+      __syncthreads();
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(q_frag[kk], swizzle_xor(q_addr, kk));
+      for (int kk = 0; kk < (Kt::kQInSmem ? 1 : kD / 16); ++kk) {
+        ldmatrix_x4(q_frag[kk], swizzle_xor(q_lane_addr, kk));
+      }
+      __syncthreads();  // every warp holds its Q fragments before the space is reused
     }
-    __syncthreads();  // every warp holds its Q fragments before the space is reused
-    load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, nb.n_block_min * kBN, kr.key_start,
-                      kr.key_end, tid);
     store_tile_r2s<Kt>(stage, sK, tid);
     __syncthreads();
 
@@ -161,7 +167,11 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
       // ---- S = Q K_j^T (16 x Bc per warp, fp32)
       float acc_s[kBN / 8][4];
-      gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+      if constexpr (Kt::kQInSmem) {
+        gemm_ss_bt<kD, kBN, kRowBytes>(acc_s, q_lane_addr, k_lane_addr);
+      } else {
+        gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+      }
 
       // ---- mask: only tiles crossing the key range or the causal diagonal pay for it.
       if (!tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset)) {
@@ -261,9 +271,11 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     }
   }
 
-  // Stage the fp16 O tile through the (now free) K+V space so global stores are 16-byte,
-  // row-contiguous and coalesced.
-  __half* sO = sK;
+  // Stage the fp16 O tile through shared memory so global stores are 16-byte, row-contiguous
+  // and coalesced: through sQ (each warp only ever read its own 16 rows there) or the K+V space
+  // (free after the loop's last barrier).
+  __half* sO = Kt::kQInSmem ? sQ : sK;
+  if (Kt::kQInSmem) __syncwarp();
 #pragma unroll
   for (int dt = 0; dt < kD / 8; ++dt) {
     const int row = 16 * warp + g;

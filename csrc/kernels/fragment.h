@@ -55,4 +55,26 @@ __device__ __forceinline__ void gemm_rs_bt(float (&acc)[kN / 8][4],
   }
 }
 
+// Same as gemm_rs_bt with A (16 x kK) also read from the swizzled shared layout:
+// a_lane_addr is this lane's ldmatrix.x4 address of chunk pair 0 (rows +0..15 x chunk 0 | 1).
+template <int kK, int kN, int kRowBytes>
+__device__ __forceinline__ void gemm_ss_bt(float (&acc)[kN / 8][4], uint32_t a_lane_addr,
+                                           uint32_t b_lane_addr) {
+  zero_acc(acc);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[4];
+    ldmatrix_x4(a, swizzle_xor(a_lane_addr, kk));
+    const uint32_t a_lo[2] = {a[0], a[1]};
+    const uint32_t a_hi[2] = {a[2], a[3]};
+    const uint32_t b_addr = swizzle_xor(b_lane_addr, kk);
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_addr + np * 16 * kRowBytes);
+      mma_k2n2(acc[2 * np], acc[2 * np + 1], a_lo, a_hi, b);
+    }
+  }
+}
+
 }  // namespace flash_sm75

@@ -11,13 +11,20 @@ constexpr int kSm75MaxSmemPerBlock = 64 * 1024;   // dynamic shared memory per b
 constexpr int kSm75DefaultSmemPerBlock = 48 * 1024;  // without cudaFuncSetAttribute
 constexpr int kSm75MaxThreadsPerBlock = 1024;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
+          int kMinBlocksPerSm_ = 1>
 struct Flash_fwd_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
   static constexpr int kBlockN = kBlockN_;    // Bc: keys per K/V tile
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
+  // Q fragments: false = loaded once into registers (d/4 registers per thread); true = the Q
+  // tile stays in its own shared-memory region and is re-read with ldmatrix for every K tile
+  // (fewer registers, more shared-memory reads).
+  static constexpr bool kQInSmem = kQInSmem_;
+  // __launch_bounds__ minimum CTAs per SM (caps registers at 64K / (this x threads)).
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 
   // Each warp owns 16 query rows: one m16 MMA tile, so S and P never leave its registers.
   static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");
@@ -31,8 +38,10 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row
   static constexpr int kSmemTileBytes = kBlockN * kHeadDim * 2;
   static constexpr int kSmemQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kSmemKVOffset = kQInSmem ? kSmemQBytes : 0;  // bytes before sK
   static constexpr int kSmemSize =
-      2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes;
+      kQInSmem ? kSmemQBytes + 2 * kSmemTileBytes
+               : (2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes);
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   // Global <-> shared copies move 16 bytes per thread per step.
@@ -54,7 +63,8 @@ template <int kHeadDim>
 struct Fwd_tile_config;
 template <>
 struct Fwd_tile_config<64> {
-  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4>;
+  // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit.
+  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4, false, 3>;
 };
 template <>
 struct Fwd_tile_config<128> {

@@ -119,6 +119,7 @@ inline void barrier_wait(Barrier& b) {
 }
 
 inline void syncthreads() { barrier_wait(machine().block_bar); }
+inline void syncwarp() { barrier_wait(warp().bar); }
 
 // Warp collective: each lane posts up to 4 words, waits for the whole warp, and gets a pointer
 // to the 32 lanes' posts (valid until the lane's next collective).
@@ -245,6 +246,7 @@ inline float shfl_xor(float v, int mask) {
 #define threadIdx (::emu::thread_idx())
 #define blockIdx (::emu::block_idx())
 #define __syncthreads() ::emu::syncthreads()
+#define __syncwarp(...) ::emu::syncwarp()
 #define __shfl_xor_sync(mask, v, lanemask) ::emu::shfl_xor((v), (lanemask))
 
 template <typename T>
