@@ -62,11 +62,190 @@ __device__ __forceinline__ void store_tile_r2s(const uint4 (&stage)[kN], __half*
   }
 }
 
+// Which (batch, head, query tile) a CTA owns and where its tensors start. A 1-D grid, so
+// batch x heads is not limited by gridDim.y/z. Causal: the heaviest query tiles (last rows) are
+// scheduled first.
+struct FwdCta {
+  int m_block, bidb, bidh;
+  int64_t bh;
+  const __half *q_base, *k_base, *v_base;
+  __half* o_base;
+  KeyRange kr;
+  BlockRange nb;
+};
+
+template <typename Kt, bool Is_causal>
+__device__ __forceinline__ FwdCta fwd_cta(const Flash_fwd_params& params) {
+  FwdCta c;
+  const int num_m_blocks = ceil_div(params.seqlen_q, Kt::kBlockM);
+  const int64_t num_bh = static_cast<int64_t>(params.b) * params.h;
+  const int64_t linear = blockIdx.x;
+  if (Is_causal) {
+    c.bh = linear % num_bh;
+    c.m_block = num_m_blocks - 1 - static_cast<int>(linear / num_bh);
+  } else {
+    c.m_block = static_cast<int>(linear % num_m_blocks);
+    c.bh = linear / num_m_blocks;
+  }
+  c.bidb = static_cast<int>(c.bh / params.h);
+  c.bidh = static_cast<int>(c.bh % params.h);
+  const int bidh_k = c.bidh / params.h_h_k_ratio;  // GQA: no K/V copy, just index the shared head
+  c.q_base = static_cast<const __half*>(params.q_ptr) + c.bidb * params.q_batch_stride +
+             c.bidh * params.q_head_stride;
+  c.k_base = static_cast<const __half*>(params.k_ptr) + c.bidb * params.k_batch_stride +
+             bidh_k * params.k_head_stride;
+  c.v_base = static_cast<const __half*>(params.v_ptr) + c.bidb * params.v_batch_stride +
+             bidh_k * params.v_head_stride;
+  c.o_base = static_cast<__half*>(params.o_ptr) + c.bidb * params.o_batch_stride +
+             c.bidh * params.o_head_stride;
+  c.kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, c.bidb);
+  c.nb = n_block_range(c.m_block, Kt::kBlockM, Kt::kBlockN, params.seqlen_q, c.kr, Is_causal,
+                       params.causal_offset);
+  return c;
+}
+
+// Set S to -inf where a key is not visible. Only tiles crossing the key range or the causal
+// diagonal pay for it. row_w = first query row of this warp's 16 rows.
+template <typename Kt, bool Is_causal>
+__device__ __forceinline__ void mask_scores(float (&acc_s)[Kt::kBlockN / 8][4], const FwdCta& c,
+                                            int n_block, int row_w, int causal_off) {
+  constexpr int kBN = Kt::kBlockN;
+  if (tile_is_unmasked(c.m_block, n_block, Kt::kBlockM, kBN, c.kr, Is_causal, causal_off)) return;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row_w + lane / 4 + (e >= 2 ? 8 : 0);
+      const int col = n_block * kBN + 8 * nt + 2 * (lane % 4) + (e & 1);
+      if (!key_visible(row, col, c.kr, Is_causal, causal_off)) acc_s[nt][e] = -INFINITY;
+    }
+  }
+}
+
+// One online-softmax step on the accumulator fragments of S (rows g and g + 8 of the warp):
+// update the running max m_i and sum l_i, rescale O by exp2(m_old - m_new), and pack
+// P = exp2(S * scale_log2 - m) as the fp16 A fragments of O += P V.
+template <int kBN, int kD>
+__device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4], float (&m_i)[2],
+                                                float (&l_i)[2], float (&acc_o)[kD / 8][4],
+                                                float scale_log2, uint32_t (&p_frag)[kBN / 8][2]) {
+  float scaled_max[2], alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = m_i[r];
+#pragma unroll
+    for (int nt = 0; nt < kBN / 8; ++nt) {
+      mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
+    }
+    mx = quad_allreduce_max(mx);
+    // A row that has seen no key yet keeps m = -inf; use 0 as the shift so that
+    // exp2(-inf - shift) = 0 instead of exp2(-inf + inf) = NaN.
+    scaled_max[r] = (mx == -INFINITY) ? 0.f : mx * scale_log2;
+    alpha[r] = exp2f(m_i[r] * scale_log2 - scaled_max[r]);
+    m_i[r] = mx;
+    l_i[r] *= alpha[r];
+  }
+  // Rescale O unconditionally (skipping it when no max grew was measured slower on the H200:
+  // the branch breaks the scheduling of the unrolled tile; benchmarks/NOTES.md).
+#pragma unroll
+  for (int dt = 0; dt < kD / 8; ++dt) {
+    acc_o[dt][0] *= alpha[0];
+    acc_o[dt][1] *= alpha[0];
+    acc_o[dt][2] *= alpha[1];
+    acc_o[dt][3] *= alpha[1];
+  }
+#pragma unroll
+  for (int nt = 0; nt < kBN / 8; ++nt) {
+    const float p0 = exp2f(fmaf(acc_s[nt][0], scale_log2, -scaled_max[0]));
+    const float p1 = exp2f(fmaf(acc_s[nt][1], scale_log2, -scaled_max[0]));
+    const float p2 = exp2f(fmaf(acc_s[nt][2], scale_log2, -scaled_max[1]));
+    const float p3 = exp2f(fmaf(acc_s[nt][3], scale_log2, -scaled_max[1]));
+    l_i[0] += p0 + p1;
+    l_i[1] += p2 + p3;
+    p_frag[nt][0] = pack_half2(p0, p1);
+    p_frag[nt][1] = pack_half2(p2, p3);
+  }
+}
+
+// O += P V: P (16 x Bc, fp16 A fragments in registers) times V (Bc x d, swizzled shared tile,
+// ldmatrix.trans from v_lane_addr: matrices (keys +0..7 | +8..15) x (chunk 2np | 2np+1)).
+template <int kBN, int kD, int kRowBytes>
+__device__ __forceinline__ void gemm_pv(float (&acc_o)[kD / 8][4],
+                                        const uint32_t (&p_frag)[kBN / 8][2],
+                                        uint32_t v_lane_addr) {
+#pragma unroll
+  for (int kp = 0; kp < kBN / 16; ++kp) {
+#pragma unroll
+    for (int np = 0; np < kD / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, swizzle_xor(v_lane_addr, np) + kp * 16 * kRowBytes);
+      mma_k2n2(acc_o[2 * np], acc_o[2 * np + 1], p_frag[2 * kp], p_frag[2 * kp + 1], b);
+    }
+  }
+}
+
+// Epilogue: O = acc_o / l, LSE = m * scale + log(l); rows that saw no key get O = 0 and
+// LSE = -inf (never NaN). The fp16 O tile is staged through shared memory sO (Br x d, free for
+// this warp's 16 rows when called) so the global stores are 16-byte, row-contiguous, coalesced.
+template <typename Kt>
+__device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4],
+                                             const float (&m_i)[2], const float (&l_i)[2],
+                                             const Flash_fwd_params& params, const FwdCta& c,
+                                             __half* sO) {
+  constexpr int kD = Kt::kHeadDim;
+  constexpr int kCPR = Kt::kChunksPerRow;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int row0 = c.m_block * Kt::kBlockM;
+  float lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_allreduce_sum(l_i[r]);
+    const bool any = l > 0.f;
+    const float inv_l = any ? 1.f / l : 0.f;
+    lse[r] = any ? m_i[r] * params.scale_softmax + logf(l) : -INFINITY;
+#pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt) {
+      acc_o[dt][2 * r] *= inv_l;
+      acc_o[dt][2 * r + 1] *= inv_l;
+    }
+  }
+#pragma unroll
+  for (int dt = 0; dt < kD / 8; ++dt) {
+    const int row = 16 * warp + g;
+    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, dt) + 2 * t) =
+        pack_half2(acc_o[dt][0], acc_o[dt][1]);
+    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, dt) + 2 * t) =
+        pack_half2(acc_o[dt][2], acc_o[dt][3]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < Kt::kQChunksPerThread; ++i) {
+    const int idx = tid + i * Kt::kNThreads;
+    const int r = idx / kCPR;
+    const int ch = idx % kCPR;
+    const int grow = row0 + r;
+    if (grow < params.seqlen_q) {
+      *reinterpret_cast<uint4*>(c.o_base + grow * params.o_row_stride + ch * 8) =
+          *reinterpret_cast<const uint4*>(sO + swizzle_offset<kCPR>(r, ch));
+    }
+  }
+  if (t == 0) {
+    float* lse_base = params.softmax_lse_ptr + c.bh * params.seqlen_q;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 16 * warp + g + 8 * r;
+      if (row < params.seqlen_q) lse_base[row] = lse[r];
+    }
+  }
+}
+
+// The main forward kernel: all warps in lock-step, two barriers per K/V tile.
 template <typename Kt, bool Is_causal>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     flash_fwd_kernel(const Flash_fwd_params params) {
   constexpr int kD = Kt::kHeadDim;
-  constexpr int kBM = Kt::kBlockM;
   constexpr int kBN = Kt::kBlockN;
   constexpr int kCPR = Kt::kChunksPerRow;
   constexpr int kRowBytes = kD * 2;
@@ -81,40 +260,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int g = lane / 4;  // accumulator row within the warp's 16 rows (and g + 8)
-  const int t = lane % 4;  // accumulator column pair
-
-  // ---- which (batch, head, query tile) this CTA owns: a 1-D grid, so batch x heads is not
-  // limited by gridDim.y/z. Causal: the heaviest query tiles (last rows) are scheduled first.
-  const int num_m_blocks = ceil_div(params.seqlen_q, kBM);
-  const int64_t num_bh = static_cast<int64_t>(params.b) * params.h;
-  const int64_t linear = blockIdx.x;
-  int m_block;
-  int64_t bh;
-  if (Is_causal) {
-    bh = linear % num_bh;
-    m_block = num_m_blocks - 1 - static_cast<int>(linear / num_bh);
-  } else {
-    m_block = static_cast<int>(linear % num_m_blocks);
-    bh = linear / num_m_blocks;
-  }
-  const int bidb = static_cast<int>(bh / params.h);
-  const int bidh = static_cast<int>(bh % params.h);
-  const int bidh_k = bidh / params.h_h_k_ratio;  // GQA: no K/V copy, just index the shared head
-
-  const __half* q_base = static_cast<const __half*>(params.q_ptr) + bidb * params.q_batch_stride +
-                         bidh * params.q_head_stride;
-  const __half* k_base = static_cast<const __half*>(params.k_ptr) + bidb * params.k_batch_stride +
-                         bidh_k * params.k_head_stride;
-  const __half* v_base = static_cast<const __half*>(params.v_ptr) + bidb * params.v_batch_stride +
-                         bidh_k * params.v_head_stride;
-  __half* o_base = static_cast<__half*>(params.o_ptr) + bidb * params.o_batch_stride +
-                   bidh * params.o_head_stride;
-
-  const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
-  const BlockRange nb = n_block_range(m_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
-                                      params.causal_offset);
-  const int row0 = m_block * kBM;
+  const FwdCta c = fwd_cta<Kt, Is_causal>(params);
+  const int row0 = c.m_block * Kt::kBlockM;
   const float scale_log2 = params.scale_softmax_log2;
 
   float m_i[2] = {-INFINITY, -INFINITY};  // running max of raw scores, rows g and g + 8
@@ -122,7 +269,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   float acc_o[kD / 8][4];                 // unnormalised O, 16 x d per warp
   zero_acc(acc_o);
 
-  if (nb.n_block_max > nb.n_block_min) {
+  if (c.nb.n_block_max > c.nb.n_block_min) {
     uint4 stage[Kt::kChunksPerThread];
     // ---- prologue: the Q tile and the first K tile are fetched together (one global-memory
     // round trip, not two); Q -> shared -> (unless kQInSmem) registers, then K_0 -> sK.
@@ -130,9 +277,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         smem_u32addr(sQ + swizzle_offset<kCPR>(16 * warp + (lane % 16), lane / 16));
     {
       uint4 qstage[Kt::kQChunksPerThread];
-      load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
-      load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, nb.n_block_min * kBN, kr.key_start,
-                        kr.key_end, tid);
+      load_tile_g2r<Kt>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, c.nb.n_block_min * kBN,
+                        c.kr.key_start, c.kr.key_end, tid);
       store_tile_r2s<Kt>(qstage, sQ, tid);
     }
     // Without kQInSmem, Q stays in registers for the whole loop: q_frag[kk] holds the A
@@ -160,150 +307,176 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     const uint32_t v_lane_addr =
         smem_u32addr(sV + swizzle_offset<kCPR>((mi & 1) * 8 + (lane % 8), mi >> 1));
 
-    for (int n_block = nb.n_block_min; n_block < nb.n_block_max; ++n_block) {
+    for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
       // V_j: global loads in flight while S_j and its softmax are computed.
-      load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, n_block * kBN, kr.key_start,
-                        kr.key_end, tid);
+      load_tile_g2r<Kt>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
+                        c.kr.key_end, tid);
 
-      // ---- S = Q K_j^T (16 x Bc per warp, fp32)
+      // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax.
       float acc_s[kBN / 8][4];
       if constexpr (Kt::kQInSmem) {
         gemm_ss_bt<kD, kBN, kRowBytes>(acc_s, q_lane_addr, k_lane_addr);
       } else {
         gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
       }
-
-      // ---- mask: only tiles crossing the key range or the causal diagonal pay for it.
-      if (!tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset)) {
-#pragma unroll
-        for (int nt = 0; nt < kBN / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = row0 + 16 * warp + g + (e >= 2 ? 8 : 0);
-            const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
-            if (!key_visible(row, col, kr, Is_causal, params.causal_offset)) {
-              acc_s[nt][e] = -INFINITY;
-            }
-          }
-        }
-      }
-
-      // ---- online softmax on the accumulator fragments (rows g and g + 8 of the warp)
+      mask_scores<Kt, Is_causal>(acc_s, c, n_block, row0 + 16 * warp, params.causal_offset);
       uint32_t p_frag[kBN / 8][2];
-      {
-        float scaled_max[2], alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = m_i[r];
-#pragma unroll
-          for (int nt = 0; nt < kBN / 8; ++nt) {
-            mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
-          }
-          mx = quad_allreduce_max(mx);
-          // A row that has seen no key yet keeps m = -inf; use 0 as the shift so that
-          // exp2(-inf - shift) = 0 instead of exp2(-inf + inf) = NaN.
-          scaled_max[r] = (mx == -INFINITY) ? 0.f : mx * scale_log2;
-          alpha[r] = exp2f(m_i[r] * scale_log2 - scaled_max[r]);
-          m_i[r] = mx;
-          l_i[r] *= alpha[r];
-        }
-        // Rescale O by alpha = exp2(m_old - m_new). (Skipping it when no max grew was measured
-        // slower on the H200: the branch breaks the scheduling of the unrolled tile; DESIGN.md.)
-#pragma unroll
-        for (int dt = 0; dt < kD / 8; ++dt) {
-          acc_o[dt][0] *= alpha[0];
-          acc_o[dt][1] *= alpha[0];
-          acc_o[dt][2] *= alpha[1];
-          acc_o[dt][3] *= alpha[1];
-        }
-#pragma unroll
-        for (int nt = 0; nt < kBN / 8; ++nt) {
-          const float p0 = exp2f(fmaf(acc_s[nt][0], scale_log2, -scaled_max[0]));
-          const float p1 = exp2f(fmaf(acc_s[nt][1], scale_log2, -scaled_max[0]));
-          const float p2 = exp2f(fmaf(acc_s[nt][2], scale_log2, -scaled_max[1]));
-          const float p3 = exp2f(fmaf(acc_s[nt][3], scale_log2, -scaled_max[1]));
-          l_i[0] += p0 + p1;
-          l_i[1] += p2 + p3;
-          p_frag[nt][0] = pack_half2(p0, p1);
-          p_frag[nt][1] = pack_half2(p2, p3);
-        }
-      }
+      softmax_rescale<kBN, kD>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
 
       // Every warp finished reading sV in the previous iteration (last barrier below), so V_j
       // can be written now.
       store_tile_r2s<Kt>(stage, sV, tid);
       __syncthreads();  // V_j visible; every warp is done with K_j
 
-      const bool has_next = n_block + 1 < nb.n_block_max;
+      const bool has_next = n_block + 1 < c.nb.n_block_max;
       if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
-        load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, (n_block + 1) * kBN, kr.key_start,
-                          kr.key_end, tid);
+        load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
+                          c.kr.key_start, c.kr.key_end, tid);
       }
-
-      // ---- O += P V_j: P (16 x Bc, fp16 A fragments) times V_j (Bc x d, ldmatrix.trans)
-#pragma unroll
-      for (int kp = 0; kp < kBN / 16; ++kp) {
-#pragma unroll
-        for (int np = 0; np < kD / 16; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, swizzle_xor(v_lane_addr, np) + kp * 16 * kRowBytes);
-          mma_k2n2(acc_o[2 * np], acc_o[2 * np + 1], p_frag[2 * kp], p_frag[2 * kp + 1], b);
-        }
-      }
+      gemm_pv<kBN, kD, kRowBytes>(acc_o, p_frag, v_lane_addr);
       if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
       __syncthreads();  // K_{j+1} visible; every warp is done with V_j
     }
   }
 
-  // ---- epilogue: O = acc_o / l, LSE = m * scale + log(l). Rows that saw no key: O = 0,
-  // LSE = -inf (never NaN).
-  float lse[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_allreduce_sum(l_i[r]);
-    const bool any = l > 0.f;
-    const float inv_l = any ? 1.f / l : 0.f;
-    lse[r] = any ? m_i[r] * params.scale_softmax + logf(l) : -INFINITY;
-#pragma unroll
-    for (int dt = 0; dt < kD / 8; ++dt) {
-      acc_o[dt][2 * r] *= inv_l;
-      acc_o[dt][2 * r + 1] *= inv_l;
-    }
-  }
-
-  // Stage the fp16 O tile through shared memory so global stores are 16-byte, row-contiguous
-  // and coalesced: through sQ (each warp only ever read its own 16 rows there) or the K+V space
-  // (free after the loop's last barrier).
-  __half* sO = Kt::kQInSmem ? sQ : sK;
+  // O staged through sQ (each warp only ever read its own 16 rows there) or the K+V space (free
+  // after the loop's last barrier).
   if (Kt::kQInSmem) __syncwarp();
+  store_output<Kt>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK);
+}
+
+// Ping-pong forward kernel (8 warps, Br = 128): the two warp groups G0 = warps 0-3 and
+// G1 = warps 4-7 (one warp of each per scheduler) take turns on the tensor cores, so that one
+// group's softmax runs under the other group's MMAs instead of both leaving the tensor pipe idle
+// at the same time (the scheduling idea of FlashAttention-3, Shah et al., arXiv:2407.08608,
+// Sec. 3.1, here with mma.sync and named barriers instead of wgmma).
+//
+// Each warp computes, per step i (one K/V tile), HMMA_i = { S_{i+1} = Q K_{i+1}^T; O += P_i V_i }
+// and the softmax of S_{i+1} -> P_{i+1}. Shared memory double-buffers K and V ([sV0|sV1|sK0|sK1],
+// 4 tiles: 64 KiB at d = 128). One CTA barrier B_i closes step i; within the step:
+//   G0: HMMA_i, arrive(named 1), softmax(S_{i+1})
+//   G1: softmax(S_i), sync(named 1) [waits until G0 has issued HMMA_i], HMMA_i
+// and every thread also moves K_{i+2} -> sK[i % 2] and V_{i+1} -> sV[(i + 1) % 2] (G0 after its
+// softmax, G1 before its MMAs: never while the warp holds an S tile). Those slots held K_i and
+// V_{i-1}, last read by HMMA_{i-1}, which both groups finished before B_{i-1}; step i reads
+// only sK[(i + 1) % 2] and sV[i % 2].
+template <typename Kt, bool Is_causal>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
+    flash_fwd_pingpong_kernel(const Flash_fwd_params params) {
+  constexpr int kD = Kt::kHeadDim;
+  constexpr int kBN = Kt::kBlockN;
+  constexpr int kCPR = Kt::kChunksPerRow;
+  constexpr int kRowBytes = kD * 2;
+  constexpr int kTile = kBN * kD;  // halves per K or V tile
+  static_assert(Kt::kPingPong && Kt::kNWarps == 8 && !Kt::kQInSmem, "ping-pong layout");
+  static_assert(Kt::kSmemQBytes <= 2 * Kt::kSmemTileBytes, "Q is staged through sV0 + sV1");
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __half* sV0 = reinterpret_cast<__half*>(smem_raw);
+  __half* sK0 = sV0 + 2 * kTile;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const bool group0 = warp < Kt::kNWarps / 2;
+  const FwdCta c = fwd_cta<Kt, Is_causal>(params);
+  const int row0 = c.m_block * Kt::kBlockM;
+  const int row_w = row0 + 16 * warp;
+  const float scale_log2 = params.scale_softmax_log2;
+  const int n0 = c.nb.n_block_min;
+  const int num_steps = c.nb.n_block_max - n0;
+
+  float m_i[2] = {-INFINITY, -INFINITY};
+  float l_i[2] = {0.f, 0.f};
+  float acc_o[kD / 8][4];
+  zero_acc(acc_o);
+
+  if (num_steps > 0) {
+    uint4 stage[Kt::kChunksPerThread];
+    // ---- prologue: Q (staged through sV0 + sV1) and K_0 -> sK0 in one round trip.
+    {
+      uint4 qstage[Kt::kQChunksPerThread];
+      load_tile_g2r<Kt>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, n0 * kBN, c.kr.key_start,
+                        c.kr.key_end, tid);
+      store_tile_r2s<Kt>(qstage, sV0, tid);
+      store_tile_r2s<Kt>(stage, sK0, tid);
+    }
+    __syncthreads();
+    uint32_t q_frag[kD / 16][4];
+    {
+      const uint32_t q_lane_addr =
+          smem_u32addr(sV0 + swizzle_offset<kCPR>(16 * warp + (lane % 16), lane / 16));
 #pragma unroll
-  for (int dt = 0; dt < kD / 8; ++dt) {
-    const int row = 16 * warp + g;
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, dt) + 2 * t) =
-        pack_half2(acc_o[dt][0], acc_o[dt][1]);
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, dt) + 2 * t) =
-        pack_half2(acc_o[dt][2], acc_o[dt][3]);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < Kt::kQChunksPerThread; ++i) {
-    const int idx = tid + i * Kt::kNThreads;
-    const int r = idx / kCPR;
-    const int c = idx % kCPR;
-    const int grow = row0 + r;
-    if (grow < params.seqlen_q) {
-      *reinterpret_cast<uint4*>(o_base + grow * params.o_row_stride + c * 8) =
-          *reinterpret_cast<const uint4*>(sO + swizzle_offset<kCPR>(r, c));
+      for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(q_frag[kk], swizzle_xor(q_lane_addr, kk));
+    }
+    const int mi = lane / 8;
+    const uint32_t k_lane_addr0 =
+        smem_u32addr(sK0 + swizzle_offset<kCPR>((mi >> 1) * 8 + (lane % 8), mi & 1));
+    const uint32_t v_lane_addr0 =
+        smem_u32addr(sV0 + swizzle_offset<kCPR>((mi & 1) * 8 + (lane % 8), mi >> 1));
+    constexpr uint32_t kTileBytes = kTile * 2;
+
+    // S_0 and P_0 (both groups at once), with V_0 in flight.
+    load_tile_g2r<Kt>(stage, c.v_base, params.v_row_stride, n0 * kBN, c.kr.key_start,
+                      c.kr.key_end, tid);
+    float acc_s[kBN / 8][4];
+    uint32_t p_frag[kBN / 8][2];
+    gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr0);
+    mask_scores<Kt, Is_causal>(acc_s, c, n0, row_w, params.causal_offset);
+    softmax_rescale<kBN, kD>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+    __syncthreads();  // every warp holds its Q fragments: sV0 / sV1 are free
+    store_tile_r2s<Kt>(stage, sV0, tid);
+    if (num_steps > 1) {  // K_1 -> sK1 (its latency is exposed once per CTA)
+      load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, (n0 + 1) * kBN, c.kr.key_start,
+                        c.kr.key_end, tid);
+      store_tile_r2s<Kt>(stage, sK0 + kTile, tid);
+    }
+    __syncthreads();  // V_0 and K_1 visible
+
+    // Fetch K_{i+2} and V_{i+1} (one global round trip) and write them to their slots. Called
+    // where this warp holds no S tile, so the staging registers do not add to the peak.
+    auto refill = [&](int i) {
+      uint4 stage_k[Kt::kChunksPerThread], stage_v[Kt::kChunksPerThread];
+      const bool load_k = i + 2 < num_steps, load_v = i + 1 < num_steps;
+      if (load_k) {
+        load_tile_g2r<Kt>(stage_k, c.k_base, params.k_row_stride, (n0 + i + 2) * kBN,
+                          c.kr.key_start, c.kr.key_end, tid);
+      }
+      if (load_v) {
+        load_tile_g2r<Kt>(stage_v, c.v_base, params.v_row_stride, (n0 + i + 1) * kBN,
+                          c.kr.key_start, c.kr.key_end, tid);
+      }
+      if (load_k) store_tile_r2s<Kt>(stage_k, sK0 + (i & 1) * kTile, tid);  // replaces K_i
+      if (load_v) store_tile_r2s<Kt>(stage_v, sV0 + ((i + 1) & 1) * kTile, tid);  // V_{i-1}
+    };
+    for (int i = 0; i < num_steps; ++i) {
+      const bool has_s = i + 1 < num_steps;                                // S_{i+1} exists
+      const uint32_t k_addr = k_lane_addr0 + ((i + 1) & 1) * kTileBytes;  // K_{i+1}
+      const uint32_t v_addr = v_lane_addr0 + (i & 1) * kTileBytes;        // V_i
+      if (group0) {
+        if (has_s) gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_addr);
+        gemm_pv<kBN, kD, kRowBytes>(acc_o, p_frag, v_addr);
+        named_barrier_arrive(1, Kt::kNThreads);  // G1 may start HMMA_i
+        if (has_s) {
+          mask_scores<Kt, Is_causal>(acc_s, c, n0 + i + 1, row_w, params.causal_offset);
+          softmax_rescale<kBN, kD>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+        }
+        refill(i);
+      } else {
+        if (i > 0) {  // S_i from HMMA_{i-1}
+          mask_scores<Kt, Is_causal>(acc_s, c, n0 + i, row_w, params.causal_offset);
+          softmax_rescale<kBN, kD>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+        }
+        refill(i);
+        named_barrier_sync(1, Kt::kNThreads);  // G0 has issued HMMA_i
+        if (has_s) gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_addr);
+        gemm_pv<kBN, kD, kRowBytes>(acc_o, p_frag, v_addr);
+      }
+      __syncthreads();  // B_i: K_{i+2}, V_{i+1} visible; HMMA_i done everywhere
     }
   }
-  if (t == 0) {
-    float* lse_base = params.softmax_lse_ptr + bh * params.seqlen_q;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 16 * warp + g + 8 * r;
-      if (row < params.seqlen_q) lse_base[row] = lse[r];
-    }
-  }
+  store_output<Kt>(acc_o, m_i, l_i, params, c, reinterpret_cast<__half*>(smem_raw));
 }
 
 }  // namespace flash_sm75

@@ -12,7 +12,7 @@ constexpr int kSm75DefaultSmemPerBlock = 48 * 1024;  // without cudaFuncSetAttri
 constexpr int kSm75MaxThreadsPerBlock = 1024;
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
-          int kMinBlocksPerSm_ = 1>
+          int kMinBlocksPerSm_ = 1, bool kPingPong_ = false>
 struct Flash_fwd_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
@@ -25,6 +25,9 @@ struct Flash_fwd_kernel_traits {
   static constexpr bool kQInSmem = kQInSmem_;
   // __launch_bounds__ minimum CTAs per SM (caps registers at 64K / (this x threads)).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  // flash_fwd_pingpong_kernel instead of flash_fwd_kernel: two warp groups alternate on the
+  // tensor cores; K and V are double-buffered in shared memory (4 tiles).
+  static constexpr bool kPingPong = kPingPong_;
 
   // Each warp owns 16 query rows: one m16 MMA tile, so S and P never leave its registers.
   static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");
@@ -40,8 +43,9 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kSmemQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kSmemKVOffset = kQInSmem ? kSmemQBytes : 0;  // bytes before sK
   static constexpr int kSmemSize =
-      kQInSmem ? kSmemQBytes + 2 * kSmemTileBytes
-               : (2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes);
+      kPingPong ? 4 * kSmemTileBytes
+      : kQInSmem ? kSmemQBytes + 2 * kSmemTileBytes
+                 : (2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes);
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   // Global <-> shared copies move 16 bytes per thread per step.

@@ -89,7 +89,10 @@ void run_forward(Flash_fwd_params& p) {
   using Kt = typename Fwd_tile_config<kD>::Traits;
   const FwdLaunchPlan plan = plan_fwd_launch(kD, p.b, p.h, p.seqlen_q);
   emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-              [&] { flash_fwd_kernel<Kt, kCausal>(p); });
+              [&] {
+                if constexpr (Kt::kPingPong) flash_fwd_pingpong_kernel<Kt, kCausal>(p);
+                else flash_fwd_kernel<Kt, kCausal>(p);
+              });
 }
 
 template <int kD, bool kCausal>
