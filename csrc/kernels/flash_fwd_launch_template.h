@@ -13,8 +13,12 @@ namespace flash_sm75 {
 template <typename Kt, bool Is_causal>
 void run_flash_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const FwdLaunchPlan plan = make_fwd_plan<Kt>(params.b, params.h, params.seqlen_q);
-  auto kernel = Kt::kPingPong ? &flash_fwd_pingpong_kernel<Kt, Is_causal>
-                              : &flash_fwd_kernel<Kt, Is_causal>;
+  void (*kernel)(const Flash_fwd_params);
+  if constexpr (Kt::kPingPong) {
+    kernel = &flash_fwd_pingpong_kernel<Kt, Is_causal>;
+  } else {
+    kernel = &flash_fwd_kernel<Kt, Is_causal>;
+  }
   if (Kt::kSmemSize > kSm75DefaultSmemPerBlock) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            Kt::kSmemSize);
