@@ -347,9 +347,9 @@ def nvidia_smi_query() -> Optional[List[Dict[str, str]]]:
 
 
 def git_info() -> Dict[str, Any]:
-    """Commit of the checkout; where git or .git is missing (the GPU machine gets a copy of the
-    working tree without history), the caller can pass it in FA_SM75_COMMIT."""
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT) or os.environ.get("FA_SM75_COMMIT")
+    """Commit of the checkout. FA_SM75_COMMIT, when set, wins: the GPU machine gets a copy of the
+    working tree whose .git (if any) is stale, so `git rev-parse HEAD` there names an old commit."""
+    commit = os.environ.get("FA_SM75_COMMIT") or _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
     return {"commit": commit, "dirty": (bool(status) if status is not None else None)}
 
