@@ -91,6 +91,29 @@ def test_flash_attention_forward_errors(case, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_fast_rule_check_rejects_every_bad_case(case):
+    # validate_fwd_inputs skips the per-rule checks when _passes_all_rules says the input is
+    # valid, so it must never accept what _validate rejects.
+    _, (q, k, v), kwargs, _ = case
+    scale = kwargs.get("softmax_scale")
+    assert not _ops._passes_all_rules(q, k, v, scale, 2)
+    args = tuple(t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t
+                 for t in (q, k, v))
+    assert not _ops._passes_all_rules(*args, scale, 1)
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(h=4, h_k=4), dict(h=8, h_k=1), dict(d=128),
+                                   dict(b=1, s_q=1, s_k=1, h=1, h_k=1)])
+@pytest.mark.parametrize("scale", [None, 0.125, 1])
+def test_fast_rule_check_accepts_valid_input(shape, scale):
+    q, k, v = bshd(**shape)
+    assert _ops._passes_all_rules(q, k, v, scale, 2)
+    assert _ops._passes_all_rules(*to_bhsd(q, k, v), scale, 1)
+    # and _validate agrees (raises nothing)
+    _ops._validate(_ops._raise_value_error, q, k, v, scale, None, None, "bshd", True)
+
+
 def test_bhsd_messages_name_the_bhsd_layout():
     q, k, v = to_bhsd(*bshd())
     with pytest.raises(ValueError, match=r"\(batch, num_heads, seqlen, head_dim\) in BHSD layout"):
@@ -180,6 +203,10 @@ def test_cuda_alignment_errors():
         fa.flash_attn_func(q, k_odd_stride, v)
     with pytest.raises(ValueError, match=r"^flash_attention_sm75: k must be 16-byte aligned"):
         torch.ops.flash_attention_sm75.fwd(q, k_odd_stride, v)
+    # the fast all-rules check used by validate_fwd_inputs rejects both, accepts the aligned set
+    assert not _ops._passes_all_rules(q_misaligned, k, v, None, 2)
+    assert not _ops._passes_all_rules(q, k_odd_stride, v, None, 2)
+    assert _ops._passes_all_rules(q, k, v, None, 2)
 
 
 @pytest.mark.gpu
