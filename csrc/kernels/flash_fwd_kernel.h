@@ -32,9 +32,7 @@ namespace flash_sm75 {
 // per thread per step, rows [row0, row0 + kRows). Rows outside [valid_begin, valid_end) are
 // zero-filled: they are never read from memory, and zero V rows keep masked keys (P = 0) from
 // contributing 0 * garbage = NaN.
-// kPrefetchRows > 0: also prefetch.global.L2 the same rows kPrefetchRows further on (the tile
-// that will be loaded two steps later), one prefetch per 128-byte line, reusing the addresses.
-template <typename Kt, int kN, int kPrefetchRows = 0>
+template <typename Kt, int kN>
 __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* base,
                                               index_t row_stride, int row0, int valid_begin,
                                               int valid_end, int tid) {
@@ -44,17 +42,10 @@ __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* 
     const int r = idx / Kt::kChunksPerRow;
     const int c = idx % Kt::kChunksPerRow;
     const int grow = row0 + r;
-    const __half* ptr = base + grow * row_stride + c * 8;
     if (grow >= valid_begin && grow < valid_end) {
-      stage[i] = __ldg(reinterpret_cast<const uint4*>(ptr));
+      stage[i] = __ldg(reinterpret_cast<const uint4*>(base + grow * row_stride + c * 8));
     } else {
       stage[i] = make_uint4(0u, 0u, 0u, 0u);
-    }
-    if constexpr (kPrefetchRows > 0) {
-      const int prow = grow + kPrefetchRows;
-      if (c % 8 == 0 && prow >= valid_begin && prow < valid_end) {
-        prefetch_l2(ptr + kPrefetchRows * row_stride);
-      }
     }
   }
 }
@@ -272,8 +263,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   const FwdCta c = fwd_cta<Kt, Is_causal>(params);
   const int row0 = c.m_block * Kt::kBlockM;
   const float scale_log2 = params.scale_softmax_log2;
-  // L2 prefetch distance of the loop's loads: two tiles.
-  constexpr int kPrefetch = Kt::kPrefetchL2 ? 2 * kBN : 0;
 
   float m_i[2] = {-INFINITY, -INFINITY};  // running max of raw scores, rows g and g + 8
   float l_i[2] = {0.f, 0.f};              // running sum of exp2(s * scale_log2 - m), per thread
@@ -289,9 +278,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     {
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
-      load_tile_g2r<Kt, Kt::kChunksPerThread, kPrefetch>(stage, c.k_base, params.k_row_stride,
-                                                         c.nb.n_block_min * kBN, c.kr.key_start,
-                                                         c.kr.key_end, tid);  // (+ K_2 to L2)
+      load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, c.nb.n_block_min * kBN,
+                        c.kr.key_start, c.kr.key_end, tid);
       store_tile_r2s<Kt>(qstage, sQ, tid);
     }
     // Without kQInSmem, Q stays in registers for the whole loop: q_frag[kk] holds the A
@@ -321,11 +309,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
     for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
       // V_j: global loads in flight while S_j and its softmax are computed.
-      // (kPrefetchL2: V_{j+2} too; rows past the key range are skipped, and a row prefetched
-      // for a tile beyond this CTA's last one is only a wasted hint.)
-      load_tile_g2r<Kt, Kt::kChunksPerThread, kPrefetch>(stage, c.v_base, params.v_row_stride,
-                                                         n_block * kBN, c.kr.key_start,
-                                                         c.kr.key_end, tid);
+      load_tile_g2r<Kt>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
+                        c.kr.key_end, tid);
 
       // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax.
       float acc_s[kBN / 8][4];
@@ -344,10 +329,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       __syncthreads();  // V_j visible; every warp is done with K_j
 
       const bool has_next = n_block + 1 < c.nb.n_block_max;
-      if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j (and K_{j+3} to L2)
-        load_tile_g2r<Kt, Kt::kChunksPerThread, kPrefetch>(stage, c.k_base, params.k_row_stride,
-                                                           (n_block + 1) * kBN, c.kr.key_start,
-                                                           c.kr.key_end, tid);
+      if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
+        load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
+                          c.kr.key_start, c.kr.key_end, tid);
       }
       gemm_pv<kBN, kD, kRowBytes>(acc_o, p_frag, v_lane_addr);
       if (has_next) store_tile_r2s<Kt>(stage, sK, tid);

@@ -12,7 +12,7 @@ constexpr int kSm75DefaultSmemPerBlock = 48 * 1024;  // without cudaFuncSetAttri
 constexpr int kSm75MaxThreadsPerBlock = 1024;
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
-          int kMinBlocksPerSm_ = 1, bool kPingPong_ = false, bool kPrefetchL2_ = true>
+          int kMinBlocksPerSm_ = 1, bool kPingPong_ = false>
 struct Flash_fwd_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
@@ -28,10 +28,6 @@ struct Flash_fwd_kernel_traits {
   // flash_fwd_pingpong_kernel instead of flash_fwd_kernel: two warp groups alternate on the
   // tensor cores; K and V are double-buffered in shared memory (4 tiles).
   static constexpr bool kPingPong = kPingPong_;
-  // Lock-step kernel: every K/V tile load also issues prefetch.global.L2 for the same rows two
-  // tiles further on, so later loads that would miss L2 (a cold cache, the first CTAs of a head)
-  // wait on L2, not DRAM. (An explicit prologue prefetch of K_1/V_1 made the d=64 build spill.)
-  static constexpr bool kPrefetchL2 = kPrefetchL2_;
 
   // Each warp owns 16 query rows: one m16 MMA tile, so S and P never leave its registers.
   static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");

@@ -59,13 +59,6 @@ __device__ __forceinline__ void mma_m16n8k8(float (&d)[4], const uint32_t (&a)[2
       : "r"(a[0]), "r"(a[1]), "r"(b));
 }
 
-// Ask L2 to fetch the 128-byte line holding `ptr` (PTX prefetch.global.L2, sm_20+): no register
-// receives data, so it costs one instruction and moves DRAM latency off the critical path of a
-// later ld.global of the same line.
-__device__ __forceinline__ void prefetch_l2(const void* ptr) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
-}
-
 // Named CTA barriers (PTX bar.sync / bar.arrive with a barrier id and a thread count; sm_70+
 // semantics: the threads may reach the barrier from different instructions). bar.sync waits until
 // `nthreads` threads have arrived; bar.arrive counts the caller without waiting. Id 0 is the one

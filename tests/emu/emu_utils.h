@@ -116,8 +116,6 @@ __device__ __forceinline__ void mma_m16n8k8(float (&d)[4], const uint32_t (&a)[2
   }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void*) {}  // a cache hint: nothing to emulate
-
 __device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
   ::emu::named_barrier_sync(id, nthreads);
 }
