@@ -603,8 +603,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     // ---- Q and dO tiles -> smem -> A fragments in registers (as q_frag in the forward).
     uint32_t q_frag[kD / 16][4];
     uint32_t do_frag[kD / 16][4];
-    const uint32_t a_addr =
-        smem_u32addr(sK + swizzle_offset<kCPR>(16 * warp + (lane % 16), lane / 16));
+    const uint32_t a_addr = lane_addr_a<kCPR>(sK, 16 * warp, lane);
     {
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
@@ -627,13 +626,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
     // B of S = Q K^T and dP = dO V^T: K / V non-trans (as in the forward);
     // B of dQ += dS K: K trans (the forward's V pattern).
-    const int mi = lane / 8;
-    const uint32_t k_lane_addr =
-        smem_u32addr(sK + swizzle_offset<kCPR>((mi >> 1) * 8 + (lane % 8), mi & 1));
-    const uint32_t v_lane_addr =
-        smem_u32addr(sV + swizzle_offset<kCPR>((mi >> 1) * 8 + (lane % 8), mi & 1));
-    const uint32_t kt_lane_addr =
-        smem_u32addr(sK + swizzle_offset<kCPR>((mi & 1) * 8 + (lane % 8), mi >> 1));
+    const uint32_t k_lane_addr = lane_addr_b<kCPR>(sK, lane);
+    const uint32_t v_lane_addr = lane_addr_b<kCPR>(sV, lane);
+    const uint32_t kt_lane_addr = lane_addr_bt<kCPR>(sK, lane);
 
     for (int n_block = nb.n_block_min; n_block < nb.n_block_max; ++n_block) {
       // V_j: global loads in flight while S_j is computed.

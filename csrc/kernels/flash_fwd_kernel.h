@@ -273,8 +273,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     uint4 stage[Kt::kChunksPerThread];
     // ---- prologue: the Q tile and the first K tile are fetched together (one global-memory
     // round trip, not two); Q -> shared -> (unless kQInSmem) registers, then K_0 -> sK.
-    const uint32_t q_lane_addr =
-        smem_u32addr(sQ + swizzle_offset<kCPR>(16 * warp + (lane % 16), lane / 16));
+    const uint32_t q_lane_addr = lane_addr_a<kCPR>(sQ, 16 * warp, lane);
     {
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
@@ -296,16 +295,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     store_tile_r2s<Kt>(stage, sK, tid);
     __syncthreads();
 
-    // Per-lane ldmatrix base addresses (chunk pair 0); swizzle_xor selects chunk pair kk.
-    //  K (non-trans): matrices (keys +0..7 | +8..15) x (chunk 2kk | 2kk+1) -> B of two n-tiles
-    //                 and two k-steps of S = Q K^T.
-    //  V (trans):     matrices (keys +0..7 | +8..15) x (chunk 2np | 2np+1) -> B of two k-steps
-    //                 and two n-tiles of O += P V.
-    const int mi = lane / 8;
-    const uint32_t k_lane_addr =
-        smem_u32addr(sK + swizzle_offset<kCPR>((mi >> 1) * 8 + (lane % 8), mi & 1));
-    const uint32_t v_lane_addr =
-        smem_u32addr(sV + swizzle_offset<kCPR>((mi & 1) * 8 + (lane % 8), mi >> 1));
+    // Per-lane ldmatrix base addresses (chunk pair 0; fragment.h): K non-transposed as B of
+    // S = Q K^T, V transposed as B of O += P V.
+    const uint32_t k_lane_addr = lane_addr_b<kCPR>(sK, lane);
+    const uint32_t v_lane_addr = lane_addr_bt<kCPR>(sV, lane);
 
     for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
       // V_j: global loads in flight while S_j and its softmax are computed.
@@ -405,16 +398,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     __syncthreads();
     uint32_t q_frag[kD / 16][4];
     {
-      const uint32_t q_lane_addr =
-          smem_u32addr(sV0 + swizzle_offset<kCPR>(16 * warp + (lane % 16), lane / 16));
+      const uint32_t q_lane_addr = lane_addr_a<kCPR>(sV0, 16 * warp, lane);
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(q_frag[kk], swizzle_xor(q_lane_addr, kk));
     }
-    const int mi = lane / 8;
-    const uint32_t k_lane_addr0 =
-        smem_u32addr(sK0 + swizzle_offset<kCPR>((mi >> 1) * 8 + (lane % 8), mi & 1));
-    const uint32_t v_lane_addr0 =
-        smem_u32addr(sV0 + swizzle_offset<kCPR>((mi & 1) * 8 + (lane % 8), mi >> 1));
+    const uint32_t k_lane_addr0 = lane_addr_b<kCPR>(sK0, lane);
+    const uint32_t v_lane_addr0 = lane_addr_bt<kCPR>(sV0, lane);
     constexpr uint32_t kTileBytes = kTile * 2;
 
     // S_0 and P_0 (both groups at once), with V_0 in flight.

@@ -9,6 +9,30 @@
 
 namespace flash_sm75 {
 
+// Per-lane ldmatrix.x4 addresses of chunk pair 0 in a row-major, XOR-swizzled [rows][d] tile
+// (swizzle_xor then selects chunk pair kk). Lane l addresses row (l % 8) of matrix l / 8.
+//  lane_addr_a:   matrices (rows r0 + 0..7 | r0 + 8..15) x (chunk 0 | 1), in the order of an
+//                 m16n8k8 A fragment pair: 16 rows x 2 k-steps.
+//  lane_addr_b:   matrices (rows +0..7 | +8..15) x (chunk 0 | 1), ordered (n0,k0) (n0,k1) (n1,k0)
+//                 (n1,k1): B of two n-tiles x two k-steps when rows are the n dimension (K in
+//                 S = Q K^T).
+//  lane_addr_bt:  the same four matrices ordered (k0,n0) (k1,n0) (k0,n1) (k1,n1), for
+//                 ldmatrix.trans when rows are the k dimension (V in O += P V).
+template <int kCPR>
+__device__ __forceinline__ uint32_t lane_addr_a(const __half* tile, int r0, int lane) {
+  return smem_u32addr(tile + swizzle_offset<kCPR>(r0 + (lane % 16), lane / 16));
+}
+template <int kCPR>
+__device__ __forceinline__ uint32_t lane_addr_b(const __half* tile, int lane) {
+  const int mi = lane / 8;
+  return smem_u32addr(tile + swizzle_offset<kCPR>((mi >> 1) * 8 + (lane % 8), mi & 1));
+}
+template <int kCPR>
+__device__ __forceinline__ uint32_t lane_addr_bt(const __half* tile, int lane) {
+  const int mi = lane / 8;
+  return smem_u32addr(tile + swizzle_offset<kCPR>((mi & 1) * 8 + (lane % 8), mi >> 1));
+}
+
 // Two k-steps x two n-tiles from one ldmatrix.x4 of B: b = {(n0, k0), (n0, k1), (n1, k0),
 // (n1, k1)}; a0 / a1 are the A fragments of k-steps k0 / k1.
 //   acc0 += A(k0) B(n0, k0) + A(k1) B(n0, k1),   acc1 += A(k0) B(n1, k0) + A(k1) B(n1, k1).
