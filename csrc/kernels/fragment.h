@@ -55,6 +55,21 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kTiles][4]) {
   }
 }
 
+// One chunk pair (two k-steps) of acc += A B^T: a = the A fragments of the pair (ldmatrix.x4
+// order), b_addr = the B lane address already moved to the pair.
+template <int kN, int kRowBytes>
+__device__ __forceinline__ void gemm_kstep_pair(float (&acc)[kN / 8][4], const uint32_t (&a)[4],
+                                                uint32_t b_addr) {
+  const uint32_t a_lo[2] = {a[0], a[1]};
+  const uint32_t a_hi[2] = {a[2], a[3]};
+#pragma unroll
+  for (int np = 0; np < kN / 16; ++np) {
+    uint32_t b[4];
+    ldmatrix_x4(b, b_addr + np * 16 * kRowBytes);
+    mma_k2n2(acc[2 * np], acc[2 * np + 1], a_lo, a_hi, b);
+  }
+}
+
 // acc (16 x kN fp32 per warp, zeroed here) = A (16 x kK, fp16 A fragments held in registers,
 // a_frag[kk] = k-steps 2kk and 2kk + 1 as loaded by ldmatrix.x4) times B^T, where B is a kN x kK
 // row-major tile in the XOR-swizzled shared layout and b_lane_addr is this lane's non-transposed
@@ -67,20 +82,12 @@ __device__ __forceinline__ void gemm_rs_bt(float (&acc)[kN / 8][4],
   zero_acc(acc);
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    const uint32_t a_lo[2] = {a_frag[kk][0], a_frag[kk][1]};
-    const uint32_t a_hi[2] = {a_frag[kk][2], a_frag[kk][3]};
-    const uint32_t b_addr = swizzle_xor(b_lane_addr, kk);
-#pragma unroll
-    for (int np = 0; np < kN / 16; ++np) {
-      uint32_t b[4];
-      ldmatrix_x4(b, b_addr + np * 16 * kRowBytes);
-      mma_k2n2(acc[2 * np], acc[2 * np + 1], a_lo, a_hi, b);
-    }
+    gemm_kstep_pair<kN, kRowBytes>(acc, a_frag[kk], swizzle_xor(b_lane_addr, kk));
   }
 }
 
 // Same as gemm_rs_bt with A (16 x kK) also read from the swizzled shared layout:
-// a_lane_addr is this lane's ldmatrix.x4 address of chunk pair 0 (rows +0..15 x chunk 0 | 1).
+// a_lane_addr is this lane's ldmatrix.x4 address of chunk pair 0 (lane_addr_a).
 template <int kK, int kN, int kRowBytes>
 __device__ __forceinline__ void gemm_ss_bt(float (&acc)[kN / 8][4], uint32_t a_lane_addr,
                                            uint32_t b_lane_addr) {
@@ -89,15 +96,7 @@ __device__ __forceinline__ void gemm_ss_bt(float (&acc)[kN / 8][4], uint32_t a_l
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[4];
     ldmatrix_x4(a, swizzle_xor(a_lane_addr, kk));
-    const uint32_t a_lo[2] = {a[0], a[1]};
-    const uint32_t a_hi[2] = {a[2], a[3]};
-    const uint32_t b_addr = swizzle_xor(b_lane_addr, kk);
-#pragma unroll
-    for (int np = 0; np < kN / 16; ++np) {
-      uint32_t b[4];
-      ldmatrix_x4(b, b_addr + np * 16 * kRowBytes);
-      mma_k2n2(acc[2 * np], acc[2 * np + 1], a_lo, a_hi, b);
-    }
+    gemm_kstep_pair<kN, kRowBytes>(acc, a, swizzle_xor(b_lane_addr, kk));
   }
 }
 
