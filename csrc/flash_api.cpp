@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include <cfloat>
 #include <cmath>
 
 #include "kernels/block_info.h"
@@ -78,8 +79,13 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   check_key_bound(leftpad_k, "leftpad_k", q);
   check_key_bound(seqused_k, "seqused_k", q);
   const double scale = softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
-  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0.0,
-                    "flash_attention_sm75: softmax_scale must be a finite number > 0, got ", scale);
+  // Finite and normal in float32, also after the kernel's multiplication by log2(e) (the Python
+  // side, _ops.SOFTMAX_SCALE_MIN/MAX, uses the same bounds).
+  constexpr double kScaleMin = static_cast<double>(FLT_MIN);
+  constexpr double kScaleMax = static_cast<double>(FLT_MAX) / 1.4426950408889634;
+  TORCH_CHECK_VALUE(std::isfinite(scale) && scale >= kScaleMin && scale <= kScaleMax,
+                    "flash_attention_sm75: softmax_scale must be a finite number > 0 within "
+                    "float32's normal range [1.2e-38, 2.3e38], got ", scale);
   return scale;
 }
 

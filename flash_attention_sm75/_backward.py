@@ -86,6 +86,18 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     return (dq, dk, dv) + none
 
 
+def _bwd_setup_context(ctx, inputs, output):
+    pass
+
+
+def _bwd_backward(ctx, *grads):
+    # Without an autograd formula for bwd, torch would let a second backward run and return
+    # missing gradients with only a warning; fail loudly instead.
+    raise NotImplementedError(
+        "flash_attention_sm75: double backward (gradients of gradients, create_graph=True "
+        "through the attention backward) is not implemented")
+
+
 def register_backward() -> bool:
     """Register the fake of ``bwd`` and the autograd formula of ``fwd``. Returns False (and does
     nothing) when the compiled extension, or its ``bwd`` op, is not available."""
@@ -101,5 +113,7 @@ def register_backward() -> bool:
     torch.library.register_fake("flash_attention_sm75::bwd")(_bwd_fake)
     torch.library.register_autograd("flash_attention_sm75::fwd", _fwd_backward,
                                     setup_context=_fwd_setup_context)
+    torch.library.register_autograd("flash_attention_sm75::bwd", _bwd_backward,
+                                    setup_context=_bwd_setup_context)
     _registered = True
     return True

@@ -18,6 +18,7 @@ See docs/CONTRACT.md for the op contract.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -48,6 +49,24 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 _PREFIX = "flash_attention_sm75: "
 _INT32_MAX = 2**31 - 1
+# softmax_scale must survive the kernel's float32 arithmetic: scale and scale * log2(e) finite and
+# normal in float32 (a denormal scale is flushed to 0 by --use_fast_math, an overflowing one gives
+# inf scores and NaN output). The C++ check_fwd_inputs uses the same bounds.
+SOFTMAX_SCALE_MIN = 1.1754943508222875e-38  # FLT_MIN
+SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / 1.4426950408889634  # FLT_MAX / log2(e)
+_SCALE_RANGE = "[1.2e-38, 2.3e38]"
+
+
+def scale_problem(softmax_scale: object) -> Optional[str]:
+    """None if ``softmax_scale`` (not None) is a usable scale, else what is wrong with it."""
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        return (f"softmax_scale must be a real number (float or int), got "
+                f"{type(softmax_scale).__name__} {softmax_scale!r}")
+    s = float(softmax_scale)
+    if not (math.isfinite(s) and SOFTMAX_SCALE_MIN <= s <= SOFTMAX_SCALE_MAX):
+        return (f"softmax_scale must be a finite number > 0 within float32's normal range "
+                f"{_SCALE_RANGE}, got {softmax_scale!r}")
+    return None
 
 
 def _shape(t: torch.Tensor) -> list:
@@ -127,9 +146,8 @@ def _validate(
         check(t.is_contiguous(), lambda: f"{_PREFIX}{name} must be contiguous")
 
     if softmax_scale is not None:
-        ok = (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
-              and math.isfinite(softmax_scale) and softmax_scale > 0)
-        check(ok, lambda: f"{_PREFIX}softmax_scale must be a finite number > 0, got {softmax_scale!r}")
+        problem = scale_problem(softmax_scale)
+        check(problem is None, lambda: f"{_PREFIX}{problem}")
 
     if check_alignment and q.device.type == "cuda":
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -168,9 +186,7 @@ def _passes_all_rules(q, k, v, softmax_scale, head_dim_: int) -> bool:
             return False
         if max(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2]) > _INT32_MAX:
             return False
-        if softmax_scale is not None and not (
-                isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
-                and math.isfinite(softmax_scale) and softmax_scale > 0):
+        if softmax_scale is not None and scale_problem(softmax_scale) is not None:
             return False
         if dev.type == "cuda":
             for t in (q, k, v):

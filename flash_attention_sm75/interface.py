@@ -24,6 +24,11 @@ def _require_extension() -> None:
             "`python setup.py build_ext --inplace`")
 
 
+def _as_float(softmax_scale: object) -> Optional[float]:
+    # A validated scale may be any real number (numpy scalars included); the op takes a float.
+    return None if softmax_scale is None else float(softmax_scale)
+
+
 def _check_bool(name: str, value: object) -> None:
     # `causal=0.125` (a scale passed positionally in the wrong slot) must not silently mean True.
     if not isinstance(value, bool):
@@ -63,8 +68,9 @@ def flash_attn_func(
     v : torch.Tensor
         Values, same shape as ``k``, same dtype, device and stride requirements as ``q``.
     softmax_scale : float, optional
-        Multiplier of ``q @ k^T`` before the softmax; must be finite and > 0. Default ``None``
-        means ``1 / sqrt(head_dim)``.
+        Multiplier of ``q @ k^T`` before the softmax: a real number (Python or numpy scalar) in
+        float32's normal range ``[1.2e-38, 2.3e38]``. Default ``None`` means
+        ``1 / sqrt(head_dim)``.
     causal : bool, optional
         Default ``False``. If ``True``, apply a causal mask aligned to the **bottom-right**
         corner of the attention matrix (FlashAttention convention, see Notes): query ``i`` sees
@@ -88,7 +94,8 @@ def flash_attn_func(
         If an input is invalid: not 4-D, not float16, on different devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, ``softmax_scale`` not a finite number > 0, or ``causal`` /
+        ``num_heads_k``, ``softmax_scale`` not a real number in float32's normal range
+        ``[1.2e-38, 2.3e38]``, or ``causal`` /
         ``return_lse`` not a bool. The message names the argument. Raised before any kernel
         launch.
     RuntimeError
@@ -139,7 +146,8 @@ def flash_attn_func(
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bshd")
-    out, softmax_lse = torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, causal, True)
+    out, softmax_lse = torch.ops.flash_attention_sm75.fwd(q, k, v, _as_float(softmax_scale),
+                                                          causal, True)
     if return_lse:
         return out, softmax_lse
     return out
@@ -178,8 +186,9 @@ def flash_attention_forward(
         ``j <= i + seqlen_k - seqlen_q``. Note this differs from torch SDPA's ``is_causal``
         (top-left) when ``seqlen_q != seqlen_k``; see Notes.
     softmax_scale : float, optional
-        Multiplier of ``q @ k^T`` before the softmax; must be finite and > 0. Default ``None``
-        means ``1 / sqrt(head_dim)``.
+        Multiplier of ``q @ k^T`` before the softmax: a real number (Python or numpy scalar) in
+        float32's normal range ``[1.2e-38, 2.3e38]``. Default ``None`` means
+        ``1 / sqrt(head_dim)``.
     return_lse : bool, optional
         Default ``False``. If ``True``, also return the softmax log-sum-exp.
 
@@ -201,7 +210,8 @@ def flash_attention_forward(
         If an input is invalid: not 4-D, not float16, on different devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, ``softmax_scale`` not a finite number > 0, or ``causal`` /
+        ``num_heads_k``, ``softmax_scale`` not a real number in float32's normal range
+        ``[1.2e-38, 2.3e38]``, or ``causal`` /
         ``return_lse`` not a bool. The message names the argument. Raised before any kernel
         launch.
     RuntimeError
@@ -252,7 +262,8 @@ def flash_attention_forward(
     _check_bool("return_lse", return_lse)
     _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bhsd")
     out, softmax_lse = torch.ops.flash_attention_sm75.fwd(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal, True)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _as_float(softmax_scale), causal,
+        True)
     out = out.transpose(1, 2)
     if return_lse:
         return out, softmax_lse

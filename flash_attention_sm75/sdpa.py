@@ -213,6 +213,8 @@ def why_not_supported(
     if dropout_p != 0.0:
         return (f"dropout_p={dropout_p!r}; dropout is not supported (torch SDPA applies dropout "
                 f"whenever dropout_p > 0, in eval mode too)")
+    if not isinstance(is_causal, bool):
+        return f"is_causal is a {type(is_causal).__name__}; a bool is required (torch raises)"
 
     b, h, s_q, d = query.shape
     if key.shape != value.shape:
@@ -234,8 +236,9 @@ def why_not_supported(
     if scale is not None:
         if not isinstance(scale, (int, float)) or isinstance(scale, bool):
             return f"scale is a {type(scale).__name__}; a Python float is required"
-        if not (math.isfinite(scale) and scale > 0):
-            return f"scale={scale!r}; only a finite scale > 0 is supported"
+        if not (math.isfinite(scale) and _ops.SOFTMAX_SCALE_MIN <= scale <= _ops.SOFTMAX_SCALE_MAX):
+            return (f"scale={scale!r}; only a finite scale > 0 within float32's normal range "
+                    f"[1.2e-38, 2.3e38] is supported")
     if torch.is_grad_enabled() and not _ops.HAS_BACKWARD and (
             query.requires_grad or key.requires_grad or value.requires_grad):
         return "an input requires grad and the backward pass is not implemented yet"
@@ -298,7 +301,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     enable_gqa : bool, optional
         Default ``False``. As in torch: if ``True``, ``num_heads`` may be a multiple of
         ``num_heads_k`` and query head ``i`` uses key/value head ``i // (num_heads //
-        num_heads_k)``. With ``False`` and different head counts, torch's error is raised.
+        num_heads_k)``. With ``False`` and different head counts, torch's error is raised
+        (strict mode: ``ValueError``).
 
     Returns
     -------
@@ -311,6 +315,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ------
     ValueError
         In strict mode, if the call cannot use the kernel; the message contains the reason.
+        Also (any mode) for 4-D key/value with zero heads and ``enable_gqa=True``, which torch's
+        SDPA does not reject (it crashes the process with a division by zero in torch 2.11).
+    TypeError
+        From torch's SDPA (fallback path) for a non-bool ``is_causal``.
     RuntimeError
         Whatever torch's SDPA raises for invalid input on the fallback path (e.g. different head
         counts with ``enable_gqa=False``).
@@ -337,6 +345,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if is_strict():
         raise ValueError(f"flash_attention_sm75: cannot run scaled_dot_product_attention on the "
                          f"FlashAttention kernel (strict mode): {reason}")
+    if (enable_gqa and isinstance(key, torch.Tensor) and key.dim() == 4 and key.shape[1] == 0
+            and isinstance(query, torch.Tensor) and query.dim() == 4):
+        raise ValueError(f"flash_attention_sm75: key has 0 heads (shape {list(key.shape)}); "
+                         f"enable_gqa=True needs num_heads_k >= 1 dividing num_heads")
     if not torch.compiler.is_compiling():
         logger.debug("scaled_dot_product_attention falls back to torch: %s", reason)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,

@@ -297,6 +297,15 @@ def test_cpu_autograd_and_no_key_rows():
     assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
 
 
+def test_double_backward_raises():
+    q, k, v, do = make_inputs(1, 9, 11, 2, 1, 64, "cpu", seed=8)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    out, _ = ops.fwd(q, k, v, None, True, True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        (dq.float().sum() + dk.float().sum() + dv.float().sum()).backward()
+
+
 def test_opcheck_bwd_cpu():
     q, k, v, do = make_inputs(1, 9, 11, 4, 2, 64, "cpu", seed=6)
     out, lse = ops.fwd(q, k, v, 0.125, True, True)

@@ -259,6 +259,31 @@ def test_fallback_logs_reason_at_debug(caplog):
 # ------------------------------------------------------------------------------ strict mode
 
 
+@pytest.mark.parametrize("is_causal", [0.5, 1, None, torch.tensor(True)])
+def test_non_bool_is_causal_is_not_reinterpreted(is_causal):
+    # torch's SDPA rejects these; the kernel path must not quietly read them as True / False.
+    args = bhsd()
+    assert "is_causal is a" in fa.why_not_supported(*args, is_causal=is_causal)
+    with pytest.raises((TypeError, RuntimeError)):
+        F.scaled_dot_product_attention(*args, is_causal=is_causal)
+    with pytest.raises((TypeError, RuntimeError)):
+        fa.scaled_dot_product_attention(*args, is_causal=is_causal)
+    with fa.strict(), pytest.raises(ValueError, match="is_causal is a"):
+        fa.scaled_dot_product_attention(*args, is_causal=is_causal)
+
+
+def test_zero_kv_heads_with_gqa_raises_instead_of_crashing():
+    q, k, v = bhsd()
+    with pytest.raises(ValueError, match="key has 0 heads"):
+        fa.scaled_dot_product_attention(q, k[:, :0], v[:, :0], enable_gqa=True)
+
+
+def test_scale_outside_float32_range_falls_back():
+    args = bhsd()
+    for scale in (1e-40, 2.4e38):
+        assert "float32's normal range" in fa.why_not_supported(*args, scale=scale)
+
+
 def test_strict_context_manager_raises_reason():
     args = bhsd(dtype=torch.float32)
     reason = fa.why_not_supported(*args)

@@ -236,6 +236,21 @@ def test_patch_context_manager_and_nesting():
     assert AttentionInterface._global_mapping["sdpa"] is original
 
 
+def test_apply_patch_and_configure_reject_bad_arguments():
+    before = dict(AttentionInterface._global_mapping)
+    with pytest.raises(ValueError, match=r"got the string 'llama'; write \['llama'\]"):
+        hf.apply_patch("llama")
+    for bad in ([5], 5):
+        with pytest.raises(ValueError, match="iterable of model_type strings"):
+            hf.apply_patch(bad)
+    assert dict(AttentionInterface._global_mapping) == before  # nothing was patched
+    settings = hf.configure()
+    for kw in ({"decode_on_kernel": "no"}, {"allow_cpu_reference": 1}):
+        with pytest.raises(ValueError, match="must be True, False or None"):
+            hf.configure(**kw)
+    assert hf.configure() == settings
+
+
 def test_patch_model_type_filter():
     llama = build_random_model("llama", dtype=torch.float32, seed=9)
     qwen2 = build_random_model("qwen2", dtype=torch.float32, seed=9)

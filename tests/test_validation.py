@@ -52,7 +52,13 @@ def _cases():
         ("kv_heads_more", bshd(h=2, h_k=4), {},
          r"num_heads \(2\) must be a multiple of num_heads_k \(4\)"),
         ("scale_zero", (q, k, v), {"softmax_scale": 0.0},
-         r"softmax_scale must be a finite number > 0, got 0\.0"),
+         r"softmax_scale must be a finite number > 0 within float32's normal range "
+         r"\[1\.2e-38, 2\.3e38\], got 0\.0"),
+        # float32 arithmetic in the kernel: a denormal scale flushes to 0, a huge one overflows
+        ("scale_denormal", (q, k, v), {"softmax_scale": 1e-40}, r"softmax_scale .* 1e-40"),
+        ("scale_huge", (q, k, v), {"softmax_scale": 2.4e38}, r"softmax_scale .* 2\.4e\+38"),
+        ("scale_tensor", (q, k, v), {"softmax_scale": torch.tensor(0.5)},
+         r"softmax_scale must be a real number \(float or int\), got Tensor"),
         ("scale_negative", (q, k, v), {"softmax_scale": -0.5}, r"softmax_scale must be .* -0\.5"),
         ("scale_nan", (q, k, v), {"softmax_scale": float("nan")}, r"softmax_scale .* nan"),
         ("scale_inf", (q, k, v), {"softmax_scale": float("inf")}, r"softmax_scale .* inf"),
@@ -112,6 +118,16 @@ def test_fast_rule_check_accepts_valid_input(shape, scale):
     assert _ops._passes_all_rules(*to_bhsd(q, k, v), scale, 1)
     # and _validate agrees (raises nothing)
     _ops._validate(_ops._raise_value_error, q, k, v, scale, None, None, "bshd", True)
+
+
+def test_numpy_scale_is_accepted_as_a_float():
+    np = pytest.importorskip("numpy")
+    q, k, v = bshd()
+    ref = fa.flash_attn_func(q, k, v, softmax_scale=float(np.float32(0.1)))
+    for scale in (np.float32(0.1), np.float64(float(np.float32(0.1)))):
+        assert torch.equal(fa.flash_attn_func(q, k, v, softmax_scale=scale), ref)
+        assert torch.equal(fa.flash_attention_forward(*to_bhsd(q, k, v), softmax_scale=scale),
+                           ref.transpose(1, 2))
 
 
 def test_bhsd_messages_name_the_bhsd_layout():

@@ -154,12 +154,22 @@ def configure(*, decode_on_kernel: Optional[bool] = None,
     -------
     dict
         The previous settings, which can be passed back as ``configure(**previous)``.
+
+    Raises
+    ------
+    ValueError
+        If a setting is given as anything but ``True``, ``False`` or ``None`` (nothing changes).
     """
+    for name, value in (("decode_on_kernel", decode_on_kernel),
+                        ("allow_cpu_reference", allow_cpu_reference)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"flash_attention_sm75: configure({name}=...) must be True, False or "
+                             f"None, got {type(value).__name__} {value!r}")
     previous = dict(_SETTINGS)
     if decode_on_kernel is not None:
-        _SETTINGS["decode_on_kernel"] = bool(decode_on_kernel)
+        _SETTINGS["decode_on_kernel"] = decode_on_kernel
     if allow_cpu_reference is not None:
-        _SETTINGS["allow_cpu_reference"] = bool(allow_cpu_reference)
+        _SETTINGS["allow_cpu_reference"] = allow_cpu_reference
     return previous
 
 
@@ -770,6 +780,9 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
     ------
     ImportError
         If transformers is not installed (nothing is patched then).
+    ValueError
+        If ``model_types`` is a single string (write ``["llama"]``, not ``"llama"``) or contains
+        anything but strings (nothing is patched then).
 
     Notes
     -----
@@ -778,7 +791,17 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-    types = None if model_types is None else frozenset(model_types)
+    if isinstance(model_types, str):
+        raise ValueError(f"flash_attention_sm75: apply_patch(model_types=...) takes an iterable of "
+                         f"model_type strings or None, got the string {model_types!r}; write "
+                         f"[{model_types!r}]")
+    try:
+        types = None if model_types is None else frozenset(model_types)
+    except TypeError:
+        types = frozenset([model_types])  # not iterable: reported below
+    if types is not None and not all(isinstance(t, str) for t in types):
+        raise ValueError(f"flash_attention_sm75: apply_patch(model_types=...) takes an iterable of "
+                         f"model_type strings or None, got {model_types!r}")
     with _REGISTER_LOCK:
         register()
         _PATCH.model_types = types
