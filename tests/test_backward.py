@@ -297,6 +297,24 @@ def test_cpu_autograd_and_no_key_rows():
     assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_training_step_matches_eager_cpu(backend):
+    import flash_attention_sm75 as fa
+    torch._dynamo.reset()
+    q, k, v, _ = make_inputs(2, 9, 11, 4, 2, 64, "cpu", seed=9)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+
+    def step(q, k, v):
+        return (fa.flash_attn_func(q, k, v, causal=True).float() ** 2).sum()
+
+    loss_c = torch.compile(step, backend=backend, fullgraph=True)(q, k, v)
+    grads_c = torch.autograd.grad(loss_c, (q, k, v))
+    loss_e = step(q, k, v)
+    grads_e = torch.autograd.grad(loss_e, (q, k, v))
+    assert torch.equal(loss_c, loss_e)
+    assert all(torch.equal(a, b) for a, b in zip(grads_c, grads_e))
+
+
 def test_double_backward_raises():
     q, k, v, do = make_inputs(1, 9, 11, 2, 1, 64, "cpu", seed=8)
     q, k, v = (x.requires_grad_(True) for x in (q, k, v))
