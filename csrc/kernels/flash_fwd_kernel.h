@@ -123,37 +123,74 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[Kt::kBlockN / 8][4], 
   }
 }
 
-// One online-softmax step on the accumulator fragments of S (rows g and g + 8 of the warp):
-// update the running max m_i and sum l_i, rescale O by exp2(m_old - m_new), and pack
-// P = exp2(S * scale_log2 - m) as the fp16 A fragments of O += P V.
-template <int kBN, int kD>
-__device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4], float (&m_i)[2],
-                                                float (&l_i)[2], float (&acc_o)[kD / 8][4],
-                                                float scale_log2, uint32_t (&p_frag)[kBN / 8][2]) {
-  float scaled_max[2], alpha[2];
+// Max of the running max m and row r (0: g, 1: g + 8) of the S fragments, over the quad.
+template <int kBN>
+__device__ __forceinline__ float row_max(const float (&acc_s)[kBN / 8][4], int r, float m) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = m_i[r];
-#pragma unroll
-    for (int nt = 0; nt < kBN / 8; ++nt) {
-      mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
-    }
-    mx = quad_allreduce_max(mx);
-    // A row that has seen no key yet keeps m = -inf; use 0 as the shift so that
-    // exp2(-inf - shift) = 0 instead of exp2(-inf + inf) = NaN.
-    scaled_max[r] = (mx == -INFINITY) ? 0.f : mx * scale_log2;
-    alpha[r] = exp2f(m_i[r] * scale_log2 - scaled_max[r]);
-    m_i[r] = mx;
-    l_i[r] *= alpha[r];
+  for (int nt = 0; nt < kBN / 8; ++nt) {
+    m = fmaxf(m, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
   }
-  // Rescale O unconditionally (skipping it when no max grew was measured slower on the H200:
-  // the branch breaks the scheduling of the unrolled tile; benchmarks/NOTES.md).
+  return quad_allreduce_max(m);
+}
+
+// Move one row's running max to mx (>= m_i): l_i is rescaled, the factor alpha for O returned,
+// and scaled_max set to the shift of exp2 for P.
+__device__ __forceinline__ float move_max(float mx, float& m_i, float& l_i, float scale_log2,
+                                          float& scaled_max) {
+  // A row that has seen no key yet keeps m = -inf; use 0 as the shift so that
+  // exp2(-inf - shift) = 0 instead of exp2(-inf + inf) = NaN.
+  scaled_max = (mx == -INFINITY) ? 0.f : mx * scale_log2;
+  const float alpha = exp2f(m_i * scale_log2 - scaled_max);
+  m_i = mx;
+  l_i *= alpha;
+  return alpha;
+}
+
+// O (rows g and g + 8) *= alpha. Unconditional per tile: skipping it when no max grew was
+// measured slower on the H200 as a per-tile branch on alpha != 1 (benchmarks/NOTES.md).
+template <int kD>
+__device__ __forceinline__ void rescale_o(float (&acc_o)[kD / 8][4], const float (&alpha)[2]) {
 #pragma unroll
   for (int dt = 0; dt < kD / 8; ++dt) {
     acc_o[dt][0] *= alpha[0];
     acc_o[dt][1] *= alpha[0];
     acc_o[dt][2] *= alpha[1];
     acc_o[dt][3] *= alpha[1];
+  }
+}
+
+// One online-softmax step on the accumulator fragments of S (rows g and g + 8 of the warp):
+// update the running max m_i and sum l_i, rescale O by exp2(m_old - m_new), and pack
+// P = exp2(S * scale_log2 - m) as the fp16 A fragments of O += P V.
+// kThr > 0 (Flash_fwd_kernel_traits::kRescaleThreshold, experimental): keep the stale max and
+// skip the rescale while no row of the warp grew by more than kThr in log2 units.
+template <int kBN, int kD, int kThr = 0>
+__device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4], float (&m_i)[2],
+                                                float (&l_i)[2], float (&acc_o)[kD / 8][4],
+                                                float scale_log2, uint32_t (&p_frag)[kBN / 8][2]) {
+  float scaled_max[2], alpha[2];
+  if constexpr (kThr == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      alpha[r] = move_max(row_max<kBN>(acc_s, r, m_i[r]), m_i[r], l_i[r], scale_log2,
+                          scaled_max[r]);
+    }
+    rescale_o<kD>(acc_o, alpha);
+  } else {
+    const float mx[2] = {row_max<kBN>(acc_s, 0, m_i[0]), row_max<kBN>(acc_s, 1, m_i[1])};
+    // NaN (both -inf: no key seen yet) and +inf (first key) count as growth.
+    const bool grew = !((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
+                      !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr));
+    if (warp_any(grew)) {  // warp-uniform branch
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        alpha[r] = move_max(mx[r], m_i[r], l_i[r], scale_log2, scaled_max[r]);
+      }
+      rescale_o<kD>(acc_o, alpha);
+    } else {
+      scaled_max[0] = m_i[0] * scale_log2;  // finite here; P <= 2^kThr
+      scaled_max[1] = m_i[1] * scale_log2;
+    }
   }
 #pragma unroll
   for (int nt = 0; nt < kBN / 8; ++nt) {
@@ -314,7 +351,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       }
       mask_scores<Kt, Is_causal>(acc_s, c, n_block, row0 + 16 * warp, params.causal_offset);
       uint32_t p_frag[kBN / 8][2];
-      softmax_rescale<kBN, kD>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+      softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
 
       // Every warp finished reading sV in the previous iteration (last barrier below), so V_j
       // can be written now.
@@ -413,7 +450,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     uint32_t p_frag[kBN / 8][2];
     gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr0);
     mask_scores<Kt, Is_causal>(acc_s, c, n0, row_w, params.causal_offset);
-    softmax_rescale<kBN, kD>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+    softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
     __syncthreads();  // every warp holds its Q fragments: sV0 / sV1 are free
     store_tile_r2s<Kt>(stage, sV0, tid);
     if (num_steps > 1) {  // K_1 -> sK1 (its latency is exposed once per CTA)
@@ -449,13 +486,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         named_barrier_arrive(1, Kt::kNThreads);  // G1 may start HMMA_i
         if (has_s) {
           mask_scores<Kt, Is_causal>(acc_s, c, n0 + i + 1, row_w, params.causal_offset);
-          softmax_rescale<kBN, kD>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+          softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
         }
         refill(i);
       } else {
         if (i > 0) {  // S_i from HMMA_{i-1}
           mask_scores<Kt, Is_causal>(acc_s, c, n0 + i, row_w, params.causal_offset);
-          softmax_rescale<kBN, kD>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+          softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
         }
         refill(i);
         named_barrier_sync(1, Kt::kNThreads);  // G0 has issued HMMA_i

@@ -12,7 +12,7 @@ constexpr int kSm75DefaultSmemPerBlock = 48 * 1024;  // without cudaFuncSetAttri
 constexpr int kSm75MaxThreadsPerBlock = 1024;
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
-          int kMinBlocksPerSm_ = 1, bool kPingPong_ = false>
+          int kMinBlocksPerSm_ = 1, bool kPingPong_ = false, int kRescaleThreshold_ = 0>
 struct Flash_fwd_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
@@ -28,6 +28,14 @@ struct Flash_fwd_kernel_traits {
   // flash_fwd_pingpong_kernel instead of flash_fwd_kernel: two warp groups alternate on the
   // tensor cores; K and V are double-buffered in shared memory (4 tiles).
   static constexpr bool kPingPong = kPingPong_;
+  // Online-softmax rescale policy. 0: every tile moves the running max to the new row max and
+  // rescales O and l (FlashAttention-2). t > 0: a warp keeps its stale max (no O / l rescale,
+  // 64 FMULs and 2 exp2 per row saved at d = 128) unless some row's max grew by more than t in
+  // log2 units; P = exp2(s - m_stale) is then at most 2^t, safe in fp16 for t <= 15, and the
+  // result is exact because l, O and the LSE all use the same stale max. Experimental: not yet
+  // measured on a GPU, off by default.
+  static constexpr int kRescaleThreshold = kRescaleThreshold_;
+  static_assert(kRescaleThreshold >= 0 && kRescaleThreshold <= 15, "P must fit in fp16");
 
   // Each warp owns 16 query rows: one m16 MMA tile, so S and P never leave its registers.
   static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");

@@ -75,6 +75,9 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// True on every lane if `pred` is true on any lane of the (fully active) warp.
+__device__ __forceinline__ bool warp_any(bool pred) { return __any_sync(0xffffffffu, pred); }
+
 // Max / sum over the 4 lanes of a quad (the lanes that share one accumulator row).
 __device__ __forceinline__ float quad_allreduce_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

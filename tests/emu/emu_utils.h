@@ -130,6 +130,15 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return r;
 }
 
+__device__ __forceinline__ bool warp_any(bool pred) {
+  const uint32_t in = pred ? 1u : 0u;
+  auto all = emu::warp_exchange(&in, 1);
+  for (int l = 0; l < 32; ++l) {
+    if (all[l][0]) return true;
+  }
+  return false;
+}
+
 __device__ __forceinline__ float quad_allreduce_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
