@@ -78,6 +78,13 @@ def _strides(t: torch.Tensor) -> list:
     return list(t.stride())
 
 
+# Appended to the BHSD head-count error: BSHD tensors passed to flash_attention_forward read
+# seqlen as num_heads, and this is where that usually surfaces. (The BSHD message stays the C++
+# op's, which test_ops compares word for word.)
+_BHSD_HINT = (" (heads are dim 1 in the BHSD layout (batch, num_heads, seqlen, head_dim); for "
+              "BSHD tensors use flash_attn_func)")
+
+
 def _validate(
     check: Callable[[object, Callable[[], str]], None],
     q: torch.Tensor,
@@ -127,7 +134,8 @@ def _validate(
     check(d == 64 or d == 128, lambda: f"{_PREFIX}head_dim must be 64 or 128, got {d}")
     h, h_k = q.shape[head_dim_], k.shape[head_dim_]
     check(h % h_k == 0,
-          lambda: f"{_PREFIX}num_heads ({h}) must be a multiple of num_heads_k ({h_k}) for GQA/MQA")
+          lambda: f"{_PREFIX}num_heads ({h}) must be a multiple of num_heads_k ({h_k}) for GQA/MQA"
+                  + _BHSD_HINT * (layout == "bhsd"))
     for t in (q, k):
         for i in range(3):
             check(t.shape[i] <= _INT32_MAX,

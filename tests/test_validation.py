@@ -130,6 +130,15 @@ def test_numpy_scale_is_accepted_as_a_float():
                            ref.transpose(1, 2))
 
 
+def test_bhsd_head_count_error_points_at_flash_attn_func():
+    q, k, v = bshd(b=1, s_q=6, s_k=6, h=4, h_k=4)
+    # BSHD tensors given to the BHSD function: seqlen (6) is read as heads, heads (4) as seqlen
+    with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple .*use flash_attn_func"):
+        fa.flash_attention_forward(q, k[:, :4], v[:, :4])
+    with pytest.raises(ValueError, match=r"must be a multiple of num_heads_k \(4\) for GQA/MQA$"):
+        fa.flash_attn_func(*to_bhsd(q, k[:, :4], v[:, :4]))  # BSHD message: the C++ op's
+
+
 def test_bhsd_messages_name_the_bhsd_layout():
     q, k, v = to_bhsd(*bshd())
     with pytest.raises(ValueError, match=r"\(batch, num_heads, seqlen, head_dim\) in BHSD layout"):
