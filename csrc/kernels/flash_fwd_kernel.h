@@ -399,7 +399,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   constexpr int kRowBytes = kD * 2;
   constexpr int kTile = kBN * kD;  // halves per K or V tile
   static_assert(Kt::kPingPong && Kt::kNWarps == 8 && !Kt::kQInSmem, "ping-pong layout");
-  static_assert(Kt::kSmemQBytes <= 2 * Kt::kSmemTileBytes, "Q is staged through sV0 + sV1");
+  // Q is staged through sV0 + sV1 when it fits there (K_0 goes to sK0 at the same time), else
+  // through all four tiles, with K_0 written once the Q fragments are in registers.
+  constexpr bool kQIn2Tiles = Kt::kSmemQBytes <= 2 * Kt::kSmemTileBytes;
+  static_assert(Kt::kSmemQBytes <= 4 * Kt::kSmemTileBytes, "Q must fit the K/V buffers");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __half* sV0 = reinterpret_cast<__half*>(smem_raw);
@@ -423,14 +426,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
   if (num_steps > 0) {
     uint4 stage[Kt::kChunksPerThread];
-    // ---- prologue: Q (staged through sV0 + sV1) and K_0 -> sK0 in one round trip.
+    // ---- prologue: Q (staged from sV0 on) and K_0 -> sK0 in one global round trip.
     {
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
       load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, n0 * kBN, c.kr.key_start,
                         c.kr.key_end, tid);
       store_tile_r2s<Kt>(qstage, sV0, tid);
-      store_tile_r2s<Kt>(stage, sK0, tid);
+      if constexpr (kQIn2Tiles) store_tile_r2s<Kt>(stage, sK0, tid);
     }
     __syncthreads();
     uint32_t q_frag[kD / 16][4];
@@ -438,6 +441,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       const uint32_t q_lane_addr = lane_addr_a<kCPR>(sV0, 16 * warp, lane);
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(q_frag[kk], swizzle_xor(q_lane_addr, kk));
+    }
+    if constexpr (!kQIn2Tiles) {  // sK0 held part of Q
+      __syncthreads();
+      store_tile_r2s<Kt>(stage, sK0, tid);
+      __syncthreads();
     }
     const uint32_t k_lane_addr0 = lane_addr_b<kCPR>(sK0, lane);
     const uint32_t v_lane_addr0 = lane_addr_bt<kCPR>(sV0, lane);
