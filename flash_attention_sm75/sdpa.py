@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 from typing import Iterator, Optional
 
@@ -236,7 +235,7 @@ def why_not_supported(
     if scale is not None:
         if not isinstance(scale, (int, float)) or isinstance(scale, bool):
             return f"scale is a {type(scale).__name__}; a Python float is required"
-        if not (math.isfinite(scale) and _ops.SOFTMAX_SCALE_MIN <= scale <= _ops.SOFTMAX_SCALE_MAX):
+        if _ops.scale_problem(scale) is not None:
             return (f"scale={scale!r}; only a finite scale > 0 within float32's normal range "
                     f"[1.2e-38, 2.3e38] is supported")
     if torch.is_grad_enabled() and not _ops.HAS_BACKWARD and (

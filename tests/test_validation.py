@@ -70,27 +70,34 @@ def _cases():
 CASES = _cases()
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_flash_attn_func_errors(case, monkeypatch):
-    _, (q, k, v), kwargs, regex = case
+@pytest.fixture
+def calls(monkeypatch):
+    """The argument tuples of every call that reaches torch.ops.flash_attention_sm75.fwd."""
     calls = []
     real_op = torch.ops.flash_attention_sm75.fwd
     monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
                         lambda *a, **kw: calls.append(a) or real_op(*a, **kw))
+    return calls
+
+
+def bhsd_args(q, k, v):
+    """A case's BSHD arguments as the BHSD function takes them (non-4-D values unchanged)."""
+    return tuple(t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t
+                 for t in (q, k, v))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_flash_attn_func_errors(case, calls):
+    _, (q, k, v), kwargs, regex = case
     with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex):
         fa.flash_attn_func(q, k, v, **kwargs)
     assert calls == []  # rejected before reaching the op (so before any kernel launch)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_flash_attention_forward_errors(case, monkeypatch):
+def test_flash_attention_forward_errors(case, calls):
     _, (q, k, v), kwargs, regex = case
-    calls = []
-    real_op = torch.ops.flash_attention_sm75.fwd
-    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
-                        lambda *a, **kw: calls.append(a) or real_op(*a, **kw))
-    args = tuple(t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t
-                 for t in (q, k, v))
+    args = bhsd_args(q, k, v)
     # The same rules and messages; shapes are printed as the caller passed them.
     with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex):
         fa.flash_attention_forward(*args, **kwargs)
@@ -104,8 +111,7 @@ def test_fast_rule_check_rejects_every_bad_case(case):
     _, (q, k, v), kwargs, _ = case
     scale = kwargs.get("softmax_scale")
     assert not _ops._passes_all_rules(q, k, v, scale, 2)
-    args = tuple(t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t
-                 for t in (q, k, v))
+    args = bhsd_args(q, k, v)
     assert not _ops._passes_all_rules(*args, scale, 1)
 
 
@@ -147,11 +153,7 @@ def test_bhsd_messages_name_the_bhsd_layout():
         fa.flash_attn_func(q[0], k, v)
 
 
-def test_valid_input_reaches_the_op(monkeypatch):
-    calls = []
-    real_op = torch.ops.flash_attention_sm75.fwd
-    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
-                        lambda *a, **kw: calls.append(a) or real_op(*a, **kw))
+def test_valid_input_reaches_the_op(calls):
     q, k, v = bshd()
     out = fa.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True)
     assert len(calls) == 1 and out.shape == q.shape

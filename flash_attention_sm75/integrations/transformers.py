@@ -36,7 +36,7 @@ falls back for them.
 """
 from __future__ import annotations
 
-import collections
+import collections.abc
 import functools
 import logging
 import math
@@ -795,11 +795,9 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
         raise ValueError(f"flash_attention_sm75: apply_patch(model_types=...) takes an iterable of "
                          f"model_type strings or None, got the string {model_types!r}; write "
                          f"[{model_types!r}]")
-    try:
-        types = None if model_types is None else frozenset(model_types)
-    except TypeError:
-        types = frozenset([model_types])  # not iterable: reported below
-    if types is not None and not all(isinstance(t, str) for t in types):
+    iterable = isinstance(model_types, collections.abc.Iterable)
+    types = frozenset(model_types) if iterable else None
+    if model_types is not None and (not iterable or not all(isinstance(t, str) for t in types)):
         raise ValueError(f"flash_attention_sm75: apply_patch(model_types=...) takes an iterable of "
                          f"model_type strings or None, got {model_types!r}")
     with _REGISTER_LOCK:
