@@ -154,6 +154,30 @@ def test_gpu_large_magnitude(s_q, s_k, d, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["none", "bottom_right"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("growth", [0.5, 4.0, 7.9, 8.1, 12.0, 40.0])
+def test_gpu_row_max_growing_across_key_tiles(growth, d, mode):
+    # Scores rise (or, for rows with a negative q[..., 0], fall) linearly along the keys by
+    # about `growth` log2 units per 64-key tile, so the running row max moves by amounts on
+    # both sides of the kernel's rescale threshold (d = 128 keeps a stale max unless it grew by
+    # more than 8): the skip path and the rescale path both run, over many tiles.
+    s_q, s_k, h = 96, 1000, 2
+    g = torch.Generator(device="cpu").manual_seed(seed_from("growth", growth, d, mode))
+    q = torch.randn(1, s_q, h, d, generator=g) * 0.5
+    q[..., 0] = torch.where(torch.rand(1, s_q, h, generator=g) < 0.75, 1.0, -1.0)
+    k = torch.randn(1, s_k, h, d, generator=g) * 0.5
+    per_key = growth / 64 * math.log(2) * math.sqrt(d)  # natural-log units, pre-scale
+    k[..., 0] = per_key * torch.arange(s_k, dtype=torch.float32)[None, :, None]
+    v = torch.randn(1, s_k, h, d, generator=g)
+    q, k, v = (x.to(device="cuda", dtype=torch.float16) for x in (q, k, v))
+    assert k.float().abs().max().item() < 60000  # fp16 range
+    with poisoned_cuda_memory():
+        out, lse = run_op(q, k, v, mode)
+    check_against_ref(q, k, v, mode, out, lse)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("softmax_scale", [0.01, 0.3, 1.0])
 def test_gpu_softmax_scale(softmax_scale):
     q, k, v = make_qkv(2, 130, 190, 4, 2, 64, "cuda", seed_from("scale", softmax_scale))

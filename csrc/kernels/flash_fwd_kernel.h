@@ -162,7 +162,7 @@ __device__ __forceinline__ void rescale_o(float (&acc_o)[kD / 8][4], const float
 // One online-softmax step on the accumulator fragments of S (rows g and g + 8 of the warp):
 // update the running max m_i and sum l_i, rescale O by exp2(m_old - m_new), and pack
 // P = exp2(S * scale_log2 - m) as the fp16 A fragments of O += P V.
-// kThr > 0 (Flash_fwd_kernel_traits::kRescaleThreshold, experimental): keep the stale max and
+// kThr > 0 (Flash_fwd_kernel_traits::kRescaleThreshold; the d = 128 default uses 8): keep the stale max and
 // skip the rescale while no row of the warp grew by more than kThr in log2 units.
 template <int kBN, int kD, int kThr = 0>
 __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4], float (&m_i)[2],
