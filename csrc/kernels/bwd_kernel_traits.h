@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernel_traits.h"
 
@@ -90,6 +91,52 @@ struct Flash_bwd_kernel_traits {
   static_assert(kBlockM * kHeadDim % kNThreads == 0, "dQ atomics must divide evenly");
 };
 
+// dK/dV kernel with the block's K and V fragments held in registers (deterministic mode). One
+// warp per 16 keys (Bc = 16 x kNWarps), no query splits: warp w keeps the A fragments of
+// K_w and V_w (16 keys x d each, d/4 registers per thread each) and the dK/dV accumulators of
+// its keys (d/2 fp32 registers each), and every warp runs over all kBlockM queries of a tile.
+// Only the B operands (Q, dO and their transposes) then come from shared memory: one
+// ldmatrix.x4 per 4 MMAs in all four products, against 1 per 2.7 in Flash_bwd_kernel_traits
+// at d = 128, whose query splits and 16 x 16 warp tiles reload K_w / V_w for every tile.
+// Q / dO / lse / D tiles are double-buffered in shared memory (one barrier per tile); the next
+// tile's global loads are issued in two halves during the current tile's products.
+template <int kHeadDim_, int kBlockM_, int kNWarps_, bool kVInRegs_ = true>
+struct Flash_bwd_dkdv_kreg_traits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per tile
+  static constexpr int kNWarps = kNWarps_;
+  // false: V stays in shared memory (after the Q/dO buffers) and its A fragments are re-read
+  // for every tile (d/4 fewer registers, one more ldmatrix.x4 per 4 MMAs of dP^T).
+  static constexpr bool kVInRegs = kVInRegs_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kBlockN = 16 * kNWarps;  // keys per CTA
+  static constexpr int kMinBlocksPerSm = 2;
+  static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "multiples of 16");
+
+  // Padded rows (d + 8 halves) as in Flash_bwd_kernel_traits.
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kRowHalves = kHeadDim + 8;
+  static constexpr int kQTileBytes = kBlockM * kRowHalves * 2;
+  static constexpr int kBufBytes = 2 * kQTileBytes;          // Q tile + dO tile
+  static constexpr int kOffLse = 2 * kBufBytes;              // [2][kBlockM] fp32: lse * log2(e)
+  static constexpr int kOffDsum = kOffLse + 2 * kBlockM * 4;  // [2][kBlockM] fp32: D
+  static constexpr int kKTileBytes = kBlockN * kRowHalves * 2;  // K or V staging, before the loop
+  static constexpr int kOffV = kOffDsum + 2 * kBlockM * 4;  // V tile (kVInRegs = false)
+  static constexpr int kSmemSize =
+      !kVInRegs ? kOffV + kKTileBytes
+      : (kOffV > kKTileBytes ? kOffV : kKTileBytes);
+  static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
+  // Two CTAs per SM need 2 x kSmemSize of the SM's shared memory: 64 KiB on a T4, so with V
+  // in shared memory (35 KiB at d = 128) a T4 runs one CTA per SM; the H200 runs two.
+
+  static constexpr int kKVChunksPerThread = kBlockN * kChunksPerRow / kNThreads;
+  static constexpr int kQChunksPerThread = kBlockM * kChunksPerRow / kNThreads;
+  static_assert(kBlockN * kChunksPerRow % kNThreads == 0, "K/V copy must divide evenly");
+  static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q/dO copy must divide evenly");
+  static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
+  static_assert(kQChunksPerThread % 2 == 0, "the next tile is fetched in halves of Q and dO");
+};
+
 // Deterministic dQ kernel: the forward's structure. Each warp owns 16 query rows (Q and dO
 // fragments stay in registers), the CTA streams K/V tiles of Bc keys and accumulates
 // dQ += dS K in registers. Q and dO are staged through the K/V space before the loop.
@@ -125,14 +172,18 @@ struct Flash_bwd_dq_kernel_traits {
 //    (d/4 + d/4 + d/2 registers) resident, so Bc = 32 keeps S, dP small enough not to spill.
 template <int kHeadDim>
 struct Bwd_tile_config;
+//  * KregTraits (void: not used): the dK/dV kernel of deterministic mode when it differs from
+//    Traits' (Traits' kernel always serves the atomic-dQ mode).
 template <>
 struct Bwd_tile_config<64> {
   using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
+  using KregTraits = void;
   using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4>;
 };
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
+  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false>;
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
 };
 
@@ -152,14 +203,21 @@ struct BwdLaunchPlan {
   int64_t convert_blocks;     // b * seqlen_q * h * d / 8 threads of work (atomic mode)
 };
 
-template <typename Kt, typename Kq>
+template <typename Kt, typename Kq, typename Kr = void>
 inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seqlen_k,
                                    bool dq_atomic) {
   BwdLaunchPlan p;
   p.num_n_blocks = (seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN;
-  p.dkdv_blocks = static_cast<int64_t>(p.num_n_blocks) * b * h_k;
   p.dkdv_threads = Kt::kNThreads;
   p.dkdv_smem = dq_atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq;
+  if constexpr (!std::is_void_v<Kr>) {
+    if (!dq_atomic) {  // the K/V-in-registers dK/dV kernel
+      p.num_n_blocks = (seqlen_k + Kr::kBlockN - 1) / Kr::kBlockN;
+      p.dkdv_threads = Kr::kNThreads;
+      p.dkdv_smem = Kr::kSmemSize;
+    }
+  }
+  p.dkdv_blocks = static_cast<int64_t>(p.num_n_blocks) * b * h_k;
   p.num_m_blocks_dq = (seqlen_q + Kq::kBlockM - 1) / Kq::kBlockM;
   p.dq_blocks = static_cast<int64_t>(p.num_m_blocks_dq) * b * h;
   p.dq_threads = Kq::kNThreads;
@@ -182,12 +240,14 @@ inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seql
 inline BwdLaunchPlan plan_bwd_launch(int d, int b, int h, int h_k, int seqlen_q, int seqlen_k,
                                      bool dq_atomic) {
   if (d == 64) {
-    return make_bwd_plan<Bwd_tile_config<64>::Traits, Bwd_tile_config<64>::DqTraits>(
-        b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
+    using C = Bwd_tile_config<64>;
+    return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits>(b, h, h_k, seqlen_q, seqlen_k,
+                                                                dq_atomic);
   }
   if (d == 128) {
-    return make_bwd_plan<Bwd_tile_config<128>::Traits, Bwd_tile_config<128>::DqTraits>(
-        b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
+    using C = Bwd_tile_config<128>;
+    return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits>(b, h, h_k, seqlen_q, seqlen_k,
+                                                                dq_atomic);
   }
   throw std::invalid_argument("flash_attention_sm75: head_dim must be 64 or 128, got " +
                               std::to_string(d));

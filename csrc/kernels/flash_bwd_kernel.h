@@ -168,15 +168,132 @@ __device__ __forceinline__ void reduce_over_query_splits(float (&acc)[Kt::kHeadD
 // ldmatrix reads hit 8 distinct bank groups). Unlike the XOR swizzle, every k-step / n-tile of a
 // fragment is then a constant byte offset from one per-lane base address (an immediate in LDSM),
 // which keeps the address registers out of the way of the dK/dV accumulators.
-template <typename Kt, int kN>
+// (kFirst: as in load_tile_g2r, a later part of the tile.)
+template <typename Kt, int kN, int kFirst = 0>
 __device__ __forceinline__ void store_tile_r2s_padded(const uint4 (&stage)[kN], __half* smem,
                                                       int tid) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int idx = tid + i * Kt::kNThreads;
+    const int idx = tid + (i + kFirst) * Kt::kNThreads;
     const int r = idx / Kt::kChunksPerRow;
     const int c = idx % Kt::kChunksPerRow;
     *reinterpret_cast<uint4*>(smem + r * Kt::kRowHalves + c * 8) = stage[i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pieces shared by the two dK/dV kernels. A warp owns 16 keys (rows of its S^T / dP^T
+// accumulators) and kWC query columns qc0 .. qc0 + kWC - 1 of the current query tile.
+
+// (key block, batch, kv head) of this CTA. Causal: the first key blocks are seen by the most
+// queries, so they are scheduled first.
+struct DkdvBlock {
+  int n_block;
+  int bidb;
+  int bidh_k;
+};
+template <bool Is_causal>
+__device__ __forceinline__ DkdvBlock dkdv_block(const Flash_bwd_params& params, int block_n) {
+  const int num_n_blocks = ceil_div(params.seqlen_k, block_n);
+  const int64_t num_bhk = static_cast<int64_t>(params.b) * params.h_k;
+  const int64_t linear = blockIdx.x;
+  int n_block;
+  int64_t bhk;
+  if (Is_causal) {
+    bhk = linear % num_bhk;
+    n_block = static_cast<int>(linear / num_bhk);
+  } else {
+    n_block = static_cast<int>(linear % num_n_blocks);
+    bhk = linear / num_n_blocks;
+  }
+  return {n_block, static_cast<int>(bhk / params.h_k), static_cast<int>(bhk % params.h_k)};
+}
+
+// P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked, in place in acc_s, and packed
+// as the fp16 A fragments of dV += P^T dO. Element (nt, e): key key_g + 8 (e >= 2), query
+// m0 + qc0 + 8 nt + 2 t + (e & 1); sLse holds the tile's lse * log2(e).
+template <int kWC, bool Is_causal>
+__device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p_frag)[kWC / 8][2],
+                                        const float* sLse, int qc0, int t, float scale_log2,
+                                        bool need_mask, int key_g, int m0, const KeyRange& kr,
+                                        int causal_offset) {
+#pragma unroll
+  for (int nt = 0; nt < kWC / 8; ++nt) {
+    const int qcol = qc0 + 8 * nt + 2 * t;
+    const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = exp2f(fmaf(acc_s[nt][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+      if (need_mask) {
+        const int key = key_g + (e >= 2 ? 8 : 0);
+        const int query = m0 + qcol + (e & 1);
+        if (!key_visible(query, key, kr, Is_causal, causal_offset)) p = 0.f;
+      }
+      acc_s[nt][e] = p;
+    }
+    p_frag[nt][0] = pack_half2(acc_s[nt][0], acc_s[nt][1]);
+    p_frag[nt][1] = pack_half2(acc_s[nt][2], acc_s[nt][3]);
+  }
+}
+
+// dS^T = P^T o (dP^T - D[query]) as fp16 A fragments (sDsum holds the tile's D).
+template <int kWC>
+__device__ __forceinline__ void dsoftmax_t(const float (&acc_s)[kWC / 8][4],
+                                           const float (&acc_dp)[kWC / 8][4],
+                                           uint32_t (&ds_frag)[kWC / 8][2], const float* sDsum,
+                                           int qc0, int t) {
+#pragma unroll
+  for (int nt = 0; nt < kWC / 8; ++nt) {
+    const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + qc0 + 8 * nt + 2 * t);
+    ds_frag[nt][0] = pack_half2(acc_s[nt][0] * (acc_dp[nt][0] - dsum2.x),
+                                acc_s[nt][1] * (acc_dp[nt][1] - dsum2.y));
+    ds_frag[nt][1] = pack_half2(acc_s[nt][2] * (acc_dp[nt][2] - dsum2.x),
+                                acc_s[nt][3] * (acc_dp[nt][3] - dsum2.y));
+  }
+}
+
+// acc (16 keys x kD) += A (16 x kWC: P^T or dS^T fragments) B, where B (kWC queries x kD) is
+// read transposed (k = queries) from a padded tile; bt_addr is this lane's ldmatrix.trans
+// address (matrices: queries +0..7 | +8..15 x chunk 2np | 2np + 1). dV += P^T dO, dK += dS^T Q.
+template <int kWC, int kD, int kRowB>
+__device__ __forceinline__ void gemm_a_bt(float (&acc)[kD / 8][4], const uint32_t (&a)[kWC / 8][2],
+                                          uint32_t bt_addr) {
+#pragma unroll
+  for (int kp = 0; kp < kWC / 16; ++kp) {
+#pragma unroll
+    for (int np = 0; np < kD / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, bt_addr + kp * 16 * kRowB + np * 32);
+      mma_k2n2(acc[2 * np], acc[2 * np + 1], a[2 * kp], a[2 * kp + 1], b);
+    }
+  }
+}
+
+// Epilogue: dK * scale and dV of the warp's 16 keys key0 .. key0 + 15 (rows g, g + 8 of the
+// accumulators), fp16, rows past seqlen_k skipped.
+template <int kD>
+__device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
+                                           const float (&acc_dk)[kD / 8][4],
+                                           const float (&acc_dv)[kD / 8][4], int bidb, int bidh_k,
+                                           int key0, int g, int t) {
+  __half* dk_base = static_cast<__half*>(params.dk_ptr) + bidb * params.dk_batch_stride +
+                    bidh_k * params.dk_head_stride;
+  __half* dv_base = static_cast<__half*>(params.dv_ptr) + bidb * params.dv_batch_stride +
+                    bidh_k * params.dv_head_stride;
+  const float scale = params.scale_softmax;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + g + 8 * r;
+    if (key < params.seqlen_k) {
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        const int col = 8 * dt + 2 * t;
+        *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) =
+            pack_half2(acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
+        *reinterpret_cast<uint32_t*>(dv_base + key * params.dv_row_stride + col) =
+            pack_half2(acc_dv[dt][2 * r], acc_dv[dt][2 * r + 1]);
+      }
+    }
   }
 }
 
@@ -217,22 +334,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int wm = warp / Kt::kNWarpsN;  // query split: columns qc0 .. qc0 + kWC - 1 of a tile
   const int qc0 = wm * kWC;
 
-  // ---- (key block, batch, kv head) of this CTA. Causal: the first key blocks are seen by the
-  // most queries, so they are scheduled first.
-  const int num_n_blocks = ceil_div(params.seqlen_k, kBN);
-  const int64_t num_bhk = static_cast<int64_t>(params.b) * params.h_k;
-  const int64_t linear = blockIdx.x;
-  int n_block;
-  int64_t bhk;
-  if (Is_causal) {
-    bhk = linear % num_bhk;
-    n_block = static_cast<int>(linear / num_bhk);
-  } else {
-    n_block = static_cast<int>(linear % num_n_blocks);
-    bhk = linear / num_n_blocks;
-  }
-  const int bidb = static_cast<int>(bhk / params.h_k);
-  const int bidh_k = static_cast<int>(bhk % params.h_k);
+  const DkdvBlock blk = dkdv_block<Is_causal>(params, kBN);
+  const int n_block = blk.n_block, bidb = blk.bidb, bidh_k = blk.bidh_k;
   const int ratio = params.h_h_k_ratio;
   const int n0 = n_block * kBN;
 
@@ -361,34 +464,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       const bool need_mask =
           !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset);
       uint32_t p_frag[kWC / 8][2];
-#pragma unroll
-      for (int nt = 0; nt < kWC / 8; ++nt) {
-        const int qcol = qc0 + 8 * nt + 2 * t;
-        const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float p = exp2f(fmaf(acc_s[nt][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
-          if (need_mask) {
-            const int key = n0 + 16 * wn + g + (e >= 2 ? 8 : 0);
-            const int query = m0 + qcol + (e & 1);
-            if (!key_visible(query, key, kr, Is_causal, params.causal_offset)) p = 0.f;
-          }
-          acc_s[nt][e] = p;
-        }
-        p_frag[nt][0] = pack_half2(acc_s[nt][0], acc_s[nt][1]);
-        p_frag[nt][1] = pack_half2(acc_s[nt][2], acc_s[nt][3]);
-      }
+      probs_t<kWC, Is_causal>(acc_s, p_frag, sLse, qc0, t, scale_log2, need_mask,
+                              n0 + 16 * wn + g, m0, kr, params.causal_offset);
 
       // ---- dV += P^T dO (16 keys x d per warp; k = this warp's queries).
-#pragma unroll
-      for (int kp = 0; kp < kWC / 16; ++kp) {
-#pragma unroll
-        for (int np = 0; np < kD / 16; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, q_t_addr + kDofromQ + kp * 16 * kRowB + np * 32);
-          mma_k2n2(acc_dv[2 * np], acc_dv[2 * np + 1], p_frag[2 * kp], p_frag[2 * kp + 1], b);
-        }
-      }
+      gemm_a_bt<kWC, kD, kRowB>(acc_dv, p_frag, q_t_addr + kDofromQ);
 
       // ---- dP^T = V_w dO^T.
       float acc_dp[kWC / 8][4];
@@ -409,31 +489,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
       // ---- dS^T = P^T o (dP^T - D[query]) (fp16 A fragments; also to sdS in atomic mode).
       uint32_t ds_frag[kWC / 8][2];
+      dsoftmax_t<kWC>(acc_s, acc_dp, ds_frag, sDsum, qc0, t);
+      if (Atomic_dq) {
 #pragma unroll
-      for (int nt = 0; nt < kWC / 8; ++nt) {
-        const int qcol = qc0 + 8 * nt + 2 * t;
-        const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + qcol);
-        ds_frag[nt][0] = pack_half2(acc_s[nt][0] * (acc_dp[nt][0] - dsum2.x),
-                                    acc_s[nt][1] * (acc_dp[nt][1] - dsum2.y));
-        ds_frag[nt][1] = pack_half2(acc_s[nt][2] * (acc_dp[nt][2] - dsum2.x),
-                                    acc_s[nt][3] * (acc_dp[nt][3] - dsum2.y));
-        if (Atomic_dq) {
-          __half* row_ptr = sdS + (16 * wn + g) * kDsRow + qcol;
+        for (int nt = 0; nt < kWC / 8; ++nt) {
+          __half* row_ptr = sdS + (16 * wn + g) * kDsRow + qc0 + 8 * nt + 2 * t;
           *reinterpret_cast<uint32_t*>(row_ptr) = ds_frag[nt][0];
           *reinterpret_cast<uint32_t*>(row_ptr + 8 * kDsRow) = ds_frag[nt][1];
         }
       }
 
       // ---- dK += dS^T Q.
-#pragma unroll
-      for (int kp = 0; kp < kWC / 16; ++kp) {
-#pragma unroll
-        for (int np = 0; np < kD / 16; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, q_t_addr + kp * 16 * kRowB + np * 32);
-          mma_k2n2(acc_dk[2 * np], acc_dk[2 * np + 1], ds_frag[2 * kp], ds_frag[2 * kp + 1], b);
-        }
-      }
+      gemm_a_bt<kWC, kD, kRowB>(acc_dk, ds_frag, q_t_addr);
 
       if (Atomic_dq) {
         __syncthreads();  // dS^T complete in smem; every warp is done with sQ and sdO
@@ -506,28 +573,227 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     reduce_over_query_splits<Kt>(acc_dk, sRed, wn, wm, g, t);
     reduce_over_query_splits<Kt>(acc_dv, sRed, wn, wm, g, t);
   }
-  if (wm == 0) {
-    __half* dk_base = static_cast<__half*>(params.dk_ptr) + bidb * params.dk_batch_stride +
-                      bidh_k * params.dk_head_stride;
-    __half* dv_base = static_cast<__half*>(params.dv_ptr) + bidb * params.dv_batch_stride +
-                      bidh_k * params.dv_head_stride;
-    const float scale = params.scale_softmax;
+  if (wm == 0) store_dkdv<kD>(params, acc_dk, acc_dv, bidb, bidh_k, n0 + 16 * wn, g, t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK / dV with K_w and V_w in registers (deterministic mode; Flash_bwd_dkdv_kreg_traits).
+// Warp w owns keys 16 w .. 16 w + 15 of the block and all kBlockM queries of each tile:
+//   S^T = K_w Q^T -> P^T -> dV += P^T dO -> dP^T = V_w dO^T -> dS^T -> dK += dS^T Q,
+// with A operands from registers throughout and B operands (Q, dO, plain and transposed) from
+// the tile's shared-memory buffer. Tile it + 1 is fetched into the other buffer meanwhile, a
+// quarter (half of Q or of dO) per product: each part's loads are issued before one product
+// and stored after it, so only a quarter of a tile is ever staged in registers.
+template <typename Kt, bool Is_causal>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
+    flash_bwd_dkdv_kreg_kernel(const Flash_bwd_params params) {
+  constexpr int kD = Kt::kHeadDim;
+  constexpr int kBM = Kt::kBlockM;
+  constexpr int kBN = Kt::kBlockN;
+  constexpr int kRowH = Kt::kRowHalves;
+  constexpr int kRowB = Kt::kRowHalves * 2;
+  constexpr uint32_t kBuf = Kt::kBufBytes;  // byte offset of buffer 1 from buffer 0
+  constexpr uint32_t kDo = Kt::kQTileBytes;  // byte offset of the dO tile from the Q tile
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __half* sQ0 = reinterpret_cast<__half*>(smem_raw);                // [2] x (Q tile, dO tile)
+  float* sLse0 = reinterpret_cast<float*>(smem_raw + Kt::kOffLse);   // [2][Br] lse * log2(e)
+  float* sDsum0 = reinterpret_cast<float*>(smem_raw + Kt::kOffDsum);  // [2][Br] D
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int mi = lane / 8;
+
+  const DkdvBlock blk = dkdv_block<Is_causal>(params, kBN);
+  const int n0 = blk.n_block * kBN;
+  const int ratio = params.h_h_k_ratio;
+  const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, blk.bidb);
+  const MBlockRange mr = m_block_range(blk.n_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
+                                       params.causal_offset);
+  const int num_m = imax(mr.m_block_max - mr.m_block_min, 0);
+  const int total = num_m * ratio;  // (q head of the group, query tile) iterations
+  const float scale_log2 = params.scale_softmax_log2;
+
+  float acc_dk[kD / 8][4];
+  float acc_dv[kD / 8][4];
+  zero_acc(acc_dk);
+  zero_acc(acc_dv);
+
+  if (total > 0) {
+    // ---- K_w, V_w: global -> shared (padded rows, through the buffers' space) -> registers.
+    // kv_frag[kk] = A fragments of k-steps 2kk, 2kk + 1 (regs {0,1}, {2,3}).
+    uint32_t k_frag[kD / 16][4];
+    uint32_t v_frag[Kt::kVInRegs ? kD / 16 : 1][4];
+    __half* sV = reinterpret_cast<__half*>(smem_raw + (Kt::kVInRegs ? 0 : Kt::kOffV));
+    const uint32_t v_a_addr =
+        smem_u32addr(sV + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
+    {
+      const uint32_t a_addr = smem_u32addr(sQ0 + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
+      const __half* k_base = static_cast<const __half*>(params.k_ptr) +
+                             blk.bidb * params.k_batch_stride + blk.bidh_k * params.k_head_stride;
+      const __half* v_base = static_cast<const __half*>(params.v_ptr) +
+                             blk.bidb * params.v_batch_stride + blk.bidh_k * params.v_head_stride;
+      uint4 kv[Kt::kKVChunksPerThread];
+      load_tile_g2r<Kt>(kv, k_base, params.k_row_stride, n0, kr.key_start, kr.key_end, tid);
+      store_tile_r2s_padded<Kt>(kv, sQ0, tid);
+      load_tile_g2r<Kt>(kv, v_base, params.v_row_stride, n0, kr.key_start, kr.key_end, tid);
+      __syncthreads();
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = n0 + 16 * wn + g + 8 * r;
-      if (key < params.seqlen_k) {
+      for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(k_frag[kk], a_addr + kk * 32);
+      __syncthreads();
+      store_tile_r2s_padded<Kt>(kv, sV, tid);
+      __syncthreads();
+      if constexpr (Kt::kVInRegs) {
 #pragma unroll
-        for (int dt = 0; dt < kD / 8; ++dt) {
-          const int col = 8 * dt + 2 * t;
-          *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) =
-              pack_half2(acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
-          *reinterpret_cast<uint32_t*>(dv_base + key * params.dv_row_stride + col) =
-              pack_half2(acc_dv[dt][2 * r], acc_dv[dt][2 * r + 1]);
-        }
+        for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(v_frag[kk], v_a_addr + kk * 32);
+        __syncthreads();
       }
     }
+
+    // Iteration it: q-head bidh_k * ratio + it / num_m, query tile mr.m_block_min + it % num_m.
+    auto tile_head = [&](int it) { return blk.bidh_k * ratio + it / num_m; };
+    auto tile_m0 = [&](int it) { return (mr.m_block_min + it % num_m) * kBM; };
+    // Half a tile (chunks [0, kHalf) or [kHalf, 2 kHalf) of each thread) of Q or dO of
+    // iteration it, global -> registers -> the padded tile `tile`.
+    constexpr int kHalf = Kt::kQChunksPerThread / 2;
+    auto q_ptr = [&](int it) {
+      return static_cast<const __half*>(params.q_ptr) + blk.bidb * params.q_batch_stride +
+             tile_head(it) * params.q_head_stride;
+    };
+    auto do_ptr = [&](int it) {
+      return static_cast<const __half*>(params.do_ptr) + blk.bidb * params.do_batch_stride +
+             tile_head(it) * params.do_head_stride;
+    };
+#define FA_SM75_LOAD_HALF(PART, ST, PTR, STRIDE, IT)                                      \
+  load_tile_g2r<Kt, kHalf, (PART) * kHalf>(ST, PTR(IT), STRIDE, tile_m0(IT), 0, params.seqlen_q, \
+                                           tid)
+#define FA_SM75_STORE_HALF(PART, ST, TILE) \
+  store_tile_r2s_padded<Kt, kHalf, (PART) * kHalf>(ST, TILE, tid)
+    // lse (log2 units) and D of row tid of iteration it's tile (threads tid < Br).
+    auto load_lse = [&](float& lse_s, float& dsum_s, int it) {
+      const int row = tile_m0(it) + tid;
+      const int64_t off =
+          (static_cast<int64_t>(blk.bidb) * params.h + tile_head(it)) * params.seqlen_q + row;
+      // Rows past seqlen_q and rows that saw no key (lse = -inf) get lse = +inf: P = 0.
+      const float lse = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
+      lse_s = lse == -INFINITY ? INFINITY : lse * kLog2e;
+      dsum_s = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
+    };
+
+    uint4 stage[kHalf];
+    float lse_stage = 0.f, dsum_stage = 0.f;
+    FA_SM75_LOAD_HALF(0, stage, q_ptr, params.q_row_stride, 0);
+    FA_SM75_STORE_HALF(0, stage, sQ0);
+    FA_SM75_LOAD_HALF(1, stage, q_ptr, params.q_row_stride, 0);
+    FA_SM75_STORE_HALF(1, stage, sQ0);
+    FA_SM75_LOAD_HALF(0, stage, do_ptr, params.do_row_stride, 0);
+    FA_SM75_STORE_HALF(0, stage, sQ0 + kBM * kRowH);
+    FA_SM75_LOAD_HALF(1, stage, do_ptr, params.do_row_stride, 0);
+    FA_SM75_STORE_HALF(1, stage, sQ0 + kBM * kRowH);
+    if (tid < kBM) {
+      load_lse(lse_stage, dsum_stage, 0);
+      sLse0[tid] = lse_stage;
+      sDsum0[tid] = dsum_stage;
+    }
+    __syncthreads();
+
+    // Per-lane ldmatrix addresses in buffer 0 (see flash_bwd_dkdv_kernel): B of S^T / dP^T
+    // (Q / dO rows, non-trans) and B of dV / dK (dO / Q rows, trans).
+    const uint32_t q_b_addr0 =
+        smem_u32addr(sQ0 + ((mi >> 1) * 8 + (lane % 8)) * kRowH + (mi & 1) * 8);
+    const uint32_t q_t_addr0 =
+        smem_u32addr(sQ0 + ((mi & 1) * 8 + (lane % 8)) * kRowH + (mi >> 1) * 8);
+
+    for (int it = 0; it < total; ++it) {
+      const int buf = it & 1;
+      const uint32_t q_b_addr = q_b_addr0 + buf * kBuf;
+      const uint32_t q_t_addr = q_t_addr0 + buf * kBuf;
+      const float* sLse = sLse0 + buf * kBM;
+      const float* sDsum = sDsum0 + buf * kBM;
+      __half* sQn = sQ0 + (buf ^ 1) * (kBuf / 2);  // next tile's buffer (halves)
+      const int m0 = tile_m0(it);
+      const bool has_next = it + 1 < total;
+      if (has_next) {
+        FA_SM75_LOAD_HALF(0, stage, q_ptr, params.q_row_stride, it + 1);
+        if (tid < kBM) load_lse(lse_stage, dsum_stage, it + 1);
+      }
+
+      // ---- S^T = K_w Q^T (16 keys x Br queries per warp).
+      float acc_s[kBM / 8][4];
+      zero_acc(acc_s);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t a_lo[2] = {k_frag[kk][0], k_frag[kk][1]};
+        const uint32_t a_hi[2] = {k_frag[kk][2], k_frag[kk][3]};
+#pragma unroll
+        for (int np = 0; np < kBM / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, q_b_addr + np * 16 * kRowB + kk * 32);
+          mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
+        }
+      }
+      if (has_next) {
+        FA_SM75_STORE_HALF(0, stage, sQn);
+        FA_SM75_LOAD_HALF(1, stage, q_ptr, params.q_row_stride, it + 1);
+      }
+      const bool need_mask = !tile_is_unmasked(m0 / kBM, blk.n_block, kBM, kBN, kr, Is_causal,
+                                               params.causal_offset);
+      uint32_t p_frag[kBM / 8][2];
+      probs_t<kBM, Is_causal>(acc_s, p_frag, sLse, 0, t, scale_log2, need_mask,
+                              n0 + 16 * warp + g, m0, kr, params.causal_offset);
+
+      // ---- dV += P^T dO.
+      gemm_a_bt<kBM, kD, kRowB>(acc_dv, p_frag, q_t_addr + kDo);
+      if (has_next) {
+        FA_SM75_STORE_HALF(1, stage, sQn);
+        if (tid < kBM) {
+          sLse0[(buf ^ 1) * kBM + tid] = lse_stage;
+          sDsum0[(buf ^ 1) * kBM + tid] = dsum_stage;
+        }
+        FA_SM75_LOAD_HALF(0, stage, do_ptr, params.do_row_stride, it + 1);
+      }
+
+      // ---- dP^T = V_w dO^T, dS^T = P^T o (dP^T - D).
+      float acc_dp[kBM / 8][4];
+      zero_acc(acc_dp);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t a[4];
+        if constexpr (Kt::kVInRegs) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[i] = v_frag[Kt::kVInRegs ? kk : 0][i];
+        } else {
+          ldmatrix_x4(a, v_a_addr + kk * 32);
+        }
+        const uint32_t a_lo[2] = {a[0], a[1]};
+        const uint32_t a_hi[2] = {a[2], a[3]};
+#pragma unroll
+        for (int np = 0; np < kBM / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, q_b_addr + kDo + np * 16 * kRowB + kk * 32);
+          mma_k2n2(acc_dp[2 * np], acc_dp[2 * np + 1], a_lo, a_hi, b);
+        }
+      }
+      if (has_next) {
+        FA_SM75_STORE_HALF(0, stage, sQn + kBM * kRowH);
+        FA_SM75_LOAD_HALF(1, stage, do_ptr, params.do_row_stride, it + 1);
+      }
+      uint32_t ds_frag[kBM / 8][2];
+      dsoftmax_t<kBM>(acc_s, acc_dp, ds_frag, sDsum, 0, t);
+
+      // ---- dK += dS^T Q.
+      gemm_a_bt<kBM, kD, kRowB>(acc_dk, ds_frag, q_t_addr);
+      if (has_next) FA_SM75_STORE_HALF(1, stage, sQn + kBM * kRowH);
+      __syncthreads();  // tile it + 1 complete in the other buffer; this buffer free
+    }
   }
+  store_dkdv<kD>(params, acc_dk, acc_dv, blk.bidb, blk.bidh_k, n0 + 16 * warp, g, t);
 }
+#undef FA_SM75_LOAD_HALF
+#undef FA_SM75_STORE_HALF
 
 // ---------------------------------------------------------------------------------------------
 // Deterministic dQ: one CTA per (query tile, batch, head), 16 query rows per warp, streaming the

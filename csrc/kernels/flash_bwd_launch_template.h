@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "bwd_kernel_traits.h"
 #include "flash_bwd.h"
@@ -28,9 +29,10 @@ void set_max_dynamic_smem(Kernel kernel, int bytes) {
 template <int kHeadDim, bool Is_causal>
 void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   using Kt = typename Bwd_tile_config<kHeadDim>::Traits;
+  using Kr = typename Bwd_tile_config<kHeadDim>::KregTraits;
   using Kq = typename Bwd_tile_config<kHeadDim>::DqTraits;
-  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq>(params.b, params.h, params.h_k, params.seqlen_q,
-                                                   params.seqlen_k, params.dq_atomic);
+  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq, Kr>(
+      params.b, params.h, params.h_k, params.seqlen_q, params.seqlen_k, params.dq_atomic);
   flash_bwd_preprocess_kernel<kHeadDim>
       <<<static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads, 0, stream>>>(params);
   if (params.dq_atomic) {
@@ -41,7 +43,10 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     flash_bwd_convert_dq_kernel<kHeadDim>
         <<<static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads, 0, stream>>>(params);
   } else {
-    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false>;
+    auto kernel = [] {
+      if constexpr (std::is_void_v<Kr>) return &flash_bwd_dkdv_kernel<Kt, Is_causal, false>;
+      else return &flash_bwd_dkdv_kreg_kernel<Kr, Is_causal>;
+    }();
     set_max_dynamic_smem(kernel, plan.dkdv_smem);
     kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
              stream>>>(params);

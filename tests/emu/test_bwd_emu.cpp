@@ -98,9 +98,10 @@ void run_forward(Flash_fwd_params& p) {
 template <int kD, bool kCausal>
 void run_backward(Flash_bwd_params& p) {
   using Kt = typename Bwd_tile_config<kD>::Traits;
+  using Kr = typename Bwd_tile_config<kD>::KregTraits;
   using Kq = typename Bwd_tile_config<kD>::DqTraits;
   const BwdLaunchPlan plan =
-      make_bwd_plan<Kt, Kq>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, p.dq_atomic);
+      make_bwd_plan<Kt, Kq, Kr>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, p.dq_atomic);
   emu::launch(static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads,
               [&] { flash_bwd_preprocess_kernel<kD>(p); });
   if (p.dq_atomic) {
@@ -109,8 +110,10 @@ void run_backward(Flash_bwd_params& p) {
     emu::launch(static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads,
                 [&] { flash_bwd_convert_dq_kernel<kD>(p); });
   } else {
-    emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
-                [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false>(p); });
+    emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, [&] {
+      if constexpr (std::is_void_v<Kr>) flash_bwd_dkdv_kernel<Kt, kCausal, false>(p);
+      else flash_bwd_dkdv_kreg_kernel<Kr, kCausal>(p);
+    });
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
                 [&] { flash_bwd_dq_kernel<Kq, kCausal>(p); });
   }
