@@ -100,8 +100,16 @@ struct Flash_bwd_kernel_traits {
 // at d = 128, whose query splits and 16 x 16 warp tiles reload K_w / V_w for every tile.
 // Q / dO / lse / D tiles are double-buffered in shared memory (one barrier per tile); the next
 // tile's global loads are issued in two halves during the current tile's products.
-template <int kHeadDim_, int kBlockM_, int kNWarps_, bool kVInRegs_ = true>
+template <int kHeadDim_, int kBlockM_, int kNWarps_, bool kVInRegs_ = true,
+          int kPrefetchParts_ = 2, bool kFuseSdP_ = false>
 struct Flash_bwd_dkdv_kreg_traits {
+  // true: S^T and dP^T accumulate in one k loop (more independent MMA chains; the next tile's
+  // Q is stored after it, its dO after dK); requires kPrefetchParts == 2.
+  static constexpr bool kFuseSdP = kFuseSdP_;
+  // Next tile's Q/dO staged through registers in 4 (a quarter per product), 2 or 1 part(s).
+  static constexpr int kPrefetchParts = kPrefetchParts_;
+  static_assert(kPrefetchParts == 1 || kPrefetchParts == 2 || kPrefetchParts == 4, "1, 2 or 4");
+  static_assert(!kFuseSdP || kPrefetchParts == 2, "the fused order stages Q, then dO");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per tile
   static constexpr int kNWarps = kNWarps_;
@@ -134,7 +142,7 @@ struct Flash_bwd_dkdv_kreg_traits {
   static_assert(kBlockN * kChunksPerRow % kNThreads == 0, "K/V copy must divide evenly");
   static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q/dO copy must divide evenly");
   static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
-  static_assert(kQChunksPerThread % 2 == 0, "the next tile is fetched in halves of Q and dO");
+  static_assert(kPrefetchParts != 4 || kQChunksPerThread % 2 == 0, "quarters: halves of Q, dO");
 };
 
 // Deterministic dQ kernel: the forward's structure. Each warp owns 16 query rows (Q and dO
@@ -183,7 +191,7 @@ struct Bwd_tile_config<64> {
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
-  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false>;
+  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 2, true>;
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
 };
 
