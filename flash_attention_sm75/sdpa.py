@@ -337,9 +337,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     reason = why_not_supported(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                enable_gqa=enable_gqa)
     if reason is None:
-        out, _ = torch.ops.flash_attention_sm75.fwd(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale,
-            is_causal, False)
+        out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
+                               value.transpose(1, 2), scale, is_causal, False)
         return out.transpose(1, 2)
     if is_strict():
         raise ValueError(f"flash_attention_sm75: cannot run scaled_dot_product_attention on the "
