@@ -251,7 +251,7 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
     causal_bottom_right)``, skipping the op's autograd kernel when no gradient can flow.
 
     The autograd kernel (``torch.library.register_autograd``, see ``_backward.py``) is Python and
-    runs on every call: even with no input requiring grad it costs ~9 us of host time (boxing into
+    runs on every call: even with no input requiring grad it costs ~8 us of host time (boxing into
     Python, a metadata object, ``op.redispatch``) before doing exactly what this fast path does,
     dispatching below autograd (benchmarks/NOTES.md, "Host overhead"). The plain call is kept
 

@@ -279,13 +279,14 @@ def _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     (an unusual type, torch.compile tracing, which cannot read data pointers) returns False and
     the caller asks ``why_not_supported``.
     """
-    return (_ops.EXTENSION_AVAILABLE and attn_mask is None and type(is_causal) is bool
-            and type(dropout_p) in (float, int) and dropout_p == 0
+    return (_ops.EXTENSION_AVAILABLE and attn_mask is None
+            # The device early: CPU tensors (always a fallback) skip the rest.
+            and isinstance(query, torch.Tensor) and query.device.type == _KERNEL_DEVICE_TYPE
+            and type(is_causal) is bool and type(dropout_p) in (float, int) and dropout_p == 0
             and (scale is None or type(scale) in (float, int))
             and not torch.compiler.is_compiling()
             # From here on query, key and value are 4-D tensors on one device.
             and _ops._passes_all_rules(query, key, value, scale, 1)
-            and query.device.type == _KERNEL_DEVICE_TYPE
             and (enable_gqa or query.shape[1] == key.shape[1])
             and (_ops.HAS_BACKWARD or not torch.is_grad_enabled()
                  or not (query.requires_grad or key.requires_grad or value.requires_grad))
