@@ -11,7 +11,9 @@ what is registered from Python:
   built library has that op, otherwise a stub whose backward raises ``NotImplementedError``
   (without any registration PyTorch's fallback would silently return wrong gradients);
 * :func:`validate_fwd_inputs`, the eager validation used by the public functions before they call
-  the op, raising ``ValueError`` that names the argument and the accepted values.
+  the op, raising ``ValueError`` that names the argument and the accepted values;
+* :func:`call_fwd`, how the public functions call the op: below its autograd kernel when no
+  gradient can flow.
 
 See docs/CONTRACT.md for the op contract.
 """
@@ -28,6 +30,7 @@ __all__ = [
     "EXTENSION_ERROR",
     "HAS_BACKWARD",
     "SUPPORTED_HEAD_DIMS",
+    "call_fwd",
     "validate_fwd_inputs",
 ]
 
@@ -241,6 +244,29 @@ def validate_fwd_inputs(
                          f"implementation), got device {q.device}")
     _validate(_raise_value_error, q, k, v, softmax_scale, leftpad_k, seqused_k, layout,
               check_alignment=True)
+
+
+def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
+    """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
+    causal_bottom_right)``, skipping the op's autograd kernel when no gradient can flow.
+
+    The autograd kernel (``torch.library.register_autograd``, see ``_backward.py``) is Python and
+    runs on every call: even with no input requiring grad it costs ~8 us of host time (boxing into
+    Python, a metadata object, ``op.redispatch``) before doing exactly what this fast path does,
+    dispatching below autograd (benchmarks/NOTES.md, "Host overhead"). The plain call is kept
+
+    * when grad mode is on and an input requires grad: the autograd formula must run;
+    * while torch.compile / torch.export trace: the graph gets the plain op;
+    * under functorch transforms (``torch.func.grad``, ``vmap``), which manage the autograd
+      dispatch keys themselves.
+    """
+    op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or (torch.is_grad_enabled()
+                and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right)
 
 
 if EXTENSION_AVAILABLE:

@@ -1,9 +1,10 @@
 """Direct FlashAttention API: :func:`flash_attn_func` (BSHD) and :func:`flash_attention_forward` (BHSD).
 
-Both call ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md) after validating the
-input in Python, so bad input raises ``ValueError`` before any kernel launch. Both use the
-FlashAttention (bottom-right) causal alignment. For torch SDPA semantics (top-left causal,
-fallback for unsupported input) use :func:`flash_attention_sm75.scaled_dot_product_attention`.
+Both call ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md) through
+``_ops.call_fwd`` after validating the input in Python, so bad input raises ``ValueError``
+before any kernel launch. Both use the FlashAttention (bottom-right) causal alignment. For torch
+SDPA semantics (top-left causal, fallback for unsupported input) use
+:func:`flash_attention_sm75.scaled_dot_product_attention`.
 """
 from __future__ import annotations
 
@@ -146,8 +147,7 @@ def flash_attn_func(
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bshd")
-    out, softmax_lse = torch.ops.flash_attention_sm75.fwd(q, k, v, _as_float(softmax_scale),
-                                                          causal, True)
+    out, softmax_lse = _ops.call_fwd(q, k, v, _as_float(softmax_scale), causal, True)
     if return_lse:
         return out, softmax_lse
     return out
@@ -261,9 +261,8 @@ def flash_attention_forward(
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bhsd")
-    out, softmax_lse = torch.ops.flash_attention_sm75.fwd(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _as_float(softmax_scale), causal,
-        True)
+    out, softmax_lse = _ops.call_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                     _as_float(softmax_scale), causal, True)
     out = out.transpose(1, 2)
     if return_lse:
         return out, softmax_lse

@@ -33,6 +33,11 @@ _strict_override: Optional[bool] = None
 
 _INT32_MAX = 2**31 - 1
 
+# The device type of the kernel path. One name for why_not_supported and _kernel_accepts, so that
+# CPU tests and benchmarks/host_overhead.py can run both on CPU tensors (the op has a CPU
+# implementation) by setting it to "cpu".
+_KERNEL_DEVICE_TYPE = "cuda"
+
 
 def set_strict(enabled: Optional[bool]) -> None:
     """Turn strict mode on or off for the whole process.
@@ -248,7 +253,7 @@ def why_not_supported(
             return f"{name} has a batch, head or sequence size >= 2^31"
 
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.device.type != "cuda":
+        if t.device.type != _KERNEL_DEVICE_TYPE:
             return f"{name} is on device {t.device}; only CUDA tensors are supported"
     if key.device != query.device or value.device != query.device:
         return (f"query, key and value are on different devices ({query.device}, {key.device}, "
@@ -262,6 +267,30 @@ def why_not_supported(
         if problem is not None:
             return problem
     return None
+
+
+def _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
+    """True only if :func:`why_not_supported` would return None for these arguments.
+
+    The common kernel-path call costs ~15 us of host time in ``why_not_supported``, which walks
+    its rules one by one to be able to name the first broken one; here the rules that are not
+    the op's own are one flat expression and the op's are ``_ops._passes_all_rules`` (shared
+    with ``validate_fwd_inputs``), ~5 us in all (benchmarks/NOTES.md, "Host overhead"). Any doubt
+    (an unusual type, torch.compile tracing, which cannot read data pointers) returns False and
+    the caller asks ``why_not_supported``.
+    """
+    return (_ops.EXTENSION_AVAILABLE and attn_mask is None
+            # The device early: CPU tensors (always a fallback) skip the rest.
+            and isinstance(query, torch.Tensor) and query.device.type == _KERNEL_DEVICE_TYPE
+            and type(is_causal) is bool and type(dropout_p) in (float, int) and dropout_p == 0
+            and (scale is None or type(scale) in (float, int))
+            and not torch.compiler.is_compiling()
+            # From here on query, key and value are 4-D tensors on one device.
+            and _ops._passes_all_rules(query, key, value, scale, 1)
+            and (enable_gqa or query.shape[1] == key.shape[1])
+            and (_ops.HAS_BACKWARD or not torch.is_grad_enabled()
+                 or not (query.requires_grad or key.requires_grad or value.requires_grad))
+            and torch.cuda.get_device_capability(query.device) >= (7, 5))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -334,12 +363,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Algorithm: FlashAttention-2 (T. Dao, 2023, arXiv:2307.08691); FlashAttention (T. Dao et al.,
     2022, arXiv:2205.14135).
     """
-    reason = why_not_supported(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                               enable_gqa=enable_gqa)
+    if _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        reason = None
+    else:
+        reason = why_not_supported(query, key, value, attn_mask, dropout_p, is_causal,
+                                   scale=scale, enable_gqa=enable_gqa)
     if reason is None:
-        out, _ = torch.ops.flash_attention_sm75.fwd(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale,
-            is_causal, False)
+        out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
+                               value.transpose(1, 2), scale, is_causal, False)
         return out.transpose(1, 2)
     if is_strict():
         raise ValueError(f"flash_attention_sm75: cannot run scaled_dot_product_attention on the "

@@ -1,5 +1,6 @@
 """Registration of torch.ops.flash_attention_sm75.fwd: schema, fake (meta) impl, opcheck,
 torch.compile / torch.export, the autograd stub, and the package's exports. CPU only."""
+import contextlib
 import importlib
 import os
 import subprocess
@@ -313,6 +314,112 @@ def test_backward_cpu_matches_reference(s_q, s_k, h, h_k, mode):
     for name, ours, r, p in zip(("dq", "dk", "dv"), grads, ref, pt):
         assert ours.shape == r.shape and ours.dtype == torch.float16
         assert_close_fa(ours, r, p, name)
+
+
+# ------------------------------------------------------ fast path below autograd (call_fwd)
+
+
+def _public_paths(monkeypatch):
+    """Every public function that calls the op, as ``name -> f(q, k, v) -> BSHD out`` on BSHD
+    tensors, all causal. The SDPA wrapper's kernel branch is forced (it falls back for CPU
+    tensors); its causal mask is top-left, so callers use seqlen_q == seqlen_k."""
+    from flash_attention_sm75 import sdpa
+
+    monkeypatch.setattr(sdpa, "why_not_supported", lambda *a, **kw: None)
+
+    def bhsd(f):
+        return lambda q, k, v: f(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 is_causal=True, enable_gqa=True).transpose(1, 2)
+
+    return {
+        "call_fwd": lambda q, k, v: _ops.call_fwd(q, k, v, None, True, True)[0],
+        "flash_attn_func": lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True),
+        "flash_attention_forward": lambda q, k, v: fa.flash_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).transpose(1, 2),
+        "sdpa": bhsd(fa.scaled_dot_product_attention),
+    }
+
+
+PUBLIC_PATHS = ["call_fwd", "flash_attn_func", "flash_attention_forward", "sdpa"]
+
+
+@pytest.fixture
+def below_autograd(monkeypatch):
+    """For every call that reaches the op: True if it was dispatched below the autograd layer."""
+    seen = []
+    real_op = torch.ops.flash_attention_sm75.fwd
+    key = torch._C.DispatchKey.AutogradFunctionality
+
+    def spy(*args):
+        seen.append(torch._C._dispatch_tls_is_dispatch_key_excluded(key))
+        return real_op(*args)
+
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd", spy)
+    return seen
+
+
+@needs_ext
+@pytest.mark.parametrize("path", PUBLIC_PATHS)
+def test_gradients_flow_when_inputs_require_grad(path, monkeypatch, below_autograd):
+    # Fails if the fast path were taken while a gradient is needed: the result would have no
+    # grad_fn and q, k, v no gradients.
+    f = _public_paths(monkeypatch)[path]
+    q, k, v = (t.requires_grad_() for t in qkv(2, 7, 7, 4, 2, 64))
+    out = f(q, k, v)
+    assert below_autograd == [False]
+    assert out.requires_grad and out.grad_fn is not None
+    if not _ops.HAS_BACKWARD:
+        with pytest.raises(NotImplementedError):  # the stub's backward ran
+            out.float().sum().backward()
+        return
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(real_fwd(q, k, v)[0], (q, k, v), g)
+    for got, w in zip(grads, want):
+        assert got.abs().max() > 0 and torch.equal(got, w)
+
+
+def real_fwd(q, k, v):
+    # The op through its autograd kernel (what the fast path must be equivalent to).
+    return torch.ops.flash_attention_sm75.fwd(q, k, v, None, True, True)
+
+
+@needs_ext
+@pytest.mark.parametrize("path", PUBLIC_PATHS)
+@pytest.mark.parametrize("context", ["no_input_requires_grad", "no_grad", "inference_mode"])
+def test_fast_path_matches_the_op(path, context, monkeypatch, below_autograd):
+    f = _public_paths(monkeypatch)[path]
+    q, k, v = qkv(2, 7, 7, 4, 2, 64)
+    if context != "no_input_requires_grad":
+        q.requires_grad_()  # needs no gradient all the same: grad mode is off
+    mode = {"no_input_requires_grad": contextlib.nullcontext, "no_grad": torch.no_grad,
+            "inference_mode": torch.inference_mode}[context]
+    with mode():
+        out = f(q, k, v)
+    assert below_autograd == [True]
+    assert not out.requires_grad and out.grad_fn is None
+    with torch.no_grad():
+        want = real_fwd(q, k, v)[0]
+    assert torch.equal(out, want)
+    if path == "call_fwd":  # the lse as well
+        with mode():
+            lse = _ops.call_fwd(q, k, v, None, True, True)[1]
+        assert torch.equal(lse, real_fwd(q.detach(), k, v)[1])
+
+
+@needs_ext
+def test_fast_path_not_taken_under_functorch(below_autograd):
+    # torch.func transforms manage the autograd keys themselves, so call_fwd leaves them alone and
+    # behaves as the op does (which does not support them: same error).
+    q, k, v = qkv(1, 3, 3, 2, 2, 64)
+    errors = []
+    for f in (lambda q: _ops.call_fwd(q, k, v, None, False, True)[0].float().sum(),
+              lambda q: torch.ops.flash_attention_sm75.fwd(q, k, v)[0].float().sum()):
+        with pytest.raises(Exception) as e:
+            torch.func.grad(f)(q)
+        errors.append((type(e.value), str(e.value)))
+    assert errors[0] == errors[1]
+    assert below_autograd == [False, False]
 
 
 # ------------------------------------------------------------------------------- package

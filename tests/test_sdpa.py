@@ -4,6 +4,7 @@ CPU tests check the fallback (every CPU call falls back) and the kernel branch's
 forcing the branch, which then runs the op's CPU implementation). GPU tests compare the kernel
 path with the float64 reference and every fallback branch with torch's own SDPA.
 """
+import fractions
 import logging
 
 import pytest
@@ -163,6 +164,87 @@ def test_alignment_and_device_checks_trace_under_compile():
     assert compiled(base, base).max().item() == 1.0
     assert compiled(odd, base).max().item() == 2.0
     assert compiled(base.transpose(2, 3), base).max().item() == 2.0
+
+
+# ------------------------------------------------------- _kernel_accepts, the fast accept (CPU)
+
+
+@pytest.fixture
+def kernel_device_cpu(monkeypatch):
+    """The kernel path's rules for CPU tensors: the device rule reads "cpu", compute capability
+    7.5 (the rules are otherwise unchanged; the op has a CPU implementation)."""
+    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+
+
+def _accepts(*args, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+    """(_kernel_accepts, why_not_supported is None) for the arguments of the SDPA wrapper."""
+    kw = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+              enable_gqa=enable_gqa)
+    return (sdpa._kernel_accepts(*args, **kw),
+            sdpa.why_not_supported(*args, **kw) is None)
+
+
+def _rejected_cases():
+    # Data-pointer and stride alignment are left out: _ops._passes_all_rules applies them to CUDA
+    # tensors only (the op's CPU implementation needs no alignment), so they cannot be checked on
+    # CPU; test_gpu_fallback_misaligned_and_odd_strides covers them.
+    q, k, v = bhsd()
+    return [c for c in REASON_CASES if c[0] != "cpu"] + [
+        ("last_stride", (torch.zeros(2, 4, 64, 8, dtype=torch.float16).transpose(2, 3), k, v),
+         {}, ""),
+        ("scale_fraction", (q, k, v), {"scale": fractions.Fraction(1, 8)}, ""),
+        ("scale_bool", (q, k, v), {"scale": True}, ""),
+        ("is_causal_int", (q, k, v), {"is_causal": 1}, ""),
+    ]
+
+
+REJECTED_CASES = _rejected_cases()
+
+
+@pytest.mark.parametrize("case", REJECTED_CASES, ids=[c[0] for c in REJECTED_CASES])
+def test_kernel_accepts_nothing_why_not_supported_rejects(case, kernel_device_cpu):
+    _, args, kwargs, _ = case
+    fast, slow = _accepts(*args, **kwargs)
+    assert not fast
+    assert not slow
+
+
+@pytest.mark.parametrize("shape,kwargs", [
+    (dict(), {}),
+    (dict(h=8, h_k=2), {"enable_gqa": True, "is_causal": True}),
+    (dict(h=4, h_k=1, s_q=1, s_k=33, d=128), {"enable_gqa": True, "scale": 0.5}),
+    (dict(b=1, h=1, h_k=1, s_q=1, s_k=1), {"scale": 1, "dropout_p": 0}),
+])
+def test_kernel_accepts_what_why_not_supported_accepts(shape, kwargs, kernel_device_cpu):
+    q, k, v = bhsd(**shape)
+    assert _accepts(q, k, v, **kwargs) == (True, True)
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        assert _accepts(qg, k, v, **kwargs) == (True, True)
+    assert _accepts(qg, k, v, **kwargs) == (_ops.HAS_BACKWARD,) * 2
+
+
+def test_kernel_accepts_declines_cpu_tensors_and_missing_extension(monkeypatch):
+    args = bhsd()
+    assert not sdpa._kernel_accepts(*args, None, 0.0, False, None, False)
+    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert not sdpa._kernel_accepts(*args, None, 0.0, False, None, False)  # capability 7.0
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert sdpa._kernel_accepts(*args, None, 0.0, False, None, False)
+    monkeypatch.setattr(_ops, "EXTENSION_AVAILABLE", False)
+    assert not sdpa._kernel_accepts(*args, None, 0.0, False, None, False)
+
+
+def test_wrapper_kernel_path_through_kernel_accepts(kernel_device_cpu, monkeypatch):
+    # The accepted call runs the op (its CPU implementation here) without asking
+    # why_not_supported, and gives the forced kernel branch's result.
+    q, k, v = bhsd(h=8, h_k=2, s_q=6, s_k=9)
+    monkeypatch.setattr(sdpa, "why_not_supported", lambda *a, **kw: pytest.fail("asked"))
+    out = fa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    _kernel_ref_check(q, k, v, out, is_causal=True)
 
 
 # ----------------------------------------------------------------------------- fallback (CPU)
