@@ -230,8 +230,8 @@ do_sanitize() {
   fi
   # Instrument only our kernels when this sanitizer supports a kernel filter (much faster).
   local filt=()
-  if "$san" --kernel-name kns=flash_fwd_kernel --tool memcheck /bin/true >/dev/null 2>&1; then
-    filt=(--kernel-name kns=flash_fwd_kernel)
+  if "$san" --kernel-name kns=flash_ --tool memcheck /bin/true >/dev/null 2>&1; then
+    filt=(--kernel-name kns=flash_)
   fi
   for tool in $SANITIZE_TOOLS; do
     t0=$SECONDS
@@ -245,7 +245,7 @@ do_sanitize() {
            | tail -1 | sed 's/^=* *//')
     drv=$(grep -E '^SANITIZE_DRIVER' "$log" | tail -1 | sed 's/SANITIZE_DRIVER //')
     note="${summ:-no sanitizer summary line}; ${drv:-driver did not finish}"
-    [ ${#filt[@]} -gt 0 ] && note="$note; kernels: flash_fwd_kernel only"
+    [ ${#filt[@]} -gt 0 ] && note="$note; kernels: flash_* only"
     # A zero exit without the summary line means the tool did not really check anything.
     if [ "$rc" = 0 ] && [ -z "$summ" ]; then rc=87; fi
     record "sanitize-$tool" "$rc" $((SECONDS - t0)) "$note"

@@ -2,8 +2,10 @@
 """Tiny driver for compute-sanitizer: launches every forward kernel instantiation
 (d in {64, 128} x causal in {False, True}) on small, odd shapes that hit the edge paths
 (partial Q/K tiles, Sq > Sk rows that see no key, decode q_len=1, GQA, strided BHSD views,
-leftpad_k / seqused_k including an empty key range), and checks each result against the op's
-CPU reference implementation.
+leftpad_k / seqused_k including an empty key range), then the backward kernels on the same
+inputs in both dQ modes (deterministic: dK/dV + dQ kernels; FLASH_SM75_BWD_DQ=atomic: dK/dV
+with atomic dQ + convert), and checks each result against the ops' CPU reference
+implementations.
 
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_driver.py
     compute-sanitizer --tool racecheck python3 scripts/sanitize_driver.py
@@ -59,11 +61,36 @@ def make(b, s, h, d, device, gen, bhsd):
     return torch.randn(b, s, h, d, generator=gen).to(torch.float16).to(device)
 
 
+def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode):
+    """The backward op in one dQ mode (the mode is read from the environment at each call)."""
+    prev = os.environ.get("FLASH_SM75_BWD_DQ")
+    os.environ["FLASH_SM75_BWD_DQ"] = "atomic" if mode == "atomic" else "separate"
+    try:
+        s = scale if scale is not None else q.shape[-1] ** -0.5
+        return torch.ops.flash_attention_sm75.bwd(dout, q, k, v, out, lse, s, causal,
+                                                  bottom_right, lpt, sut,
+                                                  mode == "deterministic")
+    finally:
+        if prev is None:
+            del os.environ["FLASH_SM75_BWD_DQ"]
+        else:
+            os.environ["FLASH_SM75_BWD_DQ"] = prev
+
+
+def grad_error(g, r):
+    """max |g - r| relative to max(1, max |r|); inf for non-finite values."""
+    g = g.cpu().float()
+    if not bool(torch.isfinite(g).all()):
+        return float("inf")
+    return (g - r.float()).abs().max().item() / max(1.0, r.float().abs().max().item())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (self-test)")
     ap.add_argument("--no-check", action="store_true", help="skip the CPU reference comparison")
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--no-bwd", action="store_true", help="forward kernels only")
     args = ap.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -98,6 +125,32 @@ def main(argv=None):
                         print("FAIL", failures[-1], flush=True)
                         continue
                     launches += 1
+                    if not args.no_bwd:
+                        dout = torch.randn(out.shape, generator=gen).to(torch.float16).to(dev)
+                        for mode in ("deterministic", "atomic"):
+                            try:
+                                grads = run_bwd(dout, q, k, v, out, lse, scale, causal,
+                                                bottom_right, lpt, sut, mode)
+                                if dev.type == "cuda":
+                                    torch.cuda.synchronize()
+                            except Exception as e:
+                                failures.append(f"{tag} bwd {mode}: raised {type(e).__name__}: {e}")
+                                print("FAIL", failures[-1], flush=True)
+                                continue
+                            launches += 1
+                            if args.no_check:
+                                continue
+                            ref = run_bwd(dout.cpu(), q.cpu(), k.cpu(), v.cpu(), out.cpu(),
+                                          lse.cpu(), scale, causal, bottom_right,
+                                          None if lpt is None else lpt.cpu(),
+                                          None if sut is None else sut.cpu(), "deterministic")
+                            errs = [grad_error(g, r) for g, r in zip(grads, ref)]
+                            ok = all(e <= 2e-2 for e in errs)
+                            print(("ok  " if ok else "FAIL"), tag, f"bwd {mode}",
+                                  "rel err dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs),
+                                  flush=True)
+                            if not ok:
+                                failures.append(f"{tag} bwd {mode}")
                     if args.no_check:
                         print("ran ", tag, flush=True)
                         continue
