@@ -69,7 +69,8 @@ void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::T
 // heads, summed over the q-heads of each kv-head), float16, contiguous BSHD. Rows that saw no
 // key give zero gradients; keys outside [leftpad_k, seqused_k) get zero dk/dv.
 // deterministic: no floating-point atomics (bitwise reproducible; dQ from a separate kernel
-// that recomputes S/P/dP, ~1.4x the matmul work of the default atomic dQ accumulation).
+// that recomputes S/P/dP, ~1.4x the matmul work of atomic dQ accumulation). The separate dQ
+// kernel is also the default for deterministic=false unless FLASH_SM75_BWD_DQ=atomic.
 // grad_softmax_lse: optional gradient flowing into softmax_lse (batch x h x seqlen_q float32).
 // Inputs not in the kernel layout (last dim contiguous, 16-byte aligned, strides % 8) are
 // copied, not rejected.
@@ -87,6 +88,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
     const std::optional<at::Tensor>& grad_softmax_lse);
+
+// Output and workspace tensors of one backward call (they own the memory params points to).
+struct BwdBuffers {
+  at::Tensor dq, dk, dv;  // float16 BSHD outputs
+  at::Tensor dsoftmax_sum;  // D, float32 (batch, h, seqlen_q)
+  at::Tensor dq_accum;  // float32 (batch, h, seqlen_q, d), zeroed; atomic dQ mode only
+  at::Tensor dlse;  // contiguous grad_softmax_lse, if given
+};
+
+// Allocates the outputs and workspaces of mha_bwd and fills params from inputs that
+// check_bwd_inputs accepted and that are already in the kernel layout (used by mha_bwd and by
+// scripts/tune_bwd.py).
+struct Flash_bwd_params;
+BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const at::Tensor& q,
+                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                       const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
+                       bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+                       const std::optional<at::Tensor>& seqused_k, bool dq_atomic,
+                       const std::optional<at::Tensor>& grad_softmax_lse);
 
 // Backward input validation (check_fwd_inputs plus dout/out/softmax_lse/grad_softmax_lse).
 double check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,

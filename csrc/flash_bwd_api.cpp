@@ -68,6 +68,49 @@ bool env_selects_atomic_dq() {
 
 }  // namespace
 
+BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const at::Tensor& q,
+                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                       const at::Tensor& softmax_lse_, double softmax_scale, bool is_causal,
+                       bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+                       const std::optional<at::Tensor>& seqused_k, bool dq_atomic,
+                       const std::optional<at::Tensor>& grad_softmax_lse) {
+  BwdBuffers bufs;
+  const at::Tensor softmax_lse = softmax_lse_.contiguous();
+  if (grad_softmax_lse.has_value()) bufs.dlse = grad_softmax_lse->contiguous();
+
+  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
+  const int64_t seqlen_k = k.size(1), h_k = k.size(2);
+  bufs.dq = at::empty({b, seqlen_q, h, d}, q.options());
+  bufs.dk = at::empty({b, seqlen_k, h_k, d}, q.options());
+  bufs.dv = at::empty({b, seqlen_k, h_k, d}, q.options());
+  bufs.dsoftmax_sum = at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
+  if (dq_atomic) bufs.dq_accum = at::zeros({b, h, seqlen_q, d}, q.options().dtype(at::kFloat));
+
+  set_params_fprop(params, q, k, v, out, softmax_lse, softmax_scale, is_causal,
+                   causal_bottom_right, leftpad_k, seqused_k);
+  params.do_ptr = dout.data_ptr();
+  params.do_batch_stride = dout.stride(0);
+  params.do_row_stride = dout.stride(1);
+  params.do_head_stride = dout.stride(2);
+  params.dq_ptr = bufs.dq.data_ptr();
+  params.dk_ptr = bufs.dk.data_ptr();
+  params.dv_ptr = bufs.dv.data_ptr();
+  params.dq_batch_stride = bufs.dq.stride(0);
+  params.dq_row_stride = bufs.dq.stride(1);
+  params.dq_head_stride = bufs.dq.stride(2);
+  params.dk_batch_stride = bufs.dk.stride(0);
+  params.dk_row_stride = bufs.dk.stride(1);
+  params.dk_head_stride = bufs.dk.stride(2);
+  params.dv_batch_stride = bufs.dv.stride(0);
+  params.dv_row_stride = bufs.dv.stride(1);
+  params.dv_head_stride = bufs.dv.stride(2);
+  params.dsoftmax_sum = bufs.dsoftmax_sum.data_ptr<float>();
+  params.dlse_ptr = bufs.dlse.defined() ? bufs.dlse.data_ptr<float>() : nullptr;
+  params.dq_accum_ptr = dq_atomic ? bufs.dq_accum.data_ptr<float>() : nullptr;
+  params.dq_atomic = dq_atomic;
+  return bufs;
+}
+
 double check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& out,
                         const at::Tensor& softmax_lse, double softmax_scale,
@@ -99,51 +142,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
               "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or newer), got ",
               props->major, ".", props->minor);
 
-  const at::Tensor softmax_lse = softmax_lse_.contiguous();
-  at::Tensor dlse;
-  if (grad_softmax_lse.has_value()) dlse = grad_softmax_lse->contiguous();
-
-  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
-  const int64_t seqlen_k = k.size(1), h_k = k.size(2);
-  at::Tensor dq = at::empty({b, seqlen_q, h, d}, q.options());
-  at::Tensor dk = at::empty({b, seqlen_k, h_k, d}, q.options());
-  at::Tensor dv = at::empty({b, seqlen_k, h_k, d}, q.options());
-  at::Tensor dsoftmax_sum = at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
-  const bool dq_atomic = !deterministic && env_selects_atomic_dq();
-  at::Tensor dq_accum;
-  if (dq_atomic) dq_accum = at::zeros({b, h, seqlen_q, d}, q.options().dtype(at::kFloat));
-
   Flash_bwd_params params{};
-  set_params_fprop(params, q, k, v, out, softmax_lse, scale, is_causal, causal_bottom_right,
-                   leftpad_k, seqused_k);
-  params.do_ptr = dout.data_ptr();
-  params.do_batch_stride = dout.stride(0);
-  params.do_row_stride = dout.stride(1);
-  params.do_head_stride = dout.stride(2);
-  params.dq_ptr = dq.data_ptr();
-  params.dk_ptr = dk.data_ptr();
-  params.dv_ptr = dv.data_ptr();
-  params.dq_batch_stride = dq.stride(0);
-  params.dq_row_stride = dq.stride(1);
-  params.dq_head_stride = dq.stride(2);
-  params.dk_batch_stride = dk.stride(0);
-  params.dk_row_stride = dk.stride(1);
-  params.dk_head_stride = dk.stride(2);
-  params.dv_batch_stride = dv.stride(0);
-  params.dv_row_stride = dv.stride(1);
-  params.dv_head_stride = dv.stride(2);
-  params.dsoftmax_sum = dsoftmax_sum.data_ptr<float>();
-  params.dlse_ptr = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
-  params.dq_accum_ptr = dq_atomic ? dq_accum.data_ptr<float>() : nullptr;
-  params.dq_atomic = dq_atomic;
-
+  BwdBuffers bufs = prepare_bwd(params, dout, q, k, v, out, softmax_lse_, scale, is_causal,
+                                causal_bottom_right, leftpad_k, seqused_k,
+                                !deterministic && env_selects_atomic_dq(), grad_softmax_lse);
   try {
     run_mha_bwd(params, at::cuda::getCurrentCUDAStream().stream());
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {dq, dk, dv};
+  return {bufs.dq, bufs.dk, bufs.dv};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(

@@ -118,7 +118,8 @@ struct Flash_bwd_dkdv_kreg_traits {
   static constexpr bool kVInRegs = kVInRegs_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kBlockN = 16 * kNWarps;  // keys per CTA
-  static constexpr int kMinBlocksPerSm = 2;
+  // Two 4-warp CTAs per SM (255 registers x 128 threads fit twice in 64K); one larger CTA.
+  static constexpr int kMinBlocksPerSm = kNWarps <= 4 ? 2 : 1;
   static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "multiples of 16");
 
   // Padded rows (d + 8 halves) as in Flash_bwd_kernel_traits.
