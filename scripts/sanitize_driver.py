@@ -61,6 +61,19 @@ def make(b, s, h, d, device, gen, bhsd):
     return torch.randn(b, s, h, d, generator=gen).to(torch.float16).to(device)
 
 
+def launch(tag, failures, dev, fn):
+    """fn() then a device sync; on an exception record a failure and return None."""
+    try:
+        res = fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return res
+    except Exception as e:
+        failures.append(f"{tag}: raised {type(e).__name__}: {e}")
+        print("FAIL", failures[-1], flush=True)
+        return None
+
+
 def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode):
     """The backward op in one dQ mode (the mode is read from the environment at each call)."""
     prev = os.environ.get("FLASH_SM75_BWD_DQ")
@@ -114,28 +127,20 @@ def main(argv=None):
                     scale = 0.5 / (d ** 0.5) if name == "odd_gqa" else None
                     tag = (f"d={d} causal={causal} bottom_right={bottom_right} {name} "
                            f"B={b} Sq={sq} Sk={sk} H={h} Hk={hk}")
-                    try:
-                        out, lse = op(q, k, v, softmax_scale=scale, is_causal=causal,
-                                      causal_bottom_right=bottom_right, leftpad_k=lpt,
-                                      seqused_k=sut)
-                        if dev.type == "cuda":
-                            torch.cuda.synchronize()
-                    except Exception as e:
-                        failures.append(f"{tag}: raised {type(e).__name__}: {e}")
-                        print("FAIL", failures[-1], flush=True)
+                    res = launch(tag, failures, dev, lambda: op(
+                        q, k, v, softmax_scale=scale, is_causal=causal,
+                        causal_bottom_right=bottom_right, leftpad_k=lpt, seqused_k=sut))
+                    if res is None:
                         continue
+                    out, lse = res
                     launches += 1
                     if not args.no_bwd:
                         dout = torch.randn(out.shape, generator=gen).to(torch.float16).to(dev)
                         for mode in ("deterministic", "atomic"):
-                            try:
-                                grads = run_bwd(dout, q, k, v, out, lse, scale, causal,
-                                                bottom_right, lpt, sut, mode)
-                                if dev.type == "cuda":
-                                    torch.cuda.synchronize()
-                            except Exception as e:
-                                failures.append(f"{tag} bwd {mode}: raised {type(e).__name__}: {e}")
-                                print("FAIL", failures[-1], flush=True)
+                            grads = launch(f"{tag} bwd {mode}", failures, dev, lambda: run_bwd(
+                                dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut,
+                                mode))
+                            if grads is None:
                                 continue
                             launches += 1
                             if args.no_check:
