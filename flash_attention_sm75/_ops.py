@@ -24,6 +24,7 @@ import numbers
 from typing import Callable, Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 __all__ = [
     "EXTENSION_AVAILABLE",
@@ -246,6 +247,21 @@ def validate_fwd_inputs(
               check_alignment=True)
 
 
+def forward_ad_input(q, k, v) -> Optional[str]:
+    """Name of the first of q, k, v that carries a forward-mode AD tangent, else None.
+
+    Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) has no formula for the
+    op: without a check its tangent would silently come back as zeros or be dropped. Outside a
+    dual level (the common case) this costs one attribute read.
+    """
+    if getattr(_forward_ad, "_current_level", 0) < 0:
+        return None
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
+            return name
+    return None
+
+
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
     """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
     causal_bottom_right)``, skipping the op's autograd kernel when no gradient can flow.
@@ -258,10 +274,22 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
     * when grad mode is on and an input requires grad: the autograd formula must run;
     * while torch.compile / torch.export trace: the graph gets the plain op;
     * under functorch transforms (``torch.func.grad``, ``vmap``), which manage the autograd
-      dispatch keys themselves.
+      dispatch keys themselves;
+    * while a ``__torch_function__`` mode is active: it runs inside the op call and may add
+      tensors that require grad (or compute with them), which the guard would hide from autograd.
+
+    Raises ``NotImplementedError`` for inputs carrying a forward-mode AD tangent (no jvp formula;
+    the tangent would otherwise be silently wrong).
     """
+    name = forward_ad_input(q, k, v)
+    if name is not None:
+        raise NotImplementedError(
+            f"flash_attention_sm75: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) "
+            f"is not supported; {name} carries a tangent. Use reverse mode (backward, "
+            f"torch.func.grad/vjp) or torch's scaled_dot_product_attention for jvp")
     op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._is_torch_function_mode_enabled()
             or (torch.is_grad_enabled()
                 and (q.requires_grad or k.requires_grad or v.requires_grad))):
         return op(q, k, v, softmax_scale, is_causal, causal_bottom_right)

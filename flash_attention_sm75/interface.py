@@ -103,7 +103,9 @@ def flash_attn_func(
         If the compiled extension is not available, or the GPU's compute capability is < 7.5.
     NotImplementedError
         On ``backward()`` through the result if the built extension has no backward op
-        (``flash_attention_sm75._ops.HAS_BACKWARD`` is False).
+        (``flash_attention_sm75._ops.HAS_BACKWARD`` is False), and for forward-mode AD (an
+        input carrying a ``torch.func.jvp`` / ``torch.autograd.forward_ad`` tangent: there is
+        no jvp formula).
 
     Notes
     -----
@@ -218,7 +220,9 @@ def flash_attention_forward(
         If the compiled extension is not available, or the GPU's compute capability is < 7.5.
     NotImplementedError
         On ``backward()`` through the result if the built extension has no backward op
-        (``flash_attention_sm75._ops.HAS_BACKWARD`` is False).
+        (``flash_attention_sm75._ops.HAS_BACKWARD`` is False), and for forward-mode AD (an
+        input carrying a ``torch.func.jvp`` / ``torch.autograd.forward_ad`` tangent: there is
+        no jvp formula).
 
     Notes
     -----

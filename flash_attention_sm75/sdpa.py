@@ -199,7 +199,7 @@ def why_not_supported(
     shape; equal batch sizes (no broadcasting); ``num_heads == num_heads_k``, or
     ``enable_gqa=True`` and ``num_heads % num_heads_k == 0``; ``scale`` None or finite > 0; no
     tensor requires grad while grad mode is on, unless the extension has the backward op; no
-    empty tensor; last dimension
+    forward-mode AD tangent on any input; no empty tensor; last dimension
     contiguous, data pointers 16-byte aligned, other strides divisible by 8 elements.
 
     Under ``torch.compile`` the compute-capability and data-pointer alignment checks are skipped
@@ -246,6 +246,10 @@ def why_not_supported(
     if torch.is_grad_enabled() and not _ops.HAS_BACKWARD and (
             query.requires_grad or key.requires_grad or value.requires_grad):
         return "an input requires grad and the backward pass is not implemented yet"
+    dual = _ops.forward_ad_input(query, key, value)
+    if dual is not None:
+        return (f"{dict(q='query', k='key', v='value')[dual]} carries a forward-mode AD "
+                f"tangent (torch.func.jvp / forward_ad); the kernel has no jvp formula")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.numel() == 0:
             return f"{name} is empty (shape {list(t.shape)})"
@@ -270,7 +274,9 @@ def why_not_supported(
 
 
 def _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
-    """True only if :func:`why_not_supported` would return None for these arguments.
+    """True only if :func:`why_not_supported` would return None for these arguments (for CUDA
+    tensors: ``_ops._passes_all_rules`` checks pointer and stride alignment only on CUDA, so in
+    the CPU test mode, ``_KERNEL_DEVICE_TYPE = "cpu"``, misaligned CPU tensors may pass here).
 
     The common kernel-path call costs ~15 us of host time in ``why_not_supported``, which walks
     its rules one by one to be able to name the first broken one; here the rules that are not
@@ -285,6 +291,7 @@ def _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, e
             and type(is_causal) is bool and type(dropout_p) in (float, int) and dropout_p == 0
             and (scale is None or type(scale) in (float, int))
             and not torch.compiler.is_compiling()
+            and _ops.forward_ad_input(query, key, value) is None
             # From here on query, key and value are 4-D tensors on one device.
             and _ops._passes_all_rules(query, key, value, scale, 1)
             and (enable_gqa or query.shape[1] == key.shape[1])

@@ -422,6 +422,51 @@ def test_fast_path_not_taken_under_functorch(below_autograd):
     assert below_autograd == [False, False]
 
 
+@needs_ext
+@pytest.mark.parametrize("path", PUBLIC_PATHS)
+def test_torch_function_mode_adding_trainable_tensors_keeps_gradients(path, monkeypatch):
+    # A __torch_function__ mode runs inside the op call and may bring in tensors that require
+    # grad (here an adapter scaling q): the fast path must not hide them from autograd. (No
+    # below_autograd spy here: a mode resolves the op by its attribute, which would be the spy.)
+    from torch.overrides import TorchFunctionMode
+
+    f = _public_paths(monkeypatch)[path]
+    w = torch.rand(64, dtype=torch.float16).add_(0.5).requires_grad_()
+
+    class Adapter(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.flash_attention_sm75.fwd:
+                args = (args[0] * w,) + tuple(args[1:])
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = qkv(2, 7, 7, 4, 2, 64)
+    with Adapter():
+        out = f(q, k, v)
+    assert out.requires_grad and out.grad_fn is not None
+    if _ops.HAS_BACKWARD:
+        out.float().sum().backward()
+        assert w.grad is not None and w.grad.abs().max() > 0
+
+
+@needs_ext
+@pytest.mark.parametrize("path", ["call_fwd", "flash_attn_func", "flash_attention_forward"])
+@pytest.mark.parametrize("api", ["torch.func.jvp", "forward_ad"])
+def test_forward_mode_ad_raises(path, api, monkeypatch):
+    # No jvp formula: without the check the tangent came back as zeros (torch.func.jvp) or was
+    # dropped (forward_ad) when no input required grad.
+    import torch.autograd.forward_ad as fwAD
+
+    f = _public_paths(monkeypatch)[path]
+    q, k, v = qkv(1, 5, 5, 2, 2, 64)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        if api == "torch.func.jvp":
+            torch.func.jvp(lambda v_: f(q, k, v_), (v,), (torch.ones_like(v),))
+        else:
+            with fwAD.dual_level():
+                f(q, fwAD.make_dual(k, torch.ones_like(k)), v)
+    assert _ops.forward_ad_input(q, k, v) is None  # outside a dual level
+
+
 # ------------------------------------------------------------------------------- package
 
 

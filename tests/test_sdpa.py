@@ -226,6 +226,18 @@ def test_kernel_accepts_what_why_not_supported_accepts(shape, kwargs, kernel_dev
     assert _accepts(qg, k, v, **kwargs) == (_ops.HAS_BACKWARD,) * 2
 
 
+def test_forward_mode_ad_falls_back(kernel_device_cpu):
+    # The kernel has no jvp formula: the wrapper must leave dual inputs to torch.
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = bhsd()
+    assert _accepts(q, k, v) == (True, True)
+    with fwAD.dual_level():
+        qd = fwAD.make_dual(q, torch.ones_like(q))
+        assert _accepts(qd, k, v) == (False, False)
+        assert "forward-mode AD" in sdpa.why_not_supported(qd, k, v)
+
+
 def test_kernel_accepts_declines_cpu_tensors_and_missing_extension(monkeypatch):
     args = bhsd()
     assert not sdpa._kernel_accepts(*args, None, 0.0, False, None, False)
