@@ -2,6 +2,8 @@
 // here (see torch_bindings.cpp).
 #include "flash_api.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
@@ -194,6 +196,9 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& leftpad_k,
                                                const std::optional<at::Tensor>& seqused_k) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
+  // The ATen ops below must compute in float32 even under torch.autocast (which would run the
+  // matmuls in bfloat16 and return a bfloat16 lse).
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const int64_t h = q.size(2), h_k = k.size(2);
   // (b, h, s, d) in float32; GQA by repeating K/V heads (the reference may copy).
   at::Tensor qf = q.to(at::kFloat).transpose(1, 2);

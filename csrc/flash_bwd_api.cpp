@@ -5,6 +5,7 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -161,6 +162,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool /*deterministic: always*/,
     const std::optional<at::Tensor>& grad_softmax_lse) {
+  // float32 ATen math even under torch.autocast (see mha_fwd_cpu).
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const double scale = check_bwd_inputs(to_kernel_layout(dout), to_kernel_layout(q),
                                         to_kernel_layout(k), to_kernel_layout(v),
                                         to_kernel_layout(out), softmax_lse, softmax_scale,

@@ -115,6 +115,10 @@ def _validate(
     for name, t in (("q", q), ("k", k), ("v", v)):
         check(isinstance(t, torch.Tensor),
               lambda: f"{_PREFIX}{name} must be a torch.Tensor, got {type(t).__name__}")
+        check(not t.is_nested,
+              lambda: f"{_PREFIX}{name} is a nested tensor; a dense 4-D tensor {dims} is "
+                      f"required (pad the sequences, or pass per-batch key ranges with "
+                      f"leftpad_k / seqused_k to the op)")
         check(t.dim() == 4,
               lambda: f"{_PREFIX}{name} must be 4-D {dims}, got {t.dim()}-D of shape {_shape(t)}")
         check(t.dtype == torch.float16,

@@ -293,6 +293,29 @@ def test_backward_stub_raises():
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_op_ignores_autocast(dtype):
+    # The CPU implementation computes with ATen ops: under torch.autocast its matmuls ran in
+    # bfloat16 and the lse came out bfloat16 (then backward rejected it). Same results as
+    # without autocast, lse float32, backward runs.
+    q, k, v = (t.requires_grad_() for t in qkv(2, 9, 12, 4, 2, 64))
+    with torch.autocast("cpu", dtype=dtype):
+        out, lse = torch.ops.flash_attention_sm75.fwd(q, k, v, None, True, True)
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32
+    with torch.no_grad():
+        want_out, want_lse = torch.ops.flash_attention_sm75.fwd(q, k, v, None, True, True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    if _ops.HAS_BACKWARD:
+        g = torch.randn_like(out)
+        with torch.autocast("cpu", dtype=dtype):
+            grads = torch.autograd.grad(out, (q, k, v), g)
+        want = torch.autograd.grad(
+            torch.ops.flash_attention_sm75.fwd(q, k, v, None, True, True)[0], (q, k, v), g)
+        for got, w in zip(grads, want):
+            assert got.dtype == torch.float16 and torch.equal(got, w)
+
+
+@needs_ext
 @pytest.mark.skipif(not _ops.HAS_BACKWARD, reason="the backward op is not built")
 @pytest.mark.parametrize("mode", ["none", "bottom_right", "top_left"])
 @pytest.mark.parametrize("s_q,s_k,h,h_k", [(7, 13, 4, 2), (13, 13, 2, 2), (9, 20, 4, 1)])

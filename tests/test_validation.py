@@ -30,6 +30,8 @@ def _cases():
     q, k, v = bshd()
     return [
         ("q_not_tensor", (q.tolist(), k, v), {}, r"q must be a torch\.Tensor, got list"),
+        ("q_nested", (torch.nested.nested_tensor([q[0], q[1, :3]], layout=torch.jagged), k, v),
+         {}, r"q is a nested tensor; a dense 4-D tensor"),
         ("q_3d", (q[0], k, v), {}, r"q must be 4-D .* got 3-D of shape \[5, 4, 64\]"),
         ("k_5d", (q, k.unsqueeze(0), v), {}, r"k must be 4-D .* got 5-D"),
         ("q_fp32", (q.float(), k, v), {}, r"q must be float16 .* got torch\.float32"),
