@@ -6,10 +6,10 @@ the preprocess once, then times each dK/dV and dQ kernel variant alone (CUDA eve
 back-to-back launches) and checks its gradients against the library's backward op.
 
     python scripts/tune_bwd.py --d 128 --n 4096 \\
-        --dkdv old 16,4,0,2,1 16,8,0,2,1 --dq 32,8 64,4
+        --dkdv old 16,4,0 16,8,0 --dq 32,8 32,4
 
 A dK/dV variant is ``old`` (Flash_bwd_kernel_traits<d, Br, 64, 8> of Bwd_tile_config, the 8-warp
-kernel without dQ) or ``Br,warps,v_in_regs,prefetch_parts,fuse`` (Flash_bwd_dkdv_kreg_traits);
+kernel without dQ) or ``Br,warps,v_in_regs`` (Flash_bwd_dkdv_kreg_traits);
 a dQ variant is ``Bc,warps`` (Flash_bwd_dq_kernel_traits). TFLOP/s use the kernel's own matmul
 work: 4 units of 2*N^2*d per head for dK/dV, 3 for dQ (halved when causal).
 """
@@ -99,9 +99,8 @@ def dkdv_source(i, d, spec):
         kern = "&flash_bwd_dkdv_kernel<Kr, {c}, false>"
         smem = "Kr::kSmemSizeNoDq"
     else:
-        br, w, vr, parts, fuse = (int(x) for x in spec.split(","))
-        traits = (f"Flash_bwd_dkdv_kreg_traits<{d}, {br}, {w}, {'true' if vr else 'false'}, "
-                  f"{parts}, {'true' if fuse else 'false'}>")
+        br, w, vr = (int(x) for x in spec.split(","))
+        traits = f"Flash_bwd_dkdv_kreg_traits<{d}, {br}, {w}, {'true' if vr else 'false'}>"
         kern = "&flash_bwd_dkdv_kreg_kernel<Kr, {c}>"
         smem = "Kr::kSmemSize"
     return DKDV_TU.format(i=i, traits=traits, kernel=kern.format(c="false"),
@@ -129,7 +128,7 @@ def main():
     ap.add_argument("--n", type=int, nargs="+", default=[4096])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--dkdv", nargs="*", default=["old", "16,4,0,2,1"])
+    ap.add_argument("--dkdv", nargs="*", default=["old", "16,4,0"])
     ap.add_argument("--dq", nargs="*", default=["32,8"])
     ap.add_argument("--json", help="also write every timing to this JSON file")
     args = ap.parse_args()

@@ -91,25 +91,18 @@ struct Flash_bwd_kernel_traits {
   static_assert(kBlockM * kHeadDim % kNThreads == 0, "dQ atomics must divide evenly");
 };
 
-// dK/dV kernel with the block's K and V fragments held in registers (deterministic mode). One
-// warp per 16 keys (Bc = 16 x kNWarps), no query splits: warp w keeps the A fragments of
-// K_w and V_w (16 keys x d each, d/4 registers per thread each) and the dK/dV accumulators of
+// dK/dV kernel with the block's K (and optionally V) fragments held in registers
+// (deterministic mode). One warp per 16 keys (Bc = 16 x kNWarps), no query splits: warp w keeps
+// the A fragments of K_w (16 keys x d, d/4 registers per thread) and the dK/dV accumulators of
 // its keys (d/2 fp32 registers each), and every warp runs over all kBlockM queries of a tile.
-// Only the B operands (Q, dO and their transposes) then come from shared memory: one
+// S^T then needs only its B operand (Q) from shared memory: with V in registers too, one
 // ldmatrix.x4 per 4 MMAs in all four products, against 1 per 2.7 in Flash_bwd_kernel_traits
-// at d = 128, whose query splits and 16 x 16 warp tiles reload K_w / V_w for every tile.
+// at d = 128, whose query splits and 16 x 16 warp tiles reload K_w / V_w for every tile (at
+// d = 128, V in registers spills, so V stays in shared memory: 1 per 3.2).
 // Q / dO / lse / D tiles are double-buffered in shared memory (one barrier per tile); the next
-// tile's global loads are issued in two halves during the current tile's products.
-template <int kHeadDim_, int kBlockM_, int kNWarps_, bool kVInRegs_ = true,
-          int kPrefetchParts_ = 2, bool kFuseSdP_ = false>
+// tile's Q and dO are fetched through registers during the current tile's products.
+template <int kHeadDim_, int kBlockM_, int kNWarps_, bool kVInRegs_ = true>
 struct Flash_bwd_dkdv_kreg_traits {
-  // true: S^T and dP^T accumulate in one k loop (more independent MMA chains; the next tile's
-  // Q is stored after it, its dO after dK); requires kPrefetchParts == 2.
-  static constexpr bool kFuseSdP = kFuseSdP_;
-  // Next tile's Q/dO staged through registers in 4 (a quarter per product), 2 or 1 part(s).
-  static constexpr int kPrefetchParts = kPrefetchParts_;
-  static_assert(kPrefetchParts == 1 || kPrefetchParts == 2 || kPrefetchParts == 4, "1, 2 or 4");
-  static_assert(!kFuseSdP || kPrefetchParts == 2, "the fused order stages Q, then dO");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per tile
   static constexpr int kNWarps = kNWarps_;
@@ -143,7 +136,6 @@ struct Flash_bwd_dkdv_kreg_traits {
   static_assert(kBlockN * kChunksPerRow % kNThreads == 0, "K/V copy must divide evenly");
   static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q/dO copy must divide evenly");
   static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
-  static_assert(kPrefetchParts != 4 || kQChunksPerThread % 2 == 0, "quarters: halves of Q, dO");
 };
 
 // Deterministic dQ kernel: the forward's structure. Each warp owns 16 query rows (Q and dO
@@ -192,7 +184,7 @@ struct Bwd_tile_config<64> {
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
-  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 2, true>;
+  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false>;
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
 };
 

@@ -168,13 +168,12 @@ __device__ __forceinline__ void reduce_over_query_splits(float (&acc)[Kt::kHeadD
 // ldmatrix reads hit 8 distinct bank groups). Unlike the XOR swizzle, every k-step / n-tile of a
 // fragment is then a constant byte offset from one per-lane base address (an immediate in LDSM),
 // which keeps the address registers out of the way of the dK/dV accumulators.
-// (kFirst: as in load_tile_g2r, a later part of the tile.)
-template <typename Kt, int kN, int kFirst = 0>
+template <typename Kt, int kN>
 __device__ __forceinline__ void store_tile_r2s_padded(const uint4 (&stage)[kN], __half* smem,
                                                       int tid) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int idx = tid + (i + kFirst) * Kt::kNThreads;
+    const int idx = tid + i * Kt::kNThreads;
     const int r = idx / Kt::kChunksPerRow;
     const int c = idx % Kt::kChunksPerRow;
     *reinterpret_cast<uint4*>(smem + r * Kt::kRowHalves + c * 8) = stage[i];
@@ -580,10 +579,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 // dK / dV with K_w and V_w in registers (deterministic mode; Flash_bwd_dkdv_kreg_traits).
 // Warp w owns keys 16 w .. 16 w + 15 of the block and all kBlockM queries of each tile:
 //   S^T = K_w Q^T -> P^T -> dV += P^T dO -> dP^T = V_w dO^T -> dS^T -> dK += dS^T Q,
-// with A operands from registers throughout and B operands (Q, dO, plain and transposed) from
-// the tile's shared-memory buffer. Tile it + 1 is fetched into the other buffer meanwhile
-// through registers: Kt::kPrefetchParts = 4 stages a quarter (half of Q or of dO) per product,
-// 2 stages Q over S^T and dV, then dO over dP^T and dK, 1 stages both over the whole tile.
+// with the A operands of S^T from registers and the B operands (Q, dO, plain and transposed)
+// from the tile's shared-memory buffer. S^T and dP^T accumulate in one k loop (4 independent
+// MMA chains per warp instead of 2). Tile it + 1 is fetched into the other buffer meanwhile,
+// through registers in two parts: Q is loaded at the top of the loop and stored after S^T/dP^T,
+// dO is loaded then and stored after dK (measured against other schedules in
+// benchmarks/NOTES.md, session 4).
 template <typename Kt, bool Is_causal>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     flash_bwd_dkdv_kreg_kernel(const Flash_bwd_params params) {
@@ -656,21 +657,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     // Iteration it: q-head bidh_k * ratio + it / num_m, query tile mr.m_block_min + it % num_m.
     auto tile_head = [&](int it) { return blk.bidh_k * ratio + it / num_m; };
     auto tile_m0 = [&](int it) { return (mr.m_block_min + it % num_m) * kBM; };
-    // Chunks [FIRST, FIRST + N) of each thread's share of the Q or dO tile of iteration IT:
-    // global -> registers (LOAD) and registers -> the padded tile TILE (STORE).
+    // Q or dO tile of iteration it: global -> registers (load) and registers -> a padded tile.
     constexpr int kQC = Kt::kQChunksPerThread;
-    constexpr int kParts = Kt::kPrefetchParts;
-    auto q_ptr = [&](int it) {
-      return static_cast<const __half*>(params.q_ptr) + blk.bidb * params.q_batch_stride +
-             tile_head(it) * params.q_head_stride;
+    auto load_q = [&](uint4 (&st)[kQC], int it) {
+      load_tile_g2r<Kt>(st,
+                        static_cast<const __half*>(params.q_ptr) +
+                            blk.bidb * params.q_batch_stride + tile_head(it) * params.q_head_stride,
+                        params.q_row_stride, tile_m0(it), 0, params.seqlen_q, tid);
     };
-    auto do_ptr = [&](int it) {
-      return static_cast<const __half*>(params.do_ptr) + blk.bidb * params.do_batch_stride +
-             tile_head(it) * params.do_head_stride;
+    auto load_do = [&](uint4 (&st)[kQC], int it) {
+      load_tile_g2r<Kt>(st,
+                        static_cast<const __half*>(params.do_ptr) +
+                            blk.bidb * params.do_batch_stride + tile_head(it) * params.do_head_stride,
+                        params.do_row_stride, tile_m0(it), 0, params.seqlen_q, tid);
     };
-#define FA_SM75_LOAD(N, FIRST, ST, PTR, STRIDE, IT) \
-  load_tile_g2r<Kt, N, FIRST>(ST, PTR(IT), STRIDE, tile_m0(IT), 0, params.seqlen_q, tid)
-#define FA_SM75_STORE(N, FIRST, ST, TILE) store_tile_r2s_padded<Kt, N, FIRST>(ST, TILE, tid)
     // lse (log2 units) and D of row tid of iteration it's tile (threads tid < Br).
     auto load_lse = [&](float& lse_s, float& dsum_s, int it) {
       const int row = tile_m0(it) + tid;
@@ -682,17 +682,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       dsum_s = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
     };
 
-    // Staging registers of the next tile: kParts = 4: a quarter (half of Q or of dO) at a
-    // time, 2: Q, then dO, 1: Q and dO together.
-    uint4 stage[kParts == 4 ? kQC / 2 : kQC];
-    uint4 stage_do[kParts == 1 ? kQC : 1];
+    uint4 stage[kQC];  // the next tile's Q, then its dO
     float lse_stage = 0.f, dsum_stage = 0.f;
     {
       uint4 st[kQC];
-      FA_SM75_LOAD(kQC, 0, st, q_ptr, params.q_row_stride, 0);
-      FA_SM75_STORE(kQC, 0, st, sQ0);
-      FA_SM75_LOAD(kQC, 0, st, do_ptr, params.do_row_stride, 0);
-      FA_SM75_STORE(kQC, 0, st, sQ0 + kBM * kRowH);
+      load_q(st, 0);
+      store_tile_r2s_padded<Kt>(st, sQ0, tid);
+      load_do(st, 0);
+      store_tile_r2s_padded<Kt>(st, sQ0 + kBM * kRowH, tid);
     }
     if (tid < kBM) {
       load_lse(lse_stage, dsum_stage, 0);
@@ -717,30 +714,30 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       __half* sQn = sQ0 + (buf ^ 1) * (kBuf / 2);  // next tile's buffer (halves)
       const int m0 = tile_m0(it);
       const bool has_next = it + 1 < total;
-      if (has_next) {  // point A
-        if constexpr (kParts == 4) FA_SM75_LOAD(kQC / 2, 0, stage, q_ptr, params.q_row_stride, it + 1);
-        else FA_SM75_LOAD(kQC, 0, stage, q_ptr, params.q_row_stride, it + 1);
-        if constexpr (kParts == 1) FA_SM75_LOAD(kQC, 0, stage_do, do_ptr, params.do_row_stride, it + 1);
+      if (has_next) {
+        load_q(stage, it + 1);
         if (tid < kBM) load_lse(lse_stage, dsum_stage, it + 1);
       }
 
       const bool need_mask = !tile_is_unmasked(m0 / kBM, blk.n_block, kBM, kBN, kr, Is_causal,
                                                params.causal_offset);
+      // ---- S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x Br queries per warp), one k loop.
       float acc_s[kBM / 8][4];
       float acc_dp[kBM / 8][4];
-      uint32_t p_frag[kBM / 8][2];
-      // S^T = K_w Q^T (16 keys x Br queries per warp); dP^T = V_w dO^T.
-      auto gemm_s = [&](int kk) {
-        const uint32_t a_lo[2] = {k_frag[kk][0], k_frag[kk][1]};
-        const uint32_t a_hi[2] = {k_frag[kk][2], k_frag[kk][3]};
+      zero_acc(acc_s);
+      zero_acc(acc_dp);
 #pragma unroll
-        for (int np = 0; np < kBM / 16; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4(b, q_b_addr + np * 16 * kRowB + kk * 32);
-          mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        {
+          const uint32_t a_lo[2] = {k_frag[kk][0], k_frag[kk][1]};
+          const uint32_t a_hi[2] = {k_frag[kk][2], k_frag[kk][3]};
+#pragma unroll
+          for (int np = 0; np < kBM / 16; ++np) {
+            uint32_t b[4];
+            ldmatrix_x4(b, q_b_addr + np * 16 * kRowB + kk * 32);
+            mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
+          }
         }
-      };
-      auto gemm_dp = [&](int kk) {
         uint32_t a[4];
         if constexpr (Kt::kVInRegs) {
 #pragma unroll
@@ -756,72 +753,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
           ldmatrix_x4(b, q_b_addr + kDo + np * 16 * kRowB + kk * 32);
           mma_k2n2(acc_dp[2 * np], acc_dp[2 * np + 1], a_lo, a_hi, b);
         }
-      };
-      zero_acc(acc_s);
-      zero_acc(acc_dp);
-      if constexpr (Kt::kFuseSdP) {
-        // Both products in one k loop: twice the independent accumulator chains.
-#pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) {
-          gemm_s(kk);
-          gemm_dp(kk);
-        }
-        if (has_next) {  // point B': Q of the next tile stored, its dO loads issued
-          FA_SM75_STORE(kQC, 0, stage, sQn);
-          FA_SM75_LOAD(kQC, 0, stage, do_ptr, params.do_row_stride, it + 1);
-        }
-        probs_t<kBM, Is_causal>(acc_s, p_frag, sLse, 0, t, scale_log2, need_mask,
-                                n0 + 16 * warp + g, m0, kr, params.causal_offset);
-        gemm_a_bt<kBM, kD, kRowB>(acc_dv, p_frag, q_t_addr + kDo);  // dV += P^T dO
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) gemm_s(kk);
-        if constexpr (kParts == 4) {  // point B
-          if (has_next) {
-            FA_SM75_STORE(kQC / 2, 0, stage, sQn);
-            FA_SM75_LOAD(kQC / 2, kQC / 2, stage, q_ptr, params.q_row_stride, it + 1);
-          }
-        }
-        probs_t<kBM, Is_causal>(acc_s, p_frag, sLse, 0, t, scale_log2, need_mask,
-                                n0 + 16 * warp + g, m0, kr, params.causal_offset);
-
-        // ---- dV += P^T dO.
-        gemm_a_bt<kBM, kD, kRowB>(acc_dv, p_frag, q_t_addr + kDo);
-        if constexpr (kParts != 1) {  // point C
-          if (has_next) {
-            if constexpr (kParts == 4) {
-              FA_SM75_STORE(kQC / 2, kQC / 2, stage, sQn);
-              FA_SM75_LOAD(kQC / 2, 0, stage, do_ptr, params.do_row_stride, it + 1);
-            } else {
-              FA_SM75_STORE(kQC, 0, stage, sQn);
-              FA_SM75_LOAD(kQC, 0, stage, do_ptr, params.do_row_stride, it + 1);
-            }
-          }
-        }
-
-        // ---- dP^T = V_w dO^T.
-#pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) gemm_dp(kk);
-        if constexpr (kParts == 4) {  // point D
-          if (has_next) {
-            FA_SM75_STORE(kQC / 2, 0, stage, sQn + kBM * kRowH);
-            FA_SM75_LOAD(kQC / 2, kQC / 2, stage, do_ptr, params.do_row_stride, it + 1);
-          }
-        }
       }
-      // ---- dS^T = P^T o (dP^T - D).
+      if (has_next) {  // the next tile's Q to its buffer; its dO loads in flight from here
+        store_tile_r2s_padded<Kt>(stage, sQn, tid);
+        load_do(stage, it + 1);
+      }
+
+      // ---- P^T, then dV += P^T dO.
+      uint32_t p_frag[kBM / 8][2];
+      probs_t<kBM, Is_causal>(acc_s, p_frag, sLse, 0, t, scale_log2, need_mask,
+                              n0 + 16 * warp + g, m0, kr, params.causal_offset);
+      gemm_a_bt<kBM, kD, kRowB>(acc_dv, p_frag, q_t_addr + kDo);
+
+      // ---- dS^T = P^T o (dP^T - D), then dK += dS^T Q.
       uint32_t ds_frag[kBM / 8][2];
       dsoftmax_t<kBM>(acc_s, acc_dp, ds_frag, sDsum, 0, t);
-
-      // ---- dK += dS^T Q.
       gemm_a_bt<kBM, kD, kRowB>(acc_dk, ds_frag, q_t_addr);
-      if (has_next) {  // point E
-        if constexpr (kParts == 4) FA_SM75_STORE(kQC / 2, kQC / 2, stage, sQn + kBM * kRowH);
-        else if constexpr (kParts == 2) FA_SM75_STORE(kQC, 0, stage, sQn + kBM * kRowH);
-        else {
-          FA_SM75_STORE(kQC, 0, stage, sQn);
-          FA_SM75_STORE(kQC, 0, stage_do, sQn + kBM * kRowH);
-        }
+      if (has_next) {
+        store_tile_r2s_padded<Kt>(stage, sQn + kBM * kRowH, tid);
         if (tid < kBM) {
           sLse0[(buf ^ 1) * kBM + tid] = lse_stage;
           sDsum0[(buf ^ 1) * kBM + tid] = dsum_stage;
@@ -832,8 +781,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   }
   store_dkdv<kD>(params, acc_dk, acc_dv, blk.bidb, blk.bidh_k, n0 + 16 * warp, g, t);
 }
-#undef FA_SM75_LOAD
-#undef FA_SM75_STORE
 
 // ---------------------------------------------------------------------------------------------
 // Deterministic dQ: one CTA per (query tile, batch, head), 16 query rows per warp, streaming the

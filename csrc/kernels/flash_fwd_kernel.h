@@ -32,14 +32,13 @@ namespace flash_sm75 {
 // per thread per step, rows [row0, row0 + kRows). Rows outside [valid_begin, valid_end) are
 // zero-filled: they are never read from memory, and zero V rows keep masked keys (P = 0) from
 // contributing 0 * garbage = NaN.
-// kFirst > 0 loads a later part of the tile: chunks (kFirst .. kFirst + kN - 1) x kNThreads + tid.
-template <typename Kt, int kN, int kFirst = 0>
+template <typename Kt, int kN>
 __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* base,
                                               index_t row_stride, int row0, int valid_begin,
                                               int valid_end, int tid) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int idx = tid + (i + kFirst) * Kt::kNThreads;
+    const int idx = tid + i * Kt::kNThreads;
     const int r = idx / Kt::kChunksPerRow;
     const int c = idx % Kt::kChunksPerRow;
     const int grow = row0 + r;
