@@ -1,0 +1,100 @@
+// csrc/kernels/bwd_kernel_traits.h: the backward launch plan (which dK/dV kernel each mode and
+// head dim launches, with what grid, threads and shared memory) and the tiles' Turing limits.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "kernels/bwd_kernel_traits.h"
+
+namespace flash_sm75 {
+namespace {
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <int D>
+void expect_bwd_plan(int b, int h, int h_k, int sq, int sk) {
+  using C = Bwd_tile_config<D>;
+  using Kt = typename C::Traits;
+  using Kq = typename C::DqTraits;
+  using Kr = typename C::KregTraits;
+  SCOPED_TRACE("d=" + std::to_string(D) + " b=" + std::to_string(b) + " h=" + std::to_string(h) +
+               " h_k=" + std::to_string(h_k) + " sq=" + std::to_string(sq) +
+               " sk=" + std::to_string(sk));
+  for (bool atomic : {false, true}) {
+    SCOPED_TRACE(atomic ? "atomic dQ" : "deterministic");
+    const BwdLaunchPlan p = plan_bwd_launch(D, b, h, h_k, sq, sk, atomic);
+    // The atomic mode always runs the query-split kernel (it holds the dS^T tile for dQ); the
+    // deterministic mode runs the K-in-registers kernel where the head dim configures one.
+    int block_n = Kt::kBlockN, threads = Kt::kNThreads;
+    int smem = atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq;
+    if constexpr (!std::is_void_v<Kr>) {
+      if (!atomic) {
+        block_n = Kr::kBlockN;
+        threads = Kr::kNThreads;
+        smem = Kr::kSmemSize;
+      }
+    }
+    EXPECT_EQ(p.num_n_blocks, cdiv(sk, block_n));
+    EXPECT_EQ(p.dkdv_blocks, cdiv(sk, block_n) * b * h_k);  // one CTA per kv head: GQA summed
+    EXPECT_EQ(p.dkdv_threads, threads);
+    EXPECT_EQ(p.dkdv_smem, smem);
+    EXPECT_LE(p.dkdv_smem, kSm75MaxSmemPerBlock);
+    EXPECT_EQ(p.num_m_blocks_dq, cdiv(sq, Kq::kBlockM));
+    EXPECT_EQ(p.dq_blocks, cdiv(sq, Kq::kBlockM) * b * h);
+    EXPECT_EQ(p.dq_threads, Kq::kNThreads);
+    EXPECT_EQ(p.dq_smem, Kq::kSmemSize);
+    EXPECT_LE(p.dq_smem, kSm75MaxSmemPerBlock);
+    // Preprocess: every (batch, head, query) row covered by 256-thread blocks of d/8 per row.
+    const int64_t rows = int64_t{b} * h * sq;
+    EXPECT_GE(p.preprocess_blocks * (kBwdAuxThreads / (D / 8)), rows);
+    EXPECT_LT((p.preprocess_blocks - 1) * (kBwdAuxThreads / (D / 8)), rows);
+  }
+}
+
+TEST(BwdLaunchPlan, KernelsGridThreadsSmem) {
+  for (int s : {1, 15, 16, 17, 63, 64, 65, 1000, 4097}) {
+    expect_bwd_plan<64>(2, 4, 2, s, 2 * s + 1);
+    expect_bwd_plan<128>(2, 4, 2, s, 2 * s + 1);
+    expect_bwd_plan<128>(1, 6, 1, 3 * s, s);
+  }
+}
+
+TEST(BwdLaunchPlan, D128DeterministicUsesKeysInRegisters) {
+  using Kr = Bwd_tile_config<128>::KregTraits;
+  static_assert(!std::is_void_v<Kr>, "d = 128 configures the K-in-registers kernel");
+  EXPECT_EQ(Kr::kBlockN, 16 * Kr::kNWarps);  // one warp per 16 keys, no query splits
+  EXPECT_EQ(Kr::kBlockM % 16, 0);
+  // Q/dO tiles double-buffered, then lse and D ([2][Br] each), then V (not in registers).
+  EXPECT_EQ(Kr::kOffLse, 2 * 2 * Kr::kBlockM * (128 + 8) * 2);
+  EXPECT_LE(Kr::kKTileBytes, Kr::kSmemSize);  // K staging before the loop fits the space
+  EXPECT_LE(Kr::kSmemSize, kSm75MaxSmemPerBlock);
+  EXPECT_EQ(Kr::kMinBlocksPerSm, Kr::kNWarps <= 4 ? 2 : 1);
+  const BwdLaunchPlan det = plan_bwd_launch(128, 4, 16, 16, 4096, 4096, false);
+  const BwdLaunchPlan atomic = plan_bwd_launch(128, 4, 16, 16, 4096, 4096, true);
+  EXPECT_EQ(det.dkdv_threads, Kr::kNThreads);
+  EXPECT_EQ(atomic.dkdv_threads, Bwd_tile_config<128>::Traits::kNThreads);
+  static_assert(std::is_void_v<Bwd_tile_config<64>::KregTraits>, "d = 64 keeps one kernel");
+}
+
+TEST(BwdLaunchPlan, GridLimitAndHeadDim) {
+  // b * h * ceil(sq / Br) beyond 2^31 - 1 CTAs must be refused, not wrapped.
+  EXPECT_THROW(plan_bwd_launch(128, 1 << 16, 1 << 10, 1, 1 << 20, 64, false),
+               std::invalid_argument);
+  EXPECT_NO_THROW(plan_bwd_launch(128, 4, 16, 16, 1 << 16, 1 << 16, false));
+  for (int d : {0, 32, 96, 256}) {
+    try {
+      plan_bwd_launch(d, 1, 1, 1, 64, 64, false);
+      ADD_FAILURE() << "expected std::invalid_argument for head_dim " << d;
+    } catch (const std::invalid_argument& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind("flash_attention_sm75:", 0), 0u) << msg;
+      EXPECT_NE(msg.find(std::to_string(d)), std::string::npos) << msg;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flash_sm75
