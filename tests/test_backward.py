@@ -171,6 +171,37 @@ def test_bwd_strided(d, layout):
     check_against_reference(q, k, v, do, True, True)
 
 
+def dkdv_kernels_run(fn):
+    """Names of the dK/dV kernels fn() launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages() if "dkdv" in e.key}
+
+
+@cuda_only
+@pytest.mark.parametrize("smem_per_sm", ["65536", None])  # a Turing SM, this GPU's
+@pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES)
+@pytest.mark.parametrize("seqlens,heads", [((127, 129), (4, 2)), ((1000, 1000), (8, 1)),
+                                           ((1, 1000), (4, 4))])
+def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, smem_per_sm,
+                                     monkeypatch):
+    # d = 128, deterministic: the K-in-registers dK/dV kernel where two of its CTAs fit in an
+    # SM's shared memory, the 8-warp kernel on a 64 KiB (Turing) SM. Both must be exact and
+    # the plan must pick the one it says.
+    if smem_per_sm is None:
+        monkeypatch.delenv("FLASH_SM75_BWD_SMEM_PER_SM", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_SM75_BWD_SMEM_PER_SM", smem_per_sm)
+    Sq, Sk = seqlens
+    q, k, v, do = make_inputs(2, Sq, Sk, *heads, 128, "cuda", seed=Sq + Sk)
+    names = dkdv_kernels_run(lambda: check_against_reference(q, k, v, do, causal, bottom_right,
+                                                             deterministic=True))
+    shared = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
+    kreg = smem_per_sm is None and shared >= 2 * 35 * 1024
+    assert len(names) == 1 and ("kreg" in next(iter(names))) == kreg, names
+
+
 @cuda_only
 def test_bwd_unaligned_dout_is_copied():
     # e.g. the expanded gradient of out.sum(): stride 0 everywhere

@@ -129,7 +129,8 @@ struct Flash_bwd_dkdv_kreg_traits {
       : (kOffV > kKTileBytes ? kOffV : kKTileBytes);
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
   // Two CTAs per SM need 2 x kSmemSize of the SM's shared memory: 64 KiB on a T4, so with V
-  // in shared memory (35 KiB at d = 128) a T4 runs one CTA per SM; the H200 runs two.
+  // in shared memory (35 KiB at d = 128) a T4 would run one CTA per SM (make_bwd_plan then
+  // picks the 8-warp kernel); the H200 runs two.
 
   static constexpr int kKVChunksPerThread = kBlockN * kChunksPerRow / kNThreads;
   static constexpr int kQChunksPerThread = kBlockM * kChunksPerRow / kNThreads;
@@ -173,8 +174,8 @@ struct Flash_bwd_dq_kernel_traits {
 //    (d/4 + d/4 + d/2 registers) resident, so Bc = 32 keeps S, dP small enough not to spill.
 template <int kHeadDim>
 struct Bwd_tile_config;
-//  * KregTraits (void: not used): the dK/dV kernel of deterministic mode when it differs from
-//    Traits' (Traits' kernel always serves the atomic-dQ mode).
+//  * KregTraits (void: not used): the dK/dV kernel of deterministic mode on GPUs whose SMs hold
+//    two of its CTAs (make_bwd_plan); Traits' kernel serves the atomic-dQ mode and the others.
 template <>
 struct Bwd_tile_config<64> {
   using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
@@ -192,6 +193,7 @@ struct Bwd_tile_config<128> {
 constexpr int kBwdAuxThreads = 256;
 
 struct BwdLaunchPlan {
+  bool dkdv_keys_in_regs;    // the dK/dV kernel: KregTraits' (true) or Traits' (false)
   int num_n_blocks;          // key blocks of the dK/dV kernel
   int64_t dkdv_blocks;       // num_n_blocks * b * h_k
   int dkdv_threads;
@@ -204,15 +206,22 @@ struct BwdLaunchPlan {
   int64_t convert_blocks;     // b * seqlen_q * h * d / 8 threads of work (atomic mode)
 };
 
+// Which dK/dV kernel runs: the K-in-registers kernel (Kr, if the head dim has one) in the
+// deterministic dQ mode when kMinBlocksPerSm of its CTAs fit in the SM's shared memory
+// (smem_per_sm bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor): it was measured faster on
+// the H200 with two CTAs (8 warps) per SM, but at d = 128 it needs 35 KiB, so a Turing SM
+// (64 KiB) would hold one CTA of 4 warps; there the 8-warp Traits kernel keeps 8 warps per SM.
 template <typename Kt, typename Kq, typename Kr = void>
 inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seqlen_k,
-                                   bool dq_atomic) {
+                                   bool dq_atomic, int smem_per_sm) {
   BwdLaunchPlan p;
+  p.dkdv_keys_in_regs = false;
   p.num_n_blocks = (seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN;
   p.dkdv_threads = Kt::kNThreads;
   p.dkdv_smem = dq_atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq;
   if constexpr (!std::is_void_v<Kr>) {
-    if (!dq_atomic) {  // the K/V-in-registers dK/dV kernel
+    if (!dq_atomic && Kr::kMinBlocksPerSm * Kr::kSmemSize <= smem_per_sm) {
+      p.dkdv_keys_in_regs = true;
       p.num_n_blocks = (seqlen_k + Kr::kBlockN - 1) / Kr::kBlockN;
       p.dkdv_threads = Kr::kNThreads;
       p.dkdv_smem = Kr::kSmemSize;
@@ -239,16 +248,16 @@ inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seql
 }
 
 inline BwdLaunchPlan plan_bwd_launch(int d, int b, int h, int h_k, int seqlen_q, int seqlen_k,
-                                     bool dq_atomic) {
+                                     bool dq_atomic, int smem_per_sm) {
   if (d == 64) {
     using C = Bwd_tile_config<64>;
     return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits>(b, h, h_k, seqlen_q, seqlen_k,
-                                                                dq_atomic);
+                                                                dq_atomic, smem_per_sm);
   }
   if (d == 128) {
     using C = Bwd_tile_config<128>;
     return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits>(b, h, h_k, seqlen_q, seqlen_k,
-                                                                dq_atomic);
+                                                                dq_atomic, smem_per_sm);
   }
   throw std::invalid_argument("flash_attention_sm75: head_dim must be 64 or 128, got " +
                               std::to_string(d));

@@ -1,6 +1,7 @@
 // Launch sequence of the backward pass for one (head dim, causal) instantiation.
 #pragma once
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -31,8 +32,20 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   using Kt = typename Bwd_tile_config<kHeadDim>::Traits;
   using Kr = typename Bwd_tile_config<kHeadDim>::KregTraits;
   using Kq = typename Bwd_tile_config<kHeadDim>::DqTraits;
-  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq, Kr>(
-      params.b, params.h, params.h_k, params.seqlen_q, params.seqlen_k, params.dq_atomic);
+  // Shared memory per SM decides the dK/dV kernel (make_bwd_plan).
+  // FLASH_SM75_BWD_SMEM_PER_SM=<bytes> overrides it (tests run the Turing plan on newer GPUs).
+  int device = 0, smem_per_sm = 0;
+  if (const char* env = std::getenv("FLASH_SM75_BWD_SMEM_PER_SM")) {
+    smem_per_sm = std::atoi(env);
+  } else if (cudaGetDevice(&device) != cudaSuccess ||
+             cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                    device) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it so the launch check does not report it
+    smem_per_sm = 0;            // unknown: the 8-warp dK/dV kernel, which fits every SM75+ GPU
+  }
+  const BwdLaunchPlan plan =
+      make_bwd_plan<Kt, Kq, Kr>(params.b, params.h, params.h_k, params.seqlen_q,
+                                params.seqlen_k, params.dq_atomic, smem_per_sm);
   flash_bwd_preprocess_kernel<kHeadDim>
       <<<static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads, 0, stream>>>(params);
   if (params.dq_atomic) {
@@ -43,10 +56,10 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     flash_bwd_convert_dq_kernel<kHeadDim>
         <<<static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads, 0, stream>>>(params);
   } else {
-    auto kernel = [] {
-      if constexpr (std::is_void_v<Kr>) return &flash_bwd_dkdv_kernel<Kt, Is_causal, false>;
-      else return &flash_bwd_dkdv_kreg_kernel<Kr, Is_causal>;
-    }();
+    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false>;
+    if constexpr (!std::is_void_v<Kr>) {
+      if (plan.dkdv_keys_in_regs) kernel = &flash_bwd_dkdv_kreg_kernel<Kr, Is_causal>;
+    }
     set_max_dynamic_smem(kernel, plan.dkdv_smem);
     kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
              stream>>>(params);

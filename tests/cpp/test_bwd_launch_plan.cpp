@@ -14,29 +14,36 @@ namespace {
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+constexpr int kH200SmemPerSm = 228 * 1024;  // cudaDevAttrMaxSharedMemoryPerMultiprocessor
+constexpr int kT4SmemPerSm = 64 * 1024;
+
 template <int D>
-void expect_bwd_plan(int b, int h, int h_k, int sq, int sk) {
+void expect_bwd_plan(int b, int h, int h_k, int sq, int sk, int smem_per_sm) {
   using C = Bwd_tile_config<D>;
   using Kt = typename C::Traits;
   using Kq = typename C::DqTraits;
   using Kr = typename C::KregTraits;
   SCOPED_TRACE("d=" + std::to_string(D) + " b=" + std::to_string(b) + " h=" + std::to_string(h) +
                " h_k=" + std::to_string(h_k) + " sq=" + std::to_string(sq) +
-               " sk=" + std::to_string(sk));
+               " sk=" + std::to_string(sk) + " smem/SM=" + std::to_string(smem_per_sm));
   for (bool atomic : {false, true}) {
     SCOPED_TRACE(atomic ? "atomic dQ" : "deterministic");
-    const BwdLaunchPlan p = plan_bwd_launch(D, b, h, h_k, sq, sk, atomic);
+    const BwdLaunchPlan p = plan_bwd_launch(D, b, h, h_k, sq, sk, atomic, smem_per_sm);
     // The atomic mode always runs the query-split kernel (it holds the dS^T tile for dQ); the
-    // deterministic mode runs the K-in-registers kernel where the head dim configures one.
+    // deterministic mode runs the K-in-registers kernel where the head dim configures one and
+    // two of its CTAs fit in an SM's shared memory.
     int block_n = Kt::kBlockN, threads = Kt::kNThreads;
     int smem = atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq;
+    bool kreg = false;
     if constexpr (!std::is_void_v<Kr>) {
-      if (!atomic) {
+      if (!atomic && Kr::kMinBlocksPerSm * Kr::kSmemSize <= smem_per_sm) {
+        kreg = true;
         block_n = Kr::kBlockN;
         threads = Kr::kNThreads;
         smem = Kr::kSmemSize;
       }
     }
+    EXPECT_EQ(p.dkdv_keys_in_regs, kreg);
     EXPECT_EQ(p.num_n_blocks, cdiv(sk, block_n));
     EXPECT_EQ(p.dkdv_blocks, cdiv(sk, block_n) * b * h_k);  // one CTA per kv head: GQA summed
     EXPECT_EQ(p.dkdv_threads, threads);
@@ -55,14 +62,16 @@ void expect_bwd_plan(int b, int h, int h_k, int sq, int sk) {
 }
 
 TEST(BwdLaunchPlan, KernelsGridThreadsSmem) {
-  for (int s : {1, 15, 16, 17, 63, 64, 65, 1000, 4097}) {
-    expect_bwd_plan<64>(2, 4, 2, s, 2 * s + 1);
-    expect_bwd_plan<128>(2, 4, 2, s, 2 * s + 1);
-    expect_bwd_plan<128>(1, 6, 1, 3 * s, s);
+  for (int smem_per_sm : {0, kT4SmemPerSm, kH200SmemPerSm}) {
+    for (int s : {1, 15, 16, 17, 63, 64, 65, 1000, 4097}) {
+      expect_bwd_plan<64>(2, 4, 2, s, 2 * s + 1, smem_per_sm);
+      expect_bwd_plan<128>(2, 4, 2, s, 2 * s + 1, smem_per_sm);
+      expect_bwd_plan<128>(1, 6, 1, 3 * s, s, smem_per_sm);
+    }
   }
 }
 
-TEST(BwdLaunchPlan, D128DeterministicUsesKeysInRegisters) {
+TEST(BwdLaunchPlan, D128DeterministicUsesKeysInRegistersWhereTwoCtasFit) {
   using Kr = Bwd_tile_config<128>::KregTraits;
   static_assert(!std::is_void_v<Kr>, "d = 128 configures the K-in-registers kernel");
   EXPECT_EQ(Kr::kBlockN, 16 * Kr::kNWarps);  // one warp per 16 keys, no query splits
@@ -72,21 +81,28 @@ TEST(BwdLaunchPlan, D128DeterministicUsesKeysInRegisters) {
   EXPECT_LE(Kr::kKTileBytes, Kr::kSmemSize);  // K staging before the loop fits the space
   EXPECT_LE(Kr::kSmemSize, kSm75MaxSmemPerBlock);
   EXPECT_EQ(Kr::kMinBlocksPerSm, Kr::kNWarps <= 4 ? 2 : 1);
-  const BwdLaunchPlan det = plan_bwd_launch(128, 4, 16, 16, 4096, 4096, false);
-  const BwdLaunchPlan atomic = plan_bwd_launch(128, 4, 16, 16, 4096, 4096, true);
-  EXPECT_EQ(det.dkdv_threads, Kr::kNThreads);
+  // Turing: 64 KiB of shared memory per SM hold one 35 KiB CTA of 4 warps: the 8-warp kernel.
+  EXPECT_GT(2 * Kr::kSmemSize, kT4SmemPerSm);
+  const BwdLaunchPlan h200 = plan_bwd_launch(128, 4, 16, 16, 4096, 4096, false, kH200SmemPerSm);
+  const BwdLaunchPlan t4 = plan_bwd_launch(128, 4, 16, 16, 4096, 4096, false, kT4SmemPerSm);
+  const BwdLaunchPlan atomic = plan_bwd_launch(128, 4, 16, 16, 4096, 4096, true, kH200SmemPerSm);
+  EXPECT_TRUE(h200.dkdv_keys_in_regs);
+  EXPECT_EQ(h200.dkdv_threads, Kr::kNThreads);
+  EXPECT_FALSE(t4.dkdv_keys_in_regs);
+  EXPECT_EQ(t4.dkdv_threads, Bwd_tile_config<128>::Traits::kNThreads);
+  EXPECT_FALSE(atomic.dkdv_keys_in_regs);
   EXPECT_EQ(atomic.dkdv_threads, Bwd_tile_config<128>::Traits::kNThreads);
   static_assert(std::is_void_v<Bwd_tile_config<64>::KregTraits>, "d = 64 keeps one kernel");
 }
 
 TEST(BwdLaunchPlan, GridLimitAndHeadDim) {
   // b * h * ceil(sq / Br) beyond 2^31 - 1 CTAs must be refused, not wrapped.
-  EXPECT_THROW(plan_bwd_launch(128, 1 << 16, 1 << 10, 1, 1 << 20, 64, false),
+  EXPECT_THROW(plan_bwd_launch(128, 1 << 16, 1 << 10, 1, 1 << 20, 64, false, kH200SmemPerSm),
                std::invalid_argument);
-  EXPECT_NO_THROW(plan_bwd_launch(128, 4, 16, 16, 1 << 16, 1 << 16, false));
+  EXPECT_NO_THROW(plan_bwd_launch(128, 4, 16, 16, 1 << 16, 1 << 16, false, kH200SmemPerSm));
   for (int d : {0, 32, 96, 256}) {
     try {
-      plan_bwd_launch(d, 1, 1, 1, 64, 64, false);
+      plan_bwd_launch(d, 1, 1, 1, 64, 64, false, kH200SmemPerSm);
       ADD_FAILURE() << "expected std::invalid_argument for head_dim " << d;
     } catch (const std::invalid_argument& e) {
       const std::string msg = e.what();

@@ -100,8 +100,12 @@ void run_backward(Flash_bwd_params& p) {
   using Kt = typename Bwd_tile_config<kD>::Traits;
   using Kr = typename Bwd_tile_config<kD>::KregTraits;
   using Kq = typename Bwd_tile_config<kD>::DqTraits;
-  const BwdLaunchPlan plan =
-      make_bwd_plan<Kt, Kq, Kr>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, p.dq_atomic);
+  // Both dK/dV kernels of the deterministic mode: an H200-sized SM (228 KiB of shared memory,
+  // K-in-registers kernel) or a Turing one (64 KiB, 8-warp kernel), fixed per case so that the
+  // bitwise rerun compares the same kernel.
+  const int smem_per_sm = (p.seqlen_q + p.seqlen_k) % 2 ? 228 * 1024 : 64 * 1024;
+  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq, Kr>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k,
+                                                       p.dq_atomic, smem_per_sm);
   emu::launch(static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads,
               [&] { flash_bwd_preprocess_kernel<kD>(p); });
   if (p.dq_atomic) {
@@ -111,8 +115,10 @@ void run_backward(Flash_bwd_params& p) {
                 [&] { flash_bwd_convert_dq_kernel<kD>(p); });
   } else {
     emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, [&] {
-      if constexpr (std::is_void_v<Kr>) flash_bwd_dkdv_kernel<Kt, kCausal, false>(p);
-      else flash_bwd_dkdv_kreg_kernel<Kr, kCausal>(p);
+      if constexpr (!std::is_void_v<Kr>) {
+        if (plan.dkdv_keys_in_regs) return flash_bwd_dkdv_kreg_kernel<Kr, kCausal>(p);
+      }
+      flash_bwd_dkdv_kernel<Kt, kCausal, false>(p);
     });
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
                 [&] { flash_bwd_dq_kernel<Kq, kCausal>(p); });
