@@ -19,10 +19,14 @@ import os
 import pathlib
 import tempfile
 
+import sys
+
 import torch
 from torch.utils.cpp_extension import load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _common  # noqa: E402  (benchmarks/_common.py: timing helpers)
 
 DKDV_TU = """
 #include "flash_api.h"
@@ -107,21 +111,6 @@ def dkdv_source(i, d, spec):
                           kernel_causal=kern.format(c="true"), smem=smem)
 
 
-def bench(fn, reps=7, inner=10):
-    fn()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(reps):
-        st.record()
-        for _ in range(inner):
-            fn()
-        en.record()
-        torch.cuda.synchronize()
-        ts.append(st.elapsed_time(en) / inner)
-    return sorted(ts)[len(ts) // 2]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=128, choices=[64, 128])
@@ -188,14 +177,14 @@ def main():
                 _, dk, dv = mod.grads()
                 err = max((dk.float() - ref[1].float()).abs().max().item(),
                           (dv.float() - ref[2].float()).abs().max().item())
-                t = bench(lambda: mod.run_dkdv(i))
+                t = _common.bench_launch_loop(lambda: mod.run_dkdv(i), "cuda", calls=10, trials=7)
                 row.append(f"dkdv[{spec}] {t:.3f} ms {4 * unit / t / 1e9:.0f} TF err {err:.0e}")
                 records.append(dict(n=n, causal=causal, kernel="dkdv", spec=spec, ms=t, err=err))
             for i, spec in enumerate(dq_specs):
                 mod.run_dq(i)
                 torch.cuda.synchronize()
                 err = (mod.grads()[0].float() - ref[0].float()).abs().max().item()
-                t = bench(lambda: mod.run_dq(i))
+                t = _common.bench_launch_loop(lambda: mod.run_dq(i), "cuda", calls=10, trials=7)
                 row.append(f"dq[{spec}] {t:.3f} ms {3 * unit / t / 1e9:.0f} TF err {err:.0e}")
                 records.append(dict(n=n, causal=causal, kernel="dq", spec=spec, ms=t, err=err))
             print(" | ".join(row), flush=True)

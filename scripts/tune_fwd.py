@@ -11,12 +11,16 @@ import os
 import pathlib
 import tempfile
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.cpp_extension import load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _common  # noqa: E402  (benchmarks/_common.py: timing helpers)
 
 TU = """
 #include "flash_api.h"
@@ -79,19 +83,7 @@ def main():
     def bench(fn):
         # Back-to-back calls between two events, so host-side launch cost overlaps the GPU
         # work (it would dominate single-call timings of the ~30 us N=512 cases).
-        for _ in range(3):
-            fn()
-        st, en = torch.cuda.Event(True), torch.cuda.Event(True)
-        ts = []
-        for _ in range(7):
-            torch.cuda.synchronize()
-            st.record()
-            for _ in range(20):
-                fn()
-            en.record()
-            torch.cuda.synchronize()
-            ts.append(st.elapsed_time(en) / 20)
-        return sorted(ts)[len(ts) // 2]
+        return _common.bench_launch_loop(fn, "cuda", calls=20, trials=7)
 
     B, H = 4, 16
     for n in args.n:
