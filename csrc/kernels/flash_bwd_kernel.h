@@ -576,12 +576,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// dK / dV with K_w and V_w in registers (deterministic mode; Flash_bwd_dkdv_kreg_traits).
-// Warp w owns keys 16 w .. 16 w + 15 of the block and all kBlockM queries of each tile:
-//   S^T = K_w Q^T -> P^T -> dV += P^T dO -> dP^T = V_w dO^T -> dS^T -> dK += dS^T Q,
+// dK / dV with K_w (and, if Kt::kVInRegs, V_w) in registers (deterministic mode;
+// Flash_bwd_dkdv_kreg_traits). Warp w owns keys 16 w .. 16 w + 15 of the block and all
+// kBlockM queries of each tile:
+//   S^T = K_w Q^T and dP^T = V_w dO^T (one k loop: 4 independent MMA chains per warp instead
+//   of 2) -> P^T -> dV += P^T dO -> dS^T = P^T o (dP^T - D) -> dK += dS^T Q,
 // with the A operands of S^T from registers and the B operands (Q, dO, plain and transposed)
-// from the tile's shared-memory buffer. S^T and dP^T accumulate in one k loop (4 independent
-// MMA chains per warp instead of 2). Tile it + 1 is fetched into the other buffer meanwhile,
+// from the tile's shared-memory buffer. Tile it + 1 is fetched into the other buffer meanwhile,
 // through registers in two parts: Q is loaded at the top of the loop and stored after S^T/dP^T,
 // dO is loaded then and stored after dK (measured against other schedules in
 // benchmarks/NOTES.md, session 4).
@@ -632,7 +633,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     const uint32_t v_a_addr =
         smem_u32addr(sV + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
     {
-      const uint32_t a_addr = smem_u32addr(sQ0 + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
+      const uint32_t a_addr =
+          smem_u32addr(sQ0 + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
       const __half* k_base = static_cast<const __half*>(params.k_ptr) +
                              blk.bidb * params.k_batch_stride + blk.bidh_k * params.k_head_stride;
       const __half* v_base = static_cast<const __half*>(params.v_ptr) +
