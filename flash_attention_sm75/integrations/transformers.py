@@ -456,6 +456,8 @@ def _cuda_capability(index: int) -> Tuple[int, int]:
 def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs) -> Optional[str]:
     if kwargs.get("output_attentions", False):
         return "output_attentions=True"
+    if kwargs.get("softcap") is not None:
+        return f"softcap={kwargs['softcap']!r} (attention logit soft-capping is not supported)"
     if bound["position_bias"] is not None:
         return "position_bias is not supported"
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
@@ -636,9 +638,18 @@ def flash_attention_sm75_forward(
     Raises
     ------
     ValueError
-        In strict mode, for a call that would fall back (the message gives the reason); or when
-        a call falls back and ``FLASH_ATTENTION_SM75_STRICT`` holds an unrecognised value.
+        In strict mode, for a call that would fall back (the message gives the reason); when a
+        call falls back and ``FLASH_ATTENTION_SM75_STRICT`` holds an unrecognised value; and for
+        ``softcap`` (Gemma 2's logit soft-capping), which neither the kernel nor the SDPA
+        fallback implements.
     """
+    if kwargs.get("softcap") is not None:
+        # transformers' SDPA function ignores softcap, so falling back to it would silently
+        # compute uncapped attention (Gemma 2 needs attn_implementation="eager").
+        raise ValueError(
+            f"flash_attention_sm75: softcap={kwargs['softcap']!r} (attention logit soft-capping) "
+            f"is not supported, and transformers' SDPA fallback ignores it; load this model with "
+            f"attn_implementation='eager'")
     return _attention(_stock_sdpa_forward(), module, query, key, value, attention_mask, args,
                       kwargs)
 
