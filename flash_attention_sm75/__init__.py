@@ -9,9 +9,12 @@ Public API:
   :func:`strict`, :func:`set_strict` control and explain the fallback.
 * :func:`apply_patch` / :func:`remove_patch` -- Hugging Face transformers integration (imported
   lazily, so transformers is optional).
+* :func:`deterministic_backward` / :func:`is_deterministic_backward` -- the backward's
+  determinism, per thread (default: no floating-point atomics; docs/BACKWARD.md).
 
 The op itself is ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md).
 """
+from ._backward import deterministic_backward, is_deterministic_backward
 from ._ops import EXTENSION_AVAILABLE, EXTENSION_ERROR
 from .interface import flash_attention_forward, flash_attn_func
 from .sdpa import is_strict, scaled_dot_product_attention, set_strict, strict, why_not_supported
@@ -23,8 +26,10 @@ __all__ = [
     "EXTENSION_ERROR",
     "__version__",
     "apply_patch",
+    "deterministic_backward",
     "flash_attention_forward",
     "flash_attn_func",
+    "is_deterministic_backward",
     "is_strict",
     "remove_patch",
     "scaled_dot_product_attention",

@@ -37,7 +37,12 @@ def deterministic_backward(enabled: bool = True) -> Iterator[None]:
     """Within the block, backward passes run in deterministic mode (this thread only).
 
     The flag is read when the backward runs (``loss.backward()``), not when the forward runs.
+
+    Raises ``ValueError`` if ``enabled`` is not a bool.
     """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"flash_attention_sm75: deterministic_backward(enabled) must be a bool "
+                         f"(True or False), got {type(enabled).__name__} {enabled!r}")
     prev = getattr(_local, "deterministic", None)
     _local.deterministic = enabled
     try:

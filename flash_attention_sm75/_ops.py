@@ -53,12 +53,14 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 _PREFIX = "flash_attention_sm75: "
 _INT32_MAX = 2**31 - 1
-# softmax_scale must survive the kernel's float32 arithmetic: scale and scale * log2(e) finite and
-# normal in float32 (a denormal scale is flushed to 0 by --use_fast_math, an overflowing one gives
-# inf scores and NaN output). The C++ check_fwd_inputs uses the same bounds.
+# softmax_scale must survive the kernel's float32 arithmetic for every float16 input: normal in
+# float32 (a denormal scale is flushed to 0 by --use_fast_math), and small enough that the
+# largest possible score, scale * log2(e) * q.k with |q.k| <= 128 * 65504^2 (head_dim 128, fp16
+# max), stays finite: an overflowing score gives inf - inf = NaN in the softmax. The C++
+# check_fwd_inputs uses the same bounds.
 SOFTMAX_SCALE_MIN = 1.1754943508222875e-38  # FLT_MIN
-SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / 1.4426950408889634  # FLT_MAX / log2(e)
-_SCALE_RANGE = "[1.2e-38, 2.3e38]"
+SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / (1.4426950408889634 * 128 * 65504.0**2)  # ~4.29e26
+_SCALE_RANGE = "[1.2e-38, 4.2e26]"
 
 
 def scale_problem(softmax_scale: object) -> Optional[str]:
@@ -68,8 +70,8 @@ def scale_problem(softmax_scale: object) -> Optional[str]:
                 f"{type(softmax_scale).__name__} {softmax_scale!r}")
     s = float(softmax_scale)
     if not (math.isfinite(s) and SOFTMAX_SCALE_MIN <= s <= SOFTMAX_SCALE_MAX):
-        return (f"softmax_scale must be a finite number > 0 within float32's normal range "
-                f"{_SCALE_RANGE}, got {softmax_scale!r}")
+        return (f"softmax_scale must be a finite number > 0 within {_SCALE_RANGE} (float32 "
+                f"scores must not overflow), got {softmax_scale!r}")
     return None
 
 
@@ -289,8 +291,9 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
     if name is not None:
         raise NotImplementedError(
             f"flash_attention_sm75: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) "
-            f"is not supported; {name} carries a tangent. Use reverse mode (backward, "
-            f"torch.func.grad/vjp) or torch's scaled_dot_product_attention for jvp")
+            f"is not supported; {name} carries a tangent. Use reverse mode (tensor.backward() "
+            f"or torch.autograd.grad; torch.func transforms are not supported either) or "
+            f"torch's scaled_dot_product_attention for jvp")
     op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch._C._is_torch_function_mode_enabled()

@@ -70,7 +70,8 @@ def flash_attn_func(
         Values, same shape as ``k``, same dtype, device and stride requirements as ``q``.
     softmax_scale : float, optional
         Multiplier of ``q @ k^T`` before the softmax: a real number (Python or numpy scalar) in
-        float32's normal range ``[1.2e-38, 2.3e38]``. Default ``None`` means
+        ``[1.2e-38, 4.2e26]``, the range in which no float32 score can overflow for float16
+        inputs. Default ``None`` means
         ``1 / sqrt(head_dim)``.
     causal : bool, optional
         Default ``False``. If ``True``, apply a causal mask aligned to the **bottom-right**
@@ -95,8 +96,8 @@ def flash_attn_func(
         If an input is invalid: not 4-D, not float16, on different devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, ``softmax_scale`` not a real number in float32's normal range
-        ``[1.2e-38, 2.3e38]``, or ``causal`` /
+        ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 4.2e26]``, or
+        ``causal`` /
         ``return_lse`` not a bool. The message names the argument. Raised before any kernel
         launch.
     RuntimeError
@@ -189,7 +190,8 @@ def flash_attention_forward(
         (top-left) when ``seqlen_q != seqlen_k``; see Notes.
     softmax_scale : float, optional
         Multiplier of ``q @ k^T`` before the softmax: a real number (Python or numpy scalar) in
-        float32's normal range ``[1.2e-38, 2.3e38]``. Default ``None`` means
+        ``[1.2e-38, 4.2e26]``, the range in which no float32 score can overflow for float16
+        inputs. Default ``None`` means
         ``1 / sqrt(head_dim)``.
     return_lse : bool, optional
         Default ``False``. If ``True``, also return the softmax log-sum-exp.
@@ -212,8 +214,8 @@ def flash_attention_forward(
         If an input is invalid: not 4-D, not float16, on different devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, ``softmax_scale`` not a real number in float32's normal range
-        ``[1.2e-38, 2.3e38]``, or ``causal`` /
+        ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 4.2e26]``, or
+        ``causal`` /
         ``return_lse`` not a bool. The message names the argument. Raised before any kernel
         launch.
     RuntimeError

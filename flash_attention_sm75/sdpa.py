@@ -241,8 +241,8 @@ def why_not_supported(
         if not isinstance(scale, (int, float)) or isinstance(scale, bool):
             return f"scale is a {type(scale).__name__}; a Python float is required"
         if _ops.scale_problem(scale) is not None:
-            return (f"scale={scale!r}; only a finite scale > 0 within float32's normal range "
-                    f"[1.2e-38, 2.3e38] is supported")
+            return (f"scale={scale!r}; only a finite scale > 0 within [1.2e-38, 4.2e26] (no "
+                    f"float32 score overflow) is supported")
     if torch.is_grad_enabled() and not _ops.HAS_BACKWARD and (
             query.requires_grad or key.requires_grad or value.requires_grad):
         return "an input requires grad and the backward pass is not implemented yet"

@@ -203,6 +203,16 @@ def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, smem_
 
 
 @cuda_only
+@pytest.mark.parametrize("value", ["ATOMIC", "1", "atomic "])
+def test_bwd_dq_mode_env_rejects_unknown_values(value, monkeypatch):
+    q, k, v, do = make_inputs(1, 65, 65, 2, 2, 64, "cuda")
+    out, lse = ops.fwd(q, k, v, None, False, True)
+    monkeypatch.setenv("FLASH_SM75_BWD_DQ", value)
+    with pytest.raises(ValueError, match="FLASH_SM75_BWD_DQ must be 'atomic' or 'separate'"):
+        ops.bwd(do, q, k, v, out, lse, 0.125, False, True, None, None, False)
+
+
+@cuda_only
 def test_bwd_unaligned_dout_is_copied():
     # e.g. the expanded gradient of out.sum(): stride 0 everywhere
     q, k, v, _ = make_inputs(1, 65, 65, 2, 2, 64, "cuda")

@@ -177,6 +177,25 @@ def test_gpu_row_max_growing_across_key_tiles(growth, d, mode):
     check_against_ref(q, k, v, mode, out, lse)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_largest_softmax_scale_gives_no_nan(device):
+    # The largest float16 scores, |q.k| = 128 * 65504^2, times the largest accepted scale reach
+    # ~FLT_MAX but cannot overflow: no NaN. With q = k made of distinct +-65504 rows, every row's
+    # own key wins by at least 2 * 65504^2 * scale, so the exact result is one-hot: out = v.
+    g = torch.Generator(device="cpu").manual_seed(7)
+    sign = torch.where(torch.rand(1, 33, 2, 128, generator=g) < 0.5, -1.0, 1.0)
+    assert len({tuple(r) for r in sign[0].flatten(1).tolist()}) == 33  # distinct rows
+    q = (sign * 65504.0).to(torch.float16).to(device)
+    v = torch.randn(1, 33, 2, 128, generator=g).to(torch.float16).to(device)
+    scale = fa._ops.SOFTMAX_SCALE_MAX
+    out, lse = run_op(q, q, v, "none", scale)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert torch.equal(out, v)
+    _, lse_ref = attention_ref(q, q, v, softmax_scale=scale)
+    assert lse_ref.abs().max().item() > 1e38  # the test really reaches the top of float32
+    assert_lse_close(lse, lse_ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("softmax_scale", [0.01, 0.3, 1.0])
 def test_gpu_softmax_scale(softmax_scale):

@@ -292,6 +292,17 @@ def test_backward_stub_raises():
         assert not fa.flash_attn_func(q, k, v).requires_grad
 
 
+@pytest.mark.parametrize("enabled", ["x", 1, None])
+def test_deterministic_backward_takes_a_bool(enabled):
+    with pytest.raises(ValueError, match=r"deterministic_backward\(enabled\) must be a bool"):
+        with fa.deterministic_backward(enabled):
+            pass
+    with fa.deterministic_backward(False):
+        assert not fa.is_deterministic_backward()
+        with fa.deterministic_backward():
+            assert fa.is_deterministic_backward()
+
+
 @needs_ext
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_op_ignores_autocast(dtype):
@@ -496,7 +507,8 @@ def test_forward_mode_ad_raises(path, api, monkeypatch):
 def test_public_exports():
     for name in ["flash_attention_forward", "flash_attn_func", "scaled_dot_product_attention",
                  "why_not_supported", "strict", "set_strict", "EXTENSION_AVAILABLE",
-                 "__version__", "apply_patch", "remove_patch"]:
+                 "__version__", "apply_patch", "remove_patch", "deterministic_backward",
+                 "is_deterministic_backward"]:
         assert name in fa.__all__, name
     for name in fa.__all__:
         if name not in ("apply_patch", "remove_patch"):
