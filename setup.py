@@ -43,11 +43,11 @@ setup(
             name="flash_attention_sm75._C",
             sources=sources(),
             include_dirs=[os.path.join(ROOT, "csrc")],
-            extra_compile_args={"cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x03090000"],
+            extra_compile_args={"cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x030A0000"],
                                 "nvcc": nvcc_flags},
             py_limited_api=True,
         )
     ],
     cmdclass={"build_ext": BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -41,8 +41,10 @@ def deterministic_backward(enabled: bool = True) -> Iterator[None]:
     Raises ``ValueError`` if ``enabled`` is not a bool.
     """
     if not isinstance(enabled, bool):
+        from ._ops import type_name
+
         raise ValueError(f"flash_attention_sm75: deterministic_backward(enabled) must be a bool "
-                         f"(True or False), got {type(enabled).__name__} {enabled!r}")
+                         f"(True or False), got {type_name(enabled)} {enabled!r}")
     prev = getattr(_local, "deterministic", None)
     _local.deterministic = enabled
     try:

@@ -63,11 +63,18 @@ SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / (1.4426950408889634 * 128 * 65504.0*
 _SCALE_RANGE = "[1.2e-38, 4.2e26]"
 
 
+def type_name(obj: object) -> str:
+    """``obj``'s type for error messages: qualified outside builtins, so that e.g. numpy's
+    ``np.bool_`` (whose ``__name__`` is ``bool``) reads ``numpy.bool`` and not ``bool``."""
+    t = type(obj)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def scale_problem(softmax_scale: object) -> Optional[str]:
     """None if ``softmax_scale`` (not None) is a usable scale, else what is wrong with it."""
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         return (f"softmax_scale must be a real number (float or int), got "
-                f"{type(softmax_scale).__name__} {softmax_scale!r}")
+                f"{type_name(softmax_scale)} {softmax_scale!r}")
     s = float(softmax_scale)
     if not (math.isfinite(s) and SOFTMAX_SCALE_MIN <= s <= SOFTMAX_SCALE_MAX):
         return (f"softmax_scale must be a finite number > 0 within {_SCALE_RANGE} (float32 "

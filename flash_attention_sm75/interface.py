@@ -34,7 +34,7 @@ def _check_bool(name: str, value: object) -> None:
     # `causal=0.125` (a scale passed positionally in the wrong slot) must not silently mean True.
     if not isinstance(value, bool):
         raise ValueError(f"flash_attention_sm75: {name} must be a bool (True or False), "
-                         f"got {type(value).__name__} {value!r}")
+                         f"got {_ops.type_name(value)} {value!r}")
 
 
 def flash_attn_func(

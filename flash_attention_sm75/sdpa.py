@@ -218,7 +218,7 @@ def why_not_supported(
         return (f"dropout_p={dropout_p!r}; dropout is not supported (torch SDPA applies dropout "
                 f"whenever dropout_p > 0, in eval mode too)")
     if not isinstance(is_causal, bool):
-        return f"is_causal is a {type(is_causal).__name__}; a bool is required (torch raises)"
+        return f"is_causal is a {_ops.type_name(is_causal)}; a bool is required (torch raises)"
 
     b, h, s_q, d = query.shape
     if key.shape != value.shape:
@@ -239,7 +239,7 @@ def why_not_supported(
             return f"query heads ({h}) are not a multiple of key/value heads ({h_k})"
     if scale is not None:
         if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-            return f"scale is a {type(scale).__name__}; a Python float is required"
+            return f"scale is a {_ops.type_name(scale)}; a Python float is required"
         if _ops.scale_problem(scale) is not None:
             return (f"scale={scale!r}; only a finite scale > 0 within [1.2e-38, 4.2e26] (no "
                     f"float32 score overflow) is supported")

@@ -1,6 +1,9 @@
 """Which call path crashes when the op rejects bad input? Each variant runs in a subprocess."""
+import argparse
 import subprocess
 import sys
+
+argparse.ArgumentParser(description=__doc__).parse_args()
 
 VARIANTS = {
     "op_cpu": "op(q, q, q)",

@@ -14,6 +14,8 @@ ap.add_argument("--d", type=int, default=128)
 ap.add_argument("--n", type=int, default=4096)
 ap.add_argument("--causal", action="store_true")
 args = ap.parse_args()
+if not torch.cuda.is_available():
+    raise SystemExit("profile_fwd.py needs a CUDA GPU")
 q, k, v = (torch.randn(4, args.n, 16, args.d, device="cuda", dtype=torch.half) for _ in range(3))
 for _ in range(4):
     torch.ops.flash_attention_sm75.fwd(q, k, v, None, args.causal, True, None, None)

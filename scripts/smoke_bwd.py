@@ -21,6 +21,8 @@ parser.add_argument("--quick", action="store_true", help="numerics only, no timi
 parser.add_argument("--dq-mode", choices=["atomic", "separate"], default=None,
                     help="sets FLASH_SM75_BWD_DQ for the non-deterministic runs")
 args = parser.parse_args()
+if not torch.cuda.is_available():
+    sys.exit("smoke_bwd.py needs a CUDA GPU")
 if args.dq_mode:
     os.environ["FLASH_SM75_BWD_DQ"] = args.dq_mode
 

@@ -62,7 +62,7 @@ def _cases():
         # finite in float32, but scores of float16 inputs could overflow (inf - inf = NaN)
         ("scale_overflows_scores", (q, k, v), {"softmax_scale": 1e30}, r"softmax_scale .* 1e\+30"),
         ("scale_tensor", (q, k, v), {"softmax_scale": torch.tensor(0.5)},
-         r"softmax_scale must be a real number \(float or int\), got Tensor"),
+         r"softmax_scale must be a real number \(float or int\), got torch\.Tensor"),
         ("scale_negative", (q, k, v), {"softmax_scale": -0.5}, r"softmax_scale must be .* -0\.5"),
         ("scale_nan", (q, k, v), {"softmax_scale": float("nan")}, r"softmax_scale .* nan"),
         ("scale_inf", (q, k, v), {"softmax_scale": float("inf")}, r"softmax_scale .* inf"),

@@ -68,4 +68,8 @@ def run(mode: str = "quick") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1] if len(sys.argv) > 1 else "quick"))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", nargs="?", default="quick", choices=["quick", "full"])
+    sys.exit(run(ap.parse_args().mode))
