@@ -47,27 +47,22 @@ def main():
     print("| pass | d | causal | N | H200 TFLOP/s (% of ceiling) | T4 model ms | T4 model TFLOP/s "
           "| bound |")
     print("|---|---|---|---|---|---|---|---|")
-    for c in fwd["cases"]:
-        ours = c["backends"].get("ours", {}).get("tflops")
-        if not ours:
-            continue
-        elems = c["batch"] * c["heads"] * c["n"] * c["d"]
-        ms, tf, bound = model(ours, ceiling, c["flop"], 4 * 2 * elems, args.t4_clock,
-                              args.t4_bandwidth)
-        print(f"| forward | {c['d']} | {'yes' if c['causal'] else 'no'} | {c['n']} | "
-              f"{ours:.1f} ({100 * ours / ceiling:.1f}%) | {ms:.3f} | {tf:.1f} | {bound} |")
+    # (pass, cases, our TFLOP/s key, FLOP key, fp16 tensors of B*H*N*d moved through DRAM:
+    #  forward q, k, v, out; backward q, k, v, out, dout read and dq, dk, dv written)
+    passes = [("forward", fwd["cases"], "tflops", "flop", 4)]
     path = pathlib.Path(args.backward)
     if path.exists():
-        bwd = json.loads(path.read_text())
-        for c in bwd["cases"]:
-            ours = c["backends"].get("ours", {}).get("bwd_tflops")
+        passes.append(("backward", json.loads(path.read_text())["cases"], "bwd_tflops",
+                       "flop_bwd", 8))
+    for name, cases, tflops_key, flop_key, tensors in passes:
+        for c in cases:
+            ours = c["backends"].get("ours", {}).get(tflops_key)
             if not ours:
                 continue
             elems = c["batch"] * c["heads"] * c["n"] * c["d"]
-            # q, k, v, out, dout read; dq, dk, dv written (fp16), lse and D (fp32) ignored.
-            ms, tf, bound = model(ours, ceiling, c["flop_bwd"], 8 * 2 * elems, args.t4_clock,
+            ms, tf, bound = model(ours, ceiling, c[flop_key], tensors * 2 * elems, args.t4_clock,
                                   args.t4_bandwidth)
-            print(f"| backward | {c['d']} | {'yes' if c['causal'] else 'no'} | {c['n']} | "
+            print(f"| {name} | {c['d']} | {'yes' if c['causal'] else 'no'} | {c['n']} | "
                   f"{ours:.1f} ({100 * ours / ceiling:.1f}%) | {ms:.3f} | {tf:.1f} | {bound} |")
 
 
