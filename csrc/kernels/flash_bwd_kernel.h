@@ -251,23 +251,6 @@ __device__ __forceinline__ void dsoftmax_t(const float (&acc_s)[kWC / 8][4],
   }
 }
 
-// acc (16 keys x kD) += A (16 x kWC: P^T or dS^T fragments) B, where B (kWC queries x kD) is
-// read transposed (k = queries) from a padded tile; bt_addr is this lane's ldmatrix.trans
-// address (matrices: queries +0..7 | +8..15 x chunk 2np | 2np + 1). dV += P^T dO, dK += dS^T Q.
-template <int kWC, int kD, int kRowB>
-__device__ __forceinline__ void gemm_a_bt(float (&acc)[kD / 8][4], const uint32_t (&a)[kWC / 8][2],
-                                          uint32_t bt_addr) {
-#pragma unroll
-  for (int kp = 0; kp < kWC / 16; ++kp) {
-#pragma unroll
-    for (int np = 0; np < kD / 16; ++np) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, bt_addr + kp * 16 * kRowB + np * 32);
-      mma_k2n2(acc[2 * np], acc[2 * np + 1], a[2 * kp], a[2 * kp + 1], b);
-    }
-  }
-}
-
 // Epilogue: dK * scale and dV of the warp's 16 keys key0 .. key0 + 15 (rows g, g + 8 of the
 // accumulators), fp16, rows past seqlen_k skipped.
 template <int kD>
@@ -467,7 +450,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                               n0 + 16 * wn + g, m0, kr, params.causal_offset);
 
       // ---- dV += P^T dO (16 keys x d per warp; k = this warp's queries).
-      gemm_a_bt<kWC, kD, kRowB>(acc_dv, p_frag, q_t_addr + kDofromQ);
+      gemm_rs_t<kWC, kD, kRowB, false>(acc_dv, p_frag, q_t_addr + kDofromQ);
 
       // ---- dP^T = V_w dO^T.
       float acc_dp[kWC / 8][4];
@@ -499,7 +482,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       }
 
       // ---- dK += dS^T Q.
-      gemm_a_bt<kWC, kD, kRowB>(acc_dk, ds_frag, q_t_addr);
+      gemm_rs_t<kWC, kD, kRowB, false>(acc_dk, ds_frag, q_t_addr);
 
       if (Atomic_dq) {
         __syncthreads();  // dS^T complete in smem; every warp is done with sQ and sdO
@@ -765,12 +748,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       uint32_t p_frag[kBM / 8][2];
       probs_t<kBM, Is_causal>(acc_s, p_frag, sLse, 0, t, scale_log2, need_mask,
                               n0 + 16 * warp + g, m0, kr, params.causal_offset);
-      gemm_a_bt<kBM, kD, kRowB>(acc_dv, p_frag, q_t_addr + kDo);
+      gemm_rs_t<kBM, kD, kRowB, false>(acc_dv, p_frag, q_t_addr + kDo);
 
       // ---- dS^T = P^T o (dP^T - D), then dK += dS^T Q.
       uint32_t ds_frag[kBM / 8][2];
       dsoftmax_t<kBM>(acc_s, acc_dp, ds_frag, sDsum, 0, t);
-      gemm_a_bt<kBM, kD, kRowB>(acc_dk, ds_frag, q_t_addr);
+      gemm_rs_t<kBM, kD, kRowB, false>(acc_dk, ds_frag, q_t_addr);
       if (has_next) {
         store_tile_r2s_padded<Kt>(stage, sQn + kBM * kRowH, tid);
         if (tid < kBM) {

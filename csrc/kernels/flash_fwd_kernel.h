@@ -205,23 +205,6 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
   }
 }
 
-// O += P V: P (16 x Bc, fp16 A fragments in registers) times V (Bc x d, swizzled shared tile,
-// ldmatrix.trans from v_lane_addr: matrices (keys +0..7 | +8..15) x (chunk 2np | 2np+1)).
-template <int kBN, int kD, int kRowBytes>
-__device__ __forceinline__ void gemm_pv(float (&acc_o)[kD / 8][4],
-                                        const uint32_t (&p_frag)[kBN / 8][2],
-                                        uint32_t v_lane_addr) {
-#pragma unroll
-  for (int kp = 0; kp < kBN / 16; ++kp) {
-#pragma unroll
-    for (int np = 0; np < kD / 16; ++np) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, swizzle_xor(v_lane_addr, np) + kp * 16 * kRowBytes);
-      mma_k2n2(acc_o[2 * np], acc_o[2 * np + 1], p_frag[2 * kp], p_frag[2 * kp + 1], b);
-    }
-  }
-}
-
 // Epilogue: O = acc_o / l, LSE = m * scale + log(l); rows that saw no key get O = 0 and
 // LSE = -inf (never NaN). The fp16 O tile is staged through shared memory sO (Br x d, free for
 // this warp's 16 rows when called) so the global stores are 16-byte, row-contiguous, coalesced.
@@ -363,7 +346,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
                           c.kr.key_start, c.kr.key_end, tid);
       }
-      gemm_pv<kBN, kD, kRowBytes>(acc_o, p_frag, v_lane_addr);
+      gemm_rs_t<kBN, kD, kRowBytes, true>(acc_o, p_frag, v_lane_addr);  // O += P V
       if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
       __syncthreads();  // K_{j+1} visible; every warp is done with V_j
     }
@@ -490,7 +473,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       const uint32_t v_addr = v_lane_addr0 + (i & 1) * kTileBytes;        // V_i
       if (group0) {
         if (has_s) gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_addr);
-        gemm_pv<kBN, kD, kRowBytes>(acc_o, p_frag, v_addr);
+        gemm_rs_t<kBN, kD, kRowBytes, true>(acc_o, p_frag, v_addr);
         named_barrier_arrive(1, Kt::kNThreads);  // G1 may start HMMA_i
         if (has_s) {
           mask_scores<Kt, Is_causal>(acc_s, c, n0 + i + 1, row_w, params.causal_offset);
@@ -505,7 +488,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         refill(i);
         named_barrier_sync(1, Kt::kNThreads);  // G0 has issued HMMA_i
         if (has_s) gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_addr);
-        gemm_pv<kBN, kD, kRowBytes>(acc_o, p_frag, v_addr);
+        gemm_rs_t<kBN, kD, kRowBytes, true>(acc_o, p_frag, v_addr);
       }
       __syncthreads();  // B_i: K_{i+2}, V_{i+1} visible; HMMA_i done everywhere
     }

@@ -100,4 +100,24 @@ __device__ __forceinline__ void gemm_ss_bt(float (&acc)[kN / 8][4], uint32_t a_l
   }
 }
 
+// acc (16 x kN) += A (16 x kK, fp16 A fragments in registers: P, dS^T, P^T) times B (kK x kN),
+// where B is read transposed (ldmatrix.trans) from a row-major kK x kN shared tile and bt_addr is
+// this lane's address of its first 16 x 16 block (matrices: rows +0..7 | +8..15 x chunk 2np |
+// 2np + 1). kSwizzled: the tile uses the XOR swizzle (the forward's V: O += P V) rather than
+// padded rows (the backward's dO / Q: dV += P^T dO, dK += dS^T Q).
+template <int kK, int kN, int kRowBytes, bool kSwizzled>
+__device__ __forceinline__ void gemm_rs_t(float (&acc)[kN / 8][4],
+                                          const uint32_t (&a)[kK / 8][2], uint32_t bt_addr) {
+#pragma unroll
+  for (int kp = 0; kp < kK / 16; ++kp) {
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      const uint32_t col = kSwizzled ? swizzle_xor(bt_addr, np) : bt_addr + np * 32;
+      ldmatrix_x4_trans(b, col + kp * 16 * kRowBytes);
+      mma_k2n2(acc[2 * np], acc[2 * np + 1], a[2 * kp], a[2 * kp + 1], b);
+    }
+  }
+}
+
 }  // namespace flash_sm75
