@@ -40,11 +40,9 @@ def deterministic_backward(enabled: bool = True) -> Iterator[None]:
 
     Raises ``ValueError`` if ``enabled`` is not a bool.
     """
-    if not isinstance(enabled, bool):
-        from ._ops import type_name
+    from ._ops import require_bool  # (_ops imports this module lazily)
 
-        raise ValueError(f"flash_attention_sm75: deterministic_backward(enabled) must be a bool "
-                         f"(True or False), got {type_name(enabled)} {enabled!r}")
+    require_bool("deterministic_backward(enabled)", enabled)
     prev = getattr(_local, "deterministic", None)
     _local.deterministic = enabled
     try:

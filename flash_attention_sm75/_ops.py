@@ -70,6 +70,14 @@ def type_name(obj: object) -> str:
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
+def require_bool(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a bool (``causal=0.125``, a scale passed in the
+    wrong slot, must not silently mean True); ``name`` is the argument as the caller wrote it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{_PREFIX}{name} must be a bool (True or False), "
+                         f"got {type_name(value)} {value!r}")
+
+
 def scale_problem(softmax_scale: object) -> Optional[str]:
     """None if ``softmax_scale`` (not None) is a usable scale, else what is wrong with it."""
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):

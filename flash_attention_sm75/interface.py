@@ -30,13 +30,6 @@ def _as_float(softmax_scale: object) -> Optional[float]:
     return None if softmax_scale is None else float(softmax_scale)
 
 
-def _check_bool(name: str, value: object) -> None:
-    # `causal=0.125` (a scale passed positionally in the wrong slot) must not silently mean True.
-    if not isinstance(value, bool):
-        raise ValueError(f"flash_attention_sm75: {name} must be a bool (True or False), "
-                         f"got {_ops.type_name(value)} {value!r}")
-
-
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,8 +140,8 @@ def flash_attn_func(
     (torch.Size([2, 128, 8, 64]), torch.Size([2, 8, 128]))
     """
     _require_extension()
-    _check_bool("causal", causal)
-    _check_bool("return_lse", return_lse)
+    _ops.require_bool("causal", causal)
+    _ops.require_bool("return_lse", return_lse)
     _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bshd")
     out, softmax_lse = _ops.call_fwd(q, k, v, _as_float(softmax_scale), causal, True)
     if return_lse:
@@ -264,8 +257,8 @@ def flash_attention_forward(
     torch.Size([2, 8, 128, 64])
     """
     _require_extension()
-    _check_bool("causal", causal)
-    _check_bool("return_lse", return_lse)
+    _ops.require_bool("causal", causal)
+    _ops.require_bool("return_lse", return_lse)
     _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bhsd")
     out, softmax_lse = _ops.call_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                      _as_float(softmax_scale), causal, True)

@@ -164,7 +164,7 @@ def configure(*, decode_on_kernel: Optional[bool] = None,
                         ("allow_cpu_reference", allow_cpu_reference)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"flash_attention_sm75: configure({name}=...) must be True, False or "
-                             f"None, got {type(value).__name__} {value!r}")
+                             f"None, got {_ops.type_name(value)} {value!r}")
     previous = dict(_SETTINGS)
     if decode_on_kernel is not None:
         _SETTINGS["decode_on_kernel"] = decode_on_kernel
