@@ -82,15 +82,16 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   check_key_bound(seqused_k, "seqused_k", q);
   const double scale = softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
   // Normal in float32, and small enough that no score overflows for any float16 input:
-  // scale * log2(e) * |q.k| <= FLT_MAX with |q.k| <= 128 * 65504^2 (the Python side,
-  // _ops.SOFTMAX_SCALE_MIN/MAX, uses the same bounds). An overflowing score would give
-  // inf - inf = NaN in the softmax.
+  // scale * log2(e) * |q.k| <= FLT_MAX / 2 with |q.k| <= 128 * 65504^2. The factor 2 absorbs
+  // the float32 roundings of scale * log2(e) and of the product (without it the largest score
+  // rounded to inf on the GPU, and inf - inf = NaN in the softmax). The Python side,
+  // _ops.SOFTMAX_SCALE_MIN/MAX, uses the same bounds.
   constexpr double kScaleMin = static_cast<double>(FLT_MIN);
   constexpr double kScaleMax =
-      static_cast<double>(FLT_MAX) / (1.4426950408889634 * 128 * 65504.0 * 65504.0);
+      static_cast<double>(FLT_MAX) / (2 * 1.4426950408889634 * 128 * 65504.0 * 65504.0);
   TORCH_CHECK_VALUE(std::isfinite(scale) && scale >= kScaleMin && scale <= kScaleMax,
                     "flash_attention_sm75: softmax_scale must be a finite number > 0 within "
-                    "[1.2e-38, 4.2e26] (float32 scores must not overflow), got ", scale);
+                    "[1.2e-38, 2.1e26] (float32 scores must not overflow), got ", scale);
   return scale;
 }
 

@@ -63,7 +63,7 @@ def flash_attn_func(
         Values, same shape as ``k``, same dtype, device and stride requirements as ``q``.
     softmax_scale : float, optional
         Multiplier of ``q @ k^T`` before the softmax: a real number (Python or numpy scalar) in
-        ``[1.2e-38, 4.2e26]``, the range in which no float32 score can overflow for float16
+        ``[1.2e-38, 2.1e26]``, the range in which no float32 score can overflow for float16
         inputs. Default ``None`` means
         ``1 / sqrt(head_dim)``.
     causal : bool, optional
@@ -89,7 +89,7 @@ def flash_attn_func(
         If an input is invalid: not 4-D, not float16, on different devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 4.2e26]``, or
+        ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or
         ``causal`` /
         ``return_lse`` not a bool. The message names the argument. Raised before any kernel
         launch.
@@ -183,7 +183,7 @@ def flash_attention_forward(
         (top-left) when ``seqlen_q != seqlen_k``; see Notes.
     softmax_scale : float, optional
         Multiplier of ``q @ k^T`` before the softmax: a real number (Python or numpy scalar) in
-        ``[1.2e-38, 4.2e26]``, the range in which no float32 score can overflow for float16
+        ``[1.2e-38, 2.1e26]``, the range in which no float32 score can overflow for float16
         inputs. Default ``None`` means
         ``1 / sqrt(head_dim)``.
     return_lse : bool, optional
@@ -207,7 +207,7 @@ def flash_attention_forward(
         If an input is invalid: not 4-D, not float16, on different devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 4.2e26]``, or
+        ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or
         ``causal`` /
         ``return_lse`` not a bool. The message names the argument. Raised before any kernel
         launch.

@@ -241,7 +241,7 @@ def why_not_supported(
         if not isinstance(scale, (int, float)) or isinstance(scale, bool):
             return f"scale is a {_ops.type_name(scale)}; a Python float is required"
         if _ops.scale_problem(scale) is not None:
-            return (f"scale={scale!r}; only a finite scale > 0 within [1.2e-38, 4.2e26] (no "
+            return (f"scale={scale!r}; only a finite scale > 0 within [1.2e-38, 2.1e26] (no "
                     f"float32 score overflow) is supported")
     if torch.is_grad_enabled() and not _ops.HAS_BACKWARD and (
             query.requires_grad or key.requires_grad or value.requires_grad):
