@@ -32,18 +32,28 @@ namespace flash_sm75 {
 // per thread per step, rows [row0, row0 + kRows). Rows outside [valid_begin, valid_end) are
 // zero-filled: they are never read from memory, and zero V rows keep masked keys (P = 0) from
 // contributing 0 * garbage = NaN.
-template <typename Kt, int kN>
+template <typename Kt, bool kWholeTilePath = true, int kN>
 __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* base,
                                               index_t row_stride, int row0, int valid_begin,
                                               int valid_end, int tid) {
+  // Chunk i of a thread is row r0 + i * kRowsPerPass, column chunk c: one 64-bit multiply per
+  // call and a 64-bit add per chunk (a multiply per chunk cost ~10 integer instructions each in
+  // the main loops' SASS).
+  constexpr int kRowsPerPass = Kt::kNThreads / Kt::kChunksPerRow;
+  static_assert(Kt::kNThreads % Kt::kChunksPerRow == 0, "a pass covers whole rows");
+  const int grow0 = row0 + tid / Kt::kChunksPerRow;
+  const __half* p = base + grow0 * row_stride + (tid % Kt::kChunksPerRow) * 8;
+  const index_t step = kRowsPerPass * row_stride;
+  if (kWholeTilePath && row0 >= valid_begin && row0 + kN * kRowsPerPass <= valid_end) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int idx = tid + i * Kt::kNThreads;
-    const int r = idx / Kt::kChunksPerRow;
-    const int c = idx % Kt::kChunksPerRow;
-    const int grow = row0 + r;
+    const int grow = grow0 + i * kRowsPerPass;
     if (grow >= valid_begin && grow < valid_end) {
-      stage[i] = __ldg(reinterpret_cast<const uint4*>(base + grow * row_stride + c * 8));
+      stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
     } else {
       stage[i] = make_uint4(0u, 0u, 0u, 0u);
     }
