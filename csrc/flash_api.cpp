@@ -10,6 +10,8 @@
 
 #include <cfloat>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/block_info.h"
 #include "kernels/flash.h"
@@ -95,6 +97,18 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return scale;
 }
 
+// FLASH_SM75_FWD_SMALL_GRID_TILE: 'auto' (or unset) takes the small-grid forward tile where it
+// pays (prefer_small_grid_tile), 'always' / 'never' force the choice (tests, tuning).
+static int env_small_grid_tile() {
+  const char* v = std::getenv("FLASH_SM75_FWD_SMALL_GRID_TILE");
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return 0;
+  if (std::strcmp(v, "always") == 0) return 1;
+  TORCH_CHECK_VALUE(std::strcmp(v, "never") == 0,
+                    "flash_attention_sm75: environment variable FLASH_SM75_FWD_SMALL_GRID_TILE must "
+                    "be 'auto', 'always' or 'never' (or unset), got '", v, "'");
+  return -1;
+}
+
 void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                       double softmax_scale, bool is_causal, bool causal_bottom_right,
@@ -161,6 +175,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   Flash_fwd_params params;
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
                    seqused_k);
+  params.num_sms = props->multiProcessorCount;
+  params.small_grid_tile = env_small_grid_tile();
   try {
     run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());
   } catch (const std::invalid_argument& e) {

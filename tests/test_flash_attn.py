@@ -197,6 +197,48 @@ def test_largest_softmax_scale_gives_no_nan(device):
     assert_lse_close(lse, lse_ref)
 
 
+def fwd_kernels_run(fn):
+    """Names of the forward kernels fn() launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages() if "flash_fwd" in e.key}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("choice", ["always", "never", "auto"])
+@pytest.mark.parametrize("shape", [(4, 512, 512, 16, 16), (2, 500, 517, 25, 5), (1, 7, 1000, 3, 1)])
+def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
+    # d = 64 has a second tile (Q in shared memory, Bc = 32, 4 CTAs per SM) for grids just over
+    # one wave; FLASH_SM75_FWD_SMALL_GRID_TILE forces it on or off. Both tiles must be exact,
+    # and the forced choice must be the kernel that ran.
+    monkeypatch.setenv("FLASH_SM75_FWD_SMALL_GRID_TILE", choice)
+    b, s_q, s_k, h, h_k = shape
+    q, k, v = make_qkv(b, s_q, s_k, h, h_k, 64, "cuda", seed_from("sg", shape, mode))
+    res = {}
+
+    def call():
+        with poisoned_cuda_memory():
+            res["out"], res["lse"] = run_op(q, k, v, mode)
+
+    names = fwd_kernels_run(call)
+    assert len(names) == 1, names
+    small = "64, 32, 4, true" in next(iter(names))
+    if choice != "auto":
+        assert small == (choice == "always"), names
+    check_against_ref(q, k, v, mode, res["out"], res["lse"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", ["ALWAYS", "1", "on"])
+def test_gpu_small_grid_tile_env_rejects_unknown_values(value, monkeypatch):
+    q, k, v = make_qkv(1, 65, 65, 2, 2, 64, "cuda", 3)
+    monkeypatch.setenv("FLASH_SM75_FWD_SMALL_GRID_TILE", value)
+    with pytest.raises(ValueError, match="FLASH_SM75_FWD_SMALL_GRID_TILE must be 'auto'"):
+        run_op(q, k, v, "none")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("softmax_scale", [0.01, 0.3, 1.0])
 def test_gpu_softmax_scale(softmax_scale):

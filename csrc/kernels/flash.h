@@ -52,6 +52,11 @@ struct Flash_fwd_params {
   int causal_offset;    // key j is visible to query i iff j <= i + causal_offset.
                         // seqlen_k - seqlen_q: bottom-right (FlashAttention `causal`);
                         // 0: top-left (torch SDPA `is_causal`).
+
+  // ---- launch choice (host only) -------------------------------------------------------
+  int num_sms;          // SMs of the device (0 = unknown: the default tile)
+  int small_grid_tile;  // Fwd_tile_config::SmallGridTraits: 0 = when it pays
+                        // (prefer_small_grid_tile), 1 = always, -1 = never
 };
 
 // Host entry: dispatches on head dim and causal flag. Defined in flash_fwd_dispatch.cpp.

@@ -376,8 +376,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                              bidb * params.q_batch_stride + head * params.q_head_stride;
       const __half* do_base = static_cast<const __half*>(params.do_ptr) +
                               bidb * params.do_batch_stride + head * params.do_head_stride;
-      load_tile_g2r<Kt, false>(q_stage, q_base, params.q_row_stride, m0, 0, params.seqlen_q, tid);
-      load_tile_g2r<Kt, false>(do_stage, do_base, params.do_row_stride, m0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt>(q_stage, q_base, params.q_row_stride, m0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt>(do_stage, do_base, params.do_row_stride, m0, 0, params.seqlen_q, tid);
       if (tid < kBM) {
         const int row = m0 + tid;
         const int64_t off = (static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + row;

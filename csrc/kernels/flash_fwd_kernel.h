@@ -32,19 +32,34 @@ namespace flash_sm75 {
 // per thread per step, rows [row0, row0 + kRows). Rows outside [valid_begin, valid_end) are
 // zero-filled: they are never read from memory, and zero V rows keep masked keys (P = 0) from
 // contributing 0 * garbage = NaN.
-template <typename Kt, bool kWholeTilePath = true, int kN>
+// kStyle picks the address arithmetic (same loads, different SASS; chosen per kernel by
+// measurement, Flash_fwd_kernel_traits::kLoadStyle): 0 = a 64-bit row multiply per chunk;
+// 1 = one row pointer per call plus a 64-bit step per chunk; 2 = as 1, with a CTA-uniform
+// branch to unchecked loads when the whole tile is in range.
+template <typename Kt, int kStyle = 0, int kN>
 __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* base,
                                               index_t row_stride, int row0, int valid_begin,
                                               int valid_end, int tid) {
-  // Chunk i of a thread is row r0 + i * kRowsPerPass, column chunk c: one 64-bit multiply per
-  // call and a 64-bit add per chunk (a multiply per chunk cost ~10 integer instructions each in
-  // the main loops' SASS).
-  constexpr int kRowsPerPass = Kt::kNThreads / Kt::kChunksPerRow;
-  static_assert(Kt::kNThreads % Kt::kChunksPerRow == 0, "a pass covers whole rows");
-  const int grow0 = row0 + tid / Kt::kChunksPerRow;
-  const __half* p = base + grow0 * row_stride + (tid % Kt::kChunksPerRow) * 8;
+  constexpr int kCPR = Kt::kChunksPerRow;
+  if constexpr (kStyle == 0) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int idx = tid + i * Kt::kNThreads;
+      const int grow = row0 + idx / kCPR;
+      if (grow >= valid_begin && grow < valid_end) {
+        stage[i] = __ldg(reinterpret_cast<const uint4*>(base + grow * row_stride + idx % kCPR * 8));
+      } else {
+        stage[i] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    return;
+  }
+  constexpr int kRowsPerPass = Kt::kNThreads / kCPR;
+  static_assert(Kt::kNThreads % kCPR == 0, "a pass covers whole rows");
+  const int grow0 = row0 + tid / kCPR;
+  const __half* p = base + grow0 * row_stride + (tid % kCPR) * 8;
   const index_t step = kRowsPerPass * row_stride;
-  if (kWholeTilePath && row0 >= valid_begin && row0 + kN * kRowsPerPass <= valid_end) {
+  if (kStyle == 2 && row0 >= valid_begin && row0 + kN * kRowsPerPass <= valid_end) {
 #pragma unroll
     for (int i = 0; i < kN; ++i) stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
     return;
@@ -279,6 +294,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   constexpr int kBN = Kt::kBlockN;
   constexpr int kCPR = Kt::kChunksPerRow;
   constexpr int kRowBytes = kD * 2;
+  constexpr int kLs = Kt::kLoadStyle;  // load_tile_g2r address arithmetic
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // kQInSmem: [sQ: Br x d][sK][sV], O staged through sQ. Otherwise [sK][sV], with the Q tile
@@ -306,8 +322,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     const uint32_t q_lane_addr = lane_addr_a<kCPR>(sQ, 16 * warp, lane);
     {
       uint4 qstage[Kt::kQChunksPerThread];
-      load_tile_g2r<Kt>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
-      load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, c.nb.n_block_min * kBN,
+      load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, c.nb.n_block_min * kBN,
                         c.kr.key_start, c.kr.key_end, tid);
       store_tile_r2s<Kt>(qstage, sQ, tid);
     }
@@ -332,7 +348,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
     for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
       // V_j: global loads in flight while S_j and its softmax are computed.
-      load_tile_g2r<Kt>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
+      load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
                         c.kr.key_end, tid);
 
       // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax.
@@ -353,7 +369,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
       const bool has_next = n_block + 1 < c.nb.n_block_max;
       if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
-        load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
+        load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
                           c.kr.key_start, c.kr.key_end, tid);
       }
       gemm_rs_t<kBN, kD, kRowBytes, true>(acc_o, p_frag, v_lane_addr);  // O += P V
@@ -390,6 +406,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   constexpr int kBN = Kt::kBlockN;
   constexpr int kCPR = Kt::kChunksPerRow;
   constexpr int kRowBytes = kD * 2;
+  constexpr int kLs = Kt::kLoadStyle;  // load_tile_g2r address arithmetic
   constexpr int kTile = kBN * kD;  // halves per K or V tile
   static_assert(Kt::kPingPong && Kt::kNWarps == 8 && !Kt::kQInSmem, "ping-pong layout");
   // Q is staged through sV0 + sV1 when it fits there (K_0 goes to sK0 at the same time), else
@@ -422,8 +439,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     // ---- prologue: Q (staged from sV0 on) and K_0 -> sK0 in one global round trip.
     {
       uint4 qstage[Kt::kQChunksPerThread];
-      load_tile_g2r<Kt>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
-      load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, n0 * kBN, c.kr.key_start,
+      load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, n0 * kBN, c.kr.key_start,
                         c.kr.key_end, tid);
       store_tile_r2s<Kt>(qstage, sV0, tid);
       if constexpr (kQIn2Tiles) store_tile_r2s<Kt>(stage, sK0, tid);
@@ -445,7 +462,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     constexpr uint32_t kTileBytes = kTile * 2;
 
     // S_0 and P_0 (both groups at once), with V_0 in flight.
-    load_tile_g2r<Kt>(stage, c.v_base, params.v_row_stride, n0 * kBN, c.kr.key_start,
+    load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n0 * kBN, c.kr.key_start,
                       c.kr.key_end, tid);
     float acc_s[kBN / 8][4];
     uint32_t p_frag[kBN / 8][2];
@@ -455,7 +472,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     __syncthreads();  // every warp holds its Q fragments: sV0 / sV1 are free
     store_tile_r2s<Kt>(stage, sV0, tid);
     if (num_steps > 1) {  // K_1 -> sK1 (its latency is exposed once per CTA)
-      load_tile_g2r<Kt>(stage, c.k_base, params.k_row_stride, (n0 + 1) * kBN, c.kr.key_start,
+      load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n0 + 1) * kBN, c.kr.key_start,
                         c.kr.key_end, tid);
       store_tile_r2s<Kt>(stage, sK0 + kTile, tid);
     }
@@ -467,11 +484,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       uint4 stage_k[Kt::kChunksPerThread], stage_v[Kt::kChunksPerThread];
       const bool load_k = i + 2 < num_steps, load_v = i + 1 < num_steps;
       if (load_k) {
-        load_tile_g2r<Kt>(stage_k, c.k_base, params.k_row_stride, (n0 + i + 2) * kBN,
+        load_tile_g2r<Kt, kLs>(stage_k, c.k_base, params.k_row_stride, (n0 + i + 2) * kBN,
                           c.kr.key_start, c.kr.key_end, tid);
       }
       if (load_v) {
-        load_tile_g2r<Kt>(stage_v, c.v_base, params.v_row_stride, (n0 + i + 1) * kBN,
+        load_tile_g2r<Kt, kLs>(stage_v, c.v_base, params.v_row_stride, (n0 + i + 1) * kBN,
                           c.kr.key_start, c.kr.key_end, tid);
       }
       if (load_k) store_tile_r2s<Kt>(stage_k, sK0 + (i & 1) * kTile, tid);  // replaces K_i

@@ -1,8 +1,10 @@
 // Grid, shared-memory opt-in and launch of the forward kernel for one instantiation.
 #pragma once
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "flash.h"
 #include "flash_fwd_kernel.h"
@@ -11,8 +13,7 @@
 namespace flash_sm75 {
 
 template <typename Kt, bool Is_causal>
-void run_flash_fwd(Flash_fwd_params& params, cudaStream_t stream) {
-  const FwdLaunchPlan plan = make_fwd_plan<Kt>(params.b, params.h, params.seqlen_q);
+auto fwd_kernel() {
   void (*kernel)(const Flash_fwd_params);
   if constexpr (Kt::kPingPong) {
     kernel = &flash_fwd_pingpong_kernel<Kt, Is_causal>;
@@ -27,13 +28,58 @@ void run_flash_fwd(Flash_fwd_params& params, cudaStream_t stream) {
                                cudaGetErrorString(err));
     }
   }
+  return kernel;
+}
+
+template <typename Kt, bool Is_causal>
+void run_flash_fwd(Flash_fwd_params& params, cudaStream_t stream) {
+  const FwdLaunchPlan plan = make_fwd_plan<Kt>(params.b, params.h, params.seqlen_q);
+  auto kernel = fwd_kernel<Kt, Is_causal>();
   kernel<<<dim3(static_cast<unsigned>(plan.num_blocks)), plan.num_threads, plan.smem_bytes,
            stream>>>(params);
 }
 
+// Resident CTAs per SM of the forward kernel of Kt on the current device (occupancy API, cached
+// per device); 0 if unknown.
+template <typename Kt, bool Is_causal>
+int fwd_ctas_per_sm() {
+  constexpr int kMaxCachedDevices = 64;
+  static std::atomic<int> cache[kMaxCachedDevices];
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  if (cached) {
+    if (const int v = cache[device].load(std::memory_order_relaxed)) return v;
+  }
+  int ctas = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fwd_kernel<Kt, Is_causal>(),
+                                                    Kt::kNThreads, Kt::kSmemSize) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it so the launch check does not report it
+    return 0;
+  }
+  if (cached && ctas > 0) cache[device].store(ctas, std::memory_order_relaxed);
+  return ctas;
+}
+
 template <int kHeadDim, bool Is_causal>
 void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
-  run_flash_fwd<typename Fwd_tile_config<kHeadDim>::Traits, Is_causal>(params, stream);
+  using Kt = typename Fwd_tile_config<kHeadDim>::Traits;
+  using Ks = typename Fwd_tile_config<kHeadDim>::SmallGridTraits;
+  if constexpr (!std::is_void_v<Ks>) {
+    bool small = params.small_grid_tile > 0;
+    if (params.small_grid_tile == 0 && params.num_sms > 0) {
+      const FwdLaunchPlan pd = make_fwd_plan<Kt>(params.b, params.h, params.seqlen_q);
+      const FwdLaunchPlan ps = make_fwd_plan<Ks>(params.b, params.h, params.seqlen_q);
+      // A grid of at most one CTA per SM is one wave on any GPU: no occupancy queries.
+      if (pd.num_blocks > params.num_sms) {
+        small = prefer_small_grid_tile(
+            pd.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Kt, Is_causal>()) * params.num_sms,
+            ps.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Ks, Is_causal>()) * params.num_sms);
+      }
+    }
+    if (small) return run_flash_fwd<Ks, Is_causal>(params, stream);
+  }
+  run_flash_fwd<Kt, Is_causal>(params, stream);
 }
 
 }  // namespace flash_sm75

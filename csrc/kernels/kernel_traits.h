@@ -12,7 +12,8 @@ constexpr int kSm75DefaultSmemPerBlock = 48 * 1024;  // without cudaFuncSetAttri
 constexpr int kSm75MaxThreadsPerBlock = 1024;
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
-          int kMinBlocksPerSm_ = 1, bool kPingPong_ = false, int kRescaleThreshold_ = 0>
+          int kMinBlocksPerSm_ = 1, bool kPingPong_ = false, int kRescaleThreshold_ = 0,
+          int kLoadStyle_ = 0>
 struct Flash_fwd_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
@@ -36,6 +37,11 @@ struct Flash_fwd_kernel_traits {
   // +2-7% on the H200, benchmarks/NOTES.md); at d = 64 it spills under the 3-CTA register cap.
   static constexpr int kRescaleThreshold = kRescaleThreshold_;
   static_assert(kRescaleThreshold >= 0 && kRescaleThreshold <= 15, "P must fit in fp16");
+  // Address arithmetic of the K/V tile loads (load_tile_g2r's kStyle: 0 = a 64-bit multiply per
+  // chunk, 1 = one row pointer plus a step per chunk, 2 = as 1 with an unchecked path for whole
+  // tiles). Same loads, different SASS; picked per head dim by measurement (NOTES, session 5).
+  static constexpr int kLoadStyle = kLoadStyle_;
+  static_assert(kLoadStyle >= 0 && kLoadStyle <= 2, "load style 0, 1 or 2");
 
   // Each warp owns 16 query rows: one m16 MMA tile, so S and P never leave its registers.
   static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");
@@ -73,15 +79,24 @@ struct Flash_fwd_kernel_traits {
 //    halve that staging and fit (~245 registers, no spills). 32 KiB of smem.
 template <int kHeadDim>
 struct Fwd_tile_config;
+//  * SmallGridTraits (void where there is none): a tile with more CTAs per SM for grids that the
+//    default tile runs in a little more than one wave but this one runs in one
+//    (prefer_small_grid_tile in launch_plan.h).
 template <>
 struct Fwd_tile_config<64> {
-  // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit.
-  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4, false, 3>;
+  // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit. Load
+  // style 2: +3-8% at N = 4096 on the H200 (NOTES, session 5).
+  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4, false, 3, false, 0, 2>;
+  // Q in shared memory, Bc = 32, 4 CTAs per SM (<= 128 registers, 16 KiB smem each): 16 warps
+  // per SM instead of 12. Measured 1.42x vs 1.25x of mem-efficient at B=4 H=16 N=512 (512 CTAs:
+  // one wave of 528 slots on the H200 instead of 1.3 waves of 396), slower from N = 1024 on.
+  using SmallGridTraits = Flash_fwd_kernel_traits<64, 64, 32, 4, true, 4>;
 };
 template <>
 struct Fwd_tile_config<128> {
   // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile.
   using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8, false, 1, false, 8>;
+  using SmallGridTraits = void;
 };
 
 }  // namespace flash_sm75

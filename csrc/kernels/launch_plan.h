@@ -38,6 +38,15 @@ inline FwdLaunchPlan make_fwd_plan(int b, int h, int seqlen_q) {
   return p;
 }
 
+// Forward grids just over one wave: take the small-grid tile (more CTAs per SM) when it runs
+// the whole grid in one wave and the default tile needs more than one. *_slots = resident CTAs
+// per SM x SMs (0 = unknown, which keeps the default tile).
+inline bool prefer_small_grid_tile(int64_t default_blocks, int64_t default_slots,
+                                   int64_t small_blocks, int64_t small_slots) {
+  return default_slots > 0 && small_slots > 0 && default_blocks > default_slots &&
+         small_blocks <= small_slots;
+}
+
 inline FwdLaunchPlan plan_fwd_launch(int d, int b, int h, int seqlen_q) {
   if (d == 64) return make_fwd_plan<Fwd_tile_config<64>::Traits>(b, h, seqlen_q);
   if (d == 128) return make_fwd_plan<Fwd_tile_config<128>::Traits>(b, h, seqlen_q);

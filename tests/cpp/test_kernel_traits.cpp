@@ -6,6 +6,7 @@
 #include <regex>
 #include <set>
 #include <string>
+#include <type_traits>
 
 #include "kernels/kernel_traits.h"
 
@@ -31,8 +32,9 @@ void expect_fits_sm75(int head_dim) {
   EXPECT_EQ(Kt::kBlockM, 16 * Kt::kNWarps);  // one m16 MMA row tile per warp
   EXPECT_EQ(Kt::kBlockN % 16, 0);
   EXPECT_EQ(Kt::kHeadDim % 16, 0);
-  // K and V tiles in fp16; Q and O are staged through the same space.
-  EXPECT_EQ(Kt::kSmemSize, 2 * Kt::kBlockN * Kt::kHeadDim * 2);
+  // K and V tiles in fp16; Q and O are staged through the same space unless Q has its own.
+  EXPECT_EQ(Kt::kSmemSize,
+            2 * Kt::kBlockN * Kt::kHeadDim * 2 + (Kt::kQInSmem ? Kt::kBlockM * Kt::kHeadDim * 2 : 0));
   EXPECT_LE(Kt::kBlockM * Kt::kHeadDim * 2, Kt::kSmemSize);
   EXPECT_EQ(Kt::kChunksPerThread * Kt::kNThreads, Kt::kBlockN * Kt::kHeadDim / 8);
   EXPECT_EQ(Kt::kQChunksPerThread * Kt::kNThreads, Kt::kBlockM * Kt::kHeadDim / 8);
@@ -41,6 +43,14 @@ void expect_fits_sm75(int head_dim) {
 TEST(KernelTraits, EveryFwdConfigFitsSm75) {
   expect_fits_sm75<Traits<64>>(64);
   expect_fits_sm75<Traits<128>>(128);
+  // The d = 64 small-grid tile: its kMinBlocksPerSm CTAs must fit a Turing SM (64 KiB of shared
+  // memory, 64K registers), or it would not raise the CTAs per SM it exists for.
+  using Small = Fwd_tile_config<64>::SmallGridTraits;
+  expect_fits_sm75<Small>(64);
+  EXPECT_EQ(Small::kBlockM, Traits<64>::kBlockM);  // same grid as the default tile
+  EXPECT_GT(Small::kMinBlocksPerSm, Traits<64>::kMinBlocksPerSm);
+  EXPECT_LE(Small::kMinBlocksPerSm * Small::kSmemSize, 64 * 1024);
+  EXPECT_TRUE((std::is_void_v<Fwd_tile_config<128>::SmallGridTraits>));
   EXPECT_EQ(kSm75MaxSmemPerBlock, 64 * 1024);
   EXPECT_EQ(kSm75DefaultSmemPerBlock, 48 * 1024);
   EXPECT_EQ(kSm75MaxThreadsPerBlock, 1024);

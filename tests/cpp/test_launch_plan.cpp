@@ -61,6 +61,21 @@ TEST(LaunchPlan, GridLimit) {
   }
 }
 
+TEST(LaunchPlan, SmallGridTileOnlyWhenItSavesAWave) {
+  // H200-like: 132 SMs x 3 default CTAs = 396 slots, x 4 small-tile CTAs = 528.
+  EXPECT_TRUE(prefer_small_grid_tile(512, 396, 512, 528));   // B=4 H=16 N=512: 1.3 -> 1 wave
+  EXPECT_TRUE(prefer_small_grid_tile(528, 396, 528, 528));   // exactly one small-tile wave
+  EXPECT_FALSE(prefer_small_grid_tile(529, 396, 529, 528));  // two waves either way
+  EXPECT_FALSE(prefer_small_grid_tile(396, 396, 396, 528));  // the default fits one wave
+  EXPECT_FALSE(prefer_small_grid_tile(1024, 396, 1024, 528));  // N=1024: measured slower
+  // T4-like: 40 SMs x 3 = 120, x 4 = 160.
+  EXPECT_TRUE(prefer_small_grid_tile(128, 120, 128, 160));
+  EXPECT_FALSE(prefer_small_grid_tile(512, 120, 512, 160));
+  // Unknown occupancy (0 slots) keeps the default tile.
+  EXPECT_FALSE(prefer_small_grid_tile(512, 0, 512, 528));
+  EXPECT_FALSE(prefer_small_grid_tile(512, 396, 512, 0));
+}
+
 TEST(LaunchPlan, UnsupportedHeadDim) {
   for (int d : {0, 32, 80, 96, 256, -64}) {
     try {

@@ -9,6 +9,7 @@
 
 #include <cinttypes>
 #include <string>
+#include <type_traits>
 
 #include "bwd_block_info.h"
 #include "bwd_kernel_traits.h"
@@ -86,6 +87,16 @@ struct Errors {
 
 template <int kD, bool kCausal>
 void run_forward(Flash_fwd_params& p) {
+  using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
+  if constexpr (!std::is_void_v<Ks>) {
+    // The small-grid tile (chosen on the GPU by occupancy) on every third case.
+    if ((p.seqlen_q + p.seqlen_k) % 3 == 0) {
+      const FwdLaunchPlan plan = make_fwd_plan<Ks>(p.b, p.h, p.seqlen_q);
+      emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
+                  [&] { flash_fwd_kernel<Ks, kCausal>(p); });
+      return;
+    }
+  }
   using Kt = typename Fwd_tile_config<kD>::Traits;
   const FwdLaunchPlan plan = plan_fwd_launch(kD, p.b, p.h, p.seqlen_q);
   emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
