@@ -240,6 +240,27 @@ def test_gpu_small_grid_tile_env_rejects_unknown_values(value, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("a", [4096.0, 65504.0])
+def test_gpu_huge_scores_exact_forward_finite_backward(a, d):
+    # q = k = +-a rows at the default scale: scaled scores up to ~1e11, far past float32's
+    # integer range. An FFMA exp2(s * c - m) gives the row max exp2(+-0.5 ulp) = inf or 0
+    # there (NaN output); the kernel's exact path must return the one-hot result, and the
+    # backward (limited by the float32 LSE) must stay finite.
+    g = torch.Generator(device="cpu").manual_seed(int(a) + d)
+    sign = torch.where(torch.rand(2, 40, 2, d, generator=g) < 0.5, -1.0, 1.0)
+    q = (sign * a).to(torch.float16).cuda().requires_grad_()
+    v = torch.randn(2, 40, 2, d, generator=g).to(torch.float16).cuda().requires_grad_()
+    with poisoned_cuda_memory():
+        out, lse = fa.flash_attn_func(q, q, v, return_lse=True)
+    assert torch.equal(out, v)  # every row's own key wins by >= 2 a^2 / sqrt(d) * log2(e)
+    _, lse_ref = attention_ref(q.detach(), q.detach(), v.detach())
+    assert_lse_close(lse, lse_ref)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(q.grad).all() and torch.isfinite(v.grad).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("softmax_scale", [0.01, 0.3, 1.0])
 def test_gpu_softmax_scale(softmax_scale):
     q, k, v = make_qkv(2, 130, 190, 4, 2, 64, "cuda", seed_from("scale", softmax_scale))

@@ -208,6 +208,14 @@ __device__ __forceinline__ DkdvBlock dkdv_block(const Flash_bwd_params& params, 
   return {n_block, static_cast<int>(bhk / params.h_k), static_cast<int>(bhk % params.h_k)};
 }
 
+// P = exp2(S * scale_log2 - lse_log2), at most 1. The clamp only acts where a float32 LSE cannot
+// resolve the row max: |lse_log2| >= 2^24 (|q.k| * scale ~ 10^7), where the rounding error of
+// the product exceeds 1 in the exponent. P is then approximate (the forward's output is exact,
+// see kExactExpFrom) but never inf, which would turn into NaN gradients.
+__device__ __forceinline__ float recompute_p(float s, float scale_log2, float lse_log2) {
+  return exp2f(fminf(fmaf(s, scale_log2, -lse_log2), 0.f));
+}
+
 // P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked, in place in acc_s, and packed
 // as the fp16 A fragments of dV += P^T dO. Element (nt, e): key key_g + 8 (e >= 2), query
 // m0 + qc0 + 8 nt + 2 t + (e & 1); sLse holds the tile's lse * log2(e).
@@ -222,7 +230,7 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
     const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float p = exp2f(fmaf(acc_s[nt][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+      float p = recompute_p(acc_s[nt][e], scale_log2, (e & 1) ? lse2.y : lse2.x);
       if (need_mask) {
         const int key = key_g + (e >= 2 ? 8 : 0);
         const int query = m0 + qcol + (e & 1);
@@ -894,7 +902,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float p = exp2f(fmaf(acc_s[nt][e], scale_log2, -lse_l2[e >> 1]));
+          float p = recompute_p(acc_s[nt][e], scale_log2, lse_l2[e >> 1]);
           if (need_mask) {
             const int row = row0 + 16 * warp + g + (e >= 2 ? 8 : 0);
             const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);

@@ -164,8 +164,9 @@ __device__ __forceinline__ float move_max(float mx, float& m_i, float& l_i, floa
                                           float& scaled_max) {
   // A row that has seen no key yet keeps m = -inf; use 0 as the shift so that
   // exp2(-inf - shift) = 0 instead of exp2(-inf + inf) = NaN.
-  scaled_max = (mx == -INFINITY) ? 0.f : mx * scale_log2;
-  const float alpha = exp2f(m_i * scale_log2 - scaled_max);
+  scaled_max = (mx == -INFINITY) ? 0.f : __fmul_rn(mx, scale_log2);
+  // Not an FFMA: with the product rounded as scaled_max is, alpha <= 1 for any magnitude.
+  const float alpha = exp2f(__fmul_rn(m_i, scale_log2) - scaled_max);
   m_i = mx;
   l_i *= alpha;
   return alpha;
@@ -184,16 +185,51 @@ __device__ __forceinline__ void rescale_o(float (&acc_o)[kD / 8][4], const float
   }
 }
 
+// |S * scale_log2| from which P = exp2(S * scale_log2 - m) is computed from the rounded product
+// (FMUL, FADD) instead of one FFMA: the FFMA subtracts the rounded m from the exact product, so
+// the row max itself gets exp2(+-0.5 ulp), which is exp2(+-4096) at 2^36 (|q|, |k| ~ 10^4 at
+// the default scale): inf or 0, then NaN. With both sides rounded alike P <= 1 exactly.
+constexpr float kExactExpFrom = 16777216.f;  // 2^24: below it the FFMA's error is < 0.5
+
+__device__ __forceinline__ bool huge_scaled_max(float mx, float scale_log2) {
+  return mx != -INFINITY && fabsf(mx * scale_log2) >= kExactExpFrom;
+}
+
+// P = exp2(S * scale_log2 - scaled_max) for rows g, g + 8, summed into l_i and packed as the
+// fp16 A fragments of O += P V.
+template <int kBN, bool kExact>
+__device__ __forceinline__ void exp_scores(const float (&acc_s)[kBN / 8][4], float (&l_i)[2],
+                                           const float (&scaled_max)[2], float scale_log2,
+                                           uint32_t (&p_frag)[kBN / 8][2]) {
+#pragma unroll
+  for (int nt = 0; nt < kBN / 8; ++nt) {
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float sm = scaled_max[e >> 1];
+      p[e] = exp2f(kExact ? __fmul_rn(acc_s[nt][e], scale_log2) - sm
+                          : fmaf(acc_s[nt][e], scale_log2, -sm));
+    }
+    l_i[0] += p[0] + p[1];
+    l_i[1] += p[2] + p[3];
+    p_frag[nt][0] = pack_half2(p[0], p[1]);
+    p_frag[nt][1] = pack_half2(p[2], p[3]);
+  }
+}
+
 // One online-softmax step on the accumulator fragments of S (rows g and g + 8 of the warp):
 // update the running max m_i and sum l_i, rescale O by exp2(m_old - m_new), and pack
 // P = exp2(S * scale_log2 - m) as the fp16 A fragments of O += P V.
-// kThr > 0 (Flash_fwd_kernel_traits::kRescaleThreshold; the d = 128 default uses 8): keep the stale max and
-// skip the rescale while no row of the warp grew by more than kThr in log2 units.
+// kThr > 0 (Flash_fwd_kernel_traits::kRescaleThreshold; the d = 128 default uses 8): keep the
+// stale max and skip the rescale while no row of the warp grew by more than kThr in log2 units.
+// Rows whose scaled max reaches kExactExpFrom (a warp-uniform branch, never taken at ordinary
+// magnitudes) always move the max and take the exact exponent path.
 template <int kBN, int kD, int kThr = 0>
 __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4], float (&m_i)[2],
                                                 float (&l_i)[2], float (&acc_o)[kD / 8][4],
                                                 float scale_log2, uint32_t (&p_frag)[kBN / 8][2]) {
   float scaled_max[2], alpha[2];
+  bool exact;
   if constexpr (kThr == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -201,12 +237,15 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
                           scaled_max[r]);
     }
     rescale_o<kD>(acc_o, alpha);
+    exact = warp_any(huge_scaled_max(m_i[0], scale_log2) || huge_scaled_max(m_i[1], scale_log2));
   } else {
     const float mx[2] = {row_max<kBN>(acc_s, 0, m_i[0]), row_max<kBN>(acc_s, 1, m_i[1])};
-    // NaN (both -inf: no key seen yet) and +inf (first key) count as growth.
+    exact = warp_any(huge_scaled_max(mx[0], scale_log2) || huge_scaled_max(mx[1], scale_log2));
+    // NaN (both -inf: no key seen yet) and +inf (first key) count as growth; so does a huge
+    // max (the stale-max bound P <= 2^kThr does not survive its rounding).
     const bool grew = !((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
                       !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr));
-    if (warp_any(grew)) {  // warp-uniform branch
+    if (warp_any(grew) || exact) {  // warp-uniform branch
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         alpha[r] = move_max(mx[r], m_i[r], l_i[r], scale_log2, scaled_max[r]);
@@ -217,16 +256,10 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
       scaled_max[1] = m_i[1] * scale_log2;
     }
   }
-#pragma unroll
-  for (int nt = 0; nt < kBN / 8; ++nt) {
-    const float p0 = exp2f(fmaf(acc_s[nt][0], scale_log2, -scaled_max[0]));
-    const float p1 = exp2f(fmaf(acc_s[nt][1], scale_log2, -scaled_max[0]));
-    const float p2 = exp2f(fmaf(acc_s[nt][2], scale_log2, -scaled_max[1]));
-    const float p3 = exp2f(fmaf(acc_s[nt][3], scale_log2, -scaled_max[1]));
-    l_i[0] += p0 + p1;
-    l_i[1] += p2 + p3;
-    p_frag[nt][0] = pack_half2(p0, p1);
-    p_frag[nt][1] = pack_half2(p2, p3);
+  if (exact) {  // warp-uniform
+    exp_scores<kBN, true>(acc_s, l_i, scaled_max, scale_log2, p_frag);
+  } else {
+    exp_scores<kBN, false>(acc_s, l_i, scaled_max, scale_log2, p_frag);
   }
 }
 

@@ -290,3 +290,6 @@ inline float atomicAdd(float* p, float v) {
   *p = old + v;
   return old;
 }
+// Round-to-nearest product that the compiler may not fuse into an FMA (-std=c++17 keeps
+// -ffp-contract=off, so a plain product is one).
+inline float __fmul_rn(float a, float b) { return a * b; }
