@@ -191,8 +191,10 @@ __device__ __forceinline__ void rescale_o(float (&acc_o)[kD / 8][4], const float
 // the default scale): inf or 0, then NaN. With both sides rounded alike P <= 1 exactly.
 constexpr float kExactExpFrom = 16777216.f;  // 2^24: below it the FFMA's error is < 0.5
 
-__device__ __forceinline__ bool huge_scaled_max(float mx, float scale_log2) {
-  return mx != -INFINITY && fabsf(mx * scale_log2) >= kExactExpFrom;
+// Whether a row max shifted by scaled_max (0 for a row without keys) needs the exact path,
+// for any of the warp's rows (warp-uniform).
+__device__ __forceinline__ bool warp_needs_exact_exp(const float (&scaled_max)[2]) {
+  return warp_any(fabsf(scaled_max[0]) >= kExactExpFrom || fabsf(scaled_max[1]) >= kExactExpFrom);
 }
 
 // P = exp2(S * scale_log2 - scaled_max) for rows g, g + 8, summed into l_i and packed as the
@@ -222,14 +224,16 @@ __device__ __forceinline__ void exp_scores(const float (&acc_s)[kBN / 8][4], flo
 // P = exp2(S * scale_log2 - m) as the fp16 A fragments of O += P V.
 // kThr > 0 (Flash_fwd_kernel_traits::kRescaleThreshold; the d = 128 default uses 8): keep the
 // stale max and skip the rescale while no row of the warp grew by more than kThr in log2 units.
-// Rows whose scaled max reaches kExactExpFrom (a warp-uniform branch, never taken at ordinary
-// magnitudes) always move the max and take the exact exponent path.
+// exact_exp (the caller's, false before the first tile) says the warp's scaled max reached
+// kExactExpFrom (never at ordinary magnitudes): the exponents then take the exact path, and at
+// kThr > 0 every tile moves the max (the stale-max bound P <= 2^kThr does not survive the
+// rounding at that magnitude). The max only moves in the branches that recompute the flag.
 template <int kBN, int kD, int kThr = 0>
 __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4], float (&m_i)[2],
                                                 float (&l_i)[2], float (&acc_o)[kD / 8][4],
-                                                float scale_log2, uint32_t (&p_frag)[kBN / 8][2]) {
+                                                float scale_log2, uint32_t (&p_frag)[kBN / 8][2],
+                                                bool& exact_exp) {
   float scaled_max[2], alpha[2];
-  bool exact;
   if constexpr (kThr == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -237,26 +241,25 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
                           scaled_max[r]);
     }
     rescale_o<kD>(acc_o, alpha);
-    exact = warp_any(huge_scaled_max(m_i[0], scale_log2) || huge_scaled_max(m_i[1], scale_log2));
+    exact_exp = warp_needs_exact_exp(scaled_max);
   } else {
     const float mx[2] = {row_max<kBN>(acc_s, 0, m_i[0]), row_max<kBN>(acc_s, 1, m_i[1])};
-    exact = warp_any(huge_scaled_max(mx[0], scale_log2) || huge_scaled_max(mx[1], scale_log2));
-    // NaN (both -inf: no key seen yet) and +inf (first key) count as growth; so does a huge
-    // max (the stale-max bound P <= 2^kThr does not survive its rounding).
+    // NaN (both -inf: no key seen yet) and +inf (first key) count as growth.
     const bool grew = !((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
                       !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr));
-    if (warp_any(grew) || exact) {  // warp-uniform branch
+    if (warp_any(grew) || exact_exp) {  // warp-uniform branch
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         alpha[r] = move_max(mx[r], m_i[r], l_i[r], scale_log2, scaled_max[r]);
       }
       rescale_o<kD>(acc_o, alpha);
+      exact_exp = warp_needs_exact_exp(scaled_max);
     } else {
       scaled_max[0] = m_i[0] * scale_log2;  // finite here; P <= 2^kThr
       scaled_max[1] = m_i[1] * scale_log2;
     }
   }
-  if (exact) {  // warp-uniform
+  if (exact_exp) {  // warp-uniform
     exp_scores<kBN, true>(acc_s, l_i, scaled_max, scale_log2, p_frag);
   } else {
     exp_scores<kBN, false>(acc_s, l_i, scaled_max, scale_log2, p_frag);
@@ -344,6 +347,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   const float scale_log2 = params.scale_softmax_log2;
 
   float m_i[2] = {-INFINITY, -INFINITY};  // running max of raw scores, rows g and g + 8
+  bool exact_exp = false;  // softmax_rescale: the warp's scaled max needs exact exponents
   float l_i[2] = {0.f, 0.f};              // running sum of exp2(s * scale_log2 - m), per thread
   float acc_o[kD / 8][4];                 // unnormalised O, 16 x d per warp
   zero_acc(acc_o);
@@ -393,7 +397,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       }
       mask_scores<Kt, Is_causal>(acc_s, c, n_block, row0 + 16 * warp, params.causal_offset);
       uint32_t p_frag[kBN / 8][2];
-      softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+      softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag,
+                                                      exact_exp);
 
       // Every warp finished reading sV in the previous iteration (last barrier below), so V_j
       // can be written now.
@@ -463,6 +468,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   const int num_steps = c.nb.n_block_max - n0;
 
   float m_i[2] = {-INFINITY, -INFINITY};
+  bool exact_exp = false;
   float l_i[2] = {0.f, 0.f};
   float acc_o[kD / 8][4];
   zero_acc(acc_o);
@@ -501,7 +507,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     uint32_t p_frag[kBN / 8][2];
     gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr0);
     mask_scores<Kt, Is_causal>(acc_s, c, n0, row_w, params.causal_offset);
-    softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+    softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag,
+                                                      exact_exp);
     __syncthreads();  // every warp holds its Q fragments: sV0 / sV1 are free
     store_tile_r2s<Kt>(stage, sV0, tid);
     if (num_steps > 1) {  // K_1 -> sK1 (its latency is exposed once per CTA)
@@ -537,13 +544,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         named_barrier_arrive(1, Kt::kNThreads);  // G1 may start HMMA_i
         if (has_s) {
           mask_scores<Kt, Is_causal>(acc_s, c, n0 + i + 1, row_w, params.causal_offset);
-          softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+          softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag,
+                                                      exact_exp);
         }
         refill(i);
       } else {
         if (i > 0) {  // S_i from HMMA_{i-1}
           mask_scores<Kt, Is_causal>(acc_s, c, n0 + i, row_w, params.causal_offset);
-          softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag);
+          softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag,
+                                                      exact_exp);
         }
         refill(i);
         named_barrier_sync(1, Kt::kNThreads);  // G0 has issued HMMA_i
