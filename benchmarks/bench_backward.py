@@ -25,7 +25,7 @@ out, saved tensors, workspace, the three gradients; inputs and grad_out excluded
 max |grad_backend - grad_ours| over dq, dk, dv (a sanity check, not the accuracy test).
 
 Outputs under --out-dir: <tag>.txt (printed tables), <tag>.json (environment incl. GPU name,
-versions, commit from `git rev-parse HEAD` or $FA_SM75_COMMIT, dQ mode, all numbers), <tag>.png.
+versions, commit from $FA_SM75_COMMIT or `git rev-parse HEAD`, dQ mode, all numbers), <tag>.png.
 `--dry-run` (= `--device cpu`) runs tiny shapes on the CPU (our float32 CPU backward and SDPA
 on CPU; SDPA has no memory-efficient CPU kernel, so its math backend stands in for `efficient`,
 and peak memory is replaced by the bytes of the returned gradients) to exercise every code path
@@ -149,15 +149,14 @@ def deterministic_backward_on():
 
 
 def commit_info():
-    """C.git_info() (git rev-parse HEAD, else $FA_SM75_COMMIT: the GPU machine's copy of the
-    working tree may have no .git), plus which of the two the commit came from."""
+    """C.git_info() ($FA_SM75_COMMIT when set, else git rev-parse HEAD: the GPU machine's copy of
+    the working tree may have a stale .git), plus which of the two the commit came from."""
     g = C.git_info()
     env_commit = os.environ.get("FA_SM75_COMMIT")
-    if C._run(["git", "rev-parse", "HEAD"], cwd=C.REPO_ROOT):
-        g["commit_source"] = "git rev-parse HEAD"
-    elif env_commit:
-        g["commit"] = g.get("commit") or env_commit
+    if env_commit:
         g["commit_source"] = "$FA_SM75_COMMIT"
+    elif g.get("commit"):
+        g["commit_source"] = "git rev-parse HEAD"
     else:
         g["commit_source"] = None
     if env_commit:

@@ -86,7 +86,7 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   // Normal in float32, and small enough that no score overflows for any float16 input:
   // scale * log2(e) * |q.k| <= FLT_MAX / 2 with |q.k| <= 128 * 65504^2. The factor 2 absorbs
   // the float32 roundings of scale * log2(e) and of the product (without it the largest score
-  // rounded to inf on the GPU, and inf - inf = NaN in the softmax). The Python side,
+  // rounds to inf, and inf - inf = NaN in the softmax). The Python side,
   // _ops.SOFTMAX_SCALE_MIN/MAX, uses the same bounds.
   constexpr double kScaleMin = static_cast<double>(FLT_MIN);
   constexpr double kScaleMax =

@@ -56,10 +56,10 @@ _INT32_MAX = 2**31 - 1
 # softmax_scale must survive the kernel's float32 arithmetic for every float16 input: normal in
 # float32 (a denormal scale is flushed to 0 by --use_fast_math), and small enough that the
 # largest possible score, scale * log2(e) * q.k with |q.k| <= 128 * 65504^2 (head_dim 128, fp16
-# max), stays finite with a factor 2 of headroom (the float32 roundings of scale * log2(e) and
-# of the product reached inf at exactly FLT_MAX / (log2(e) * 128 * 65504^2), measured on the
-# GPU): an overflowing score gives inf - inf = NaN in the softmax. The C++ check_fwd_inputs
-# uses the same bounds.
+# max), stays finite with a factor 2 of headroom: at exactly FLT_MAX / (log2(e) * 128 * 65504^2)
+# the float32 roundings of scale * log2(e) and of the product give inf (rn(rn(scale * log2(e))
+# * 128 * 65504^2) = inf), and an inf score gives inf - inf = NaN in the softmax. The C++
+# check_fwd_inputs uses the same bounds.
 SOFTMAX_SCALE_MIN = 1.1754943508222875e-38  # FLT_MIN
 SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / (2 * 1.4426950408889634 * 128 * 65504.0**2)  # ~2.15e26
 _SCALE_RANGE = "[1.2e-38, 2.1e26]"

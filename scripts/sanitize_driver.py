@@ -2,7 +2,8 @@
 """Tiny driver for compute-sanitizer: launches every forward kernel instantiation
 (d in {64, 128} x causal in {False, True}) on small, odd shapes that hit the edge paths
 (partial Q/K tiles, Sq > Sk rows that see no key, decode q_len=1, GQA, strided BHSD views,
-leftpad_k / seqused_k including an empty key range), then the backward kernels on the same
+leftpad_k / seqused_k including an empty key range; at d=64 also with the small-grid tile
+forced, FLASH_SM75_FWD_SMALL_GRID_TILE=always), then the backward kernels on the same
 inputs in both dQ modes (deterministic: dK/dV + dQ kernels; FLASH_SM75_BWD_DQ=atomic: dK/dV
 with atomic dQ + convert), and checks each result against the ops' CPU reference
 implementations.
@@ -74,6 +75,19 @@ def launch(tag, failures, dev, fn):
         return None
 
 
+def with_env(name, value, fn):
+    """fn() with environment variable name set to value (restored afterwards)."""
+    prev = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if prev is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = prev
+
+
 def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode):
     """The backward op in one dQ mode (the mode is read from the environment at each call)."""
     prev = os.environ.get("FLASH_SM75_BWD_DQ")
@@ -118,7 +132,9 @@ def main(argv=None):
     for d in args.d:
         for causal in (False, True):
             for bottom_right in ((True, False) if causal else (True,)):
-                for (name, b, sq, sk, h, hk, lp, su, bhsd) in CASES:
+                for (name, b, sq, sk, h, hk, lp, su, bhsd), tile in [
+                        (c, t) for c in CASES for t in (("never", "always") if d == 64
+                                                        else ("never",))]:
                     q = make(b, sq, h, d, dev, gen, bhsd)
                     k = make(b, sk, hk, d, dev, gen, bhsd)
                     v = make(b, sk, hk, d, dev, gen, bhsd)
@@ -126,15 +142,17 @@ def main(argv=None):
                     sut = None if su is None else torch.tensor(su, dtype=torch.int32, device=dev)
                     scale = 0.5 / (d ** 0.5) if name == "odd_gqa" else None
                     tag = (f"d={d} causal={causal} bottom_right={bottom_right} {name} "
-                           f"B={b} Sq={sq} Sk={sk} H={h} Hk={hk}")
-                    res = launch(tag, failures, dev, lambda: op(
-                        q, k, v, softmax_scale=scale, is_causal=causal,
-                        causal_bottom_right=bottom_right, leftpad_k=lpt, seqused_k=sut))
+                           f"B={b} Sq={sq} Sk={sk} H={h} Hk={hk}"
+                           + (" small-grid tile" if tile == "always" else ""))
+                    res = launch(tag, failures, dev, lambda: with_env(
+                        "FLASH_SM75_FWD_SMALL_GRID_TILE", tile, lambda: op(
+                            q, k, v, softmax_scale=scale, is_causal=causal,
+                            causal_bottom_right=bottom_right, leftpad_k=lpt, seqused_k=sut)))
                     if res is None:
                         continue
                     out, lse = res
                     launches += 1
-                    if not args.no_bwd:
+                    if not args.no_bwd and tile == "never":  # the backward has no such tile
                         dout = torch.randn(out.shape, generator=gen).to(torch.float16).to(dev)
                         for mode in ("deterministic", "atomic"):
                             grads = launch(f"{tag} bwd {mode}", failures, dev, lambda: run_bwd(

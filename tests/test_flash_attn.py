@@ -180,9 +180,9 @@ def test_gpu_row_max_growing_across_key_tiles(growth, d, mode):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_largest_softmax_scale_gives_no_nan(device):
     # The largest float16 scores, |q.k| = 128 * 65504^2, times the largest accepted scale reach
-    # ~FLT_MAX / 2 (above 1e38) but cannot overflow: no NaN (at FLT_MAX, the old bound, the GPU
-    # kernel's float32 product rounded to inf). With q = k made of distinct +-65504 rows, every row's
-    # own key wins by at least 2 * 65504^2 * scale, so the exact result is one-hot: out = v.
+    # ~FLT_MAX / 2 (above 1e38) but cannot overflow: no NaN. With q = k made of distinct +-65504
+    # rows, every row's own key wins by at least 2 * 65504^2 * scale, so the exact result is
+    # one-hot: out = v (the GPU kernel needs its exact exponent path for that, kExactExpFrom).
     g = torch.Generator(device="cpu").manual_seed(7)
     sign = torch.where(torch.rand(1, 33, 2, 128, generator=g) < 0.5, -1.0, 1.0)
     assert len({tuple(r) for r in sign[0].flatten(1).tolist()}) == 33  # distinct rows
