@@ -213,6 +213,16 @@ def test_bwd_dq_mode_env_rejects_unknown_values(value, monkeypatch):
 
 
 @cuda_only
+@pytest.mark.parametrize("value", ["abc", "65536k", "0", "-1", "1e5", "99999999999"])
+def test_bwd_smem_env_rejects_bad_values(value, monkeypatch):
+    q, k, v, do = make_inputs(1, 65, 65, 2, 2, 128, "cuda")
+    out, lse = ops.fwd(q, k, v, None, False, True)
+    monkeypatch.setenv("FLASH_SM75_BWD_SMEM_PER_SM", value)
+    with pytest.raises(ValueError, match="FLASH_SM75_BWD_SMEM_PER_SM must be a positive integer"):
+        ops.bwd(do, q, k, v, out, lse, 0.125, False, True, None, None, True)
+
+
+@cuda_only
 def test_bwd_unaligned_dout_is_copied():
     # e.g. the expanded gradient of out.sum(): stride 0 everywhere
     q, k, v, _ = make_inputs(1, 65, 65, 2, 2, 64, "cuda")

@@ -225,7 +225,14 @@ def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
     names = fwd_kernels_run(call)
     assert len(names) == 1, names
     small = "64, 32, 4, true" in next(iter(names))
-    if choice != "auto":
+    if choice == "auto":
+        # Resident CTAs per SM: 3 of the default tile (launch bounds), 4 of the small one (<= 128
+        # registers, 16 KiB). The small tile runs when it makes the grid one wave, the default
+        # does not (prefer_small_grid_tile); a failed occupancy query would keep the default.
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        blocks = -(-s_q // 64) * b * h
+        assert small == (3 * sms < blocks <= 4 * sms), (names, blocks, sms)
+    else:
         assert small == (choice == "always"), names
     check_against_ref(q, k, v, mode, res["out"], res["lse"])
 
@@ -237,6 +244,47 @@ def test_gpu_small_grid_tile_env_rejects_unknown_values(value, monkeypatch):
     monkeypatch.setenv("FLASH_SM75_FWD_SMALL_GRID_TILE", value)
     with pytest.raises(ValueError, match="FLASH_SM75_FWD_SMALL_GRID_TILE must be 'auto'"):
         run_op(q, k, v, "none")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["none", "bottom_right"])
+@pytest.mark.parametrize("s_k", [1, 100])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_output_at_fp16_max_is_finite(d, s_k, mode):
+    # v = 65504 everywhere: the exact output is 65504. P is rounded to fp16 for P V while l sums
+    # the fp32 P, so O can come out ~2^-11 above max |v|; unclamped, that rounds to inf.
+    g = torch.Generator(device="cpu").manual_seed(d + s_k)
+    q = (torch.randn(2, 64, 2, d, generator=g) * 120).to(torch.float16).cuda()
+    k = (torch.randn(2, s_k, 2, d, generator=g) * 120).to(torch.float16).cuda()
+    v = torch.full((2, s_k, 2, d), 65504.0, dtype=torch.float16, device="cuda")
+    with poisoned_cuda_memory():
+        out, lse = run_op(q, k, v, mode)
+    visible = torch.isfinite(lse).transpose(1, 2)  # (b, s_q, h): rows that see a key
+    assert visible.any()
+    assert torch.isfinite(out).all()
+    # within two fp16 steps (32 each at this magnitude) of the exact 65504: the weights' fp16
+    # rounding moves the ratio sum(P16) / sum(P) by up to ~2^-11
+    assert (out[visible].float() - 65504.0).abs().max().item() <= 64.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("a", [4096.0, 65504.0])
+def test_gpu_huge_scores_across_key_tiles(a, d):
+    # As below, over 300 keys (5 key tiles): each query is one of the keys, scattered over the
+    # tiles, so the running max and the exact-exponent flag carry across tiles.
+    g = torch.Generator(device="cpu").manual_seed(int(a) + d + 1)
+    sign = torch.where(torch.rand(1, 300, 1, d, generator=g) < 0.5, -1.0, 1.0)
+    assert len({tuple(r) for r in sign[0, :, 0].tolist()}) == 300  # distinct keys
+    k = (sign * a).to(torch.float16).cuda()
+    v = torch.randn(1, 300, 1, d, generator=g).to(torch.float16).cuda()
+    rows = torch.randperm(300, generator=g)[:70]
+    q = k[:, rows.cuda()]
+    with poisoned_cuda_memory():
+        out, lse = run_op(q, k, v, "none")
+    assert torch.equal(out, v[:, rows.cuda()])
+    _, lse_ref = attention_ref(q, k, v)
+    assert_lse_close(lse, lse_ref)
 
 
 @pytest.mark.gpu

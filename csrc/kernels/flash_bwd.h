@@ -36,6 +36,10 @@ struct Flash_bwd_params : public Flash_fwd_params {
   // reproducible). false: dQ from a separate kernel over query tiles that recomputes S/P/dP
   // (deterministic, no atomics, ~1.4x the matmul work of the atomic mode).
   bool dq_atomic;
+
+  // Shared memory per SM (bytes) that picks the d = 128 dK/dV kernel (make_bwd_plan); 0 = the
+  // device's (cudaDevAttrMaxSharedMemoryPerMultiprocessor). Set from FLASH_SM75_BWD_SMEM_PER_SM.
+  int smem_per_sm_override;
 };
 
 // Host entry: dispatches on head dim and causal flag (flash_bwd_dispatch.cpp).

@@ -33,10 +33,11 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   using Kr = typename Bwd_tile_config<kHeadDim>::KregTraits;
   using Kq = typename Bwd_tile_config<kHeadDim>::DqTraits;
   // Shared memory per SM decides the dK/dV kernel (make_bwd_plan).
-  // FLASH_SM75_BWD_SMEM_PER_SM=<bytes> overrides it (tests run the Turing plan on newer GPUs).
-  int device = 0, smem_per_sm = 0;
-  if (const char* env = std::getenv("FLASH_SM75_BWD_SMEM_PER_SM")) {
-    smem_per_sm = std::atoi(env);
+  // params.smem_per_sm_override (FLASH_SM75_BWD_SMEM_PER_SM) replaces the device's value (tests
+  // run the Turing plan on newer GPUs).
+  int device = 0, smem_per_sm = params.smem_per_sm_override;
+  if (smem_per_sm > 0) {
+    // as given
   } else if (cudaGetDevice(&device) != cudaSuccess ||
              cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
                                     device) != cudaSuccess) {

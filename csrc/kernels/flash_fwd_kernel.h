@@ -189,7 +189,7 @@ __device__ __forceinline__ void rescale_o(float (&acc_o)[kD / 8][4], const float
 // (FMUL, FADD) instead of one FFMA: the FFMA subtracts the rounded m from the exact product, so
 // the row max itself gets exp2(+-0.5 ulp), which is exp2(+-4096) at 2^36 (|q|, |k| ~ 10^4 at
 // the default scale): inf or 0, then NaN. With both sides rounded alike P <= 1 exactly.
-constexpr float kExactExpFrom = 16777216.f;  // 2^24: below it the FFMA's error is < 0.5
+constexpr float kExactExpFrom = 16777216.f;  // 2^24: below it the FFMA's error is <= 0.5
 
 // Whether a row max shifted by scaled_max (0 for a row without keys) needs the exact path,
 // for any of the warp's rows (warp-uniform).
@@ -266,6 +266,13 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
   }
 }
 
+// x limited to the finite fp16 range (NaN kept). O is a convex combination of V rows, but P is
+// rounded to fp16 for P V while l sums the fp32 P, so O can exceed max |v| by ~2^-11 relative:
+// from |v| ~ 65504 that rounded to inf before the clamp.
+__device__ __forceinline__ float clamp_to_fp16_range(float x) {
+  return x > 65504.f ? 65504.f : (x < -65504.f ? -65504.f : x);
+}
+
 // Epilogue: O = acc_o / l, LSE = m * scale + log(l); rows that saw no key get O = 0 and
 // LSE = -inf (never NaN). The fp16 O tile is staged through shared memory sO (Br x d, free for
 // this warp's 16 rows when called) so the global stores are 16-byte, row-contiguous, coalesced.
@@ -296,9 +303,9 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4]
   for (int dt = 0; dt < kD / 8; ++dt) {
     const int row = 16 * warp + g;
     *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, dt) + 2 * t) =
-        pack_half2(acc_o[dt][0], acc_o[dt][1]);
+        pack_half2(clamp_to_fp16_range(acc_o[dt][0]), clamp_to_fp16_range(acc_o[dt][1]));
     *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, dt) + 2 * t) =
-        pack_half2(acc_o[dt][2], acc_o[dt][3]);
+        pack_half2(clamp_to_fp16_range(acc_o[dt][2]), clamp_to_fp16_range(acc_o[dt][3]));
   }
   __syncthreads();
 #pragma unroll
