@@ -208,10 +208,11 @@ __device__ __forceinline__ DkdvBlock dkdv_block(const Flash_bwd_params& params, 
   return {n_block, static_cast<int>(bhk / params.h_k), static_cast<int>(bhk % params.h_k)};
 }
 
-// P = exp2(S * scale_log2 - lse_log2), at most 1. The clamp only acts where a float32 LSE cannot
-// resolve the row max: |lse_log2| >= 2^24 (|q.k| * scale ~ 10^7), where the rounding error of
-// the product exceeds 1 in the exponent. P is then approximate (the forward's output is exact,
-// see kExactExpFrom) but never inf, which would turn into NaN gradients.
+// P = exp2(S * scale_log2 - lse_log2), at most 1. The clamp trims rounding noise at ordinary
+// magnitudes and matters where a float32 LSE cannot resolve the row max: |lse_log2| >= 2^24
+// (|q.k| * scale ~ 10^7), where the rounding error of the product exceeds 1 in the exponent.
+// P is then effectively 0 or 1, so those gradients are finite but not accurate (the forward's
+// output is exact, see kExactExpFrom), never inf, which would turn into NaN gradients.
 __device__ __forceinline__ float recompute_p(float s, float scale_log2, float lse_log2) {
   return exp2f(fminf(fmaf(s, scale_log2, -lse_log2), 0.f));
 }

@@ -255,7 +255,7 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
       rescale_o<kD>(acc_o, alpha);
       exact_exp = warp_needs_exact_exp(scaled_max);
     } else {
-      scaled_max[0] = m_i[0] * scale_log2;  // finite here; P <= 2^kThr
+      scaled_max[0] = m_i[0] * scale_log2;  // finite; P <= 2^(kThr + 0.5) (FFMA rounding)
       scaled_max[1] = m_i[1] * scale_log2;
     }
   }

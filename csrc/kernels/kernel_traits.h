@@ -88,7 +88,8 @@ struct Fwd_tile_config<64> {
   // style 2: +3-8% at N = 4096 on the H200 (NOTES, session 5).
   using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4, false, 3, false, 0, 2>;
   // Q in shared memory, Bc = 32, 4 CTAs per SM (<= 128 registers, 16 KiB smem each): 16 warps
-  // per SM instead of 12. Measured 1.42x vs 1.25x of mem-efficient at B=4 H=16 N=512 (512 CTAs:
+  // per SM instead of 12. Measured 1.42x vs 1.25x of mem-efficient in session 3's tune loop
+  // (bench_forward.py, session 5: 1.35x vs 1.12x) at B=4 H=16 N=512 (512 CTAs:
   // one wave of 528 slots on the H200 instead of 1.3 waves of 396), slower from N = 1024 on.
   using SmallGridTraits = Flash_fwd_kernel_traits<64, 64, 32, 4, true, 4>;
 };
