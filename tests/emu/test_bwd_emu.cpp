@@ -8,6 +8,7 @@
 #include "sm75_emu.h"
 
 #include <cinttypes>
+#include <climits>
 #include <string>
 #include <type_traits>
 
@@ -305,6 +306,87 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
 // m_block_range (bwd_block_info.h) against brute force: every query tile holding a row that sees
 // a key of the block must be in the range, and the range must not start before the first such
 // tile (the end is always the last tile).
+// ---- huge scores (forward only): q and k rows are +-a sign vectors, so every score is an
+// integer multiple of a^2 and the exact softmax is the average of v over each row's tied best
+// keys. At a = 4096 / 65504 the scaled row max is far past 2^24 (the kernel's exact exponent
+// path); a = 64 stays on the FFMA path. Two layouts over 4 key tiles:
+//   "mixed": 16 queries; each key is a random sign vector or +-(some query row), so rows find
+//            their best keys (often tied) in different tiles;
+//   "rising": 1 query; tiles 0 and 2 hold keys = -q (score -d a^2, a hugely negative first
+//            max), tiles 1 and 3 zero keys (score 0): the max jumps and 128 keys tie.
+template <typename Kt>
+int check_huge_scores_case(float a, bool rising, uint32_t seed) {
+  constexpr int D = Kt::kHeadDim;
+  const int Sq = rising ? 1 : 16, Sk = 256;
+  std::mt19937 rng(seed);
+  auto sign = [&] { return (rng() & 1) ? 1 : -1; };
+  std::vector<int> qs(Sq * D), ks(Sk * D);
+  for (int& x : qs) x = sign();
+  for (int j = 0; j < Sk; ++j) {
+    const int kind = rng() % 3, src = rng() % Sq, sg = sign();
+    for (int c = 0; c < D; ++c) {
+      if (rising) ks[j * D + c] = (j / 64) % 2 == 0 ? -qs[c] : 0;
+      else ks[j * D + c] = kind == 0 ? sign() : sg * qs[src * D + c];
+    }
+  }
+  std::vector<__half> q(Sq * D), k(Sk * D), v(Sk * D), o(Sq * D);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int i = 0; i < Sq * D; ++i) q[i] = f2h(qs[i] * a);
+  for (int i = 0; i < Sk * D; ++i) k[i] = f2h(ks[i] * a);
+  for (auto& x : v) x = f2h(nd(rng));
+  std::vector<float> lse(Sq, NAN);
+  Flash_fwd_params p{};
+  p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data();
+  p.softmax_lse_ptr = lse.data();
+  p.q_batch_stride = Sq * D, p.q_row_stride = D, p.q_head_stride = D;
+  p.k_batch_stride = Sk * D, p.k_row_stride = D, p.k_head_stride = D;
+  p.v_batch_stride = Sk * D, p.v_row_stride = D, p.v_head_stride = D;
+  p.o_batch_stride = Sq * D, p.o_row_stride = D, p.o_head_stride = D;
+  p.b = 1, p.seqlen_q = Sq, p.seqlen_k = Sk, p.h = 1, p.h_k = 1, p.h_h_k_ratio = 1, p.d = D;
+  const double scale = 1.0 / std::sqrt(double(D));
+  p.scale_softmax = float(scale);
+  p.scale_softmax_log2 = float(scale * M_LOG2E);
+  const FwdLaunchPlan plan = make_fwd_plan<Kt>(p.b, p.h, p.seqlen_q);
+  emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
+              [&] { flash_fwd_kernel<Kt, false>(p); });
+  double err = 0;
+  for (int i = 0; i < Sq; ++i) {
+    long best = LONG_MIN;
+    std::vector<int> tied;
+    for (int j = 0; j < Sk; ++j) {
+      long dot = 0;
+      for (int c = 0; c < D; ++c) dot += qs[i * D + c] * ks[j * D + c];
+      if (dot > best) best = dot, tied.clear();
+      if (dot == best) tied.push_back(j);
+    }
+    for (int c = 0; c < D; ++c) {
+      double want = 0;
+      for (int j : tied) want += h2f(v[j * D + c]);
+      want /= tied.size();
+      const double got = h2f(o[i * D + c]);
+      err = std::max(err, std::isfinite(got) ? std::fabs(got - want) : INFINITY);
+    }
+  }
+  const bool ok = err < 2e-3;  // fp16 output of an average of N(0,1) values
+  std::printf("%s huge scores d=%d %s a=%g %s: max |out - ref| %.2e\n", ok ? "OK " : "BAD", D,
+              Kt::kQInSmem ? "small-grid tile" : "default tile", a, rising ? "rising" : "mixed",
+              err);
+  return ok ? 0 : 1;
+}
+
+int check_huge_scores() {
+  int fails = 0;
+  uint32_t seed = 500;
+  for (float a : {4096.f, 65504.f, 64.f}) {
+    for (bool rising : {false, true}) {
+      fails += check_huge_scores_case<Fwd_tile_config<128>::Traits>(a, rising, seed++);
+      fails += check_huge_scores_case<Fwd_tile_config<64>::Traits>(a, rising, seed++);
+      fails += check_huge_scores_case<Fwd_tile_config<64>::SmallGridTraits>(a, rising, seed++);
+    }
+  }
+  return fails;
+}
+
 int check_m_block_range() {
   int bad = 0;
   for (int sq : {1, 5, 31, 32, 33, 64, 100, 130})
@@ -373,6 +455,7 @@ int main(int argc, char** argv) {
     }
   }
   for (const Case& c : cases) fails += run_case(c, true).ok ? 0 : 1;
+  fails += check_huge_scores();
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
   // thread interleaving are reshuffled by the seed).
