@@ -90,18 +90,11 @@ def with_env(name, value, fn):
 
 def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode):
     """The backward op in one dQ mode (the mode is read from the environment at each call)."""
-    prev = os.environ.get("FLASH_SM75_BWD_DQ")
-    os.environ["FLASH_SM75_BWD_DQ"] = "atomic" if mode == "atomic" else "separate"
-    try:
-        s = scale if scale is not None else q.shape[-1] ** -0.5
-        return torch.ops.flash_attention_sm75.bwd(dout, q, k, v, out, lse, s, causal,
-                                                  bottom_right, lpt, sut,
-                                                  mode == "deterministic")
-    finally:
-        if prev is None:
-            del os.environ["FLASH_SM75_BWD_DQ"]
-        else:
-            os.environ["FLASH_SM75_BWD_DQ"] = prev
+    s = scale if scale is not None else q.shape[-1] ** -0.5
+    return with_env("FLASH_SM75_BWD_DQ", "atomic" if mode == "atomic" else "separate",
+                    lambda: torch.ops.flash_attention_sm75.bwd(dout, q, k, v, out, lse, s, causal,
+                                                               bottom_right, lpt, sut,
+                                                               mode == "deterministic"))
 
 
 def grad_error(g, r):

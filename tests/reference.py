@@ -184,3 +184,11 @@ def poisoned_cuda_memory(device=None, nbytes: int = 64 << 20):
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = was_fill
         torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
+
+
+def cuda_kernels_run(fn, name_part: str) -> set:
+    """Names of the CUDA kernels containing name_part that fn() launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages() if name_part in e.key}

@@ -16,6 +16,7 @@ import torch
 
 ext = pytest.importorskip("flash_attention_sm75._C", reason="extension not built")
 from flash_attention_sm75._backward import deterministic_backward, register_backward  # noqa: E402
+from reference import cuda_kernels_run  # noqa: E402
 
 HAS_BWD = register_backward()
 pytestmark = pytest.mark.skipif(not HAS_BWD, reason="bwd op not in the built extension")
@@ -171,14 +172,6 @@ def test_bwd_strided(d, layout):
     check_against_reference(q, k, v, do, True, True)
 
 
-def dkdv_kernels_run(fn):
-    """Names of the dK/dV kernels fn() launches (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.key for e in prof.key_averages() if "dkdv" in e.key}
-
-
 @cuda_only
 @pytest.mark.parametrize("smem_per_sm", ["65536", None])  # a Turing SM, this GPU's
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES)
@@ -195,7 +188,7 @@ def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, smem_
         monkeypatch.setenv("FLASH_SM75_BWD_SMEM_PER_SM", smem_per_sm)
     Sq, Sk = seqlens
     q, k, v, do = make_inputs(2, Sq, Sk, *heads, 128, "cuda", seed=Sq + Sk)
-    names = dkdv_kernels_run(lambda: check_against_reference(q, k, v, do, causal, bottom_right,
+    names = cuda_kernels_run(lambda: check_against_reference(q, k, v, do, causal, bottom_right,
                                                              deterministic=True))
     shared = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
     kreg = smem_per_sm is None and shared >= 2 * 35 * 1024

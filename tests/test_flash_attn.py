@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flash_attention_sm75 as fa
-from reference import (assert_close_fa, assert_lse_close, attention_ref, poisoned_cuda_memory,
-                       seed_from)
+from reference import (assert_close_fa, assert_lse_close, attention_ref, cuda_kernels_run,
+                       poisoned_cuda_memory, seed_from)
 
 pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
                                 reason=f"extension not built: {fa.EXTENSION_ERROR}")
@@ -197,14 +197,6 @@ def test_largest_softmax_scale_gives_no_nan(device):
     assert_lse_close(lse, lse_ref)
 
 
-def fwd_kernels_run(fn):
-    """Names of the forward kernels fn() launches (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.key for e in prof.key_averages() if "flash_fwd" in e.key}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", CAUSAL_MODES)
 @pytest.mark.parametrize("choice", ["always", "never", "auto"])
@@ -222,7 +214,7 @@ def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
         with poisoned_cuda_memory():
             res["out"], res["lse"] = run_op(q, k, v, mode)
 
-    names = fwd_kernels_run(call)
+    names = cuda_kernels_run(call, "flash_fwd")
     assert len(names) == 1, names
     small = "64, 32, 4, true" in next(iter(names))
     if choice == "auto":
