@@ -83,10 +83,8 @@ struct Flash_bwd_kernel_traits {
   static_assert(kSmemSizeAtomicDq <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   // ---- global <-> shared copies, 16 bytes per thread per step
-  static constexpr int kKVChunksPerThread = kBlockN * kChunksPerRow / kNThreads;
-  static constexpr int kQChunksPerThread = kBlockM * kChunksPerRow / kNThreads;
-  static_assert(kBlockN * kChunksPerRow % kNThreads == 0, "K/V copy must divide evenly");
-  static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q/dO copy must divide evenly");
+  static constexpr int kKVChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
+  static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
   static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
   static_assert(kBlockM * kHeadDim % kNThreads == 0, "dQ atomics must divide evenly");
 };
@@ -132,10 +130,8 @@ struct Flash_bwd_dkdv_kreg_traits {
   // in shared memory (35 KiB at d = 128) a T4 would run one CTA per SM (make_bwd_plan then
   // picks the 8-warp kernel); the H200 runs two.
 
-  static constexpr int kKVChunksPerThread = kBlockN * kChunksPerRow / kNThreads;
-  static constexpr int kQChunksPerThread = kBlockM * kChunksPerRow / kNThreads;
-  static_assert(kBlockN * kChunksPerRow % kNThreads == 0, "K/V copy must divide evenly");
-  static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q/dO copy must divide evenly");
+  static constexpr int kKVChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
+  static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
   static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
 };
 
@@ -158,10 +154,8 @@ struct Flash_bwd_dq_kernel_traits {
       2 * kSmemTileBytes > kQTileBytes ? 2 * kSmemTileBytes : kQTileBytes;
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
-  static constexpr int kChunksPerThread = kBlockN * kChunksPerRow / kNThreads;
-  static constexpr int kQChunksPerThread = kBlockM * kChunksPerRow / kNThreads;
-  static_assert(kBlockN * kChunksPerRow % kNThreads == 0, "tile copy must divide evenly");
-  static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q copy must divide evenly");
+  static constexpr int kChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
+  static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
 };
 
 // The configuration used for each head dim. Why these shapes:

@@ -11,6 +11,14 @@ constexpr int kSm75MaxSmemPerBlock = 64 * 1024;   // dynamic shared memory per b
 constexpr int kSm75DefaultSmemPerBlock = 48 * 1024;  // without cudaFuncSetAttribute
 constexpr int kSm75MaxThreadsPerBlock = 1024;
 
+// 16-byte chunks each of kNThreads threads moves when copying a kRows x kHeadDim fp16 tile
+// between global and shared memory (every kernel's copies must divide evenly).
+template <int kRows, int kHeadDim, int kNThreads>
+constexpr int chunks_per_thread() {
+  static_assert(kRows * (kHeadDim / 8) % kNThreads == 0, "tile copy must divide evenly");
+  return kRows * (kHeadDim / 8) / kNThreads;
+}
+
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
           int kMinBlocksPerSm_ = 1, bool kPingPong_ = false, int kRescaleThreshold_ = 0,
           int kLoadStyle_ = 0>
@@ -63,11 +71,8 @@ struct Flash_fwd_kernel_traits {
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   // Global <-> shared copies move 16 bytes per thread per step.
-  static constexpr int kTileChunks = kBlockN * kChunksPerRow;
-  static_assert(kTileChunks % kNThreads == 0, "tile copy must divide evenly over the threads");
-  static constexpr int kChunksPerThread = kTileChunks / kNThreads;
-  static_assert(kBlockM * kChunksPerRow % kNThreads == 0, "Q/O copy must divide evenly");
-  static constexpr int kQChunksPerThread = kBlockM * kChunksPerRow / kNThreads;
+  static constexpr int kChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
+  static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
 };
 
 // The tile configuration used for each head dim. Why these shapes (see DESIGN.md):
