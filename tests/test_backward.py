@@ -189,7 +189,7 @@ def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, smem_
     Sq, Sk = seqlens
     q, k, v, do = make_inputs(2, Sq, Sk, *heads, 128, "cuda", seed=Sq + Sk)
     names = cuda_kernels_run(lambda: check_against_reference(q, k, v, do, causal, bottom_right,
-                                                             deterministic=True))
+                                                             deterministic=True), "dkdv")
     shared = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
     kreg = smem_per_sm is None and shared >= 2 * 35 * 1024
     assert len(names) == 1 and ("kreg" in next(iter(names))) == kreg, names
