@@ -196,6 +196,32 @@ def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, smem_
 
 
 @cuda_only
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_nan_input_reaches_what_it_reaches_in_the_reference(d, where, deterministic):
+    # One NaN element in q (query 37 of head 1) or k (key 37 of kv head 1), not causal: out,
+    # lse and the gradients must be NaN exactly where the float64 definition's are (the whole
+    # head group's dK / dV, one dQ row, ...), never hidden behind a finite value (a forward
+    # that reported the row as empty, lse = -inf, or a backward that clamped a NaN exponent to 0
+    # did) and never spread to other heads.
+    q, k, v, do = make_inputs(2, 70, 90, 4, 2, d, "cuda", seed=11)
+    (q if where == "q" else k)[1, 37, 1, 5] = float("nan")
+    scale = 1.0 / math.sqrt(d)
+    out, lse = ops.fwd(q, k, v, scale, False, True)
+    with dq_mode("separate" if deterministic else "atomic"):
+        dq, dk, dv = ops.bwd(do, q, k, v, out, lse, scale, False, True, None, None,
+                             deterministic)
+    refs = grads(lambda a, b, c: attention_ref(a, b, c, scale, False, True), q, k, v, do)
+    for name, ours, ref in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), refs):
+        nan_ref = torch.isnan(ref)
+        assert nan_ref.any() and not nan_ref.all(), f"{name}: the probe must be partial"
+        assert torch.equal(torch.isnan(ours), nan_ref), f"{name}: NaN pattern differs"
+    rows_nan = torch.isnan(refs[0]).any(-1).transpose(1, 2)  # (B, H, Sq)
+    assert torch.equal(torch.isnan(lse), rows_nan), "lse: NaN rows differ from the output's"
+
+
+@cuda_only
 @pytest.mark.parametrize("name,value,message", [
     *[("FLASH_SM75_BWD_DQ", v, "FLASH_SM75_BWD_DQ must be 'atomic' or 'separate'")
       for v in ("ATOMIC", "1", "atomic ")],

@@ -212,9 +212,12 @@ __device__ __forceinline__ DkdvBlock dkdv_block(const Flash_bwd_params& params, 
 // magnitudes and matters where a float32 LSE cannot resolve the row max: |lse_log2| >= 2^24
 // (|q.k| * scale ~ 10^7), where the rounding error of the product exceeds 1 in the exponent.
 // P is then effectively 0 or 1, so those gradients are finite but not accurate (the forward's
-// output is exact, see kExactExpFrom), never inf, which would turn into NaN gradients.
+// output is exact, see kExactExpFrom), never inf, which would turn into NaN gradients. A NaN
+// score or lse stays NaN (fminf(NaN, 0) would be 0, P = 1: a NaN input must not give finite
+// gradients).
 __device__ __forceinline__ float recompute_p(float s, float scale_log2, float lse_log2) {
-  return exp2f(fminf(fmaf(s, scale_log2, -lse_log2), 0.f));
+  const float x = fmaf(s, scale_log2, -lse_log2);
+  return exp2f(x > 0.f ? 0.f : x);
 }
 
 // P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked, in place in acc_s, and packed

@@ -290,7 +290,10 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4]
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_allreduce_sum(l_i[r]);
-    const bool any = l > 0.f;
+    // l = 0: the row saw no key (out 0, lse -inf). A NaN score makes l NaN: out and lse NaN,
+    // as in PyTorch (l > 0 here would report such a row as empty, lse = -inf, and the backward
+    // would then skip it, hiding the NaN from the gradients).
+    const bool any = l != 0.f;
     const float inv_l = any ? 1.f / l : 0.f;
     lse[r] = any ? m_i[r] * params.scale_softmax + logf(l) : -INFINITY;
 #pragma unroll
