@@ -15,6 +15,7 @@
 
 #include "kernels/block_info.h"
 #include "kernels/flash.h"
+#include "kernels/launch_plan.h"
 
 namespace flash_sm75 {
 namespace {
@@ -109,6 +110,17 @@ static int env_small_grid_tile() {
   return -1;
 }
 
+// FLASH_SM75_DECODE: 'auto' (or unset) runs seqlen_q == 1 calls on the split-KV decode kernel
+// (plan_decode), 'never' on the prefill kernel (tests, comparisons).
+static bool env_decode_enabled() {
+  const char* v = std::getenv("FLASH_SM75_DECODE");
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return true;
+  TORCH_CHECK_VALUE(std::strcmp(v, "never") == 0,
+                    "flash_attention_sm75: environment variable FLASH_SM75_DECODE must be 'auto' "
+                    "or 'never' (or unset), got '", v, "'");
+  return false;
+}
+
 void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                       double softmax_scale, bool is_causal, bool causal_bottom_right,
@@ -177,8 +189,25 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                    seqused_k);
   params.num_sms = props->multiProcessorCount;
   params.small_grid_tile = env_small_grid_tile();
+  at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {
-    run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());
+    const DecodePlan dp = plan_decode(params.b, params.h, params.h_k, params.seqlen_q,
+                                      params.seqlen_k, params.num_sms, env_decode_enabled());
+    if (dp.use) {
+      params.decode_ratio_bucket = dp.ratio_bucket;
+      params.num_splits = dp.num_splits;
+      params.keys_per_split = dp.keys_per_split;
+      if (dp.num_splits > 1) {
+        const auto f32 = q.options().dtype(at::kFloat);
+        oaccum = at::empty({dp.num_splits, b, h, d}, f32);
+        lseaccum = at::empty({dp.num_splits, b, h}, f32);
+        params.oaccum_ptr = oaccum.data_ptr<float>();
+        params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();
+      }
+      run_mha_fwd_decode(params, at::cuda::getCurrentCUDAStream().stream());
+    } else {
+      run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());
+    }
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }

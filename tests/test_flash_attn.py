@@ -239,6 +239,55 @@ def test_gpu_small_grid_tile_env_rejects_unknown_values(value, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b,s_k,h,h_k", [(1, 1, 1, 1), (3, 77, 3, 1), (2, 1000, 8, 8),
+                                         (4, 4099, 32, 8), (1, 5000, 14, 2), (2, 300, 16, 1),
+                                         (1, 257, 32, 1)])
+def test_gpu_decode_kernel(b, s_k, h, h_k, d, mode, monkeypatch):
+    # seqlen_q == 1 runs the split-KV decode kernel (up to 16 q-heads per kv head in one CTA;
+    # a group of 32 keeps the prefill kernel); FLASH_SM75_DECODE=never forces the prefill
+    # kernel. Both must match the reference, outputs poisoned with NaN first, and the kernel
+    # that ran must be the one the setting says.
+    q, k, v = make_qkv(b, 1, s_k, h, h_k, d, "cuda", seed_from("decode", b, s_k, h, h_k, d, mode))
+    for choice in ("auto", "never"):
+        monkeypatch.setenv("FLASH_SM75_DECODE", choice)
+        res = {}
+
+        def call():
+            with poisoned_cuda_memory():
+                res["out"], res["lse"] = run_op(q, k, v, mode)
+
+        names = cuda_kernels_run(call, "flash_fwd")
+        assert any("decode" in n for n in names) == (choice == "auto" and h // h_k <= 16), names
+        check_against_ref(q, k, v, mode, res["out"], res["lse"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_decode_key_ranges(d, mode):
+    # Left padding and seqused_k per batch entry (one entry sees no key: out 0, lse -inf) with
+    # the decode kernel's key splits, GQA group of 4.
+    b, s_k, h, h_k = 4, 1500, 8, 2
+    q, k, v = make_qkv(b, 1, s_k, h, h_k, d, "cuda", seed_from("decode-kr", d, mode))
+    leftpad = torch.tensor([0, 333, 1500, 7], dtype=torch.int32, device="cuda")
+    seqused = torch.tensor([1500, 1400, 1500, 8], dtype=torch.int32, device="cuda")
+    with poisoned_cuda_memory():
+        out, lse = run_op(q, k, v, mode, leftpad_k=leftpad, seqused_k=seqused)
+    check_against_ref(q, k, v, mode, out, lse, leftpad_k=leftpad, seqused_k=seqused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", ["NEVER", "0", "always"])
+def test_gpu_decode_env_rejects_unknown_values(value, monkeypatch):
+    q, k, v = make_qkv(1, 1, 65, 2, 2, 64, "cuda", 3)
+    monkeypatch.setenv("FLASH_SM75_DECODE", value)
+    with pytest.raises(ValueError, match="FLASH_SM75_DECODE must be 'auto' or 'never'"):
+        run_op(q, k, v, "none")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["none", "bottom_right"])
 @pytest.mark.parametrize("s_k", [1, 100])
 @pytest.mark.parametrize("d", [64, 128])

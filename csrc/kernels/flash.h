@@ -57,6 +57,13 @@ struct Flash_fwd_params {
   int num_sms;          // SMs of the device (0 = unknown: the default tile)
   int small_grid_tile;  // Fwd_tile_config::SmallGridTraits: 0 = when it pays
                         // (prefer_small_grid_tile), 1 = always, -1 = never
+
+  // ---- decode (seqlen_q == 1, run_mha_fwd_decode; plan_decode) -------------------------
+  int decode_ratio_bucket;   // q-heads per CTA, compile time: 1, 2, 4, 8, 16
+  int num_splits;            // key splits per (batch, kv head)
+  int keys_per_split;
+  float* oaccum_ptr;         // num_splits x batch x h x d fp32 (num_splits > 1), O of each split
+  float* softmax_lseaccum_ptr;  // num_splits x batch x h fp32, LSE of each split
 };
 
 // Host entry: dispatches on head dim and causal flag. Defined in flash_fwd_dispatch.cpp.
@@ -65,5 +72,10 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream);
 // One explicit specialization per generated instantiation file (instantiations/*.cu).
 template <int kHeadDim, bool Is_causal>
 void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream);
+
+// Decode path (seqlen_q == 1; the host fills the decode fields from plan_decode).
+void run_mha_fwd_decode(Flash_fwd_params& params, cudaStream_t stream);
+template <int kHeadDim>
+void run_mha_fwd_decode_(Flash_fwd_params& params, cudaStream_t stream);
 
 }  // namespace flash_sm75

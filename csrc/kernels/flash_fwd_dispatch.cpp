@@ -11,4 +11,8 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   });
 }
 
+void run_mha_fwd_decode(Flash_fwd_params& params, cudaStream_t stream) {
+  HEADDIM_SWITCH(params.d, [&] { run_mha_fwd_decode_<kHeadDim>(params, stream); });
+}
+
 }  // namespace flash_sm75

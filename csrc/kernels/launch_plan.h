@@ -47,6 +47,47 @@ inline bool prefer_small_grid_tile(int64_t default_blocks, int64_t default_slots
          small_blocks <= small_slots;
 }
 
+// Decode (seqlen_q == 1, flash_decode_kernel.h): one CTA of 4 warps per (batch, kv head, key
+// split) runs the q-heads of the kv head together (GQA packing: K/V read once per kv head) on
+// CUDA cores; the splits of a row are merged by a second kernel. The key range is cut into
+// num_splits chunks of keys_per_split keys (a multiple of the 128 keys a CTA takes per step)
+// so that the grid holds ~4 CTAs per SM when the keys allow it.
+constexpr int kDecodeKeysPerStep = 128;
+constexpr int kDecodeMaxRatio = 16;   // q-heads per kv head handled by one CTA
+constexpr int kDecodeMaxSplits = 64;
+
+struct DecodePlan {
+  bool use;            // seqlen_q == 1 and h / h_k <= kDecodeMaxRatio (and not disabled)
+  int ratio_bucket;    // 1, 2, 4, 8 or 16: the smallest >= h / h_k (compile-time head count)
+  int num_splits;      // CTAs per (batch, kv head); 1 = no merge kernel
+  int keys_per_split;  // multiple of kDecodeKeysPerStep
+};
+
+inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k, int num_sms,
+                              bool enabled) {
+  DecodePlan p{false, 0, 1, kDecodeKeysPerStep};
+  const int ratio = h_k > 0 ? h / h_k : 0;
+  if (!enabled || seqlen_q != 1 || ratio < 1 || ratio > kDecodeMaxRatio || seqlen_k < 1) return p;
+  p.use = true;
+  p.ratio_bucket = 1;
+  while (p.ratio_bucket < ratio) p.ratio_bucket *= 2;
+  const int64_t rows = static_cast<int64_t>(b) * h_k;
+  const int64_t steps = (static_cast<int64_t>(seqlen_k) + kDecodeKeysPerStep - 1) / kDecodeKeysPerStep;
+  int64_t want = num_sms > 0 ? (4 * static_cast<int64_t>(num_sms) + rows - 1) / rows : 1;
+  want = want < steps ? want : steps;
+  want = want < kDecodeMaxSplits ? want : kDecodeMaxSplits;
+  want = want > 1 ? want : 1;
+  const int64_t steps_per_split = (steps + want - 1) / want;
+  p.keys_per_split = static_cast<int>(steps_per_split * kDecodeKeysPerStep);
+  p.num_splits = static_cast<int>((steps + steps_per_split - 1) / steps_per_split);
+  if (rows * p.num_splits > INT32_MAX) {
+    throw std::invalid_argument("flash_attention_sm75: batch * num_heads_k * splits = " +
+                                std::to_string(rows * p.num_splits) +
+                                " exceeds the 2^31-1 grid limit");
+  }
+  return p;
+}
+
 inline FwdLaunchPlan plan_fwd_launch(int d, int b, int h, int seqlen_q) {
   if (d == 64) return make_fwd_plan<Fwd_tile_config<64>::Traits>(b, h, seqlen_q);
   if (d == 128) return make_fwd_plan<Fwd_tile_config<128>::Traits>(b, h, seqlen_q);

@@ -75,6 +75,11 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// The two fp16 halves of a 32-bit word (low half first) as floats.
+__device__ __forceinline__ float2 unpack_half2(uint32_t bits) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
 // True on every lane if `pred` is true on any lane of the (fully active) warp.
 __device__ __forceinline__ bool warp_any(bool pred) { return __any_sync(0xffffffffu, pred); }
 

@@ -76,6 +76,44 @@ TEST(LaunchPlan, SmallGridTileOnlyWhenItSavesAWave) {
   EXPECT_FALSE(prefer_small_grid_tile(512, 396, 512, 0));
 }
 
+TEST(DecodePlan, OnlySingleQueryRowsAndSmallGroups) {
+  EXPECT_TRUE(plan_decode(1, 32, 8, 1, 100, 40, true).use);
+  EXPECT_FALSE(plan_decode(1, 32, 8, 2, 100, 40, true).use);    // seqlen_q > 1: prefill kernel
+  EXPECT_FALSE(plan_decode(1, 32, 8, 1, 100, 40, false).use);   // FLASH_SM75_DECODE=never
+  EXPECT_FALSE(plan_decode(1, 64, 2, 1, 100, 40, true).use);    // 32 q-heads per kv head
+  EXPECT_TRUE(plan_decode(1, 32, 2, 1, 100, 40, true).use);     // 16: the largest bucket
+}
+
+TEST(DecodePlan, BucketIsTheSmallestPowerOfTwoHoldingTheGroup) {
+  const int expect[17] = {0, 1, 2, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16};
+  for (int ratio = 1; ratio <= 16; ++ratio) {
+    EXPECT_EQ(plan_decode(2, 2 * ratio, 2, 1, 1000, 40, true).ratio_bucket, expect[ratio])
+        << "ratio " << ratio;
+  }
+}
+
+TEST(DecodePlan, SplitsCoverTheKeysAndFillTheGpu) {
+  for (int sk : {1, 127, 128, 129, 1000, 4096, 70000}) {
+    for (int rows : {1, 8, 64, 1000}) {
+      for (int sms : {0, 40, 132}) {
+        const DecodePlan p = plan_decode(rows, 4, 4, 1, sk, sms, true);
+        SCOPED_TRACE("sk=" + std::to_string(sk) + " rows=" + std::to_string(rows) +
+                     " sms=" + std::to_string(sms));
+        ASSERT_TRUE(p.use);
+        EXPECT_EQ(p.keys_per_split % kDecodeKeysPerStep, 0);
+        EXPECT_GE(p.num_splits, 1);
+        EXPECT_LE(p.num_splits, kDecodeMaxSplits);
+        // Every key in exactly one split, and no split empty.
+        EXPECT_GE(static_cast<int64_t>(p.num_splits) * p.keys_per_split, sk);
+        EXPECT_LT(static_cast<int64_t>(p.num_splits - 1) * p.keys_per_split, sk);
+        // No more CTAs than ~4 per SM need (splits only where rows alone do not fill the GPU).
+        if (sms == 0 || rows >= 4 * sms) EXPECT_EQ(p.num_splits, 1);
+        else EXPECT_LE(static_cast<int64_t>(rows) * (p.num_splits - 1), 4 * sms);
+      }
+    }
+  }
+}
+
 TEST(LaunchPlan, UnsupportedHeadDim) {
   for (int d : {0, 32, 80, 96, 256, -64}) {
     try {

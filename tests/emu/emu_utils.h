@@ -130,6 +130,12 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return r;
 }
 
+__device__ __forceinline__ float2 unpack_half2(uint32_t bits) {
+  __half2 h;
+  std::memcpy(&h, &bits, 4);
+  return __half22float2(h);
+}
+
 __device__ __forceinline__ bool warp_any(bool pred) {
   const uint32_t in = pred ? 1u : 0u;
   auto all = emu::warp_exchange(&in, 1);

@@ -15,6 +15,7 @@
 #include "bwd_block_info.h"
 #include "bwd_kernel_traits.h"
 #include "flash_bwd_kernel.h"
+#include "flash_decode_kernel.h"
 #include "flash_fwd_kernel.h"
 #include "kernel_traits.h"
 #include "launch_plan.h"
@@ -86,8 +87,46 @@ struct Errors {
   bool ok(double rel, double abs_tol) const { return err <= rel * ref + abs_tol; }
 };
 
+// The decode path (seqlen_q == 1) as mha_fwd takes it, for a GPU of 8 SMs (so that most cases
+// split their keys and run the merge kernel).
+template <int kD, int kR>
+void run_decode(Flash_fwd_params& p) {
+  using T = DecodeTraits<kD, kR>;
+  std::vector<float> oacc, lacc;
+  if (p.num_splits > 1) {
+    oacc.assign(size_t(p.num_splits) * p.b * p.h * kD, NAN);
+    lacc.assign(size_t(p.num_splits) * p.b * p.h, NAN);
+    p.oaccum_ptr = oacc.data();
+    p.softmax_lseaccum_ptr = lacc.data();
+  }
+  emu::launch(static_cast<unsigned>(int64_t(p.b) * p.h_k * p.num_splits), T::kThreads,
+              [&] { flash_fwd_decode_kernel<kD, kR>(p); });
+  if (p.num_splits > 1) {
+    emu::launch(static_cast<unsigned>((int64_t(p.b) * p.h + 3) / 4), 128,
+                [&] { flash_fwd_decode_merge_kernel<kD>(p); });
+  }
+}
+
+template <int kD>
+bool try_decode(Flash_fwd_params& p) {
+  const DecodePlan dp = plan_decode(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, 8, true);
+  if (!dp.use) return false;
+  p.decode_ratio_bucket = dp.ratio_bucket;
+  p.num_splits = dp.num_splits;
+  p.keys_per_split = dp.keys_per_split;
+  switch (dp.ratio_bucket) {
+    case 1: run_decode<kD, 1>(p); break;
+    case 2: run_decode<kD, 2>(p); break;
+    case 4: run_decode<kD, 4>(p); break;
+    case 8: run_decode<kD, 8>(p); break;
+    default: run_decode<kD, 16>(p); break;
+  }
+  return true;
+}
+
 template <int kD, bool kCausal>
 void run_forward(Flash_fwd_params& p) {
+  if (try_decode<kD>(p)) return;
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
   if constexpr (!std::is_void_v<Ks>) {
     // The small-grid tile (chosen on the GPU by occupancy) on the cases with an even
@@ -444,6 +483,13 @@ int main(int argc, char** argv) {
       add(1, 1, 1, 1, 1, d, false, true, false, false, 0, atomic);
       add(1, 7, 129, 2, 2, d, true, true, true, false, 2, atomic);    // bottom-right, few rows
     }
+    // Decode (seqlen_q == 1: the split-KV decode kernel, then the backward): GQA groups of
+    // 1, 3 (bucket 4), 2, 16; key ranges; causal both alignments (top-left sees key 0 only);
+    // 260-600 keys over 2-5 splits of the 8-SM plan.
+    add(2, 1, 600, 6, 2, d, false, true, true, true, 1, false);
+    add(1, 1, 300, 4, 2, d, true, true, false, false, 0, false);
+    add(2, 1, 260, 2, 2, d, true, false, false, false, 2, false);
+    add(1, 1, 290, 16, 1, d, false, true, false, true, 0, false);
   }
   if (mode == "full") {
     for (int d : {64, 128}) {

@@ -1,0 +1,297 @@
+// Decode forward (seqlen_q == 1): split-KV attention on CUDA cores, GQA-packed.
+//
+// With one query row the prefill kernel wastes 63 of its 64 (or 127 of 128) tile rows and runs
+// one CTA per (batch, q-head) over all keys: few CTAs, each K/V row read once per q-head. Here
+// one CTA of 4 warps serves (batch, kv head, key split):
+//   * the kR >= h / h_k q-heads of the kv head are handled together (K/V read once per kv head);
+//   * the keys [key_start, key_end) are cut into splits so the grid fills the GPU; each split
+//     writes its normalised O (fp32) and LSE, and flash_fwd_decode_merge_kernel combines them
+//     (the split-KV scheme of FlashDecoding / FlashAttention-2's `num_splits`);
+//   * per step, warp w takes 32 keys: the K rows go through shared memory (coalesced 16-byte
+//     loads), lane j computes the kR scores of key j, an online softmax per head (the
+//     FlashAttention recurrence: running max m, sum l, O rescaled by exp2(m_old - m_new)),
+//     then each lane accumulates O for its d/32 output dims, reading V rows directly
+//     (coalesced: a warp reads one whole row per key).
+// The 4 warps' (m, l, O) are merged through shared memory at the end. Scores are fp32 sums of
+// exact fp16 products; exponents are taken as exp2((s - m) * scale_log2), so the row max gets
+// exactly 1 for any score magnitude. A NaN score gives NaN O and LSE, an empty key range O = 0,
+// LSE = -inf, as in the prefill kernel.
+#pragma once
+
+#include <cmath>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "block_info.h"
+#include "flash.h"
+#include "flash_fwd_kernel.h"  // clamp_to_fp16_range
+#include "kernel_traits.h"
+#include "utils.h"
+
+namespace flash_sm75 {
+
+template <int kD, int kR>
+struct DecodeTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kKeys = 32;              // keys per warp per step
+  static constexpr int kRowH = kD + 8;          // padded K rows: 16-byte reads of 8 lanes
+                                                // (8 rows) hit 8 distinct bank groups
+  static constexpr int kDimsPerLane = kD / 32;  // output dims of a lane
+  static constexpr int kSmemK = kWarps * kKeys * kRowH * 2;
+  static constexpr int kSmemO = kWarps * kR * kD * 4;  // end-of-kernel merge, aliases sK
+  static constexpr int kOffQ = kSmemK > kSmemO ? kSmemK : kSmemO;  // [kR][kD] fp32
+  static constexpr int kOffP = kOffQ + kR * kD * 4;                // [warps][kR][32] fp32
+  static constexpr int kOffM = kOffP + kWarps * kR * kKeys * 4;    // [warps][kR] fp32 m, l
+  static constexpr int kSmemSize = kOffM + 2 * kWarps * kR * 4;
+  static_assert(kD % 64 == 0 && kR >= 1 && kR <= 16, "d = 64, 128; up to 16 heads");
+  static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
+};
+
+__device__ __forceinline__ float warp_allreduce_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_allreduce_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Keys of this (batch) row that query 0 sees: [key_start, key_end) and, causal, j <= offset.
+__device__ __forceinline__ KeyRange decode_key_range(const Flash_fwd_params& params, int bidb) {
+  KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
+  if (params.is_causal) kr.key_end = imax(kr.key_start, imin(kr.key_end, params.causal_offset + 1));
+  return kr;
+}
+
+template <int kD, int kR>
+__global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
+    flash_fwd_decode_kernel(const Flash_fwd_params params) {
+  using T = DecodeTraits<kD, kR>;
+  constexpr int kDPL = T::kDimsPerLane;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* sQ = reinterpret_cast<float*>(smem_raw + T::kOffQ);
+  float* sM = reinterpret_cast<float*>(smem_raw + T::kOffM);
+  float* sL = sM + T::kWarps * kR;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int split = static_cast<int>(blockIdx.x % params.num_splits);
+  const int bhk = static_cast<int>(blockIdx.x / params.num_splits);
+  const int bidb = bhk / params.h_k, hk = bhk % params.h_k;
+  const int ratio = params.h_h_k_ratio;
+  const int h0 = hk * ratio;  // first q-head of the group
+  const KeyRange kr = decode_key_range(params, bidb);
+  const int begin = imax(kr.key_start, split * params.keys_per_split);
+  const int end = imin(kr.key_end, (split + 1) * params.keys_per_split);
+  const float scale_log2 = params.scale_softmax_log2;
+
+  // ---- q of the group's heads -> sQ (fp32; heads past `ratio` are 0 and never written out).
+  const __half* q = static_cast<const __half*>(params.q_ptr) + bidb * params.q_batch_stride;
+  for (int i = tid; i < kR * kD; i += T::kThreads) {
+    const int h = i / kD, c = i % kD;
+    sQ[i] = h < ratio ? __half2float(q[(h0 + h) * params.q_head_stride + c]) : 0.f;
+  }
+  __syncthreads();
+
+  float m[kR], l[kR], o[kR][kDPL];
+#pragma unroll
+  for (int h = 0; h < kR; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kDPL; ++e) o[h][e] = 0.f;
+  }
+
+  const __half* k_base = static_cast<const __half*>(params.k_ptr) +
+                         bidb * params.k_batch_stride + hk * params.k_head_stride;
+  const __half* v_base = static_cast<const __half*>(params.v_ptr) +
+                         bidb * params.v_batch_stride + hk * params.v_head_stride + lane * kDPL;
+  __half* sK = reinterpret_cast<__half*>(smem_raw) + warp * T::kKeys * T::kRowH;
+  float* sP = reinterpret_cast<float*>(smem_raw + T::kOffP) + warp * kR * T::kKeys;
+
+  for (int base = begin + warp * T::kKeys; base < end; base += T::kWarps * T::kKeys) {
+    // ---- K rows base .. base + 31 -> sK (rows past `end` zero-filled, never read from memory).
+    constexpr int kCPR = kD / 8;  // 16-byte chunks per row
+#pragma unroll
+    for (int i = 0; i < kCPR; ++i) {
+      const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
+      uint4 val = make_uint4(0u, 0u, 0u, 0u);
+      if (base + r < end) {
+        val = __ldg(reinterpret_cast<const uint4*>(k_base + (base + r) * params.k_row_stride +
+                                                   cc * 8));
+      }
+      *reinterpret_cast<uint4*>(sK + r * T::kRowH + cc * 8) = val;
+    }
+    __syncwarp();
+
+    // ---- scores of key base + lane for the kR heads.
+    float s[kR];
+#pragma unroll
+    for (int h = 0; h < kR; ++h) s[h] = 0.f;
+    const __half* k_row = sK + lane * T::kRowH;
+#pragma unroll 4
+    for (int c = 0; c < kD; c += 8) {
+      const uint4 kv = *reinterpret_cast<const uint4*>(k_row + c);
+      const uint32_t kw[4] = {kv.x, kv.y, kv.z, kv.w};
+      float kf[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack_half2(kw[i]);
+        kf[2 * i] = f.x;
+        kf[2 * i + 1] = f.y;
+      }
+#pragma unroll
+      for (int h = 0; h < kR; ++h) {
+        const float4 qa = *reinterpret_cast<const float4*>(sQ + h * kD + c);
+        const float4 qb = *reinterpret_cast<const float4*>(sQ + h * kD + c + 4);
+        s[h] = fmaf(qa.x, kf[0], s[h]);
+        s[h] = fmaf(qa.y, kf[1], s[h]);
+        s[h] = fmaf(qa.z, kf[2], s[h]);
+        s[h] = fmaf(qa.w, kf[3], s[h]);
+        s[h] = fmaf(qb.x, kf[4], s[h]);
+        s[h] = fmaf(qb.y, kf[5], s[h]);
+        s[h] = fmaf(qb.z, kf[6], s[h]);
+        s[h] = fmaf(qb.w, kf[7], s[h]);
+      }
+    }
+
+    // ---- online softmax per head over the warp's 32 keys; P -> sP for the P V product.
+    const bool valid = base + lane < end;
+#pragma unroll
+    for (int h = 0; h < kR; ++h) {
+      const float x = valid ? s[h] : -INFINITY;
+      const float m_new = fmaxf(m[h], warp_allreduce_max(x));
+      const float ref = m_new == -INFINITY ? 0.f : m_new;  // no key yet: exp2(-inf) = 0
+      const float alpha = exp2f((m[h] - ref) * scale_log2);
+      const float p = exp2f((x - ref) * scale_log2);
+      l[h] = l[h] * alpha + p;  // per lane; summed over the warp at the end
+#pragma unroll
+      for (int e = 0; e < kDPL; ++e) o[h][e] *= alpha;
+      m[h] = m_new;
+      sP[h * T::kKeys + lane] = p;
+    }
+    __syncwarp();
+
+    // ---- O += P V: lane owns dims lane * kDPL .. + kDPL - 1; masked keys are not loaded
+    // (their P is 0, and 0 * a NaN left in unused cache memory would be NaN).
+#pragma unroll 2
+    for (int j = 0; j < T::kKeys; j += 4) {
+      float vf[4][kDPL];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int key = base + j + jj;
+        if constexpr (kDPL == 4) {
+          uint2 raw = make_uint2(0u, 0u);
+          if (key < end) raw = __ldg(reinterpret_cast<const uint2*>(v_base + key * params.v_row_stride));
+          const float2 a = unpack_half2(raw.x), b = unpack_half2(raw.y);
+          vf[jj][0] = a.x;
+          vf[jj][1] = a.y;
+          vf[jj][2] = b.x;
+          vf[jj][3] = b.y;
+        } else {
+          uint32_t raw = 0u;
+          if (key < end) raw = __ldg(reinterpret_cast<const unsigned int*>(v_base + key * params.v_row_stride));
+          const float2 a = unpack_half2(raw);
+          vf[jj][0] = a.x;
+          vf[jj][1] = a.y;
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < kR; ++h) {
+        const float4 p4 = *reinterpret_cast<const float4*>(sP + h * T::kKeys + j);
+#pragma unroll
+        for (int e = 0; e < kDPL; ++e) {
+          o[h][e] = fmaf(p4.x, vf[0][e], o[h][e]);
+          o[h][e] = fmaf(p4.y, vf[1][e], o[h][e]);
+          o[h][e] = fmaf(p4.z, vf[2][e], o[h][e]);
+          o[h][e] = fmaf(p4.w, vf[3][e], o[h][e]);
+        }
+      }
+    }
+    __syncwarp();  // sK and sP are rewritten by the next step
+  }
+
+  // ---- merge the 4 warps (sO aliases sK: wait until every warp has left the loop).
+#pragma unroll
+  for (int h = 0; h < kR; ++h) l[h] = warp_allreduce_sum(l[h]);
+  __syncthreads();
+  float* sO = reinterpret_cast<float*>(smem_raw);
+#pragma unroll
+  for (int h = 0; h < kR; ++h) {
+    if (lane == 0) {
+      sM[warp * kR + h] = m[h];
+      sL[warp * kR + h] = l[h];
+    }
+#pragma unroll
+    for (int e = 0; e < kDPL; ++e) sO[(warp * kR + h) * kD + lane * kDPL + e] = o[h][e];
+  }
+  __syncthreads();
+  for (int i = tid; i < ratio * kD; i += T::kThreads) {
+    const int h = i / kD, c = i % kD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w) mx = fmaxf(mx, sM[w * kR + h]);
+    const float ref = mx == -INFINITY ? 0.f : mx;
+    float sum = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w) {
+      const float f = exp2f((sM[w * kR + h] - ref) * scale_log2);
+      sum += f * sL[w * kR + h];
+      acc += f * sO[(w * kR + h) * kD + c];
+    }
+    // sum = 0: no key (O = 0, LSE = -inf); NaN propagates (sum != 0 holds for NaN).
+    const bool any = sum != 0.f;
+    const float out = any ? acc / sum : 0.f;
+    const float lse = any ? ref * params.scale_softmax + logf(sum) : -INFINITY;
+    const int hq = h0 + h;
+    if (params.num_splits == 1) {
+      __half* o_ptr = static_cast<__half*>(params.o_ptr) + bidb * params.o_batch_stride +
+                      hq * params.o_head_stride;
+      o_ptr[c] = __float2half_rn(clamp_to_fp16_range(out));
+      if (c == 0) params.softmax_lse_ptr[static_cast<int64_t>(bidb) * params.h + hq] = lse;
+    } else {
+      const int64_t row = (static_cast<int64_t>(split) * params.b + bidb) * params.h + hq;
+      params.oaccum_ptr[row * kD + c] = out;
+      if (c == 0) params.softmax_lseaccum_ptr[row] = lse;
+    }
+  }
+}
+
+// Merge of the splits of each (batch, q-head) row: LSE = log sum_s exp(LSE_s),
+// O = sum_s exp(LSE_s - LSE) O_s. One warp per row, kD / 32 dims per lane.
+template <int kD>
+__global__ void __launch_bounds__(128) flash_fwd_decode_merge_kernel(const Flash_fwd_params params) {
+  constexpr int kDPL = kD / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + warp;  // bidb * h + hq
+  if (row >= static_cast<int64_t>(params.b) * params.h) return;
+  const int64_t rows = static_cast<int64_t>(params.b) * params.h;
+  const int bidb = static_cast<int>(row / params.h), hq = static_cast<int>(row % params.h);
+  float mx = -INFINITY;
+  for (int s = 0; s < params.num_splits; ++s) mx = fmaxf(mx, params.softmax_lseaccum_ptr[s * rows + row]);
+  const float ref = mx == -INFINITY ? 0.f : mx;
+  float sum = 0.f;
+  for (int s = 0; s < params.num_splits; ++s) sum += expf(params.softmax_lseaccum_ptr[s * rows + row] - ref);
+  const bool any = sum != 0.f;  // NaN propagates
+  const float lse = any ? ref + logf(sum) : -INFINITY;
+  float acc[kDPL];
+#pragma unroll
+  for (int e = 0; e < kDPL; ++e) acc[e] = 0.f;
+  if (any) {
+    for (int s = 0; s < params.num_splits; ++s) {
+      const float w = expf(params.softmax_lseaccum_ptr[s * rows + row] - lse);
+      const float* src = params.oaccum_ptr + (s * rows + row) * kD + lane * kDPL;
+#pragma unroll
+      for (int e = 0; e < kDPL; ++e) acc[e] = fmaf(w, src[e], acc[e]);
+    }
+  }
+  __half* o_ptr = static_cast<__half*>(params.o_ptr) + bidb * params.o_batch_stride +
+                  hq * params.o_head_stride + lane * kDPL;
+#pragma unroll
+  for (int e = 0; e < kDPL; ++e) o_ptr[e] = __float2half_rn(clamp_to_fp16_range(acc[e]));
+  if (lane == 0) params.softmax_lse_ptr[row] = lse;
+}
+
+}  // namespace flash_sm75
