@@ -51,7 +51,9 @@ inline bool prefer_small_grid_tile(int64_t default_blocks, int64_t default_slots
 // split) runs the q-heads of the kv head together (GQA packing: K/V read once per kv head) on
 // CUDA cores; the splits of a row are merged by a second kernel. The key range is cut into
 // num_splits chunks of keys_per_split keys (a multiple of the 128 keys a CTA takes per step)
-// so that the grid holds ~4 CTAs per SM when the keys allow it.
+// so that the grid holds ~4 CTAs per SM when the keys allow it. Up to min_steps_to_split steps
+// (1024 keys by default) a CTA takes all keys: the merge launch and its workspace cost more host
+// time (~10 us measured on the H200) than the split saves on the GPU.
 constexpr int kDecodeKeysPerStep = 128;
 constexpr int kDecodeMaxRatio = 16;   // q-heads per kv head handled by one CTA
 constexpr int kDecodeMaxSplits = 64;
@@ -64,7 +66,7 @@ struct DecodePlan {
 };
 
 inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k, int num_sms,
-                              bool enabled) {
+                              bool enabled, int min_steps_to_split = 8) {
   DecodePlan p{false, 0, 1, kDecodeKeysPerStep};
   const int ratio = h_k > 0 ? h / h_k : 0;
   if (!enabled || seqlen_q != 1 || ratio < 1 || ratio > kDecodeMaxRatio || seqlen_k < 1) return p;
@@ -73,7 +75,8 @@ inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k,
   while (p.ratio_bucket < ratio) p.ratio_bucket *= 2;
   const int64_t rows = static_cast<int64_t>(b) * h_k;
   const int64_t steps = (static_cast<int64_t>(seqlen_k) + kDecodeKeysPerStep - 1) / kDecodeKeysPerStep;
-  int64_t want = num_sms > 0 ? (4 * static_cast<int64_t>(num_sms) + rows - 1) / rows : 1;
+  int64_t want = num_sms > 0 && steps > min_steps_to_split
+                     ? (4 * static_cast<int64_t>(num_sms) + rows - 1) / rows : 1;
   want = want < steps ? want : steps;
   want = want < kDecodeMaxSplits ? want : kDecodeMaxSplits;
   want = want > 1 ? want : 1;

@@ -97,6 +97,8 @@ TEST(DecodePlan, SplitsCoverTheKeysAndFillTheGpu) {
     for (int rows : {1, 8, 64, 1000}) {
       for (int sms : {0, 40, 132}) {
         const DecodePlan p = plan_decode(rows, 4, 4, 1, sk, sms, true);
+        const DecodePlan p1 = plan_decode(rows, 4, 4, 1, sk, sms, true, 1);  // splits from 2 steps
+        EXPECT_GE(p1.num_splits, p.num_splits);
         SCOPED_TRACE("sk=" + std::to_string(sk) + " rows=" + std::to_string(rows) +
                      " sms=" + std::to_string(sms));
         ASSERT_TRUE(p.use);
@@ -106,8 +108,9 @@ TEST(DecodePlan, SplitsCoverTheKeysAndFillTheGpu) {
         // Every key in exactly one split, and no split empty.
         EXPECT_GE(static_cast<int64_t>(p.num_splits) * p.keys_per_split, sk);
         EXPECT_LT(static_cast<int64_t>(p.num_splits - 1) * p.keys_per_split, sk);
-        // No more CTAs than ~4 per SM need (splits only where rows alone do not fill the GPU).
-        if (sms == 0 || rows >= 4 * sms) EXPECT_EQ(p.num_splits, 1);
+        // No more CTAs than ~4 per SM need (splits only where rows alone do not fill the GPU,
+        // and only beyond 8 steps of 128 keys).
+        if (sms == 0 || rows >= 4 * sms || sk <= 8 * kDecodeKeysPerStep) EXPECT_EQ(p.num_splits, 1);
         else EXPECT_LE(static_cast<int64_t>(rows) * (p.num_splits - 1), 4 * sms);
       }
     }

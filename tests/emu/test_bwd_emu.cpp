@@ -87,8 +87,8 @@ struct Errors {
   bool ok(double rel, double abs_tol) const { return err <= rel * ref + abs_tol; }
 };
 
-// The decode path (seqlen_q == 1) as mha_fwd takes it, for a GPU of 8 SMs (so that most cases
-// split their keys and run the merge kernel).
+// The decode path (seqlen_q == 1) as mha_fwd takes it, for a GPU of 8 SMs and splits from 2
+// steps on (so that most cases split their keys and run the merge kernel).
 template <int kD, int kR>
 void run_decode(Flash_fwd_params& p) {
   using T = DecodeTraits<kD, kR>;
@@ -109,7 +109,7 @@ void run_decode(Flash_fwd_params& p) {
 
 template <int kD>
 bool try_decode(Flash_fwd_params& p) {
-  const DecodePlan dp = plan_decode(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, 8, true);
+  const DecodePlan dp = plan_decode(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, 8, true, 1);
   if (!dp.use) return false;
   p.decode_ratio_bucket = dp.ratio_bucket;
   p.num_splits = dp.num_splits;
