@@ -189,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                    seqused_k);
   params.num_sms = props->multiProcessorCount;
   params.small_grid_tile = env_small_grid_tile();
-  at::Tensor workspace;  // decode splits: O and LSE of each split, alive until the launches are queued
+  at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {
     const DecodePlan dp = plan_decode(params.b, params.h, params.h_k, params.seqlen_q,
                                       params.seqlen_k, params.num_sms, env_decode_enabled());
@@ -197,11 +197,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
       params.decode_ratio_bucket = dp.ratio_bucket;
       params.num_splits = dp.num_splits;
       params.keys_per_split = dp.keys_per_split;
-      if (dp.num_splits > 1) {  // one allocation: [splits, b, h, d] O, then [splits, b, h] LSE
-        const int64_t rows = dp.num_splits * b * h;
-        workspace = at::empty({rows * (d + 1)}, q.options().dtype(at::kFloat));
-        params.oaccum_ptr = workspace.data_ptr<float>();
-        params.softmax_lseaccum_ptr = params.oaccum_ptr + rows * d;
+      if (dp.num_splits > 1) {
+        const auto f32 = q.options().dtype(at::kFloat);
+        oaccum = at::empty({dp.num_splits, b, h, d}, f32);
+        lseaccum = at::empty({dp.num_splits, b, h}, f32);
+        params.oaccum_ptr = oaccum.data_ptr<float>();
+        params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();
       }
       run_mha_fwd_decode(params, at::cuda::getCurrentCUDAStream().stream());
     } else {
