@@ -200,7 +200,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
       if (dp.num_splits > 1) {
         const auto f32 = q.options().dtype(at::kFloat);
         oaccum = at::empty({dp.num_splits, b, h, d}, f32);
-        lseaccum = at::empty({dp.num_splits, b, h}, f32);
+        lseaccum = at::empty({2, dp.num_splits, b, h}, f32);  // each split's max m, then sum l
         params.oaccum_ptr = oaccum.data_ptr<float>();
         params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();
       }

@@ -63,7 +63,8 @@ struct Flash_fwd_params {
   int num_splits;            // key splits per (batch, kv head)
   int keys_per_split;
   float* oaccum_ptr;         // num_splits x batch x h x d fp32 (num_splits > 1), O of each split
-  float* softmax_lseaccum_ptr;  // num_splits x batch x h fp32, LSE of each split
+  float* softmax_lseaccum_ptr;  // 2 x num_splits x batch x h fp32: each split's raw max score m,
+                                // then its sum l = sum exp2((s - m) * scale_softmax_log2)
 };
 
 // Host entry: dispatches on head dim and causal flag. Defined in flash_fwd_dispatch.cpp.

@@ -83,8 +83,11 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   const int ratio = params.h_h_k_ratio;
   const int h0 = hk * ratio;  // first q-head of the group
   const KeyRange kr = decode_key_range(params, bidb);
-  const int begin = imax(kr.key_start, split * params.keys_per_split);
-  const int end = imin(kr.key_end, (split + 1) * params.keys_per_split);
+  // In 64 bits: (split + 1) * keys_per_split passes 2^31 - 1 for seqlen_k near it.
+  const int64_t split_lo = static_cast<int64_t>(split) * params.keys_per_split;
+  const int begin = static_cast<int>(split_lo > kr.key_start ? split_lo : kr.key_start);
+  const int64_t split_hi = split_lo + params.keys_per_split;
+  const int end = static_cast<int>(split_hi < kr.key_end ? split_hi : kr.key_end);
   const float scale_log2 = params.scale_softmax_log2;
 
   // ---- q of the group's heads -> sQ (fp32; heads past `ratio` are 0 and never written out).
@@ -111,7 +114,9 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   __half* sK = reinterpret_cast<__half*>(smem_raw) + warp * T::kKeys * T::kRowH;
   float* sP = reinterpret_cast<float*>(smem_raw + T::kOffP) + warp * kR * T::kKeys;
 
-  for (int base = begin + warp * T::kKeys; base < end; base += T::kWarps * T::kKeys) {
+  // Steps of 128 keys; key indices in 64 bits (base + 128 can pass 2^31 - 1).
+  for (int64_t base = begin + static_cast<int64_t>(warp) * T::kKeys; base < end;
+       base += T::kWarps * T::kKeys) {
     // ---- K rows base .. base + 31 -> sK (rows past `end` zero-filled, never read from memory).
     constexpr int kCPR = kD / 8;  // 16-byte chunks per row
 #pragma unroll
@@ -181,7 +186,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       float vf[4][kDPL];
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        const int key = base + j + jj;
+        const int64_t key = base + j + jj;
         if constexpr (kDPL == 4) {
           uint2 raw = make_uint2(0u, 0u);
           if (key < end) raw = __ldg(reinterpret_cast<const uint2*>(v_base + key * params.v_row_stride));
@@ -252,46 +257,55 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       o_ptr[c] = __float2half_rn(clamp_to_fp16_range(out));
       if (c == 0) params.softmax_lse_ptr[static_cast<int64_t>(bidb) * params.h + hq] = lse;
     } else {
+      // The split's raw max m and its sum l (relative to m), not one LSE: in fp32, m * scale +
+      // log(l) loses log(l) once |m * scale| is large, and the merge would weight the splits
+      // wrongly (O = 2 instead of 1 in an emulator probe with scores ~1e8).
+      const int64_t rows = static_cast<int64_t>(params.num_splits) * params.b * params.h;
       const int64_t row = (static_cast<int64_t>(split) * params.b + bidb) * params.h + hq;
       params.oaccum_ptr[row * kD + c] = out;
-      if (c == 0) params.softmax_lseaccum_ptr[row] = lse;
+      if (c == 0) {
+        params.softmax_lseaccum_ptr[row] = mx;
+        params.softmax_lseaccum_ptr[rows + row] = sum;
+      }
     }
   }
 }
 
-// Merge of the splits of each (batch, q-head) row: LSE = log sum_s exp(LSE_s),
-// O = sum_s exp(LSE_s - LSE) O_s. One warp per row, kD / 32 dims per lane.
+// Merge of the splits of each (batch, q-head) row from their (m_s, l_s, O_s), as the warps of a
+// CTA merge: w_s = exp2((m_s - M) * scale * log2 e) * l_s with M = max_s m_s,
+// O = sum_s w_s O_s / sum_s w_s, LSE = M * scale + log(sum_s w_s). One warp per row.
 template <int kD>
 __global__ void __launch_bounds__(128) flash_fwd_decode_merge_kernel(const Flash_fwd_params params) {
   constexpr int kDPL = kD / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + warp;  // bidb * h + hq
-  if (row >= static_cast<int64_t>(params.b) * params.h) return;
   const int64_t rows = static_cast<int64_t>(params.b) * params.h;
+  if (row >= rows) return;
   const int bidb = static_cast<int>(row / params.h), hq = static_cast<int>(row % params.h);
+  const float* m_s = params.softmax_lseaccum_ptr;
+  const float* l_s = m_s + rows * params.num_splits;
   float mx = -INFINITY;
-  for (int s = 0; s < params.num_splits; ++s) mx = fmaxf(mx, params.softmax_lseaccum_ptr[s * rows + row]);
+  for (int s = 0; s < params.num_splits; ++s) mx = fmaxf(mx, m_s[s * rows + row]);
   const float ref = mx == -INFINITY ? 0.f : mx;
-  float sum = 0.f;
-  for (int s = 0; s < params.num_splits; ++s) sum += expf(params.softmax_lseaccum_ptr[s * rows + row] - ref);
-  const bool any = sum != 0.f;  // NaN propagates
-  const float lse = any ? ref + logf(sum) : -INFINITY;
-  float acc[kDPL];
+  float sum = 0.f, acc[kDPL];
 #pragma unroll
   for (int e = 0; e < kDPL; ++e) acc[e] = 0.f;
-  if (any) {
-    for (int s = 0; s < params.num_splits; ++s) {
-      const float w = expf(params.softmax_lseaccum_ptr[s * rows + row] - lse);
-      const float* src = params.oaccum_ptr + (s * rows + row) * kD + lane * kDPL;
+  for (int s = 0; s < params.num_splits; ++s) {
+    // An empty split has m = -inf, l = 0, O = 0: weight exp2(-inf) * 0 = 0.
+    const float w = exp2f((m_s[s * rows + row] - ref) * params.scale_softmax_log2) * l_s[s * rows + row];
+    sum += w;
+    const float* src = params.oaccum_ptr + (s * rows + row) * kD + lane * kDPL;
 #pragma unroll
-      for (int e = 0; e < kDPL; ++e) acc[e] = fmaf(w, src[e], acc[e]);
-    }
+    for (int e = 0; e < kDPL; ++e) acc[e] = fmaf(w, src[e], acc[e]);
   }
+  const bool any = sum != 0.f;  // no key: O = 0, LSE = -inf; NaN propagates
   __half* o_ptr = static_cast<__half*>(params.o_ptr) + bidb * params.o_batch_stride +
                   hq * params.o_head_stride + lane * kDPL;
 #pragma unroll
-  for (int e = 0; e < kDPL; ++e) o_ptr[e] = __float2half_rn(clamp_to_fp16_range(acc[e]));
-  if (lane == 0) params.softmax_lse_ptr[row] = lse;
+  for (int e = 0; e < kDPL; ++e) {
+    o_ptr[e] = __float2half_rn(clamp_to_fp16_range(any ? acc[e] / sum : 0.f));
+  }
+  if (lane == 0) params.softmax_lse_ptr[row] = any ? ref * params.scale_softmax + logf(sum) : -INFINITY;
 }
 
 }  // namespace flash_sm75

@@ -81,7 +81,9 @@ inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k,
   want = want < kDecodeMaxSplits ? want : kDecodeMaxSplits;
   want = want > 1 ? want : 1;
   const int64_t steps_per_split = (steps + want - 1) / want;
-  p.keys_per_split = static_cast<int>(steps_per_split * kDecodeKeysPerStep);
+  // One split over seqlen_k keys near 2^31 - 1: the rounded-up step count would overflow int.
+  const int64_t keys = steps_per_split * kDecodeKeysPerStep;
+  p.keys_per_split = static_cast<int>(keys < INT32_MAX ? keys : INT32_MAX);
   p.num_splits = static_cast<int>((steps + steps_per_split - 1) / steps_per_split);
   if (rows * p.num_splits > INT32_MAX) {
     throw std::invalid_argument("flash_attention_sm75: batch * num_heads_k * splits = " +

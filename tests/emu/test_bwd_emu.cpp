@@ -95,7 +95,7 @@ void run_decode(Flash_fwd_params& p) {
   std::vector<float> oacc, lacc;
   if (p.num_splits > 1) {
     oacc.assign(size_t(p.num_splits) * p.b * p.h * kD, NAN);
-    lacc.assign(size_t(p.num_splits) * p.b * p.h, NAN);
+    lacc.assign(2 * size_t(p.num_splits) * p.b * p.h, NAN);
     p.oaccum_ptr = oacc.data();
     p.softmax_lseaccum_ptr = lacc.data();
   }
@@ -426,6 +426,62 @@ int check_huge_scores() {
   return fails;
 }
 
+// Decode kernel with key splits at huge scores: q = a * signs, key j = +-q (tied best keys: one
+// in the first 128-key split, 128 in the second), v = 1, so O = 1 exactly and
+// LSE = d a^2 scale + log(129) (the other keys add exp(-2 d a^2 scale) ~ 0). With one fp32 LSE
+// per split (before the fix) the merge gave O = 2 at a = 4096. A NaN in one key gives NaN out
+// and LSE.
+template <int kD>
+int check_decode_split_merge(float a, bool nan_key) {
+  constexpr int kSk = 256;
+  std::mt19937 rng(11);
+  std::vector<__half> q(kD), k(size_t(kSk) * kD), v(size_t(kSk) * kD, __float2half(1.f)), o(kD);
+  std::vector<float> sgn(kD);
+  for (int c = 0; c < kD; ++c) sgn[c] = (rng() & 1) ? 1.f : -1.f;
+  for (int c = 0; c < kD; ++c) q[c] = __float2half(sgn[c] * a);
+  for (int j = 0; j < kSk; ++j) {
+    const bool tied = j == 0 || j >= 128;
+    for (int c = 0; c < kD; ++c) k[size_t(j) * kD + c] = __float2half((tied ? 1.f : -1.f) * sgn[c] * a);
+  }
+  if (nan_key) k[size_t(200) * kD + 3] = __float2half(NAN);
+  float lse = 0.f;
+  Flash_fwd_params p{};
+  p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data();
+  p.softmax_lse_ptr = &lse;
+  p.q_batch_stride = p.q_row_stride = p.q_head_stride = kD;
+  p.k_batch_stride = p.v_batch_stride = int64_t(kSk) * kD;
+  p.k_row_stride = p.k_head_stride = p.v_row_stride = p.v_head_stride = kD;
+  p.o_batch_stride = p.o_row_stride = p.o_head_stride = kD;
+  p.b = 1, p.seqlen_q = 1, p.seqlen_k = kSk, p.h = 1, p.h_k = 1, p.h_h_k_ratio = 1, p.d = kD;
+  const double scale = 1.0 / std::sqrt(double(kD));
+  p.scale_softmax = float(scale);
+  p.scale_softmax_log2 = float(scale * M_LOG2E);
+  const bool ran = try_decode<kD>(p);
+  const double lse_ref = double(kD) * a * a * scale + std::log(129.0);
+  double err = 0;
+  bool ok = ran && p.num_splits == 2;
+  for (int c = 0; c < kD; ++c) {
+    const float x = __half2float(o[c]);
+    ok = ok && (nan_key ? std::isnan(x) : std::fabs(x - 1.f) <= 1e-3f);
+    err = std::max(err, double(std::fabs(x - 1.f)));
+  }
+  ok = ok && (nan_key ? std::isnan(lse) : std::fabs(lse - lse_ref) <= 1e-6 * lse_ref + 1e-3);
+  std::printf("%s decode split merge d=%d a=%g%s: splits %d, max |out - 1| %.2e, lse %.9g (ref %.9g)\n",
+              ok ? "OK " : "BAD", kD, a, nan_key ? " NaN key" : "", p.num_splits, err, lse, lse_ref);
+  return ok ? 0 : 1;
+}
+
+int check_decode_split_merges() {
+  int fails = 0;
+  for (float a : {1.f, 64.f, 1024.f, 4096.f}) {
+    fails += check_decode_split_merge<64>(a, false);
+    fails += check_decode_split_merge<128>(a, false);
+  }
+  fails += check_decode_split_merge<64>(1.f, true);
+  fails += check_decode_split_merge<128>(1.f, true);
+  return fails;
+}
+
 int check_m_block_range() {
   int bad = 0;
   for (int sq : {1, 5, 31, 32, 33, 64, 100, 130})
@@ -502,6 +558,7 @@ int main(int argc, char** argv) {
   }
   for (const Case& c : cases) fails += run_case(c, true).ok ? 0 : 1;
   fails += check_huge_scores();
+  fails += check_decode_split_merges();
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
   // thread interleaving are reshuffled by the seed).
