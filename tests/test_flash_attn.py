@@ -289,13 +289,13 @@ def test_gpu_decode_env_rejects_unknown_values(value, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["none", "bottom_right"])
-@pytest.mark.parametrize("s_k", [1, 100])
+@pytest.mark.parametrize("s_q,s_k", [(64, 1), (64, 100), (1, 1), (1, 100), (1, 3000)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_output_at_fp16_max_is_finite(d, s_k, mode):
+def test_gpu_output_at_fp16_max_is_finite(d, s_q, s_k, mode):
     # v = 65504 everywhere: the exact output is 65504. P is rounded to fp16 for P V while l sums
     # the fp32 P, so O can come out ~2^-11 above max |v|; unclamped, that rounds to inf.
     g = torch.Generator(device="cpu").manual_seed(d + s_k)
-    q = (torch.randn(2, 64, 2, d, generator=g) * 120).to(torch.float16).cuda()
+    q = (torch.randn(2, s_q, 2, d, generator=g) * 120).to(torch.float16).cuda()
     k = (torch.randn(2, s_k, 2, d, generator=g) * 120).to(torch.float16).cuda()
     v = torch.full((2, s_k, 2, d), 65504.0, dtype=torch.float16, device="cuda")
     with poisoned_cuda_memory():
@@ -324,6 +324,27 @@ def test_gpu_huge_scores_across_key_tiles(a, d):
     with poisoned_cuda_memory():
         out, lse = run_op(q, k, v, "none")
     assert torch.equal(out, v[:, rows.cuda()])
+    _, lse_ref = attention_ref(q, k, v)
+    assert_lse_close(lse, lse_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("a", [64.0, 4096.0, 65504.0])
+def test_gpu_decode_huge_scores_across_splits(a, d):
+    # seqlen_q == 1 over 3000 keys (the decode kernel in several key splits): the query is key
+    # 2500, all keys distinct +-a vectors, so the output is exactly v[2500] at any magnitude.
+    # One fp32 LSE per split lost log(l) next to m * scale and mis-weighted the splits in the
+    # merge (O = 2 x the exact value in an emulator probe); the merge uses (max, sum) pairs.
+    g = torch.Generator(device="cpu").manual_seed(int(a) + d + 2)
+    sign = torch.where(torch.rand(1, 3000, 1, d, generator=g) < 0.5, -1.0, 1.0)
+    assert len({tuple(r) for r in sign[0, :, 0].tolist()}) == 3000  # distinct keys
+    k = (sign * a).to(torch.float16).cuda()
+    v = torch.randn(1, 3000, 1, d, generator=g).to(torch.float16).cuda()
+    q = k[:, 2500:2501].clone()
+    with poisoned_cuda_memory():
+        out, lse = run_op(q, k, v, "none")
+    assert torch.equal(out, v[:, 2500:2501])
     _, lse_ref = attention_ref(q, k, v)
     assert_lse_close(lse, lse_ref)
 
@@ -393,12 +414,18 @@ def _strided_inputs(kind, b, s_q, s_k, h, h_k, d, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", CAUSAL_MODES)
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("kind", ["bhsd", "seq_slice", "head_slice", "packed_qkv",
-                                  "padded_head_dim", "broadcast_kv"])
-def test_gpu_strided_inputs(kind, d, mode):
+@pytest.mark.parametrize("kind,decode", [
+    *[(kind, False) for kind in ("bhsd", "seq_slice", "head_slice", "packed_qkv",
+                                 "padded_head_dim", "broadcast_kv")],
+    # seqlen_q == 1 over 1500 keys: the decode kernel in several key splits
+    *[(kind, True) for kind in ("bhsd", "seq_slice", "head_slice", "padded_head_dim",
+                                "broadcast_kv")]])
+def test_gpu_strided_inputs(kind, decode, d, mode):
     b, s_q, s_k, h, h_k = 2, 150, 150, 4, 4
     if kind in ("head_slice", "broadcast_kv"):
         s_q, h_k = 97, 2
+    if decode:
+        s_q, s_k = 1, 1500
     q, k, v = _strided_inputs(kind, b, s_q, s_k, h, h_k, d, seed_from(kind, d, mode))
     if kind != "bhsd":
         assert not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
