@@ -9,20 +9,9 @@
 #include "bwd_kernel_traits.h"
 #include "flash_bwd.h"
 #include "flash_bwd_kernel.h"
+#include "launch_utils.h"
 
 namespace flash_sm75 {
-
-template <typename Kernel>
-void set_max_dynamic_smem(Kernel kernel, int bytes) {
-  if (bytes > kSm75DefaultSmemPerBlock) {
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) {
-      throw std::runtime_error(std::string("flash_attention_sm75: cudaFuncSetAttribute failed: ") +
-                               cudaGetErrorString(err));
-    }
-  }
-}
 
 // 1. D = rowsum(dO o O) - dLSE.  2. dK/dV kernel (atomic mode: + dQ partial sums).
 // 3. atomic mode: dq = scale * dq_accum; deterministic mode: the dQ kernel.

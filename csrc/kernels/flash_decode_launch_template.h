@@ -7,6 +7,7 @@
 
 #include "flash.h"
 #include "flash_decode_kernel.h"
+#include "launch_utils.h"
 
 namespace flash_sm75 {
 
@@ -14,14 +15,7 @@ template <int kD, int kR>
 void run_decode_kernels(Flash_fwd_params& params, cudaStream_t stream) {
   using T = DecodeTraits<kD, kR>;
   auto kernel = &flash_fwd_decode_kernel<kD, kR>;
-  if (T::kSmemSize > kSm75DefaultSmemPerBlock) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemSize);
-    if (err != cudaSuccess) {
-      throw std::runtime_error(std::string("flash_attention_sm75: cudaFuncSetAttribute failed: ") +
-                               cudaGetErrorString(err));
-    }
-  }
+  set_max_dynamic_smem(kernel, T::kSmemSize);
   const int64_t ctas = static_cast<int64_t>(params.b) * params.h_k * params.num_splits;
   kernel<<<static_cast<unsigned>(ctas), T::kThreads, T::kSmemSize, stream>>>(params);
   if (params.num_splits > 1) {

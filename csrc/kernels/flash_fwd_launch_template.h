@@ -9,6 +9,7 @@
 #include "flash.h"
 #include "flash_fwd_kernel.h"
 #include "launch_plan.h"
+#include "launch_utils.h"
 
 namespace flash_sm75 {
 
@@ -20,14 +21,7 @@ auto fwd_kernel() {
   } else {
     kernel = &flash_fwd_kernel<Kt, Is_causal>;
   }
-  if (Kt::kSmemSize > kSm75DefaultSmemPerBlock) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           Kt::kSmemSize);
-    if (err != cudaSuccess) {
-      throw std::runtime_error(std::string("flash_attention_sm75: cudaFuncSetAttribute failed: ") +
-                               cudaGetErrorString(err));
-    }
-  }
+  set_max_dynamic_smem(kernel, Kt::kSmemSize);
   return kernel;
 }
 
