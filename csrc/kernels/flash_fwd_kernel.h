@@ -130,11 +130,11 @@ __device__ __forceinline__ FwdCta fwd_cta(const Flash_fwd_params& params) {
 }
 
 // Set S to -inf where a key is not visible. Only tiles crossing the key range or the causal
-// diagonal pay for it. row_w = first query row of this warp's 16 rows.
-template <typename Kt, bool Is_causal>
-__device__ __forceinline__ void mask_scores(float (&acc_s)[Kt::kBlockN / 8][4], const FwdCta& c,
+// diagonal pay for it. row_w = first query row of this warp's 16 rows; the scores are keys
+// [n_block * kBN, (n_block + 1) * kBN) (kBN: a whole K tile, or half of one with kSplitTile).
+template <typename Kt, bool Is_causal, int kBN = Kt::kBlockN>
+__device__ __forceinline__ void mask_scores(float (&acc_s)[kBN / 8][4], const FwdCta& c,
                                             int n_block, int row_w, int causal_off) {
-  constexpr int kBN = Kt::kBlockN;
   if (tile_is_unmasked(c.m_block, n_block, Kt::kBlockM, kBN, c.kr, Is_causal, causal_off)) return;
   const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -266,6 +266,39 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
   }
 }
 
+// The online-softmax step of the split tile (Flash_fwd_kernel_traits::kSplitTile) for the kBN
+// scores of one half: as softmax_rescale with threshold kThr > 0, but without a branch, so that
+// the caller's MMAs of the other half can be interleaved with it. The rescale of O is left to
+// the caller: when this returns true (warp-uniform), O must be multiplied by alpha after the
+// MMAs that still use the old max have accumulated (alpha = 1 otherwise; l_i is already
+// rescaled). The exponent always takes the exact form (rounded product minus the rounded max),
+// so exact_exp only forces the max to move (see softmax_rescale).
+template <int kBN, int kThr>
+__device__ __forceinline__ bool softmax_step(const float (&acc_s)[kBN / 8][4], float (&m_i)[2],
+                                             float (&l_i)[2], float scale_log2,
+                                             uint32_t (&p_frag)[kBN / 8][2], float (&alpha)[2],
+                                             bool& exact_exp) {
+  static_assert(kThr > 0, "the split tile keeps a stale max");
+  const float mx[2] = {row_max<kBN>(acc_s, 0, m_i[0]), row_max<kBN>(acc_s, 1, m_i[1])};
+  // NaN (both -inf: no key seen yet) and +inf (first key) count as growth.
+  const bool grew = !((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
+                    !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr));
+  const bool move = warp_any(grew) || exact_exp;
+  float scaled_max[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = move ? mx[r] : m_i[r];
+    scaled_max[r] = (m_new == -INFINITY) ? 0.f : __fmul_rn(m_new, scale_log2);
+    // 1 exactly when the max stays; otherwise as move_max.
+    alpha[r] = exp2f(__fmul_rn(m_i[r], scale_log2) - scaled_max[r]);
+    m_i[r] = m_new;
+    l_i[r] *= alpha[r];
+  }
+  exact_exp = warp_needs_exact_exp(scaled_max);  // unchanged when the max stays
+  exp_scores<kBN, true>(acc_s, l_i, scaled_max, scale_log2, p_frag);
+  return move;
+}
+
 // x limited to the finite fp16 range (NaN kept). O is a convex combination of V rows, but P is
 // rounded to fp16 for P V while l sums the fp32 P, so O can exceed max |v| by ~2^-11 relative:
 // from |v| ~ 65504 that rounded to inf before the clamp.
@@ -371,7 +404,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
       load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, c.nb.n_block_min * kBN,
-                        c.kr.key_start, c.kr.key_end, tid);
+                             c.kr.key_start, c.kr.key_end, tid);
       store_tile_r2s<Kt>(qstage, sQ, tid);
     }
     // Without kQInSmem, Q stays in registers for the whole loop: q_frag[kk] holds the A
@@ -393,36 +426,75 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     const uint32_t k_lane_addr = lane_addr_b<kCPR>(sK, lane);
     const uint32_t v_lane_addr = lane_addr_bt<kCPR>(sV, lane);
 
-    for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
-      // V_j: global loads in flight while S_j and its softmax are computed.
-      load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
-                        c.kr.key_end, tid);
-
-      // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax.
-      float acc_s[kBN / 8][4];
-      if constexpr (Kt::kQInSmem) {
-        gemm_ss_bt<kD, kBN, kRowBytes>(acc_s, q_lane_addr, k_lane_addr);
-      } else {
-        gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+    if constexpr (Kt::kSplitTile) {
+      for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
+        // The split tile: halves a (keys 0 .. Bc/2 - 1) and b of K_j / V_j.
+        constexpr int kHalf = kBN / 2;
+        constexpr uint32_t kHalfBytes = kHalf * kRowBytes;
+        load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
+                               c.kr.key_end, tid);
+        float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
+        uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
+        gemm_rs_bt<kD, kHalf, kRowBytes>(acc_sa, q_frag, k_lane_addr);
+        mask_scores<Kt, Is_causal, kHalf>(acc_sa, c, 2 * n_block, row0 + 16 * warp,
+                                          params.causal_offset);
+        // S_b = Q K_b^T beside the softmax of half a.
+        gemm_rs_bt<kD, kHalf, kRowBytes>(acc_sb, q_frag, k_lane_addr + kHalfBytes);
+        if (softmax_step<kHalf, Kt::kRescaleThreshold>(acc_sa, m_i, l_i, scale_log2, p_a, alpha,
+                                                       exact_exp)) {
+          rescale_o<kD>(acc_o, alpha);
+        }
+        mask_scores<Kt, Is_causal, kHalf>(acc_sb, c, 2 * n_block + 1, row0 + 16 * warp,
+                                          params.causal_offset);
+        store_tile_r2s<Kt>(stage, sV, tid);
+        __syncthreads();  // V_j visible; every warp is done with K_j
+        const bool has_next = n_block + 1 < c.nb.n_block_max;
+        if (has_next) {
+          load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
+                                 c.kr.key_start, c.kr.key_end, tid);
+        }
+        // O += P_a V_a beside the softmax of half b; O is rescaled for b's max only after it.
+        gemm_rs_t<kHalf, kD, kRowBytes, true>(acc_o, p_a, v_lane_addr);
+        if (softmax_step<kHalf, Kt::kRescaleThreshold>(acc_sb, m_i, l_i, scale_log2, p_b, alpha,
+                                                       exact_exp)) {
+          rescale_o<kD>(acc_o, alpha);
+        }
+        gemm_rs_t<kHalf, kD, kRowBytes, true>(acc_o, p_b, v_lane_addr + kHalfBytes);
+        if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
+        __syncthreads();  // K_{j+1} visible; every warp is done with V_j
       }
-      mask_scores<Kt, Is_causal>(acc_s, c, n_block, row0 + 16 * warp, params.causal_offset);
-      uint32_t p_frag[kBN / 8][2];
-      softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag,
-                                                      exact_exp);
+    } else {
+      for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
+        // V_j: global loads in flight while S_j and its softmax are computed.
+        load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
+                               c.kr.key_end, tid);
 
-      // Every warp finished reading sV in the previous iteration (last barrier below), so V_j
-      // can be written now.
-      store_tile_r2s<Kt>(stage, sV, tid);
-      __syncthreads();  // V_j visible; every warp is done with K_j
+        // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax.
+        float acc_s[kBN / 8][4];
+        if constexpr (Kt::kQInSmem) {
+          gemm_ss_bt<kD, kBN, kRowBytes>(acc_s, q_lane_addr, k_lane_addr);
+        } else {
+          gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+        }
+        mask_scores<Kt, Is_causal>(acc_s, c, n_block, row0 + 16 * warp, params.causal_offset);
+        uint32_t p_frag[kBN / 8][2];
+        softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag,
+                                                        exact_exp);
 
-      const bool has_next = n_block + 1 < c.nb.n_block_max;
-      if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
-        load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
-                          c.kr.key_start, c.kr.key_end, tid);
+        // Every warp finished reading sV in the previous iteration (last barrier below), so V_j
+        // can be written now.
+        store_tile_r2s<Kt>(stage, sV, tid);
+        __syncthreads();  // V_j visible; every warp is done with K_j
+
+        const bool has_next = n_block + 1 < c.nb.n_block_max;
+        if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
+          load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
+                                 c.kr.key_start, c.kr.key_end, tid);
+        }
+        gemm_rs_t<kBN, kD, kRowBytes, true>(acc_o, p_frag, v_lane_addr);  // O += P V
+        if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
+        __syncthreads();  // K_{j+1} visible; every warp is done with V_j
       }
-      gemm_rs_t<kBN, kD, kRowBytes, true>(acc_o, p_frag, v_lane_addr);  // O += P V
-      if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
-      __syncthreads();  // K_{j+1} visible; every warp is done with V_j
     }
   }
 
@@ -490,7 +562,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
       load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, n0 * kBN, c.kr.key_start,
-                        c.kr.key_end, tid);
+                             c.kr.key_end, tid);
       store_tile_r2s<Kt>(qstage, sV0, tid);
       if constexpr (kQIn2Tiles) store_tile_r2s<Kt>(stage, sK0, tid);
     }
@@ -512,7 +584,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
     // S_0 and P_0 (both groups at once), with V_0 in flight.
     load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n0 * kBN, c.kr.key_start,
-                      c.kr.key_end, tid);
+                           c.kr.key_end, tid);
     float acc_s[kBN / 8][4];
     uint32_t p_frag[kBN / 8][2];
     gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr0);
@@ -523,7 +595,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     store_tile_r2s<Kt>(stage, sV0, tid);
     if (num_steps > 1) {  // K_1 -> sK1 (its latency is exposed once per CTA)
       load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n0 + 1) * kBN, c.kr.key_start,
-                        c.kr.key_end, tid);
+                             c.kr.key_end, tid);
       store_tile_r2s<Kt>(stage, sK0 + kTile, tid);
     }
     __syncthreads();  // V_0 and K_1 visible
@@ -535,11 +607,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       const bool load_k = i + 2 < num_steps, load_v = i + 1 < num_steps;
       if (load_k) {
         load_tile_g2r<Kt, kLs>(stage_k, c.k_base, params.k_row_stride, (n0 + i + 2) * kBN,
-                          c.kr.key_start, c.kr.key_end, tid);
+                               c.kr.key_start, c.kr.key_end, tid);
       }
       if (load_v) {
         load_tile_g2r<Kt, kLs>(stage_v, c.v_base, params.v_row_stride, (n0 + i + 1) * kBN,
-                          c.kr.key_start, c.kr.key_end, tid);
+                               c.kr.key_start, c.kr.key_end, tid);
       }
       if (load_k) store_tile_r2s<Kt>(stage_k, sK0 + (i & 1) * kTile, tid);  // replaces K_i
       if (load_v) store_tile_r2s<Kt>(stage_v, sV0 + ((i + 1) & 1) * kTile, tid);  // V_{i-1}

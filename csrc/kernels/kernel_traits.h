@@ -21,7 +21,7 @@ constexpr int chunks_per_thread() {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
           int kMinBlocksPerSm_ = 1, bool kPingPong_ = false, int kRescaleThreshold_ = 0,
-          int kLoadStyle_ = 0>
+          int kLoadStyle_ = 0, bool kSplitTile_ = false>
 struct Flash_fwd_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
@@ -50,6 +50,14 @@ struct Flash_fwd_kernel_traits {
   // tiles). Same loads, different SASS; picked per head dim by measurement (NOTES, session 5).
   static constexpr int kLoadStyle = kLoadStyle_;
   static_assert(kLoadStyle >= 0 && kLoadStyle <= 2, "load style 0, 1 or 2");
+  // Each K/V tile is processed as two halves of Bc/2 keys (flash_fwd_kernel): S of the second
+  // half is issued beside the softmax of the first, and O += P V of the first half beside the
+  // softmax of the second, so that one warp has MMAs and softmax arithmetic in the same
+  // straight-line code (no branch between them) for the scheduler to interleave. Same
+  // shared-memory layout and barriers as the plain loop.
+  static constexpr bool kSplitTile = kSplitTile_;
+  static_assert(!kSplitTile || (!kPingPong && !kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
+                "split tile: Q in registers, halves of 16k keys, a rescale threshold");
 
   // Each warp owns 16 query rows: one m16 MMA tile, so S and P never leave its registers.
   static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");
@@ -100,8 +108,9 @@ struct Fwd_tile_config<64> {
 };
 template <>
 struct Fwd_tile_config<128> {
-  // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile.
-  using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8, false, 1, false, 8>;
+  // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile. Split tile:
+  // +4-8% at N >= 1024 (NOTES, session 7; 244-246 registers, no spills).
+  using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8, false, 1, false, 8, 0, true>;
   using SmallGridTraits = void;
 };
 
