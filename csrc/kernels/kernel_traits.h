@@ -98,9 +98,8 @@ struct Fwd_tile_config;
 template <>
 struct Fwd_tile_config<64> {
   // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit. Load
-  // style 2: +3-8% at N = 4096 on the H200 (NOTES, session 5). Split tile with threshold
-  // rescale t = 8: 159-168 registers, no spills (the threshold alone spilled at this cap).
-  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4, false, 3, false, 8, 2, true>;
+  // style 2: +3-8% at N = 4096 on the H200 (NOTES, session 5).
+  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4, false, 3, false, 0, 2>;
   // Q in shared memory, Bc = 32, 4 CTAs per SM (<= 128 registers, 16 KiB smem each): 16 warps
   // per SM instead of 12. Measured 1.42x vs 1.25x of mem-efficient in session 3's tune loop
   // (bench_forward.py, session 5: 1.35x vs 1.12x) at B=4 H=16 N=512 (512 CTAs:
