@@ -15,6 +15,9 @@
 //  * No cp.async on SM75: the next tile's global loads are issued into registers before the
 //    current tile's MMAs and written to shared memory after them (register double buffering):
 //    V_j is fetched while S_j = Q K_j^T and its softmax run, K_{j+1} while O += P_j V_j runs.
+//  * Split tile (d = 128, Flash_fwd_kernel_traits::kSplitTile): each K/V tile as two halves of
+//    Bc/2 keys, the softmax of one half in the same branch-free code as the MMAs of the other
+//    (softmax_step), so one warp can overlap its own softmax with tensor-core work.
 #pragma once
 
 #include <cmath>
@@ -478,8 +481,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         }
         mask_scores<Kt, Is_causal>(acc_s, c, n_block, row0 + 16 * warp, params.causal_offset);
         uint32_t p_frag[kBN / 8][2];
-        softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2, p_frag,
-                                                        exact_exp);
+        softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
+                                                        p_frag, exact_exp);
 
         // Every warp finished reading sV in the previous iteration (last barrier below), so V_j
         // can be written now.

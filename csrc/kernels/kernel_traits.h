@@ -56,7 +56,8 @@ struct Flash_fwd_kernel_traits {
   // straight-line code (no branch between them) for the scheduler to interleave. Same
   // shared-memory layout and barriers as the plain loop.
   static constexpr bool kSplitTile = kSplitTile_;
-  static_assert(!kSplitTile || (!kPingPong && !kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
+  static_assert(!kSplitTile ||
+                    (!kPingPong && !kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
                 "split tile: Q in registers, halves of 16k keys, a rescale threshold");
 
   // Each warp owns 16 query rows: one m16 MMA tile, so S and P never leave its registers.
