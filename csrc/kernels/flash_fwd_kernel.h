@@ -274,8 +274,14 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
 // the caller's MMAs of the other half can be interleaved with it. The rescale of O is left to
 // the caller: when this returns true (warp-uniform), O must be multiplied by alpha after the
 // MMAs that still use the old max have accumulated (alpha = 1 otherwise; l_i is already
-// rescaled). The exponent always takes the exact form (rounded product minus the rounded max),
-// so exact_exp only forces the max to move (see softmax_rescale).
+// rescaled).
+// Exponents: x -> exp2(FFMA(x, scale_log2, -scaled_max) - res), res = m * scale_log2 -
+// scaled_max (the rounding residual of the shift, exact by FFMA). The exponent of the max m is 0
+// exactly, of any x <= m at most 0, and equals (x - m) * scale_log2 up to one rounding at any
+// magnitude: unlike FFMA(x, c, -rn(m c)) it does not carry the shift's rounding error (~1 ulp
+// of |m c|, a visible error from |m c| ~ 2^15), and unlike rn(x c) - rn(m c) no error of the
+// product either. alpha = exp2 of the same form at x = m_old. exact_exp then only forces the
+// max to move (as in softmax_rescale).
 template <int kBN, int kThr>
 __device__ __forceinline__ bool softmax_step(const float (&acc_s)[kBN / 8][4], float (&m_i)[2],
                                              float (&l_i)[2], float scale_log2,
@@ -287,18 +293,31 @@ __device__ __forceinline__ bool softmax_step(const float (&acc_s)[kBN / 8][4], f
   const bool grew = !((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
                     !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr));
   const bool move = warp_any(grew) || exact_exp;
-  float scaled_max[2];
+  float scaled_max[2], res[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float m_new = move ? mx[r] : m_i[r];
+    // A row without keys keeps m = -inf: shift 0, so that exp2(-inf) = 0 (not -inf + inf).
     scaled_max[r] = (m_new == -INFINITY) ? 0.f : __fmul_rn(m_new, scale_log2);
-    // 1 exactly when the max stays; otherwise as move_max.
-    alpha[r] = exp2f(__fmul_rn(m_i[r], scale_log2) - scaled_max[r]);
+    res[r] = (m_new == -INFINITY) ? 0.f : fmaf(m_new, scale_log2, -scaled_max[r]);
+    // 1 exactly when the max stays; 0 for a row that had no key.
+    alpha[r] = exp2f(fmaf(m_i[r], scale_log2, -scaled_max[r]) - res[r]);
     m_i[r] = m_new;
     l_i[r] *= alpha[r];
   }
   exact_exp = warp_needs_exact_exp(scaled_max);  // unchanged when the max stays
-  exp_scores<kBN, true>(acc_s, l_i, scaled_max, scale_log2, p_frag);
+#pragma unroll
+  for (int nt = 0; nt < kBN / 8; ++nt) {
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      p[e] = exp2f(fmaf(acc_s[nt][e], scale_log2, -scaled_max[e >> 1]) - res[e >> 1]);
+    }
+    l_i[0] += p[0] + p[1];
+    l_i[1] += p[2] + p[3];
+    p_frag[nt][0] = pack_half2(p[0], p[1]);
+    p_frag[nt][1] = pack_half2(p[2], p[3]);
+  }
   return move;
 }
 

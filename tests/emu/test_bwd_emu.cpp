@@ -7,6 +7,7 @@
 // kernel) -> dq, dk, dv against the float64 gradients.
 #include "sm75_emu.h"
 
+#include <algorithm>
 #include <cinttypes>
 #include <climits>
 #include <string>
@@ -426,6 +427,75 @@ int check_huge_scores() {
   return fails;
 }
 
+// Large but finite scores that are not one-hot: q_i = (a, 1, 0, ...), k_j = (a, delta_j, 0, ...),
+// so s_ij = a^2 + delta_j exactly (a = 2048 / 4096: scaled scores ~2^19 / 2^21, below the exact
+// path). "spread": delta_j even in [0, 46] (all keys within ~6 log2 units: the stale max is
+// used); "rising": delta_j = 2 j (the max moves by 8 log2 units every ~32 keys). An exponent that
+// carries the rounding error of rn(m * scale_log2) (~1 ulp of 2^21) put 1e-2..7e-2 errors into O
+// (the split tile's first form; found by a review helper); the reference is float64.
+template <typename Kt>
+int check_large_spread_case(float a, bool rising, uint32_t seed) {
+  constexpr int D = Kt::kHeadDim;
+  const int Sq = 16, Sk = 256;
+  std::mt19937 rng(seed);
+  std::vector<int> delta(Sk);
+  for (int j = 0; j < Sk; ++j) delta[j] = rising ? 2 * j : 2 * int(rng() % 24);
+  std::vector<__half> q(Sq * D, f2h(0.f)), k(Sk * D, f2h(0.f)), v(Sk * D), o(Sq * D);
+  for (int i = 0; i < Sq; ++i) q[i * D] = f2h(a), q[i * D + 1] = f2h(1.f);
+  for (int j = 0; j < Sk; ++j) k[j * D] = f2h(a), k[j * D + 1] = f2h(float(delta[j]));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& x : v) x = f2h(nd(rng));
+  std::vector<float> lse(Sq, NAN);
+  Flash_fwd_params p{};
+  p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data();
+  p.softmax_lse_ptr = lse.data();
+  p.q_batch_stride = Sq * D, p.q_row_stride = D, p.q_head_stride = D;
+  p.k_batch_stride = Sk * D, p.k_row_stride = D, p.k_head_stride = D;
+  p.v_batch_stride = Sk * D, p.v_row_stride = D, p.v_head_stride = D;
+  p.o_batch_stride = Sq * D, p.o_row_stride = D, p.o_head_stride = D;
+  p.b = 1, p.seqlen_q = Sq, p.seqlen_k = Sk, p.h = 1, p.h_k = 1, p.h_h_k_ratio = 1, p.d = D;
+  const double scale = 1.0 / std::sqrt(double(D));
+  p.scale_softmax = float(scale);
+  p.scale_softmax_log2 = float(scale * M_LOG2E);
+  const FwdLaunchPlan plan = make_fwd_plan<Kt>(p.b, p.h, p.seqlen_q);
+  emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
+              [&] { flash_fwd_kernel<Kt, false>(p); });
+  // Reference: weights exp((delta_j - max delta) * scale), the same for every row.
+  const int dmax = *std::max_element(delta.begin(), delta.end());
+  std::vector<double> w(Sk);
+  double l = 0;
+  for (int j = 0; j < Sk; ++j) l += (w[j] = std::exp((delta[j] - dmax) * scale));
+  double err = 0, lse_err = 0;
+  const double lse_ref = (double(a) * a + dmax) * scale + std::log(l);
+  for (int i = 0; i < Sq; ++i) {
+    for (int c = 0; c < D; ++c) {
+      double want = 0;
+      for (int j = 0; j < Sk; ++j) want += w[j] * h2f(v[j * D + c]);
+      want /= l;
+      const double got = h2f(o[i * D + c]);
+      err = std::max(err, std::isfinite(got) ? std::fabs(got - want) : INFINITY);
+    }
+    lse_err = std::max(lse_err, std::fabs(lse[i] - lse_ref) / lse_ref);
+  }
+  const bool ok = err < 2e-3 && lse_err < 1e-6;  // fp16 P and output; fp32 LSE
+  std::printf("%s large spread scores d=%d %s a=%g %s: max |out - ref| %.2e, lse rel %.1e\n",
+              ok ? "OK " : "BAD", D, Kt::kQInSmem ? "small-grid tile" : "default tile", a,
+              rising ? "rising" : "spread", err, lse_err);
+  return ok ? 0 : 1;
+}
+
+int check_large_spread_scores() {
+  int fails = 0;
+  uint32_t seed = 700;
+  for (float a : {2048.f, 4096.f}) {
+    for (bool rising : {false, true}) {
+      fails += check_large_spread_case<Fwd_tile_config<128>::Traits>(a, rising, seed++);
+      fails += check_large_spread_case<Fwd_tile_config<64>::Traits>(a, rising, seed++);
+    }
+  }
+  return fails;
+}
+
 // Decode kernel with key splits at huge scores: q = a * signs, key j = +-q (tied best keys: one
 // in the first 128-key split, 128 in the second), v = 1, so O = 1 exactly and
 // LSE = d a^2 scale + log(129) (the other keys add exp(-2 d a^2 scale) ~ 0). With one fp32 LSE
@@ -558,6 +628,7 @@ int main(int argc, char** argv) {
   }
   for (const Case& c : cases) fails += run_case(c, true).ok ? 0 : 1;
   fails += check_huge_scores();
+  fails += check_large_spread_scores();
   fails += check_decode_split_merges();
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
