@@ -110,7 +110,7 @@ struct Fwd_tile_config<64> {
 template <>
 struct Fwd_tile_config<128> {
   // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile. Split tile:
-  // +4-8% at N >= 1024 (NOTES, session 7; 244-246 registers, no spills).
+  // +4-8% at N >= 1024 (NOTES, session 7; 246-248 registers, no spills).
   using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8, false, 1, false, 8, 0, true>;
   using SmallGridTraits = void;
 };
