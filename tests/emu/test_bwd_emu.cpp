@@ -343,6 +343,28 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
 
 }  // namespace
 
+// One (batch, head) of contiguous BSHD q (Sq x d), k, v (Sk x d) through Kt's forward kernel
+// (not causal): o (Sq x d) and lse (Sq) written.
+template <typename Kt>
+void run_fwd_one_head(std::vector<__half>& q, std::vector<__half>& k, std::vector<__half>& v,
+                      std::vector<__half>& o, std::vector<float>& lse, int Sq, int Sk,
+                      double scale) {
+  constexpr int D = Kt::kHeadDim;
+  Flash_fwd_params p{};
+  p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data();
+  p.softmax_lse_ptr = lse.data();
+  p.q_batch_stride = Sq * D, p.q_row_stride = D, p.q_head_stride = D;
+  p.k_batch_stride = Sk * D, p.k_row_stride = D, p.k_head_stride = D;
+  p.v_batch_stride = Sk * D, p.v_row_stride = D, p.v_head_stride = D;
+  p.o_batch_stride = Sq * D, p.o_row_stride = D, p.o_head_stride = D;
+  p.b = 1, p.seqlen_q = Sq, p.seqlen_k = Sk, p.h = 1, p.h_k = 1, p.h_h_k_ratio = 1, p.d = D;
+  p.scale_softmax = float(scale);
+  p.scale_softmax_log2 = float(scale * M_LOG2E);
+  const FwdLaunchPlan plan = make_fwd_plan<Kt>(p.b, p.h, p.seqlen_q);
+  emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
+              [&] { flash_fwd_kernel<Kt, false>(p); });
+}
+
 // m_block_range (bwd_block_info.h) against brute force: every query tile holding a row that sees
 // a key of the block must be in the range, and the range must not start before the first such
 // tile (the end is always the last tile).
@@ -375,20 +397,8 @@ int check_huge_scores_case(float a, bool rising, uint32_t seed) {
   for (int i = 0; i < Sk * D; ++i) k[i] = f2h(ks[i] * a);
   for (auto& x : v) x = f2h(nd(rng));
   std::vector<float> lse(Sq, NAN);
-  Flash_fwd_params p{};
-  p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data();
-  p.softmax_lse_ptr = lse.data();
-  p.q_batch_stride = Sq * D, p.q_row_stride = D, p.q_head_stride = D;
-  p.k_batch_stride = Sk * D, p.k_row_stride = D, p.k_head_stride = D;
-  p.v_batch_stride = Sk * D, p.v_row_stride = D, p.v_head_stride = D;
-  p.o_batch_stride = Sq * D, p.o_row_stride = D, p.o_head_stride = D;
-  p.b = 1, p.seqlen_q = Sq, p.seqlen_k = Sk, p.h = 1, p.h_k = 1, p.h_h_k_ratio = 1, p.d = D;
   const double scale = 1.0 / std::sqrt(double(D));
-  p.scale_softmax = float(scale);
-  p.scale_softmax_log2 = float(scale * M_LOG2E);
-  const FwdLaunchPlan plan = make_fwd_plan<Kt>(p.b, p.h, p.seqlen_q);
-  emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-              [&] { flash_fwd_kernel<Kt, false>(p); });
+  run_fwd_one_head<Kt>(q, k, v, o, lse, Sq, Sk, scale);
   double err = 0;
   for (int i = 0; i < Sq; ++i) {
     long best = LONG_MIN;
@@ -446,20 +456,8 @@ int check_large_spread_case(float a, bool rising, uint32_t seed) {
   std::normal_distribution<float> nd(0.f, 1.f);
   for (auto& x : v) x = f2h(nd(rng));
   std::vector<float> lse(Sq, NAN);
-  Flash_fwd_params p{};
-  p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data();
-  p.softmax_lse_ptr = lse.data();
-  p.q_batch_stride = Sq * D, p.q_row_stride = D, p.q_head_stride = D;
-  p.k_batch_stride = Sk * D, p.k_row_stride = D, p.k_head_stride = D;
-  p.v_batch_stride = Sk * D, p.v_row_stride = D, p.v_head_stride = D;
-  p.o_batch_stride = Sq * D, p.o_row_stride = D, p.o_head_stride = D;
-  p.b = 1, p.seqlen_q = Sq, p.seqlen_k = Sk, p.h = 1, p.h_k = 1, p.h_h_k_ratio = 1, p.d = D;
   const double scale = 1.0 / std::sqrt(double(D));
-  p.scale_softmax = float(scale);
-  p.scale_softmax_log2 = float(scale * M_LOG2E);
-  const FwdLaunchPlan plan = make_fwd_plan<Kt>(p.b, p.h, p.seqlen_q);
-  emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-              [&] { flash_fwd_kernel<Kt, false>(p); });
+  run_fwd_one_head<Kt>(q, k, v, o, lse, Sq, Sk, scale);
   // Reference: weights exp((delta_j - max delta) * scale), the same for every row.
   const int dmax = *std::max_element(delta.begin(), delta.end());
   std::vector<double> w(Sk);
