@@ -200,26 +200,48 @@ __device__ __forceinline__ bool warp_needs_exact_exp(const float (&scaled_max)[2
   return warp_any(fabsf(scaled_max[0]) >= kExactExpFrom || fabsf(scaled_max[1]) >= kExactExpFrom);
 }
 
-// P = exp2(S * scale_log2 - scaled_max) for rows g, g + 8, summed into l_i and packed as the
-// fp16 A fragments of O += P V.
-template <int kBN, bool kExact>
+// How exp_scores forms the exponent of a score x (c = scale_log2, sm = scaled_max = rn(m c)):
+// kFfma: FFMA(x, c, -sm), exact enough while |sm| < kExactExpFrom; kExact: rn(x c) - sm (both
+// sides rounded alike, P <= 1 at any magnitude); kResidual: FFMA(x, c, -sm) - res with
+// res = FFMA(m, c, -sm) the exact rounding residual of the shift (softmax_step).
+enum class ExpForm { kFfma, kExact, kResidual };
+
+// P = exp2(exponent of S) for rows g, g + 8, summed into l_i and packed as the fp16 A fragments
+// of O += P V. res is read only by ExpForm::kResidual.
+template <int kBN, ExpForm kForm>
 __device__ __forceinline__ void exp_scores(const float (&acc_s)[kBN / 8][4], float (&l_i)[2],
                                            const float (&scaled_max)[2], float scale_log2,
-                                           uint32_t (&p_frag)[kBN / 8][2]) {
+                                           uint32_t (&p_frag)[kBN / 8][2],
+                                           const float (&res)[2]) {
 #pragma unroll
   for (int nt = 0; nt < kBN / 8; ++nt) {
     float p[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float sm = scaled_max[e >> 1];
-      p[e] = exp2f(kExact ? __fmul_rn(acc_s[nt][e], scale_log2) - sm
-                          : fmaf(acc_s[nt][e], scale_log2, -sm));
+      const float x = acc_s[nt][e];
+      if constexpr (kForm == ExpForm::kExact) {
+        p[e] = exp2f(__fmul_rn(x, scale_log2) - sm);
+      } else if constexpr (kForm == ExpForm::kResidual) {
+        p[e] = exp2f(fmaf(x, scale_log2, -sm) - res[e >> 1]);
+      } else {
+        p[e] = exp2f(fmaf(x, scale_log2, -sm));
+      }
     }
     l_i[0] += p[0] + p[1];
     l_i[1] += p[2] + p[3];
     p_frag[nt][0] = pack_half2(p[0], p[1]);
     p_frag[nt][1] = pack_half2(p[2], p[3]);
   }
+}
+
+// Whether some row max mx of the warp grew past the running max m_i by more than kThr log2
+// units (warp-uniform). NaN (both -inf: no key seen yet) and +inf (first key) count as growth.
+template <int kThr>
+__device__ __forceinline__ bool warp_max_grew(const float (&mx)[2], const float (&m_i)[2],
+                                              float scale_log2) {
+  return warp_any(!((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
+                  !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr)));
 }
 
 // One online-softmax step on the accumulator fragments of S (rows g and g + 8 of the warp):
@@ -247,10 +269,7 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
     exact_exp = warp_needs_exact_exp(scaled_max);
   } else {
     const float mx[2] = {row_max<kBN>(acc_s, 0, m_i[0]), row_max<kBN>(acc_s, 1, m_i[1])};
-    // NaN (both -inf: no key seen yet) and +inf (first key) count as growth.
-    const bool grew = !((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
-                      !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr));
-    if (warp_any(grew) || exact_exp) {  // warp-uniform branch
+    if (warp_max_grew<kThr>(mx, m_i, scale_log2) || exact_exp) {  // warp-uniform branch
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         alpha[r] = move_max(mx[r], m_i[r], l_i[r], scale_log2, scaled_max[r]);
@@ -263,9 +282,9 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
     }
   }
   if (exact_exp) {  // warp-uniform
-    exp_scores<kBN, true>(acc_s, l_i, scaled_max, scale_log2, p_frag);
+    exp_scores<kBN, ExpForm::kExact>(acc_s, l_i, scaled_max, scale_log2, p_frag, scaled_max);
   } else {
-    exp_scores<kBN, false>(acc_s, l_i, scaled_max, scale_log2, p_frag);
+    exp_scores<kBN, ExpForm::kFfma>(acc_s, l_i, scaled_max, scale_log2, p_frag, scaled_max);
   }
 }
 
@@ -289,10 +308,7 @@ __device__ __forceinline__ bool softmax_step(const float (&acc_s)[kBN / 8][4], f
                                              bool& exact_exp) {
   static_assert(kThr > 0, "the split tile keeps a stale max");
   const float mx[2] = {row_max<kBN>(acc_s, 0, m_i[0]), row_max<kBN>(acc_s, 1, m_i[1])};
-  // NaN (both -inf: no key seen yet) and +inf (first key) count as growth.
-  const bool grew = !((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
-                    !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr));
-  const bool move = warp_any(grew) || exact_exp;
+  const bool move = warp_max_grew<kThr>(mx, m_i, scale_log2) || exact_exp;
   float scaled_max[2], res[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -306,18 +322,7 @@ __device__ __forceinline__ bool softmax_step(const float (&acc_s)[kBN / 8][4], f
     l_i[r] *= alpha[r];
   }
   exact_exp = warp_needs_exact_exp(scaled_max);  // unchanged when the max stays
-#pragma unroll
-  for (int nt = 0; nt < kBN / 8; ++nt) {
-    float p[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      p[e] = exp2f(fmaf(acc_s[nt][e], scale_log2, -scaled_max[e >> 1]) - res[e >> 1]);
-    }
-    l_i[0] += p[0] + p[1];
-    l_i[1] += p[2] + p[3];
-    p_frag[nt][0] = pack_half2(p[0], p[1]);
-    p_frag[nt][1] = pack_half2(p[2], p[3]);
-  }
+  exp_scores<kBN, ExpForm::kResidual>(acc_s, l_i, scaled_max, scale_log2, p_frag, res);
   return move;
 }
 
