@@ -70,6 +70,31 @@ FLASH_HOST_DEVICE bool tile_is_unmasked(int m_block, int n_block, int block_m, i
   return true;
 }
 
+// Launch order of causal tiles. A causal grid runs its tiles heaviest first (the query tiles
+// that see the most keys; for the backward's dK/dV, the key blocks seen by the most queries),
+// so that the last wave holds the light ones. The heads are taken a group at a time, heaviest
+// first within the group: the CTAs running at once then share the K/V (or Q/dO) of a few heads
+// in L2 instead of each reading its own head's from memory (heads interleaved over the whole
+// grid: +3.5-4.5% forward and backward at d = 128, N = 4096-16384, on the H200). A group holds
+// about kCausalGroupCtas CTAs (>= 1 head): with fewer, the heavy tiles of the last groups start
+// late and lengthen the tail (groups of 4 heads x 8 tiles: -15% at N = 1024, d = 128).
+// CTA `linear` gets the tile of weight rank `rank` (0 = heaviest) of the (batch, head) index
+// bh; every (rank, bh) in [0, num_blocks) x [0, num_bh) is hit exactly once.
+constexpr int kCausalGroupCtas = 256;
+struct TileOrder {
+  int rank;
+  long long bh;
+};
+FLASH_HOST_DEVICE TileOrder causal_tile_order(long long linear, int num_blocks, long long num_bh) {
+  const int group_heads = ceil_div(kCausalGroupCtas, num_blocks);
+  const long long group_ctas = static_cast<long long>(group_heads) * num_blocks;
+  const long long group = linear / group_ctas;
+  const long long within = linear - group * group_ctas;
+  const long long first_bh = group * group_heads;
+  const long long heads = num_bh - first_bh < group_heads ? num_bh - first_bh : group_heads;
+  return {static_cast<int>(within / heads), first_bh + within % heads};
+}
+
 // Element-level visibility, the definition the tile logic above must agree with.
 FLASH_HOST_DEVICE bool key_visible(int row, int col, KeyRange kr, bool is_causal,
                                    int causal_off) {

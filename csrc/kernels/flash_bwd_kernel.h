@@ -199,8 +199,9 @@ __device__ __forceinline__ DkdvBlock dkdv_block(const Flash_bwd_params& params, 
   int n_block;
   int64_t bhk;
   if (Is_causal) {
-    bhk = linear % num_bhk;
-    n_block = static_cast<int>(linear / num_bhk);
+    const TileOrder o = causal_tile_order(linear, num_n_blocks, num_bhk);
+    bhk = o.bh;
+    n_block = o.rank;
   } else {
     n_block = static_cast<int>(linear % num_n_blocks);
     bhk = linear / num_n_blocks;
@@ -819,8 +820,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   int m_block;
   int64_t bh;
   if (Is_causal) {
-    bh = linear % num_bh;
-    m_block = num_m_blocks - 1 - static_cast<int>(linear / num_bh);
+    const TileOrder o = causal_tile_order(linear, num_m_blocks, num_bh);
+    bh = o.bh;
+    m_block = num_m_blocks - 1 - o.rank;
   } else {
     m_block = static_cast<int>(linear % num_m_blocks);
     bh = linear / num_m_blocks;

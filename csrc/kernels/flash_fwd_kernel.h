@@ -109,8 +109,9 @@ __device__ __forceinline__ FwdCta fwd_cta(const Flash_fwd_params& params) {
   const int64_t num_bh = static_cast<int64_t>(params.b) * params.h;
   const int64_t linear = blockIdx.x;
   if (Is_causal) {
-    c.bh = linear % num_bh;
-    c.m_block = num_m_blocks - 1 - static_cast<int>(linear / num_bh);
+    const TileOrder o = causal_tile_order(linear, num_m_blocks, num_bh);
+    c.bh = o.bh;
+    c.m_block = num_m_blocks - 1 - o.rank;
   } else {
     c.m_block = static_cast<int>(linear % num_m_blocks);
     c.bh = linear / num_m_blocks;

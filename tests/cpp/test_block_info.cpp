@@ -252,6 +252,34 @@ TEST(BlockRange, CausalRowsBeforeFirstKeyAreEmpty) {
   }
 }
 
+// The causal launch order is a bijection of the grid onto (rank, bh); within each group of
+// heads the CTAs launched earlier never get a lighter tile (a higher rank) than those launched
+// later, and a group holds at least kCausalGroupCtas CTAs (or every head).
+TEST(CausalTileOrder, BijectionHeaviestFirstWithinGroups) {
+  for (int num_blocks : {1, 2, 3, 7, 64, 100, 300}) {
+    for (long long num_bh : {1LL, 2LL, 5LL, 8LL, 9LL, 17LL, 64LL}) {
+      const long long group_heads = (kCausalGroupCtas + num_blocks - 1) / num_blocks;
+      EXPECT_GE(group_heads * num_blocks, kCausalGroupCtas);
+      std::vector<int> hits(static_cast<size_t>(num_blocks * num_bh), 0);
+      int prev_rank = -1;
+      long long prev_group = -1;
+      for (long long linear = 0; linear < num_blocks * num_bh; ++linear) {
+        const TileOrder o = causal_tile_order(linear, num_blocks, num_bh);
+        ASSERT_GE(o.rank, 0);
+        ASSERT_LT(o.rank, num_blocks);
+        ASSERT_GE(o.bh, 0);
+        ASSERT_LT(o.bh, num_bh);
+        ++hits[static_cast<size_t>(o.bh * num_blocks + o.rank)];
+        const long long group = o.bh / group_heads;
+        if (group == prev_group) EXPECT_GE(o.rank, prev_rank) << "linear " << linear;
+        prev_group = group;
+        prev_rank = o.rank;
+      }
+      for (int h : hits) EXPECT_EQ(h, 1) << "blocks " << num_blocks << " bh " << num_bh;
+    }
+  }
+}
+
 TEST(BlockInfo, CeilDivMinMax) {
   EXPECT_EQ(ceil_div(0, 64), 0);
   EXPECT_EQ(ceil_div(1, 64), 1);
