@@ -77,7 +77,9 @@ FLASH_HOST_DEVICE bool tile_is_unmasked(int m_block, int n_block, int block_m, i
 // in L2 instead of each reading its own head's from memory (heads interleaved over the whole
 // grid: +3.5-4.5% forward and backward at d = 128, N = 4096-16384, on the H200). A group holds
 // about kCausalGroupCtas CTAs (>= 1 head): with fewer, the heavy tiles of the last groups start
-// late and lengthen the tail (groups of 4 heads x 8 tiles: -15% at N = 1024, d = 128).
+// late and lengthen the tail (groups of 4 heads x 8 tiles: -15% at N = 1024, d = 128). Groups
+// scaled by the kernel's CTAs per SM (768 CTAs for the d = 64 forward) measured 4-11% slower
+// at d = 64, N = 1024-4096, so every kernel uses the same count.
 // CTA `linear` gets the tile of weight rank `rank` (0 = heaviest) of the (batch, head) index
 // bh; every (rank, bh) in [0, num_blocks) x [0, num_bh) is hit exactly once.
 constexpr int kCausalGroupCtas = 256;
