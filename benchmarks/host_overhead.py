@@ -1,6 +1,6 @@
 """Python host time per forward call of our wrappers vs torch's SDPA, on tiny CPU tensors.
 
-Measures the Python + dispatcher time that also precedes every GPU launch. The C++ CPU float32
+Measures the Python + dispatcher time that also precedes every GPU launch. The C++ CPU
 reference kernel of the op costs ~180 us even at (B=1, H=1, seqlen 1, d=64) (two dozen ATen
 ops) and varies by tens of us between runs, which hides differences of a few us; so by default
 the op's CPU kernel is replaced, in this process only, by a Python stub that just allocates the

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "kernels/block_info.h"
 #include "kernels/flash.h"
@@ -98,27 +99,37 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return scale;
 }
 
+int env_choice(const char* name, std::initializer_list<const char*> accepted) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || v[0] == '\0') return 0;
+  int i = 0;
+  for (const char* a : accepted) {
+    if (std::strcmp(v, a) == 0) return i;
+    ++i;
+  }
+  std::string list;
+  i = 0;
+  for (const char* a : accepted) {
+    if (i > 0) list += (i + 1 == static_cast<int>(accepted.size())) ? " or " : ", ";
+    list += std::string("'") + a + "'";
+    ++i;
+  }
+  TORCH_CHECK_VALUE(false, "flash_attention_sm75: environment variable ", name, " must be ", list,
+                    " (or unset), got '", v, "'");
+  return 0;
+}
+
 // FLASH_SM75_FWD_SMALL_GRID_TILE: 'auto' (or unset) takes the small-grid forward tile where it
 // pays (prefer_small_grid_tile), 'always' / 'never' force the choice (tests, tuning).
 static int env_small_grid_tile() {
-  const char* v = std::getenv("FLASH_SM75_FWD_SMALL_GRID_TILE");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return 0;
-  if (std::strcmp(v, "always") == 0) return 1;
-  TORCH_CHECK_VALUE(std::strcmp(v, "never") == 0,
-                    "flash_attention_sm75: environment variable FLASH_SM75_FWD_SMALL_GRID_TILE must "
-                    "be 'auto', 'always' or 'never' (or unset), got '", v, "'");
-  return -1;
+  static constexpr int kChoice[] = {0, 1, -1};
+  return kChoice[env_choice("FLASH_SM75_FWD_SMALL_GRID_TILE", {"auto", "always", "never"})];
 }
 
 // FLASH_SM75_DECODE: 'auto' (or unset) runs seqlen_q == 1 calls on the split-KV decode kernel
 // (plan_decode), 'never' on the prefill kernel (tests, comparisons).
 static bool env_decode_enabled() {
-  const char* v = std::getenv("FLASH_SM75_DECODE");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return true;
-  TORCH_CHECK_VALUE(std::strcmp(v, "never") == 0,
-                    "flash_attention_sm75: environment variable FLASH_SM75_DECODE must be 'auto' "
-                    "or 'never' (or unset), got '", v, "'");
-  return false;
+  return env_choice("FLASH_SM75_DECODE", {"auto", "never"}) == 0;
 }
 
 void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
@@ -245,24 +256,29 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& leftpad_k,
                                                const std::optional<at::Tensor>& seqused_k) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
-  // The ATen ops below must compute in float32 even under torch.autocast (which would run the
+  // The ATen ops below must compute in float64 even under torch.autocast (which would run the
   // matmuls in bfloat16 and return a bfloat16 lse).
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const int64_t h = q.size(2), h_k = k.size(2);
-  // (b, h, s, d) in float32; GQA by repeating K/V heads (the reference may copy).
-  at::Tensor qf = q.to(at::kFloat).transpose(1, 2);
-  at::Tensor kf = k.to(at::kFloat).transpose(1, 2).repeat_interleave(h / h_k, 1);
-  at::Tensor vf = v.to(at::kFloat).transpose(1, 2).repeat_interleave(h / h_k, 1);
+  // (b, h, s, d) in float64; GQA by repeating K/V heads (the reference may copy). Not float32:
+  // fp16 inputs give scores up to ~2^36 (times the scale), where float32 keeps too few bits of
+  // the differences between keys (errors of 0.01-0.04 in O at scaled scores ~2^22, as the
+  // kernel's exponent forms avoid, DESIGN.md section 2); float64 keeps 29 more. Only the CPU
+  // path pays for it.
+  at::Tensor qf = q.to(at::kDouble).transpose(1, 2);
+  at::Tensor kf = k.to(at::kDouble).transpose(1, 2).repeat_interleave(h / h_k, 1);
+  at::Tensor vf = v.to(at::kDouble).transpose(1, 2).repeat_interleave(h / h_k, 1);
   at::Tensor s = at::matmul(qf, kf.transpose(-1, -2)) * scale;  // b, h, sq, sk
 
   const at::Tensor visible =
       cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k, seqused_k);
-  s = s.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
+  s = s.masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
   at::Tensor lse = at::logsumexp(s, -1);  // -inf for rows that see nothing
   // Rows that see no key give 0 (exp(-inf - -inf) is NaN there); NaN/inf in the inputs still
   // propagate, as in torch SDPA.
   at::Tensor p = at::exp(s - lse.unsqueeze(-1)).masked_fill(lse.unsqueeze(-1).isneginf(), 0.0);
   at::Tensor out = at::matmul(p, vf).transpose(1, 2).to(at::kHalf).contiguous();
+  lse = lse.to(at::kFloat);
   return {out, lse.contiguous()};
 }
 

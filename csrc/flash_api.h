@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <initializer_list>
 #include <optional>
 #include <tuple>
 
@@ -40,6 +41,10 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                bool is_causal, bool causal_bottom_right,
                                                const std::optional<at::Tensor>& leftpad_k,
                                                const std::optional<at::Tensor>& seqused_k);
+
+// The value of environment variable `name` as an index into `accepted` (unset or empty: 0, the
+// default); any other value raises ValueError naming the variable and the accepted values.
+int env_choice(const char* name, std::initializer_list<const char*> accepted);
 
 // Input validation shared by both implementations (exposed for the C++ tests). Returns the
 // softmax scale to use.

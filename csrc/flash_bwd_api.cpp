@@ -65,12 +65,7 @@ void check_lse_like(const at::Tensor& t, const char* name, const at::Tensor& q) 
 // (DESIGN.md). FLASH_SM75_BWD_DQ=atomic selects fp32 atomicAdd accumulation of dQ instead (a
 // tuning knob for GPUs with fast fp32 atomics); deterministic=True always uses the separate kernel.
 bool env_selects_atomic_dq() {
-  const char* v = std::getenv("FLASH_SM75_BWD_DQ");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "separate") == 0) return false;
-  TORCH_CHECK_VALUE(std::strcmp(v, "atomic") == 0,
-                    "flash_attention_sm75: environment variable FLASH_SM75_BWD_DQ must be "
-                    "'atomic' or 'separate' (or unset), got '", v, "'");
-  return true;
+  return env_choice("FLASH_SM75_BWD_DQ", {"separate", "atomic"}) == 1;
 }
 
 // FLASH_SM75_BWD_SMEM_PER_SM=<bytes>: the shared memory per SM the backward plan assumes

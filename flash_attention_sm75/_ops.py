@@ -264,7 +264,7 @@ def validate_fwd_inputs(
             and _passes_all_rules(q, k, v, softmax_scale, 2 if layout == "bshd" else 1)):
         return
     if isinstance(q, torch.Tensor) and q.device.type not in ("cuda", "cpu", "meta"):
-        raise ValueError(f"{_PREFIX}q must be a CUDA tensor (or CPU for the float32 reference "
+        raise ValueError(f"{_PREFIX}q must be a CUDA tensor (or CPU for the reference "
                          f"implementation), got device {q.device}")
     _validate(_raise_value_error, q, k, v, softmax_scale, leftpad_k, seqused_k, layout,
               check_alignment=True)

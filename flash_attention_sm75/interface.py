@@ -52,8 +52,8 @@ def flash_attn_func(
     ----------
     q : torch.Tensor
         Queries, shape ``(batch_size, seqlen_q, num_heads, head_dim)``, dtype ``torch.float16``.
-        CUDA tensor (compute capability >= 7.5), or CPU tensor (computed by a float32 reference
-        implementation). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
+        CUDA tensor (compute capability >= 7.5), or CPU tensor (computed by a reference
+        implementation: forward in float64, backward in float32). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
         16-byte aligned and the batch, sequence and head strides divisible by 8 elements.
     k : torch.Tensor
         Keys, shape ``(batch_size, seqlen_k, num_heads_k, head_dim)``, same dtype, device and
@@ -167,8 +167,8 @@ def flash_attention_forward(
     ----------
     q : torch.Tensor
         Queries, shape ``(batch_size, num_heads, seqlen_q, head_dim)``, dtype ``torch.float16``.
-        CUDA tensor (compute capability >= 7.5), or CPU tensor (float32 reference
-        implementation). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
+        CUDA tensor (compute capability >= 7.5), or CPU tensor (reference
+        implementation: forward in float64, backward in float32). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
         16-byte aligned and the batch, head and sequence strides divisible by 8 elements.
     k : torch.Tensor
         Keys, shape ``(batch_size, num_heads_k, seqlen_k, head_dim)``, same dtype, device and

@@ -223,7 +223,7 @@ def test_nan_input_reaches_what_it_reaches_in_the_reference(d, where, determinis
 
 @cuda_only
 @pytest.mark.parametrize("name,value,message", [
-    *[("FLASH_SM75_BWD_DQ", v, "FLASH_SM75_BWD_DQ must be 'atomic' or 'separate'")
+    *[("FLASH_SM75_BWD_DQ", v, "FLASH_SM75_BWD_DQ must be 'separate' or 'atomic'")
       for v in ("ATOMIC", "1", "atomic ")],
     *[("FLASH_SM75_BWD_SMEM_PER_SM", v, "FLASH_SM75_BWD_SMEM_PER_SM must be a positive integer")
       for v in ("abc", "65536k", "0", "-1", "1e5", "99999999999")],

@@ -2,7 +2,7 @@
 
 Output and LSE are compared with the float64 reference (tests/reference.py) under
 FlashAttention's criterion (out) and a fixed LSE tolerance. GPU tests run the SM75 kernel with
-NaN-poisoned allocator memory; CPU tests run the op's float32 CPU implementation.
+NaN-poisoned allocator memory; CPU tests run the op's CPU implementation (float64).
 """
 import math
 
@@ -326,17 +326,14 @@ def test_gpu_huge_scores_across_key_tiles(s_k, s_q, a, d):
     assert_lse_close(lse, lse_ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("a", [2048.0, 4096.0])
-@pytest.mark.parametrize("rising", [False, True])
-def test_gpu_large_spread_scores(rising, a, d):
+def _large_spread_inputs(rising, a, d):
     # Large but finite scores that are not one-hot: q_i = (a, 1, 0, ...), k_j = (a, delta_j,
     # 0, ...), s_ij = a^2 + delta_j exactly (scaled ~2^19 / 2^21 at d = 128, below the exact
     # path), delta_j even in [0, 46] (keys within ~6 log2 units) or 2 j (the row max moves every
     # ~32 keys). An exponent carrying the rounding error of rn(max * scale_log2) gave errors of
-    # 1e-2..7e-2 here in an emulator probe (the split tile's first form). fp16 SDPA overflows at
-    # a^2, so the bound is absolute: fp16 rounding of P and of the output (~1e-3).
+    # 1e-2..7e-2 here in an emulator probe (the split tile's first form), float32 scores in the
+    # CPU op 1e-2..4e-2. fp16 SDPA overflows at a^2, so the bound is absolute: fp16 rounding of
+    # P and of the output (~1e-3).
     s_q, s_k = 16, 256
     g = torch.Generator(device="cpu").manual_seed(int(a) + d + 7 * rising)
     delta = 2.0 * (torch.arange(s_k) if rising else torch.randint(0, 24, (s_k,), generator=g))
@@ -345,13 +342,34 @@ def test_gpu_large_spread_scores(rising, a, d):
     k = torch.zeros(1, s_k, 1, d)
     k[..., 0], k[0, :, 0, 1] = a, delta
     v = torch.randn(1, s_k, 1, d, generator=g)
-    q, k, v = (t.to(torch.float16).cuda() for t in (q, k, v))
-    with poisoned_cuda_memory():
-        out, lse = run_op(q, k, v, "none")
+    return tuple(t.to(torch.float16) for t in (q, k, v))
+
+
+def _check_large_spread(q, k, v, out, lse):
     out_ref, lse_ref = attention_ref(q, k, v)
     assert torch.isfinite(out).all()
     assert (out.double() - out_ref).abs().max().item() <= 2e-3
     assert_lse_close(lse, lse_ref)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("a", [2048.0, 4096.0])
+@pytest.mark.parametrize("rising", [False, True])
+def test_cpu_op_large_spread_scores(rising, a, d):
+    q, k, v = _large_spread_inputs(rising, a, d)
+    out, lse = run_op(q, k, v, "none")
+    _check_large_spread(q, k, v, out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("a", [2048.0, 4096.0])
+@pytest.mark.parametrize("rising", [False, True])
+def test_gpu_large_spread_scores(rising, a, d):
+    q, k, v = (t.cuda() for t in _large_spread_inputs(rising, a, d))
+    with poisoned_cuda_memory():
+        out, lse = run_op(q, k, v, "none")
+    _check_large_spread(q, k, v, out, lse)
 
 
 @pytest.mark.gpu

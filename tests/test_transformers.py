@@ -7,7 +7,7 @@
 * on CPU every call falls back and the logits equal stock SDPA bitwise (``torch.equal``);
 * mask classification on constructed masks (transformers' own mask builders and hand-made ones):
   which run on the kernel with which ``leftpad_k``/``seqused_k``, which fall back;
-* the kernel path end to end through the op's CPU float32 reference implementation
+* the kernel path end to end through the op's CPU reference implementation
   (``configure(allow_cpu_reference=True)``), compared with torch SDPA on real tokens;
 * training: ``loss.backward()`` through the kernel path (the op's CPU reference forward and
   backward), registered name and patch, full and left-padded batches: every parameter's
@@ -737,7 +737,7 @@ def test_training_backward_matches_stock_sdpa_via_cpu_reference(path, batch):
     """loss.backward() through the kernel path gives the gradients stock SDPA gives.
 
     The kernel path takes fp16 inputs only, so the model is fp16 (on CPU, through the op's
-    float32 reference forward and backward). Ours and stock fp16 SDPA are both compared with the
+    reference forward (float64) and backward (float32)). Ours and stock fp16 SDPA are both compared with the
     float32 model (same weights upcast, stock SDPA): per parameter, the relative error
     ||g - g32|| / ||g32|| of ours must be at most 2x stock's + 1e-3. Both fp16 pipelines measure
     0.6e-3..1.4e-3 here (fp16 rounding of activations and gradients, unit roundoff 4.9e-4,

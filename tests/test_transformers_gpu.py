@@ -320,7 +320,7 @@ def test_training_gradients_match_stock_sdpa(name, batch):
     + 5e-3, i.e. our gradient is as close to the float32 one as stock fp16 SDPA's is (the same
     criterion as the prefill tests and tests/test_backward.py). Both fp16 pipelines differ from
     fp32 by the fp16 rounding of every matmul, norm and gradient around attention; on the CPU
-    (the op's float32 reference kernel, tests/test_transformers.py) both measure ~1e-3 per
+    (the op's CPU reference kernel, tests/test_transformers.py) both measure ~1e-3 per
     parameter, and a 2% error in dQ, 5% in dK, 1% in the softmax scale, or the causal diagonal
     or the left padding ignored in the backward fails this bound there (run on the CPU with this
     test's shapes, a 2% dQ error gives 2.0e-2 against stock's 1.5e-3 on q_proj).

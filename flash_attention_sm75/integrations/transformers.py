@@ -82,7 +82,7 @@ _SUPPORTED_HEAD_DIMS = tuple(getattr(_ops, "SUPPORTED_HEAD_DIMS", (64, 128)))
 _SETTINGS: Dict[str, bool] = {
     # q_len == 1 (decode with a KV cache) runs on the kernel when the mask classifies.
     "decode_on_kernel": True,
-    # Testing aid: run the op's CPU float32 reference implementation for CPU fp16 tensors
+    # Testing aid: run the op's CPU reference implementation for CPU fp16 tensors
     # instead of falling back (lets the whole classification -> op path run without a GPU).
     "allow_cpu_reference": False,
 }
@@ -146,7 +146,7 @@ def configure(*, decode_on_kernel: Optional[bool] = None,
         Run ``q_len == 1`` calls (decode with a KV cache) on the kernel when the mask is a pure
         key range (default ``True``). ``False`` sends every decode step to torch SDPA.
     allow_cpu_reference : bool, optional
-        Run the op's CPU float32 reference implementation for CPU fp16 inputs instead of falling
+        Run the op's CPU reference implementation for CPU fp16 inputs instead of falling
         back (default ``False``). A testing aid: it is slow, but exercises mask classification and
         the op call without a GPU.
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 
@@ -165,6 +166,29 @@ TEST_F(FwdInputs, BothImplementationsValidate) {
   // mha_fwd is the CUDA implementation: valid CPU tensors are rejected before any launch.
   EXPECT_VALUE_ERROR(mha_fwd(in.q, in.k, in.v, kNone, false, true, kNone, kNone),
                      "q must be a CUDA tensor", "cpu");
+}
+
+// env_choice (csrc/flash_api.cpp), the parser of the FLASH_SM75_* switches: unset or empty is
+// the first (default) value, a listed value its index, anything else a ValueError naming the
+// variable, every accepted value and the value given.
+TEST(EnvChoice, DefaultIndexAndError) {
+  constexpr const char* kName = "FLASH_SM75_TEST_ENV_CHOICE";
+  ::unsetenv(kName);
+  EXPECT_EQ(env_choice(kName, {"auto", "always", "never"}), 0);
+  ::setenv(kName, "", 1);
+  EXPECT_EQ(env_choice(kName, {"auto", "always", "never"}), 0);
+  ::setenv(kName, "never", 1);
+  EXPECT_EQ(env_choice(kName, {"auto", "always", "never"}), 2);
+  ::setenv(kName, "always", 1);
+  EXPECT_EQ(env_choice(kName, {"auto", "always", "never"}), 1);
+  ::setenv(kName, "ALWAYS", 1);  // case-sensitive, no trimming
+  EXPECT_VALUE_ERROR(env_choice(kName, {"auto", "always", "never"}),
+                     "environment variable FLASH_SM75_TEST_ENV_CHOICE must be 'auto', 'always' or "
+                     "'never' (or unset), got 'ALWAYS'");
+  ::setenv(kName, "atomic ", 1);
+  EXPECT_VALUE_ERROR(env_choice(kName, {"separate", "atomic"}),
+                     "must be 'separate' or 'atomic' (or unset), got 'atomic '");
+  ::unsetenv(kName);
 }
 
 }  // namespace
