@@ -1,4 +1,4 @@
-// mha_fwd_cpu (the float32 ATen reference / CPU implementation) against the naive
+// mha_fwd_cpu (the float64 ATen reference / CPU implementation) against the naive
 // double-precision loop of reference.h, and the registered op flash_attention_sm75::fwd on CPU.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
