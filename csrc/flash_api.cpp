@@ -273,12 +273,20 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
   const at::Tensor visible =
       cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k, seqused_k);
   s = s.masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
-  at::Tensor lse = at::logsumexp(s, -1);  // -inf for rows that see nothing
-  // Rows that see no key give 0 (exp(-inf - -inf) is NaN there); NaN/inf in the inputs still
-  // propagate, as in torch SDPA.
-  at::Tensor p = at::exp(s - lse.unsqueeze(-1)).masked_fill(lse.unsqueeze(-1).isneginf(), 0.0);
+  // P = exp(s - max) / sum, not exp(s - lse): at scaled scores ~1e13 and above, float64 loses
+  // log(sum) in s - lse (tied keys at the row max got up to m x their weight: inf in fp16 O).
+  // The max of a row that sees nothing (-inf) or sees an inf score is replaced by 0, as in
+  // at::logsumexp, so that such rows keep lse = -inf / +inf as before.
+  const at::Tensor row_max = at::amax(s, -1, /*keepdim=*/true);
+  const at::Tensor m =
+      row_max.masked_fill(row_max.abs() == std::numeric_limits<double>::infinity(), 0.0);
+  const at::Tensor e = at::exp(s - m);
+  const at::Tensor row_sum = e.sum(-1, /*keepdim=*/true);
+  // Rows that see no key give 0 (0 / 0 there); NaN/inf in the inputs still propagate, as in
+  // torch SDPA.
+  const at::Tensor p = (e / row_sum).masked_fill(row_max.isneginf(), 0.0);
   at::Tensor out = at::matmul(p, vf).transpose(1, 2).to(at::kHalf).contiguous();
-  lse = lse.to(at::kFloat);
+  at::Tensor lse = (m + at::log(row_sum)).squeeze(-1).to(at::kFloat);  // -inf: row sees nothing
   return {out, lse.contiguous()};
 }
 

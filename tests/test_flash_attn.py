@@ -11,7 +11,7 @@ import torch
 
 import flash_attention_sm75 as fa
 from reference import (assert_close_fa, assert_lse_close, attention_ref, cuda_kernels_run,
-                       poisoned_cuda_memory, seed_from)
+                       poisoned_cuda_memory, seed_from, visible_mask)
 
 pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
                                 reason=f"extension not built: {fa.EXTENSION_ERROR}")
@@ -359,6 +359,49 @@ def test_cpu_op_large_spread_scores(rising, a, d):
     q, k, v = _large_spread_inputs(rising, a, d)
     out, lse = run_op(q, k, v, "none")
     _check_large_spread(q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("v_max", [4.0, 60000.0])
+@pytest.mark.parametrize("scale_log2", [38, 42])
+def test_cpu_op_tied_keys_huge_scores(scale_log2, v_max, mode):
+    # Duplicated keys (k[:, 2j + 1] = k[:, 2j], different v) at scaled scores ~1e14..1e16: the
+    # tied keys share the row max, so each has p = 1/m. Integer q, k and a power-of-two scale
+    # make every score exact in float64 in any summation order (equal or >= 2^scale_log2
+    # apart), so the op and the reference below see the same scores. p = exp(s - lse) lost
+    # log(m) in s - lse at these magnitudes (wrong weights, up to m x v: inf in fp16 for large
+    # v); the op must match torch.softmax in float64 to fp16 rounding of the output.
+    b, s_q, s_k, h, h_k, d = 2, 40, 32, 4, 2, 64
+    g = torch.Generator(device="cpu").manual_seed(seed_from("tied", scale_log2, v_max, mode))
+    q = torch.randint(-8, 9, (b, s_q, h, d), generator=g).to(torch.float16)
+    k = torch.randint(-8, 9, (b, s_k, h_k, d), generator=g).to(torch.float16)
+    k[:, 1::2] = k[:, 0::2]
+    v = ((torch.rand(b, s_k, h_k, d, generator=g) * 2 - 1) * v_max).to(torch.float16)
+    scale = 2.0 ** scale_log2
+    is_causal, bottom_right = causal_args(mode)
+    out, lse = op(q, k, v, scale, is_causal, bottom_right, None, None)
+
+    qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
+    kf, vf = (t.repeat_interleave(h // h_k, dim=1) for t in (kf, vf))
+    vis = visible_mask(b, s_q, s_k, is_causal, bottom_right)
+    s = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~vis, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: NaN -> 0
+    out_ref = (p @ vf).transpose(1, 2)
+    lse_ref = torch.logsumexp(s, dim=-1)
+    assert s.abs()[vis.expand_as(s)].max().item() > 1e14
+
+    assert torch.isfinite(out).all()
+    err = (out.double() - out_ref).abs()
+    # fp16 rounding of the output (half an ulp = eps16 / 2 relative), with a 2x margin
+    bound = torch.finfo(torch.float16).eps * out_ref.abs() + 2.0 ** -24
+    assert (err <= bound).all(), f"max err {err.max().item():.3e}, {int((err > bound).sum())} off"
+    empty = torch.isneginf(lse_ref)
+    assert empty.any() == (mode == "bottom_right")  # s_q > s_k: the first rows see nothing
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (out[empty.transpose(1, 2)] == 0).all()  # rows that see no key: O = 0, lse = -inf
+    assert torch.isfinite(lse[~empty]).all()
+    lse_err = (lse.double() - lse_ref)[~empty].abs()
+    assert (lse_err <= torch.finfo(torch.float32).eps * (lse_ref[~empty].abs() + 1.0)).all()
 
 
 @pytest.mark.gpu
