@@ -126,6 +126,13 @@ static int env_small_grid_tile() {
   return kChoice[env_choice("FLASH_SM75_FWD_SMALL_GRID_TILE", {"auto", "always", "never"})];
 }
 
+// FLASH_SM75_FWD_LONG_ROW_TILE: 'auto' (or unset) takes the 32-row-warp forward tile where it
+// pays (prefer_long_row_tile), 'always' / 'never' force the choice (tests, tuning).
+static int env_long_row_tile() {
+  static constexpr int kChoice[] = {0, 1, -1};
+  return kChoice[env_choice("FLASH_SM75_FWD_LONG_ROW_TILE", {"auto", "always", "never"})];
+}
+
 // FLASH_SM75_DECODE: 'auto' (or unset) runs seqlen_q == 1 calls on the split-KV decode kernel
 // (plan_decode), 'never' on the prefill kernel (tests, comparisons).
 static bool env_decode_enabled() {
@@ -200,6 +207,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                    seqused_k);
   params.num_sms = props->multiProcessorCount;
   params.small_grid_tile = env_small_grid_tile();
+  params.long_row_tile = env_long_row_tile();
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {
     const DecodePlan dp = plan_decode(params.b, params.h, params.h_k, params.seqlen_q,

@@ -2,8 +2,9 @@
 """Tiny driver for compute-sanitizer: launches every forward kernel instantiation
 (d in {64, 128} x causal in {False, True}) on small, odd shapes that hit the edge paths
 (partial Q/K tiles, Sq > Sk rows that see no key, decode q_len=1, GQA, strided BHSD views,
-leftpad_k / seqused_k including an empty key range; at d=64 also with the small-grid tile
-forced, FLASH_SM75_FWD_SMALL_GRID_TILE=always), then the backward kernels on the same
+leftpad_k / seqused_k including an empty key range; each with the head dim's second tile
+forced off and on: FLASH_SM75_FWD_SMALL_GRID_TILE at d=64, FLASH_SM75_FWD_LONG_ROW_TILE at
+d=128), then the backward kernels on the same
 inputs in both dQ modes (deterministic: dK/dV + dQ kernels; FLASH_SM75_BWD_DQ=atomic: dK/dV
 with atomic dQ + convert), and checks each result against the ops' CPU reference
 implementations.
@@ -125,9 +126,13 @@ def main(argv=None):
     for d in args.d:
         for causal in (False, True):
             for bottom_right in ((True, False) if causal else (True,)):
+                # The second forward tile of each head dim, forced off and on: d = 64's
+                # small-grid tile, d = 128's long-row tile (32-row warps).
+                tile_env = ("FLASH_SM75_FWD_SMALL_GRID_TILE" if d == 64
+                            else "FLASH_SM75_FWD_LONG_ROW_TILE")
+                tile_name = "small-grid tile" if d == 64 else "long-row tile"
                 for (name, b, sq, sk, h, hk, lp, su, bhsd), tile in [
-                        (c, t) for c in CASES for t in (("never", "always") if d == 64
-                                                        else ("never",))]:
+                        (c, t) for c in CASES for t in ("never", "always")]:
                     q = make(b, sq, h, d, dev, gen, bhsd)
                     k = make(b, sk, hk, d, dev, gen, bhsd)
                     v = make(b, sk, hk, d, dev, gen, bhsd)
@@ -136,9 +141,9 @@ def main(argv=None):
                     scale = 0.5 / (d ** 0.5) if name == "odd_gqa" else None
                     tag = (f"d={d} causal={causal} bottom_right={bottom_right} {name} "
                            f"B={b} Sq={sq} Sk={sk} H={h} Hk={hk}"
-                           + (" small-grid tile" if tile == "always" else ""))
+                           + (f" {tile_name}" if tile == "always" else ""))
                     res = launch(tag, failures, dev, lambda: with_env(
-                        "FLASH_SM75_FWD_SMALL_GRID_TILE", tile, lambda: op(
+                        tile_env, tile, lambda: op(
                             q, k, v, softmax_scale=scale, is_causal=causal,
                             causal_bottom_right=bottom_right, leftpad_k=lpt, seqused_k=sut)))
                     if res is None:

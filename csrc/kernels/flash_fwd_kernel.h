@@ -336,40 +336,47 @@ __device__ __forceinline__ float clamp_to_fp16_range(float x) {
 
 // Epilogue: O = acc_o / l, LSE = m * scale + log(l); rows that saw no key get O = 0 and
 // LSE = -inf (never NaN). The fp16 O tile is staged through shared memory sO (Br x d, free for
-// this warp's 16 rows when called) so the global stores are 16-byte, row-contiguous, coalesced.
-template <typename Kt>
-__device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4],
-                                             const float (&m_i)[2], const float (&l_i)[2],
-                                             const Flash_fwd_params& params, const FwdCta& c,
-                                             __half* sO) {
+// this warp's rows when called) so the global stores are 16-byte, row-contiguous, coalesced.
+// kM m16 row tiles per warp (Flash_fwd_kernel_traits::kWarpRows / 16), tile mt at rows
+// kWarpRows * warp + 16 mt of the CTA tile.
+template <typename Kt, int kM>
+__device__ __forceinline__ void store_output_tiles(float (&acc_o)[kM][Kt::kHeadDim / 8][4],
+                                                   const float (&m_i)[kM][2],
+                                                   const float (&l_i)[kM][2],
+                                                   const Flash_fwd_params& params,
+                                                   const FwdCta& c, __half* sO) {
   constexpr int kD = Kt::kHeadDim;
   constexpr int kCPR = Kt::kChunksPerRow;
+  static_assert(kM * 16 == Kt::kWarpRows, "one m16 tile per 16 rows of the warp");
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int row0 = c.m_block * Kt::kBlockM;
-  float lse[2];
+  float lse[kM][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_allreduce_sum(l_i[r]);
-    // l = 0: the row saw no key (out 0, lse -inf). A NaN score makes l NaN: out and lse NaN,
-    // as in PyTorch (l > 0 here would report such a row as empty, lse = -inf, and the backward
-    // would then skip it, hiding the NaN from the gradients).
-    const bool any = l != 0.f;
-    const float inv_l = any ? 1.f / l : 0.f;
-    lse[r] = any ? m_i[r] * params.scale_softmax + logf(l) : -INFINITY;
+  for (int mt = 0; mt < kM; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_allreduce_sum(l_i[mt][r]);
+      // l = 0: the row saw no key (out 0, lse -inf). A NaN score makes l NaN: out and lse NaN,
+      // as in PyTorch (l > 0 here would report such a row as empty, lse = -inf, and the
+      // backward would then skip it, hiding the NaN from the gradients).
+      const bool any = l != 0.f;
+      const float inv_l = any ? 1.f / l : 0.f;
+      lse[mt][r] = any ? m_i[mt][r] * params.scale_softmax + logf(l) : -INFINITY;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        acc_o[mt][dt][2 * r] *= inv_l;
+        acc_o[mt][dt][2 * r + 1] *= inv_l;
+      }
+    }
 #pragma unroll
     for (int dt = 0; dt < kD / 8; ++dt) {
-      acc_o[dt][2 * r] *= inv_l;
-      acc_o[dt][2 * r + 1] *= inv_l;
+      const int row = Kt::kWarpRows * warp + 16 * mt + g;
+      *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, dt) + 2 * t) = pack_half2(
+          clamp_to_fp16_range(acc_o[mt][dt][0]), clamp_to_fp16_range(acc_o[mt][dt][1]));
+      *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, dt) + 2 * t) = pack_half2(
+          clamp_to_fp16_range(acc_o[mt][dt][2]), clamp_to_fp16_range(acc_o[mt][dt][3]));
     }
-  }
-#pragma unroll
-  for (int dt = 0; dt < kD / 8; ++dt) {
-    const int row = 16 * warp + g;
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, dt) + 2 * t) =
-        pack_half2(clamp_to_fp16_range(acc_o[dt][0]), clamp_to_fp16_range(acc_o[dt][1]));
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, dt) + 2 * t) =
-        pack_half2(clamp_to_fp16_range(acc_o[dt][2]), clamp_to_fp16_range(acc_o[dt][3]));
   }
   __syncthreads();
 #pragma unroll
@@ -386,11 +393,26 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4]
   if (t == 0) {
     float* lse_base = params.softmax_lse_ptr + c.bh * params.seqlen_q;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 16 * warp + g + 8 * r;
-      if (row < params.seqlen_q) lse_base[row] = lse[r];
+    for (int mt = 0; mt < kM; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + Kt::kWarpRows * warp + 16 * mt + g + 8 * r;
+        if (row < params.seqlen_q) lse_base[row] = lse[mt][r];
+      }
     }
   }
+}
+
+// The epilogue of a 16-row warp (one m16 tile).
+template <typename Kt>
+__device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4],
+                                             const float (&m_i)[2], const float (&l_i)[2],
+                                             const Flash_fwd_params& params, const FwdCta& c,
+                                             __half* sO) {
+  using OTile = float[1][Kt::kHeadDim / 8][4];
+  using Pair = float[1][2];
+  store_output_tiles<Kt, 1>(reinterpret_cast<OTile&>(acc_o), reinterpret_cast<const Pair&>(m_i),
+                            reinterpret_cast<const Pair&>(l_i), params, c, sO);
 }
 
 // The main forward kernel: all warps in lock-step, two barriers per K/V tile.
@@ -402,6 +424,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   constexpr int kCPR = Kt::kChunksPerRow;
   constexpr int kRowBytes = kD * 2;
   constexpr int kLs = Kt::kLoadStyle;  // load_tile_g2r address arithmetic
+  static_assert(Kt::kWarpRows == 16, "32-row warps: flash_fwd_m32_kernel");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // kQInSmem: [sQ: Br x d][sK][sV], O staged through sQ. Otherwise [sK][sV], with the Q tile
@@ -530,6 +553,97 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   // after the loop's last barrier).
   if (Kt::kQInSmem) __syncwarp();
   store_output<Kt>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK);
+}
+
+// Forward kernel with 32-row warps (Flash_fwd_kernel_traits::kWarpRows = 32): as
+// flash_fwd_kernel's lock-step loop with Q in shared memory, but each warp owns two m16 row
+// tiles, so every K fragment (S = Q K^T) and V fragment (O += P V) read by ldmatrix feeds the
+// MMAs of both. At d = 128 and Bc = 32 a warp reads Q (8 KiB), K_j and V_j (8 KiB each) per tile
+// and 32 rows: 24 KiB per 2^19 MMA FLOPs against 32 KiB with 16-row warps. Each row tile keeps
+// its own running max, sum and O (2 x d/2 fp32 registers).
+template <typename Kt, bool Is_causal>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
+    flash_fwd_m32_kernel(const Flash_fwd_params params) {
+  constexpr int kD = Kt::kHeadDim;
+  constexpr int kBN = Kt::kBlockN;
+  constexpr int kCPR = Kt::kChunksPerRow;
+  constexpr int kRowBytes = kD * 2;
+  constexpr int kLs = Kt::kLoadStyle;
+  constexpr int kM = Kt::kWarpRows / 16;  // m16 row tiles per warp
+  static_assert(Kt::kQInSmem && kM >= 2, "32-row warps read Q from shared memory");
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __half* sQ = reinterpret_cast<__half*>(smem_raw);                      // Br x d
+  __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kSmemKVOffset);  // Bc x d
+  __half* sV = sK + kBN * kD;                                            // Bc x d
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const FwdCta c = fwd_cta<Kt, Is_causal>(params);
+  const int row0 = c.m_block * Kt::kBlockM;
+  const int row_w = Kt::kWarpRows * warp;  // first row of this warp in the CTA tile
+  const float scale_log2 = params.scale_softmax_log2;
+
+  float m_i[kM][2], l_i[kM][2];
+  bool exact_exp[kM];
+  float acc_o[kM][kD / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt) {
+    m_i[mt][0] = m_i[mt][1] = -INFINITY;
+    l_i[mt][0] = l_i[mt][1] = 0.f;
+    exact_exp[mt] = false;
+    zero_acc(acc_o[mt]);
+  }
+
+  if (c.nb.n_block_max > c.nb.n_block_min) {
+    uint4 stage[Kt::kChunksPerThread];
+    {  // Q and K_0 in one global round trip
+      uint4 qstage[Kt::kQChunksPerThread];
+      load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, c.nb.n_block_min * kBN,
+                             c.kr.key_start, c.kr.key_end, tid);
+      store_tile_r2s<Kt>(qstage, sQ, tid);
+    }
+    store_tile_r2s<Kt>(stage, sK, tid);
+    __syncthreads();
+
+    const uint32_t q_lane_addr = lane_addr_a<kCPR>(sQ, row_w, lane);
+    const uint32_t k_lane_addr = lane_addr_b<kCPR>(sK, lane);
+    const uint32_t v_lane_addr = lane_addr_bt<kCPR>(sV, lane);
+
+    for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
+      // V_j in flight during S = Q K_j^T. sV is free (every warp passed the barrier after
+      // O += P V_{j-1}), so V_j is written right after, and K_{j+1} fetched into the same
+      // registers during the softmax, to be written after the barrier that frees sK: the staging
+      // registers are never live during O += P V, where O and P take the most.
+      load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
+                             c.kr.key_end, tid);
+      float acc_s[kM][kBN / 8][4];
+      gemm_ss_bt_multi<kM, kD, kBN, kRowBytes>(acc_s, q_lane_addr, k_lane_addr);
+      store_tile_r2s<Kt>(stage, sV, tid);
+      const bool has_next = n_block + 1 < c.nb.n_block_max;
+      if (has_next) {
+        load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
+                               c.kr.key_start, c.kr.key_end, tid);
+      }
+      uint32_t p_frag[kM][kBN / 8][2];
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt) {
+        mask_scores<Kt, Is_causal>(acc_s[mt], c, n_block, row0 + row_w + 16 * mt,
+                                   params.causal_offset);
+        softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s[mt], m_i[mt], l_i[mt], acc_o[mt],
+                                                        scale_log2, p_frag[mt], exact_exp[mt]);
+      }
+      __syncthreads();  // V_j visible; every warp is done with K_j
+      if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
+      gemm_rs_t_multi<kM, kBN, kD, kRowBytes>(acc_o, p_frag, v_lane_addr);
+      __syncthreads();  // K_{j+1} visible; every warp is done with V_j
+    }
+  }
+  // O staged through sQ: each warp only ever read its own rows there.
+  __syncwarp();
+  store_output_tiles<Kt, kM>(acc_o, m_i, l_i, params, c, sQ);
 }
 
 // Ping-pong forward kernel (8 warps, Br = 128): the two warp groups G0 = warps 0-3 and

@@ -18,6 +18,8 @@ auto fwd_kernel() {
   void (*kernel)(const Flash_fwd_params);
   if constexpr (Kt::kPingPong) {
     kernel = &flash_fwd_pingpong_kernel<Kt, Is_causal>;
+  } else if constexpr (Kt::kWarpRows == 32) {
+    kernel = &flash_fwd_m32_kernel<Kt, Is_causal>;
   } else {
     kernel = &flash_fwd_kernel<Kt, Is_causal>;
   }
@@ -57,8 +59,19 @@ int fwd_ctas_per_sm() {
 
 template <int kHeadDim, bool Is_causal>
 void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
-  using Kt = typename Fwd_tile_config<kHeadDim>::Traits;
-  using Ks = typename Fwd_tile_config<kHeadDim>::SmallGridTraits;
+  using Config = Fwd_tile_config<kHeadDim>;
+  using Kt = typename Config::Traits;
+  using Ks = typename Config::SmallGridTraits;
+  using Kl = typename Config::LongRowTraits;
+  if constexpr (!std::is_void_v<Kl>) {
+    bool long_rows = params.long_row_tile > 0;
+    if (params.long_row_tile == 0) {
+      long_rows = prefer_long_row_tile(
+          middle_row_keys(params.seqlen_q, params.seqlen_k, Is_causal, params.causal_offset),
+          Config::kLongRowMinKeys, fwd_ctas_per_sm<Kl, Is_causal>());
+    }
+    if (long_rows) return run_flash_fwd<Kl, Is_causal>(params, stream);
+  }
   if constexpr (!std::is_void_v<Ks>) {
     bool small = params.small_grid_tile > 0;
     if (params.small_grid_tile == 0 && params.num_sms > 0) {

@@ -120,4 +120,57 @@ __device__ __forceinline__ void gemm_rs_t(float (&acc)[kN / 8][4],
   }
 }
 
+// kM m16 row tiles that share every B fragment (the forward's 32-row warps): acc[mt] (16 x kN,
+// zeroed here) = A_mt (16 x kK, rows 16 mt .. 16 mt + 15 below a_lane_addr in the swizzled
+// shared layout, lane_addr_a) times B^T (b_lane_addr as in gemm_rs_bt). One ldmatrix.x4 of B
+// feeds 4 kM MMAs.
+template <int kM, int kK, int kN, int kRowBytes>
+__device__ __forceinline__ void gemm_ss_bt_multi(float (&acc)[kM][kN / 8][4], uint32_t a_lane_addr,
+                                                 uint32_t b_lane_addr) {
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt) zero_acc(acc[mt]);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[kM][4];
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt) {
+      ldmatrix_x4(a[mt], swizzle_xor(a_lane_addr, kk) + mt * 16 * kRowBytes);
+    }
+    const uint32_t b_addr = swizzle_xor(b_lane_addr, kk);
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_addr + np * 16 * kRowBytes);
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt) {
+        const uint32_t a_lo[2] = {a[mt][0], a[mt][1]};
+        const uint32_t a_hi[2] = {a[mt][2], a[mt][3]};
+        mma_k2n2(acc[mt][2 * np], acc[mt][2 * np + 1], a_lo, a_hi, b);
+      }
+    }
+  }
+}
+
+// kM m16 row tiles of acc += A B with B read transposed from a swizzled kK x kN tile (as
+// gemm_rs_t with kSwizzled), one ldmatrix.x4.trans of B feeding 4 kM MMAs. Only the k-pairs
+// (16 rows of B each) [kKpBegin, kKpEnd) are accumulated (all by default).
+template <int kM, int kK, int kN, int kRowBytes, int kKpBegin = 0, int kKpEnd = kK / 16>
+__device__ __forceinline__ void gemm_rs_t_multi(float (&acc)[kM][kN / 8][4],
+                                                const uint32_t (&a)[kM][kK / 8][2],
+                                                uint32_t bt_addr) {
+  static_assert(0 <= kKpBegin && kKpBegin < kKpEnd && kKpEnd <= kK / 16, "k-pair range");
+#pragma unroll
+  for (int kp = kKpBegin; kp < kKpEnd; ++kp) {
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, swizzle_xor(bt_addr, np) + kp * 16 * kRowBytes);
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt) {
+        mma_k2n2(acc[mt][2 * np], acc[mt][2 * np + 1], a[mt][2 * kp], a[mt][2 * kp + 1], b);
+      }
+    }
+  }
+}
+
 }  // namespace flash_sm75

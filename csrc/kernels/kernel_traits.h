@@ -21,7 +21,7 @@ constexpr int chunks_per_thread() {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
           int kMinBlocksPerSm_ = 1, bool kPingPong_ = false, int kRescaleThreshold_ = 0,
-          int kLoadStyle_ = 0, bool kSplitTile_ = false>
+          int kLoadStyle_ = 0, bool kSplitTile_ = false, int kWarpRows_ = 16>
 struct Flash_fwd_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
@@ -60,8 +60,15 @@ struct Flash_fwd_kernel_traits {
                     (!kPingPong && !kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
                 "split tile: Q in registers, halves of 16k keys, a rescale threshold");
 
-  // Each warp owns 16 query rows: one m16 MMA tile, so S and P never leave its registers.
-  static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");
+  // Query rows per warp: 16 (one m16 MMA tile) or 32 (flash_fwd_m32_kernel: two m16 tiles
+  // share every K and V fragment read from shared memory, which halves the K/V ldmatrix bytes per
+  // MMA; Q is then re-read from shared memory, as O alone takes d/2 x 2 fp32 registers). S and P
+  // never leave the warp's registers.
+  static constexpr int kWarpRows = kWarpRows_;
+  static_assert(kWarpRows == 16 || (kWarpRows == 32 && kQInSmem && !kPingPong && !kSplitTile &&
+                                    kRescaleThreshold > 0),
+                "32-row warps: Q in shared memory, lock-step loop with a rescale threshold");
+  static_assert(kBlockM == kWarpRows * kNWarps, "each warp owns exactly kWarpRows query rows");
   static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16 (ldmatrix.x4 k-pairs)");
   static_assert(kBlockN % 16 == 0, "Bc must be a multiple of 16 (ldmatrix.x4 n-pairs)");
 
@@ -96,6 +103,9 @@ struct Fwd_tile_config;
 //  * SmallGridTraits (void where there is none): a tile with more CTAs per SM for grids that the
 //    default tile runs in a little more than one wave but this one runs in one
 //    (prefer_small_grid_tile in launch_plan.h).
+//  * LongRowTraits (void where there is none): 32-row warps (flash_fwd_m32_kernel), for rows that
+//    see at least kLongRowMinKeys keys on GPUs that keep two of its CTAs per SM
+//    (prefer_long_row_tile in launch_plan.h).
 template <>
 struct Fwd_tile_config<64> {
   // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit. Load
@@ -106,6 +116,8 @@ struct Fwd_tile_config<64> {
   // (bench_forward.py, session 5: 1.35x vs 1.12x) at B=4 H=16 N=512 (512 CTAs:
   // one wave of 528 slots on the H200 instead of 1.3 waves of 396), slower from N = 1024 on.
   using SmallGridTraits = Flash_fwd_kernel_traits<64, 64, 32, 4, true, 4>;
+  using LongRowTraits = void;
+  static constexpr int kLongRowMinKeys = 0;
 };
 template <>
 struct Fwd_tile_config<128> {
@@ -113,6 +125,14 @@ struct Fwd_tile_config<128> {
   // +4-8% at N >= 1024 (NOTES, session 7; 246-248 registers, no spills).
   using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8, false, 1, false, 8, 0, true>;
   using SmallGridTraits = void;
+  // 32-row warps, Q in shared memory, Bc = 32, 4 warps, 2 CTAs per SM (255 registers, 48 KiB):
+  // each K/V fragment feeds two m16 row tiles, 25% fewer shared-memory bytes per MMA. Measured
+  // on the H200 (NOTES, session 9): +3-6% at N >= 1024 (N = 8192: 254 vs 244 TFLOP/s, causal 254
+  // vs 240), +7% at N = 512 non-causal, but -14% at N = 512 causal, whose rows see ~256 keys:
+  // hence kLongRowMinKeys (the middle query row must see >= 512 keys). A Turing SM (64 KiB of
+  // shared memory) holds one 48 KiB CTA, 4 warps: there the default tile runs.
+  using LongRowTraits = Flash_fwd_kernel_traits<128, 128, 32, 4, true, 2, false, 8, 1, false, 32>;
+  static constexpr int kLongRowMinKeys = 512;
 };
 
 }  // namespace flash_sm75
