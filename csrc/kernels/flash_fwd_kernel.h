@@ -152,14 +152,19 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kBN / 8][4], const Fw
   }
 }
 
-// Max of the running max m and row r (0: g, 1: g + 8) of the S fragments, over the quad.
+// Max of the running max m and this lane's elements of row r (0: g, 1: g + 8) of the S
+// fragments (row_max_lane), and the same over the quad, i.e. the whole row (row_max).
 template <int kBN>
-__device__ __forceinline__ float row_max(const float (&acc_s)[kBN / 8][4], int r, float m) {
+__device__ __forceinline__ float row_max_lane(const float (&acc_s)[kBN / 8][4], int r, float m) {
 #pragma unroll
   for (int nt = 0; nt < kBN / 8; ++nt) {
     m = fmaxf(m, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
   }
-  return quad_allreduce_max(m);
+  return m;
+}
+template <int kBN>
+__device__ __forceinline__ float row_max(const float (&acc_s)[kBN / 8][4], int r, float m) {
+  return quad_allreduce_max(row_max_lane<kBN>(acc_s, r, m));
 }
 
 // Move one row's running max to mx (>= m_i): l_i is rescaled, the factor alpha for O returned,
@@ -239,10 +244,46 @@ __device__ __forceinline__ void exp_scores(const float (&acc_s)[kBN / 8][4], flo
 // Whether some row max mx of the warp grew past the running max m_i by more than kThr log2
 // units (warp-uniform). NaN (both -inf: no key seen yet) and +inf (first key) count as growth.
 template <int kThr>
+__device__ __forceinline__ bool lane_max_grew(const float (&mx)[2], const float (&m_i)[2],
+                                              float scale_log2) {
+  return !((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
+         !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr));
+}
+template <int kThr>
 __device__ __forceinline__ bool warp_max_grew(const float (&mx)[2], const float (&m_i)[2],
                                               float scale_log2) {
-  return warp_any(!((mx[0] - m_i[0]) * scale_log2 <= static_cast<float>(kThr)) ||
-                  !((mx[1] - m_i[1]) * scale_log2 <= static_cast<float>(kThr)));
+  return warp_any(lane_max_grew<kThr>(mx, m_i, scale_log2));
+}
+
+// The threshold online-softmax step once the warp has decided (warp-uniform `move`) whether its
+// rows move their running max to mx (and rescale l and O) or keep the stale max; then P.
+// kLaneMax: mx holds each lane's own max (row_max_lane), reduced over the quad only when the max
+// moves (the common, stale-max path needs no shuffles).
+template <int kBN, int kD, bool kLaneMax = false>
+__device__ __forceinline__ void softmax_move_or_keep(bool move, const float (&acc_s)[kBN / 8][4],
+                                                     const float (&mx)[2], float (&m_i)[2],
+                                                     float (&l_i)[2], float (&acc_o)[kD / 8][4],
+                                                     float scale_log2,
+                                                     uint32_t (&p_frag)[kBN / 8][2],
+                                                     bool& exact_exp) {
+  float scaled_max[2], alpha[2];
+  if (move) {  // warp-uniform branch
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float row_mx = kLaneMax ? quad_allreduce_max(mx[r]) : mx[r];
+      alpha[r] = move_max(row_mx, m_i[r], l_i[r], scale_log2, scaled_max[r]);
+    }
+    rescale_o<kD>(acc_o, alpha);
+    exact_exp = warp_needs_exact_exp(scaled_max);
+  } else {
+    scaled_max[0] = m_i[0] * scale_log2;  // finite; P <= 2^(kThr + 0.5) (FFMA rounding)
+    scaled_max[1] = m_i[1] * scale_log2;
+  }
+  if (exact_exp) {  // warp-uniform
+    exp_scores<kBN, ExpForm::kExact>(acc_s, l_i, scaled_max, scale_log2, p_frag, scaled_max);
+  } else {
+    exp_scores<kBN, ExpForm::kFfma>(acc_s, l_i, scaled_max, scale_log2, p_frag, scaled_max);
+  }
 }
 
 // One online-softmax step on the accumulator fragments of S (rows g and g + 8 of the warp):
@@ -259,29 +300,20 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
                                                 float (&l_i)[2], float (&acc_o)[kD / 8][4],
                                                 float scale_log2, uint32_t (&p_frag)[kBN / 8][2],
                                                 bool& exact_exp) {
-  float scaled_max[2], alpha[2];
-  if constexpr (kThr == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      alpha[r] = move_max(row_max<kBN>(acc_s, r, m_i[r]), m_i[r], l_i[r], scale_log2,
-                          scaled_max[r]);
-    }
-    rescale_o<kD>(acc_o, alpha);
-    exact_exp = warp_needs_exact_exp(scaled_max);
-  } else {
+  if constexpr (kThr > 0) {
     const float mx[2] = {row_max<kBN>(acc_s, 0, m_i[0]), row_max<kBN>(acc_s, 1, m_i[1])};
-    if (warp_max_grew<kThr>(mx, m_i, scale_log2) || exact_exp) {  // warp-uniform branch
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        alpha[r] = move_max(mx[r], m_i[r], l_i[r], scale_log2, scaled_max[r]);
-      }
-      rescale_o<kD>(acc_o, alpha);
-      exact_exp = warp_needs_exact_exp(scaled_max);
-    } else {
-      scaled_max[0] = m_i[0] * scale_log2;  // finite; P <= 2^(kThr + 0.5) (FFMA rounding)
-      scaled_max[1] = m_i[1] * scale_log2;
-    }
+    softmax_move_or_keep<kBN, kD>(warp_max_grew<kThr>(mx, m_i, scale_log2) || exact_exp, acc_s,
+                                  mx, m_i, l_i, acc_o, scale_log2, p_frag, exact_exp);
+    return;
   }
+  float scaled_max[2], alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    alpha[r] = move_max(row_max<kBN>(acc_s, r, m_i[r]), m_i[r], l_i[r], scale_log2,
+                        scaled_max[r]);
+  }
+  rescale_o<kD>(acc_o, alpha);
+  exact_exp = warp_needs_exact_exp(scaled_max);
   if (exact_exp) {  // warp-uniform
     exp_scores<kBN, ExpForm::kExact>(acc_s, l_i, scaled_max, scale_log2, p_frag, scaled_max);
   } else {
@@ -627,13 +659,28 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
                                c.kr.key_start, c.kr.key_end, tid);
       }
-      uint32_t p_frag[kM][kBN / 8][2];
+      // Threshold online softmax with one vote for the warp's row tiles: all move their max
+      // when any row grew past the threshold (moving a tile whose max did not grow is exact).
+      // The vote needs only each lane's own max: as row_max_lane starts from m_i, some lane of
+      // a row passes the threshold test iff the row max does (and every lane of a row that
+      // has seen no key, m_i = -inf, votes to move).
+      float mx[kM][2];
+      bool grew = false, exact_any = false;
 #pragma unroll
       for (int mt = 0; mt < kM; ++mt) {
         mask_scores<Kt, Is_causal>(acc_s[mt], c, n_block, row0 + row_w + 16 * mt,
                                    params.causal_offset);
-        softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s[mt], m_i[mt], l_i[mt], acc_o[mt],
-                                                        scale_log2, p_frag[mt], exact_exp[mt]);
+        mx[mt][0] = row_max_lane<kBN>(acc_s[mt], 0, m_i[mt][0]);
+        mx[mt][1] = row_max_lane<kBN>(acc_s[mt], 1, m_i[mt][1]);
+        grew = grew || lane_max_grew<Kt::kRescaleThreshold>(mx[mt], m_i[mt], scale_log2);
+        exact_any = exact_any || exact_exp[mt];
+      }
+      const bool move = warp_any(grew) || exact_any;
+      uint32_t p_frag[kM][kBN / 8][2];
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt) {
+        softmax_move_or_keep<kBN, kD, true>(move, acc_s[mt], mx[mt], m_i[mt], l_i[mt],
+                                            acc_o[mt], scale_log2, p_frag[mt], exact_exp[mt]);
       }
       __syncthreads();  // V_j visible; every warp is done with K_j
       if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
