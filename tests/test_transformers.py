@@ -3,6 +3,7 @@
 * registration of ``attn_implementation="flash_attention_sm75"`` (``from_pretrained``,
   ``from_config``, ``set_attn_implementation``) for tiny random Llama/Qwen2/Qwen3/Mistral models;
 * apply_patch/remove_patch: models loaded before and after, idempotence, context manager,
+  nesting (each handle undoes its own call, in any order),
   restoration of the exact previous entry, model-type filter;
 * on CPU every call falls back and the logits equal stock SDPA bitwise (``torch.equal``);
 * mask classification on constructed masks (transformers' own mask builders and hand-made ones):
@@ -233,6 +234,90 @@ def test_patch_context_manager_and_nesting():
     with pytest.raises(RuntimeError):
         with hf.apply_patch():
             raise RuntimeError("boom")
+    assert AttentionInterface._global_mapping["sdpa"] is original
+
+
+def _routed(model, ids, am):
+    """Whether the model's attention calls go through our wrapper (on CPU every routed call
+    falls back and is counted; calls that are not routed are not counted)."""
+    hf.reset_stats()
+    _logits(model, ids, am)
+    return hf.get_stats()["fallback"] > 0
+
+
+@pytest.fixture(scope="module")
+def llama_qwen2():
+    return (build_random_model("llama", dtype=torch.float32, seed=13),
+            build_random_model("qwen2", dtype=torch.float32, seed=13),
+            *_padded_batch([4, 3], seed=14))
+
+
+@pytest.mark.parametrize("outer_types", [None, hf.DEFAULT_PATCH_MODEL_TYPES],
+                         ids=["all", "default"])
+def test_nested_patch_restores_the_outer_model_types(outer_types, llama_qwen2):
+    llama, qwen2, ids, am = llama_qwen2
+    original = AttentionInterface._global_mapping["sdpa"]
+    with hf.apply_patch(outer_types):
+        assert _routed(llama, ids, am) and _routed(qwen2, ids, am)
+        wrapper = AttentionInterface._global_mapping["sdpa"]
+        with hf.apply_patch(["llama"]):
+            assert _routed(llama, ids, am) and not _routed(qwen2, ids, am)
+            with hf.apply_patch(["qwen2"]):  # any depth
+                assert not _routed(llama, ids, am) and _routed(qwen2, ids, am)
+            assert _routed(llama, ids, am) and not _routed(qwen2, ids, am)
+        # the inner exit brings back the outer call's model types, not {"llama"}
+        assert _routed(llama, ids, am) and _routed(qwen2, ids, am)
+        assert hf._PATCH.model_types == (None if outer_types is None else frozenset(outer_types))
+        assert AttentionInterface._global_mapping["sdpa"] is wrapper
+    assert not hf.is_patched()
+    assert AttentionInterface._global_mapping["sdpa"] is original
+    assert not _routed(llama, ids, am)
+
+
+def test_patch_handles_removed_out_of_order(llama_qwen2):
+    llama, qwen2, ids, am = llama_qwen2
+    original = AttentionInterface._global_mapping["sdpa"]
+    outer = hf.apply_patch(None)
+    inner = hf.apply_patch(["llama"])
+    assert outer.installed and not inner.installed
+    # removing the outer first: as if it had never been applied, the inner one stays in effect
+    assert outer.remove() is True
+    assert not outer.active and inner.active and hf.is_patched()
+    assert _routed(llama, ids, am) and not _routed(qwen2, ids, am)
+    assert outer.remove() is False  # twice: nothing changes
+    assert hf.is_patched() and _routed(llama, ids, am)
+    # the last layer to go puts the original function back, whoever installed the wrapper
+    assert inner.remove() is True
+    assert not hf.is_patched()
+    assert AttentionInterface._global_mapping["sdpa"] is original
+    assert not _routed(llama, ids, am) and not _routed(qwen2, ids, am)
+
+
+def test_inner_handle_remove_undoes_only_its_call(llama_qwen2):
+    llama, qwen2, ids, am = llama_qwen2
+    with hf.apply_patch(None):
+        inner = hf.apply_patch(["llama"])
+        inner.remove()
+        assert hf.is_patched()  # the outer call is still in effect, with its model types
+        assert _routed(llama, ids, am) and _routed(qwen2, ids, am)
+    assert not hf.is_patched()
+
+
+def test_stale_handle_after_remove_patch_leaves_a_later_patch_alone(llama_qwen2):
+    llama, qwen2, ids, am = llama_qwen2
+    original = AttentionInterface._global_mapping["sdpa"]
+    old_outer = hf.apply_patch(None)
+    old_inner = hf.apply_patch(["llama"])
+    assert hf.remove_patch() is True  # removes every layer at once
+    assert AttentionInterface._global_mapping["sdpa"] is original
+    assert not old_outer.active and not old_inner.active
+    new = hf.apply_patch(["qwen2"])
+    with old_inner:  # exiting a stale handle does nothing
+        pass
+    assert old_outer.remove() is False
+    assert new.active and hf.is_patched()
+    assert _routed(qwen2, ids, am) and not _routed(llama, ids, am)
+    new.remove()
     assert AttentionInterface._global_mapping["sdpa"] is original
 
 

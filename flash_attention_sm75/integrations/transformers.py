@@ -16,7 +16,8 @@ Two ways to run transformers models on the SM75 FlashAttention kernel:
    mapping, so Llama, Qwen2, Qwen3 and Mistral models running with ``attn_implementation="sdpa"``
    use the kernel, whether they were loaded before or after the patch (models look the function
    up at every forward). :func:`remove_patch` restores the previous entry; the handle returned by
-   :func:`apply_patch` is also a context manager.
+   :func:`apply_patch` undoes just that call (``handle.remove()``, or as a context manager), so
+   nested patches restore exactly the state before them (see :class:`PatchHandle`).
 
 The attention function follows transformers' ``sdpa_attention_forward``: BHSD ``query``,
 ``key``, ``value``; ``attention_mask`` ``None``, a boolean ``(B, 1, Sq, Sk)`` mask (True = attend)
@@ -712,12 +713,25 @@ def register() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+class _PatchLayer:
+    """One :func:`apply_patch` call still in effect: the ``model_types`` it asked for."""
+
+    __slots__ = ("model_types",)
+
+    def __init__(self, model_types: Optional[frozenset]) -> None:
+        self.model_types = model_types
+
+
 class _PatchState:
     def __init__(self) -> None:
         self.active = False
+        # The model_types of the newest layer (what the wrapper reads on every call).
         self.model_types: Optional[frozenset] = None
         # (mapping dict, key, previous function, wrapper, alive-flag list)
         self.entries: list = []
+        # The apply_patch() calls in effect, oldest first. The wrapper is installed iff this is
+        # non-empty, and model_types is the newest layer's.
+        self.layers: list = []
 
 
 _PATCH = _PatchState()
@@ -740,28 +754,86 @@ def _make_sdpa_wrapper(previous: Callable) -> Tuple[Callable, list]:
     return sdpa_attention_forward, alive
 
 
-class PatchHandle:
-    """Returned by :func:`apply_patch`; as a context manager it undoes that call on exit.
+def _uninstall() -> None:
+    """Put the previous ``"sdpa"`` functions back and forget every layer (lock held)."""
+    for mapping, key, previous, wrapper, alive in _PATCH.entries:
+        alive[0] = False
+        if mapping.get(key) is wrapper:
+            mapping[key] = previous
+        else:
+            logger.warning("the 'sdpa' attention entry was replaced after apply_patch(); "
+                           "leaving it in place (our wrapper inside it is now inactive)")
+    _PATCH.entries = []
+    _PATCH.layers = []
+    _PATCH.active = False
+    _PATCH.model_types = None
 
-    On exit the patch is removed only if this :func:`apply_patch` call installed it (a patch that
-    was already active before stays active), so nested use restores exactly the previous state.
+
+class PatchHandle:
+    """Returned by :func:`apply_patch`; undoes that one call (``remove()`` or leaving a ``with``).
+
+    Every :func:`apply_patch` call adds a *layer* (its ``model_types``); the newest layer in
+    effect decides which models are routed, and the ``"sdpa"`` wrapper is installed while at
+    least one layer is in effect. Undoing a call removes its layer only, so:
+
+    * **Nested use restores exactly the previous state.** After
+      ``with apply_patch(None): with apply_patch(["llama"]): ...`` the inner block's exit routes
+      every model type again (the outer call's ``None``), and the outer block's exit puts the
+      original ``"sdpa"`` function back. The same holds for any depth.
+    * **Out-of-order removal is supported**: the state becomes what it would be had the removed
+      call never been made. Removing an outer handle while an inner one is in effect keeps the
+      patch installed with the inner call's ``model_types``; removing the inner one afterwards
+      restores the original ``"sdpa"`` function.
+    * Undoing a call twice, or after :func:`remove_patch` (which removes every layer at once),
+      does nothing; in particular it never touches a patch applied after that
+      :func:`remove_patch`.
+
+    Attributes
+    ----------
+    installed : bool
+        Whether this call put the wrapper in place (``False`` when a patch was already in
+        effect); set to ``False`` once the call is undone. It does not decide who removes the
+        wrapper: the last layer to go does.
     """
 
-    def __init__(self, installed: bool) -> None:
+    def __init__(self, installed: bool, layer: Optional[_PatchLayer] = None) -> None:
         self.installed = installed
+        self._layer = layer
+
+    @property
+    def active(self) -> bool:
+        """Whether this call is still in effect (neither undone nor cleared by
+        :func:`remove_patch`)."""
+        with _REGISTER_LOCK:
+            return self._layer is not None and any(x is self._layer for x in _PATCH.layers)
 
     def __enter__(self) -> "PatchHandle":
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.installed:
-            remove_patch()
-            self.installed = False
+        self.remove()
 
-    def remove(self) -> None:
-        """Remove the patch now (same as :func:`remove_patch`)."""
-        remove_patch()
-        self.installed = False
+    def remove(self) -> bool:
+        """Undo this :func:`apply_patch` call (its layer only; see the class docstring).
+
+        Returns
+        -------
+        bool
+            ``True`` if the call was in effect and is now undone; ``False`` if it had already
+            been undone or cleared by :func:`remove_patch` (nothing changes then).
+        """
+        with _REGISTER_LOCK:
+            layer, self._layer = self._layer, None
+            self.installed = False
+            index = next((i for i, x in enumerate(_PATCH.layers) if x is layer), None)
+            if layer is None or index is None:
+                return False
+            del _PATCH.layers[index]
+            if _PATCH.layers:
+                _PATCH.model_types = _PATCH.layers[-1].model_types
+            else:
+                _uninstall()
+        return True
 
 
 def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES) -> PatchHandle:
@@ -784,8 +856,8 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
     Returns
     -------
     PatchHandle
-        A context manager: ``with apply_patch(): ...`` removes the patch on exit if this call
-        installed it.
+        Undoes this call: ``handle.remove()``, or as a context manager
+        (``with apply_patch(): ...``) on exit. See :class:`PatchHandle` for nesting.
 
     Raises
     ------
@@ -797,8 +869,11 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
 
     Notes
     -----
-    Patching twice is harmless: the second call only updates ``model_types``; there is never
-    more than one wrapper.
+    Calls stack: there is never more than one wrapper, and the newest call in effect decides
+    ``model_types``. Undoing a call (its handle) brings back the state before it: the
+    ``model_types`` of the previous call still in effect, or the original ``"sdpa"`` function
+    when it was the only one. Removal in any order is supported (:class:`PatchHandle`).
+    :func:`remove_patch` removes the patch whatever the number of calls in effect.
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -813,26 +888,32 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
                          f"model_type strings or None, got {model_types!r}")
     with _REGISTER_LOCK:
         register()
+        layer = _PatchLayer(types)
+        installed = not _PATCH.active
+        if installed:
+            entries = []
+            maps = [AttentionInterface._global_mapping]
+            local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", None)
+            if isinstance(local, dict) and "sdpa" in local:
+                maps.append(local)
+            for mapping in maps:
+                previous = mapping["sdpa"]
+                wrapper, alive = _make_sdpa_wrapper(previous)
+                mapping["sdpa"] = wrapper
+                entries.append((mapping, "sdpa", previous, wrapper, alive))
+            _PATCH.entries = entries
+            _PATCH.layers = []
+            _PATCH.active = True
+        _PATCH.layers.append(layer)
         _PATCH.model_types = types
-        if _PATCH.active:
-            return PatchHandle(installed=False)
-        entries = []
-        maps = [AttentionInterface._global_mapping]
-        local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", None)
-        if isinstance(local, dict) and "sdpa" in local:
-            maps.append(local)
-        for mapping in maps:
-            previous = mapping["sdpa"]
-            wrapper, alive = _make_sdpa_wrapper(previous)
-            mapping["sdpa"] = wrapper
-            entries.append((mapping, "sdpa", previous, wrapper, alive))
-        _PATCH.entries = entries
-        _PATCH.active = True
-    return PatchHandle(installed=True)
+    return PatchHandle(installed=installed, layer=layer)
 
 
 def remove_patch() -> bool:
-    """Undo :func:`apply_patch`: put the previous ``"sdpa"`` function back.
+    """Remove the patch entirely: put the previous ``"sdpa"`` function back.
+
+    Unlike :meth:`PatchHandle.remove`, which undoes one :func:`apply_patch` call, this undoes
+    all of them at once; their handles then do nothing (and never affect a later patch).
 
     Returns
     -------
@@ -849,16 +930,7 @@ def remove_patch() -> bool:
     with _REGISTER_LOCK:
         if not _PATCH.active:
             return False
-        for mapping, key, previous, wrapper, alive in _PATCH.entries:
-            alive[0] = False
-            if mapping.get(key) is wrapper:
-                mapping[key] = previous
-            else:
-                logger.warning("the 'sdpa' attention entry was replaced after apply_patch(); "
-                               "leaving it in place (our wrapper inside it is now inactive)")
-        _PATCH.entries = []
-        _PATCH.active = False
-        _PATCH.model_types = None
+        _uninstall()
     return True
 
 
