@@ -638,11 +638,21 @@ def add_sweep_args(p, backends, n_default_help, tag):
 def finish_sweep_args(p, a, backends, n_full, timing_full, timing_quick=(10, 40)):
     """Fill the defaults left unset (after a script's own --dry-run defaults) and validate.
 
+    Without ``--device`` the device is CUDA; without CUDA that is an error (``p.error``, exit
+    status 2) unless the script set ``a.device`` already (``--dry-run``, ``--device cpu``).
+
     ``timing_*`` are (warmup_ms, rep_ms); ``--quick`` uses N = 1024, 4096 and ``timing_quick``.
     """
     import torch
 
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.device is None:
+        # No silent switch to the CPU: the full sweep there runs for hours and gets OOM-killed.
+        if not torch.cuda.is_available():
+            p.error("CUDA is not available (torch.cuda.is_available() is False); this benchmark "
+                    "times GPU kernels. Use --dry-run (tiny shapes on the CPU, exercises every "
+                    "code path) or --device cpu (the same tiny default shapes, numbers are "
+                    "meaningless)")
+        a.device = "cuda"
     a.d = a.d or [64, 128]
     a.n = a.n or ([1024, 4096] if a.quick else list(n_full))
     a.batch = a.batch or 4

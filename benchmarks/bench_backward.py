@@ -29,7 +29,8 @@ versions, commit from $FA_SM75_COMMIT or `git rev-parse HEAD`, dQ mode, all numb
 `--dry-run` (= `--device cpu`) runs tiny shapes on the CPU (our float32 CPU backward and SDPA
 on CPU; SDPA has no memory-efficient CPU kernel, so its math backend stands in for `efficient`,
 and peak memory is replaced by the bytes of the returned gradients) to exercise every code path
-without a GPU: the numbers are meaningless.
+without a GPU: the numbers are meaningless. Without CUDA and without `--dry-run` / `--device cpu`
+the script stops with an error (it does not fall back to the CPU).
 
 Examples:
   python3 benchmarks/bench_backward.py --out-dir bench_out                # full (estimated 1-2 min on an H200)
@@ -85,7 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--bar-n", type=int, default=None,
                    help="N of the issue-5 bar rows (default 4096; dry run: its middle N)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="cpu implies --dry-run sizes unless --n/--batch/--heads are given")
+                   help="default cuda; without CUDA the script stops unless --device cpu or "
+                        "--dry-run is given. cpu implies --dry-run (its sizes unless "
+                        "--n/--batch/--heads are given)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes: exercises every code path without a GPU")
     a = p.parse_args(argv)

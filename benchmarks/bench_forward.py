@@ -18,7 +18,9 @@ Timing: triton.testing.do_bench (median) when triton imports, else CUDA events; 
 
 Outputs under --out-dir: <tag>.json (environment + all numbers), <tag>.png (TFLOP/s and memory
 vs N), <tag>.txt (the printed tables). `--dry-run` runs tiny shapes on the CPU (our CPU reference
-op and SDPA on CPU) to exercise the table/JSON/plot code without a GPU.
+op and SDPA on CPU) to exercise the table/JSON/plot code without a GPU; `--device cpu` runs the
+same tiny shapes (without --decode unless asked). Without CUDA and without one of these two the
+script stops with an error (it does not fall back to the CPU).
 
 Examples:
   python3 benchmarks/bench_forward.py --out-dir bench_out --decode
@@ -62,12 +64,15 @@ def parse_args(argv=None):
     p.add_argument("--mma-peak-tflops", type=float, default=None,
                    help="use this SM75 ceiling instead of running mma_peak")
     p.add_argument("--no-mma-peak", action="store_true", help="do not build/run mma_peak")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="default cuda; without CUDA the script stops unless --device cpu or "
+                        "--dry-run is given. cpu uses the --dry-run sizes unless --n/--batch/"
+                        "--heads/--decode-sk/--decode-batch are given")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes: exercises table/JSON/plot without a GPU")
     a = p.parse_args(argv)
 
-    if a.dry_run:
+    if a.dry_run or a.device == "cpu":
         a.device = a.device or "cpu"
         a.d = a.d or [64, 128]
         a.n = a.n or [64, 128, 256]
@@ -75,6 +80,7 @@ def parse_args(argv=None):
         a.heads = a.heads or 2
         a.decode_sk = a.decode_sk or [64, 256]
         a.decode_batch = a.decode_batch or 1
+    if a.dry_run:
         a.decode = True
     C.finish_sweep_args(p, a, ALL_BACKENDS, [512, 1024, 2048, 4096, 8192, 16384],
                         timing_full=(25, 100))

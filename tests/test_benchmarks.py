@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on CPU (their --dry-run paths, tiny shapes), and the T4
-model reads the committed H200 results: so that they do not rot between GPU sessions."""
+model reads the committed H200 results: so that they do not rot between GPU sessions. Without
+CUDA the sweep benchmarks refuse to run unless --dry-run or --device cpu is given."""
 import importlib.util
 import json
 import os
@@ -43,3 +44,62 @@ def test_t4_model_covers_every_measured_case():
     for line in rows:
         ms, tflops = (float(x) for x in line.split("|")[6:8])
         assert ms > 0 and 0 < tflops <= 65.0  # never above the T4's tensor peak
+
+
+SWEEPS = ["bench_forward", "bench_backward"]
+
+
+def _load(script):
+    spec = importlib.util.spec_from_file_location(f"_test_{script}",
+                                                  ROOT / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("script", SWEEPS)
+@pytest.mark.parametrize("extra", [[], ["--quick"], ["--n", "1024"]], ids=["default", "quick", "n"])
+def test_sweep_without_cuda_refuses_instead_of_running_on_the_cpu(script, extra, no_cuda, capsys,
+                                                                  tmp_path):
+    # It used to pick the CPU silently and run the full-size sweep there (OOM-killed).
+    with pytest.raises(SystemExit) as info:
+        _load(script).parse_args(["--out-dir", str(tmp_path / "out"), *extra])
+    assert info.value.code == 2  # argparse's parser.error
+    err = capsys.readouterr().err
+    assert "CUDA is not available" in err and "--dry-run" in err and "--device cpu" in err, err
+
+
+@pytest.mark.parametrize("script", SWEEPS)
+def test_sweep_on_cpu_only_when_asked_and_with_the_dry_run_sizes(script, no_cuda, tmp_path):
+    module = _load(script)
+    dry = module.parse_args(["--dry-run", "--out-dir", str(tmp_path)])
+    cpu = module.parse_args(["--device", "cpu", "--out-dir", str(tmp_path)])
+    for a in (dry, cpu):
+        assert a.device == "cpu"
+    for name in ("d", "n", "batch", "heads"):
+        assert getattr(cpu, name) == getattr(dry, name), name
+    # explicit sizes still win on the CPU
+    n = [2 * max(dry.n)]
+    assert module.parse_args(["--device", "cpu", "--n", *map(str, n),
+                              "--out-dir", str(tmp_path)]).n == n
+
+
+@pytest.mark.parametrize("script", SWEEPS)
+def test_sweep_command_line_without_cuda_exits_with_the_message(script, tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    out = tmp_path / "out"
+    try:
+        r = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--out-dir", str(out)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{script} started a sweep without CUDA instead of refusing")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "CUDA is not available" in r.stderr
+    assert not out.exists()  # nothing ran
