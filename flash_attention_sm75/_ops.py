@@ -138,6 +138,9 @@ def _validate(
               lambda: f"{_PREFIX}{name} is a nested tensor; a dense 4-D tensor {dims} is "
                       f"required (pad the sequences, or pass per-batch key ranges with "
                       f"leftpad_k / seqused_k to the op)")
+        check(t.layout == torch.strided,
+              lambda: f"{_PREFIX}{name} must be a strided (dense) tensor, got {t.layout}; "
+                      f"convert it with {name}.to_dense()")
         check(t.dim() == 4,
               lambda: f"{_PREFIX}{name} must be 4-D {dims}, got {t.dim()}-D of shape {_shape(t)}")
         check(t.dtype == torch.float16,
@@ -173,6 +176,8 @@ def _validate(
             continue
         check(isinstance(t, torch.Tensor),
               lambda: f"{_PREFIX}{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        check(t.layout == torch.strided,
+              lambda: f"{_PREFIX}{name} must be a strided (dense) tensor, got {t.layout}")
         check(t.dtype == torch.int32, lambda: f"{_PREFIX}{name} must be int32, got {t.dtype}")
         check(t.dim() == 1 and t.shape[0] == q.shape[0],
               lambda: f"{_PREFIX}{name} must have shape (batch,) = ({q.shape[0]},), got {_shape(t)}")
@@ -214,6 +219,8 @@ def _passes_all_rules(q, k, v, softmax_scale, head_dim_: int) -> bool:
         qs, ks = q.shape, k.shape
         if not (ks == v.shape and q.numel() > 0 and k.numel() > 0):
             return False
+        # Also rejects every sparse layout, without a layout check per call: sparse COO
+        # tensors report strides of 0, the compressed layouts raise (-> except -> False).
         if not (q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1):
             return False
         if not (ks[0] == qs[0] and ks[3] == qs[3] and qs[3] in (64, 128)

@@ -86,7 +86,8 @@ def flash_attn_func(
     Raises
     ------
     ValueError
-        If an input is invalid: not 4-D, not float16, on different devices, empty, last
+        If an input is invalid: sparse (not strided), not 4-D, not float16, on different
+        devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
         ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or
@@ -204,7 +205,8 @@ def flash_attention_forward(
     Raises
     ------
     ValueError
-        If an input is invalid: not 4-D, not float16, on different devices, empty, last
+        If an input is invalid: sparse (not strided), not 4-D, not float16, on different
+        devices, empty, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
         ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or

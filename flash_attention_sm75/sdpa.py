@@ -126,6 +126,8 @@ def _tensor_problem(name: str, t: object) -> Optional[str]:
         return f"{name} is a {type(t).__name__}, not a torch.Tensor"
     if t.is_nested:
         return f"{name} is a nested tensor"
+    if t.layout != torch.strided:
+        return f"{name} is a {t.layout} tensor; only strided (dense) tensors are supported"
     if t.dim() != 4:
         return (f"{name} is {t.dim()}-D (shape {list(t.shape)}); only 4-D "
                 f"(batch, num_heads, seqlen, head_dim) inputs are supported")
@@ -194,9 +196,9 @@ def why_not_supported(
     Notes
     -----
     Requirements for the kernel path: the compiled extension is importable; query, key and value
-    are 4-D float16 CUDA tensors on one GPU of compute capability >= 7.5; no ``attn_mask``;
-    ``dropout_p == 0``; one ``head_dim`` of 64 or 128 for all three; key and value of the same
-    shape; equal batch sizes (no broadcasting); ``num_heads == num_heads_k``, or
+    are dense (strided) 4-D float16 CUDA tensors on one GPU of compute capability >= 7.5; no
+    ``attn_mask``; ``dropout_p == 0``; one ``head_dim`` of 64 or 128 for all three; key and
+    value of the same shape; equal batch sizes (no broadcasting); ``num_heads == num_heads_k``, or
     ``enable_gqa=True`` and ``num_heads % num_heads_k == 0``; ``scale`` None or finite > 0; no
     tensor requires grad while grad mode is on, unless the extension has the backward op; no
     forward-mode AD tangent on any input; no empty tensor; last dimension

@@ -38,6 +38,12 @@ def _cases():
         ("k_bf16", (q, k.bfloat16(), v), {}, r"k must be float16 .* got torch\.bfloat16"),
         ("v_fp32", (q, k, v.float()), {}, r"v must be float16 .* got torch\.float32"),
         ("device", (q, k.to("meta"), v), {}, r"k must be on the same device as q \(cpu\), got meta"),
+        # sparse layouts used to pass the checks above and fail on their strides (zeros)
+        ("q_sparse", (q.to_sparse(), k, v), {},
+         r"q must be a strided \(dense\) tensor, got torch\.sparse_coo; convert it with "
+         r"q\.to_dense\(\)"),
+        ("v_sparse", (q, k, v.to_sparse()), {},
+         r"v must be a strided \(dense\) tensor, got torch\.sparse_coo"),
         ("q_empty", (q[:, :0], k, v), {}, r"q must be non-empty \(every dimension >= 1\)"),
         ("k_empty", (q, k[:, :0], v[:, :0]), {}, r"k must be non-empty"),
         ("last_stride", (q, k, v.transpose(1, 3).contiguous().transpose(1, 3)), {},
@@ -191,11 +197,75 @@ def test_return_lse_forms(ret):
      r"seqused_k must be on the same device as q \(cpu\), got meta"),
     ({"leftpad_k": torch.zeros(4, dtype=torch.int32)[::2]}, r"leftpad_k must be contiguous"),
     ({"leftpad_k": [0, 0]}, r"leftpad_k must be a torch\.Tensor or None, got list"),
+    ({"seqused_k": torch.full((2,), 7, dtype=torch.int32).to_sparse()},
+     r"seqused_k must be a strided \(dense\) tensor, got torch\.sparse_coo"),
 ])
 def test_key_range_argument_errors(kwargs, regex):
     q, k, v = bshd()
     with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex):
         _ops.validate_fwd_inputs(q, k, v, **kwargs)
+
+
+_SPARSE_LAYOUTS = [torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+                   torch.sparse_bsc]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse (CSR|CSC|BSR|BSC) tensor support is in beta")
+@pytest.mark.parametrize("layout", _SPARSE_LAYOUTS, ids=str)
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("fn", ["flash_attn_func", "flash_attention_forward"])
+def test_sparse_layouts_are_rejected_naming_the_argument(layout, name, fn, calls):
+    dense = dict(zip("qkv", bshd() if fn == "flash_attn_func" else to_bhsd(*bshd())))
+    # values in [1, 2): no zeros, so every batch of a compressed layout has the same nnz
+    t = (torch.rand(dense[name].shape) + 1).half()
+    blocked = layout in (torch.sparse_bsr, torch.sparse_bsc)
+    dense[name] = t.to_sparse(layout=layout, blocksize=(1, 1) if blocked else None)
+    assert dense[name].layout == layout
+    regex = (rf"^flash_attention_sm75: {name} must be a strided \(dense\) tensor, got "
+             rf"{re.escape(str(layout))}; convert it with {name}\.to_dense\(\)")
+    with pytest.raises(ValueError, match=regex):
+        getattr(fa, fn)(dense["q"], dense["k"], dense["v"])
+    assert calls == []
+    # the SDPA entry point falls back for them and names the reason
+    if fn == "flash_attention_forward":
+        arg = {"q": "query", "k": "key", "v": "value"}[name]
+        reason = fa.why_not_supported(dense["q"], dense["k"], dense["v"])
+        assert reason.startswith(f"{arg} is a {layout} tensor; only strided (dense)")
+
+
+_BAD_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
+               torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+
+def _message(fn, *args):
+    with pytest.raises(ValueError) as info:
+        fn(*args)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("dtype", _BAD_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_dtype_errors_use_torch_dtype_names_not_the_cpp_ones(dtype, name):
+    # The raw C++ op prints c10 names ("Long", "Half"); the Python API validates first and must
+    # print torch's ("torch.int64"), whatever the C++ says.
+    args = dict(zip("qkv", bshd()))
+    args[name] = args[name].to(dtype)
+    cpp = _message(torch.ops.flash_attention_sm75.fwd, args["q"], args["k"], args["v"])
+    cpp_name = re.search(r"got (\S+)$", cpp).group(1)
+    assert cpp_name != str(dtype)
+    for fn, qkv in ((fa.flash_attn_func, (args["q"], args["k"], args["v"])),
+                    (fa.flash_attention_forward, to_bhsd(args["q"], args["k"], args["v"]))):
+        msg = _message(fn, *qkv)
+        assert msg.startswith(f"flash_attention_sm75: {name} must be float16")
+        assert msg.endswith(f"got {dtype}") and f"got {cpp_name}" not in msg, msg
+    # the key-range arguments too (validate_fwd_inputs is what the wrappers call)
+    q, k, v = bshd()
+    lp = torch.zeros(q.shape[0], dtype=dtype)
+    if dtype != torch.int32:
+        cpp = _message(torch.ops.flash_attention_sm75.fwd, q, k, v, None, False, True, lp, None)
+        msg = _message(_ops.validate_fwd_inputs, q, k, v, None, lp)
+        assert msg.endswith(f"leftpad_k must be int32, got {dtype}"), msg
+        assert "got " + re.search(r"got (\S+)$", cpp).group(1) not in msg, msg
 
 
 def test_validate_accepts_valid_and_rejects_bad_layout():
