@@ -7,7 +7,8 @@ checkpoint is loaded (``local_files_only``), and its tokenizer, if present, enco
 
 The model is loaded with ``attn_implementation="flash_attention_sm75"``; the script prints how
 many attention calls ran on the kernel and how many fell back to torch SDPA (and why), and with
-``--compare`` runs the same generation on stock SDPA and compares the tokens.
+``--compare`` runs the same generation on stock SDPA and compares the tokens. Progress (model
+loading, generation steps on the CPU) is logged to stderr; the results go to stdout.
 
 Examples::
 
@@ -19,6 +20,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -32,6 +34,39 @@ from flash_attention_sm75.integrations.configs import (  # noqa: E402
     REALISTIC_CONFIGS, TINY_CONFIGS, load_model)
 
 CONFIG_NAMES = set(REALISTIC_CONFIGS) | set(TINY_CONFIGS)
+
+logger = logging.getLogger("hf_generate")
+
+
+def setup_progress_logging():
+    """Progress lines ("[12:00:01] message") on stderr, for this script's logger only."""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def generation_progress(prompt_len, new_tokens, label, every_s=5.0):
+    """A stopping criterion that never stops generation, only logs how far it got (the first
+    token, then at most every ``every_s`` seconds, and the last)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Progress(StoppingCriteria):
+        def __init__(self):
+            self.t0 = self.last = time.perf_counter()
+
+        def __call__(self, input_ids, scores, **kwargs):
+            done = input_ids.shape[-1] - prompt_len
+            now = time.perf_counter()
+            if done <= 1 or done >= new_tokens or now - self.last >= every_s:
+                self.last = now
+                logger.info("%s: %d/%d new tokens (%.1f s)", label, done, new_tokens,
+                            now - self.t0)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_Progress()])
 
 
 def _positive_int(text):
@@ -83,13 +118,14 @@ def build_inputs(args, model, tokenizer):
     return ids.masked_fill(am == 0, 0), am, 0
 
 
-def generate(model, ids, am, pad_id, new_tokens):
+def generate(model, ids, am, pad_id, new_tokens, progress=None):
     if ids.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
+    extra = {} if progress is None else {"stopping_criteria": progress}
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=new_tokens,
-                             do_sample=False, use_cache=True, pad_token_id=pad_id)
+                             do_sample=False, use_cache=True, pad_token_id=pad_id, **extra)
     if ids.device.type == "cuda":
         torch.cuda.synchronize()
     return out, time.perf_counter() - t0
@@ -106,16 +142,23 @@ def describe(stats):
 
 def main(argv=None):
     args = parse_args(argv)
+    setup_progress_logging()
     device = torch.device(args.device)
     dtype = torch.float16
     if device.type == "cpu":
+        logger.warning("warning: running on the CPU, which takes about a minute with the "
+                       "default settings (building the model, then generating)")
         print("note: no GPU; every attention call falls back to torch SDPA on the CPU")
     if args.model and not os.path.isdir(args.model):
         raise SystemExit(f"--model {args.model!r}: no such directory (a local checkpoint "
                          "directory is expected; use --config NAME for random weights)")
     source = args.model or args.config
+    t0 = time.perf_counter()
+    logger.info("loading %s on %s%s...", source, device,
+                "" if args.model else " (random weights)")
     model = load_model(source, dtype=dtype, device=device, seed=args.seed,
                        attn_implementation="flash_attention_sm75", num_hidden_layers=args.layers)
+    logger.info("model ready in %.1f s", time.perf_counter() - t0)
     tokenizer = None
     if args.model:
         try:
@@ -135,8 +178,16 @@ def main(argv=None):
     print(f"batch {ids.shape[0]}, prompt lengths {am.sum(1).tolist()}, "
           f"{args.new_tokens} new tokens")
 
+    # Per-step progress on the CPU only (on a GPU generation takes seconds and its timing is
+    # reported, so nothing is added to the generation loop there).
+    def progress(label):
+        if device.type != "cpu":
+            return None
+        return generation_progress(ids.shape[1], args.new_tokens, label)
+
     hf.reset_stats()
-    out, seconds = generate(model, ids, am, pad_id, args.new_tokens)
+    logger.info("generating %d new tokens (batch %d)...", args.new_tokens, ids.shape[0])
+    out, seconds = generate(model, ids, am, pad_id, args.new_tokens, progress("generate"))
     new = out[:, ids.shape[1]:]
     print(f"generated {new.numel()} tokens in {seconds:.3f} s "
           f"({new.numel() / seconds:.1f} tokens/s, prefill included)")
@@ -151,7 +202,9 @@ def main(argv=None):
 
     if args.compare:
         model.set_attn_implementation("sdpa")
-        stock, stock_s = generate(model, ids, am, pad_id, args.new_tokens)
+        logger.info("--compare: generating again with stock SDPA...")
+        stock, stock_s = generate(model, ids, am, pad_id, args.new_tokens,
+                                  progress("stock SDPA"))
         model.set_attn_implementation("flash_attention_sm75")
         same = (stock[:, ids.shape[1]:] == new).float().mean().item()
         print(f"stock SDPA: {stock_s:.3f} s; identical tokens: {same * 100:.1f}% "
