@@ -38,16 +38,6 @@ CONFIG_NAMES = set(REALISTIC_CONFIGS) | set(TINY_CONFIGS)
 logger = logging.getLogger("hf_generate")
 
 
-def setup_progress_logging():
-    """Progress lines ("[12:00:01] message") on stderr, for this script's logger only."""
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-
-
 def generation_progress(prompt_len, new_tokens, label, every_s=5.0):
     """A stopping criterion that never stops generation, only logs how far it got (the first
     token, then at most every ``every_s`` seconds, and the last)."""
@@ -142,7 +132,8 @@ def describe(stats):
 
 def main(argv=None):
     args = parse_args(argv)
-    setup_progress_logging()
+    # Progress lines ("[12:00:01] message") on stderr; stdout keeps the results.
+    logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     device = torch.device(args.device)
     dtype = torch.float16
     if device.type == "cpu":

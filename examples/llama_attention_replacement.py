@@ -47,17 +47,6 @@ __all__ = ["apply_patch", "remove_patch", "is_patched"]
 logger = logging.getLogger("llama_attention_replacement")
 
 
-def _setup_progress_logging():
-    """Progress lines ("[12:00:01] message") on stderr, for this script's logger only (importing
-    this module for apply_patch/remove_patch configures nothing)."""
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-
-
 def main(argv=None):
     from flash_attention_sm75.integrations.configs import load_model
 
@@ -68,7 +57,8 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    _setup_progress_logging()
+    # Progress lines ("[12:00:01] message") on stderr; stdout keeps the results.
+    logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
 
     device = torch.device(args.device)
     if device.type == "cpu":

@@ -197,17 +197,10 @@ def test_largest_softmax_scale_gives_no_nan(device):
     assert_lse_close(lse, lse_ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", CAUSAL_MODES)
-@pytest.mark.parametrize("choice", ["always", "never", "auto"])
-@pytest.mark.parametrize("shape", [(4, 512, 512, 16, 16), (2, 500, 517, 25, 5), (1, 7, 1000, 3, 1)])
-def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
-    # d = 64 has a second tile (Q in shared memory, Bc = 32, 4 CTAs per SM) for grids just over
-    # one wave; FLASH_SM75_FWD_SMALL_GRID_TILE forces it on or off. Both tiles must be exact,
-    # and the forced choice must be the kernel that ran.
-    monkeypatch.setenv("FLASH_SM75_FWD_SMALL_GRID_TILE", choice)
-    b, s_q, s_k, h, h_k = shape
-    q, k, v = make_qkv(b, s_q, s_k, h, h_k, 64, "cuda", seed_from("sg", shape, mode))
+def run_forced_tile(env, choice, q, k, v, mode, monkeypatch):
+    """Run the forward with tile switch `env` set to `choice` on poisoned memory; return the name
+    of the one forward kernel that ran and (out, lse)."""
+    monkeypatch.setenv(env, choice)
     res = {}
 
     def call():
@@ -216,17 +209,32 @@ def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
 
     names = cuda_kernels_run(call, "flash_fwd")
     assert len(names) == 1, names
-    small = "64, 32, 4, true" in next(iter(names))
+    return next(iter(names)), res["out"], res["lse"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("choice", ["always", "never", "auto"])
+@pytest.mark.parametrize("shape", [(4, 512, 512, 16, 16), (2, 500, 517, 25, 5), (1, 7, 1000, 3, 1)])
+def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
+    # d = 64 has a second tile (Q in shared memory, Bc = 32, 4 CTAs per SM) for grids just over
+    # one wave; FLASH_SM75_FWD_SMALL_GRID_TILE forces it on or off. Both tiles must be exact,
+    # and the forced choice must be the kernel that ran.
+    b, s_q, s_k, h, h_k = shape
+    q, k, v = make_qkv(b, s_q, s_k, h, h_k, 64, "cuda", seed_from("sg", shape, mode))
+    name, out, lse = run_forced_tile("FLASH_SM75_FWD_SMALL_GRID_TILE", choice, q, k, v, mode,
+                                     monkeypatch)
+    small = "64, 32, 4, true" in name
     if choice == "auto":
         # Resident CTAs per SM: 3 of the default tile (launch bounds), 4 of the small one (<= 128
         # registers, 16 KiB). The small tile runs when it makes the grid one wave, the default
         # does not (prefer_small_grid_tile); a failed occupancy query would keep the default.
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         blocks = -(-s_q // 64) * b * h
-        assert small == (3 * sms < blocks <= 4 * sms), (names, blocks, sms)
+        assert small == (3 * sms < blocks <= 4 * sms), (name, blocks, sms)
     else:
-        assert small == (choice == "always"), names
-    check_against_ref(q, k, v, mode, res["out"], res["lse"])
+        assert small == (choice == "always"), name
+    check_against_ref(q, k, v, mode, out, lse)
 
 
 @pytest.mark.gpu
@@ -238,18 +246,11 @@ def test_gpu_long_row_tile(shape, choice, mode, monkeypatch):
     # d = 128 has a second tile with 32-row warps (Q in shared memory, Bc = 32, 2 CTAs of 4 warps
     # per SM) for rows that see >= 512 keys; FLASH_SM75_FWD_LONG_ROW_TILE forces it on or off.
     # Both tiles must be exact, and the forced choice must be the kernel that ran.
-    monkeypatch.setenv("FLASH_SM75_FWD_LONG_ROW_TILE", choice)
     b, s_q, s_k, h, h_k = shape
     q, k, v = make_qkv(b, s_q, s_k, h, h_k, 128, "cuda", seed_from("lr", shape, mode))
-    res = {}
-
-    def call():
-        with poisoned_cuda_memory():
-            res["out"], res["lse"] = run_op(q, k, v, mode)
-
-    names = cuda_kernels_run(call, "flash_fwd")
-    assert len(names) == 1, names
-    long_rows = "flash_fwd_m32_kernel" in next(iter(names))
+    name, out, lse = run_forced_tile("FLASH_SM75_FWD_LONG_ROW_TILE", choice, q, k, v, mode,
+                                     monkeypatch)
+    long_rows = "flash_fwd_m32_kernel" in name
     if choice == "auto":
         # prefer_long_row_tile: the middle query row sees >= 512 keys (and the SM keeps two of its
         # 48 KiB CTAs, true on the H200, false on a 64 KiB Turing SM).
@@ -257,10 +258,10 @@ def test_gpu_long_row_tile(shape, choice, mode, monkeypatch):
         i = s_q // 2
         seen = s_k if not is_causal else min(s_k, max(0, i + 1 + (s_k - s_q if bottom_right else 0)))
         two_ctas = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor >= 2 * 48 * 1024
-        assert long_rows == (seen >= 512 and two_ctas), (names, seen)
+        assert long_rows == (seen >= 512 and two_ctas), (name, seen)
     else:
-        assert long_rows == (choice == "always"), names
-    check_against_ref(q, k, v, mode, res["out"], res["lse"])
+        assert long_rows == (choice == "always"), name
+    check_against_ref(q, k, v, mode, out, lse)
 
 
 @pytest.mark.gpu
