@@ -141,7 +141,8 @@ def main(argv=None):
                     scale = 0.5 / (d ** 0.5) if name == "odd_gqa" else None
                     tag = (f"d={d} causal={causal} bottom_right={bottom_right} {name} "
                            f"B={b} Sq={sq} Sk={sk} H={h} Hk={hk}"
-                           + (f" {tile_name}" if tile == "always" else ""))
+                           + (f" {tile_name}" if tile == "always" and sq > 1 else "")
+                           + (" (decode kernel either way)" if tile == "always" and sq == 1 else ""))
                     res = launch(tag, failures, dev, lambda: with_env(
                         tile_env, tile, lambda: op(
                             q, k, v, softmax_scale=scale, is_causal=causal,

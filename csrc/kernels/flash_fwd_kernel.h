@@ -14,7 +14,10 @@
 //    shared-memory layout without bank conflicts.
 //  * No cp.async on SM75: the next tile's global loads are issued into registers before the
 //    current tile's MMAs and written to shared memory after them (register double buffering):
-//    V_j is fetched while S_j = Q K_j^T and its softmax run, K_{j+1} while O += P_j V_j runs.
+//    V_j is fetched while S_j = Q K_j^T and its softmax run, K_{j+1} while O += P_j V_j runs
+//    (the long-row kernel, flash_fwd_m32_kernel: V_j during S_j, K_{j+1} during the softmax).
+//  * Long-row tile (d = 128, Flash_fwd_kernel_traits::kWarpRows = 32): warps of two m16 row
+//    tiles that share every K/V fragment read from shared memory; Q stays in shared memory.
 //  * Split tile (d = 128, Flash_fwd_kernel_traits::kSplitTile): each K/V tile as two halves of
 //    Bc/2 keys, the softmax of one half in the same branch-free code as the MMAs of the other
 //    (softmax_step), so one warp can overlap its own softmax with tensor-core work.
@@ -241,8 +244,10 @@ __device__ __forceinline__ void exp_scores(const float (&acc_s)[kBN / 8][4], flo
   }
 }
 
-// Whether some row max mx of the warp grew past the running max m_i by more than kThr log2
-// units (warp-uniform). NaN (both -inf: no key seen yet) and +inf (first key) count as growth.
+// Whether the max mx of row g or g + 8 (a row max, or this lane's part of it as row_max_lane
+// gives) grew past the running max m_i by more than kThr log2 units, for this lane
+// (lane_max_grew) or any row of the warp (warp_max_grew, warp-uniform). NaN (both -inf: no key
+// seen yet) and +inf (first key) count as growth.
 template <int kThr>
 __device__ __forceinline__ bool lane_max_grew(const float (&mx)[2], const float (&m_i)[2],
                                               float scale_log2) {
@@ -304,20 +309,20 @@ __device__ __forceinline__ void softmax_rescale(const float (&acc_s)[kBN / 8][4]
     const float mx[2] = {row_max<kBN>(acc_s, 0, m_i[0]), row_max<kBN>(acc_s, 1, m_i[1])};
     softmax_move_or_keep<kBN, kD>(warp_max_grew<kThr>(mx, m_i, scale_log2) || exact_exp, acc_s,
                                   mx, m_i, l_i, acc_o, scale_log2, p_frag, exact_exp);
-    return;
-  }
-  float scaled_max[2], alpha[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    alpha[r] = move_max(row_max<kBN>(acc_s, r, m_i[r]), m_i[r], l_i[r], scale_log2,
-                        scaled_max[r]);
-  }
-  rescale_o<kD>(acc_o, alpha);
-  exact_exp = warp_needs_exact_exp(scaled_max);
-  if (exact_exp) {  // warp-uniform
-    exp_scores<kBN, ExpForm::kExact>(acc_s, l_i, scaled_max, scale_log2, p_frag, scaled_max);
   } else {
-    exp_scores<kBN, ExpForm::kFfma>(acc_s, l_i, scaled_max, scale_log2, p_frag, scaled_max);
+    float scaled_max[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      alpha[r] = move_max(row_max<kBN>(acc_s, r, m_i[r]), m_i[r], l_i[r], scale_log2,
+                          scaled_max[r]);
+    }
+    rescale_o<kD>(acc_o, alpha);
+    exact_exp = warp_needs_exact_exp(scaled_max);
+    if (exact_exp) {  // warp-uniform
+      exp_scores<kBN, ExpForm::kExact>(acc_s, l_i, scaled_max, scale_log2, p_frag, scaled_max);
+    } else {
+      exp_scores<kBN, ExpForm::kFfma>(acc_s, l_i, scaled_max, scale_log2, p_frag, scaled_max);
+    }
   }
 }
 
@@ -372,9 +377,8 @@ __device__ __forceinline__ float clamp_to_fp16_range(float x) {
 // kM m16 row tiles per warp (Flash_fwd_kernel_traits::kWarpRows / 16), tile mt at rows
 // kWarpRows * warp + 16 mt of the CTA tile.
 template <typename Kt, int kM>
-__device__ __forceinline__ void store_output_tiles(float (&acc_o)[kM][Kt::kHeadDim / 8][4],
-                                                   const float (&m_i)[kM][2],
-                                                   const float (&l_i)[kM][2],
+__device__ __forceinline__ void store_output_tiles(float (*acc_o)[Kt::kHeadDim / 8][4],
+                                                   const float (*m_i)[2], const float (*l_i)[2],
                                                    const Flash_fwd_params& params,
                                                    const FwdCta& c, __half* sO) {
   constexpr int kD = Kt::kHeadDim;
@@ -441,10 +445,7 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4]
                                              const float (&m_i)[2], const float (&l_i)[2],
                                              const Flash_fwd_params& params, const FwdCta& c,
                                              __half* sO) {
-  using OTile = float[1][Kt::kHeadDim / 8][4];
-  using Pair = float[1][2];
-  store_output_tiles<Kt, 1>(reinterpret_cast<OTile&>(acc_o), reinterpret_cast<const Pair&>(m_i),
-                            reinterpret_cast<const Pair&>(l_i), params, c, sO);
+  store_output_tiles<Kt, 1>(&acc_o, &m_i, &l_i, params, c, sO);
 }
 
 // The main forward kernel: all warps in lock-step, two barriers per K/V tile.

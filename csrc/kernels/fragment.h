@@ -152,15 +152,13 @@ __device__ __forceinline__ void gemm_ss_bt_multi(float (&acc)[kM][kN / 8][4], ui
 }
 
 // kM m16 row tiles of acc += A B with B read transposed from a swizzled kK x kN tile (as
-// gemm_rs_t with kSwizzled), one ldmatrix.x4.trans of B feeding 4 kM MMAs. Only the k-pairs
-// (16 rows of B each) [kKpBegin, kKpEnd) are accumulated (all by default).
-template <int kM, int kK, int kN, int kRowBytes, int kKpBegin = 0, int kKpEnd = kK / 16>
+// gemm_rs_t with kSwizzled), one ldmatrix.x4.trans of B feeding 4 kM MMAs.
+template <int kM, int kK, int kN, int kRowBytes>
 __device__ __forceinline__ void gemm_rs_t_multi(float (&acc)[kM][kN / 8][4],
                                                 const uint32_t (&a)[kM][kK / 8][2],
                                                 uint32_t bt_addr) {
-  static_assert(0 <= kKpBegin && kKpBegin < kKpEnd && kKpEnd <= kK / 16, "k-pair range");
 #pragma unroll
-  for (int kp = kKpBegin; kp < kKpEnd; ++kp) {
+  for (int kp = 0; kp < kK / 16; ++kp) {
 #pragma unroll
     for (int np = 0; np < kN / 16; ++np) {
       uint32_t b[4];

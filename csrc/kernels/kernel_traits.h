@@ -125,12 +125,14 @@ struct Fwd_tile_config<128> {
   // +4-8% at N >= 1024 (NOTES, session 7; 246-248 registers, no spills).
   using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8, false, 1, false, 8, 0, true>;
   using SmallGridTraits = void;
-  // 32-row warps, Q in shared memory, Bc = 32, 4 warps, 2 CTAs per SM (255 registers, 48 KiB):
-  // each K/V fragment feeds two m16 row tiles, 25% fewer shared-memory bytes per MMA. Measured
-  // on the H200 (NOTES, session 9): +3-6% at N >= 1024 (N = 8192: 254 vs 244 TFLOP/s, causal 254
-  // vs 240), +7% at N = 512 non-causal, but -14% at N = 512 causal, whose rows see ~256 keys:
-  // hence kLongRowMinKeys (the middle query row must see >= 512 keys). A Turing SM (64 KiB of
-  // shared memory) holds one 48 KiB CTA, 4 warps: there the default tile runs.
+  // 32-row warps, Q in shared memory, Bc = 32, 4 warps, 2 CTAs per SM (254/255 registers,
+  // 48 KiB): each K/V fragment feeds two m16 row tiles, 25% fewer shared-memory bytes per MMA.
+  // Measured on the H200 (NOTES, session 9): d = 128 N = 8192 271.7 TFLOP/s in b107c0e's
+  // bench_forward run against the default tile's 246.9 at fabb2f1 (+10%). The first build
+  // (cc601df's predecessor, +3-6% at N >= 1024, +7% at N = 512 non-causal) was 14% slower at
+  // N = 512 causal, whose rows see ~256 keys: hence kLongRowMinKeys (the middle query row must
+  // see >= 512 keys; not re-measured with the later +6%). A Turing SM (64 KiB of shared memory)
+  // holds one 48 KiB CTA, 4 warps: there the default tile runs.
   using LongRowTraits = Flash_fwd_kernel_traits<128, 128, 32, 4, true, 2, false, 8, 1, false, 32>;
   static constexpr int kLongRowMinKeys = 512;
 };

@@ -101,6 +101,9 @@ TEST(LaunchPlan, LongRowTileOnlyForLongRowsAndTwoCtasPerSm) {
   EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(512, 512, false, 0), kMin, 2));
   EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(1024, 1024, true, 0), kMin, 2));
   EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(8192, 8192, true, 0), kMin, 2));
+  // The boundary: the middle row of a causal N x N problem sees N / 2 + 1 keys.
+  EXPECT_FALSE(prefer_long_row_tile(middle_row_keys(1020, 1020, true, 0), kMin, 2));  // 511
+  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(1022, 1022, true, 0), kMin, 2));   // 512
   // A Turing SM keeps one 48 KiB CTA (4 warps); unknown occupancy (0) keeps the default.
   EXPECT_FALSE(prefer_long_row_tile(8192, kMin, 1));
   EXPECT_FALSE(prefer_long_row_tile(8192, kMin, 0));
