@@ -60,8 +60,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--variants", nargs="+",
-                    default=["64,64,64,4", "64,128,64,8", "64,64,32,4",
-                             "128,128,64,8", "128,64,32,4", "128,128,32,8"])
+                    # the tiles in use (Fwd_tile_config): d=64 default and small-grid, d=128
+                    # split tile and long-row tile
+                    default=["64,64,64,4,0,3,0,0,2", "64,64,32,4,1,4",
+                             "128,128,64,8,0,1,0,8,0,1", "128,128,32,4,1,2,0,8,1,0,32"])
     args = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
     variants = [v + (0, 1, 0, 0, 0, 0, 16)[len(v) - 4:] for v in variants]
