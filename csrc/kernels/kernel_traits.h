@@ -97,7 +97,7 @@ struct Flash_fwd_kernel_traits {
 //  * d = 64: Br = 64 with 4 warps (~165 registers/thread, 16 KiB smem): three CTAs fit a T4 SM.
 //  * d = 128: Br = 128 with 8 warps. With 4 warps the per-thread register staging of the next
 //    K/V tile (Bc*d/128 halves) pushes the kernel past 255 registers and ptxas spills; 8 warps
-//    halve that staging and fit (~245 registers, no spills). 32 KiB of smem.
+//    halve that staging and fit (246 / 248 registers, no spills). 32 KiB of smem.
 template <int kHeadDim>
 struct Fwd_tile_config;
 //  * SmallGridTraits (void where there is none): a tile with more CTAs per SM for grids that the
