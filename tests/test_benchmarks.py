@@ -3,23 +3,17 @@ model reads the committed H200 results: so that they do not rot between GPU sess
 CUDA the sweep benchmarks refuse to run unless --dry-run or --device cpu is given."""
 import importlib.util
 import json
-import os
-import pathlib
 import subprocess
-import sys
 
 import pytest
 
 import flash_attention_sm75 as fa
+from repo_scripts import ROOT, load_script, run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def run(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+run = run_script
 
 
 @pytest.mark.skipif(not fa.EXTENSION_AVAILABLE, reason="extension not built")
@@ -50,11 +44,7 @@ SWEEPS = ["bench_forward", "bench_backward"]
 
 
 def _load(script):
-    spec = importlib.util.spec_from_file_location(f"_test_{script}",
-                                                  ROOT / "benchmarks" / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"benchmarks/{script}.py")
 
 
 @pytest.fixture
@@ -92,12 +82,10 @@ def test_sweep_on_cpu_only_when_asked_and_with_the_dry_run_sizes(script, no_cuda
 
 @pytest.mark.parametrize("script", SWEEPS)
 def test_sweep_command_line_without_cuda_exits_with_the_message(script, tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     out = tmp_path / "out"
     try:
-        r = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--out-dir", str(out)],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        r = run_script(f"benchmarks/{script}.py", "--out-dir", str(out), timeout=120,
+                       hide_cuda=True)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{script} started a sweep without CUDA instead of refusing")
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]

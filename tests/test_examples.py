@@ -1,12 +1,7 @@
 """The long-running examples (examples/hf_generate.py, examples/llama_attention_replacement.py)
 tell a CPU user up front that the run takes a while and log their progress to stderr, without
 changing what they print to stdout or compute. Run on CPU with the tiny configs."""
-import importlib.util
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,28 +9,21 @@ import torch
 pytest.importorskip("transformers")
 
 import flash_attention_sm75 as fa  # noqa: E402
+from repo_scripts import load_script, run_script  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 STAMP = r"^\[\d\d:\d\d:\d\d\] "
 
 needs_op = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE, reason="extension not built")
 
 
 def run_example(*args, timeout=300):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    r = run_script(*args, timeout=timeout, hide_cuda=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return r
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_test_{name}",
-                                                  ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"examples/{name}.py")
 
 
 def _progress_lines(stderr):
