@@ -119,18 +119,13 @@ int env_choice(const char* name, std::initializer_list<const char*> accepted) {
   return 0;
 }
 
-// FLASH_SM75_FWD_SMALL_GRID_TILE: 'auto' (or unset) takes the small-grid forward tile where it
-// pays (prefer_small_grid_tile), 'always' / 'never' force the choice (tests, tuning).
-static int env_small_grid_tile() {
+// FLASH_SM75_FWD_SMALL_GRID_TILE (d = 64's small-grid tile, prefer_small_grid_tile) and
+// FLASH_SM75_FWD_LONG_ROW_TILE (d = 128's 32-row-warp tile, prefer_long_row_tile): 'auto' (or
+// unset) = 0, the tile where it pays; 'always' = 1 / 'never' = -1 force the choice (tests,
+// tuning).
+static int env_tile_choice(const char* name) {
   static constexpr int kChoice[] = {0, 1, -1};
-  return kChoice[env_choice("FLASH_SM75_FWD_SMALL_GRID_TILE", {"auto", "always", "never"})];
-}
-
-// FLASH_SM75_FWD_LONG_ROW_TILE: 'auto' (or unset) takes the 32-row-warp forward tile where it
-// pays (prefer_long_row_tile), 'always' / 'never' force the choice (tests, tuning).
-static int env_long_row_tile() {
-  static constexpr int kChoice[] = {0, 1, -1};
-  return kChoice[env_choice("FLASH_SM75_FWD_LONG_ROW_TILE", {"auto", "always", "never"})];
+  return kChoice[env_choice(name, {"auto", "always", "never"})];
 }
 
 // FLASH_SM75_DECODE: 'auto' (or unset) runs seqlen_q == 1 calls on the split-KV decode kernel
@@ -206,8 +201,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
                    seqused_k);
   params.num_sms = props->multiProcessorCount;
-  params.small_grid_tile = env_small_grid_tile();
-  params.long_row_tile = env_long_row_tile();
+  params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
+  params.long_row_tile = env_tile_choice("FLASH_SM75_FWD_LONG_ROW_TILE");
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {
     const DecodePlan dp = plan_decode(params.b, params.h, params.h_k, params.seqlen_q,
