@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "kernels/block_info.h"
 #include "kernels/flash_bwd.h"
@@ -81,6 +82,28 @@ int env_smem_per_sm() {
                     "be a positive integer number of bytes (e.g. 65536), or unset, got '", v, "'");
   return static_cast<int>(n);
 }
+
+// FLASH_SM75_BWD_DQ_STREAM: "side" (default) runs the deterministic mode's dQ kernel on a
+// second stream, concurrently with the dK/dV kernel; "same" runs both on the caller's stream.
+bool env_selects_dq_side_stream() {
+  return env_choice("FLASH_SM75_BWD_DQ_STREAM", {"side", "same"}) == 0;
+}
+
+// Two timing-free events for the fork/join of the dQ stream, destroyed with this object (the
+// runtime releases an event's resources once its pending work is done).
+struct ForkJoinEvents {
+  cudaEvent_t fork = nullptr, join = nullptr;
+  ForkJoinEvents() {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  }
+  ~ForkJoinEvents() {
+    if (fork != nullptr) (void)cudaEventDestroy(fork);
+    if (join != nullptr) (void)cudaEventDestroy(join);
+  }
+  ForkJoinEvents(const ForkJoinEvents&) = delete;
+  ForkJoinEvents& operator=(const ForkJoinEvents&) = delete;
+};
 
 }  // namespace
 
@@ -161,10 +184,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   Flash_bwd_params params{};
   const bool dq_atomic = !deterministic && env_selects_atomic_dq();
   const int smem_per_sm_override = env_smem_per_sm();  // errors before any allocation or launch
+  const bool dq_side_stream = env_selects_dq_side_stream();
   BwdBuffers bufs = prepare_bwd(params, dout, q, k, v, out, softmax_lse_, scale, is_causal,
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
                                 grad_softmax_lse);
   params.smem_per_sm_override = smem_per_sm_override;
+  std::optional<ForkJoinEvents> events;
+  if (!dq_atomic && dq_side_stream) {
+    events.emplace();
+    params.dq_stream =
+        at::cuda::getStreamFromPool(/*isHighPriority=*/false, q.get_device()).stream();
+    params.dq_fork = events->fork;
+    params.dq_join = events->join;
+  }
   try {
     run_mha_bwd(params, at::cuda::getCurrentCUDAStream().stream());
   } catch (const std::invalid_argument& e) {

@@ -9,7 +9,8 @@ back-to-back launches) and checks its gradients against the library's backward o
         --dkdv old 16,4,0 16,8,0 --dq 32,8 32,4
 
 A dK/dV variant is ``old`` (Flash_bwd_kernel_traits<d, Br, 64, 8> of Bwd_tile_config, the 8-warp
-kernel without dQ) or ``Br,warps,v_in_regs`` (Flash_bwd_dkdv_kreg_traits);
+kernel without dQ) or ``Br,warps,v_in_regs[,stages]`` (Flash_bwd_dkdv_kreg_traits; stages =
+query tiles per barrier, default 1);
 a dQ variant is ``Bc,warps`` (Flash_bwd_dq_kernel_traits). TFLOP/s use the kernel's own matmul
 work: 4 units of 2*N^2*d per head for dK/dV, 3 for dQ (halved when causal).
 """
@@ -103,8 +104,9 @@ def dkdv_source(i, d, spec):
         kern = "&flash_bwd_dkdv_kernel<Kr, {c}, false>"
         smem = "Kr::kSmemSizeNoDq"
     else:
-        br, w, vr = (int(x) for x in spec.split(","))
-        traits = f"Flash_bwd_dkdv_kreg_traits<{d}, {br}, {w}, {'true' if vr else 'false'}>"
+        br, w, vr, *stages = (int(x) for x in spec.split(","))
+        traits = (f"Flash_bwd_dkdv_kreg_traits<{d}, {br}, {w}, {'true' if vr else 'false'}, "
+                  f"{stages[0] if stages else 1}>")
         kern = "&flash_bwd_dkdv_kreg_kernel<Kr, {c}>"
         smem = "Kr::kSmemSize"
     return DKDV_TU.format(i=i, traits=traits, kernel=kern.format(c="false"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -172,27 +173,85 @@ def test_bwd_strided(d, layout):
     check_against_reference(q, k, v, do, True, True)
 
 
+# Shared memory of one CTA of the d = 128 K-in-registers dK/dV kernel (bwd_kernel_traits.h):
+# two query tiles per barrier (4 Q/dO buffers) or one (2 buffers).
+KREG_SMEM = {2: 4 * 2 * 16 * 136 * 2 + 2 * 4 * 16 * 4 + 64 * 136 * 2,
+             1: 2 * 2 * 16 * 136 * 2 + 2 * 2 * 16 * 4 + 64 * 136 * 2}
+
+
 @cuda_only
-@pytest.mark.parametrize("smem_per_sm", ["65536", None])  # a Turing SM, this GPU's
+@pytest.mark.parametrize("smem_per_sm", ["65536", "102400", None])  # Turing, sm_86, this GPU
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES)
 @pytest.mark.parametrize("seqlens,heads", [((127, 129), (4, 2)), ((1000, 1000), (8, 1)),
                                            ((1, 1000), (4, 4))])
 def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, smem_per_sm,
                                      monkeypatch):
-    # d = 128, deterministic: the K-in-registers dK/dV kernel where two of its CTAs fit in an
-    # SM's shared memory, the 8-warp kernel on a 64 KiB (Turing) SM. Both must be exact and
-    # the plan must pick the one it says.
+    # d = 128, deterministic: the K-in-registers dK/dV kernel with two query tiles per barrier
+    # where two of its CTAs fit in an SM's shared memory, else its one-tile form where two of
+    # those fit (100 KiB SMs), else the 8-warp kernel (a 64 KiB Turing SM). Each must be exact
+    # and the plan must pick the one it says.
     if smem_per_sm is None:
         monkeypatch.delenv("FLASH_SM75_BWD_SMEM_PER_SM", raising=False)
+        shared = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
     else:
         monkeypatch.setenv("FLASH_SM75_BWD_SMEM_PER_SM", smem_per_sm)
+        shared = int(smem_per_sm)
     Sq, Sk = seqlens
     q, k, v, do = make_inputs(2, Sq, Sk, *heads, 128, "cuda", seed=Sq + Sk)
     names = cuda_kernels_run(lambda: check_against_reference(q, k, v, do, causal, bottom_right,
                                                              deterministic=True), "dkdv")
-    shared = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
-    kreg = smem_per_sm is None and shared >= 2 * 35 * 1024
-    assert len(names) == 1 and ("kreg" in next(iter(names))) == kreg, names
+    stages = 2 if shared >= 2 * KREG_SMEM[2] else 1 if shared >= 2 * KREG_SMEM[1] else 0
+    assert len(names) == 1, names
+    found = re.search(r"dkdv_kreg_traits<128, 16, 4, false, (\d)>", next(iter(names)))
+    assert (int(found.group(1)) if found else 0) == stages, names
+
+
+@cuda_only
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_dq_stream_same_and_side_agree(d, monkeypatch):
+    # FLASH_SM75_BWD_DQ_STREAM: the dQ kernel on a second stream (default) or on the caller's
+    # stream: the same kernels, so bitwise the same gradients; and both exact.
+    q, k, v, do = make_inputs(2, 333, 517, 8, 2, d, "cuda", seed=21)
+    results = {}
+    for mode in ("side", "same"):
+        monkeypatch.setenv("FLASH_SM75_BWD_DQ_STREAM", mode)
+        results[mode] = check_against_reference(q, k, v, do, True, True, deterministic=True)
+    for a, b in zip(results["side"], results["same"]):
+        assert torch.equal(a, b)
+
+
+@cuda_only
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_cuda_graph_capture(d, monkeypatch):
+    # The side stream forks from and joins the caller's stream through events, so the backward
+    # can be captured in a CUDA graph (torch.compile mode="reduce-overhead" does): the replay
+    # must compute the gradients of new inputs copied into the captured tensors (a dQ kernel
+    # left out of the capture would leave dq stale or unwritten).
+    monkeypatch.delenv("FLASH_SM75_BWD_DQ_STREAM", raising=False)
+    scale = d ** -0.5
+    static = make_inputs(2, 300, 300, 4, 2, d, "cuda", seed=1)
+    out, lse = ops.fwd(*static[:3], scale, True, True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graph asks
+        ops.bwd(static[3], *static[:3], out, lse, scale, True, True, None, None, True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.bwd(static[3], *static[:3], out, lse, scale, True, True, None, None, True)
+    fresh = make_inputs(2, 300, 300, 4, 2, d, "cuda", seed=2)
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    new_out, new_lse = ops.fwd(*static[:3], scale, True, True)
+    out.copy_(new_out)
+    lse.copy_(new_lse)
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = ops.bwd(static[3], *static[:3], out, lse, scale, True, True, None, None, True)
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
 
 
 @cuda_only
@@ -227,6 +286,8 @@ def test_nan_input_reaches_what_it_reaches_in_the_reference(d, where, determinis
       for v in ("ATOMIC", "1", "atomic ")],
     *[("FLASH_SM75_BWD_SMEM_PER_SM", v, "FLASH_SM75_BWD_SMEM_PER_SM must be a positive integer")
       for v in ("abc", "65536k", "0", "-1", "1e5", "99999999999")],
+    *[("FLASH_SM75_BWD_DQ_STREAM", v, "FLASH_SM75_BWD_DQ_STREAM must be 'side' or 'same'")
+      for v in ("SIDE", "0", "side ")],
 ])
 def test_bwd_env_rejects_bad_values(name, value, message, monkeypatch):
     q, k, v, do = make_inputs(1, 65, 65, 2, 2, 128, "cuda")

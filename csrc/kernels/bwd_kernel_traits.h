@@ -97,13 +97,20 @@ struct Flash_bwd_kernel_traits {
 // ldmatrix.x4 per 4 MMAs in all four products, against 1 per 2.7 in Flash_bwd_kernel_traits
 // at d = 128, whose query splits and 16 x 16 warp tiles reload K_w / V_w for every tile (at
 // d = 128, V in registers spills, so V stays in shared memory: 1 per 3.2).
-// Q / dO / lse / D tiles are double-buffered in shared memory (one barrier per tile); the next
-// tile's Q and dO are fetched through registers during the current tile's products.
-template <int kHeadDim_, int kBlockM_, int kNWarps_, bool kVInRegs_ = true>
+// Q / dO / lse / D tiles sit in 2 * kStages shared-memory buffers (one barrier per kStages
+// tiles); the tile kStages ahead is fetched through registers during the current tile's
+// products (its Q stored after S^T / dP^T, its dO after dK).
+template <int kHeadDim_, int kBlockM_, int kNWarps_, bool kVInRegs_ = true, int kStages_ = 1>
 struct Flash_bwd_dkdv_kreg_traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per tile
   static constexpr int kNWarps = kNWarps_;
+  // Query tiles per block barrier: the Q/dO/lse/D tiles sit in 2 * kStages shared-memory
+  // buffers, the tile of iteration it + kStages is fetched during iteration it, and the CTA
+  // synchronizes after every kStages-th tile.
+  static constexpr int kStages = kStages_;
+  static constexpr int kNBuf = 2 * kStages;
+  static_assert(kStages == 1 || kStages == 2 || kStages == 4, "kStages: 1, 2 or 4");
   // false: V stays in shared memory (after the Q/dO buffers) and its A fragments are re-read
   // for every tile (d/4 fewer registers, one more ldmatrix.x4 per 4 MMAs of dP^T).
   static constexpr bool kVInRegs = kVInRegs_;
@@ -118,17 +125,17 @@ struct Flash_bwd_dkdv_kreg_traits {
   static constexpr int kRowHalves = kHeadDim + 8;
   static constexpr int kQTileBytes = kBlockM * kRowHalves * 2;
   static constexpr int kBufBytes = 2 * kQTileBytes;          // Q tile + dO tile
-  static constexpr int kOffLse = 2 * kBufBytes;              // [2][kBlockM] fp32: lse * log2(e)
-  static constexpr int kOffDsum = kOffLse + 2 * kBlockM * 4;  // [2][kBlockM] fp32: D
+  static constexpr int kOffLse = kNBuf * kBufBytes;          // [kNBuf][kBlockM] fp32: lse * log2(e)
+  static constexpr int kOffDsum = kOffLse + kNBuf * kBlockM * 4;  // [kNBuf][kBlockM] fp32: D
   static constexpr int kKTileBytes = kBlockN * kRowHalves * 2;  // K or V staging, before the loop
-  static constexpr int kOffV = kOffDsum + 2 * kBlockM * 4;  // V tile (kVInRegs = false)
+  static constexpr int kOffV = kOffDsum + kNBuf * kBlockM * 4;  // V tile (kVInRegs = false)
   static constexpr int kSmemSize =
       !kVInRegs ? kOffV + kKTileBytes
       : (kOffV > kKTileBytes ? kOffV : kKTileBytes);
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
   // Two CTAs per SM need 2 x kSmemSize of the SM's shared memory: 64 KiB on a T4, so with V
-  // in shared memory (35 KiB at d = 128) a T4 would run one CTA per SM (make_bwd_plan then
-  // picks the 8-warp kernel); the H200 runs two.
+  // in shared memory (d = 128: 35.1 KiB with kStages = 1, 51.5 KiB with 2) a T4 would run one
+  // CTA per SM (make_bwd_plan then picks the 8-warp kernel); the H200 runs two.
 
   static constexpr int kKVChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
   static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
@@ -170,16 +177,21 @@ template <int kHeadDim>
 struct Bwd_tile_config;
 //  * KregTraits (void: not used): the dK/dV kernel of deterministic mode on GPUs whose SMs hold
 //    two of its CTAs (make_bwd_plan); Traits' kernel serves the atomic-dQ mode and the others.
+//    KregTraits1 (void: none) is the same kernel with one query tile per barrier and half the
+//    Q/dO buffers, for SMs that hold two of its CTAs but not two of KregTraits' (100 KiB).
+//    Two tiles per barrier measured 2% faster on the H200 (d = 128, N = 4096, session 10).
 template <>
 struct Bwd_tile_config<64> {
   using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
   using KregTraits = void;
+  using KregTraits1 = void;
   using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4>;
 };
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
-  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false>;
+  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 2>;   // 51.5 KiB
+  using KregTraits1 = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 1>;  // 35.1 KiB
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
 };
 
@@ -187,7 +199,8 @@ struct Bwd_tile_config<128> {
 constexpr int kBwdAuxThreads = 256;
 
 struct BwdLaunchPlan {
-  bool dkdv_keys_in_regs;    // the dK/dV kernel: KregTraits' (true) or Traits' (false)
+  bool dkdv_keys_in_regs;    // the dK/dV kernel: KregTraits' / KregTraits1's (true) or Traits'
+  int dkdv_stages;           // with dkdv_keys_in_regs: KregTraits (2) or KregTraits1 (1); else 0
   int num_n_blocks;          // key blocks of the dK/dV kernel
   int64_t dkdv_blocks;       // num_n_blocks * b * h_k
   int dkdv_threads;
@@ -200,25 +213,50 @@ struct BwdLaunchPlan {
   int64_t convert_blocks;     // b * seqlen_q * h * d / 8 threads of work (atomic mode)
 };
 
-// Which dK/dV kernel runs: the K-in-registers kernel (Kr, if the head dim has one) in the
-// deterministic dQ mode when kMinBlocksPerSm of its CTAs fit in the SM's shared memory
-// (smem_per_sm bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor): it was measured faster on
-// the H200 with two CTAs (8 warps) per SM, but at d = 128 it needs 35 KiB, so a Turing SM
-// (64 KiB) would hold one CTA of 4 warps; there the 8-warp Traits kernel keeps 8 warps per SM.
-template <typename Kt, typename Kq, typename Kr = void>
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Whether the K-in-registers kernel Kr (void: none) runs with kMinBlocksPerSm CTAs per SM.
+template <typename Kr>
+constexpr bool kreg_fits(int smem_per_sm) {
+  if constexpr (std::is_void_v<Kr>) {
+    return false;
+  } else {
+    return Kr::kMinBlocksPerSm * Kr::kSmemSize <= smem_per_sm;
+  }
+}
+
+// Which dK/dV kernel runs: the K-in-registers kernel (Kr, if the head dim has one; else Kr1,
+// its one-tile-per-barrier form) in the deterministic dQ mode when kMinBlocksPerSm of its CTAs
+// fit in the SM's shared memory (smem_per_sm bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor):
+// it was measured faster on the H200 with two CTAs (8 warps) per SM, but at d = 128 it needs
+// 51.5 KiB (Kr1: 35.1 KiB), so a Turing SM (64 KiB) would hold one CTA of 4 warps; there the
+// 8-warp Traits kernel keeps 8 warps per SM.
+template <typename Kt, typename Kq, typename Kr = void, typename Kr1 = void>
 inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seqlen_k,
                                    bool dq_atomic, int smem_per_sm) {
   BwdLaunchPlan p;
   p.dkdv_keys_in_regs = false;
+  p.dkdv_stages = 0;
   p.num_n_blocks = (seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN;
   p.dkdv_threads = Kt::kNThreads;
   p.dkdv_smem = dq_atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq;
-  if constexpr (!std::is_void_v<Kr>) {
-    if (!dq_atomic && Kr::kMinBlocksPerSm * Kr::kSmemSize <= smem_per_sm) {
-      p.dkdv_keys_in_regs = true;
-      p.num_n_blocks = (seqlen_k + Kr::kBlockN - 1) / Kr::kBlockN;
-      p.dkdv_threads = Kr::kNThreads;
-      p.dkdv_smem = Kr::kSmemSize;
+  auto use_kreg = [&](auto traits) {
+    using K = typename decltype(traits)::type;
+    p.dkdv_keys_in_regs = true;
+    p.dkdv_stages = K::kStages;
+    p.num_n_blocks = (seqlen_k + K::kBlockN - 1) / K::kBlockN;
+    p.dkdv_threads = K::kNThreads;
+    p.dkdv_smem = K::kSmemSize;
+  };
+  if (!dq_atomic) {
+    if constexpr (!std::is_void_v<Kr>) {
+      if (kreg_fits<Kr>(smem_per_sm)) use_kreg(TypeTag<Kr>{});
+    }
+    if constexpr (!std::is_void_v<Kr1>) {
+      if (!p.dkdv_keys_in_regs && kreg_fits<Kr1>(smem_per_sm)) use_kreg(TypeTag<Kr1>{});
     }
   }
   p.dkdv_blocks = static_cast<int64_t>(p.num_n_blocks) * b * h_k;
@@ -245,13 +283,13 @@ inline BwdLaunchPlan plan_bwd_launch(int d, int b, int h, int h_k, int seqlen_q,
                                      bool dq_atomic, int smem_per_sm) {
   if (d == 64) {
     using C = Bwd_tile_config<64>;
-    return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits>(b, h, h_k, seqlen_q, seqlen_k,
-                                                                dq_atomic, smem_per_sm);
+    return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits, C::KregTraits1>(
+        b, h, h_k, seqlen_q, seqlen_k, dq_atomic, smem_per_sm);
   }
   if (d == 128) {
     using C = Bwd_tile_config<128>;
-    return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits>(b, h, h_k, seqlen_q, seqlen_k,
-                                                                dq_atomic, smem_per_sm);
+    return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits, C::KregTraits1>(
+        b, h, h_k, seqlen_q, seqlen_k, dq_atomic, smem_per_sm);
   }
   throw std::invalid_argument("flash_attention_sm75: head_dim must be 64 or 128, got " +
                               std::to_string(d));

@@ -40,6 +40,16 @@ struct Flash_bwd_params : public Flash_fwd_params {
   // Shared memory per SM (bytes) that picks the d = 128 dK/dV kernel (make_bwd_plan); 0 = the
   // device's (cudaDevAttrMaxSharedMemoryPerMultiprocessor). Set from FLASH_SM75_BWD_SMEM_PER_SM.
   int smem_per_sm_override;
+
+  // Deterministic mode: when dq_stream is not null, the dQ kernel runs on dq_stream,
+  // concurrently with the dK/dV kernel (the two are independent; the CTAs of one fill the SMs
+  // the other's last wave leaves idle). dq_fork is recorded on the caller's stream after the
+  // preprocess and waited for by dq_stream; dq_join is recorded on dq_stream after the dQ
+  // kernel and waited for by the caller's stream, so everything after the backward is ordered
+  // after both kernels. Null: every kernel on the caller's stream.
+  cudaStream_t dq_stream;
+  cudaEvent_t dq_fork;
+  cudaEvent_t dq_join;
 };
 
 // Host entry: dispatches on head dim and causal flag (flash_bwd_dispatch.cpp).

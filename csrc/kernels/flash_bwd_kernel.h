@@ -663,6 +663,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         ++nx_head;
       }
     };
+    constexpr int kStages = Kt::kStages;
+    constexpr int kNBuf = Kt::kNBuf;
     // Q or dO tile (head, query tile m): global -> registers (load) and registers -> a padded tile.
     constexpr int kQC = Kt::kQChunksPerThread;
     auto load_q = [&](uint4 (&st)[kQC], int head, int m) {
@@ -690,20 +692,25 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
     uint4 stage[kQC];  // the next tile's Q, then its dO
     float lse_stage = 0.f, dsum_stage = 0.f;
-    {
-      uint4 st[kQC];
-      load_q(st, nx_head, nx_m);
-      store_tile_r2s_padded<Kt>(st, sQ0, tid);
-      load_do(st, nx_head, nx_m);
-      store_tile_r2s_padded<Kt>(st, sQ0 + kBM * kRowH, tid);
-    }
-    if (tid < kBM) {
-      load_lse(lse_stage, dsum_stage, nx_head, nx_m);
-      sLse0[tid] = lse_stage;
-      sDsum0[tid] = dsum_stage;
-    }
     int cur_m = nx_m;  // query tile of iteration it
-    advance();
+    // Tiles 0 .. kStages - 1 into buffers 0 .. kStages - 1.
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      if (s < total) {
+        __half* sQs = sQ0 + s * (kBuf / 2);
+        uint4 st[kQC];
+        load_q(st, nx_head, nx_m);
+        store_tile_r2s_padded<Kt>(st, sQs, tid);
+        load_do(st, nx_head, nx_m);
+        store_tile_r2s_padded<Kt>(st, sQs + kBM * kRowH, tid);
+        if (tid < kBM) {
+          load_lse(lse_stage, dsum_stage, nx_head, nx_m);
+          sLse0[s * kBM + tid] = lse_stage;
+          sDsum0[s * kBM + tid] = dsum_stage;
+        }
+        advance();
+      }
+    }
     __syncthreads();
 
     // Per-lane ldmatrix addresses in buffer 0 (see flash_bwd_dkdv_kernel): B of S^T / dP^T
@@ -714,14 +721,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         smem_u32addr(sQ0 + ((mi & 1) * 8 + (lane % 8)) * kRowH + (mi >> 1) * 8);
 
     for (int it = 0; it < total; ++it) {
-      const int buf = it & 1;
+      const int buf = it & (kNBuf - 1);
+      const int nbuf = (it + kStages) & (kNBuf - 1);  // buffer of the tile fetched now
       const uint32_t q_b_addr = q_b_addr0 + buf * kBuf;
       const uint32_t q_t_addr = q_t_addr0 + buf * kBuf;
       const float* sLse = sLse0 + buf * kBM;
       const float* sDsum = sDsum0 + buf * kBM;
-      __half* sQn = sQ0 + (buf ^ 1) * (kBuf / 2);  // next tile's buffer (halves)
+      __half* sQn = sQ0 + nbuf * (kBuf / 2);  // that tile's buffer (halves)
       const int m0 = cur_m * kBM;
-      const bool has_next = it + 1 < total;
+      const bool has_next = it + kStages < total;
       if (has_next) {
         load_q(stage, nx_head, nx_m);
         if (tid < kBM) load_lse(lse_stage, dsum_stage, nx_head, nx_m);
@@ -780,12 +788,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       if (has_next) {
         store_tile_r2s_padded<Kt>(stage, sQn + kBM * kRowH, tid);
         if (tid < kBM) {
-          sLse0[(buf ^ 1) * kBM + tid] = lse_stage;
-          sDsum0[(buf ^ 1) * kBM + tid] = dsum_stage;
+          sLse0[nbuf * kBM + tid] = lse_stage;
+          sDsum0[nbuf * kBM + tid] = dsum_stage;
         }
       }
-      __syncthreads();  // tile it + 1 complete in the other buffer; this buffer free
-      cur_m = nx_m;
+      // After every kStages-th tile: tiles it + 1 .. it + kStages are complete in their
+      // buffers, and the buffers of tiles it - kStages + 1 .. it are free. (A buffer is written
+      // kStages iterations after it was last read and read kStages iterations after it was
+      // written; every run of kStages consecutive iterations ends one barrier.)
+      if (kStages == 1 || (it & (kStages - 1)) == kStages - 1) __syncthreads();
+      if (++cur_m == mr.m_block_max) cur_m = mr.m_block_min;
       advance();
     }
   }

@@ -20,6 +20,7 @@ template <int kHeadDim, bool Is_causal>
 void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   using Kt = typename Bwd_tile_config<kHeadDim>::Traits;
   using Kr = typename Bwd_tile_config<kHeadDim>::KregTraits;
+  using Kr1 = typename Bwd_tile_config<kHeadDim>::KregTraits1;
   using Kq = typename Bwd_tile_config<kHeadDim>::DqTraits;
   // Shared memory per SM decides the dK/dV kernel (make_bwd_plan).
   // params.smem_per_sm_override (FLASH_SM75_BWD_SMEM_PER_SM) replaces the device's value (tests
@@ -34,8 +35,8 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     smem_per_sm = 0;            // unknown: the 8-warp dK/dV kernel, which fits every SM75+ GPU
   }
   const BwdLaunchPlan plan =
-      make_bwd_plan<Kt, Kq, Kr>(params.b, params.h, params.h_k, params.seqlen_q,
-                                params.seqlen_k, params.dq_atomic, smem_per_sm);
+      make_bwd_plan<Kt, Kq, Kr, Kr1>(params.b, params.h, params.h_k, params.seqlen_q,
+                                     params.seqlen_k, params.dq_atomic, smem_per_sm);
   flash_bwd_preprocess_kernel<kHeadDim>
       <<<static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads, 0, stream>>>(params);
   if (params.dq_atomic) {
@@ -48,15 +49,33 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   } else {
     auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false>;
     if constexpr (!std::is_void_v<Kr>) {
-      if (plan.dkdv_keys_in_regs) kernel = &flash_bwd_dkdv_kreg_kernel<Kr, Is_causal>;
+      if (plan.dkdv_keys_in_regs && plan.dkdv_stages == Kr::kStages) {
+        kernel = &flash_bwd_dkdv_kreg_kernel<Kr, Is_causal>;
+      }
+    }
+    if constexpr (!std::is_void_v<Kr1>) {
+      if (plan.dkdv_keys_in_regs && plan.dkdv_stages == Kr1::kStages) {
+        kernel = &flash_bwd_dkdv_kreg_kernel<Kr1, Is_causal>;
+      }
     }
     set_max_dynamic_smem(kernel, plan.dkdv_smem);
-    kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
-             stream>>>(params);
     auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal>;
     set_max_dynamic_smem(dq_kernel, plan.dq_smem);
-    dq_kernel<<<static_cast<unsigned>(plan.dq_blocks), plan.dq_threads, plan.dq_smem, stream>>>(
-        params);
+    // Fork after the preprocess (both kernels read D), dK/dV first (its CTAs are dispatched
+    // first), join before returning (see Flash_bwd_params::dq_stream).
+    const bool fork = params.dq_stream != nullptr;
+    if (fork) {
+      check_cuda(cudaEventRecord(params.dq_fork, stream), "cudaEventRecord");
+      check_cuda(cudaStreamWaitEvent(params.dq_stream, params.dq_fork, 0), "cudaStreamWaitEvent");
+    }
+    kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
+             stream>>>(params);
+    dq_kernel<<<static_cast<unsigned>(plan.dq_blocks), plan.dq_threads, plan.dq_smem,
+                fork ? params.dq_stream : stream>>>(params);
+    if (fork) {
+      check_cuda(cudaEventRecord(params.dq_join, params.dq_stream), "cudaEventRecord");
+      check_cuda(cudaStreamWaitEvent(stream, params.dq_join, 0), "cudaStreamWaitEvent");
+    }
   }
 }
 

@@ -24,4 +24,12 @@ void set_max_dynamic_smem(Kernel kernel, int bytes) {
   }
 }
 
+// Throws std::runtime_error naming the call if a CUDA runtime call failed.
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_attention_sm75: ") + what + " failed: " +
+                             cudaGetErrorString(err));
+  }
+}
+
 }  // namespace flash_sm75

@@ -176,13 +176,17 @@ template <int kD, bool kCausal>
 void run_backward(Flash_bwd_params& p) {
   using Kt = typename Bwd_tile_config<kD>::Traits;
   using Kr = typename Bwd_tile_config<kD>::KregTraits;
+  using Kr1 = typename Bwd_tile_config<kD>::KregTraits1;
   using Kq = typename Bwd_tile_config<kD>::DqTraits;
-  // Both dK/dV kernels of the deterministic mode: an H200-sized SM (228 KiB of shared memory,
-  // K-in-registers kernel) or a Turing one (64 KiB, 8-warp kernel), fixed per case so that the
+  // Every dK/dV kernel of the deterministic mode: an H200-sized SM (228 KiB of shared memory,
+  // K-in-registers kernel, two query tiles per barrier), a 100 KiB one (the same kernel, one
+  // tile per barrier) or a Turing one (64 KiB, 8-warp kernel), fixed per case so that the
   // bitwise rerun compares the same kernel.
-  const int smem_per_sm = (p.seqlen_q + p.seqlen_k) % 2 ? 228 * 1024 : 64 * 1024;
-  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq, Kr>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k,
-                                                       p.dq_atomic, smem_per_sm);
+  const int smem_per_sm = (p.seqlen_q + p.seqlen_k) % 2 ? 228 * 1024
+                          : p.is_causal                 ? 100 * 1024
+                                                        : 64 * 1024;
+  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq, Kr, Kr1>(
+      p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, p.dq_atomic, smem_per_sm);
   emu::launch(static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads,
               [&] { flash_bwd_preprocess_kernel<kD>(p); });
   if (p.dq_atomic) {
@@ -193,7 +197,14 @@ void run_backward(Flash_bwd_params& p) {
   } else {
     emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, [&] {
       if constexpr (!std::is_void_v<Kr>) {
-        if (plan.dkdv_keys_in_regs) return flash_bwd_dkdv_kreg_kernel<Kr, kCausal>(p);
+        if (plan.dkdv_keys_in_regs && plan.dkdv_stages == Kr::kStages) {
+          return flash_bwd_dkdv_kreg_kernel<Kr, kCausal>(p);
+        }
+      }
+      if constexpr (!std::is_void_v<Kr1>) {
+        if (plan.dkdv_keys_in_regs && plan.dkdv_stages == Kr1::kStages) {
+          return flash_bwd_dkdv_kreg_kernel<Kr1, kCausal>(p);
+        }
       }
       flash_bwd_dkdv_kernel<Kt, kCausal, false>(p);
     });
