@@ -68,7 +68,8 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
     if (params.long_row_tile == 0) {
       long_rows = prefer_long_row_tile(
           middle_row_keys(params.seqlen_q, params.seqlen_k, Is_causal, params.causal_offset),
-          Config::kLongRowMinKeys, fwd_ctas_per_sm<Kl, Is_causal>());
+          Config::kLongRowMinKeys, make_fwd_plan<Kl>(params.b, params.h, params.seqlen_q).num_blocks,
+          params.num_sms, [] { return fwd_ctas_per_sm<Kl, Is_causal>(); });
     }
     if (long_rows) return run_flash_fwd<Kl, Is_causal>(params, stream);
   }

@@ -93,20 +93,37 @@ TEST(LaunchPlan, MiddleRowKeysCountsTheVisibleKeys) {
   }
 }
 
-TEST(LaunchPlan, LongRowTileOnlyForLongRowsAndTwoCtasPerSm) {
+TEST(LaunchPlan, LongRowTileOnlyForLongRowsLargeGridsAndTwoCtasPerSm) {
   constexpr int kMin = Fwd_tile_config<128>::kLongRowMinKeys;
+  constexpr int kSms = 132;
+  const int64_t big = 4 * 16 * 32;  // B=4 H=16 N=4096: 2048 CTAs of 128 rows
+  auto two = [] { return 2; };
   // B=4 H=16 d=128 (measured, NOTES session 9): N=512 causal (middle row sees 257 keys) slower
   // on the long-row tile, N=512 non-causal and N=1024 causal (513 keys) faster.
-  EXPECT_FALSE(prefer_long_row_tile(middle_row_keys(512, 512, true, 0), kMin, 2));
-  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(512, 512, false, 0), kMin, 2));
-  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(1024, 1024, true, 0), kMin, 2));
-  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(8192, 8192, true, 0), kMin, 2));
+  EXPECT_FALSE(prefer_long_row_tile(middle_row_keys(512, 512, true, 0), kMin, big, kSms, two));
+  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(512, 512, false, 0), kMin, big, kSms, two));
+  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(1024, 1024, true, 0), kMin, big, kSms, two));
+  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(8192, 8192, true, 0), kMin, big, kSms, two));
   // The boundary: the middle row of a causal N x N problem sees N / 2 + 1 keys.
-  EXPECT_FALSE(prefer_long_row_tile(middle_row_keys(1020, 1020, true, 0), kMin, 2));  // 511
-  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(1022, 1022, true, 0), kMin, 2));   // 512
+  EXPECT_FALSE(prefer_long_row_tile(middle_row_keys(1020, 1020, true, 0), kMin, big, kSms, two));
+  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(1022, 1022, true, 0), kMin, big, kSms, two));
   // A Turing SM keeps one 48 KiB CTA (4 warps); unknown occupancy (0) keeps the default.
-  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, 1));
-  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, 0));
+  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, big, kSms, [] { return 1; }));
+  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, big, kSms, [] { return 0; }));
+  // Grids of at most one CTA per SM keep the 16-row tile (8 warps per CTA); the grid must
+  // exceed the SM count; an unknown SM count (0) skips the grid test.
+  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, kSms, kSms, two));
+  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, 16, kSms, two));
+  EXPECT_TRUE(prefer_long_row_tile(8192, kMin, kSms + 1, kSms, two));
+  EXPECT_TRUE(prefer_long_row_tile(8192, kMin, 16, 0, two));
+  // The occupancy query (a CUDA call) runs only when keys and grid pass.
+  int queries = 0;
+  auto counted = [&] { ++queries; return 2; };
+  EXPECT_FALSE(prefer_long_row_tile(100, kMin, big, kSms, counted));
+  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, 16, kSms, counted));
+  EXPECT_EQ(queries, 0);
+  EXPECT_TRUE(prefer_long_row_tile(8192, kMin, big, kSms, counted));
+  EXPECT_EQ(queries, 1);
 }
 
 TEST(DecodePlan, OnlySingleQueryRowsAndSmallGroups) {
