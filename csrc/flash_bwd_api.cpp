@@ -89,20 +89,19 @@ bool env_selects_dq_side_stream() {
   return env_choice("FLASH_SM75_BWD_DQ_STREAM", {"side", "same"}) == 0;
 }
 
-// Two timing-free events for the fork/join of the dQ stream, destroyed with this object (the
-// runtime releases an event's resources once its pending work is done).
+// A timing-free event, destroyed with this object (the runtime releases an event's resources
+// once its pending work is done). Two of them fork and join the dQ stream.
+struct ScopedEvent {
+  cudaEvent_t event = nullptr;
+  ScopedEvent() { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
+  ~ScopedEvent() {
+    if (event != nullptr) (void)cudaEventDestroy(event);
+  }
+  ScopedEvent(const ScopedEvent&) = delete;
+  ScopedEvent& operator=(const ScopedEvent&) = delete;
+};
 struct ForkJoinEvents {
-  cudaEvent_t fork = nullptr, join = nullptr;
-  ForkJoinEvents() {
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-  }
-  ~ForkJoinEvents() {
-    if (fork != nullptr) (void)cudaEventDestroy(fork);
-    if (join != nullptr) (void)cudaEventDestroy(join);
-  }
-  ForkJoinEvents(const ForkJoinEvents&) = delete;
-  ForkJoinEvents& operator=(const ForkJoinEvents&) = delete;
+  ScopedEvent fork, join;  // if creating join throws, fork's destructor still runs
 };
 
 }  // namespace
@@ -189,18 +188,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
                                 grad_softmax_lse);
   params.smem_per_sm_override = smem_per_sm_override;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   std::optional<ForkJoinEvents> events;
   if (!dq_atomic && dq_side_stream) {
-    events.emplace();
-    params.dq_stream =
+    // The pool hands out its streams round-robin and can return the caller's own one: then
+    // there is nothing to fork.
+    const cudaStream_t side =
         at::cuda::getStreamFromPool(/*isHighPriority=*/false, q.get_device()).stream();
-    params.dq_fork = events->fork;
-    params.dq_join = events->join;
+    if (side != stream) {
+      events.emplace();
+      params.dq_stream = side;
+      params.dq_fork = events->fork.event;
+      params.dq_join = events->join.event;
+    }
   }
+  // If the launch sequence throws after the fork, the caller's stream never waits for the dQ
+  // stream: finish its work before the tensors it reads are freed (best effort; the error is
+  // reported either way).
+  auto drain_dq_stream = [&] {
+    if (params.dq_stream != nullptr) (void)cudaStreamSynchronize(params.dq_stream);
+  };
   try {
-    run_mha_bwd(params, at::cuda::getCurrentCUDAStream().stream());
+    run_mha_bwd(params, stream);
   } catch (const std::invalid_argument& e) {
+    drain_dq_stream();
     TORCH_CHECK_VALUE(false, e.what());
+  } catch (...) {
+    drain_dq_stream();
+    throw;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {bufs.dq, bufs.dk, bufs.dv};

@@ -192,7 +192,7 @@ def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, smem_
     # and the plan must pick the one it says.
     if smem_per_sm is None:
         monkeypatch.delenv("FLASH_SM75_BWD_SMEM_PER_SM", raising=False)
-        shared = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
+        shared = torch.cuda.get_device_properties("cuda").shared_memory_per_multiprocessor
     else:
         monkeypatch.setenv("FLASH_SM75_BWD_SMEM_PER_SM", smem_per_sm)
         shared = int(smem_per_sm)
@@ -206,16 +206,35 @@ def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, smem_
     assert (int(found.group(1)) if found else 0) == stages, names
 
 
+def kernel_streams(fn):
+    """{kernel name: set of stream ids} of the CUDA kernels fn() launches (torch.profiler:
+    a device event's device_resource_id is its stream)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    streams = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            streams.setdefault(e.name, set()).add(e.device_resource_id)
+    return streams
+
+
 @cuda_only
 @pytest.mark.parametrize("d", [64, 128])
 def test_bwd_dq_stream_same_and_side_agree(d, monkeypatch):
     # FLASH_SM75_BWD_DQ_STREAM: the dQ kernel on a second stream (default) or on the caller's
-    # stream: the same kernels, so bitwise the same gradients; and both exact.
+    # stream: the same kernels, so bitwise the same gradients; both exact; and the dQ kernel
+    # runs on a stream of its own exactly in the "side" mode.
     q, k, v, do = make_inputs(2, 333, 517, 8, 2, d, "cuda", seed=21)
     results = {}
     for mode in ("side", "same"):
         monkeypatch.setenv("FLASH_SM75_BWD_DQ_STREAM", mode)
-        results[mode] = check_against_reference(q, k, v, do, True, True, deterministic=True)
+        streams = kernel_streams(lambda: results.__setitem__(
+            mode, check_against_reference(q, k, v, do, True, True, deterministic=True)))
+        dkdv = set().union(*(s for n, s in streams.items() if "flash_bwd_dkdv" in n))
+        dq = set().union(*(s for n, s in streams.items() if "flash_bwd_dq_kernel" in n))
+        assert len(dkdv) == 1 and len(dq) == 1, streams
+        assert (dkdv != dq) == (mode == "side"), (mode, dkdv, dq)
     for a, b in zip(results["side"], results["same"]):
         assert torch.equal(a, b)
 

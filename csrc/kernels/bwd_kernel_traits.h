@@ -134,7 +134,7 @@ struct Flash_bwd_dkdv_kreg_traits {
       : (kOffV > kKTileBytes ? kOffV : kKTileBytes);
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
   // Two CTAs per SM need 2 x kSmemSize of the SM's shared memory: 64 KiB on a T4, so with V
-  // in shared memory (d = 128: 35.1 KiB with kStages = 1, 51.5 KiB with 2) a T4 would run one
+  // in shared memory (d = 128: 34.25 KiB with kStages = 1, 51.5 KiB with 2) a T4 would run one
   // CTA per SM (make_bwd_plan then picks the 8-warp kernel); the H200 runs two.
 
   static constexpr int kKVChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
@@ -191,7 +191,7 @@ template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
   using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 2>;   // 51.5 KiB
-  using KregTraits1 = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 1>;  // 35.1 KiB
+  using KregTraits1 = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 1>;  // 34.25 KiB
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
 };
 
@@ -228,11 +228,12 @@ constexpr bool kreg_fits(int smem_per_sm) {
   }
 }
 
-// Which dK/dV kernel runs: the K-in-registers kernel (Kr, if the head dim has one; else Kr1,
-// its one-tile-per-barrier form) in the deterministic dQ mode when kMinBlocksPerSm of its CTAs
-// fit in the SM's shared memory (smem_per_sm bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor):
-// it was measured faster on the H200 with two CTAs (8 warps) per SM, but at d = 128 it needs
-// 51.5 KiB (Kr1: 35.1 KiB), so a Turing SM (64 KiB) would hold one CTA of 4 warps; there the
+// Which dK/dV kernel runs: in the deterministic dQ mode, the K-in-registers kernel Kr (if the
+// head dim has one) when kMinBlocksPerSm of its CTAs fit in the SM's shared memory, else its
+// one-tile-per-barrier form Kr1 when that many of those fit (smem_per_sm bytes,
+// cudaDevAttrMaxSharedMemoryPerMultiprocessor): it was measured faster on the H200 with two
+// CTAs (8 warps) per SM, but at d = 128 it needs
+// 51.5 KiB (Kr1: 34.25 KiB), so a Turing SM (64 KiB) would hold one CTA of 4 warps; there the
 // 8-warp Traits kernel keeps 8 warps per SM.
 template <typename Kt, typename Kq, typename Kr = void, typename Kr1 = void>
 inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seqlen_k,

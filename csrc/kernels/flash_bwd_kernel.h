@@ -578,10 +578,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 //   S^T = K_w Q^T and dP^T = V_w dO^T (one k loop: 4 independent MMA chains per warp instead
 //   of 2) -> P^T -> dV += P^T dO -> dS^T = P^T o (dP^T - D) -> dK += dS^T Q,
 // with the A operands of S^T from registers and the B operands (Q, dO, plain and transposed)
-// from the tile's shared-memory buffer. Tile it + 1 is fetched into the other buffer meanwhile,
-// through registers in two parts: Q is loaded at the top of the loop and stored after S^T/dP^T,
-// dO is loaded then and stored after dK (measured against other schedules in
-// benchmarks/NOTES.md, session 4).
+// from the tile's shared-memory buffer. Tile it + kStages is fetched meanwhile into buffer
+// (it + kStages) mod 2 kStages, through registers in two parts: Q is loaded at the top of the
+// loop and stored after S^T/dP^T, dO is loaded then and stored after dK (measured against other
+// schedules in benchmarks/NOTES.md, sessions 4 and 10); the block synchronizes after every
+// kStages-th tile.
 template <typename Kt, bool Is_causal>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     flash_bwd_dkdv_kreg_kernel(const Flash_bwd_params params) {
@@ -594,9 +595,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   constexpr uint32_t kDo = Kt::kQTileBytes;  // byte offset of the dO tile from the Q tile
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __half* sQ0 = reinterpret_cast<__half*>(smem_raw);                // [2] x (Q tile, dO tile)
-  float* sLse0 = reinterpret_cast<float*>(smem_raw + Kt::kOffLse);   // [2][Br] lse * log2(e)
-  float* sDsum0 = reinterpret_cast<float*>(smem_raw + Kt::kOffDsum);  // [2][Br] D
+  __half* sQ0 = reinterpret_cast<__half*>(smem_raw);                // [kNBuf] x (Q, dO tile)
+  float* sLse0 = reinterpret_cast<float*>(smem_raw + Kt::kOffLse);   // [kNBuf][Br] lse * log2(e)
+  float* sDsum0 = reinterpret_cast<float*>(smem_raw + Kt::kOffDsum);  // [kNBuf][Br] D
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -690,7 +691,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       dsum_s = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
     };
 
-    uint4 stage[kQC];  // the next tile's Q, then its dO
+    uint4 stage[kQC];  // Q, then dO, of the tile kStages ahead
     float lse_stage = 0.f, dsum_stage = 0.f;
     int cur_m = nx_m;  // query tile of iteration it
     // Tiles 0 .. kStages - 1 into buffers 0 .. kStages - 1.
@@ -770,7 +771,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
           mma_k2n2(acc_dp[2 * np], acc_dp[2 * np + 1], a_lo, a_hi, b);
         }
       }
-      if (has_next) {  // the next tile's Q to its buffer; its dO loads in flight from here
+      if (has_next) {  // that tile's Q to its buffer; its dO loads in flight from here
         store_tile_r2s_padded<Kt>(stage, sQn, tid);
         load_do(stage, nx_head, nx_m);
       }

@@ -48,21 +48,31 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
         <<<static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads, 0, stream>>>(params);
   } else {
     auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false>;
+    if constexpr (!std::is_void_v<Kr> && !std::is_void_v<Kr1>) {
+      static_assert(Kr::kStages != Kr1::kStages, "plan.dkdv_stages names one of the two");
+    }
+    bool dispatched = !plan.dkdv_keys_in_regs;
     if constexpr (!std::is_void_v<Kr>) {
       if (plan.dkdv_keys_in_regs && plan.dkdv_stages == Kr::kStages) {
         kernel = &flash_bwd_dkdv_kreg_kernel<Kr, Is_causal>;
+        dispatched = true;
       }
     }
     if constexpr (!std::is_void_v<Kr1>) {
       if (plan.dkdv_keys_in_regs && plan.dkdv_stages == Kr1::kStages) {
         kernel = &flash_bwd_dkdv_kreg_kernel<Kr1, Is_causal>;
+        dispatched = true;
       }
+    }
+    if (!dispatched) {
+      throw std::logic_error("flash_attention_sm75: backward plan names a dK/dV kernel this head "
+                             "dim does not have (stages " + std::to_string(plan.dkdv_stages) + ")");
     }
     set_max_dynamic_smem(kernel, plan.dkdv_smem);
     auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal>;
     set_max_dynamic_smem(dq_kernel, plan.dq_smem);
-    // Fork after the preprocess (both kernels read D), dK/dV first (its CTAs are dispatched
-    // first), join before returning (see Flash_bwd_params::dq_stream).
+    // Fork after the preprocess (both kernels read D), dK/dV launched first (launching dQ first
+    // measured the same), join before returning (see Flash_bwd_params::dq_stream).
     const bool fork = params.dq_stream != nullptr;
     if (fork) {
       check_cuda(cudaEventRecord(params.dq_fork, stream), "cudaEventRecord");

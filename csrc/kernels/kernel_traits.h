@@ -104,8 +104,8 @@ struct Fwd_tile_config;
 //    default tile runs in a little more than one wave but this one runs in one
 //    (prefer_small_grid_tile in launch_plan.h).
 //  * LongRowTraits (void where there is none): 32-row warps (flash_fwd_m32_kernel), for rows that
-//    see at least kLongRowMinKeys keys on GPUs that keep two of its CTAs per SM
-//    (prefer_long_row_tile in launch_plan.h).
+//    see at least kLongRowMinKeys keys, in grids of more CTAs than SMs, on GPUs that keep two of
+//    its CTAs per SM (prefer_long_row_tile in launch_plan.h).
 template <>
 struct Fwd_tile_config<64> {
   // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit. Load

@@ -57,14 +57,14 @@ inline int64_t middle_row_keys(int seqlen_q, int seqlen_k, bool causal, int caus
 
 // The 32-row-warp tile (Fwd_tile_config::LongRowTraits) pays when rows see many keys (its
 // per-warp prologue and epilogue cover twice the rows), when the grid has more CTAs than the GPU
-// has SMs (num_sms; 0 = unknown: no grid test; a grid of at most one CTA per SM gives each SM
-// one 4-warp CTA, against the 8 warps of the 16-row tile's CTA over the same 128 rows) and when
-// the SM keeps at least two of its 4-warp CTAs resident (long_row_ctas_per_sm(): the occupancy
-// query, called only if the other tests pass; 0 = unknown keeps the default).
+// has SMs (num_sms; a grid of at most one CTA per SM gives each SM one 4-warp CTA, against the
+// 8 warps of the 16-row tile's CTA over the same 128 rows) and when the SM keeps at least two of
+// its 4-warp CTAs resident (long_row_ctas_per_sm(): the occupancy query, called only if the
+// other tests pass). An unknown SM count or occupancy (0) keeps the default tile.
 template <typename CtasPerSm>
 inline bool prefer_long_row_tile(int64_t middle_keys, int min_keys, int64_t long_row_blocks,
                                  int num_sms, CtasPerSm long_row_ctas_per_sm) {
-  return middle_keys >= min_keys && (num_sms <= 0 || long_row_blocks > num_sms) &&
+  return middle_keys >= min_keys && num_sms > 0 && long_row_blocks > num_sms &&
          long_row_ctas_per_sm() >= 2;
 }
 

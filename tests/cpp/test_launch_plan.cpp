@@ -111,11 +111,11 @@ TEST(LaunchPlan, LongRowTileOnlyForLongRowsLargeGridsAndTwoCtasPerSm) {
   EXPECT_FALSE(prefer_long_row_tile(8192, kMin, big, kSms, [] { return 1; }));
   EXPECT_FALSE(prefer_long_row_tile(8192, kMin, big, kSms, [] { return 0; }));
   // Grids of at most one CTA per SM keep the 16-row tile (8 warps per CTA); the grid must
-  // exceed the SM count; an unknown SM count (0) skips the grid test.
+  // exceed the SM count; an unknown SM count (0) keeps the default tile.
   EXPECT_FALSE(prefer_long_row_tile(8192, kMin, kSms, kSms, two));
   EXPECT_FALSE(prefer_long_row_tile(8192, kMin, 16, kSms, two));
   EXPECT_TRUE(prefer_long_row_tile(8192, kMin, kSms + 1, kSms, two));
-  EXPECT_TRUE(prefer_long_row_tile(8192, kMin, 16, 0, two));
+  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, big, 0, two));
   // The occupancy query (a CUDA call) runs only when keys and grid pass.
   int queries = 0;
   auto counted = [&] { ++queries; return 2; };
