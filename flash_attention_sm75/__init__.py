@@ -10,7 +10,7 @@ Public API:
 * :func:`apply_patch` / :func:`remove_patch` -- Hugging Face transformers integration (imported
   lazily, so transformers is optional).
 * :func:`deterministic_backward` / :func:`is_deterministic_backward` -- the backward's
-  determinism, per thread (default: no floating-point atomics; docs/BACKWARD.md).
+  determinism (default: no floating-point atomics; docs/BACKWARD.md).
 
 The op itself is ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md).
 """

@@ -21,42 +21,62 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 __all__ = ["deterministic_backward", "is_deterministic_backward", "register_backward"]
 
 _registered = False
-_local = threading.local()
+# Set by deterministic_backward(), process-wide: PyTorch runs the backward of CUDA tensors on its
+# autograd device threads, which a thread-local setting of the caller's thread would not reach.
+_forced: Optional[bool] = None
+_forced_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def deterministic_backward(enabled: bool = True) -> Iterator[None]:
-    """Within the block, backward passes run in deterministic mode (this thread only).
+    """Within the block, backward passes run in deterministic mode (``enabled=False``: they
+    follow ``FLASH_SM75_BWD_DQ`` even under ``torch.use_deterministic_algorithms(True)``).
 
-    The flag is read when the backward runs (``loss.backward()``), not when the forward runs.
+    The setting is read when the backward runs (``loss.backward()``), not when the forward runs,
+    and it is process-wide while the block runs: the backward of CUDA tensors runs on PyTorch's
+    autograd device threads, not on the thread that called ``backward()``. Blocks entered on
+    several threads at once with different settings race (the last one entered wins).
 
     Raises ``ValueError`` if ``enabled`` is not a bool.
     """
     from ._ops import require_bool  # (_ops imports this module lazily)
 
     require_bool("deterministic_backward(enabled)", enabled)
-    prev = getattr(_local, "deterministic", None)
-    _local.deterministic = enabled
+    global _forced
+    with _forced_lock:
+        prev, _forced = _forced, enabled
     try:
         yield
     finally:
-        _local.deterministic = prev
+        with _forced_lock:
+            _forced = prev
+
+
+def _deterministic_forced() -> bool:
+    """The backward op's ``deterministic`` argument: inside :func:`deterministic_backward`, its
+    setting; else ``torch.are_deterministic_algorithms_enabled()``."""
+    flag = _forced
+    if flag is not None:
+        return flag
+    return torch.are_deterministic_algorithms_enabled()
 
 
 def is_deterministic_backward() -> bool:
-    """True if the next backward on this thread runs without floating-point atomics."""
-    flag = getattr(_local, "deterministic", None)
-    if flag is not None:
-        return bool(flag)
-    return torch.are_deterministic_algorithms_enabled()
+    """True if the next CUDA backward runs without floating-point atomics (bitwise
+    reproducible): always, unless ``FLASH_SM75_BWD_DQ=atomic`` selects fp32 atomics for dQ and
+    neither :func:`deterministic_backward` nor ``torch.use_deterministic_algorithms(True)``
+    forces the separate dQ kernel. (The CPU backward is always deterministic; the CUDA backward
+    rejects other values of ``FLASH_SM75_BWD_DQ`` with ``ValueError`` when it runs.)"""
+    return _deterministic_forced() or os.environ.get("FLASH_SM75_BWD_DQ", "") != "atomic"
 
 
 def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_bottom_right,
@@ -87,7 +107,7 @@ def _fwd_backward(ctx, grad_out, grad_lse):
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
         grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
-        ctx.causal_bottom_right, leftpad_k, seqused_k, is_deterministic_backward(), grad_lse)
+        ctx.causal_bottom_right, leftpad_k, seqused_k, _deterministic_forced(), grad_lse)
     return (dq, dk, dv) + none
 
 

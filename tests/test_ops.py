@@ -293,14 +293,48 @@ def test_backward_stub_raises():
 
 
 @pytest.mark.parametrize("enabled", ["x", 1, None])
-def test_deterministic_backward_takes_a_bool(enabled):
+def test_deterministic_backward_takes_a_bool(enabled, monkeypatch):
     with pytest.raises(ValueError, match=r"deterministic_backward\(enabled\) must be a bool"):
         with fa.deterministic_backward(enabled):
             pass
+    # Only FLASH_SM75_BWD_DQ=atomic makes the (CUDA) backward use atomics, and the context
+    # manager (or torch.use_deterministic_algorithms) overrides it.
+    monkeypatch.delenv("FLASH_SM75_BWD_DQ", raising=False)
+    with fa.deterministic_backward(False):
+        assert fa.is_deterministic_backward()
+    monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
     with fa.deterministic_backward(False):
         assert not fa.is_deterministic_backward()
         with fa.deterministic_backward():
             assert fa.is_deterministic_backward()
+        assert not fa.is_deterministic_backward()
+
+
+@needs_ext
+@pytest.mark.parametrize("enabled", [True, False])
+def test_deterministic_backward_reaches_other_threads(enabled, monkeypatch):
+    # PyTorch runs the backward of CUDA tensors on its autograd device threads, not on the
+    # thread that called backward(): the setting must reach the backward op from another
+    # thread. Here the backward (of CPU tensors) runs on a worker thread while the block is
+    # active on this one, and the op's `deterministic` argument is recorded.
+    import threading
+
+    real_bwd = torch.ops.flash_attention_sm75.bwd
+    seen = []
+
+    def recording_bwd(*args):
+        seen.append(args[11])  # deterministic
+        return real_bwd(*args)
+
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, "bwd", recording_bwd)
+    q, k, v = (t.requires_grad_() for t in qkv(1, 8, 8, 2, 2, 64))
+    out = fa.flash_attn_func(q, k, v)
+    with fa.deterministic_backward(enabled):
+        worker = threading.Thread(target=lambda: out.float().sum().backward())
+        worker.start()
+        worker.join()
+    assert seen == [enabled]
+    assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
 @needs_ext
