@@ -34,6 +34,7 @@ from flash_attention_sm75.integrations.configs import (  # noqa: E402
     REALISTIC_CONFIGS, TINY_CONFIGS, load_model)
 
 CONFIG_NAMES = set(REALISTIC_CONFIGS) | set(TINY_CONFIGS)
+DEFAULT_PROMPT = "FlashAttention on Turing GPUs"
 
 logger = logging.getLogger("hf_generate")
 
@@ -74,8 +75,8 @@ def parse_args(argv=None):
                         "qwen2-0.5b, llama-3.2-1b, llama-2-7b, or a tiny llama/qwen2/qwen3/mistral")
     p.add_argument("--layers", type=_positive_int, default=None,
                    help="override the number of layers")
-    p.add_argument("--prompt", default="FlashAttention on Turing GPUs",
-                   help="prompt text (needs a tokenizer in --model)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT,
+                   help="prompt text (needs a tokenizer in --model; otherwise random tokens)")
     p.add_argument("--prompt-len", type=_positive_int, default=128,
                    help="random prompt length when there is no tokenizer")
     p.add_argument("--batch", type=_positive_int, default=1,
@@ -86,7 +87,10 @@ def parse_args(argv=None):
                    help="default: cuda if available, else cpu (every call then falls back)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--compare", action="store_true", help="also run stock SDPA and compare")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA GPU is available here (use --device cpu)")
+    return args
 
 
 def build_inputs(args, model, tokenizer):
@@ -160,6 +164,9 @@ def main(argv=None):
             print(f"no tokenizer ({type(e).__name__}); using random prompt tokens")
     else:
         model.generation_config.eos_token_id = None  # random weights: always run new_tokens
+    if tokenizer is None and args.prompt != DEFAULT_PROMPT:
+        logger.warning("warning: --prompt is ignored without a tokenizer (--model with tokenizer "
+                       "files); using %d random prompt tokens (--prompt-len)", args.prompt_len)
     ids, am, pad_id = build_inputs(args, model, tokenizer)
     ids, am = ids.to(device), am.to(device)
     cfg = model.config

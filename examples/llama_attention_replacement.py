@@ -48,15 +48,20 @@ logger = logging.getLogger("llama_attention_replacement")
 
 
 def main(argv=None):
-    from flash_attention_sm75.integrations.configs import load_model
+    from flash_attention_sm75.integrations.configs import (REALISTIC_CONFIGS, TINY_CONFIGS,
+                                                           load_model)
 
     p = argparse.ArgumentParser(description="apply_patch()/remove_patch() demo")
     p.add_argument("--model", default=None, help="local checkpoint directory")
-    p.add_argument("--config", default="llama-3.2-1b")
+    p.add_argument("--config", default="llama-3.2-1b",
+                   choices=sorted(set(REALISTIC_CONFIGS) | set(TINY_CONFIGS)),
+                   help="named config for random weights (default llama-3.2-1b)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA GPU is available here (use --device cpu)")
     # Progress lines ("[12:00:01] message") on stderr; stdout keeps the results.
     logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
 

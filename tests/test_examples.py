@@ -95,3 +95,28 @@ def test_generation_progress_does_not_change_the_tokens(caplog):
     steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("test: ")]
     assert [s.split()[1] for s in steps] == [f"{i}/{args.new_tokens}"
                                              for i in range(1, args.new_tokens + 1)]
+
+
+@pytest.mark.parametrize("script,args", [
+    ("hf_generate", ["--device", "cuda"]),
+    ("llama_attention_replacement", ["--device", "cuda"]),
+    ("llama_attention_replacement", ["--config", "bogus"]),
+    ("hf_generate", ["--config", "bogus"]),
+])
+def test_examples_reject_bad_arguments_with_a_usage_error(script, args):
+    # Before any model is built: argparse's exit status 2 and a message naming the option (no
+    # GPU here: CUDA is hidden), not a traceback from torch or a KeyError.
+    r = run_script(f"examples/{script}.py", *args, timeout=120, hide_cuda=True)
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-1000:]
+    option = args[0]
+    assert f"argument {option}" in r.stderr or f"{option} " in r.stderr, r.stderr[-1000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@needs_op
+def test_hf_generate_says_when_the_prompt_is_ignored():
+    r = run_example("examples/hf_generate.py", "--config", "qwen2", "--new-tokens", "1",
+                    "--prompt", "hello there")
+    lines = _progress_lines(r.stderr)
+    assert any(line.startswith("warning: --prompt is ignored without a tokenizer")
+               for line in lines), lines
