@@ -372,6 +372,28 @@ def test_autograd_through_fwd(deterministic):
 
 
 @cuda_only
+def test_deterministic_backward_context_reaches_the_cuda_backward(monkeypatch):
+    # PyTorch runs the backward of CUDA tensors on its autograd device thread: the context
+    # manager must reach it there (a thread-local flag did not: session 10). Under
+    # FLASH_SM75_BWD_DQ=atomic, the block forces the separate dQ kernel, else the atomic path
+    # (dK/dV kernel with dQ atomics + the fp32 -> fp16 convert kernel) runs. (Added in session 10
+    # without a GPU run: the device time was spent.)
+    monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
+    q, k, v, do = make_inputs(1, 200, 200, 2, 2, 64, "cuda", seed=4)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    for forced in (False, True):
+        out, _ = ops.fwd(q, k, v, 0.125, True, True)
+
+        def step():
+            with deterministic_backward(forced):
+                torch.autograd.grad(out, (q, k, v), do)
+
+        names = cuda_kernels_run(step, "flash_bwd")
+        assert any("flash_bwd_dq_kernel" in n for n in names) == forced, names
+        assert any("flash_bwd_convert_dq_kernel" in n for n in names) == (not forced), names
+
+
+@cuda_only
 def test_grad_through_lse():
     # loss uses softmax_lse too: its gradient must be included (d lse_i / d s_ij = P_ij)
     q, k, v, do = make_inputs(1, 150, 170, 2, 1, 64, "cuda", seed=2)
