@@ -192,3 +192,16 @@ def cuda_kernels_run(fn, name_part: str) -> set:
         fn()
         torch.cuda.synchronize()
     return {e.key for e in prof.key_averages() if name_part in e.key}
+
+
+def kernel_streams(fn) -> dict:
+    """{kernel name: set of stream ids} of the CUDA kernels fn() launches (torch.profiler: a
+    device event's device_resource_id is its stream)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    streams = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            streams.setdefault(e.name, set()).add(e.device_resource_id)
+    return streams

@@ -17,7 +17,7 @@ import torch
 
 ext = pytest.importorskip("flash_attention_sm75._C", reason="extension not built")
 from flash_attention_sm75._backward import deterministic_backward, register_backward  # noqa: E402
-from reference import cuda_kernels_run  # noqa: E402
+from reference import cuda_kernels_run, kernel_streams  # noqa: E402
 
 HAS_BWD = register_backward()
 pytestmark = pytest.mark.skipif(not HAS_BWD, reason="bwd op not in the built extension")
@@ -204,19 +204,6 @@ def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, smem_
     assert len(names) == 1, names
     found = re.search(r"dkdv_kreg_traits<128, 16, 4, false, (\d)>", next(iter(names)))
     assert (int(found.group(1)) if found else 0) == stages, names
-
-
-def kernel_streams(fn):
-    """{kernel name: set of stream ids} of the CUDA kernels fn() launches (torch.profiler:
-    a device event's device_resource_id is its stream)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    streams = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            streams.setdefault(e.name, set()).add(e.device_resource_id)
-    return streams
 
 
 @cuda_only

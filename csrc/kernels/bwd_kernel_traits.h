@@ -213,11 +213,6 @@ struct BwdLaunchPlan {
   int64_t convert_blocks;     // b * seqlen_q * h * d / 8 threads of work (atomic mode)
 };
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
 // Whether the K-in-registers kernel Kr (void: none) runs with kMinBlocksPerSm CTAs per SM.
 template <typename Kr>
 constexpr bool kreg_fits(int smem_per_sm) {
@@ -226,6 +221,16 @@ constexpr bool kreg_fits(int smem_per_sm) {
   } else {
     return Kr::kMinBlocksPerSm * Kr::kSmemSize <= smem_per_sm;
   }
+}
+
+// The dK/dV fields of a plan that runs the K-in-registers kernel of traits K.
+template <typename K>
+inline void set_kreg_dkdv(BwdLaunchPlan& p, int seqlen_k) {
+  p.dkdv_keys_in_regs = true;
+  p.dkdv_stages = K::kStages;
+  p.num_n_blocks = (seqlen_k + K::kBlockN - 1) / K::kBlockN;
+  p.dkdv_threads = K::kNThreads;
+  p.dkdv_smem = K::kSmemSize;
 }
 
 // Which dK/dV kernel runs: in the deterministic dQ mode, the K-in-registers kernel Kr (if the
@@ -244,20 +249,12 @@ inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seql
   p.num_n_blocks = (seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN;
   p.dkdv_threads = Kt::kNThreads;
   p.dkdv_smem = dq_atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq;
-  auto use_kreg = [&](auto traits) {
-    using K = typename decltype(traits)::type;
-    p.dkdv_keys_in_regs = true;
-    p.dkdv_stages = K::kStages;
-    p.num_n_blocks = (seqlen_k + K::kBlockN - 1) / K::kBlockN;
-    p.dkdv_threads = K::kNThreads;
-    p.dkdv_smem = K::kSmemSize;
-  };
   if (!dq_atomic) {
     if constexpr (!std::is_void_v<Kr>) {
-      if (kreg_fits<Kr>(smem_per_sm)) use_kreg(TypeTag<Kr>{});
+      if (kreg_fits<Kr>(smem_per_sm)) set_kreg_dkdv<Kr>(p, seqlen_k);
     }
     if constexpr (!std::is_void_v<Kr1>) {
-      if (!p.dkdv_keys_in_regs && kreg_fits<Kr1>(smem_per_sm)) use_kreg(TypeTag<Kr1>{});
+      if (!p.dkdv_keys_in_regs && kreg_fits<Kr1>(smem_per_sm)) set_kreg_dkdv<Kr1>(p, seqlen_k);
     }
   }
   p.dkdv_blocks = static_cast<int64_t>(p.num_n_blocks) * b * h_k;
