@@ -16,6 +16,7 @@
 """
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -663,16 +664,22 @@ def test_fallback_reasons_and_exact_stock_output(name, expected, caplog):
 def test_softcap_raises_on_the_registered_function_and_falls_back_under_the_patch():
     # Gemma 2 passes softcap=attn_logit_softcapping. Neither the kernel nor transformers' SDPA
     # (the fallback) implements it, so the registered implementation must refuse it rather than
-    # return uncapped attention; the patched "sdpa" entry keeps stock SDPA's behaviour.
+    # return uncapped attention; the patched "sdpa" entry keeps stock SDPA's behaviour, whichever
+    # it is: transformers 5.24 raises ValueError for softcap, earlier 5.x ignored it.
     if not _ops.EXTENSION_AVAILABLE:
         pytest.skip("extension not built")
     hf.configure(allow_cpu_reference=True)  # otherwise CPU tensors fall back for that reason
     mod, q, k, v, mask, _ = _fallback_case("cpu")
     with pytest.raises(ValueError, match=r"softcap=50\.0 .*attn_implementation='eager'"):
         hf.flash_attention_sm75_forward(mod, q, k, v, mask, softcap=50.0)
-    out, _ = hf._attention(sdpa_attention_forward, mod, q, k, v, mask, (), {"softcap": 50.0})
-    ref, _ = sdpa_attention_forward(mod, q, k, v, mask, softcap=50.0)
-    assert torch.equal(out, ref)
+    try:
+        ref, _ = sdpa_attention_forward(mod, q, k, v, mask, softcap=50.0)
+    except ValueError as stock_error:
+        with pytest.raises(ValueError, match=re.escape(str(stock_error))):
+            hf._attention(sdpa_attention_forward, mod, q, k, v, mask, (), {"softcap": 50.0})
+    else:
+        out, _ = hf._attention(sdpa_attention_forward, mod, q, k, v, mask, (), {"softcap": 50.0})
+        assert torch.equal(out, ref)
     stats = hf.get_stats()
     assert stats["kernel"] == 0 and any("softcap" in r for r in stats["reasons"])
     out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, mask, softcap=None)  # not capped

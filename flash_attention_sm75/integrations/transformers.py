@@ -645,11 +645,12 @@ def flash_attention_sm75_forward(
         fallback implements.
     """
     if kwargs.get("softcap") is not None:
-        # transformers' SDPA function ignores softcap, so falling back to it would silently
-        # compute uncapped attention (Gemma 2 needs attn_implementation="eager").
+        # transformers' SDPA function ignored softcap before 5.24 (falling back to it would
+        # silently compute uncapped attention) and raises for it since; Gemma 2 needs
+        # attn_implementation="eager" either way.
         raise ValueError(
             f"flash_attention_sm75: softcap={kwargs['softcap']!r} (attention logit soft-capping) "
-            f"is not supported, and transformers' SDPA fallback ignores it; load this model with "
+            f"is not supported, and transformers' SDPA fallback does not apply it; load this model with "
             f"attn_implementation='eager'")
     return _attention(_stock_sdpa_forward(), module, query, key, value, attention_mask, args,
                       kwargs)
