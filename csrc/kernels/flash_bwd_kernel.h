@@ -52,6 +52,15 @@ __device__ __forceinline__ int fp32_tile_offset(int row, int col) {
   return row * (kCols + 8) + col;
 }
 
+// The saved lse of a row in log2 units, as the exp2 recompute of P wants it. A row that saw no
+// key in the forward (lse = -inf), or a row past seqlen_q (callers pass -inf), gets +inf:
+// P = exp2(s - inf) = 0, so it contributes nothing (never NaN). The kernels that prefetch lse
+// from global memory apply this where they store it to shared memory, not where they load
+// it: a compare right after the load made the loading warp wait for it (ncu, session 11).
+__device__ __forceinline__ float lse_log2(float lse) {
+  return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
 // ---------------------------------------------------------------------------------------------
 // D_i = sum_c dO[i][c] * O[i][c] - dlse_i, for every (batch, head, query row): kHeadDim / 8
 // threads per row, one 16-byte chunk each, reduced with shuffles.
@@ -394,10 +403,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       if (tid < kBM) {
         const int row = m0 + tid;
         const int64_t off = (static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + row;
-        // Rows past seqlen_q and rows that saw no key in the forward (lse = -inf) get
-        // lse = +inf: P = exp2(s - inf) = 0, so they contribute nothing (never NaN).
-        const float lse = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
-        lse_stage = lse == -INFINITY ? INFINITY : lse * kLog2e;
+        // Raw lse (-inf past seqlen_q); store_tile converts it with lse_log2.
+        lse_stage = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
         dsum_stage = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
       }
     };
@@ -405,7 +412,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       store_tile_r2s_padded<Kt>(q_stage, sQ, tid);
       store_tile_r2s_padded<Kt>(do_stage, sdO, tid);
       if (tid < kBM) {
-        sLse[tid] = lse_stage;
+        sLse[tid] = lse_log2(lse_stage);
         sDsum[tid] = dsum_stage;
       }
     };
@@ -680,14 +687,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                             blk.bidb * params.do_batch_stride + head * params.do_head_stride,
                         params.do_row_stride, m * kBM, 0, params.seqlen_q, tid);
     };
-    // lse (log2 units) and D of row tid of tile (head, m) (threads tid < Br).
+    // Raw lse (-inf past seqlen_q; converted by lse_log2 where it is stored) and D of row tid
+    // of tile (head, m) (threads tid < Br).
     auto load_lse = [&](float& lse_s, float& dsum_s, int head, int m) {
       const int row = m * kBM + tid;
       const int64_t off =
           (static_cast<int64_t>(blk.bidb) * params.h + head) * params.seqlen_q + row;
-      // Rows past seqlen_q and rows that saw no key (lse = -inf) get lse = +inf: P = 0.
-      const float lse = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
-      lse_s = lse == -INFINITY ? INFINITY : lse * kLog2e;
+      lse_s = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
       dsum_s = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
     };
 
@@ -706,7 +712,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         store_tile_r2s_padded<Kt>(st, sQs + kBM * kRowH, tid);
         if (tid < kBM) {
           load_lse(lse_stage, dsum_stage, nx_head, nx_m);
-          sLse0[s * kBM + tid] = lse_stage;
+          sLse0[s * kBM + tid] = lse_log2(lse_stage);
           sDsum0[s * kBM + tid] = dsum_stage;
         }
         advance();
@@ -789,7 +795,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       if (has_next) {
         store_tile_r2s_padded<Kt>(stage, sQn + kBM * kRowH, tid);
         if (tid < kBM) {
-          sLse0[nbuf * kBM + tid] = lse_stage;
+          sLse0[nbuf * kBM + tid] = lse_log2(lse_stage);
           sDsum0[nbuf * kBM + tid] = dsum_stage;
         }
       }
@@ -867,8 +873,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 16 * warp + g + 8 * r;
     const int64_t off = bh * params.seqlen_q + row;
-    const float lse = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
-    lse_l2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    lse_l2[r] = lse_log2(row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY);
     dsum[r] = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
   }
 
