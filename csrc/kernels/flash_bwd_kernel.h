@@ -54,9 +54,10 @@ __device__ __forceinline__ int fp32_tile_offset(int row, int col) {
 
 // The saved lse of a row in log2 units, as the exp2 recompute of P wants it. A row that saw no
 // key in the forward (lse = -inf), or a row past seqlen_q (callers pass -inf), gets +inf:
-// P = exp2(s - inf) = 0, so it contributes nothing (never NaN). The kernels that prefetch lse
-// from global memory apply this where they store it to shared memory, not where they load
-// it: a compare right after the load made the loading warp wait for it (ncu, session 11).
+// P = exp2(s - inf) = 0, so it contributes nothing (never NaN). The K-in-registers dK/dV
+// kernel applies it where it stores the prefetched lse to shared memory, not where it loads
+// it: there a compare right after the load made the loading warp wait for the load every tile
+// and the other warps wait at the barrier (ncu, session 11; -9% kernel time at d = 128).
 __device__ __forceinline__ float lse_log2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
@@ -403,8 +404,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       if (tid < kBM) {
         const int row = m0 + tid;
         const int64_t off = (static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + row;
-        // Raw lse (-inf past seqlen_q); store_tile converts it with lse_log2.
-        lse_stage = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
+        // Converted here, unlike the K-in-registers kernel (which converts where it stores):
+        // converting in store_tile measured 1.6-1.9% slower for this kernel (d = 64, session 11).
+        lse_stage = lse_log2(row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY);
         dsum_stage = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
       }
     };
@@ -412,7 +414,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       store_tile_r2s_padded<Kt>(q_stage, sQ, tid);
       store_tile_r2s_padded<Kt>(do_stage, sdO, tid);
       if (tid < kBM) {
-        sLse[tid] = lse_log2(lse_stage);
+        sLse[tid] = lse_stage;
         sDsum[tid] = dsum_stage;
       }
     };
