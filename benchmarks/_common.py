@@ -297,6 +297,23 @@ def cuda_context_ok() -> bool:
         return False
 
 
+def bwd_problem(batch: int, heads: int, n: int, d: int, causal: bool, device: str = "cuda"):
+    """One backward problem for the kernel-tuning script (scripts/tune_bwd.py): fp16 BSHD (batch, n, heads, d) q, k, v, dout from a CPU
+    generator seeded with n + causal, softmax_scale = d**-0.5, the library's forward op's
+    (out, lse) and its backward op's (dq, dk, dv) as ``ref`` (bottom-right causal, deterministic).
+    Returns a dict with those keys plus ``scale``. Imports flash_attention_sm75 (its ops)."""
+    ensure_repo_on_path()
+    import flash_attention_sm75  # noqa: F401  (registers torch.ops.flash_attention_sm75)
+    g = torch.Generator(device="cpu").manual_seed(n + causal)
+    q, k, v, dout = (torch.randn(batch, n, heads, d, generator=g).to(device, torch.float16)
+                     for _ in range(4))
+    scale = d ** -0.5
+    out, lse = torch.ops.flash_attention_sm75.fwd(q, k, v, scale, causal, True)
+    ref = torch.ops.flash_attention_sm75.bwd(dout, q, k, v, out, lse, scale, causal, True, None,
+                                             None, True)
+    return dict(q=q, k=k, v=v, dout=dout, out=out, lse=lse, scale=scale, ref=ref)
+
+
 def attention_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
     """Forward FLOPs as FlashAttention's benchmarks count them: 4*b*h*sq*sk*d (two GEMMs),
     halved for causal (the exact visible fraction for sq == sk is (n+1)/(2n))."""

@@ -1,0 +1,108 @@
+"""CPU tests of the development scripts in scripts/ that need no GPU for part of their work:
+the ncu stall-sample summary, tune_bwd.py's source generation and spec checks, and the backward
+problem they share (benchmarks/_common.py)."""
+import csv
+
+import pytest
+
+from repo_scripts import ROOT, load_script, run_script
+
+
+def _write_csv(path, rows):
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_barrier",
+              "stall_long_sb", "stall_long_sb (Not Issued)"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["some ncu preamble line"])
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def test_ncu_source_stalls_sums_samples_per_opcode_and_reason(tmp_path):
+    mod = load_script("scripts/ncu_source_stalls.py")
+    path = tmp_path / "src.csv"
+    _write_csv(path, [["0x10", "@!P2  BRA 0x7f00", "900", "880", "0", "0"],
+                      ["0x20", "FSETP.NEU.FTZ.AND P2, PT, R9, -INF , PT", "300", "0", "290", "280"],
+                      ["0x30", "LDG.E.128 R4, desc[UR6][R2.64]", "1,100", "0", "1,000", "900"],
+                      ["0x40", "LDG.E.128 R8, desc[UR6][R6.64]", "100", "0", "0", "0"]])
+    header, rows = mod.read(str(path))
+    out = (tmp_path / "out.txt").open("w")
+    s = mod.summarise(header, rows, top=2, out=out)
+    out.close()
+    assert s["total"] == 2400
+    assert s["per_opcode"] == {"BRA": 900, "FSETP": 300, "LDG": 1200}
+    # "(Not Issued)" columns are a subset of the same samples, not another reason.
+    assert s["per_reason"] == {"stall_barrier": 880, "stall_long_sb": 1290}
+    text = (tmp_path / "out.txt").read_text()
+    top = text.split("top 2 instructions")[1].splitlines()[1:]
+    assert "LDG.E.128 R4" in top[0] and "stall_long_sb=1,000" in top[0]
+    assert "BRA" in top[1] and "stall_barrier=880" in top[1]
+
+
+def test_ncu_source_stalls_rejects_a_csv_without_the_sass_columns(tmp_path):
+    path = tmp_path / "details.csv"
+    path.write_text('"ID","Kernel Name","Metric Name","Metric Value"\n"0","k","a","1"\n')
+    r = run_script("scripts/ncu_source_stalls.py", str(path))
+    assert r.returncode == 2
+    assert "--page source --csv --print-source sass" in r.stderr
+
+
+def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path):
+    pytest.importorskip("torch.utils.cpp_extension")
+    variant = tmp_path / "v1"
+    variant.mkdir()
+    (variant / "flash_bwd_kernel.h").write_text("// an edited copy\n")
+    r = run_script("scripts/tune_bwd.py", "--gen-only", "--dkdv", "16,4,0,2",
+                   f"128/{variant}:16,4,0,2", "64/old", "--dq", "32,8",
+                   hide_cuda=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = ROOT / r.stdout.strip().splitlines()[-1]
+    tus = [(out / f"v{i}.cu").read_text() for i in range(4)]
+    # base variants use the library's own namespace and headers ...
+    assert "#define flash_sm75" not in tus[0]
+    assert f'#include "{ROOT / "csrc/kernels"}/flash_bwd_kernel.h"' in tus[0]
+    assert "flash_sm75::Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 2>" in tus[0]
+    # ... a copied directory gets its own namespace, and its own headers.
+    assert "#define flash_sm75 flash_sm75_v1" in tus[1] and "#undef flash_sm75" in tus[1]
+    assert f'#include "{variant}/flash_bwd_kernel.h"' in tus[1]
+    assert "flash_sm75_v1::flash_bwd_dkdv_kreg_kernel<Kr, true>" in tus[1]
+    assert "flash_sm75::Bwd_tile_config<64>::Traits" in tus[2]
+    assert "flash_bwd_dkdv_kernel<Kr, false, false>" in tus[2]
+    assert "Flash_bwd_dq_kernel_traits<128, 32, 8>" in tus[3]
+    bind = (out / "bind.cpp").read_text()
+    assert all(f"case {i}: run_" in bind for i in range(4))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dkdv", "16,4"], "Br,warps,v_in_regs[,stages] or old"),
+    (["--dq", "32"], "Bc,warps"),
+    (["--dkdv", "no_such_dir:16,4,0"], "holds no flash_bwd_kernel.h"),
+    ([], "give at least one variant"),
+])
+def test_tune_bwd_rejects_bad_specs_with_a_usage_error(args, message):
+    pytest.importorskip("torch.utils.cpp_extension")
+    r = run_script("scripts/tune_bwd.py", "--gen-only", *args, hide_cuda=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_bwd_problem_gives_the_ops_forward_and_gradients_of_its_seeded_inputs():
+    torch = pytest.importorskip("torch")
+    from flash_attention_sm75 import _ops
+    if not _ops.EXTENSION_AVAILABLE:
+        pytest.skip("extension not built")
+    common = load_script("benchmarks/_common.py")
+    pb = common.bwd_problem(1, 2, 33, 64, True, device="cpu")
+    again = common.bwd_problem(1, 2, 33, 64, True, device="cpu")
+    assert torch.equal(pb["q"], again["q"]) and torch.equal(pb["dout"], again["dout"])
+    assert pb["q"].shape == (1, 33, 2, 64) and pb["q"].dtype == torch.float16
+    assert pb["scale"] == 64 ** -0.5
+    # ref = the gradients of out = attention(q, k, v) (bottom-right causal) against dout.
+    q, k, v = (pb[x].double().requires_grad_() for x in "qkv")
+    mask = torch.ones(33, 33, dtype=torch.bool).tril()
+    p = ((q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)) * pb["scale"]).masked_fill(
+        ~mask, float("-inf")).softmax(-1)
+    out = (p @ v.transpose(1, 2)).transpose(1, 2)
+    assert (out - pb["out"].double()).abs().max() < 2e-3
+    grads = torch.autograd.grad(out, (q, k, v), pb["dout"].double())
+    for g, r in zip(grads, pb["ref"]):
+        assert r.shape == g.shape and (g - r.double()).abs().max() < 2e-2
