@@ -292,6 +292,21 @@ def forward_ad_input(q, k, v) -> Optional[str]:
     return None
 
 
+def functorch_grad_active() -> bool:
+    """True inside a ``torch.func`` reverse-mode transform (``grad``, ``vjp``, ``jacrev``,
+    ``grad_and_value``): the innermost functorch interpreter is a Grad transform.
+
+    The op's autograd formula comes from ``torch.library.register_autograd``, which torch.func's
+    reverse-mode transforms do not support (torch raises an error about an autograd.Function
+    without ``setup_context``). ``vmap`` alone works (per-sample fallback). Costs one C call
+    outside transforms.
+    """
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    top = torch._C._functorch.peek_interpreter_stack()
+    return top is not None and top.key() == torch._C._functorch.TransformType.Grad
+
+
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
     """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
     causal_bottom_right)``, skipping the op's autograd kernel when no gradient can flow.
@@ -309,7 +324,8 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
       tensors that require grad (or compute with them), which the guard would hide from autograd.
 
     Raises ``NotImplementedError`` for inputs carrying a forward-mode AD tangent (no jvp formula;
-    the tangent would otherwise be silently wrong).
+    the tangent would otherwise be silently wrong) and inside ``torch.func.grad`` / ``vjp`` /
+    ``jacrev`` (see ``functorch_grad_active``), before the op runs.
     """
     name = forward_ad_input(q, k, v)
     if name is not None:
@@ -318,6 +334,13 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
             f"is not supported; {name} carries a tangent. Use reverse mode (tensor.backward() "
             f"or torch.autograd.grad; torch.func transforms are not supported either) or "
             f"torch's scaled_dot_product_attention for jvp")
+    if functorch_grad_active():
+        raise NotImplementedError(
+            "flash_attention_sm75: torch.func reverse-mode transforms (grad, vjp, jacrev, "
+            "grad_and_value) are not supported: the op's autograd formula is registered with "
+            "torch.library.register_autograd, which they cannot use. Use tensor.backward() or "
+            "torch.autograd.grad, or flash_attention_sm75.scaled_dot_product_attention, which "
+            "falls back to torch's SDPA inside torch.func transforms")
     op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch._C._is_torch_function_mode_enabled()

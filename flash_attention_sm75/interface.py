@@ -53,7 +53,9 @@ def flash_attn_func(
     q : torch.Tensor
         Queries, shape ``(batch_size, seqlen_q, num_heads, head_dim)``, dtype ``torch.float16``.
         CUDA tensor (compute capability >= 7.5), or CPU tensor (computed by a reference
-        implementation: forward in float64, backward in float32). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
+        implementation: forward in float64, backward in float32; it materializes the
+        seqlen_q x seqlen_k scores: O(N^2) memory and far slower than torch's SDPA on CPU; it is
+        meant for tests and portability). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
         16-byte aligned and the batch, sequence and head strides divisible by 8 elements.
     k : torch.Tensor
         Keys, shape ``(batch_size, seqlen_k, num_heads_k, head_dim)``, same dtype, device and
@@ -100,7 +102,9 @@ def flash_attn_func(
         On ``backward()`` through the result if the built extension has no backward op
         (``flash_attention_sm75._ops.HAS_BACKWARD`` is False), and for forward-mode AD (an
         input carrying a ``torch.func.jvp`` / ``torch.autograd.forward_ad`` tangent: there is
-        no jvp formula).
+        no jvp formula), and inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` (the op's
+        ``torch.library.register_autograd`` formula cannot serve them). Raised before the op
+        runs.
 
     Notes
     -----
@@ -169,7 +173,9 @@ def flash_attention_forward(
     q : torch.Tensor
         Queries, shape ``(batch_size, num_heads, seqlen_q, head_dim)``, dtype ``torch.float16``.
         CUDA tensor (compute capability >= 7.5), or CPU tensor (reference
-        implementation: forward in float64, backward in float32). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
+        implementation: forward in float64, backward in float32; it materializes the
+        seqlen_q x seqlen_k scores: O(N^2) memory and far slower than torch's SDPA on CPU; it is
+        meant for tests and portability). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
         16-byte aligned and the batch, head and sequence strides divisible by 8 elements.
     k : torch.Tensor
         Keys, shape ``(batch_size, num_heads_k, seqlen_k, head_dim)``, same dtype, device and
@@ -219,7 +225,9 @@ def flash_attention_forward(
         On ``backward()`` through the result if the built extension has no backward op
         (``flash_attention_sm75._ops.HAS_BACKWARD`` is False), and for forward-mode AD (an
         input carrying a ``torch.func.jvp`` / ``torch.autograd.forward_ad`` tangent: there is
-        no jvp formula).
+        no jvp formula), and inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` (the op's
+        ``torch.library.register_autograd`` formula cannot serve them). Raised before the op
+        runs.
 
     Notes
     -----

@@ -201,7 +201,8 @@ def why_not_supported(
     value of the same shape; equal batch sizes (no broadcasting); ``num_heads == num_heads_k``, or
     ``enable_gqa=True`` and ``num_heads % num_heads_k == 0``; ``scale`` None or finite > 0; no
     tensor requires grad while grad mode is on, unless the extension has the backward op; no
-    forward-mode AD tangent on any input; no empty tensor; last dimension
+    forward-mode AD tangent on any input; no ``torch.func`` transform (``grad``, ``vjp``,
+    ``jacrev``, ``vmap``) active; no empty tensor; last dimension
     contiguous, data pointers 16-byte aligned, other strides divisible by 8 elements.
 
     Under ``torch.compile`` the compute-capability and data-pointer alignment checks are skipped
@@ -252,6 +253,10 @@ def why_not_supported(
     if dual is not None:
         return (f"{dict(q='query', k='key', v='value')[dual]} carries a forward-mode AD "
                 f"tangent (torch.func.jvp / forward_ad); the kernel has no jvp formula")
+    if torch._C._are_functorch_transforms_active():
+        return ("a torch.func transform (grad, vjp, jacrev, vmap, ...) is active: the kernel's "
+                "autograd formula does not support torch.func, and torch's SDPA has batching "
+                "rules")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.numel() == 0:
             return f"{name} is empty (shape {list(t.shape)})"
@@ -293,6 +298,7 @@ def _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, e
             and type(is_causal) is bool and type(dropout_p) in (float, int) and dropout_p == 0
             and (scale is None or type(scale) in (float, int))
             and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active()
             and _ops.forward_ad_input(query, key, value) is None
             # From here on query, key and value are 4-D tensors on one device.
             and _ops._passes_all_rules(query, key, value, scale, 1)

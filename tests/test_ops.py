@@ -477,17 +477,19 @@ def test_fast_path_matches_the_op(path, context, monkeypatch, below_autograd):
 
 @needs_ext
 def test_fast_path_not_taken_under_functorch(below_autograd):
-    # torch.func transforms manage the autograd keys themselves, so call_fwd leaves them alone and
-    # behaves as the op does (which does not support them: same error).
+    # torch.func transforms manage the autograd keys themselves: under vmap (which works, through
+    # torch's per-sample fallback) call_fwd calls the op plainly; under grad it raises its own
+    # error before the op (the op's error is torch's, about an autograd.Function).
     q, k, v = qkv(1, 3, 3, 2, 2, 64)
-    errors = []
-    for f in (lambda q: _ops.call_fwd(q, k, v, None, False, True)[0].float().sum(),
-              lambda q: torch.ops.flash_attention_sm75.fwd(q, k, v)[0].float().sum()):
-        with pytest.raises(Exception) as e:
-            torch.func.grad(f)(q)
-        errors.append((type(e.value), str(e.value)))
-    assert errors[0] == errors[1]
-    assert below_autograd == [False, False]
+    qs = torch.stack([q, q.flip(1)])
+    out = torch.func.vmap(lambda a: _ops.call_fwd(a, k, v, None, False, True)[0])(qs)
+    assert below_autograd == [False]
+    assert torch.equal(out[1], _ops.call_fwd(qs[1], k, v, None, False, True)[0])
+    with pytest.raises(NotImplementedError, match="torch.func reverse-mode transforms"):
+        torch.func.grad(lambda a: _ops.call_fwd(a, k, v, None, False, True)[0].float().sum())(q)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda a: torch.ops.flash_attention_sm75.fwd(a, k, v)[0].float().sum())(q)
+    assert below_autograd == [False, True, False]  # vmap, the plain call, the raw op under grad
 
 
 @needs_ext
@@ -533,6 +535,34 @@ def test_forward_mode_ad_raises(path, api, monkeypatch):
             with fwAD.dual_level():
                 f(q, fwAD.make_dual(k, torch.ones_like(k)), v)
     assert _ops.forward_ad_input(q, k, v) is None  # outside a dual level
+
+
+@needs_ext
+@pytest.mark.parametrize("path", ["call_fwd", "flash_attn_func", "flash_attention_forward"])
+@pytest.mark.parametrize("api", ["grad", "vjp", "jacrev"])
+def test_torch_func_reverse_mode_raises_naming_the_library(path, api, monkeypatch):
+    # torch.func cannot use a register_autograd formula; torch's own error named an
+    # autograd.Function the user never wrote. Ours must come first, from every direct API.
+    f = _public_paths(monkeypatch)[path]
+    q, k, v = qkv(1, 5, 5, 2, 2, 64)
+    loss = lambda v_: f(q, k, v_).float().sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="torch.func reverse-mode transforms"):
+        if api == "grad":
+            torch.func.grad(loss)(v)
+        elif api == "vjp":
+            torch.func.vjp(lambda v_: f(q, k, v_), v)
+        else:
+            torch.func.jacrev(loss)(v)
+    assert not _ops.functorch_grad_active()
+
+
+@needs_ext
+def test_vmap_of_the_direct_api_still_matches_the_per_sample_calls():
+    # vmap is not a reverse-mode transform: it keeps working (torch's per-sample fallback).
+    q, k, v = (torch.stack([t, t.flip(1)]) for t in qkv(1, 5, 5, 2, 2, 64))
+    out = torch.func.vmap(lambda a, b, c: fa.flash_attn_func(a, b, c, causal=True))(q, k, v)
+    for i in range(2):
+        assert torch.equal(out[i], fa.flash_attn_func(q[i], k[i], v[i], causal=True))
 
 
 # ------------------------------------------------------------------------------- package

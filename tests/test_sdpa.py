@@ -238,6 +238,33 @@ def test_forward_mode_ad_falls_back(kernel_device_cpu):
         assert "forward-mode AD" in sdpa.why_not_supported(qd, k, v)
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_fall_back_to_torch(transform, kernel_device_cpu, monkeypatch):
+    # A drop-in SDPA must work under torch.func: the kernel's register_autograd formula cannot
+    # serve grad/vjp/jacrev, so the wrapper leaves every torch.func call to torch.
+    q, k, v = (t.float() for t in bhsd(s_q=6, s_k=6))
+    plain = (q.half(), k.half(), v.half())
+    assert _accepts(*plain) == (True, True)  # the kernel path otherwise
+    if transform == "vmap":  # a leading batch dimension, so each sample is 4-D
+        q, k, v = (torch.stack([t, t.flip(2)]) for t in (q, k, v))
+    reasons = []
+
+    def ours(q_, k_, v_):
+        reasons.append(sdpa.why_not_supported(q_, k_, v_, is_causal=True))
+        return sdpa.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+
+    ref = lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)  # noqa: E731
+    if transform == "grad":
+        got = torch.func.grad(lambda q_: ours(q_.half(), k.half(), v.half()).float().sum())(q)
+        want = torch.func.grad(lambda q_: ref(q_.half(), k.half(), v.half()).float().sum())(q)
+    else:
+        got = torch.func.vmap(ours)(q.half(), k.half(), v.half())
+        want = torch.func.vmap(ref)(q.half(), k.half(), v.half())
+    assert torch.equal(got, want)
+    assert reasons and all("torch.func transform" in r for r in reasons), reasons
+    assert _accepts(*plain) == (True, True)  # outside a transform: the kernel again
+
+
 def test_kernel_accepts_declines_cpu_tensors_and_missing_extension(monkeypatch):
     args = bhsd()
     assert not sdpa._kernel_accepts(*args, None, 0.0, False, None, False)
