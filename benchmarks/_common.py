@@ -636,12 +636,15 @@ class Tee:
 
 def add_sweep_args(p, backends, n_default_help, tag):
     """Options every sweep benchmark has: shapes, causal, backends, output, timing."""
+    ensure_repo_on_path()
+    from flash_attention_sm75._cli import positive_int
+
     p.add_argument("--d", type=int, nargs="+", default=None, help="head dims (default 64 128)")
-    p.add_argument("--n", type=int, nargs="+", default=None,
+    p.add_argument("--n", type=positive_int, nargs="+", default=None,
                    help=f"sequence lengths, Sq = Sk (default {n_default_help})")
     p.add_argument("--causal", choices=["off", "on", "both"], default="both")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 4)")
-    p.add_argument("--heads", type=int, default=None, help="heads (default 16)")
+    p.add_argument("--batch", type=positive_int, default=None, help="batch size (default 4)")
+    p.add_argument("--heads", type=positive_int, default=None, help="heads (default 16)")
     p.add_argument("--backends", default=",".join(backends), help=f"comma list from {backends}")
     p.add_argument("--out-dir", default="bench_out")
     p.add_argument("--tag", default=tag, help="output file name stem")

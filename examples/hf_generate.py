@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flash_attention_sm75._cli import check_device, positive_int  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
 from flash_attention_sm75.integrations.configs import (  # noqa: E402
     REALISTIC_CONFIGS, TINY_CONFIGS, load_model)
@@ -60,36 +61,31 @@ def generation_progress(prompt_len, new_tokens, label, every_s=5.0):
     return StoppingCriteriaList([_Progress()])
 
 
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="local checkpoint directory")
     p.add_argument("--config", default="qwen2-0.5b", choices=sorted(CONFIG_NAMES),
                    help="named config for random weights (default qwen2-0.5b): the real-shape "
                         "qwen2-0.5b, llama-3.2-1b, llama-2-7b, or a tiny llama/qwen2/qwen3/mistral")
-    p.add_argument("--layers", type=_positive_int, default=None,
+    p.add_argument("--layers", type=positive_int, default=None,
                    help="override the number of layers")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help="prompt text (needs a tokenizer in --model; otherwise random tokens)")
-    p.add_argument("--prompt-len", type=_positive_int, default=128,
+    p.add_argument("--prompt-len", type=positive_int, default=128,
                    help="random prompt length when there is no tokenizer")
-    p.add_argument("--batch", type=_positive_int, default=1,
+    p.add_argument("--batch", type=positive_int, default=1,
                    help="batch size; rows get shorter prompts (left padded) when > 1")
-    p.add_argument("--new-tokens", type=_positive_int, default=32,
+    p.add_argument("--new-tokens", type=positive_int, default=32,
                    help="tokens to generate (greedy), default 32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="default: cuda if available, else cpu (every call then falls back)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--compare", action="store_true", help="also run stock SDPA and compare")
     args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: no CUDA GPU is available here (use --device cpu)")
+    check_device(p, "--device", args.device)
+    if args.model and not os.path.isdir(args.model):
+        p.error(f"--model {args.model}: no such directory (a local checkpoint directory is "
+                "expected; use --config NAME for random weights)")
     return args
 
 
@@ -144,9 +140,6 @@ def main(argv=None):
         logger.warning("warning: running on the CPU, which takes about a minute with the "
                        "default settings (building the model, then generating)")
         print("note: no GPU; every attention call falls back to torch SDPA on the CPU")
-    if args.model and not os.path.isdir(args.model):
-        raise SystemExit(f"--model {args.model!r}: no such directory (a local checkpoint "
-                         "directory is expected; use --config NAME for random weights)")
     source = args.model or args.config
     t0 = time.perf_counter()
     logger.info("loading %s on %s%s...", source, device,

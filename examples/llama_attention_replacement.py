@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flash_attention_sm75._cli import check_device, positive_int  # noqa: E402
 from flash_attention_sm75.integrations.transformers import (  # noqa: E402,F401
     apply_patch,
     get_stats,
@@ -56,12 +57,15 @@ def main(argv=None):
     p.add_argument("--config", default="llama-3.2-1b",
                    choices=sorted(set(REALISTIC_CONFIGS) | set(TINY_CONFIGS)),
                    help="named config for random weights (default llama-3.2-1b)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--layers", type=positive_int, default=4,
+                   help="decoder layers of the random-weight model (default 4)")
+    p.add_argument("--prompt-len", type=positive_int, default=256)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: no CUDA GPU is available here (use --device cpu)")
+    check_device(p, "--device", args.device)
+    if args.model and not os.path.isdir(args.model):
+        p.error(f"--model {args.model}: no such directory (a local checkpoint directory is "
+                "expected; use --config NAME for random weights)")
     # Progress lines ("[12:00:01] message") on stderr; stdout keeps the results.
     logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
 

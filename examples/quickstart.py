@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention_sm75 as fa
+from flash_attention_sm75._cli import positive_int
 
 
 def reference(q, k, v, causal):
@@ -35,9 +36,9 @@ def time_ms(fn, reps=20):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seqlen", type=int, default=2048)
+    parser.add_argument("--batch", type=positive_int, default=2)
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--seqlen", type=positive_int, default=2048)
     parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
     parser.add_argument("--causal", action="store_true")
     args = parser.parse_args()

@@ -91,3 +91,15 @@ def test_sweep_command_line_without_cuda_exits_with_the_message(script, tmp_path
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "CUDA is not available" in r.stderr
     assert not out.exists()  # nothing ran
+
+
+@pytest.mark.parametrize("script", ["bench_forward", "bench_backward"])
+@pytest.mark.parametrize("args", [["--batch", "0"], ["--n", "128", "0"], ["--heads", "-2"]])
+def test_sweep_rejects_sizes_below_one_with_a_usage_error(script, args, tmp_path):
+    # --batch 0 used to become 1 silently and --n 0 gave an empty table, then "no timing".
+    r = run_script(f"benchmarks/{script}.py", "--dry-run", "--out-dir", str(tmp_path / "o"),
+                   *args, timeout=120, hide_cuda=True)
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-1000:]
+    assert f"argument {args[0]}: must be an integer >= 1" in r.stderr, r.stderr[-1000:]
+    assert not (tmp_path / "o").exists()
+

@@ -102,6 +102,15 @@ def test_generation_progress_does_not_change_the_tokens(caplog):
     ("llama_attention_replacement", ["--device", "cuda"]),
     ("llama_attention_replacement", ["--config", "bogus"]),
     ("hf_generate", ["--config", "bogus"]),
+    ("hf_generate", ["--device", "bogus"]),
+    ("llama_attention_replacement", ["--device", "bogus"]),
+    ("llama_attention_replacement", ["--layers", "0"]),
+    ("llama_attention_replacement", ["--prompt-len", "0"]),
+    ("llama_attention_replacement", ["--model", "/nonexistent/checkpoint"]),
+    ("hf_generate", ["--model", "/nonexistent/checkpoint"]),
+    ("quickstart", ["--seqlen", "0"]),
+    ("quickstart", ["--batch", "-1"]),
+    ("quickstart", ["--heads", "x"]),
 ])
 def test_examples_reject_bad_arguments_with_a_usage_error(script, args):
     # Before any model is built: argparse's exit status 2 and a message naming the option (no
