@@ -30,6 +30,24 @@ def _as_float(softmax_scale: object) -> Optional[float]:
     return None if softmax_scale is None else float(softmax_scale)
 
 
+def _reject_fa2_options(dropout_p, window_size, softcap, alibi_slopes) -> None:
+    """ValueError unless FlashAttention-2's dropout_p / window_size / softcap / alibi_slopes are
+    at their "off" values (what this kernel computes)."""
+    problems = []
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        problems.append(f"dropout_p={dropout_p!r} (only 0.0: dropout is not implemented)")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w >= 0 for w in window_size)):
+        problems.append(f"window_size={window_size!r} (only (-1, -1): no sliding window)")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap != 0:
+        problems.append(f"softcap={softcap!r} (only 0.0: no logit soft-capping)")
+    if alibi_slopes is not None:
+        problems.append("alibi_slopes is not None (only None: no ALiBi)")
+    if problems:
+        raise ValueError("flash_attention_sm75: unsupported FlashAttention-2 option: "
+                         + "; ".join(problems))
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -37,6 +55,11 @@ def flash_attn_func(
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     return_lse: bool = False,
+    *,
+    dropout_p: float = 0.0,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention with the FlashAttention-2 algorithm, BSHD layout (FlashAttention's API).
 
@@ -45,8 +68,10 @@ def flash_attn_func(
     positional order is FlashAttention-3's ``(q, k, v, softmax_scale, causal)``, so code using
     ``flash_attn.flash_attn_func(q, k, v, softmax_scale=..., causal=...)`` can switch by
     changing the import. FlashAttention-2's order has ``dropout_p`` before ``softmax_scale``:
-    pass ``softmax_scale`` and ``causal`` by keyword when porting such calls (``dropout_p``,
-    ``window_size``, ``softcap`` and ``alibi_slopes`` are not supported).
+    pass ``softmax_scale`` and ``causal`` by keyword when porting such calls. ``dropout_p``,
+    ``window_size``, ``softcap`` and ``alibi_slopes`` are accepted as keywords at their
+    FlashAttention-2 "off" values only (so ``flash_attn_func(q, k, v, dropout_p=0.0,
+    causal=True)`` runs unchanged); any other value raises ``ValueError``.
 
     Parameters
     ----------
@@ -74,6 +99,18 @@ def flash_attn_func(
         key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
     return_lse : bool, optional
         Default ``False``. If ``True``, also return the softmax log-sum-exp.
+    dropout_p : float, optional, keyword-only
+        FlashAttention-2's dropout probability, accepted for porting at its default only: 0.
+        Dropout is not implemented; any other value raises ``ValueError``.
+    window_size : tuple of int, optional, keyword-only
+        FlashAttention-2's sliding window, accepted at its default only: ``(-1, -1)`` (no
+        window). Any other value raises ``ValueError``.
+    softcap : float, optional, keyword-only
+        FlashAttention-2's logit soft-capping, accepted at its default only: 0 (off). Any other
+        value raises ``ValueError``.
+    alibi_slopes : torch.Tensor, optional, keyword-only
+        FlashAttention-2's ALiBi slopes, accepted at its default only: ``None``. A tensor raises
+        ``ValueError``.
 
     Returns
     -------
@@ -94,8 +131,9 @@ def flash_attn_func(
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
         ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or
         ``causal`` /
-        ``return_lse`` not a bool. The message names the argument. Raised before any kernel
-        launch.
+        ``return_lse`` not a bool, or a FlashAttention-2 option (``dropout_p``,
+        ``window_size``, ``softcap``, ``alibi_slopes``) not at its "off" value. The message
+        names the argument. Raised before any kernel launch.
     RuntimeError
         If the compiled extension is not available, or the GPU's compute capability is < 7.5.
     NotImplementedError
@@ -147,6 +185,7 @@ def flash_attn_func(
     _require_extension()
     _ops.require_bool("causal", causal)
     _ops.require_bool("return_lse", return_lse)
+    _reject_fa2_options(dropout_p, window_size, softcap, alibi_slopes)
     _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bshd")
     out, softmax_lse = _ops.call_fwd(q, k, v, _as_float(softmax_scale), causal, True)
     if return_lse:

@@ -176,6 +176,30 @@ def test_valid_input_reaches_the_op(calls):
     assert torch.equal(out_b.transpose(1, 2), out)
 
 
+@pytest.mark.parametrize("kwargs,regex", [
+    ({"dropout_p": 0.1}, r"dropout_p=0\.1 \(only 0\.0"),
+    ({"dropout_p": True}, r"dropout_p=True \(only 0\.0"),
+    ({"window_size": (256, 0)}, r"window_size=\(256, 0\) \(only \(-1, -1\)"),
+    ({"window_size": (-1,)}, r"window_size=\(-1,\) \(only \(-1, -1\)"),
+    ({"softcap": 50.0}, r"softcap=50\.0 \(only 0\.0"),
+    ({"alibi_slopes": torch.ones(4)}, r"alibi_slopes is not None"),
+])
+def test_fa2_options_other_than_off_raise_before_the_op(kwargs, regex, calls):
+    q, k, v = bshd()
+    with pytest.raises(ValueError, match="unsupported FlashAttention-2 option: " + regex):
+        fa.flash_attn_func(q, k, v, causal=True, **kwargs)
+    assert calls == []
+
+
+def test_fa2_options_at_their_off_values_run_as_without_them(calls):
+    # FlashAttention-2 call sites (HF's, e.g.) pass dropout_p=0.0 by keyword: that must just run.
+    q, k, v = bshd()
+    out = fa.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=0.1, causal=True,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert torch.equal(out, fa.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True))
+    assert [c[3:] for c in calls] == [(0.1, True, True)] * 2
+
+
 @pytest.mark.parametrize("ret", [False, True])
 def test_return_lse_forms(ret):
     q, k, v = bshd()
@@ -390,8 +414,12 @@ def test_sdpa_signature_equals_torch():
 
 
 def test_flash_attn_func_signature_follows_flash_attn_order():
-    assert list(inspect.signature(fa.flash_attn_func).parameters) == [
+    params = inspect.signature(fa.flash_attn_func).parameters.values()
+    assert [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD] == [
         "q", "k", "v", "softmax_scale", "causal", "return_lse"]
+    # FlashAttention-2's options are keyword-only, so no FA-2 positional call lands in them.
+    assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == [
+        "dropout_p", "window_size", "softcap", "alibi_slopes"]
     assert list(inspect.signature(fa.flash_attention_forward).parameters) == [
         "q", "k", "v", "causal", "softmax_scale", "return_lse"]
 
