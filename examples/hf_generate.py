@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flash_attention_sm75._cli import check_device, positive_int  # noqa: E402
+from flash_attention_sm75._cli import check_device, check_model_dir, positive_int  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
 from flash_attention_sm75.integrations.configs import (  # noqa: E402
     REALISTIC_CONFIGS, TINY_CONFIGS, load_model)
@@ -83,9 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--compare", action="store_true", help="also run stock SDPA and compare")
     args = p.parse_args(argv)
     check_device(p, "--device", args.device)
-    if args.model and not os.path.isdir(args.model):
-        p.error(f"--model {args.model}: no such directory (a local checkpoint directory is "
-                "expected; use --config NAME for random weights)")
+    check_model_dir(p, "--model", args.model)
     return args
 
 

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flash_attention_sm75._cli import check_device, positive_int  # noqa: E402
+from flash_attention_sm75._cli import check_device, check_model_dir, positive_int  # noqa: E402
 from flash_attention_sm75.integrations.transformers import (  # noqa: E402,F401
     apply_patch,
     get_stats,
@@ -63,9 +63,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     check_device(p, "--device", args.device)
-    if args.model and not os.path.isdir(args.model):
-        p.error(f"--model {args.model}: no such directory (a local checkpoint directory is "
-                "expected; use --config NAME for random weights)")
+    check_model_dir(p, "--model", args.model)
     # Progress lines ("[12:00:01] message") on stderr; stdout keeps the results.
     logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
 

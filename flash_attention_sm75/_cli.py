@@ -6,6 +6,7 @@ option) before any model or tensor is built, instead of a traceback from torch o
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -31,3 +32,11 @@ def check_device(parser: argparse.ArgumentParser, option: str, text: str) -> tor
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"{option} {text}: no CUDA GPU is available here (use {option} cpu)")
     return device
+
+
+def check_model_dir(parser: argparse.ArgumentParser, option: str, path) -> None:
+    """``parser.error`` naming ``option`` unless ``path`` (a local checkpoint) is None or a
+    directory."""
+    if path and not os.path.isdir(path):
+        parser.error(f"{option} {path}: no such directory (a local checkpoint directory is "
+                     "expected; use --config NAME for random weights)")

@@ -294,15 +294,14 @@ def forward_ad_input(q, k, v) -> Optional[str]:
 
 def functorch_grad_active() -> bool:
     """True inside a ``torch.func`` reverse-mode transform (``grad``, ``vjp``, ``jacrev``,
-    ``grad_and_value``): the innermost functorch interpreter is a Grad transform.
+    ``grad_and_value``): the innermost functorch interpreter is a Grad transform. Callers
+    test ``torch._C._are_functorch_transforms_active()`` first (outside transforms this is
+    never needed).
 
     The op's autograd formula comes from ``torch.library.register_autograd``, which torch.func's
     reverse-mode transforms do not support (torch raises an error about an autograd.Function
-    without ``setup_context``). ``vmap`` alone works (per-sample fallback). Costs one C call
-    outside transforms.
+    without ``setup_context``). ``vmap`` alone works (per-sample fallback).
     """
-    if not torch._C._are_functorch_transforms_active():
-        return False
     top = torch._C._functorch.peek_interpreter_stack()
     return top is not None and top.key() == torch._C._functorch.TransformType.Grad
 
@@ -334,7 +333,8 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
             f"is not supported; {name} carries a tangent. Use reverse mode (tensor.backward() "
             f"or torch.autograd.grad; torch.func transforms are not supported either) or "
             f"torch's scaled_dot_product_attention for jvp")
-    if functorch_grad_active():
+    transforms = torch._C._are_functorch_transforms_active()
+    if transforms and functorch_grad_active():
         raise NotImplementedError(
             "flash_attention_sm75: torch.func reverse-mode transforms (grad, vjp, jacrev, "
             "grad_and_value) are not supported: the op's autograd formula is registered with "
@@ -342,7 +342,7 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
             "torch.autograd.grad, or flash_attention_sm75.scaled_dot_product_attention, which "
             "falls back to torch's SDPA inside torch.func transforms")
     op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    if (torch.compiler.is_compiling() or transforms
             or torch._C._is_torch_function_mode_enabled()
             or (torch.is_grad_enabled()
                 and (q.requires_grad or k.requires_grad or v.requires_grad))):
