@@ -372,3 +372,74 @@ def test_training_gradients_match_stock_sdpa(name, batch):
           f"{loss_32:.6f} | all-parameter gradient rel. error ours {e_all:.3g} stock "
           f"{e_all_stock:.3g} | worst ours/stock ratio {worst[0]:.3g} ({worst[1]})")
     assert abs(loss_ours - loss_32) <= 2 * abs(loss_stock - loss_32) + 5e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: a captured call must read the mask at replay time (issue: stale key ranges)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, heads, kv_heads):
+        super().__init__()
+        self.is_causal = True
+        self.num_key_value_groups = heads // kv_heads
+
+
+def _static_decode_mask(valid, kv_len):
+    """(B, 1, 1, kv_len) bool, as HF builds for one decode step over a static cache: batch row
+    b sees the cache slots [0, valid[b])."""
+    j = torch.arange(kv_len, device=DEVICE)
+    return (j[None, :] < torch.tensor(valid, device=DEVICE)[:, None])[:, None, None, :]
+
+
+def test_captured_decode_step_reads_the_mask_at_replay():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(21)
+    b, h, h_k, kv_len, d = 3, 8, 2, 96, 64
+    q = torch.randn(b, h, 1, d, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(b, h_k, kv_len, d, device=DEVICE, dtype=torch.float16)
+    v = torch.randn(b, h_k, kv_len, d, device=DEVICE, dtype=torch.float16)
+    mod = _Attn(h, h_k)
+    mask = _static_decode_mask([10, 40, 70], kv_len)  # the static buffer the graph reads
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up, as torch.compile / HF do before capturing
+            hf.flash_attention_sm75_forward(mod, q, k, v, mask)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, mask)
+    for valid in ([11, 41, 71], [60, 2, 96]):  # the cache grew / was refilled
+        mask.copy_(_static_decode_mask(valid, kv_len))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = sdpa_attention_forward(mod, q.float(), k.float(), v.float(), mask)
+        torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_static_cache_generate_under_reduce_overhead_compile_matches_eager():
+    # HF generate() with a static cache under torch.compile(mode="reduce-overhead"): the decode
+    # step is captured once and replayed while the cache's valid lengths grow.
+    cfg = make_config("llama", num_attention_heads=4, num_key_value_heads=2)
+    model = build_random_model(cfg, dtype=torch.float16, device=DEVICE, seed=22,
+                               attn_implementation="sm75_attention")
+    stock = copy.deepcopy(model)
+    stock.set_attn_implementation("sdpa")
+    torch.manual_seed(23)
+    ids = torch.randint(1, cfg.vocab_size, (2, 13), device=DEVICE)
+    am = torch.ones_like(ids)
+    am[1, :5] = 0
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    kw = dict(attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0,
+              cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        ours = model.generate(ids, **kw)
+        ref = stock.generate(ids, **kw)
+    lo, lr = torch.stack(ours.logits, 1).float(), torch.stack(ref.logits, 1).float()
+    assert (ours.sequences == ref.sequences).float().mean() >= 0.9
+    assert (lo - lr).abs().max() < 0.05, (lo - lr).abs().max()

@@ -4,11 +4,13 @@ Two ways to run transformers models on the SM75 FlashAttention kernel:
 
 1. **Registered attention implementation.** Importing this module registers
    :func:`flash_attention_sm75_forward` with ``transformers.AttentionInterface`` (and the
-   ``sdpa`` mask builder with ``AttentionMaskInterface``) under the name
-   ``"flash_attention_sm75"``, so::
+   ``sdpa`` mask builder with ``AttentionMaskInterface``) under two names,
+   ``"sm75_attention"`` (recommended: transformers calls it exactly as it calls ``"sdpa"``) and
+   ``"flash_attention_sm75"`` (transformers treats names containing "flash" as FlashAttention
+   flavours; see :func:`register` for what that changes), so::
 
-       AutoModelForCausalLM.from_pretrained(path, attn_implementation="flash_attention_sm75")
-       model.set_attn_implementation("flash_attention_sm75")
+       AutoModelForCausalLM.from_pretrained(path, attn_implementation="sm75_attention")
+       model.set_attn_implementation("sm75_attention")
 
    work for every model that dispatches through ``ALL_ATTENTION_FUNCTIONS``.
 
@@ -29,11 +31,14 @@ exactly "key range per batch row" (``leftpad_k[b] <= j < seqused_k[b]``), option
 diagonal, which covers no mask, causal, left/right padding, chunked prefill and decode with a
 cache. Anything else (arbitrary 4-D masks, packed-sequence/document masks, sliding windows, float
 masks with other values), any unsupported input (CPU, fp32/bf16, head_dim not in {64, 128},
-dropout, ``output_attentions``) calls transformers' own ``sdpa_attention_forward``
-with the original arguments, and the reason is logged at DEBUG on the ``"flash_attention_sm75"``
-logger and counted in :func:`get_stats`. Inputs that require grad (training) run on the kernel,
-whose backward is registered with autograd; only an extension built without the backward op
-falls back for them.
+dropout, ``output_attentions``, a keyword argument outside the allow-list) calls transformers'
+own ``sdpa_attention_forward`` with the original arguments, and the reason is logged at DEBUG
+on the ``"flash_attention_sm75"`` logger and counted in :func:`get_stats`. Packed sequences
+(``cu_seq_lens_q/k`` or restarting ``position_ids``, as transformers' FlashAttention path reads
+them) run there with a per-document mask. While ``torch.compile`` traces or a CUDA graph
+captures, nothing is read on the host: a mask goes to torch SDPA, which reads it at replay.
+Inputs that require grad (training) run on the kernel, whose backward is registered with
+autograd.
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ from .. import _ops
 
 __all__ = [
     "ATTENTION_NAME",
+    "ATTENTION_NAME_PLAIN",
     "DEFAULT_PATCH_MODEL_TYPES",
     "MaskInfo",
     "PatchHandle",
@@ -69,7 +75,14 @@ __all__ = [
 logger = logging.getLogger("flash_attention_sm75")
 
 ATTENTION_NAME = "flash_attention_sm75"
-"""Name under which the attention function is registered with transformers."""
+"""Name under which the attention function is registered with transformers; transformers treats
+names containing "flash" as FlashAttention flavours (see :func:`register`)."""
+
+ATTENTION_NAME_PLAIN = "sm75_attention"
+"""The same attention function under a name transformers treats like any custom implementation
+(recommended; see :func:`register`)."""
+
+ATTENTION_NAMES = (ATTENTION_NAME, ATTENTION_NAME_PLAIN)
 
 DEFAULT_PATCH_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 """``config.model_type`` values that :func:`apply_patch` routes to the kernel by default."""
@@ -111,7 +124,9 @@ def get_stats() -> Dict[str, Any]:
     dict
         ``{"kernel": n, "kernel_prefill": n, "kernel_decode": n, "fallback": n,
         "reasons": {reason: n}}``. One count per attention call, i.e. per layer and forward.
-        ``kernel_decode`` counts calls with ``q_len == 1``.
+        ``kernel_decode`` counts calls with ``q_len == 1``. Calls traced by ``torch.compile``
+        are not counted (a lock and a counter on the traced path would break the graph), nor
+        are replays of a compiled graph or a CUDA graph, which run no Python.
 
     Examples
     --------
@@ -124,12 +139,16 @@ def get_stats() -> Dict[str, Any]:
 
 
 def _count_kernel(q_len: int) -> None:
+    if torch.compiler.is_compiling():  # no lock or Counter on a traced path (see get_stats)
+        return
     with _STATS_LOCK:
         _STATS["kernel"] += 1
         _STATS["kernel_decode" if q_len == 1 else "kernel_prefill"] += 1
 
 
 def _count_fallback(reason: str) -> None:
+    if torch.compiler.is_compiling():
+        return
     with _STATS_LOCK:
         _STATS["fallback"] += 1
         _STATS["reasons"][reason] += 1
@@ -217,19 +236,83 @@ class MaskInfo:
 
 _Classification = Tuple[Optional[MaskInfo], Optional[str]]
 
-_CACHE_LOCK = threading.Lock()
-_CACHE_SIZE = 8
-# id(mask) -> (weakref(mask), signature, (MaskInfo | None, reason | None))
-_CLASSIFY_CACHE: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+
+def _host_reads_allowed(t: torch.Tensor) -> bool:
+    """Whether the integration may read ``t``'s values on the host (one synchronisation).
+
+    Not while ``torch.compile`` / ``torch.jit`` trace (a data-dependent branch breaks the graph
+    or fails ``fullgraph=True``) and not while a CUDA graph captures (a synchronisation is
+    illegal there, and a decision taken at capture would be replayed with whatever the tensor
+    holds later). On those paths the integration takes decisions from shapes alone and leaves
+    data-dependent work (a mask) to torch SDPA, which reads it on the device at every replay.
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
 
 
-def _mask_signature(mask: torch.Tensor, extra: tuple) -> tuple:
-    try:
-        version = mask._version
-    except Exception:  # inference tensors have no version counter
-        version = None
-    return (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask.dtype, mask.device,
-            version) + extra
+class _PerTensorCache:
+    """A few results keyed on a tensor object, for values transformers hands to every layer.
+
+    transformers passes the same mask (and ``position_ids``) tensor to each layer of a forward,
+    so deciding once per object saves a host synchronisation per layer. An entry is used only
+    for the same object (weak reference) with the same data pointer, shape, strides, dtype,
+    device, version counter and ``extra`` key; tensors without a version counter (inference
+    tensors, which can change in place unseen) are never cached. Callers use it only where
+    :func:`_host_reads_allowed` holds, so no entry is consulted or made under tracing or
+    capture.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._entries: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+
+    @staticmethod
+    def _signature(t: torch.Tensor, extra: tuple) -> Optional[tuple]:
+        try:
+            version = t._version
+        except Exception:  # inference tensors have no version counter
+            return None
+        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
+                version) + extra
+
+    def get(self, t: torch.Tensor, extra: tuple) -> Optional[Any]:
+        signature = self._signature(t, extra)
+        if signature is None:
+            return None
+        with self._lock:
+            hit = self._entries.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] == signature:
+                self._entries.move_to_end(id(t))
+                return hit[2]
+        return None
+
+    def put(self, t: torch.Tensor, extra: tuple, value: Any) -> None:
+        signature = self._signature(t, extra)
+        if signature is None:
+            return
+        try:
+            ref = weakref.ref(t)
+        except TypeError:  # pragma: no cover
+            return
+        with self._lock:
+            for k in [k for k, v in self._entries.items() if v[0]() is None]:
+                del self._entries[k]
+            self._entries[id(t)] = (ref, signature, value)
+            self._entries.move_to_end(id(t))
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_MASK_CACHE = _PerTensorCache()
+_POSITION_IDS_CACHE = _PerTensorCache()
 
 
 def _blocked_values(mask: torch.Tensor, query_dtype: Optional[torch.dtype]) -> torch.Tensor:
@@ -395,40 +478,28 @@ def classify_attention_mask(
     ``.tolist()`` of the stacked 0-d flags); a mask that falls back costs one more to name the
     reason. The result is cached per mask object (transformers passes the same mask tensor to
     every layer of a forward), keyed on identity (weak reference), data pointer, shape, strides
-    and version counter. Inference tensors have no version counter, so a mask modified in place
-    between calls under ``torch.inference_mode()`` would not be re-classified; transformers
-    builds a new mask for every forward.
+    and version counter; inference tensors (no version counter) are classified at every call.
+
+    While ``torch.compile`` traces or a CUDA graph captures, no mask is read on the host: the
+    answer is ``(None, reason)`` and the caller hands the mask to torch SDPA, which reads it on
+    the device at every replay (a key range decided at capture would be replayed stale).
     """
+    if not _host_reads_allowed(attention_mask):
+        return None, ("a mask cannot be classified while torch.compile traces or a CUDA graph "
+                      "captures (no host read of device values there); torch SDPA applies it")
     extra = (int(batch_size), int(q_len), int(kv_len), query_dtype)
-    key = id(attention_mask)
-    tracing = torch.jit.is_tracing() or torch.compiler.is_compiling()
-    if not tracing:
-        signature = _mask_signature(attention_mask, extra)
-        with _CACHE_LOCK:
-            hit = _CLASSIFY_CACHE.get(key)
-            if hit is not None and hit[0]() is attention_mask and hit[1] == signature:
-                _CLASSIFY_CACHE.move_to_end(key)
-                return hit[2]
+    hit = _MASK_CACHE.get(attention_mask, extra)
+    if hit is not None:
+        return hit
     result = _classify_uncached(attention_mask, int(batch_size), int(q_len), int(kv_len),
                                 query_dtype)
-    if not tracing:
-        try:
-            ref = weakref.ref(attention_mask)
-        except TypeError:  # pragma: no cover
-            return result
-        with _CACHE_LOCK:
-            for k in [k for k, v in _CLASSIFY_CACHE.items() if v[0]() is None]:
-                del _CLASSIFY_CACHE[k]
-            _CLASSIFY_CACHE[key] = (ref, signature, result)
-            _CLASSIFY_CACHE.move_to_end(key)
-            while len(_CLASSIFY_CACHE) > _CACHE_SIZE:
-                _CLASSIFY_CACHE.popitem(last=False)
+    _MASK_CACHE.put(attention_mask, extra, result)
     return result
 
 
 def _clear_classification_cache() -> None:
-    with _CACHE_LOCK:
-        _CLASSIFY_CACHE.clear()
+    _MASK_CACHE.clear()
+    _POSITION_IDS_CACHE.clear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,6 +507,23 @@ def _clear_classification_cache() -> None:
 # ----------------------------------------------------------------------------------------------
 
 _SDPA_POSITIONAL = ("dropout", "scaling", "is_causal", "position_bias")
+
+# ---- The keyword arguments transformers passes, and how each is honoured (an allow-list) ----
+# Packed (padding-free) inputs: token t of the flattened batch belongs to the document
+# i with cu_seq_lens[i] <= t < cu_seq_lens[i + 1]; max_length_* are only size hints.
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# Change the result, and neither the kernel nor torch SDPA (the fallback) applies them: the
+# registered implementation raises for them rather than return the unmodified attention.
+_REFUSED_KWARGS = ("softcap", "s_aux", "sinks")
+# Model-level arguments that reach attention functions through **kwargs without entering the
+# attention itself (transformers 5.x call sites).
+_INERT_KWARGS = frozenset({
+    "use_cache", "output_hidden_states", "return_dict", "cache_position", "past_key_values",
+    "past_key_value", "position_embeddings", "layer_idx", "output_router_logits",
+})
+_HANDLED_KWARGS = (frozenset(_SDPA_POSITIONAL) | frozenset(_PACKED_KWARGS)
+                   | frozenset(_REFUSED_KWARGS) | _INERT_KWARGS
+                   | {"output_attentions", "sliding_window", "position_ids", "deterministic"})
 
 
 def _bind_sdpa_args(args: tuple, kwargs: dict) -> Dict[str, Any]:
@@ -449,27 +537,52 @@ def _bind_sdpa_args(args: tuple, kwargs: dict) -> Dict[str, Any]:
     return bound
 
 
+def _unknown_kwargs(kwargs: dict) -> list:
+    """Keyword arguments outside the allow-list that are set (``None`` means "not used")."""
+    return sorted(name for name, value in kwargs.items()
+                  if name not in _HANDLED_KWARGS and value is not None)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_capability(index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _position_bias_is_zero(position_bias: torch.Tensor, query: torch.Tensor) -> bool:
+    """T5's cross-attention passes a bias of zeros, (1, H, q_len, kv_len): nothing to add."""
+    if not (isinstance(position_bias, torch.Tensor) and position_bias.device == query.device
+            and _host_reads_allowed(position_bias)):
+        return False
+    return not bool(position_bias.any())  # one host read
+
+
 def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs) -> Optional[str]:
+    unknown = _unknown_kwargs(kwargs)
+    if unknown:
+        return (f"keyword argument(s) {unknown} are not understood by the kernel path (they "
+                f"could change the result)")
     if kwargs.get("output_attentions", False):
         return "output_attentions=True"
-    if kwargs.get("softcap") is not None:
-        return f"softcap={kwargs['softcap']!r} (attention logit soft-capping is not supported)"
-    if bound["position_bias"] is not None:
-        return "position_bias is not supported"
+    for name in _REFUSED_KWARGS:
+        if kwargs.get(name) is not None:
+            return f"{name} is not supported by the kernel"
+    if kwargs.get("deterministic") and not _deterministic_backward():
+        return ("deterministic=True while FLASH_SM75_BWD_DQ=atomic makes the backward "
+                "non-deterministic")
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
         return "query/key/value are not 4-D tensors"
+    if bound["position_bias"] is not None and not _position_bias_is_zero(bound["position_bias"],
+                                                                          query):
+        return "position_bias is not supported"
     dev = query.device
     if key.device != dev or value.device != dev:
         return "query, key and value are on different devices"
     if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if _cuda_capability(index) < (7, 5):
-            return f"CUDA device capability {_cuda_capability(index)} < (7, 5)"
+        # Not traceable (lru_cache); under torch.compile the C++ op checks the device.
+        if not torch.compiler.is_compiling():
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            if _cuda_capability(index) < (7, 5):
+                return f"CUDA device capability {_cuda_capability(index)} < (7, 5)"
     elif dev.type == "cpu":
         if not _SETTINGS["allow_cpu_reference"]:
             return "CPU tensors (the kernel runs on CUDA; CPU uses torch SDPA)"
@@ -516,6 +629,12 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
     return None
 
 
+def _deterministic_backward() -> bool:
+    from .. import is_deterministic_backward
+
+    return bool(is_deterministic_backward())
+
+
 def _plan(module, query, key, attention_mask, is_causal) -> "_Classification":
     """Map the call onto the op (``MaskInfo``) or return the reason to fall back."""
     b, _, q_len, _ = query.shape
@@ -537,11 +656,176 @@ def _plan(module, query, key, attention_mask, is_causal) -> "_Classification":
     return classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype)
 
 
+# ----------------------------------------------------------------------------------------------
+# Packed sequences and sliding windows without a mask (FlashAttention semantics)
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_causal(module, is_causal) -> bool:
+    return bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+
+
+def _cu_seq_lens(kwargs: dict, query, key) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(cu_q, cu_k)`` int64 on the query's device, or ``(None, None)`` when not packed."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None, None
+    for name, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+        if cu is not None and not (isinstance(cu, torch.Tensor) and cu.dim() == 1
+                                   and not cu.dtype.is_floating_point and cu.numel() >= 1):
+            raise ValueError(f"flash_attention_sm75: {name} must be a 1-D integer tensor of "
+                             f"cumulative sequence lengths starting at 0, got {cu!r}")
+    # One of the two alone describes both (self-attention over the same packed tokens).
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    dev = query.device
+    return cu_q.to(device=dev, dtype=torch.int64), cu_k.to(device=dev, dtype=torch.int64)
+
+
+def _packed_position_ids(kwargs: dict, query, key, attention_mask) -> Optional[torch.Tensor]:
+    """``position_ids`` (1-D, on the query's device) when they pack several sequences in a row.
+
+    transformers' FlashAttention rule (``_is_packed_sequence``): one batch row, more than one
+    query, and positions that restart: a new sequence begins wherever the position equals the
+    row's minimum. Read on the host once per ``position_ids`` object (transformers passes one
+    tensor to every layer); while tracing or capturing, where nothing may be read, any such
+    row is treated as packed (the documents mask then equals the plain one if it is not).
+    """
+    pos = kwargs.get("position_ids")
+    b, _, q_len, _ = query.shape
+    if not (isinstance(pos, torch.Tensor) and b == 1 and q_len > 1 and key.shape[2] == q_len
+            and pos.dim() in (1, 2) and pos.shape[-1] == q_len and pos.numel() == q_len
+            and not pos.dtype.is_floating_point):
+        return None
+    pos = pos.reshape(-1).to(query.device)
+    if not _host_reads_allowed(pos):
+        return pos
+    hit = _POSITION_IDS_CACHE.get(kwargs["position_ids"], ())
+    if hit is None:
+        starts = pos == pos.min()
+        hit = (bool((starts[1:].any() | ~starts[0]).item()),)
+        _POSITION_IDS_CACHE.put(kwargs["position_ids"], (), hit)
+    return pos if hit[0] else None
+
+
+def _documents_mask(doc_q, doc_k, rel_q, rel_k, offset, causal: bool,
+                    window: Optional[int]) -> torch.Tensor:
+    """(1, 1, Tq, Tk) bool: query token i sees key j iff both are in one document and, within
+    it, j is on or before the bottom-right diagonal (causal) and inside the window."""
+    visible = doc_q[:, None] == doc_k[None, :]
+    if causal or window is not None:
+        # > 0: key j is that many positions before query i's diagonal.
+        dist = (rel_q + offset)[:, None] - rel_k[None, :]
+        if causal:
+            visible &= dist >= 0
+        if window is not None:
+            visible &= (dist < window) if causal else (dist.abs() < window)
+    return visible[None, None]
+
+
+def _explicit_mask(module, query, key, attention_mask, bound, kwargs) -> Tuple[
+        Optional[torch.Tensor], Optional[str]]:
+    """A mask stating what transformers' FlashAttention path computes but no mask says.
+
+    Returns ``(mask, reason)`` for calls whose result depends on arguments that the SDPA-style
+    mask does not carry: packed sequences (``cu_seq_lens_q/k``, or ``position_ids`` that
+    restart in one row) and a sliding window that the missing mask would not apply. ``mask``
+    is boolean, on the device, built without host reads (capture and compile safe), in the
+    flattened token layout for ``cu_seq_lens`` (batch rows concatenated), AND-ed with
+    ``attention_mask``. ``(None, None)`` for every other call.
+    """
+    b, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    window = kwargs.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"flash_attention_sm75: sliding_window must be a positive int or None, "
+                         f"got {window!r}")
+    # The mask transformers builds carries causality and the window; without one, they come
+    # from is_causal / module.is_causal and sliding_window, as in transformers' FlashAttention.
+    no_mask = attention_mask is None
+    causal = no_mask and _is_causal(module, bound["is_causal"]) and q_len > 1
+    window = window if no_mask else None
+    dev = query.device
+
+    cu_q, cu_k = _cu_seq_lens(kwargs, query, key)
+    if cu_q is not None:
+        if b > 1 and not no_mask:
+            raise ValueError("flash_attention_sm75: cu_seq_lens_q/k with a batch of more than one "
+                             "row and an attention_mask: pass the packed tokens as one row")
+        t_q, t_k = b * q_len, b * kv_len
+        iq = torch.arange(t_q, device=dev)
+        ik = torch.arange(t_k, device=dev)
+        # Document of each token; tokens past the last boundary get ids no key/query shares.
+        doc_q = torch.searchsorted(cu_q[1:], iq, right=True)
+        doc_k = torch.searchsorted(cu_k[1:], ik, right=True)
+        n_q, n_k = cu_q.numel() - 1, cu_k.numel() - 1
+        doc_q = torch.where(doc_q < n_q, doc_q, -1)
+        doc_k = torch.where(doc_k < n_k, doc_k, -2)
+        last_q = cu_q[torch.clamp(doc_q, 0, max(n_q - 1, 0))]
+        last_k = cu_k[torch.clamp(doc_k, 0, max(n_k - 1, 0))]
+        rel_q, rel_k = iq - last_q, ik - last_k
+        n = min(n_q, n_k)
+        if n > 0:
+            len_q = cu_q[1:n + 1] - cu_q[:n]
+            len_k = cu_k[1:n + 1] - cu_k[:n]
+            offset = (len_k - len_q)[torch.clamp(doc_q, 0, n - 1)]  # bottom-right per document
+        else:
+            offset = torch.zeros_like(rel_q)
+        mask = _documents_mask(doc_q, doc_k, rel_q, rel_k, offset, causal, window)
+        reason = "packed sequences (cu_seq_lens_q/k): no varlen kernel yet, per-document mask"
+    else:
+        pos = _packed_position_ids(kwargs, query, key, attention_mask)
+        if pos is not None:
+            starts = pos == pos.min()
+            doc = torch.cumsum(starts.to(torch.int64), 0)
+            idx = torch.arange(q_len, device=dev)
+            # Index of the first token of each token's document (0 before the first start).
+            first = torch.cummax(torch.where(starts, idx, 0), 0).values
+            rel = idx - first
+            mask = _documents_mask(doc, doc, rel, rel, torch.zeros_like(rel), causal, window)
+            reason = ("packed sequences (position_ids restart within a row): no varlen kernel "
+                      "yet, per-document mask")
+        elif no_mask and window is not None and kv_len > window:
+            iq = torch.arange(q_len, device=dev)
+            ik = torch.arange(kv_len, device=dev)
+            zeros = torch.zeros_like(iq)
+            mask = _documents_mask(zeros, torch.zeros_like(ik), iq, ik,
+                                   zeros + (kv_len - q_len), causal, window)
+            reason = f"sliding_window={window} without a mask (the kernel has no window yet)"
+        else:
+            return None, None
+    if not no_mask:
+        if attention_mask.dtype == torch.bool:
+            mask = mask & attention_mask
+        else:
+            mask = torch.where(mask, attention_mask,
+                               torch.finfo(attention_mask.dtype).min).to(attention_mask.dtype)
+    return mask, reason
+
+
+def _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs):
+    """``fallback`` (torch SDPA) with an explicit mask, in the flattened layout of the mask."""
+    b, h, q_len, d = query.shape
+    kv_len = key.shape[2]
+    if mask.shape[-2] != q_len:  # cu_seq_lens over a batch of several rows: one packed row
+        query = query.transpose(0, 1).reshape(1, h, b * q_len, d)
+        key = key.transpose(0, 1).reshape(1, key.shape[1], b * kv_len, key.shape[-1])
+        value = value.transpose(0, 1).reshape(1, value.shape[1], b * kv_len, value.shape[-1])
+    rest = {k: v for k, v in kwargs.items() if k not in _SDPA_POSITIONAL and k not in
+            _PACKED_KWARGS and k not in ("position_ids", "sliding_window")}
+    out, weights = fallback(module, query, key, value, mask, dropout=bound["dropout"],
+                            scaling=bound["scaling"], is_causal=bound["is_causal"],
+                            position_bias=bound["position_bias"], **rest)
+    return out.reshape(b, q_len, *out.shape[2:]), weights
+
+
 def _bshd_for_kernel(x: torch.Tensor) -> torch.Tensor:
     """BHSD tensor -> BSHD view the kernel accepts (a copy only if strides/alignment demand)."""
     t = x.transpose(1, 2)
     ok = t.stride(-1) == 1 and all(t.shape[i] == 1 or t.stride(i) % 8 == 0 for i in range(3))
-    if ok and t.device.type == "cuda":
+    # No data pointer while torch.compile traces: the C++ op checks the alignment at run time.
+    if ok and t.device.type == "cuda" and not torch.compiler.is_compiling():
         ok = t.data_ptr() % 16 == 0
     if not ok:
         t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
@@ -570,13 +854,35 @@ def _stock_sdpa_forward() -> Callable:
     return sdpa_attention_forward
 
 
-def _attention(fallback: Callable, module, query, key, value, attention_mask, args, kwargs):
+def _fall_back(reason: str) -> None:
+    if _is_strict():
+        raise ValueError(f"flash_attention_sm75: strict mode, cannot run on the kernel: {reason}")
+    _count_fallback(reason)
+
+
+def _attention(fallback: Callable, module, query, key, value, attention_mask, args, kwargs,
+               flash_semantics: bool = False):
+    """The kernel, or ``fallback`` with the caller's arguments.
+
+    ``flash_semantics`` (the registered implementations): packed sequences and a sliding window
+    without a mask are honoured as transformers' FlashAttention path honours them (through an
+    explicit mask on ``fallback``). Without it (the patched ``"sdpa"`` entry) the call means
+    what it means to stock SDPA, which reads neither.
+    """
     bound = _bind_sdpa_args(args, kwargs)
+    if flash_semantics:
+        mask, reason = _explicit_mask(module, query, key, attention_mask, bound, kwargs)
+        if mask is not None:
+            _fall_back(reason)
+            return _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs)
     reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs)
     info = None
     if reason is None:
         info, reason = _plan(module, query, key, attention_mask, bound["is_causal"])
     if reason is None:
+        if torch.compiler.is_compiling():  # no try/except on a traced path; the op checks
+            _count_kernel(query.shape[2])
+            return _run_kernel(query, key, value, bound["scaling"], info), None
         try:
             out = _run_kernel(query, key, value, bound["scaling"], info)
         except ValueError as e:  # the op's input validation (contract: ValueError)
@@ -584,9 +890,7 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
         else:
             _count_kernel(query.shape[2])
             return out, None
-    if _is_strict():
-        raise ValueError(f"flash_attention_sm75: strict mode, cannot run on the kernel: {reason}")
-    _count_fallback(reason)
+    _fall_back(reason)
     return fallback(module, query, key, value, attention_mask, *args, **kwargs)
 
 
@@ -602,7 +906,7 @@ def flash_attention_sm75_forward(
     """transformers attention function running the SM75 FlashAttention kernel.
 
     Same signature and return as transformers' ``sdpa_attention_forward``; registered as
-    ``"flash_attention_sm75"`` by :func:`register`.
+    ``"flash_attention_sm75"`` and ``"sm75_attention"`` by :func:`register`.
 
     Parameters
     ----------
@@ -618,9 +922,28 @@ def flash_attention_sm75_forward(
         ``sdpa_attention_forward``), a boolean 4-D mask or an additive float mask. See
         :func:`classify_attention_mask` for which masks run on the kernel.
     *args, **kwargs
-        ``dropout`` (default 0.0), ``scaling`` (default ``1/sqrt(D)``), ``is_causal``,
-        ``position_bias`` and anything else transformers passes (ignored on the kernel path, as
-        ``sdpa_attention_forward`` ignores it).
+        The arguments transformers passes (an allow-list; any other argument that is not
+        ``None`` makes the call fall back, or raise in strict mode):
+
+        * ``dropout`` (default 0.0; non-zero falls back), ``scaling`` (default ``1/sqrt(D)``),
+          ``is_causal`` (default ``module.is_causal``), ``position_bias`` (all zeros, as T5's
+          cross-attention passes, runs on the kernel; any other bias falls back);
+        * ``cu_seq_lens_q``, ``cu_seq_lens_k`` (``max_length_q``/``max_length_k`` are only
+          size hints): packed sequences, as transformers' FlashAttention path reads them; and
+          ``position_ids`` of one batch row that restart (a new sequence wherever the position
+          equals the row's minimum). Each sequence attends only to itself (bottom-right causal
+          within it when causal). Until a varlen kernel exists these run on torch SDPA with a
+          per-document mask built on the device;
+        * ``sliding_window``: carried by transformers' mask; without a mask, a window shorter
+          than the keys is applied through an explicit mask on torch SDPA;
+        * ``output_attentions=True`` falls back (torch SDPA returns no weights either);
+          ``deterministic=True`` falls back only when ``FLASH_SM75_BWD_DQ=atomic`` makes our
+          backward non-deterministic;
+        * ``softcap``, ``s_aux`` / ``sinks``: raise ``ValueError`` (see Raises);
+        * model-level arguments that do not enter the attention (``use_cache``,
+          ``cache_position``, ``past_key_values``, ``position_embeddings``,
+          ``output_hidden_states``, ``return_dict``, ``layer_idx``, ``output_router_logits``)
+          are ignored, as ``sdpa_attention_forward`` ignores them.
 
     Returns
     -------
@@ -631,29 +954,36 @@ def flash_attention_sm75_forward(
     Notes
     -----
     Unsupported calls run transformers' ``sdpa_attention_forward`` with the unchanged arguments
-    (bitwise the stock result), after logging the reason at DEBUG on the
-    ``"flash_attention_sm75"`` logger and counting it in :func:`get_stats`. In strict mode
-    (:func:`flash_attention_sm75.set_strict`) they raise ``ValueError`` instead. Rows of queries
-    that see no key (left padding) are 0 on the kernel path.
+    (bitwise the stock result), or with the explicit mask described above, after logging the
+    reason at DEBUG on the ``"flash_attention_sm75"`` logger and counting it in
+    :func:`get_stats`. In strict mode (:func:`flash_attention_sm75.set_strict`) they raise
+    ``ValueError`` instead. Rows of queries that see no key (left padding) are 0 on the kernel
+    path. While ``torch.compile`` traces or a CUDA graph captures, nothing is read on the host:
+    masks and packed ``position_ids`` go to torch SDPA, which reads them at every replay.
 
     Raises
     ------
     ValueError
         In strict mode, for a call that would fall back (the message gives the reason); when a
-        call falls back and ``FLASH_ATTENTION_SM75_STRICT`` holds an unrecognised value; and for
-        ``softcap`` (Gemma 2's logit soft-capping), which neither the kernel nor the SDPA
-        fallback implements.
+        call falls back and ``FLASH_ATTENTION_SM75_STRICT`` holds an unrecognised value; for
+        ``softcap`` (Gemma 2's logit soft-capping) and ``s_aux`` / ``sinks`` (learned attention
+        sinks, gpt-oss), which neither the kernel nor the SDPA fallback implements; for
+        malformed ``cu_seq_lens_q/k`` or ``sliding_window``.
     """
-    if kwargs.get("softcap") is not None:
-        # transformers' SDPA function ignored softcap before 5.24 (falling back to it would
-        # silently compute uncapped attention) and raises for it since; Gemma 2 needs
-        # attn_implementation="eager" either way.
-        raise ValueError(
-            f"flash_attention_sm75: softcap={kwargs['softcap']!r} (attention logit soft-capping) "
-            f"is not supported, and transformers' SDPA fallback does not apply it; load this model with "
-            f"attn_implementation='eager'")
+    for name, what in (("softcap", "attention logit soft-capping"),
+                       ("s_aux", "learned attention sinks"), ("sinks", "learned attention sinks")):
+        if kwargs.get(name) is not None:
+            # transformers' SDPA function ignores sinks and ignored softcap before 5.24 (falling
+            # back to it would silently compute the unmodified attention).
+            shown = kwargs[name]
+            shown = f"a tensor of shape {list(shown.shape)}" if isinstance(shown, torch.Tensor) \
+                else repr(shown)
+            raise ValueError(
+                f"flash_attention_sm75: {name}={shown} ({what}) is not supported, and "
+                f"transformers' SDPA fallback does not apply it; load this model with "
+                f"attn_implementation='eager'")
     return _attention(_stock_sdpa_forward(), module, query, key, value, attention_mask, args,
-                      kwargs)
+                      kwargs, flash_semantics=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -667,45 +997,67 @@ def _install_flash_name_guard() -> None:
     """Stop transformers from trying to import a FlashAttention package for our name.
 
     transformers treats every ``attn_implementation`` containing ``"flash"`` as a FlashAttention
-    flavour and, when a model is created or switched, calls
-    ``modeling_utils.lazy_import_flash_attention(name)``, which looks for ``flash_attn`` or a
-    hub kernel and raises for ``"flash_attention_sm75"``. The guard answers that pre-load call
-    for our name only; every other name goes to transformers' function unchanged. The functions
-    transformers' FlashAttention path uses at run time are not touched.
+    flavour and, when a model is created or switched, calls ``lazy_import_flash_attention(name)``,
+    which looks for ``flash_attn`` or a hub kernel and raises for ``"flash_attention_sm75"``;
+    sentence-transformers calls the same function (from
+    ``transformers.modeling_flash_attention_utils``) to ask whether a varlen function exists.
+    The guard, installed in both modules that expose the function, answers for our name only:
+    no FlashAttention functions (``None`` for each, so sentence-transformers keeps padded
+    batches); every other name goes to transformers' function unchanged.
     """
-    try:
-        import transformers.modeling_utils as modeling_utils
-    except Exception:  # pragma: no cover
-        return
-    original = getattr(modeling_utils, "lazy_import_flash_attention", None)
-    if original is None or getattr(original, "_flash_attention_sm75_guard", False):
-        return
+    import importlib
 
-    @functools.wraps(original)
-    def lazy_import_flash_attention(implementation, *args, **kwargs):
-        base = implementation.split("|")[-1] if isinstance(implementation, str) else implementation
-        if base == ATTENTION_NAME:
-            return (None, None, None, None, None), None
-        return original(implementation, *args, **kwargs)
+    for module_name in ("transformers.modeling_utils",
+                        "transformers.modeling_flash_attention_utils"):
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # pragma: no cover
+            continue
+        original = getattr(module, "lazy_import_flash_attention", None)
+        if original is None or getattr(original, "_flash_attention_sm75_guard", False):
+            continue
 
-    lazy_import_flash_attention._flash_attention_sm75_guard = True
-    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+        def make(original):
+            @functools.wraps(original)
+            def lazy_import_flash_attention(implementation, *args, **kwargs):
+                base = (implementation.split("|")[-1] if isinstance(implementation, str)
+                        else implementation)
+                if base in ATTENTION_NAMES:
+                    return (None, None, None, None, None), (None, None)
+                return original(implementation, *args, **kwargs)
+
+            lazy_import_flash_attention._flash_attention_sm75_guard = True
+            return lazy_import_flash_attention
+
+        module.lazy_import_flash_attention = make(original)
 
 
 def register() -> None:
-    """Register ``"flash_attention_sm75"`` with transformers (idempotent; done on import).
+    """Register the attention function with transformers (idempotent; done on import).
 
     Registers :func:`flash_attention_sm75_forward` with ``transformers.AttentionInterface`` and
     transformers' SDPA mask builder (``masking_utils.sdpa_mask``) with ``AttentionMaskInterface``
-    under the same name (without a mask builder transformers would pass no padding mask), and
-    installs the guard described in :func:`_install_flash_name_guard`.
+    under two names (without a mask builder transformers would pass no padding mask):
+
+    * ``"sm75_attention"`` (:data:`ATTENTION_NAME_PLAIN`), recommended: transformers treats it
+      like any custom implementation, so every model calls it as it calls ``"sdpa"`` (vision
+      towers attend per image, chunked attention and models that list compatible
+      FlashAttention kernels keep working);
+    * ``"flash_attention_sm75"`` (:data:`ATTENTION_NAME`): transformers treats any name
+      containing ``"flash"`` as a FlashAttention flavour: it passes packed inputs as
+      ``cu_seq_lens_*`` (honoured, see :func:`flash_attention_sm75_forward`), swaps the name for
+      a hub kernel in models that declare ``_compatible_flash_implementations`` (gpt-oss,
+      granite-swa, ...) and refuses chunked attention past the chunk size (Llama 4).
+
+    Also installs the guard described in :func:`_install_flash_name_guard`.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     with _REGISTER_LOCK:
-        AttentionInterface.register(ATTENTION_NAME, flash_attention_sm75_forward)
-        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        for name in ATTENTION_NAMES:
+            AttentionInterface.register(name, flash_attention_sm75_forward)
+            AttentionMaskInterface.register(name, sdpa_mask)
         _install_flash_name_guard()
 
 

@@ -1,0 +1,456 @@
+"""CPU tests: the HF integration honours every argument transformers passes (run in CI).
+
+* packed sequences (``cu_seq_lens_q/k`` and restarting ``position_ids``) give the
+  per-document result on every path (registered names; the kernel path via the op's CPU
+  reference and the plain fallback), for a function call, a whole model with the cache on or
+  off, a ``DataCollatorWithFlattening`` training step and a Qwen2.5-VL-shaped vision tower;
+* the keyword-argument allow-list: unknown arguments fall back (strict mode: raise), inert ones
+  run on the kernel, ``s_aux`` / ``sinks`` / ``softcap`` raise, T5's all-zero ``position_bias``
+  runs on the kernel;
+* ``torch.compile(fullgraph=True)`` of tiny Qwen2/Llama models traces and equals eager;
+* sentence-transformers loads a model with either registered name, and a model that declares
+  ``_compatible_flash_implementations`` builds with ``"sm75_attention"``.
+"""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+from flash_attention_sm75 import _ops  # noqa: E402
+from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
+from flash_attention_sm75.integrations.configs import build_random_model, make_config  # noqa: E402
+
+needs_op = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
+                              reason=f"extension not built: {_ops.EXTENSION_ERROR}")
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    settings = hf.configure()
+    hf.reset_stats()
+    hf._clear_classification_cache()
+    yield
+    hf.configure(**settings)
+    hf._clear_classification_cache()
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, heads, kv_heads, is_causal=True):
+        super().__init__()
+        self.is_causal = is_causal
+        self.num_key_value_groups = heads // kv_heads
+
+
+def _qkv(b, h, h_k, sq, sk, d, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, h_k, sk, d, generator=g).to(dtype)
+    v = torch.randn(b, h_k, sk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def _per_document(q, k, v, cu_q, cu_k, causal, window=None):
+    """float32 torch SDPA on each document alone (flattened token layout, bottom-right causal
+    per document), (1, Tq, H, D): the definition of packed attention."""
+    b, h, sq, d = q.shape
+    h_k, sk = k.shape[1], k.shape[2]
+    qf = q.float().transpose(0, 1).reshape(h, b * sq, d)
+    kf = k.float().transpose(0, 1).reshape(h_k, b * sk, d).repeat_interleave(h // h_k, 0)
+    vf = v.float().transpose(0, 1).reshape(h_k, b * sk, d).repeat_interleave(h // h_k, 0)
+    out = torch.zeros(h, b * sq, d)
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        if q1 == q0:
+            continue
+        rows = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+        cols = torch.arange(k1 - k0)[None, :]
+        allowed = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        if causal:
+            allowed &= cols <= rows
+        if window is not None:
+            allowed &= (rows - cols < window) if causal else ((rows - cols).abs() < window)
+        out[:, q0:q1] = torch.nn.functional.scaled_dot_product_attention(
+            qf[:, q0:q1], kf[:, k0:k1], vf[:, k0:k1], attn_mask=allowed)
+    return out.transpose(0, 1).reshape(b, sq, h, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences: the function
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel_path", [False, True], ids=["fallback", "kernel-path"])
+@pytest.mark.parametrize("case", ["issue", "causal-gqa", "bidirectional", "cross-lengths",
+                                  "batch2", "int32-one-cu", "window"])
+def test_cu_seq_lens_give_the_per_document_result(case, kernel_path):
+    # The issue's example: head_dim 64, cu_seq_lens = [0, 10, 24]; before the fix the whole
+    # packed row ran as one sequence (max abs difference 1.6).
+    if kernel_path:
+        if not _ops.EXTENSION_AVAILABLE:
+            pytest.skip("extension not built")
+        hf.configure(allow_cpu_reference=True)  # without packing this call runs on the op
+    b, h, h_k, causal, window = 1, 4, 4, True, None
+    cu_q = cu_k = [0, 10, 24]
+    if case == "causal-gqa":
+        h_k, cu_q = 2, [0, 3, 4, 17, 17, 24]
+        cu_k = cu_q
+    elif case == "bidirectional":
+        causal = False  # vision towers pass is_causal=False
+        cu_q = cu_k = [0, 7, 16, 24]
+    elif case == "cross-lengths":
+        cu_q, cu_k = [0, 5, 12], [0, 9, 20]
+    elif case == "batch2":
+        b, cu_q = 2, [0, 5, 12, 20, 24]  # documents over the flattened (2 x 12) tokens
+        cu_k = cu_q
+    elif case == "window":
+        window, cu_q = 4, [0, 11, 24]
+        cu_k = cu_q
+    sq, sk = cu_q[-1] // b, cu_k[-1] // b
+    q, k, v = _qkv(b, h, h_k, sq, sk, 64, seed=len(case))
+    kwargs = dict(cu_seq_lens_q=torch.tensor(cu_q), cu_seq_lens_k=torch.tensor(cu_k),
+                  max_length_q=max(torch.tensor(cu_q).diff()).item(),
+                  max_length_k=max(torch.tensor(cu_k).diff()).item(), is_causal=causal)
+    if case == "int32-one-cu":
+        kwargs = dict(cu_seq_lens_q=torch.tensor(cu_q, dtype=torch.int32))
+    if window is not None:
+        kwargs["sliding_window"] = window
+    out, _ = hf.flash_attention_sm75_forward(_Attn(h, h_k), q, k, v, None, **kwargs)
+    ref = _per_document(q, k, v, cu_q, cu_k, causal, window)
+    assert out.shape == (b, sq, h, 64) and out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    stats = hf.get_stats()
+    assert stats["kernel"] == 0 and stats["fallback"] == 1
+    assert any("packed" in r for r in stats["reasons"]), stats
+
+
+def test_cu_seq_lens_combine_with_a_mask_and_strict_mode_raises():
+    q, k, v = _qkv(1, 2, 2, 12, 12, 64, seed=3)
+    cu = [0, 5, 12]
+    mask = torch.ones(1, 1, 12, 12, dtype=torch.bool).tril()
+    mask[..., 3] = False  # a hidden key inside the first document
+    out, _ = hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, mask,
+                                             cu_seq_lens_q=torch.tensor(cu),
+                                             cu_seq_lens_k=torch.tensor(cu))
+    docs = torch.zeros(12, 12, dtype=torch.bool)
+    docs[:5, :5] = docs[5:, 5:] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask & docs).transpose(1, 2)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    from flash_attention_sm75 import strict
+    with strict(), pytest.raises(ValueError, match="packed"):
+        hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, cu_seq_lens_q=torch.tensor(cu))
+    with pytest.raises(ValueError, match="cu_seq_lens_q must be a 1-D integer tensor"):
+        hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None,
+                                        cu_seq_lens_q=torch.tensor([0.0, 12.0]))
+
+
+@pytest.mark.parametrize("kernel_path", [False, True], ids=["fallback", "kernel-path"])
+def test_restarting_position_ids_give_the_per_document_result(kernel_path):
+    if kernel_path:
+        if not _ops.EXTENSION_AVAILABLE:
+            pytest.skip("extension not built")
+        hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(1, 4, 2, 24, 24, 64, seed=5)
+    cu = [0, 10, 24]
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    out, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, None, position_ids=pos)
+    torch.testing.assert_close(out.float(), _per_document(q, k, v, cu, cu, True),
+                               atol=2e-3, rtol=2e-3)
+    assert hf.get_stats()["fallback"] == 1
+    # RoBERTa-style positions start at padding_idx + 1: a restart is "the row's minimum again".
+    out2, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, None, position_ids=pos + 2)
+    assert torch.equal(out2, out)
+    # One sequence (positions counting up from any start): not packed, plain path.
+    hf.reset_stats()
+    plain = torch.arange(5, 29)[None]
+    out3, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, None, position_ids=plain)
+    ref3, _ = sdpa_attention_forward(_Attn(4, 2), q, k, v, None)
+    if kernel_path:
+        assert hf.get_stats()["kernel"] == 1
+        torch.testing.assert_close(out3, ref3, atol=2e-3, rtol=2e-3)
+    else:
+        assert torch.equal(out3, ref3)
+
+
+def test_the_patched_sdpa_entry_keeps_stock_semantics_for_packing_kwargs():
+    # Under apply_patch the call means what it means to stock SDPA, which reads neither
+    # cu_seq_lens nor position_ids (the mask transformers builds carries packing there).
+    q, k, v = _qkv(1, 2, 2, 12, 12, 64, seed=6)
+    kwargs = dict(cu_seq_lens_q=torch.tensor([0, 5, 12]), cu_seq_lens_k=torch.tensor([0, 5, 12]))
+    ours, _ = hf._attention(sdpa_attention_forward, _Attn(2, 2), q, k, v, None, (), kwargs)
+    stock, _ = sdpa_attention_forward(_Attn(2, 2), q, k, v, None, **kwargs)
+    assert torch.equal(ours, stock)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences: models
+# ---------------------------------------------------------------------------------------------
+
+
+def _docs(lengths, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("name", ["flash_attention_sm75", "sm75_attention"])
+def test_packed_row_logits_equal_each_document_alone(name, use_cache):
+    # position_ids restart per document and there is no attention_mask, as with
+    # DataCollatorWithFlattening. With the cache on, transformers builds no packed mask, so the
+    # function must read position_ids itself (as transformers' FlashAttention path does).
+    docs = _docs([9, 14, 5], seed=1)
+    model = build_random_model("llama", dtype=torch.float32, seed=2, attn_implementation=name)
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos, use_cache=use_cache).logits[0]
+        alone = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_data_collator_with_flattening_training_step_matches_per_document(flash_kwargs):
+    from transformers import DataCollatorWithFlattening
+
+    docs = _docs([7, 12, 4], seed=3)
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    batch = collator([{"input_ids": d.tolist()} for d in docs])
+    if flash_kwargs:
+        assert "cu_seq_lens_q" in batch
+    model = build_random_model("qwen2", dtype=torch.float32, seed=4,
+                               attn_implementation="flash_attention_sm75").train()
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+
+    def step(m, **extra):
+        m.zero_grad(set_to_none=True)
+        out = m(**batch, **extra)  # the cache left on (the config's default use_cache=True)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    loss, grads = step(model)
+    # Stock SDPA without a cache builds the per-document mask from position_ids: the reference.
+    loss_ref, grads_ref = step(ref, use_cache=False)
+    torch.testing.assert_close(loss, loss_ref, atol=1e-6, rtol=1e-6)
+    for n in grads_ref:
+        torch.testing.assert_close(grads[n], grads_ref[n], atol=1e-6, rtol=1e-5, msg=n)
+    # ...and it differs from attending across documents (what the packed row gave before).
+    loss_cross, _ = step(ref)
+    assert abs(loss_cross - loss_ref) > 1e-4
+
+
+def test_qwen2_5_vl_vision_tower_matches_sdpa():
+    # Under a "flash" name the vision tower packs the images and passes cu_seq_lens with
+    # attention_mask=None and is_causal=False; under other names it calls once per image.
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    cfg = Qwen2_5_VLVisionConfig(depth=2, hidden_size=160, num_heads=2, intermediate_size=64,
+                                 out_hidden_size=64, patch_size=2, temporal_patch_size=2,
+                                 spatial_merge_size=2, window_size=8, fullatt_block_indexes=[1],
+                                 in_channels=3)
+    assert cfg.hidden_size // cfg.num_heads == 80  # the issue's head_dim
+    grid = torch.tensor([[1, 4, 4], [1, 4, 6]])
+    tokens = int(grid.prod(-1).sum())
+    g = torch.Generator().manual_seed(7)
+    pixels = torch.randn(tokens, 3 * 2 * 2 * 2, generator=g)
+    outs = {}
+    for name in ("sdpa", "flash_attention_sm75", "sm75_attention"):
+        cfg._attn_implementation = name
+        torch.manual_seed(8)
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+            cfg, attn_implementation=name).eval()
+        with torch.no_grad():
+            out = tower(pixels, grid_thw=grid)
+        outs[name] = getattr(out, "pooler_output", None)
+        if outs[name] is None:
+            outs[name] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+    for name in ("flash_attention_sm75", "sm75_attention"):
+        torch.testing.assert_close(outs[name], outs["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The keyword-argument allow-list
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_op
+def test_unknown_keyword_falls_back_and_strict_mode_raises():
+    hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(1, 2, 2, 6, 6, 64, seed=9)
+    sparse = torch.arange(6)
+    out, _ = hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, indices=sparse)
+    ref, _ = sdpa_attention_forward(_Attn(2, 2), q, k, v, None, indices=sparse)
+    assert torch.equal(out, ref)
+    stats = hf.get_stats()
+    assert stats["kernel"] == 0 and any("['indices']" in r for r in stats["reasons"]), stats
+    from flash_attention_sm75 import strict
+    with strict(), pytest.raises(ValueError, match="indices"):
+        hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, indices=sparse)
+    # None means "not used": no fallback
+    hf.reset_stats()
+    hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, indices=None)
+    assert hf.get_stats()["kernel"] == 1
+
+
+@needs_op
+def test_inert_keywords_run_on_the_kernel():
+    hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(2, 4, 2, 6, 6, 64, seed=10)
+    kwargs = dict(use_cache=True, output_hidden_states=False, return_dict=True,
+                  cache_position=torch.arange(6), past_key_values=object(),
+                  position_embeddings=(torch.ones(1), torch.ones(1)), layer_idx=1,
+                  output_router_logits=False, position_ids=torch.arange(6)[None].expand(2, 6),
+                  sliding_window=None, deterministic=True, output_attentions=False)
+    out, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, None, **kwargs)
+    ref, _ = sdpa_attention_forward(_Attn(4, 2), q, k, v, None)
+    assert hf.get_stats()["kernel"] == 1, hf.get_stats()
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["s_aux", "sinks", "softcap"])
+def test_sinks_and_softcap_raise_on_the_registered_function(name):
+    q, k, v = _qkv(1, 2, 2, 6, 6, 64, seed=11)
+    value = torch.zeros(2) if name != "softcap" else 30.0
+    with pytest.raises(ValueError, match=rf"{name}=.*attn_implementation='eager'"):
+        hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, **{name: value})
+
+
+@needs_op
+def test_zero_position_bias_runs_on_the_kernel_and_other_bias_falls_back():
+    # T5's cross-attention passes position_bias = zeros (1, H, q_len, kv_len) with scaling 1.
+    hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(2, 4, 4, 5, 7, 64, seed=12)
+    mod = _Attn(4, 4, is_causal=False)
+    zeros = torch.zeros(1, 4, 5, 7, dtype=torch.float16)
+    out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, scaling=1.0,
+                                             position_bias=zeros)
+    ref, _ = sdpa_attention_forward(mod, q, k, v, None, scaling=1.0, position_bias=zeros)
+    assert hf.get_stats()["kernel"] == 1
+    torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)
+    hf.reset_stats()
+    bias = zeros.clone()
+    bias[0, 1, 2, 3] = 0.5
+    out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, scaling=1.0, position_bias=bias)
+    ref, _ = sdpa_attention_forward(mod, q, k, v, None, scaling=1.0, position_bias=bias)
+    assert torch.equal(out, ref) and hf.get_stats()["fallback"] == 1
+
+
+@needs_op
+def test_t5_logits_match_sdpa():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    hf.configure(allow_cpu_reference=True)
+    cfg = T5Config(vocab_size=64, d_model=128, d_kv=64, d_ff=128, num_layers=2,
+                   num_decoder_layers=2, num_heads=2, decoder_start_token_id=0)
+    torch.manual_seed(13)
+    ref = T5ForConditionalGeneration(cfg).eval().half()
+    ours = copy.deepcopy(ref)
+    ref.set_attn_implementation("sdpa")
+    ours.set_attn_implementation("sm75_attention")
+    ids = torch.randint(1, 64, (2, 9))
+    dec = torch.randint(1, 64, (2, 6))
+    with torch.no_grad():
+        a = ours(input_ids=ids, decoder_input_ids=dec).logits
+        b = ref.float()(input_ids=ids, decoder_input_ids=dec).logits
+    stats = hf.get_stats()
+    assert stats["kernel"] == 2, stats  # the two cross-attention layers (zero bias)
+    torch.testing.assert_close(a.float(), b, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel_path", [False, True], ids=["fallback", "kernel-path"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_fullgraph_compile_equals_eager(family, padded, kernel_path):
+    if kernel_path:
+        if not _ops.EXTENSION_AVAILABLE:
+            pytest.skip("extension not built")
+        hf.configure(allow_cpu_reference=True)
+    torch._dynamo.reset()
+    model = build_random_model(family, dtype=torch.float16, seed=14,
+                               attn_implementation="flash_attention_sm75")
+    g = torch.Generator().manual_seed(15)
+    ids = torch.randint(1, 128, (2, 11), generator=g)
+    am = torch.ones_like(ids)
+    if padded:
+        am[1, :4] = 0  # left padding
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=am).logits
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        got = compiled(input_ids=ids, attention_mask=am).logits
+    real = am.bool()
+    torch.testing.assert_close(got.float()[real], eager.float()[real], atol=1e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: sentence-transformers, models with _compatible_flash_implementations
+# ---------------------------------------------------------------------------------------------
+
+
+def _tiny_bert_dir(tmp_path):
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tok = BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"))
+    cfg = BertConfig(vocab_size=len(vocab), hidden_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, intermediate_size=128, max_position_embeddings=64)
+    torch.manual_seed(16)
+    BertModel(cfg).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+@pytest.mark.parametrize("name", ["flash_attention_sm75", "sm75_attention"])
+def test_sentence_transformers_loads_and_encodes(tmp_path, name):
+    st = pytest.importorskip("sentence_transformers")
+    path = _tiny_bert_dir(tmp_path)
+    sentences = ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9 w10 w11"]
+    ref = st.SentenceTransformer(str(path), device="cpu",
+                                 model_kwargs={"attn_implementation": "sdpa"})
+    model = st.SentenceTransformer(str(path), device="cpu",
+                                   model_kwargs={"attn_implementation": name})
+    a = model.encode(sentences, convert_to_tensor=True)
+    b = ref.encode(sentences, convert_to_tensor=True)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_lookups_answer_for_our_names_only():
+    from transformers import modeling_flash_attention_utils as mfu
+    from transformers import modeling_utils as mu
+
+    for fn in (mfu.lazy_import_flash_attention, mu.lazy_import_flash_attention):
+        for name in hf.ATTENTION_NAMES:
+            (fa, varlen, *_), _ = fn(name)
+            assert fa is None and varlen is None
+        with pytest.raises(Exception):
+            fn("flash_attention_2")  # no flash_attn here: transformers' own error
+
+
+def test_model_with_compatible_flash_implementations_builds_under_the_plain_name():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                       num_local_experts=2, num_experts_per_tok=1, vocab_size=64,
+                       layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    assert getattr(GptOssForCausalLM, "_compatible_flash_implementations", None)
+    model = GptOssForCausalLM._from_config(cfg, attn_implementation=hf.ATTENTION_NAME_PLAIN)
+    assert model.config._attn_implementation == "sm75_attention"
+    # gpt-oss's attention sinks are applied by neither the kernel nor torch SDPA: a clear error
+    # at the first forward, never attention without the sinks.
+    with pytest.raises(ValueError, match="s_aux=.*attn_implementation='eager'"):
+        model(input_ids=torch.randint(0, 64, (1, 5)))
