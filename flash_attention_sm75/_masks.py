@@ -1,0 +1,320 @@
+"""Attention masks as the kernel sees them: classification into per-row key ranges.
+
+The kernel applies no mask tensor. It sees, per batch row ``b``, the keys
+``leftpad_k[b] <= j < seqused_k[b]``, optionally intersected with a bottom-right causal diagonal.
+:func:`classify_attention_mask` decides whether a boolean or additive mask is exactly such a
+pattern and with which arguments; the SDPA wrapper and the transformers integration both ask it.
+It reads the mask on the host (one synchronisation), so it refuses while ``torch.compile`` traces
+or a CUDA graph captures (:func:`host_reads_allowed`): a decision taken at capture would be
+replayed with whatever the mask holds later.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+__all__ = ["MaskInfo", "classify_attention_mask", "host_reads_allowed", "PerTensorCache"]
+
+
+
+@dataclass(frozen=True)
+class MaskInfo:
+    """How an attention mask maps onto the op's arguments.
+
+    Attributes
+    ----------
+    causal : bool
+        Pass ``is_causal=True`` (bottom-right aligned: key ``j`` visible to query ``i`` iff
+        ``j <= i + kv_len - q_len``).
+    kv_len : int
+        Number of keys to pass to the op (``key[:, :, :kv_len]``); smaller than the key length
+        when the mask hides every key beyond it (e.g. a static cache's unused slots), which moves
+        the causal diagonal accordingly.
+    leftpad_k, seqused_k : torch.Tensor or None
+        int32 ``(B,)`` tensors on the mask's device: keys ``leftpad_k[b] <= j < seqused_k[b]``
+        are visible in batch row ``b``. ``None`` means no key-range restriction.
+    kind : str
+        Human-readable category (``"none"``, ``"causal"``, ``"causal+key-range"``,
+        ``"causal+key-range (truncated keys)"``, ``"key-range"``).
+    """
+
+    causal: bool
+    kv_len: int
+    leftpad_k: Optional[torch.Tensor]
+    seqused_k: Optional[torch.Tensor]
+    kind: str
+
+
+_Classification = Tuple[Optional[MaskInfo], Optional[str]]
+
+
+def host_reads_allowed(t: torch.Tensor) -> bool:
+    """Whether the integration may read ``t``'s values on the host (one synchronisation).
+
+    Not while ``torch.compile`` / ``torch.jit`` trace (a data-dependent branch breaks the graph
+    or fails ``fullgraph=True``) and not while a CUDA graph captures (a synchronisation is
+    illegal there, and a decision taken at capture would be replayed with whatever the tensor
+    holds later). On those paths the integration takes decisions from shapes alone and leaves
+    data-dependent work (a mask) to torch SDPA, which reads it on the device at every replay.
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+class PerTensorCache:
+    """A few results keyed on a tensor object, for values transformers hands to every layer.
+
+    transformers passes the same mask (and ``position_ids``) tensor to each layer of a forward,
+    so deciding once per object saves a host synchronisation per layer. An entry is used only
+    for the same object (weak reference) with the same data pointer, shape, strides, dtype,
+    device, version counter and ``extra`` key; tensors without a version counter (inference
+    tensors, which can change in place unseen) are never cached. Callers use it only where
+    :func:`host_reads_allowed` holds, so no entry is consulted or made under tracing or
+    capture.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._entries: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+
+    @staticmethod
+    def _signature(t: torch.Tensor, extra: tuple) -> Optional[tuple]:
+        try:
+            version = t._version
+        except Exception:  # inference tensors have no version counter
+            return None
+        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
+                version) + extra
+
+    def get(self, t: torch.Tensor, extra: tuple) -> Optional[Any]:
+        signature = self._signature(t, extra)
+        if signature is None:
+            return None
+        with self._lock:
+            hit = self._entries.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] == signature:
+                self._entries.move_to_end(id(t))
+                return hit[2]
+        return None
+
+    def put(self, t: torch.Tensor, extra: tuple, value: Any) -> None:
+        signature = self._signature(t, extra)
+        if signature is None:
+            return
+        try:
+            ref = weakref.ref(t)
+        except TypeError:  # pragma: no cover
+            return
+        with self._lock:
+            for k in [k for k, v in self._entries.items() if v[0]() is None]:
+                del self._entries[k]
+            self._entries[id(t)] = (ref, signature, value)
+            self._entries.move_to_end(id(t))
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_MASK_CACHE = PerTensorCache()
+# Packed-sequence detection from position_ids (the transformers integration).
+POSITION_IDS_CACHE = PerTensorCache()
+
+
+def _blocked_values(mask: torch.Tensor, query_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    blocked = torch.isneginf(mask) | (mask == torch.finfo(mask.dtype).min)
+    if query_dtype is not None and query_dtype.is_floating_point and query_dtype != mask.dtype:
+        qmin = torch.finfo(query_dtype).min
+        if qmin >= torch.finfo(mask.dtype).min:  # representable in the mask's dtype
+            blocked |= mask == qmin
+    return blocked
+
+
+def _describe_mismatch(allowed: torch.Tensor) -> str:
+    """Name the way a boolean (B, Sq, Sk) mask departs from 'causal AND key range' (one sync)."""
+    sk = allowed.shape[-1]
+    as_int = allowed.to(torch.int32)
+    count = as_int.sum(-1)
+    first = as_int.argmax(-1)
+    end = sk - as_int.flip(-1).argmax(-1)
+    nonempty = count > 0
+    holes = (nonempty & (count != end - first)).any()
+    big = torch.iinfo(torch.int64).max
+    first64 = first.to(torch.int64)
+    start_min = torch.where(nonempty, first64, big).amin(-1)
+    start_max = torch.where(nonempty, first64, -1).amax(-1)
+    moving_start = (start_max > start_min).any()
+    holes_, moving_ = torch.stack([holes, moving_start]).tolist()
+    if holes_:
+        return ("mask rows have non-contiguous visible keys (packed-sequence/document or "
+                "arbitrary mask)")
+    if moving_:
+        return ("the first visible key moves with the query (sliding-window, chunked or "
+                "packed-sequence mask)")
+    return "mask is not causal AND a per-row key range (arbitrary mask)"
+
+
+def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: int,
+                       query_dtype: Optional[torch.dtype]) -> "_Classification":
+    if mask.dim() != 4:
+        return None, f"attention_mask is {mask.dim()}-D, expected a 4-D (B, 1, q_len, kv_len) mask"
+    bm, hm, sqm, skm = mask.shape
+    if skm != kv_len:
+        return None, f"attention_mask has {skm} key columns but there are {kv_len} keys"
+    if bm not in (1, batch_size) or sqm not in (1, q_len):
+        return None, (f"attention_mask shape {list(mask.shape)} does not broadcast to "
+                      f"({batch_size}, *, {q_len}, {kv_len})")
+    if kv_len == 0 or q_len == 0:
+        return None, "empty query or key sequence"
+
+    # The 0-d flags below are gathered into one host sync at the end.
+    flags = []
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.dtype.is_floating_point:
+        allowed = mask == 0
+        flags.append(~(allowed | _blocked_values(mask, query_dtype)).all())
+    else:
+        return None, f"attention_mask dtype {mask.dtype} is neither bool nor floating point"
+
+    if hm > 1:
+        flags.append((allowed != allowed[:, :1]).any())
+    allowed = allowed[:, 0]  # (bm, sqm, kv_len)
+    n_invalid = len(flags)
+
+    dev = allowed.device
+    col_any = allowed.any(dim=1)  # (bm, kv_len): key j visible to some query of row b
+    col_i32 = col_any.to(torch.int32)
+    has_any = col_any.any(dim=-1)
+    lo = torch.where(has_any, col_i32.argmax(-1), 0)
+    hi = torch.where(has_any, kv_len - col_i32.flip(-1).argmax(-1), 0)
+    max_hi = hi.max()
+
+    j = torch.arange(kv_len, device=dev)
+    in_range = (j >= lo[:, None]) & (j < hi[:, None])  # (bm, kv_len)
+
+    # Candidate A: causal, bottom-right on the full key length (dynamic cache, no cache).
+    # Candidate B: causal, bottom-right on keys [0, max(seqused)) (static cache slots unused).
+    # Candidate C: key range only (bidirectional padding masks; decode).
+    causal_possible = sqm == q_len and q_len > 1
+    i = torch.arange(q_len, device=dev)[:, None]
+    if causal_possible:
+        expected = in_range[:, None, :] & (j[None, :] <= i + (kv_len - q_len))[None]
+        flags.append(expected.bitwise_xor_(allowed).any())
+        del expected
+        expected = in_range[:, None, :] & (j[None, :] <= i + (max_hi - q_len))[None]
+        flags.append(expected.bitwise_xor_(allowed).any())
+        del expected
+    else:
+        flags.extend([torch.ones((), dtype=torch.bool, device=dev)] * 2)
+    flags.append((allowed ^ in_range[:, None, :]).any())
+
+    values = torch.stack([f.to(torch.int64) for f in flags] + [max_hi.to(torch.int64)]).tolist()
+    invalid = values[:n_invalid]
+    mis_a, mis_b, mis_c, max_hi_val = values[n_invalid:]
+
+    if mask.dtype != torch.bool and invalid[0]:
+        return None, "float attention_mask has values other than 0 and -inf/min-dtype"
+    if hm > 1 and invalid[-1]:
+        return None, "attention_mask differs between heads"
+
+    if bm != batch_size:
+        lo = lo.expand(batch_size)
+        hi = hi.expand(batch_size)
+    leftpad = lo.to(torch.int32).contiguous()
+    seqused = hi.to(torch.int32).contiguous()
+
+    if max_hi_val == 0:
+        return None, "attention_mask hides every key"
+    if q_len == 1:
+        # A single query row: the causal diagonal (bottom-right) hides nothing, so A == C.
+        if not mis_c:
+            return MaskInfo(False, kv_len, leftpad, seqused, "key-range"), None
+    else:
+        if not mis_a:
+            return MaskInfo(True, kv_len, leftpad, seqused, "causal+key-range"), None
+        if not mis_b:
+            return MaskInfo(True, int(max_hi_val), leftpad, seqused,
+                            "causal+key-range (truncated keys)"), None
+        if not mis_c:
+            return MaskInfo(False, kv_len, leftpad, seqused, "key-range"), None
+    return None, _describe_mismatch(allowed)
+
+
+def classify_attention_mask(
+    attention_mask: torch.Tensor,
+    batch_size: int,
+    q_len: int,
+    kv_len: int,
+    query_dtype: Optional[torch.dtype] = None,
+) -> Tuple[Optional[MaskInfo], Optional[str]]:
+    """Decide whether a transformers attention mask runs on the kernel, and with which arguments.
+
+    The op sees, per batch row ``b``, the keys ``leftpad_k[b] <= j < seqused_k[b]``, optionally
+    intersected with a bottom-right causal diagonal. The mask is accepted only if it equals such a
+    pattern **exactly**: the key range is derived from the columns the mask uses anywhere in the
+    row (``leftpad_k`` = first, ``seqused_k`` = last + 1), the pattern is rebuilt and compared
+    element-wise with the mask. Three patterns are tried: causal on all ``kv_len`` keys (no cache
+    or a dynamic cache, left/right padding, chunked prefill), causal on the keys before
+    ``max(seqused_k)`` (a static cache whose later slots are unused) and no causal diagonal
+    (bidirectional padding masks; decode, where one query row makes the diagonal irrelevant).
+
+    Parameters
+    ----------
+    attention_mask : torch.Tensor
+        4-D ``(B or 1, 1 or H, q_len or 1, kv_len)`` mask: bool (True = attend) or floating point
+        additive (0 = attend, ``-inf`` or the dtype's minimum = masked; any other value makes it
+        fall back). A mask that differs between heads falls back.
+    batch_size, q_len, kv_len : int
+        Sizes of the query and key tensors.
+    query_dtype : torch.dtype, optional
+        dtype of the query; the minimum of this dtype also counts as "masked" in a float mask of
+        a wider dtype.
+
+    Returns
+    -------
+    info : MaskInfo or None
+        The op arguments, or ``None`` if the mask must fall back.
+    reason : str or None
+        Why it falls back (``None`` when ``info`` is given).
+
+    Notes
+    -----
+    Cost: a few element-wise passes over the mask and **one** host synchronisation (a single
+    ``.tolist()`` of the stacked 0-d flags); a mask that falls back costs one more to name the
+    reason. The result is cached per mask object (transformers passes the same mask tensor to
+    every layer of a forward), keyed on identity (weak reference), data pointer, shape, strides
+    and version counter; inference tensors (no version counter) are classified at every call.
+
+    While ``torch.compile`` traces or a CUDA graph captures, no mask is read on the host: the
+    answer is ``(None, reason)`` and the caller hands the mask to torch SDPA, which reads it on
+    the device at every replay (a key range decided at capture would be replayed stale).
+    """
+    if not host_reads_allowed(attention_mask):
+        return None, ("a mask cannot be classified while torch.compile traces or a CUDA graph "
+                      "captures (no host read of device values there); torch SDPA applies it")
+    extra = (int(batch_size), int(q_len), int(kv_len), query_dtype)
+    hit = _MASK_CACHE.get(attention_mask, extra)
+    if hit is not None:
+        return hit
+    result = _classify_uncached(attention_mask, int(batch_size), int(q_len), int(kv_len),
+                                query_dtype)
+    _MASK_CACHE.put(attention_mask, extra, result)
+    return result
+
+
+def clear_caches() -> None:
+    """Forget every cached classification (tests)."""
+    _MASK_CACHE.clear()
+    POSITION_IDS_CACHE.clear()
