@@ -306,9 +306,11 @@ def functorch_grad_active() -> bool:
     return top is not None and top.key() == torch._C._functorch.TransformType.Grad
 
 
-def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
+def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
+             seqused_k=None):
     """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
-    causal_bottom_right)``, skipping the op's autograd kernel when no gradient can flow.
+    causal_bottom_right, leftpad_k, seqused_k)``, skipping the op's autograd kernel when no
+    gradient can flow.
 
     The autograd kernel (``torch.library.register_autograd``, see ``_backward.py``) is Python and
     runs on every call: even with no input requiring grad it costs ~8 us of host time (boxing into
@@ -346,9 +348,9 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right):
             or torch._C._is_torch_function_mode_enabled()
             or (torch.is_grad_enabled()
                 and (q.requires_grad or k.requires_grad or v.requires_grad))):
-        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right)
+        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k)
     with torch._C._AutoDispatchBelowAutograd():
-        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right)
+        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k)
 
 
 if EXTENSION_AVAILABLE:

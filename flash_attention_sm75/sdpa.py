@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from . import _ops
+from . import _masks, _ops
 
 __all__ = ["scaled_dot_product_attention", "why_not_supported", "strict", "set_strict",
            "is_strict"]
@@ -164,7 +164,10 @@ def why_not_supported(
     """Why :func:`scaled_dot_product_attention` would not use the FlashAttention kernel.
 
     Takes the arguments of :func:`scaled_dot_product_attention` and reads only their metadata
-    (shape, dtype, device, strides, ``requires_grad``); it launches nothing.
+    (shape, dtype, device, strides, ``requires_grad``), except a mask: once everything else
+    passes, ``attn_mask``'s values are classified (a few element-wise device ops and one host
+    synchronisation, cached per mask object; while torch.compile traces or a CUDA graph captures
+    no mask is read and the reason says so).
 
     Parameters
     ----------
@@ -175,7 +178,12 @@ def why_not_supported(
     value : torch.Tensor
         Value, same shape as ``key`` for the kernel path.
     attn_mask : torch.Tensor, optional
-        Default ``None``. Any mask makes the call fall back.
+        Default ``None``. A mask runs on the kernel when it is exactly a per-batch-row key
+        range (``leftpad_k[b] <= j < seqused_k[b]``), optionally AND a bottom-right causal
+        diagonal: key-padding masks, all-True boolean and all-zero additive masks (bool, or
+        float with only 0 and ``-inf`` / the dtype's minimum; 1- to 4-D, broadcast as torch
+        does; equal across heads). Any other mask, a mask that requires grad, or a mask with
+        ``is_causal=True`` falls back.
     dropout_p : float, optional
         Default ``0.0``. Any nonzero value makes the call fall back (torch's SDPA applies dropout
         whenever ``dropout_p > 0``, in training and in eval).
@@ -196,8 +204,8 @@ def why_not_supported(
     Notes
     -----
     Requirements for the kernel path: the compiled extension is importable; query, key and value
-    are dense (strided) 4-D float16 CUDA tensors on one GPU of compute capability >= 7.5; no
-    ``attn_mask``; ``dropout_p == 0``; one ``head_dim`` of 64 or 128 for all three; key and
+    are dense (strided) 4-D float16 CUDA tensors on one GPU of compute capability >= 7.5;
+    ``attn_mask`` None or a key-range mask (see above); ``dropout_p == 0``; one ``head_dim`` of 64 or 128 for all three; key and
     value of the same shape; equal batch sizes (no broadcasting); ``num_heads == num_heads_k``, or
     ``enable_gqa=True`` and ``num_heads % num_heads_k == 0``; ``scale`` None or finite > 0; no
     tensor requires grad while grad mode is on, unless the extension has the backward op; no
@@ -209,6 +217,16 @@ def why_not_supported(
     (not traceable); the C++ op still checks both at run time and raises instead of falling back.
     Strides, shapes, dtypes and devices are checked as in eager mode.
     """
+    reason = _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              enable_gqa)
+    if reason is None and attn_mask is not None:
+        reason = _mask_plan(query, key, attn_mask)[1]
+    return reason
+
+
+def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                     enable_gqa) -> Optional[str]:
+    """Everything :func:`why_not_supported` checks except the mask's values."""
     if not _ops.EXTENSION_AVAILABLE:
         return f"the compiled extension flash_attention_sm75._C is not available ({_ops.EXTENSION_ERROR})"
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -216,7 +234,9 @@ def why_not_supported(
         if problem is not None:
             return problem
     if attn_mask is not None:
-        return "attn_mask is given; only attn_mask=None is supported (use is_causal for a causal mask)"
+        problem = _mask_metadata_problem(query, key, attn_mask, is_causal)
+        if problem is not None:
+            return problem
     if dropout_p != 0.0:
         return (f"dropout_p={dropout_p!r}; dropout is not supported (torch SDPA applies dropout "
                 f"whenever dropout_p > 0, in eval mode too)")
@@ -280,6 +300,40 @@ def why_not_supported(
     return None
 
 
+def _mask_metadata_problem(query, key, attn_mask, is_causal) -> Optional[str]:
+    """Why ``attn_mask`` cannot reach the kernel, from its metadata alone, or None."""
+    if not isinstance(attn_mask, torch.Tensor):
+        return f"attn_mask is a {type(attn_mask).__name__}, not a torch.Tensor"
+    if is_causal:
+        return "attn_mask and is_causal=True together (torch raises an error for this)"
+    if attn_mask.layout != torch.strided or attn_mask.is_nested:
+        return "attn_mask is not a strided (dense) tensor"
+    if not (attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point):
+        return f"attn_mask dtype {attn_mask.dtype} is neither bool nor floating point"
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        return "attn_mask requires grad (no bias gradient in the kernel)"
+    if attn_mask.device != query.device:
+        return f"attn_mask is on {attn_mask.device}, query on {query.device}"
+    if not 1 <= attn_mask.dim() <= 4:
+        return f"attn_mask is {attn_mask.dim()}-D; 1- to 4-D masks broadcast to (B, H, Sq, Sk)"
+    return None
+
+
+def _mask_plan(query, key, attn_mask):
+    """``(MaskInfo, None)`` when ``attn_mask`` is exactly a per-row key range (optionally AND a
+    bottom-right causal diagonal), else ``(None, reason)``. One host synchronisation; refused
+    (reason) while torch.compile traces or a CUDA graph captures."""
+    b, _, s_q, _ = query.shape
+    s_k = key.shape[2]
+    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if mask.shape[-1] != s_k:
+        return None, f"attn_mask has {mask.shape[-1]} key columns, the keys are {s_k}"
+    info, reason = _masks.classify_attention_mask(mask, b, s_q, s_k, query.dtype)
+    if info is None:
+        return None, f"attn_mask is not a per-row key range the kernel can run: {reason}"
+    return info, None
+
+
 def _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
     """True only if :func:`why_not_supported` would return None for these arguments (for CUDA
     tensors: ``_ops._passes_all_rules`` checks pointer and stride alignment only on CUDA, so in
@@ -331,7 +385,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     value : torch.Tensor
         Value, same shape as ``key`` on the kernel path; same requirements as ``query``.
     attn_mask : torch.Tensor, optional
-        Default ``None``. Boolean or additive mask as in torch; any mask uses the fallback.
+        Default ``None``. Boolean (True = attend) or additive mask as in torch. Key-padding,
+        all-True / all-zero and bottom-right causal masks run on the kernel (per-row key ranges;
+        see :func:`why_not_supported`); any other mask uses the fallback. A query row that sees
+        no key gives 0.
     dropout_p : float, optional
         Default ``0.0``. Dropout probability, applied as torch does (whenever > 0, also in eval
         mode); any nonzero value uses the fallback.
@@ -381,11 +438,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         reason = None
     else:
-        reason = why_not_supported(query, key, value, attn_mask, dropout_p, is_causal,
-                                   scale=scale, enable_gqa=enable_gqa)
+        reason = _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                  enable_gqa)
     if reason is None:
-        out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
-                               value.transpose(1, 2), scale, is_causal, False)
+        if attn_mask is None:
+            out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
+                                   value.transpose(1, 2), scale, is_causal, False)
+            return out.transpose(1, 2)
+        info, reason = _mask_plan(query, key, attn_mask)
+    if reason is None:
+        if info.kv_len != key.shape[2]:
+            key, value = key[:, :, :info.kv_len], value[:, :, :info.kv_len]
+        out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                               scale, info.causal, True, leftpad_k=info.leftpad_k,
+                               seqused_k=info.seqused_k)
         return out.transpose(1, 2)
     if is_strict():
         raise ValueError(f"flash_attention_sm75: cannot run scaled_dot_product_attention on the "

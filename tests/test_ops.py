@@ -393,7 +393,7 @@ def _public_paths(monkeypatch):
     tensors); its causal mask is top-left, so callers use seqlen_q == seqlen_k."""
     from flash_attention_sm75 import sdpa
 
-    monkeypatch.setattr(sdpa, "why_not_supported", lambda *a, **kw: None)
+    monkeypatch.setattr(sdpa, "_metadata_reason", lambda *a, **kw: None)
 
     def bhsd(f):
         return lambda q, k, v: f(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -72,7 +72,10 @@ def _reason_cases():
         ("bf16_value", (q, k, v.bfloat16()), {}, "value.dtype is torch.bfloat16"),
         ("3d", (q[0], k[0], v[0]), {}, "query is 3-D"),
         ("5d", (q[None], k[None], v[None]), {}, "query is 5-D"),
-        ("mask", (q, k, v), {"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, "attn_mask is given"),
+        ("mask_and_causal", (q, k, v), {"attn_mask": torch.ones(8, 8, dtype=torch.bool),
+                                        "is_causal": True}, "attn_mask and is_causal=True"),
+        ("mask_int", (q, k, v), {"attn_mask": torch.ones(8, 8, dtype=torch.int64)},
+         "attn_mask dtype torch.int64 is neither bool nor floating point"),
         ("dropout", (q, k, v), {"dropout_p": 0.1}, "dropout_p=0.1; dropout is not supported"),
         ("head_dim_80", bhsd(d=80), {}, "head_dim is 80; only 64 and 128"),
         ("head_dim_32", bhsd(d=32), {}, "head_dim is 32"),
@@ -281,7 +284,7 @@ def test_wrapper_kernel_path_through_kernel_accepts(kernel_device_cpu, monkeypat
     # The accepted call runs the op (its CPU implementation here) without asking
     # why_not_supported, and gives the forced kernel branch's result.
     q, k, v = bhsd(h=8, h_k=2, s_q=6, s_k=9)
-    monkeypatch.setattr(sdpa, "why_not_supported", lambda *a, **kw: pytest.fail("asked"))
+    monkeypatch.setattr(sdpa, "_metadata_reason", lambda *a, **kw: pytest.fail("asked"))
     out = fa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     _kernel_ref_check(q, k, v, out, is_causal=True)
 
@@ -478,7 +481,7 @@ def test_kernel_branch_on_cpu_op(monkeypatch, s_q, s_k, h, h_k, scale, is_causal
     # Force the kernel branch; on CPU tensors the op's CPU implementation runs. Checks the BHSD
     # <-> BSHD plumbing, the top-left causal alignment, GQA and the scale against the reference.
     calls = []
-    monkeypatch.setattr(sdpa, "why_not_supported", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(sdpa, "_metadata_reason", lambda *a, **kw: calls.append(1))
     q, k, v = bhsd(h=h, h_k=h_k, s_q=s_q, s_k=s_k, seed=seed_from(s_q, s_k, h, is_causal))
     out = fa.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                           enable_gqa=h != h_k)
@@ -657,3 +660,105 @@ def test_gpu_compile_kernel_path(backend):
     out = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
     assert torch.equal(out, f(q, k, v))
     _kernel_ref_check(q, k, v, out, True)
+
+
+# ------------------------------------------- attn_mask: key ranges run on the kernel (CPU + GPU)
+
+
+def _range_mask(kind, b, h, s_q, s_k, dtype, device):
+    """(mask, leftpad_k, seqused_k, causal_bottom_right) for mask kinds the kernel runs."""
+    lo = torch.tensor([0, 3][:b] + [0] * max(0, b - 2), device=device)
+    hi = torch.tensor([s_k, s_k - 2][:b] + [s_k] * max(0, b - 2), device=device)
+    j = torch.arange(s_k, device=device)
+    pad = (j >= lo[:, None]) & (j < hi[:, None])  # (b, s_k): left and right key padding
+    causal = False
+    if kind == "key_padding_bool":
+        mask = pad[:, None, None, :]
+    elif kind == "key_padding_float":
+        mask = torch.zeros(b, 1, 1, s_k, dtype=dtype, device=device).masked_fill(
+            ~pad[:, None, None, :], float("-inf"))
+    elif kind == "all_true_2d":
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+        lo, hi = torch.zeros_like(lo), torch.full_like(hi, s_k)
+    elif kind == "all_zero_float_4d":
+        mask = torch.zeros(b, h, s_q, s_k, dtype=dtype, device=device)
+        lo, hi = torch.zeros_like(lo), torch.full_like(hi, s_k)
+    elif kind == "bottom_right_causal_2d":
+        i = torch.arange(s_q, device=device)[:, None]
+        mask = j[None, :] <= i + (s_k - s_q)
+        lo, hi, causal = torch.zeros_like(lo), torch.full_like(hi, s_k), True
+    else:
+        raise ValueError(kind)
+    return mask, lo.to(torch.int32), hi.to(torch.int32), causal
+
+
+MASK_KINDS = ["key_padding_bool", "key_padding_float", "all_true_2d", "all_zero_float_4d",
+              "bottom_right_causal_2d"]
+
+
+def _masked_ref_check(q, k, v, out, lo, hi, causal, scale=None):
+    kw = dict(causal=causal, causal_bottom_right=True, softmax_scale=scale, layout="bhsd",
+              leftpad_k=lo, seqused_k=hi)
+    ref, _ = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
+    assert_close_fa(out, ref, pt)
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_mask_that_is_a_key_range_runs_the_kernel_cpu(kind, kernel_device_cpu, monkeypatch):
+    q, k, v = bhsd(h=4, h_k=2, s_q=7, s_k=12, seed=seed_from(kind))
+    mask, lo, hi, causal = _range_mask(kind, 2, 4, 7, 12, q.dtype, "cpu")
+    assert fa.why_not_supported(q, k, v, attn_mask=mask, enable_gqa=True) is None
+    calls = []
+    op = torch.ops.flash_attention_sm75.fwd
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
+                        lambda *a: calls.append(a) or op(*a), raising=False)
+    out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert len(calls) == 1
+    _masked_ref_check(q, k, v, out, lo, hi, causal)
+
+
+@pytest.mark.parametrize("name", ["random_bool", "random_float", "requires_grad"])
+def test_mask_that_is_not_a_key_range_falls_back_cpu(name, kernel_device_cpu):
+    q, k, v = bhsd(s_q=7, s_k=12, seed=seed_from(name))
+    g = torch.Generator().manual_seed(1)
+    if name == "random_bool":
+        mask = torch.rand(7, 12, generator=g) > 0.3
+        mask[:, 0] = True
+        expected = "not a per-row key range"
+    elif name == "random_float":
+        mask = torch.randn(7, 12, generator=g).half()
+        expected = "values other than 0"
+    else:
+        mask = torch.zeros(7, 12, dtype=torch.float16, requires_grad=True)
+        expected = "requires grad"
+    assert expected in fa.why_not_supported(q, k, v, attn_mask=mask)
+    assert torch.equal(fa.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_mask_under_torch_compile_goes_to_torch(kernel_device_cpu):
+    # No host read of the mask while tracing: torch SDPA reads it at run time (fullgraph).
+    q, k, v = bhsd(s_q=5, s_k=9)
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., 6:] = False
+    f = torch.compile(fa.scaled_dot_product_attention, fullgraph=True, backend="aot_eager")
+    out = f(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    mask[0, ..., :3] = False  # the compiled graph reads the new values
+    torch.testing.assert_close(f(q, k, v, attn_mask=mask),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_mask_that_is_a_key_range_runs_the_kernel(kind, d):
+    q, k, v = bhsd(b=2, h=8, h_k=2, s_q=67, s_k=200, d=d, device="cuda",
+                   seed=seed_from(kind, d))
+    mask, lo, hi, causal = _range_mask(kind, 2, 8, 67, 200, q.dtype, "cuda")
+    assert fa.why_not_supported(q, k, v, attn_mask=mask, enable_gqa=True) is None
+    with poisoned_cuda_memory():
+        out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    _masked_ref_check(q, k, v, out, lo, hi, causal)
