@@ -309,6 +309,7 @@ def test_inert_keywords_run_on_the_kernel():
                   cache_position=torch.arange(6), past_key_values=object(),
                   position_embeddings=(torch.ones(1), torch.ones(1)), layer_idx=1,
                   output_router_logits=False, position_ids=torch.arange(6)[None].expand(2, 6),
+                  seq_idx=torch.zeros(2, 6, dtype=torch.int32), encoder_hidden_states=None,
                   sliding_window=None, deterministic=True, output_attentions=False)
     out, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, None, **kwargs)
     ref, _ = sdpa_attention_forward(_Attn(4, 2), q, k, v, None)

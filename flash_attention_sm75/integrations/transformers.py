@@ -229,6 +229,10 @@ _REFUSED_KWARGS = ("softcap", "s_aux", "sinks")
 _INERT_KWARGS = frozenset({
     "use_cache", "output_hidden_states", "return_dict", "cache_position", "past_key_values",
     "past_key_value", "position_embeddings", "layer_idx", "output_router_logits",
+    "encoder_hidden_states",
+    # DataCollatorWithFlattening(return_seq_idx=True), which sentence-transformers sets: a
+    # per-token sequence index for Mamba-style layers; attention reads cu_seq_lens_*.
+    "seq_idx",
 })
 _HANDLED_KWARGS = (frozenset(_SDPA_POSITIONAL) | frozenset(_PACKED_KWARGS)
                    | frozenset(_REFUSED_KWARGS) | _INERT_KWARGS
@@ -651,8 +655,9 @@ def flash_attention_sm75_forward(
         * ``softcap``, ``s_aux`` / ``sinks``: raise ``ValueError`` (see Raises);
         * model-level arguments that do not enter the attention (``use_cache``,
           ``cache_position``, ``past_key_values``, ``position_embeddings``,
-          ``output_hidden_states``, ``return_dict``, ``layer_idx``, ``output_router_logits``)
-          are ignored, as ``sdpa_attention_forward`` ignores them.
+          ``output_hidden_states``, ``return_dict``, ``layer_idx``, ``output_router_logits``,
+          ``encoder_hidden_states``, ``seq_idx``) are ignored, as ``sdpa_attention_forward``
+          ignores them.
 
     Returns
     -------
@@ -756,7 +761,8 @@ def register() -> None:
       containing ``"flash"`` as a FlashAttention flavour: it passes packed inputs as
       ``cu_seq_lens_*`` (honoured, see :func:`flash_attention_sm75_forward`), swaps the name for
       a hub kernel in models that declare ``_compatible_flash_implementations`` (gpt-oss,
-      granite-swa, ...) and refuses chunked attention past the chunk size (Llama 4).
+      granite-swa, ...), picks the FlashAttention-2 classes of GPT-Neo, Falcon and Bark (which
+      need the flash_attn package) and refuses chunked attention past the chunk size (Llama 4).
 
     Also installs the guard described in :func:`_install_flash_name_guard`.
     """
