@@ -730,20 +730,22 @@ def _install_flash_name_guard() -> None:
         original = getattr(module, "lazy_import_flash_attention", None)
         if original is None or getattr(original, "_flash_attention_sm75_guard", False):
             continue
+        module.lazy_import_flash_attention = _guarded_lazy_import(original)
 
-        def make(original):
-            @functools.wraps(original)
-            def lazy_import_flash_attention(implementation, *args, **kwargs):
-                base = (implementation.split("|")[-1] if isinstance(implementation, str)
-                        else implementation)
-                if base in ATTENTION_NAMES:
-                    return (None, None, None, None, None), (None, None)
-                return original(implementation, *args, **kwargs)
 
-            lazy_import_flash_attention._flash_attention_sm75_guard = True
-            return lazy_import_flash_attention
+def _guarded_lazy_import(original: Callable) -> Callable:
+    """``original`` (transformers' ``lazy_import_flash_attention``), answering for our names."""
 
-        module.lazy_import_flash_attention = make(original)
+    @functools.wraps(original)
+    def lazy_import_flash_attention(implementation, *args, **kwargs):
+        base = (implementation.split("|")[-1] if isinstance(implementation, str)
+                else implementation)
+        if base in ATTENTION_NAMES:
+            return (None, None, None, None, None), (None, None)
+        return original(implementation, *args, **kwargs)
+
+    lazy_import_flash_attention._flash_attention_sm75_guard = True
+    return lazy_import_flash_attention
 
 
 def register() -> None:
