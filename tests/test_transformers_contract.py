@@ -22,7 +22,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 from flash_attention_sm75 import _ops  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
-from flash_attention_sm75.integrations.configs import build_random_model, make_config  # noqa: E402
+from flash_attention_sm75.integrations.configs import build_random_model  # noqa: E402
+from test_transformers import _Attn, _qkv  # noqa: E402  (the module-attention stand-in, inputs)
 
 needs_op = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
                               reason=f"extension not built: {_ops.EXTENSION_ERROR}")
@@ -36,21 +37,6 @@ def _clean_state():
     yield
     hf.configure(**settings)
     hf._clear_classification_cache()
-
-
-class _Attn(torch.nn.Module):
-    def __init__(self, heads, kv_heads, is_causal=True):
-        super().__init__()
-        self.is_causal = is_causal
-        self.num_key_value_groups = heads // kv_heads
-
-
-def _qkv(b, h, h_k, sq, sk, d, dtype=torch.float16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, sq, d, generator=g).to(dtype)
-    k = torch.randn(b, h_k, sk, d, generator=g).to(dtype)
-    v = torch.randn(b, h_k, sk, d, generator=g).to(dtype)
-    return q, k, v
 
 
 def _per_document(q, k, v, cu_q, cu_k, causal, window=None):
