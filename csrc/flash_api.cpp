@@ -12,7 +12,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
+#include <utility>
 
 #include "kernels/block_info.h"
 #include "kernels/flash.h"
@@ -30,8 +32,6 @@ void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& q) {
                     t.scalar_type());
   TORCH_CHECK_VALUE(t.device() == q.device(), "flash_attention_sm75: ", name,
                     " must be on the same device as q (", q.device(), "), got ", t.device());
-  TORCH_CHECK_VALUE(t.numel() > 0, "flash_attention_sm75: ", name,
-                    " must be non-empty (every dimension >= 1), got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.stride(-1) == 1, "flash_attention_sm75: ", name,
                     " must have a contiguous last dimension (stride(-1) == 1), got strides ",
                     t.strides());
@@ -58,6 +58,18 @@ void check_key_bound(const std::optional<at::Tensor>& t, const char* name, const
   TORCH_CHECK_VALUE(t->is_contiguous(), "flash_attention_sm75: ", name, " must be contiguous");
 }
 
+// Zero-size problems (batch, num_heads, seqlen_q or seqlen_k of 0; head_dim is 64 or 128 once
+// validated): the math definition, without a launch (a CUDA grid of size 0 is an error). Query
+// rows that see no key (seqlen_k == 0) get out = 0 and lse = -inf, like any row that sees none.
+bool zero_size(const at::Tensor& q, const at::Tensor& k) { return q.numel() == 0 || k.numel() == 0; }
+
+std::tuple<at::Tensor, at::Tensor> zero_size_fwd(const at::Tensor& q) {
+  const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
+  return {at::zeros({b, seqlen_q, h, d}, q.options()),
+          at::full({b, h, seqlen_q}, -std::numeric_limits<double>::infinity(),
+                   q.options().dtype(at::kFloat))};
+}
+
 }  // namespace
 
 double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -75,7 +87,13 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
                     q.size(3), " and ", k.size(3));
   const int64_t d = q.size(3);
   TORCH_CHECK_VALUE(d == 64 || d == 128, "flash_attention_sm75: head_dim must be 64 or 128, got ", d);
-  TORCH_CHECK_VALUE(q.size(2) % k.size(2) == 0,
+  // Zero-size inputs are valid (the callers return an empty or zero result before any launch),
+  // but a q head needs a kv head: no division by zero below or in the kernels.
+  TORCH_CHECK_VALUE(k.size(2) > 0 || q.size(2) == 0,
+                    "flash_attention_sm75: num_heads_k must be >= 1 when num_heads >= 1 (GQA/MQA: "
+                    "num_heads must be a multiple of num_heads_k), got num_heads_k 0 and num_heads ",
+                    q.size(2));
+  TORCH_CHECK_VALUE(k.size(2) == 0 || q.size(2) % k.size(2) == 0,
                     "flash_attention_sm75: num_heads (", q.size(2), ") must be a multiple of num_heads_k (",
                     k.size(2), ") for GQA/MQA");
   for (int i = 0; i < 3; ++i) {
@@ -192,6 +210,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   TORCH_CHECK(props->major * 10 + props->minor >= 75,
               "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or newer), got ",
               props->major, ".", props->minor);
+  if (zero_size(q, k)) return zero_size_fwd(q);
 
   const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
   at::Tensor out = at::empty({b, seqlen_q, h, d}, q.options());
@@ -229,6 +248,29 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   return {out, lse};
 }
 
+namespace {
+// [start, end) of every batch entry as int64 CPU tensors (b,): key_range() of block_info.h.
+std::pair<at::Tensor, at::Tensor> cpu_key_bounds(int64_t b, int64_t seqlen_k,
+                                                 const std::optional<at::Tensor>& leftpad_k,
+                                                 const std::optional<at::Tensor>& seqused_k) {
+  const auto idx = at::TensorOptions().dtype(at::kLong);
+  at::Tensor start = leftpad_k.has_value() ? leftpad_k->to(at::kCPU, at::kLong).clamp(0, seqlen_k)
+                                           : at::zeros({b}, idx);
+  at::Tensor end = seqused_k.has_value()
+                       ? at::maximum(seqused_k->to(at::kCPU, at::kLong).clamp_max(seqlen_k), start)
+                       : at::full({b}, seqlen_k, idx);
+  return {start, end};
+}
+}  // namespace
+
+at::Tensor cpu_key_in_range(const at::Tensor& k, const std::optional<at::Tensor>& leftpad_k,
+                            const std::optional<at::Tensor>& seqused_k) {
+  const int64_t b = k.size(0), seqlen_k = k.size(1);
+  const auto [start, end] = cpu_key_bounds(b, seqlen_k, leftpad_k, seqused_k);
+  const at::Tensor j = at::arange(seqlen_k, at::TensorOptions().dtype(at::kLong)).view({1, 1, seqlen_k, 1});
+  return j.ge(start.view({b, 1, 1, 1})).logical_and(j.lt(end.view({b, 1, 1, 1})));
+}
+
 at::Tensor cpu_visibility_mask(const at::Tensor& q, const at::Tensor& k, bool is_causal,
                                bool causal_bottom_right,
                                const std::optional<at::Tensor>& leftpad_k,
@@ -238,11 +280,7 @@ at::Tensor cpu_visibility_mask(const at::Tensor& q, const at::Tensor& k, bool is
   const auto idx = at::TensorOptions().dtype(at::kLong);
   const at::Tensor i = at::arange(seqlen_q, idx).view({1, 1, seqlen_q, 1});
   const at::Tensor j = at::arange(seqlen_k, idx).view({1, 1, 1, seqlen_k});
-  at::Tensor start = leftpad_k.has_value() ? leftpad_k->to(at::kCPU, at::kLong).clamp(0, seqlen_k)
-                                           : at::zeros({b}, idx);
-  at::Tensor end = seqused_k.has_value()
-                       ? at::maximum(seqused_k->to(at::kCPU, at::kLong).clamp_max(seqlen_k), start)
-                       : at::full({b}, seqlen_k, idx);
+  const auto [start, end] = cpu_key_bounds(b, seqlen_k, leftpad_k, seqused_k);
   at::Tensor visible = j.ge(start.view({b, 1, 1, 1})).logical_and(j.lt(end.view({b, 1, 1, 1})));
   if (is_causal) {
     const int off = causal_offset(static_cast<int>(seqlen_q), static_cast<int>(seqlen_k),
@@ -259,6 +297,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& leftpad_k,
                                                const std::optional<at::Tensor>& seqused_k) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
+  if (zero_size(q, k)) return zero_size_fwd(q);
   // The ATen ops below must compute in float64 even under torch.autocast (which would run the
   // matmuls in bfloat16 and return a bfloat16 lse).
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -269,8 +308,18 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
   // kernel's exponent forms avoid, DESIGN.md section 2); float64 keeps 29 more. Only the CPU
   // path pays for it.
   at::Tensor qf = q.to(at::kDouble).transpose(1, 2);
-  at::Tensor kf = k.to(at::kDouble).transpose(1, 2).repeat_interleave(h / h_k, 1);
-  at::Tensor vf = v.to(at::kDouble).transpose(1, 2).repeat_interleave(h / h_k, 1);
+  at::Tensor kf = k.to(at::kDouble).transpose(1, 2);
+  at::Tensor vf = v.to(at::kDouble).transpose(1, 2);
+  if (leftpad_k.has_value() || seqused_k.has_value()) {
+    // Keys outside [leftpad_k, seqused_k) never influence anything (a NaN or inf past
+    // seqused_k gave NaN through 0 * NaN in P V): their K and V rows are replaced by zeros, as
+    // the kernels' loads zero-fill them (load_tile_g2r).
+    const at::Tensor outside = cpu_key_in_range(k, leftpad_k, seqused_k).logical_not();
+    kf = kf.masked_fill(outside, 0.0);
+    vf = vf.masked_fill(outside, 0.0);
+  }
+  kf = kf.repeat_interleave(h / h_k, 1);
+  vf = vf.repeat_interleave(h / h_k, 1);
   at::Tensor s = at::matmul(qf, kf.transpose(-1, -2)) * scale;  // b, h, sq, sk
 
   const at::Tensor visible =

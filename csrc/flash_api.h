@@ -25,8 +25,11 @@ namespace flash_sm75 {
 // Returns (out: batch x seqlen_q x num_heads x head_dim float16, contiguous;
 //          softmax_lse: batch x num_heads x seqlen_q float32, contiguous, natural log;
 //          rows that see no key get out = 0 and softmax_lse = -inf).
+// Zero-size inputs (batch, num_heads (with num_heads_k), seqlen_q or seqlen_k of 0) return
+// these shapes without a launch: empty, or with seqlen_k == 0 out = 0 and softmax_lse = -inf.
+// Keys outside [leftpad_k, seqused_k) are never read (their values cannot affect the result).
 // Throws c10::ValueError (Python ValueError) naming the argument for invalid input, before any
-// kernel launch.
+// kernel launch (num_heads_k == 0 with num_heads >= 1 is invalid).
 std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v,
                                            std::optional<double> softmax_scale, bool is_causal,
@@ -53,6 +56,12 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const std::optional<at::Tensor>& leftpad_k,
                         const std::optional<at::Tensor>& seqused_k);
 
+// Which keys lie in [leftpad_k[b], seqused_k[b]) (clamped as key_range() in
+// csrc/kernels/block_info.h), (batch, 1, seqlen_k, 1) bool on the CPU; k is (batch, seqlen_k,
+// num_heads_k, head_dim). The CPU implementations zero the K/V rows outside it.
+at::Tensor cpu_key_in_range(const at::Tensor& k, const std::optional<at::Tensor>& leftpad_k,
+                            const std::optional<at::Tensor>& seqused_k);
+
 // Which keys each query sees, (batch, 1, seqlen_q, seqlen_k) bool on the CPU: the mask rule of
 // csrc/kernels/block_info.h (key ranges clamped into [0, seqlen_k], causal offset), used by the
 // CPU reference implementations.
@@ -72,7 +81,8 @@ void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::T
 // Gradients of mha_fwd. dout and out: like q (out and softmax_lse are mha_fwd's outputs);
 // softmax_scale: the value the forward used (> 0). Returns (dq like q; dk, dv like k, v: h_k
 // heads, summed over the q-heads of each kv-head), float16, contiguous BSHD. Rows that saw no
-// key give zero gradients; keys outside [leftpad_k, seqused_k) get zero dk/dv.
+// key give zero gradients; keys outside [leftpad_k, seqused_k) get zero dk/dv and do not affect
+// dq. Zero-size inputs return zero gradients of these shapes without a launch.
 // deterministic: no floating-point atomics (bitwise reproducible; dQ from a separate kernel
 // that recomputes S/P/dP, ~1.4x the matmul work of atomic dQ accumulation). The separate dQ
 // kernel is also the default for deterministic=false unless FLASH_SM75_BWD_DQ=atomic.

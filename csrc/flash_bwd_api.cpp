@@ -104,6 +104,15 @@ struct ForkJoinEvents {
   ScopedEvent fork, join;  // if creating join throws, fork's destructor still runs
 };
 
+// Zero-size problems (see zero_size in flash_api.cpp): zero gradients, no launch.
+bool zero_size(const at::Tensor& q, const at::Tensor& k) { return q.numel() == 0 || k.numel() == 0; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> zero_size_bwd(const at::Tensor& q,
+                                                             const at::Tensor& k) {
+  const auto opts = q.options().dtype(at::kHalf);
+  return {at::zeros(q.sizes(), opts), at::zeros(k.sizes(), opts), at::zeros(k.sizes(), opts)};
+}
+
 }  // namespace
 
 BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const at::Tensor& q,
@@ -179,6 +188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   TORCH_CHECK(props->major * 10 + props->minor >= 75,
               "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or newer), got ",
               props->major, ".", props->minor);
+  if (zero_size(q, k)) return zero_size_bwd(q, k);
 
   Flash_bwd_params params{};
   const bool dq_atomic = !deterministic && env_selects_atomic_dq();
@@ -233,13 +243,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
                                         to_kernel_layout(k), to_kernel_layout(v),
                                         to_kernel_layout(out), softmax_lse, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
+  if (zero_size(q, k)) return zero_size_bwd(q, k);
   const int64_t b = q.size(0), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);
   const int64_t ratio = h / h_k;
-  // (b, h, s, d) float32; K/V repeated over the q-heads of each kv-head.
+  // (b, h, s, d) float32; K/V repeated over the q-heads of each kv-head. K and V rows outside
+  // [leftpad_k, seqused_k) are zeros (as the kernels load them): a NaN or inf there must not
+  // reach dq, dk or dv through 0 * NaN.
+  std::optional<at::Tensor> outside;
+  if (leftpad_k.has_value() || seqused_k.has_value()) {
+    outside = cpu_key_in_range(k, leftpad_k, seqused_k).logical_not();  // b, 1, sk, 1
+  }
+  auto kv_rows = [&](const at::Tensor& t) {
+    at::Tensor f = t.to(at::kFloat).transpose(1, 2);
+    if (outside.has_value()) f = f.masked_fill(*outside, 0.0);
+    return f.repeat_interleave(ratio, 1);
+  };
   const at::Tensor qf = q.to(at::kFloat).transpose(1, 2);
-  const at::Tensor kf = k.to(at::kFloat).transpose(1, 2).repeat_interleave(ratio, 1);
-  const at::Tensor vf = v.to(at::kFloat).transpose(1, 2).repeat_interleave(ratio, 1);
+  const at::Tensor kf = kv_rows(k);
+  const at::Tensor vf = kv_rows(v);
   const at::Tensor dof = dout.to(at::kFloat).transpose(1, 2);
   const at::Tensor of = out.to(at::kFloat).transpose(1, 2);
 
@@ -260,6 +282,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
   at::Tensor dv = at::matmul(p.transpose(-1, -2), dof);                 // b, h, sk, d
   dk = dk.view({b, h_k, ratio, seqlen_k, d}).sum(2);
   dv = dv.view({b, h_k, ratio, seqlen_k, d}).sum(2);
+  if (outside.has_value()) {
+    // Exactly 0 for keys outside the range, also when a visible input is NaN (P = 0 there, but
+    // dS = P * (dP - D) would be 0 * NaN).
+    dk = dk.masked_fill(*outside, 0.0);
+    dv = dv.masked_fill(*outside, 0.0);
+  }
   return {dq.transpose(1, 2).to(at::kHalf).contiguous(), dk.transpose(1, 2).to(at::kHalf).contiguous(),
           dv.transpose(1, 2).to(at::kHalf).contiguous()};
 }

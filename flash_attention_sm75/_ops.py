@@ -148,8 +148,6 @@ def _validate(
                       f"got {t.dtype}")
         check(t.device == q.device,
               lambda: f"{_PREFIX}{name} must be on the same device as q ({q.device}), got {t.device}")
-        check(t.numel() > 0,
-              lambda: f"{_PREFIX}{name} must be non-empty (every dimension >= 1), got shape {_shape(t)}")
         check(t.stride(-1) == 1,
               lambda: f"{_PREFIX}{name} must have a contiguous last dimension (stride(-1) == 1), "
                       f"got strides {_strides(t)}")
@@ -163,7 +161,12 @@ def _validate(
     d = q.shape[3]
     check(d == 64 or d == 128, lambda: f"{_PREFIX}head_dim must be 64 or 128, got {d}")
     h, h_k = q.shape[head_dim_], k.shape[head_dim_]
-    check(h % h_k == 0,
+    # Zero-size inputs are valid (empty or zero result, no launch), but q heads need kv heads.
+    check(h_k > 0 or h == 0,
+          lambda: f"{_PREFIX}num_heads_k must be >= 1 when num_heads >= 1 (GQA/MQA: num_heads "
+                  f"must be a multiple of num_heads_k), got num_heads_k 0 and num_heads {h}"
+                  + _BHSD_HINT * (layout == "bhsd"))
+    check(h_k == 0 or h % h_k == 0,
           lambda: f"{_PREFIX}num_heads ({h}) must be a multiple of num_heads_k ({h_k}) for GQA/MQA"
                   + _BHSD_HINT * (layout == "bhsd"))
     for t in (q, k):
@@ -217,14 +220,16 @@ def _passes_all_rules(q, k, v, softmax_scale, head_dim_: int) -> bool:
         if not (dev.type in ("cuda", "cpu", "meta") and k.device == dev and v.device == dev):
             return False
         qs, ks = q.shape, k.shape
-        if not (ks == v.shape and q.numel() > 0 and k.numel() > 0):
+        if ks != v.shape:
             return False
         # Also rejects every sparse layout, without a layout check per call: sparse COO
         # tensors report strides of 0, the compressed layouts raise (-> except -> False).
         if not (q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1):
             return False
+        # Zero-size dimensions are valid, except kv heads 0 under q heads >= 1.
+        h, h_k = qs[head_dim_], ks[head_dim_]
         if not (ks[0] == qs[0] and ks[3] == qs[3] and qs[3] in (64, 128)
-                and qs[head_dim_] % ks[head_dim_] == 0):
+                and (h % h_k == 0 if h_k > 0 else h == 0)):
             return False
         if max(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2]) > _INT32_MAX:
             return False

@@ -122,14 +122,20 @@ def flash_attn_func(
         ``(batch_size, num_heads, seqlen_q)``, ``torch.float32``, contiguous: the natural log of
         ``sum_j exp(softmax_scale * q_i . k_j)`` over the keys row ``i`` sees.
 
+        Zero sizes are valid (``batch_size``, ``seqlen_q``, ``seqlen_k`` or ``num_heads`` with
+        ``num_heads_k`` of 0): the result has the shapes above, empty, or with
+        ``seqlen_k == 0`` an ``out`` of zeros and a ``softmax_lse`` of ``-inf`` (query rows that
+        see no key); the backward gives zero gradients. Nothing is launched.
+
     Raises
     ------
     ValueError
         If an input is invalid: sparse (not strided), not 4-D, not float16, on different
-        devices, empty, last
+        devices, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or
+        ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
+        ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or
         ``causal`` /
         ``return_lse`` not a bool, or a FlashAttention-2 option (``dropout_p``,
         ``window_size``, ``softcap``, ``alibi_slopes``) not at its "off" value. The message
@@ -247,14 +253,20 @@ def flash_attention_forward(
         ``(batch_size, num_heads, seqlen_q)``, ``torch.float32``, contiguous: the natural log of
         ``sum_j exp(softmax_scale * q_i . k_j)`` over the keys row ``i`` sees.
 
+        Zero sizes are valid (``batch_size``, ``seqlen_q``, ``seqlen_k`` or ``num_heads`` with
+        ``num_heads_k`` of 0): the result has the shapes above, empty, or with
+        ``seqlen_k == 0`` an ``out`` of zeros and a ``softmax_lse`` of ``-inf`` (query rows that
+        see no key); the backward gives zero gradients. Nothing is launched.
+
     Raises
     ------
     ValueError
         If an input is invalid: sparse (not strided), not 4-D, not float16, on different
-        devices, empty, last
+        devices, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
-        ``num_heads_k``, ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or
+        ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
+        ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or
         ``causal`` /
         ``return_lse`` not a bool. The message names the argument. Raised before any kernel
         launch.

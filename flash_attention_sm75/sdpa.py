@@ -210,7 +210,7 @@ def why_not_supported(
     ``enable_gqa=True`` and ``num_heads % num_heads_k == 0``; ``scale`` None or finite > 0; no
     tensor requires grad while grad mode is on, unless the extension has the backward op; no
     forward-mode AD tangent on any input; no ``torch.func`` transform (``grad``, ``vjp``,
-    ``jacrev``, ``vmap``) active; no empty tensor; last dimension
+    ``jacrev``, ``vmap``) active; last dimension
     contiguous, data pointers 16-byte aligned, other strides divisible by 8 elements.
 
     Under ``torch.compile`` the compute-capability and data-pointer alignment checks are skipped
@@ -278,8 +278,7 @@ def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
                 "autograd formula does not support torch.func, and torch's SDPA has batching "
                 "rules")
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.numel() == 0:
-            return f"{name} is empty (shape {list(t.shape)})"
+        # Zero-size tensors are supported: the op returns the empty or zero result.
         if max(t.shape[:3]) > _INT32_MAX:
             return f"{name} has a batch, head or sequence size >= 2^31"
 
@@ -362,6 +361,54 @@ def _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, e
             and torch.cuda.get_device_capability(query.device) >= (7, 5))
 
 
+def _zero_size(query, key, value) -> bool:
+    """True for dense tensors whose attention output is empty or all zeros by the definition: a
+    size of 0 anywhere but in the q/k head_dim (batch, heads, seqlen_q, seqlen_k, or the value
+    head_dim). A zero q/k head_dim alone leaves a non-zero result (every score 0) for torch."""
+    if not all(isinstance(t, torch.Tensor) and not t.is_nested and t.layout == torch.strided
+               and t.dim() >= 2 for t in (query, key, value)):
+        return False
+    return 0 in query.shape[:-1] or 0 in key.shape[:-1] or 0 in value.shape
+
+
+def _zero_kv_heads_message(query, key) -> str:
+    return (f"flash_attention_sm75: key has 0 heads (shape {list(key.shape)}) but query has "
+            f"{query.shape[-3]}; enable_gqa=True needs num_heads_k >= 1 dividing num_heads")
+
+
+def _zero_size_attention(query, key, value, attn_mask, enable_gqa):
+    """The SDPA of a :func:`_zero_size` call by the definition, softmax(q k^T + mask) v, with
+    torch ops that are safe on zero sizes: the products over an empty key (or head_dim)
+    dimension are exact zeros, so the result is the empty tensor or zeros, with torch's shape
+    (batch dimensions broadcast, ``(..., seqlen_q, head_dim_v)``) and dtype, and autograd
+    connected (zero gradients). Shapes torch would reject raise from the matmuls (RuntimeError).
+    The scale, is_causal and dropout cannot change a zero result and are not applied."""
+    # What torch's SDPA checks before any arithmetic (matmuls of zero-size tensors do not).
+    if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating_point):
+        raise RuntimeError(f"flash_attention_sm75: query, key and value must have the same "
+                           f"floating-point dtype, got {query.dtype}, {key.dtype} and "
+                           f"{value.dtype}")
+    if not query.device == key.device == value.device:
+        raise RuntimeError(f"flash_attention_sm75: query, key and value must be on one device, "
+                           f"got {query.device}, {key.device} and {value.device}")
+    if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        h = query.shape[-3]
+        if key.shape[-3] == 0 or value.dim() < 3 or value.shape[-3] == 0:
+            raise ValueError(_zero_kv_heads_message(query, key))
+        if h % key.shape[-3] != 0 or h % value.shape[-3] != 0:
+            raise RuntimeError(f"flash_attention_sm75: query heads ({h}) are not a multiple of "
+                               f"key/value heads ({key.shape[-3]}, {value.shape[-3]})")
+        key = key.repeat_interleave(h // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(h // value.shape[-3], dim=-3)
+    scores = torch.matmul(query, key.transpose(-2, -1))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = torch.where(attn_mask, scores, scores.new_full((), float("-inf")))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, *, scale=None, enable_gqa=False):
     """``torch.nn.functional.scaled_dot_product_attention`` on the SM75 FlashAttention kernel.
@@ -409,14 +456,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     torch.Tensor
         Attention output, shape ``(batch, num_heads, seqlen_q, head_dim_v)``, dtype of
         ``query``. On the kernel path it is a ``transpose(1, 2)`` view of a contiguous BSHD tensor
-        (as with torch's memory-efficient backend).
+        (as with torch's memory-efficient backend). Zero-size inputs (a batch, head or sequence
+        size of 0, any dtype and device) give the result of the definition without calling
+        torch's SDPA (which crashes the process for some of them in torch 2.11): an empty tensor,
+        or zeros where there are query rows but no keys (``seqlen_k == 0``), with gradients (zeros)
+        flowing back to the inputs.
 
     Raises
     ------
     ValueError
         In strict mode, if the call cannot use the kernel; the message contains the reason.
-        Also (any mode) for 4-D key/value with zero heads and ``enable_gqa=True``, which torch's
-        SDPA does not reject (it crashes the process with a division by zero in torch 2.11).
+        Also (any mode) for key/value with zero heads under a query with heads and
+        ``enable_gqa=True``, which torch's SDPA does not reject (it crashes the process with a
+        division by zero in torch 2.11).
     TypeError
         From torch's SDPA (fallback path) for a non-bool ``is_causal``.
     RuntimeError
@@ -445,6 +497,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
                                    value.transpose(1, 2), scale, is_causal, False)
             return out.transpose(1, 2)
+        if _zero_size(query, key, value):  # no keys or no rows: nothing for the mask to select
+            return _zero_size_attention(query, key, value, attn_mask, enable_gqa)
         info, reason = _mask_plan(query, key, attn_mask)
     if reason is None:
         if info.kv_len != key.shape[2]:
@@ -456,10 +510,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if is_strict():
         raise ValueError(f"flash_attention_sm75: cannot run scaled_dot_product_attention on the "
                          f"FlashAttention kernel (strict mode): {reason}")
-    if (enable_gqa and isinstance(key, torch.Tensor) and key.dim() == 4 and key.shape[1] == 0
-            and isinstance(query, torch.Tensor) and query.dim() == 4):
-        raise ValueError(f"flash_attention_sm75: key has 0 heads (shape {list(key.shape)}); "
-                         f"enable_gqa=True needs num_heads_k >= 1 dividing num_heads")
+    if (enable_gqa and isinstance(key, torch.Tensor) and key.dim() >= 3 and key.shape[-3] == 0
+            and isinstance(query, torch.Tensor) and query.dim() >= 3 and query.shape[-3] != 0):
+        raise ValueError(_zero_kv_heads_message(query, key))
+    if (_zero_size(query, key, value) and type(is_causal) is bool
+            and isinstance(dropout_p, (int, float)) and isinstance(scale, (int, float, type(None)))
+            and isinstance(attn_mask, (torch.Tensor, type(None)))):
+        # torch's SDPA crashes the process (SIGFPE) for some of these (0 heads on the CPU).
+        # (Arguments of the wrong type go to torch, whose argument parser raises TypeError.)
+        return _zero_size_attention(query, key, value, attn_mask, enable_gqa)
     if not torch.compiler.is_compiling():
         logger.debug("scaled_dot_product_attention falls back to torch: %s", reason)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,

@@ -116,7 +116,9 @@ def _bad_inputs():
         ("kv_shape", q, k, v[:, :6], {}),
         ("batch", q[:1], k, v, {}),
         ("head_dim_mismatch", q, k[..., :32].contiguous(), v[..., :32].contiguous(), {}),
-        ("empty", q[:, :0], k, v, {}),
+        # zero-size inputs are valid, but q heads need kv heads (never a division by zero)
+        ("kv_heads_zero", q, k[:, :, :0], v[:, :, :0], {}),
+        ("kv_heads_zero_batch0", q[:0], k[:0, :, :0], v[:0, :, :0], {}),
         ("last_stride", q.transpose(1, 3).contiguous().transpose(1, 3), k, v, {}),
         ("scale_zero", q, k, v, {"softmax_scale": 0.0}),
         ("scale_negative", q, k, v, {"softmax_scale": -1.0}),
@@ -607,3 +609,117 @@ def test_lazy_apply_patch():
         pytest.skip(f"integration not importable: {e}")
     assert fa.apply_patch is module.apply_patch
     assert fa.remove_patch is module.remove_patch
+
+
+# ------------------------------------------- keys outside [leftpad_k, seqused_k) (issue 17 #6)
+
+
+# (leftpad_k, seqused_k) per batch row for seqlen_k = 11: a range inside (keys left and right
+# of it hidden), one from 0, one past seqlen_k (clamped to 11), the whole row, an empty range
+# (seqused_k < leftpad_k: the row sees nothing) and a negative leftpad_k (clamped to 0).
+KEY_RANGES_11 = [(2, 9), (0, 5), (3, 40), (0, 11), (6, 4), (-3, 7)]
+
+
+def _outside_rows(b, s_k, ranges):
+    """Bool (b, s_k): key j of batch row i lies outside the clamped [leftpad_k, seqused_k)."""
+    j = torch.arange(s_k)
+    lo = torch.tensor([min(max(lp, 0), s_k) for lp, _ in ranges])
+    hi = torch.tensor([min(max(su, lo_), s_k) for (_, su), lo_ in zip(ranges, lo.tolist())])
+    return (j[None] < lo[:, None]) | (j[None] >= hi[:, None])
+
+
+def _key_range_runs(device, b, s_q, s_k, h, h_k, d, ranges, is_causal, bottom_right, seed):
+    """(finite, poisoned) results of fwd (+ bwd) for the same inputs except the K/V rows outside
+    the key ranges: random finite values in the first run, NaN / +inf / -inf in the second.
+    Each result: (out, lse, dq, dk, dv) (gradients None without the backward op)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s_q, h, d, generator=g).half()
+    k = torch.randn(b, s_k, h_k, d, generator=g).half()
+    v = torch.randn(b, s_k, h_k, d, generator=g).half()
+    dout = torch.randn(b, s_q, h, d, generator=g).half()
+    outside = _outside_rows(b, s_k, ranges)
+    assert outside.any() and (~outside).any()
+    poison = torch.tensor([float("nan"), float("inf"), -float("inf")]).half()
+    bad = poison[torch.arange(s_k * h_k * d) % 3].view(s_k, h_k, d)
+    lp = torch.tensor([r[0] for r in ranges], dtype=torch.int32, device=device)
+    su = torch.tensor([r[1] for r in ranges], dtype=torch.int32, device=device)
+    results = []
+    for fill in ("finite", "poison"):
+        kk, vv = k.clone(), v.clone()
+        for i in range(b):
+            rows = outside[i]
+            if fill == "finite":
+                kk[i, rows] = torch.randn(kk[i, rows].shape, generator=g).half() * 3
+                vv[i, rows] = torch.randn(vv[i, rows].shape, generator=g).half() * 3
+            else:
+                kk[i, rows] = bad[rows]
+                vv[i, rows] = bad.flip(0)[rows]
+        qd, kd, vd = (t.to(device).requires_grad_(_ops.HAS_BACKWARD) for t in (q, kk, vv))
+        out, lse = torch.ops.flash_attention_sm75.fwd(qd, kd, vd, None, is_causal, bottom_right,
+                                                      lp, su)
+        grads = (None, None, None)
+        if _ops.HAS_BACKWARD:
+            grads = torch.autograd.grad(out, (qd, kd, vd), dout.to(device))
+        results.append(tuple(t.detach().cpu() if t is not None else None
+                             for t in (out, lse) + tuple(grads)))
+    return results, outside
+
+
+def _check_key_range_runs(results, outside, h_k):
+    (out, lse, dq, dk, dv), (out_p, lse_p, dq_p, dk_p, dv_p) = results
+    assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
+    assert torch.isfinite(out_p).all()
+    # lse is finite, or -inf exactly for the rows that see no key (their out row is 0).
+    assert not torch.isnan(lse_p).any() and not torch.isposinf(lse_p).any()
+    assert (out_p.transpose(1, 2)[torch.isneginf(lse_p)] == 0).all()
+    if dq is None:
+        return
+    for name, a, p in (("dq", dq, dq_p), ("dk", dk, dk_p), ("dv", dv, dv_p)):
+        assert torch.isfinite(p).all(), name
+        assert torch.equal(a, p), name
+    # Gradients of keys outside the range are exactly 0.
+    hidden = outside[:, :, None, None].expand(-1, -1, h_k, dk_p.shape[-1])
+    assert (dk_p[hidden] == 0).all() and (dv_p[hidden] == 0).all()
+
+
+@needs_ext
+@pytest.mark.parametrize("h,h_k", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("mode", ["none", "bottom_right", "top_left"])
+@pytest.mark.parametrize("s_q", [1, 9])
+def test_cpu_keys_outside_the_key_range_are_never_read(h, h_k, mode, s_q):
+    # The CPU op read K/V past seqused_k: a NaN there reached the output (0 * NaN in P V) and
+    # dq/dk/dv. With NaN/inf in every K and V row outside [leftpad_k, seqused_k) the results
+    # must equal those with finite values there, bit for bit, and be finite.
+    is_causal, bottom_right = {"none": (False, True), "bottom_right": (True, True),
+                               "top_left": (True, False)}[mode]
+    results, outside = _key_range_runs("cpu", len(KEY_RANGES_11), s_q, 11, h, h_k, 64,
+                                       KEY_RANGES_11, is_causal, bottom_right,
+                                       seed=h * 100 + h_k * 10 + s_q)
+    _check_key_range_runs(results, outside, h_k)
+
+
+# (leftpad_k, seqused_k) for seqlen_k = 300: several 64/128-key tiles and decode splits on
+# either side of the range; one range past seqlen_k, one empty, one the whole row.
+KEY_RANGES_300 = [(17, 150), (0, 64), (130, 400), (0, 300), (100, 90), (-5, 211), (255, 256)]
+
+
+@pytest.mark.gpu
+@needs_ext
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("h,h_k", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("mode", ["none", "bottom_right", "top_left"])
+@pytest.mark.parametrize("s_q", [1, 77])  # 1: the split-KV decode kernel (FLASH_SM75_DECODE=auto)
+def test_gpu_keys_outside_the_key_range_are_never_read(d, h, h_k, mode, s_q):
+    is_causal, bottom_right = {"none": (False, True), "bottom_right": (True, True),
+                               "top_left": (True, False)}[mode]
+    results, outside = _key_range_runs("cuda", len(KEY_RANGES_300), s_q, 300, h, h_k, d,
+                                       KEY_RANGES_300, is_causal, bottom_right,
+                                       seed=d + h * 100 + h_k * 10 + s_q)
+    _check_key_range_runs(results, outside, h_k)
+    # and the CUDA result is the CPU op's (which zeroes those rows) up to rounding
+    cpu, _ = _key_range_runs("cpu", len(KEY_RANGES_300), s_q, 300, h, h_k, d, KEY_RANGES_300,
+                             is_causal, bottom_right, seed=d + h * 100 + h_k * 10 + s_q)
+    for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), results[1], cpu[1]):
+        if a is not None:
+            torch.testing.assert_close(a.float(), c.float(), atol=2e-2, rtol=2e-2,
+                                       equal_nan=False, msg=name)

@@ -44,8 +44,13 @@ def _cases():
          r"q\.to_dense\(\)"),
         ("v_sparse", (q, k, v.to_sparse()), {},
          r"v must be a strided \(dense\) tensor, got torch\.sparse_coo"),
-        ("q_empty", (q[:, :0], k, v), {}, r"q must be non-empty \(every dimension >= 1\)"),
-        ("k_empty", (q, k[:, :0], v[:, :0]), {}, r"k must be non-empty"),
+        # zero-size inputs are valid (an empty or zero result), except kv heads 0 under q heads
+        ("kv_heads_zero", (q, k[:, :, :0], v[:, :, :0]), {},
+         r"num_heads_k must be >= 1 when num_heads >= 1 \(GQA/MQA: num_heads must be a multiple "
+         r"of num_heads_k\), got num_heads_k 0 and num_heads 4"),
+        ("kv_heads_zero_seqlen0", (q[:, :0], k[:, :0, :0], v[:, :0, :0]), {},
+         r"num_heads_k must be >= 1 .* got num_heads_k 0 and num_heads 4"),
+        ("kv_heads_zero_v", (q, k, v[:, :, :0]), {}, r"k and v must have the same shape"),
         ("last_stride", (q, k, v.transpose(1, 3).contiguous().transpose(1, 3)), {},
          r"v must have a contiguous last dimension \(stride\(-1\) == 1\)"),
         ("kv_shape", (q, k, v[:, :6]), {}, r"k and v must have the same shape"),
@@ -137,6 +142,52 @@ def test_fast_rule_check_accepts_valid_input(shape, scale):
     _ops._validate(_ops._raise_value_error, q, k, v, scale, None, None, "bshd", True)
 
 
+# Cases whose arguments the C++ op itself can receive (dense tensors on one device, a float
+# scale): its check_fwd_inputs must reject them with the message the Python rules give.
+_CPP_CASES = [c for c in CASES if c[0] not in (
+    "q_not_tensor", "q_nested", "q_sparse", "v_sparse", "device", "scale_tensor", "scale_str",
+    "scale_bool")]
+
+
+def _message_head(msg):
+    # C++ and Python print dtypes differently (Float vs torch.float32); compare up to "got".
+    return msg.split(", got")[0].split(" got ")[0].strip()
+
+
+@pytest.mark.parametrize("case", _CPP_CASES, ids=[c[0] for c in _CPP_CASES])
+def test_cpp_op_rejects_with_the_python_message(case):
+    _, (q, k, v), kwargs, regex = case
+    with pytest.raises(ValueError, match="^flash_attention_sm75: ") as cpp:
+        torch.ops.flash_attention_sm75.fwd(q, k, v, kwargs.get("softmax_scale"))
+    with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex) as py:
+        fa.flash_attn_func(q, k, v, **kwargs)
+    assert _message_head(str(cpp.value)) == _message_head(str(py.value))
+
+
+# Zero-size inputs: (b, s_q, s_k, h, h_k). Valid on every rule; num_heads_k 0 only with
+# num_heads 0.
+ZERO_SIZE_SHAPES = [dict(b=0), dict(h=0, h_k=0), dict(h=0, h_k=2), dict(s_q=0), dict(s_k=0),
+                    dict(s_q=0, s_k=0), dict(b=0, h=0, h_k=0), dict(b=0, s_q=0, s_k=0, h=0, h_k=0),
+                    dict(s_k=0, h=8, h_k=1), dict(b=0, d=128)]
+
+
+@pytest.mark.parametrize("shape", ZERO_SIZE_SHAPES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_zero_size_inputs_pass_every_rule(shape, calls):
+    q, k, v = bshd(**shape)
+    assert _ops._passes_all_rules(q, k, v, None, 2)
+    assert _ops._passes_all_rules(*to_bhsd(q, k, v), None, 1)
+    _ops._validate(_ops._raise_value_error, q, k, v, None, None, None, "bshd", True)
+    _ops._validate(_ops._raise_value_error, *to_bhsd(q, k, v), None, None, None, "bhsd", True)
+    b = q.shape[0]
+    _ops.validate_fwd_inputs(q, k, v, 0.5, torch.zeros(b, dtype=torch.int32),
+                             torch.full((b,), 3, dtype=torch.int32))
+    torch.ops.flash_attention_sm75.fwd(q, k, v)  # the C++ rules (raise if not)
+    # and the public functions reach the op
+    fa.flash_attn_func(q, k, v)
+    fa.flash_attention_forward(*to_bhsd(q, k, v))
+    assert len(calls) == 3
+
+
 def test_numpy_scale_is_accepted_as_a_float():
     np = pytest.importorskip("numpy")
     q, k, v = bshd()
@@ -169,9 +220,9 @@ def test_valid_input_reaches_the_op(calls):
     out = fa.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True)
     assert len(calls) == 1 and out.shape == q.shape
     # (q, k, v, softmax_scale, is_causal, causal_bottom_right)
-    assert calls[0][3:] == (0.1, True, True)
+    assert calls[0][3:] == (0.1, True, True, None, None)  # + leftpad_k, seqused_k
     out_b = fa.flash_attention_forward(*to_bhsd(q, k, v), causal=True, softmax_scale=0.1)
-    assert len(calls) == 2 and calls[1][3:] == (0.1, True, True)
+    assert len(calls) == 2 and calls[1][3:] == (0.1, True, True, None, None)
     assert calls[1][0].data_ptr() == q.data_ptr()  # a view, not a copy
     assert torch.equal(out_b.transpose(1, 2), out)
 
@@ -197,7 +248,7 @@ def test_fa2_options_at_their_off_values_run_as_without_them(calls):
     out = fa.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=0.1, causal=True,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     assert torch.equal(out, fa.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True))
-    assert [c[3:] for c in calls] == [(0.1, True, True)] * 2
+    assert [c[3:] for c in calls] == [(0.1, True, True, None, None)] * 2
 
 
 @pytest.mark.parametrize("ret", [False, True])

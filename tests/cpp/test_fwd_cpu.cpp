@@ -136,6 +136,69 @@ TEST(FwdCpuSemantics, DecodeBottomRightSeesAllTopLeftSeesFirst) {
                            in.v[0][0].to(at::kFloat), 0, 1e-3));
 }
 
+TEST(FwdCpuSemantics, ZeroSizeGivesEmptyOrZeroResults) {
+  const double inf = std::numeric_limits<double>::infinity();
+  // {b, sq, sk, h, hk}
+  for (auto s : std::vector<std::vector<int64_t>>{{0, 5, 7, 4, 2}, {2, 5, 7, 0, 0}, {2, 0, 7, 4, 2},
+                                                  {2, 5, 0, 4, 2}, {0, 0, 0, 0, 0}, {2, 5, 7, 0, 2}}) {
+    const int64_t b = s[0], sq = s[1], sk = s[2], h = s[3], hk = s[4];
+    SCOPED_TRACE(::testing::PrintToString(s));
+    at::Tensor q = at::randn({b, sq, h, 64}).to(at::kHalf);
+    at::Tensor k = at::randn({b, sk, hk, 64}).to(at::kHalf);
+    auto [out, lse] = mha_fwd_cpu(q, k, k, std::nullopt, true, true, std::nullopt, std::nullopt);
+    EXPECT_EQ(out.sizes(), q.sizes());
+    EXPECT_EQ(lse.sizes(), (at::IntArrayRef{b, h, sq}));
+    EXPECT_EQ(out.scalar_type(), at::kHalf);
+    EXPECT_EQ(lse.scalar_type(), at::kFloat);
+    EXPECT_TRUE(out.is_contiguous() && lse.is_contiguous());
+    EXPECT_TRUE(at::equal(out, at::zeros_like(out)));
+    EXPECT_TRUE(at::equal(lse, at::full_like(lse, -inf)));
+    auto [dq, dk, dv] = mha_bwd_cpu(out, q, k, k, out, lse, 0.125, true, true, std::nullopt,
+                                    std::nullopt, true, std::nullopt);
+    EXPECT_EQ(dq.sizes(), q.sizes());
+    EXPECT_EQ(dk.sizes(), k.sizes());
+    EXPECT_EQ(dv.sizes(), k.sizes());
+    EXPECT_TRUE(at::equal(dq, at::zeros_like(dq)) && at::equal(dk, at::zeros_like(dk)) &&
+                at::equal(dv, at::zeros_like(dv)));
+  }
+}
+
+TEST(FwdCpuSemantics, KeysOutsideTheRangeAreNeverRead) {
+  // NaN / inf in K and V rows outside [leftpad_k, seqused_k) change nothing (they reached out
+  // through 0 * NaN in P V, and dq/dk/dv), and those keys get exactly zero dk / dv.
+  AttnCase c = mk(3, 6, 12, 4, 2, 64, true, false);
+  c.leftpad = {2, 0, 5};
+  c.seqused = {9, 4, 3};  // the last row sees no key
+  auto in = make_inputs(c);
+  at::Tensor k2 = in.k.clone(), v2 = in.v.clone();
+  const std::vector<std::pair<int64_t, int64_t>> hidden = {{0, 0}, {0, 1}, {0, 9}, {0, 11},
+                                                           {1, 4}, {1, 11}, {2, 0}, {2, 7}};
+  for (auto [bi, j] : hidden) {
+    k2[bi][j].fill_(std::numeric_limits<double>::quiet_NaN());
+    v2[bi][j].fill_((j % 2) ? std::numeric_limits<double>::infinity()
+                            : std::numeric_limits<double>::quiet_NaN());
+  }
+  auto [out, lse] = mha_fwd_cpu(in.q, in.k, in.v, std::nullopt, true, false, in.leftpad_k,
+                                in.seqused_k);
+  auto [out2, lse2] = mha_fwd_cpu(in.q, k2, v2, std::nullopt, true, false, in.leftpad_k,
+                                  in.seqused_k);
+  EXPECT_TRUE(at::equal(out, out2));
+  EXPECT_TRUE(at::equal(lse, lse2));
+  EXPECT_FALSE(out2.isnan().any().item<bool>());
+  at::Tensor dout = at::randn(out.sizes()).to(at::kHalf);
+  auto g = mha_bwd_cpu(dout, in.q, in.k, in.v, out, lse, 0.125, true, false, in.leftpad_k,
+                       in.seqused_k, true, std::nullopt);
+  auto g2 = mha_bwd_cpu(dout, in.q, k2, v2, out2, lse2, 0.125, true, false, in.leftpad_k,
+                        in.seqused_k, true, std::nullopt);
+  EXPECT_TRUE(at::equal(std::get<0>(g), std::get<0>(g2)));
+  EXPECT_TRUE(at::equal(std::get<1>(g), std::get<1>(g2)));
+  EXPECT_TRUE(at::equal(std::get<2>(g), std::get<2>(g2)));
+  for (auto [bi, j] : hidden) {
+    EXPECT_EQ(std::get<1>(g2)[bi][j].abs().sum().item<float>(), 0.f);
+    EXPECT_EQ(std::get<2>(g2)[bi][j].abs().sum().item<float>(), 0.f);
+  }
+}
+
 // The op registered by torch_bindings.cpp, called through the dispatcher with CPU tensors: the
 // CPU kernel is mha_fwd_cpu and errors stay c10::ValueError.
 using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,

@@ -101,15 +101,25 @@ TEST_F(FwdInputs, ShapeMismatches) {
   EXPECT_VALUE_ERROR(check(in.q, half({3, 7, 2, 64}), half({3, 7, 2, 64})), "batch");
 }
 
-TEST_F(FwdInputs, EmptyTensors) {
-  // Every dimension must be >= 1.
-  EXPECT_VALUE_ERROR(check(half({2, 0, 4, 64}), in.k, in.v), "q must be non-empty");
-  EXPECT_VALUE_ERROR(check(half({0, 5, 4, 64}), half({0, 7, 2, 64}), half({0, 7, 2, 64})),
-                     "q must be non-empty");
-  EXPECT_VALUE_ERROR(check(in.q, half({2, 0, 2, 64}), half({2, 0, 2, 64})),
-                     "k must be non-empty");
+TEST_F(FwdInputs, ZeroSizeTensors) {
+  // Zero sizes are valid (the implementations return the empty / zero result, no launch):
+  // seqlen_q, batch, seqlen_k, heads (with kv heads), q heads alone.
+  EXPECT_DOUBLE_EQ(check(half({2, 0, 4, 64}), in.k, in.v), 0.125);
+  EXPECT_DOUBLE_EQ(check(half({0, 5, 4, 64}), half({0, 7, 2, 64}), half({0, 7, 2, 64})), 0.125);
+  EXPECT_DOUBLE_EQ(check(in.q, half({2, 0, 2, 64}), half({2, 0, 2, 64})), 0.125);
+  EXPECT_DOUBLE_EQ(check(half({2, 5, 0, 64}), half({2, 7, 0, 64}), half({2, 7, 0, 64})), 0.125);
+  EXPECT_DOUBLE_EQ(check(half({2, 5, 0, 64}), in.k, in.v), 0.125);
+  at::Tensor none = at::zeros({0}, at::kInt);
+  EXPECT_DOUBLE_EQ(check(half({0, 5, 4, 64}), half({0, 7, 2, 64}), half({0, 7, 2, 64}), kNone,
+                         none, none),
+                   0.125);
+  // ...but q heads need kv heads: a ValueError, never a division by zero.
+  EXPECT_VALUE_ERROR(check(in.q, half({2, 7, 0, 64}), half({2, 7, 0, 64})),
+                     "num_heads_k must be >= 1 when num_heads >= 1", "num_heads_k 0 and num_heads 4");
+  EXPECT_VALUE_ERROR(check(half({0, 0, 4, 64}), half({0, 0, 0, 64}), half({0, 0, 0, 64})),
+                     "num_heads_k must be >= 1");
   EXPECT_VALUE_ERROR(check(in.q, in.k, half({2, 7, 2, 64}).narrow(1, 0, 0)),
-                     "v must be non-empty");
+                     "k and v must have the same shape");
 }
 
 TEST_F(FwdInputs, LastDimNotContiguous) {
