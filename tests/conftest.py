@@ -3,6 +3,8 @@
 * ``@pytest.mark.gpu`` tests are skipped cleanly without a CUDA GPU of compute capability >= 7.5
   (the kernel's minimum), so the CPU part of the suite runs anywhere (CI).
 * Every test starts from the same RNG state (tests that need their own seed set it).
+* ``op_calls``: the argument tuples of every call that reaches ``torch.ops.flash_attention_sm75.fwd``
+  (callers look the op up per call, so the spy sees every door's call).
 """
 import pytest
 import torch
@@ -35,3 +37,13 @@ def pytest_collection_modifyitems(config, items):
 def _fixed_seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Argument tuples of every call of ``torch.ops.flash_attention_sm75.fwd`` in the test."""
+    calls = []
+    real = torch.ops.flash_attention_sm75.fwd
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
+                        lambda *a, **kw: calls.append(a) or real(*a, **kw), raising=False)
+    return calls

@@ -87,13 +87,9 @@ CASES = _cases()
 
 
 @pytest.fixture
-def calls(monkeypatch):
+def calls(op_calls):
     """The argument tuples of every call that reaches torch.ops.flash_attention_sm75.fwd."""
-    calls = []
-    real_op = torch.ops.flash_attention_sm75.fwd
-    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
-                        lambda *a, **kw: calls.append(a) or real_op(*a, **kw))
-    return calls
+    return op_calls
 
 
 def bhsd_args(q, k, v):

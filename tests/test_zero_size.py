@@ -221,15 +221,6 @@ def _no_strict(monkeypatch):
 
 
 @pytest.fixture
-def op_calls(monkeypatch):
-    calls = []
-    real = torch.ops.flash_attention_sm75.fwd
-    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
-                        lambda *a, **kw: calls.append(a) or real(*a, **kw))
-    return calls
-
-
-@pytest.fixture
 def no_torch_sdpa(monkeypatch):
     """Fail if the wrapper hands the call to torch's SDPA (which crashes for some of these)."""
     def refuse(*args, **kwargs):
