@@ -166,7 +166,8 @@ def _describe_mismatch(allowed: torch.Tensor) -> str:
 
 
 def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: int,
-                       query_dtype: Optional[torch.dtype]) -> "_Classification":
+                       query_dtype: Optional[torch.dtype],
+                       exact_empty_rows: bool = False) -> "_Classification":
     if mask.dim() != 4:
         return None, f"attention_mask is {mask.dim()}-D, expected a 4-D (B, 1, q_len, kv_len) mask"
     bm, hm, sqm, skm = mask.shape
@@ -184,7 +185,15 @@ def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: 
         allowed = mask
     elif mask.dtype.is_floating_point:
         allowed = mask == 0
-        flags.append(~(allowed | _blocked_values(mask, query_dtype)).all())
+        blocked = _blocked_values(mask, query_dtype)
+        flags.append(~(allowed | blocked).all())
+        # A row that sees no key but is hidden (partly) by a *finite* minimum is not empty to
+        # torch: the same huge number is added to those scores and softmax averages V over them.
+        # The kernel returns 0 for an empty row, so such a mask must fall back.
+        if exact_empty_rows:
+            flags.append((~allowed.any(-1) & (blocked & ~torch.isneginf(mask)).any(-1)).any())
+        else:
+            flags.append(torch.zeros((), dtype=torch.bool, device=mask.device))
     else:
         return None, f"attention_mask dtype {mask.dtype} is neither bool nor floating point"
 
@@ -226,6 +235,9 @@ def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: 
 
     if mask.dtype != torch.bool and invalid[0]:
         return None, "float attention_mask has values other than 0 and -inf/min-dtype"
+    if mask.dtype != torch.bool and invalid[1]:
+        return None, ("a query row sees no key but is hidden by the dtype's finite minimum, not "
+                      "-inf (torch averages V over such a row; the kernel gives 0)")
     if hm > 1 and invalid[-1]:
         return None, "attention_mask differs between heads"
 
@@ -258,6 +270,7 @@ def classify_attention_mask(
     q_len: int,
     kv_len: int,
     query_dtype: Optional[torch.dtype] = None,
+    exact_empty_rows: bool = False,
 ) -> Tuple[Optional[MaskInfo], Optional[str]]:
     """Decide whether a transformers attention mask runs on the kernel, and with which arguments.
 
@@ -281,6 +294,12 @@ def classify_attention_mask(
     query_dtype : torch.dtype, optional
         dtype of the query; the minimum of this dtype also counts as "masked" in a float mask of
         a wider dtype.
+    exact_empty_rows : bool, optional
+        ``True`` (the SDPA wrapper, a drop-in for torch): a float mask in which a query row sees
+        no key but is hidden by the finite minimum rather than ``-inf`` falls back, since torch
+        averages V over such a row and the kernel gives 0. ``False`` (default; transformers,
+        where such rows are padding queries whose outputs no real token reads): those rows are
+        0, as every row that sees no key.
 
     Returns
     -------
@@ -304,12 +323,12 @@ def classify_attention_mask(
     if not host_reads_allowed(attention_mask):
         return None, ("a mask cannot be classified while torch.compile traces or a CUDA graph "
                       "captures (no host read of device values there); torch SDPA applies it")
-    extra = (int(batch_size), int(q_len), int(kv_len), query_dtype)
+    extra = (int(batch_size), int(q_len), int(kv_len), query_dtype, bool(exact_empty_rows))
     hit = _MASK_CACHE.get(attention_mask, extra)
     if hit is not None:
         return hit
     result = _classify_uncached(attention_mask, int(batch_size), int(q_len), int(kv_len),
-                                query_dtype)
+                                query_dtype, exact_empty_rows)
     _MASK_CACHE.put(attention_mask, extra, result)
     return result
 

@@ -181,9 +181,9 @@ def why_not_supported(
         Default ``None``. A mask runs on the kernel when it is exactly a per-batch-row key
         range (``leftpad_k[b] <= j < seqused_k[b]``), optionally AND a bottom-right causal
         diagonal: key-padding masks, all-True boolean and all-zero additive masks (bool, or
-        float with only 0 and ``-inf`` / the dtype's minimum; 1- to 4-D, broadcast as torch
-        does; equal across heads). Any other mask, a mask that requires grad, or a mask with
-        ``is_causal=True`` falls back.
+        float with only 0 and ``-inf`` / the dtype's minimum, and no row hidden only by that
+        finite minimum; 2- to 4-D, broadcast as torch does; equal across heads). Any other
+        mask, a mask that requires grad, or a mask with ``is_causal=True`` falls back.
     dropout_p : float, optional
         Default ``0.0``. Any nonzero value makes the call fall back (torch's SDPA applies dropout
         whenever ``dropout_p > 0``, in training and in eval).
@@ -313,8 +313,14 @@ def _mask_metadata_problem(query, key, attn_mask, is_causal) -> Optional[str]:
         return "attn_mask requires grad (no bias gradient in the kernel)"
     if attn_mask.device != query.device:
         return f"attn_mask is on {attn_mask.device}, query on {query.device}"
-    if not 1 <= attn_mask.dim() <= 4:
-        return f"attn_mask is {attn_mask.dim()}-D; 1- to 4-D masks broadcast to (B, H, Sq, Sk)"
+    if not 2 <= attn_mask.dim() <= 4:
+        # torch 2.11's SDPA rejects a 1-D mask (IndexError); it must do so for every such mask.
+        return f"attn_mask is {attn_mask.dim()}-D; 2- to 4-D masks broadcast to (B, H, Sq, Sk)"
+    if attn_mask.dim() >= 3 and attn_mask.shape[-3] not in (1, query.shape[1]):
+        # torch broadcasts the mask against the query's heads (also with enable_gqa): a head
+        # count other than 1 or num_heads is an error there, never a per-kv-head mask.
+        return (f"attn_mask has {attn_mask.shape[-3]} heads; it must broadcast to the query's "
+                f"{query.shape[1]} (torch raises an error otherwise)")
     return None
 
 
@@ -327,7 +333,8 @@ def _mask_plan(query, key, attn_mask):
     mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     if mask.shape[-1] != s_k:
         return None, f"attn_mask has {mask.shape[-1]} key columns, the keys are {s_k}"
-    info, reason = _masks.classify_attention_mask(mask, b, s_q, s_k, query.dtype)
+    info, reason = _masks.classify_attention_mask(mask, b, s_q, s_k, query.dtype,
+                                                  exact_empty_rows=True)
     if info is None:
         return None, f"attn_mask is not a per-row key range the kernel can run: {reason}"
     return info, None

@@ -758,3 +758,43 @@ def test_gpu_mask_that_is_a_key_range_runs_the_kernel(kind, d):
     with poisoned_cuda_memory():
         out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     _masked_ref_check(q, k, v, out, lo, hi, causal)
+
+
+@pytest.mark.parametrize("name", ["finfo_min_batch_row", "finfo_min_causal_rows"])
+def test_rows_hidden_by_a_finite_minimum_follow_torch(name, kernel_device_cpu):
+    # torch adds the same finite minimum to every score of such a row: softmax averages V there.
+    # The kernel returns 0 for a row that sees no key, so these masks must fall back.
+    fmin = torch.finfo(torch.float16).min
+    if name == "finfo_min_batch_row":
+        q, k, v = bhsd(h=2, h_k=2, s_q=5, s_k=7, seed=21)
+        mask = torch.zeros(2, 1, 1, 7, dtype=torch.float16)
+        mask[0] = fmin                # batch row 0: every key hidden by the finite minimum
+        mask[1, ..., 5:] = fmin       # batch row 1: ordinary key padding
+    else:
+        q, k, v = bhsd(b=1, h=1, h_k=1, s_q=7, s_k=5, seed=22)
+        allowed = torch.ones(7, 5, dtype=torch.bool).tril(5 - 7)  # rows 0-1 see no key
+        mask = torch.zeros(7, 5, dtype=torch.float16).masked_fill(~allowed, fmin)
+    assert "finite minimum" in fa.why_not_supported(q, k, v, attn_mask=mask)
+    assert torch.equal(fa.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    # the same rows hidden by -inf are empty to torch too: the kernel runs and gives 0 there
+    inf_mask = mask.masked_fill(mask == fmin, float("-inf"))
+    assert fa.why_not_supported(q, k, v, attn_mask=inf_mask) is None
+
+
+@pytest.mark.parametrize("name", ["mask_heads_3_of_2", "mask_heads_kv_under_gqa", "mask_1d"])
+def test_masks_torch_rejects_are_left_to_torch(name, kernel_device_cpu):
+    if name == "mask_heads_3_of_2":
+        q, k, v = bhsd(h=2, h_k=2, s_q=5, s_k=7)
+        mask, gqa = torch.ones(2, 3, 1, 7, dtype=torch.bool), False
+    elif name == "mask_heads_kv_under_gqa":
+        q, k, v = bhsd(h=4, h_k=2, s_q=5, s_k=7)
+        mask, gqa = torch.ones(2, 2, 1, 7, dtype=torch.bool), True
+    else:
+        q, k, v = bhsd(s_q=5, s_k=7)
+        mask, gqa = torch.ones(7, dtype=torch.bool), False
+    assert fa.why_not_supported(q, k, v, attn_mask=mask, enable_gqa=gqa) is not None
+    with pytest.raises(Exception) as theirs:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    with pytest.raises(type(theirs.value)):
+        fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
