@@ -107,7 +107,7 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   // scale * log2(e) * |q.k| <= FLT_MAX / 2 with |q.k| <= 128 * 65504^2. The factor 2 absorbs
   // the float32 roundings of scale * log2(e) and of the product (without it the largest score
   // rounds to inf, and inf - inf = NaN in the softmax). The Python side,
-  // _ops.SOFTMAX_SCALE_MIN/MAX, uses the same bounds.
+  // _rules.SOFTMAX_SCALE_MIN/MAX (the rulebook), uses the same bounds.
   constexpr double kScaleMin = static_cast<double>(FLT_MIN);
   constexpr double kScaleMax =
       static_cast<double>(FLT_MAX) / (2 * 1.4426950408889634 * 128 * 65504.0 * 65504.0);
@@ -207,9 +207,10 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
 
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto* props = at::cuda::getDeviceProperties(q.get_device());
-  TORCH_CHECK(props->major * 10 + props->minor >= 75,
-              "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or newer), got ",
-              props->major, ".", props->minor);
+  TORCH_CHECK_VALUE(props->major * 10 + props->minor >= 75,
+                    "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or "
+                    "newer), got ",
+                    props->major, ".", props->minor);
   if (zero_size(q, k)) return zero_size_fwd(q);
 
   const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);

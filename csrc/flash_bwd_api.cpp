@@ -185,9 +185,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto* props = at::cuda::getDeviceProperties(q.get_device());
-  TORCH_CHECK(props->major * 10 + props->minor >= 75,
-              "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or newer), got ",
-              props->major, ".", props->minor);
+  TORCH_CHECK_VALUE(props->major * 10 + props->minor >= 75,
+                    "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or "
+                    "newer), got ",
+                    props->major, ".", props->minor);
   if (zero_size(q, k)) return zero_size_bwd(q, k);
 
   Flash_bwd_params params{};

@@ -14,8 +14,8 @@ Public API:
 
 The op itself is ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md).
 """
-from ._backward import deterministic_backward, is_deterministic_backward
-from ._ops import EXTENSION_AVAILABLE, EXTENSION_ERROR
+from ._ops import (EXTENSION_AVAILABLE, EXTENSION_ERROR, deterministic_backward,
+                   is_deterministic_backward)
 from .interface import flash_attention_forward, flash_attn_func
 from .sdpa import is_strict, scaled_dot_product_attention, set_strict, strict, why_not_supported
 

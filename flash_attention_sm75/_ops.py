@@ -1,38 +1,46 @@
-"""Loads the compiled op library and registers its Python-side pieces.
+"""The op's Python side: loading the compiled library, the fake implementations, autograd, and
+the one entry every door calls the op through.
 
 ``import flash_attention_sm75._C`` runs the C++ static registrars (``TORCH_LIBRARY``), which
-define ``torch.ops.flash_attention_sm75.fwd`` with CUDA and CPU implementations. This module adds
-what is registered from Python:
+define ``torch.ops.flash_attention_sm75.fwd`` and ``bwd`` with CUDA and CPU implementations
+(docs/CONTRACT.md). This module registers, side by side:
 
-* a fake (meta) implementation, used by ``torch.compile``/``torch.export``/``FakeTensorMode``,
-  which validates the inputs with ``torch._check_value`` (the rules and messages of the C++
-  ``check_fwd_inputs``) and allocates exactly what the C++ allocates;
-* autograd: the formula of ``_backward.register_backward`` (through the ``bwd`` op) when the
-  built library has that op, otherwise a stub whose backward raises ``NotImplementedError``
-  (without any registration PyTorch's fallback would silently return wrong gradients);
-* :func:`validate_fwd_inputs`, the eager validation used by the public functions before they call
-  the op, raising ``ValueError`` that names the argument and the accepted values;
-* :func:`call_fwd`, how the public functions call the op: below its autograd kernel when no
-  gradient can flow.
+* the fakes of ``fwd`` and ``bwd`` (``torch.compile`` / ``torch.export`` / FakeTensorMode):
+  shape checks only (``torch._check``) and exactly the allocations of the C++; what the kernels
+  accept is the rulebook's business (``_rules.py``), asked by every door before the op is called;
+* the autograd formula of ``fwd``: saves ``q, k, v, out, softmax_lse`` (O(N) memory, no
+  attention matrix) and calls ``bwd``; a gradient flowing into ``softmax_lse`` (returned with
+  ``return_lse=True``) is passed on as ``grad_softmax_lse`` and handled exactly. ``bwd`` itself
+  has no formula: double backward raises;
+* :func:`call_fwd`, how the direct APIs, the SDPA wrapper and the HF integration call the op;
+* the backward's determinism switch (:func:`deterministic_backward`).
 
-See docs/CONTRACT.md for the op contract.
+Determinism: by default dQ is computed by a separate kernel with no floating-point atomics, so
+the backward is bitwise reproducible (docs/BACKWARD.md). ``FLASH_SM75_BWD_DQ=atomic`` selects
+an fp32 atomic dQ accumulator (not reproducible bit for bit); it is ignored when
+``torch.use_deterministic_algorithms(True)`` is in effect or inside
+:func:`deterministic_backward`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-import numbers
-from typing import Callable, Optional
+import os
+import threading
+from typing import Iterator, Optional
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
+from ._rules import require_bool
+
 __all__ = [
     "EXTENSION_AVAILABLE",
     "EXTENSION_ERROR",
-    "HAS_BACKWARD",
-    "SUPPORTED_HEAD_DIMS",
+    "autograd_reason",
     "call_fwd",
-    "validate_fwd_inputs",
+    "deterministic_backward",
+    "is_deterministic_backward",
 ]
 
 try:
@@ -44,242 +52,61 @@ except ImportError as e:  # not built, or built against another torch/CUDA
     EXTENSION_AVAILABLE = False
     EXTENSION_ERROR = f"{type(e).__name__}: {e}"
 
-# True when the autograd formula of flash_attention_sm75::fwd (through the bwd op, see
-# _backward.py) is registered; False when the built library has no bwd op, in which case a stub
-# makes backward raise NotImplementedError.
-HAS_BACKWARD: bool = False
 
-SUPPORTED_HEAD_DIMS = (64, 128)
-
-_PREFIX = "flash_attention_sm75: "
-_INT32_MAX = 2**31 - 1
-# softmax_scale must survive the kernel's float32 arithmetic for every float16 input: normal in
-# float32 (a denormal scale is flushed to 0 by --use_fast_math), and small enough that the
-# largest possible score, scale * log2(e) * q.k with |q.k| <= 128 * 65504^2 (head_dim 128, fp16
-# max), stays finite with a factor 2 of headroom: at exactly FLT_MAX / (log2(e) * 128 * 65504^2)
-# the float32 roundings of scale * log2(e) and of the product give inf (rn(rn(scale * log2(e))
-# * 128 * 65504^2) = inf), and an inf score gives inf - inf = NaN in the softmax. The C++
-# check_fwd_inputs uses the same bounds.
-SOFTMAX_SCALE_MIN = 1.1754943508222875e-38  # FLT_MIN
-SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / (2 * 1.4426950408889634 * 128 * 65504.0**2)  # ~2.15e26
-_SCALE_RANGE = "[1.2e-38, 2.1e26]"
+def require_extension() -> None:
+    """Raise ``RuntimeError`` with the build command when the compiled library is missing."""
+    if not EXTENSION_AVAILABLE:
+        raise RuntimeError(
+            "flash_attention_sm75: the compiled extension flash_attention_sm75._C could not be "
+            f"imported ({EXTENSION_ERROR}); build it with `pip install .` or "
+            "`python setup.py build_ext --inplace`")
 
 
-def type_name(obj: object) -> str:
-    """``obj``'s type for error messages: qualified outside builtins, so that e.g. numpy's
-    ``np.bool_`` (whose ``__name__`` is ``bool``) reads ``numpy.bool`` and not ``bool``."""
-    t = type(obj)
-    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+# Set by deterministic_backward(), process-wide: PyTorch runs the backward of CUDA tensors on its
+# autograd device threads, which a thread-local setting of the caller's thread would not reach.
+_forced: Optional[bool] = None
+_forced_lock = threading.Lock()
 
 
-def require_bool(name: str, value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is a bool (``causal=0.125``, a scale passed in the
-    wrong slot, must not silently mean True); ``name`` is the argument as the caller wrote it."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{_PREFIX}{name} must be a bool (True or False), "
-                         f"got {type_name(value)} {value!r}")
+@contextlib.contextmanager
+def deterministic_backward(enabled: bool = True) -> Iterator[None]:
+    """Within the block, backward passes run in deterministic mode (``enabled=False``: they
+    follow ``FLASH_SM75_BWD_DQ`` even under ``torch.use_deterministic_algorithms(True)``).
 
+    The setting is read when the backward runs (``loss.backward()``), not when the forward runs,
+    and it is process-wide while the block runs: the backward of CUDA tensors runs on PyTorch's
+    autograd device threads, not on the thread that called ``backward()``. Blocks entered on
+    several threads at once with different settings race (the last one entered wins).
 
-def scale_problem(softmax_scale: object) -> Optional[str]:
-    """None if ``softmax_scale`` (not None) is a usable scale, else what is wrong with it."""
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        return (f"softmax_scale must be a real number (float or int), got "
-                f"{type_name(softmax_scale)} {softmax_scale!r}")
-    s = float(softmax_scale)
-    if not (math.isfinite(s) and SOFTMAX_SCALE_MIN <= s <= SOFTMAX_SCALE_MAX):
-        return (f"softmax_scale must be a finite number > 0 within {_SCALE_RANGE} (float32 "
-                f"scores must not overflow), got {softmax_scale!r}")
-    return None
-
-
-def _shape(t: torch.Tensor) -> list:
-    # Printed like the C++ IntArrayRef: [1, 2, 3]
-    return list(t.shape)
-
-
-def _strides(t: torch.Tensor) -> list:
-    return list(t.stride())
-
-
-# Appended to the BHSD head-count error: BSHD tensors passed to flash_attention_forward read
-# seqlen as num_heads, and this is where that usually surfaces. (The BSHD message stays the C++
-# op's, which test_ops compares word for word.)
-_BHSD_HINT = (" (heads are dim 1 in the BHSD layout (batch, num_heads, seqlen, head_dim); for "
-              "BSHD tensors use flash_attn_func)")
-
-
-def _validate(
-    check: Callable[[object, Callable[[], str]], None],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: Optional[float],
-    leftpad_k: Optional[torch.Tensor],
-    seqused_k: Optional[torch.Tensor],
-    layout: str,
-    check_alignment: bool,
-) -> None:
-    """The op's input rules, in the order of the C++ ``check_fwd_inputs`` + ``mha_fwd``.
-
-    ``check(cond, msg)`` raises ``ValueError(msg())`` when ``cond`` is false. ``layout`` ("bshd"
-    or "bhsd") only changes how shapes are described; the tensors are the caller's own.
+    Raises ``ValueError`` if ``enabled`` is not a bool.
     """
-    if layout == "bshd":
-        dims = "(batch, seqlen, num_heads, head_dim) in BSHD layout"
-        head_dim_ = 2
-    else:
-        dims = "(batch, num_heads, seqlen, head_dim) in BHSD layout"
-        head_dim_ = 1
-
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check(isinstance(t, torch.Tensor),
-              lambda: f"{_PREFIX}{name} must be a torch.Tensor, got {type(t).__name__}")
-        check(not t.is_nested,
-              lambda: f"{_PREFIX}{name} is a nested tensor; a dense 4-D tensor {dims} is "
-                      f"required (pad the sequences, or pass per-batch key ranges with "
-                      f"leftpad_k / seqused_k to the op)")
-        check(t.layout == torch.strided,
-              lambda: f"{_PREFIX}{name} must be a strided (dense) tensor, got {t.layout}; "
-                      f"convert it with {name}.to_dense()")
-        check(t.dim() == 4,
-              lambda: f"{_PREFIX}{name} must be 4-D {dims}, got {t.dim()}-D of shape {_shape(t)}")
-        check(t.dtype == torch.float16,
-              lambda: f"{_PREFIX}{name} must be float16 (SM75 tensor cores have no bf16/fp32 MMA), "
-                      f"got {t.dtype}")
-        check(t.device == q.device,
-              lambda: f"{_PREFIX}{name} must be on the same device as q ({q.device}), got {t.device}")
-        check(t.stride(-1) == 1,
-              lambda: f"{_PREFIX}{name} must have a contiguous last dimension (stride(-1) == 1), "
-                      f"got strides {_strides(t)}")
-
-    check(k.shape == v.shape,
-          lambda: f"{_PREFIX}k and v must have the same shape, got k {_shape(k)} and v {_shape(v)}")
-    check(k.shape[0] == q.shape[0],
-          lambda: f"{_PREFIX}q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    check(k.shape[3] == q.shape[3],
-          lambda: f"{_PREFIX}q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
-    d = q.shape[3]
-    check(d == 64 or d == 128, lambda: f"{_PREFIX}head_dim must be 64 or 128, got {d}")
-    h, h_k = q.shape[head_dim_], k.shape[head_dim_]
-    # Zero-size inputs are valid (empty or zero result, no launch), but q heads need kv heads.
-    check(h_k > 0 or h == 0,
-          lambda: f"{_PREFIX}num_heads_k must be >= 1 when num_heads >= 1 (GQA/MQA: num_heads "
-                  f"must be a multiple of num_heads_k), got num_heads_k 0 and num_heads {h}"
-                  + _BHSD_HINT * (layout == "bhsd"))
-    check(h_k == 0 or h % h_k == 0,
-          lambda: f"{_PREFIX}num_heads ({h}) must be a multiple of num_heads_k ({h_k}) for GQA/MQA"
-                  + _BHSD_HINT * (layout == "bhsd"))
-    for t in (q, k):
-        for i in range(3):
-            check(t.shape[i] <= _INT32_MAX,
-                  lambda: f"{_PREFIX}batch, seqlen and heads must each be < 2^31")
-
-    for name, t in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
-        if t is None:
-            continue
-        check(isinstance(t, torch.Tensor),
-              lambda: f"{_PREFIX}{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        check(t.layout == torch.strided,
-              lambda: f"{_PREFIX}{name} must be a strided (dense) tensor, got {t.layout}")
-        check(t.dtype == torch.int32, lambda: f"{_PREFIX}{name} must be int32, got {t.dtype}")
-        check(t.dim() == 1 and t.shape[0] == q.shape[0],
-              lambda: f"{_PREFIX}{name} must have shape (batch,) = ({q.shape[0]},), got {_shape(t)}")
-        check(t.device == q.device,
-              lambda: f"{_PREFIX}{name} must be on the same device as q ({q.device}), got {t.device}")
-        check(t.is_contiguous(), lambda: f"{_PREFIX}{name} must be contiguous")
-
-    if softmax_scale is not None:
-        problem = scale_problem(softmax_scale)
-        check(problem is None, lambda: f"{_PREFIX}{problem}")
-
-    if check_alignment and q.device.type == "cuda":
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            # data_ptr() cannot be traced by torch.compile; the C++ op re-checks it at run time.
-            ptr_ok = torch.compiler.is_compiling() or t.data_ptr() % 16 == 0
-            ok = ptr_ok and all(t.shape[i] == 1 or t.stride(i) % 8 == 0 for i in range(3))
-            check(ok, lambda: f"{_PREFIX}{name} must be 16-byte aligned with batch/seq/head strides "
-                              f"divisible by 8 elements, got strides {_strides(t)}")
-
-
-def _passes_all_rules(q, k, v, softmax_scale, head_dim_: int) -> bool:
-    """True only if ``_validate`` (with the alignment rule) would accept these inputs: the same
-    rules as one flat expression, without building a message closure per rule, so valid calls
-    (the common case) cost a few microseconds of host time instead of ~30 checks. Any doubt
-    returns False and the caller runs ``_validate``, which names the broken rule. Not for
-    torch.compile tracing (uses ``data_ptr``) or ``leftpad_k``/``seqused_k``."""
+    require_bool("deterministic_backward(enabled)", enabled)
+    global _forced
+    with _forced_lock:
+        prev, _forced = _forced, enabled
     try:
-        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-                and isinstance(v, torch.Tensor)):
-            return False
-        if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
-            return False
-        f16 = torch.float16
-        if not (q.dtype == f16 and k.dtype == f16 and v.dtype == f16):
-            return False
-        dev = q.device
-        if not (dev.type in ("cuda", "cpu", "meta") and k.device == dev and v.device == dev):
-            return False
-        qs, ks = q.shape, k.shape
-        if ks != v.shape:
-            return False
-        # Also rejects every sparse layout, without a layout check per call: sparse COO
-        # tensors report strides of 0, the compressed layouts raise (-> except -> False).
-        if not (q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1):
-            return False
-        # Zero-size dimensions are valid, except kv heads 0 under q heads >= 1.
-        h, h_k = qs[head_dim_], ks[head_dim_]
-        if not (ks[0] == qs[0] and ks[3] == qs[3] and qs[3] in (64, 128)
-                and (h % h_k == 0 if h_k > 0 else h == 0)):
-            return False
-        if max(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2]) > _INT32_MAX:
-            return False
-        if softmax_scale is not None and scale_problem(softmax_scale) is not None:
-            return False
-        if dev.type == "cuda":
-            for t in (q, k, v):
-                if t.data_ptr() % 16 != 0:
-                    return False
-                st, sh = t.stride(), t.shape
-                if not ((sh[0] == 1 or st[0] % 8 == 0) and (sh[1] == 1 or st[1] % 8 == 0)
-                        and (sh[2] == 1 or st[2] % 8 == 0)):
-                    return False
-        return True
-    except Exception:  # anything unexpected: let _validate produce the message
-        return False
+        yield
+    finally:
+        with _forced_lock:
+            _forced = prev
 
 
-def _raise_value_error(cond: object, msg: Callable[[], str]) -> None:
-    if not cond:
-        raise ValueError(msg())
+def _deterministic_forced() -> bool:
+    """The backward op's ``deterministic`` argument: inside :func:`deterministic_backward`, its
+    setting; else ``torch.are_deterministic_algorithms_enabled()``."""
+    flag = _forced
+    if flag is not None:
+        return flag
+    return torch.are_deterministic_algorithms_enabled()
 
 
-def validate_fwd_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: Optional[float] = None,
-    leftpad_k: Optional[torch.Tensor] = None,
-    seqused_k: Optional[torch.Tensor] = None,
-    layout: str = "bshd",
-) -> None:
-    """Raise ``ValueError`` (naming the argument and the accepted values) for input the op rejects.
-
-    Checks everything the C++ ``check_fwd_inputs`` checks, plus the CUDA alignment rule (16-byte
-    aligned data pointer, batch/seq/head strides divisible by 8), in the same order and with the
-    same messages, so no kernel is launched on bad input. ``layout`` is ``"bshd"`` (the op's own
-    layout) or ``"bhsd"`` (tensors as passed to :func:`flash_attention_forward`); the rules are the
-    same, only the dimension names in the messages differ.
-    """
-    if layout not in ("bshd", "bhsd"):
-        raise ValueError(f"{_PREFIX}layout must be 'bshd' or 'bhsd', got {layout!r}")
-    if (leftpad_k is None and seqused_k is None and not torch.compiler.is_compiling()
-            and _passes_all_rules(q, k, v, softmax_scale, 2 if layout == "bshd" else 1)):
-        return
-    if isinstance(q, torch.Tensor) and q.device.type not in ("cuda", "cpu", "meta"):
-        raise ValueError(f"{_PREFIX}q must be a CUDA tensor (or CPU for the reference "
-                         f"implementation), got device {q.device}")
-    _validate(_raise_value_error, q, k, v, softmax_scale, leftpad_k, seqused_k, layout,
-              check_alignment=True)
+def is_deterministic_backward() -> bool:
+    """True if the next CUDA backward runs without floating-point atomics (bitwise
+    reproducible): always, unless ``FLASH_SM75_BWD_DQ=atomic`` selects fp32 atomics for dQ and
+    neither :func:`deterministic_backward` nor ``torch.use_deterministic_algorithms(True)``
+    forces the separate dQ kernel. (The CPU backward is always deterministic; the CUDA backward
+    rejects other values of ``FLASH_SM75_BWD_DQ`` with ``ValueError`` when it runs.)"""
+    return _deterministic_forced() or os.environ.get("FLASH_SM75_BWD_DQ", "") != "atomic"
 
 
 def forward_ad_input(q, k, v) -> Optional[str]:
@@ -309,6 +136,21 @@ def functorch_grad_active() -> bool:
     """
     top = torch._C._functorch.peek_interpreter_stack()
     return top is not None and top.key() == torch._C._functorch.TransformType.Grad
+
+
+def autograd_reason(q, k, v, *, any_transform: bool = False) -> Optional[str]:
+    """Why the op cannot run under the caller's autograd mode, or None: an input carrying a
+    forward-mode AD tangent (no jvp formula), a ``torch.func`` reverse-mode transform (the
+    formula is ``register_autograd``'s, which they cannot use), or with ``any_transform`` any
+    active ``torch.func`` transform (for doors whose fallback has batching rules)."""
+    name = forward_ad_input(q, k, v)
+    if name is not None:
+        return (f"{name} carries a forward-mode AD tangent (torch.func.jvp / forward_ad); the op "
+                f"has no jvp formula")
+    if torch._C._are_functorch_transforms_active() and (any_transform or functorch_grad_active()):
+        return ("a torch.func transform (grad, vjp, jacrev, vmap, ...) is active: the op's "
+                "autograd formula does not support torch.func")
+    return None
 
 
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
@@ -358,48 +200,67 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
         return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k)
 
 
+def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=True,
+              leftpad_k=None, seqused_k=None):
+    # Shapes only (the rulebook validated the call): what the output shapes are derived from.
+    torch._check(q.dim() == 4 and k.dim() == 4,
+                 lambda: "flash_attention_sm75: q, k and v must be 4-D")
+    torch._check(k.shape == v.shape, lambda: "flash_attention_sm75: k and v must have one shape")
+    torch._check(k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3],
+                 lambda: "flash_attention_sm75: q and k must share batch size and head_dim")
+    b, seqlen_q, h, d = q.shape
+    # The C++: at::empty({b, sq, h, d}, q.options()) and a float32 (b, h, sq).
+    return q.new_empty((b, seqlen_q, h, d)), q.new_empty((b, h, seqlen_q), dtype=torch.float32)
+
+
+def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_bottom_right,
+              leftpad_k=None, seqused_k=None, deterministic=False, grad_softmax_lse=None):
+    torch._check(dout.shape == q.shape, lambda: "flash_attention_sm75: dout must have the shape of q")
+    torch._check(out.shape == q.shape, lambda: "flash_attention_sm75: out must have the shape of q")
+    # The C++: at::empty({b, sq, h, d}, q.options()) and at::empty({b, sk, h_k, d}, ...) twice.
+    return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k = inputs
+    out, softmax_lse = output
+    ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k)
+    ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
+    ctx.is_causal = bool(is_causal)
+    ctx.causal_bottom_right = bool(causal_bottom_right)
+    # Unused outputs (usually softmax_lse) get None instead of a materialized zero tensor.
+    ctx.set_materialize_grads(False)
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, softmax_lse, leftpad_k, seqused_k = ctx.saved_tensors
+    none = (None,) * 5  # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k
+    if grad_out is None and grad_lse is None:
+        return (None, None, None) + none
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
+        grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
+        ctx.causal_bottom_right, leftpad_k, seqused_k, _deterministic_forced(), grad_lse)
+    return (dq, dk, dv) + none
+
+
+def _bwd_setup_context(ctx, inputs, output):
+    pass
+
+
+def _bwd_backward(ctx, *grads):
+    # Without an autograd formula for bwd, torch would let a second backward run and return
+    # missing gradients with only a warning; fail loudly instead.
+    raise NotImplementedError(
+        "flash_attention_sm75: double backward (gradients of gradients, create_graph=True "
+        "through the attention backward) is not implemented")
+
+
 if EXTENSION_AVAILABLE:
-
-    @torch.library.register_fake("flash_attention_sm75::fwd")
-    def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=True,
-                  leftpad_k=None, seqused_k=None):
-        # Never reads data; strides are checked (the pointer is not known to a fake).
-        def check(cond, msg):
-            torch._check_value(cond, msg)
-
-        _validate(check, q, k, v, softmax_scale, leftpad_k, seqused_k, "bshd",
-                  check_alignment=False)
-        if q.device.type == "cuda":
-            for name, t in (("q", q), ("k", k), ("v", v)):
-                for i in range(3):
-                    torch._check_value(
-                        t.shape[i] == 1 or t.stride(i) % 8 == 0,
-                        lambda: f"{_PREFIX}{name} must be 16-byte aligned with batch/seq/head "
-                                f"strides divisible by 8 elements, got strides {_strides(t)}")
-        b, seqlen_q, h, d = q.shape
-        # Same as the C++: at::empty({b, sq, h, d}, q.options()) and a float32 (b, h, sq).
-        out = q.new_empty((b, seqlen_q, h, d))
-        lse = q.new_empty((b, h, seqlen_q), dtype=torch.float32)
-        return out, lse
-
-    def _stub_setup_context(ctx, inputs, output):
-        pass
-
-    def _stub_backward(ctx, grad_out, grad_lse):
-        raise NotImplementedError(
-            "flash_attention_sm75: the backward pass is not implemented yet; run the forward "
-            "under torch.no_grad()/torch.inference_mode(), or use "
-            "flash_attention_sm75.scaled_dot_product_attention, which falls back to "
-            "torch.nn.functional.scaled_dot_product_attention when inputs require grad")
-
-    try:
-        from ._backward import register_backward
-    except ImportError:  # the backward's Python side is not part of this build
-        register_backward = None
-    if register_backward is not None and register_backward():
-        HAS_BACKWARD = True
-    else:
-        # Without an Autograd kernel PyTorch's fallback lets backward run and returns wrong
-        # (missing) gradients with only a warning; this makes backward fail loudly instead.
-        torch.library.register_autograd("flash_attention_sm75::fwd", _stub_backward,
-                                        setup_context=_stub_setup_context)
+    torch.library.register_fake("flash_attention_sm75::fwd")(_fwd_fake)
+    torch.library.register_fake("flash_attention_sm75::bwd")(_bwd_fake)
+    torch.library.register_autograd("flash_attention_sm75::fwd", _fwd_backward,
+                                    setup_context=_fwd_setup_context)
+    torch.library.register_autograd("flash_attention_sm75::bwd", _bwd_backward,
+                                    setup_context=_bwd_setup_context)

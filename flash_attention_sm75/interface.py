@@ -1,8 +1,8 @@
 """Direct FlashAttention API: :func:`flash_attn_func` (BSHD) and :func:`flash_attention_forward` (BHSD).
 
-Both call ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md) through
-``_ops.call_fwd`` after validating the input in Python, so bad input raises ``ValueError``
-before any kernel launch. Both use the FlashAttention (bottom-right) causal alignment. For torch
+Both ask the rulebook (``_rules.check_inputs``) and call ``torch.ops.flash_attention_sm75.fwd``
+(see docs/CONTRACT.md) through ``_ops.call_fwd``, so bad input raises ``ValueError`` before any
+kernel launch. Both use the FlashAttention (bottom-right) causal alignment. For torch
 SDPA semantics (top-left causal, fallback for unsupported input) use
 :func:`flash_attention_sm75.scaled_dot_product_attention`.
 """
@@ -12,17 +12,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _ops
+from . import _ops, _rules
 
 __all__ = ["flash_attn_func", "flash_attention_forward"]
-
-
-def _require_extension() -> None:
-    if not _ops.EXTENSION_AVAILABLE:
-        raise RuntimeError(
-            "flash_attention_sm75: the compiled extension flash_attention_sm75._C could not be "
-            f"imported ({_ops.EXTENSION_ERROR}); build it with `pip install .` or "
-            "`python setup.py build_ext --inplace`")
 
 
 def _as_float(softmax_scale: object) -> Optional[float]:
@@ -139,14 +131,14 @@ def flash_attn_func(
         ``causal`` /
         ``return_lse`` not a bool, or a FlashAttention-2 option (``dropout_p``,
         ``window_size``, ``softcap``, ``alibi_slopes``) not at its "off" value. The message
-        names the argument. Raised before any kernel launch.
+        names the argument. Also for a CUDA GPU of compute capability < 7.5. The rules are
+        ``flash_attention_sm75._rules`` (one rulebook for every API); raised before any kernel
+        launch.
     RuntimeError
-        If the compiled extension is not available, or the GPU's compute capability is < 7.5.
+        If the compiled extension is not available.
     NotImplementedError
-        On ``backward()`` through the result if the built extension has no backward op
-        (``flash_attention_sm75._ops.HAS_BACKWARD`` is False), and for forward-mode AD (an
-        input carrying a ``torch.func.jvp`` / ``torch.autograd.forward_ad`` tangent: there is
-        no jvp formula), and inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` (the op's
+        For forward-mode AD (an input carrying a ``torch.func.jvp`` /
+        ``torch.autograd.forward_ad`` tangent: there is no jvp formula), and inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` (the op's
         ``torch.library.register_autograd`` formula cannot serve them). Raised before the op
         runs.
 
@@ -188,11 +180,11 @@ def flash_attn_func(
     >>> out.shape, lse.shape
     (torch.Size([2, 128, 8, 64]), torch.Size([2, 8, 128]))
     """
-    _require_extension()
-    _ops.require_bool("causal", causal)
-    _ops.require_bool("return_lse", return_lse)
+    _ops.require_extension()
+    _rules.require_bool("causal", causal)
+    _rules.require_bool("return_lse", return_lse)
     _reject_fa2_options(dropout_p, window_size, softcap, alibi_slopes)
-    _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bshd")
+    _rules.check_inputs(q, k, v, softmax_scale, layout="bshd")
     out, softmax_lse = _ops.call_fwd(q, k, v, _as_float(softmax_scale), causal, True)
     if return_lse:
         return out, softmax_lse
@@ -268,15 +260,14 @@ def flash_attention_forward(
         ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
         ``softmax_scale`` not a real number in ``[1.2e-38, 2.1e26]``, or
         ``causal`` /
-        ``return_lse`` not a bool. The message names the argument. Raised before any kernel
-        launch.
+        ``return_lse`` not a bool; also for a CUDA GPU of compute capability < 7.5. The message
+        names the argument. The rules are ``flash_attention_sm75._rules`` (one rulebook for every
+        API); raised before any kernel launch.
     RuntimeError
-        If the compiled extension is not available, or the GPU's compute capability is < 7.5.
+        If the compiled extension is not available.
     NotImplementedError
-        On ``backward()`` through the result if the built extension has no backward op
-        (``flash_attention_sm75._ops.HAS_BACKWARD`` is False), and for forward-mode AD (an
-        input carrying a ``torch.func.jvp`` / ``torch.autograd.forward_ad`` tangent: there is
-        no jvp formula), and inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` (the op's
+        For forward-mode AD (an input carrying a ``torch.func.jvp`` /
+        ``torch.autograd.forward_ad`` tangent: there is no jvp formula), and inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` (the op's
         ``torch.library.register_autograd`` formula cannot serve them). Raised before the op
         runs.
 
@@ -317,10 +308,10 @@ def flash_attention_forward(
     >>> flash_attention_forward(q, k, v, causal=True).shape
     torch.Size([2, 8, 128, 64])
     """
-    _require_extension()
-    _ops.require_bool("causal", causal)
-    _ops.require_bool("return_lse", return_lse)
-    _ops.validate_fwd_inputs(q, k, v, softmax_scale, layout="bhsd")
+    _ops.require_extension()
+    _rules.require_bool("causal", causal)
+    _rules.require_bool("return_lse", return_lse)
+    _rules.check_inputs(q, k, v, softmax_scale, layout="bhsd")
     out, softmax_lse = _ops.call_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                      _as_float(softmax_scale), causal, True)
     out = out.transpose(1, 2)

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from . import _masks, _ops
+from . import _masks, _ops, _rules
 
 __all__ = ["scaled_dot_product_attention", "why_not_supported", "strict", "set_strict",
            "is_strict"]
@@ -31,12 +31,11 @@ _FALSE_STRINGS = ("", "0", "false", "no", "off")
 # None: follow the environment variable; True/False: set by set_strict()/strict().
 _strict_override: Optional[bool] = None
 
-_INT32_MAX = 2**31 - 1
-
-# The device type of the kernel path. One name for why_not_supported and _kernel_accepts, so that
-# CPU tests and benchmarks/host_overhead.py can run both on CPU tensors (the op has a CPU
-# implementation) by setting it to "cpu".
+# The device type of the kernel path. CPU tests and benchmarks/host_overhead.py set it to "cpu"
+# to run the kernel path on CPU tensors (the op has a CPU reference implementation).
 _KERNEL_DEVICE_TYPE = "cuda"
+# How the rulebook's messages name the tensors: torch's SDPA argument names.
+_NAMES = ("query", "key", "value")
 
 
 def set_strict(enabled: Optional[bool]) -> None:
@@ -121,35 +120,6 @@ def strict(enabled: bool = True) -> Iterator[None]:
         _strict_override = previous
 
 
-def _tensor_problem(name: str, t: object) -> Optional[str]:
-    if not isinstance(t, torch.Tensor):
-        return f"{name} is a {type(t).__name__}, not a torch.Tensor"
-    if t.is_nested:
-        return f"{name} is a nested tensor"
-    if t.layout != torch.strided:
-        return f"{name} is a {t.layout} tensor; only strided (dense) tensors are supported"
-    if t.dim() != 4:
-        return (f"{name} is {t.dim()}-D (shape {list(t.shape)}); only 4-D "
-                f"(batch, num_heads, seqlen, head_dim) inputs are supported")
-    if t.dtype != torch.float16:
-        return f"{name}.dtype is {t.dtype}; only torch.float16 is supported"
-    return None
-
-
-def _alignment_problem(name: str, t: torch.Tensor) -> Optional[str]:
-    """Why a 4-D BHSD tensor cannot be read by the kernel's 16-byte vector loads, or None."""
-    if t.stride(-1) != 1:
-        return f"{name}.stride(-1) is {t.stride(-1)}; the last dimension must be contiguous"
-    # No data pointer while tracing (torch.compile): the C++ op checks it at run time.
-    if not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0:
-        return f"{name}'s data pointer is not 16-byte aligned"
-    for i in range(3):
-        if t.shape[i] != 1 and t.stride(i) % 8 != 0:
-            return (f"{name}.stride() is {tuple(t.stride())}; batch, head and sequence strides "
-                    f"must be divisible by 8 elements")
-    return None
-
-
 def why_not_supported(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -203,15 +173,16 @@ def why_not_supported(
 
     Notes
     -----
-    Requirements for the kernel path: the compiled extension is importable; query, key and value
-    are dense (strided) 4-D float16 CUDA tensors on one GPU of compute capability >= 7.5;
-    ``attn_mask`` None or a key-range mask (see above); ``dropout_p == 0``; one ``head_dim`` of 64 or 128 for all three; key and
-    value of the same shape; equal batch sizes (no broadcasting); ``num_heads == num_heads_k``, or
-    ``enable_gqa=True`` and ``num_heads % num_heads_k == 0``; ``scale`` None or finite > 0; no
-    tensor requires grad while grad mode is on, unless the extension has the backward op; no
-    forward-mode AD tangent on any input; no ``torch.func`` transform (``grad``, ``vjp``,
-    ``jacrev``, ``vmap``) active; last dimension
-    contiguous, data pointers 16-byte aligned, other strides divisible by 8 elements.
+    Requirements for the kernel path: the compiled extension is importable; query, key and
+    value pass the rulebook (``flash_attention_sm75._rules``: dense (strided) 4-D float16 CUDA
+    tensors on one GPU of compute capability >= 7.5, one ``head_dim`` of 64 or 128, key and
+    value of the same shape, equal batch sizes (no broadcasting), ``num_heads % num_heads_k ==
+    0``, last dimension contiguous, data pointers 16-byte aligned, other strides divisible by 8
+    elements, ``scale`` None or finite within [1.2e-38, 2.1e26]); and the wrapper's own rules:
+    ``attn_mask`` None or a key-range mask (see above); ``dropout_p == 0``; ``is_causal`` a
+    bool; ``scale`` a Python float or int; ``enable_gqa=True`` when ``num_heads !=
+    num_heads_k``; no forward-mode AD tangent on any input; no ``torch.func`` transform
+    (``grad``, ``vjp``, ``jacrev``, ``vmap``) active.
 
     Under ``torch.compile`` the compute-capability and data-pointer alignment checks are skipped
     (not traceable); the C++ op still checks both at run time and raises instead of falling back.
@@ -226,77 +197,32 @@ def why_not_supported(
 
 def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
                      enable_gqa) -> Optional[str]:
-    """Everything :func:`why_not_supported` checks except the mask's values."""
+    """Everything :func:`why_not_supported` checks except the mask's values: the wrapper's own
+    rules (torch's SDPA arguments), then the rulebook (``_rules``), then the mask's metadata and
+    the autograd mode. Straight-line checks: the common kernel-path call costs a few us."""
     if not _ops.EXTENSION_AVAILABLE:
         return f"the compiled extension flash_attention_sm75._C is not available ({_ops.EXTENSION_ERROR})"
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        problem = _tensor_problem(name, t)
-        if problem is not None:
-            return problem
-    if attn_mask is not None:
-        problem = _mask_metadata_problem(query, key, attn_mask, is_causal)
-        if problem is not None:
-            return problem
+    if type(is_causal) is not bool:
+        return f"is_causal is a {_rules.type_name(is_causal)}; a bool is required (torch raises)"
     if dropout_p != 0.0:
         return (f"dropout_p={dropout_p!r}; dropout is not supported (torch SDPA applies dropout "
                 f"whenever dropout_p > 0, in eval mode too)")
-    if not isinstance(is_causal, bool):
-        return f"is_causal is a {_ops.type_name(is_causal)}; a bool is required (torch raises)"
-
-    b, h, s_q, d = query.shape
-    if key.shape != value.shape:
-        return (f"key shape {list(key.shape)} and value shape {list(value.shape)} differ; they "
-                f"must be equal")
-    b_k, h_k, s_k, d_k = key.shape
-    if d != d_k:
-        return f"query head_dim {d} and key head_dim {d_k} differ"
-    if d not in _ops.SUPPORTED_HEAD_DIMS:
-        return f"head_dim is {d}; only 64 and 128 are supported"
-    if b != b_k:
-        return f"query batch size {b} and key batch size {b_k} differ (no broadcasting)"
-    if h != h_k:
-        if not enable_gqa:
-            return (f"query has {h} heads and key/value have {h_k}, but enable_gqa=False "
-                    f"(torch raises an error for this)")
-        if h_k == 0 or h % h_k != 0:
-            return f"query heads ({h}) are not a multiple of key/value heads ({h_k})"
-    if scale is not None:
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-            return f"scale is a {_ops.type_name(scale)}; a Python float is required"
-        if _ops.scale_problem(scale) is not None:
-            return (f"scale={scale!r}; only a finite scale > 0 within [1.2e-38, 2.1e26] (no "
-                    f"float32 score overflow) is supported")
-    if torch.is_grad_enabled() and not _ops.HAS_BACKWARD and (
-            query.requires_grad or key.requires_grad or value.requires_grad):
-        return "an input requires grad and the backward pass is not implemented yet"
-    dual = _ops.forward_ad_input(query, key, value)
-    if dual is not None:
-        return (f"{dict(q='query', k='key', v='value')[dual]} carries a forward-mode AD "
-                f"tangent (torch.func.jvp / forward_ad); the kernel has no jvp formula")
-    if torch._C._are_functorch_transforms_active():
-        return ("a torch.func transform (grad, vjp, jacrev, vmap, ...) is active: the kernel's "
-                "autograd formula does not support torch.func, and torch's SDPA has batching "
-                "rules")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        # Zero-size tensors are supported: the op returns the empty or zero result.
-        if max(t.shape[:3]) > _INT32_MAX:
-            return f"{name} has a batch, head or sequence size >= 2^31"
-
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.device.type != _KERNEL_DEVICE_TYPE:
-            return f"{name} is on device {t.device}; only CUDA tensors are supported"
-    if key.device != query.device or value.device != query.device:
-        return (f"query, key and value are on different devices ({query.device}, {key.device}, "
-                f"{value.device})")
-    if not torch.compiler.is_compiling():
-        major, minor = torch.cuda.get_device_capability(query.device)
-        if (major, minor) < (7, 5):
-            return f"the GPU has compute capability {major}.{minor}; 7.5 or newer is required"
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        problem = _alignment_problem(name, t)
-        if problem is not None:
-            return problem
-    return None
+    if scale is not None and type(scale) is not float and (
+            not isinstance(scale, (int, float)) or isinstance(scale, bool)):
+        return f"scale is a {_rules.type_name(scale)}; a Python float is required"
+    reason = _rules.not_supported_reason(query, key, value, scale, layout="bhsd",
+                                         devices=(_KERNEL_DEVICE_TYPE,), names=_NAMES)
+    if reason is not None:
+        return reason
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        return (f"query has {query.shape[1]} heads and key/value have {key.shape[1]}, but "
+                f"enable_gqa=False (torch raises an error for this)")
+    if attn_mask is not None:
+        reason = _mask_metadata_problem(query, key, attn_mask, is_causal)
+        if reason is not None:
+            return reason
+    # torch's SDPA has batching rules and a jvp; the op has neither.
+    return _ops.autograd_reason(query, key, value, any_transform=True)
 
 
 def _mask_metadata_problem(query, key, attn_mask, is_causal) -> Optional[str]:
@@ -338,34 +264,6 @@ def _mask_plan(query, key, attn_mask):
     if info is None:
         return None, f"attn_mask is not a per-row key range the kernel can run: {reason}"
     return info, None
-
-
-def _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
-    """True only if :func:`why_not_supported` would return None for these arguments (for CUDA
-    tensors: ``_ops._passes_all_rules`` checks pointer and stride alignment only on CUDA, so in
-    the CPU test mode, ``_KERNEL_DEVICE_TYPE = "cpu"``, misaligned CPU tensors may pass here).
-
-    The common kernel-path call costs ~15 us of host time in ``why_not_supported``, which walks
-    its rules one by one to be able to name the first broken one; here the rules that are not
-    the op's own are one flat expression and the op's are ``_ops._passes_all_rules`` (shared
-    with ``validate_fwd_inputs``), ~5 us in all (benchmarks/NOTES.md, "Host overhead"). Any doubt
-    (an unusual type, torch.compile tracing, which cannot read data pointers) returns False and
-    the caller asks ``why_not_supported``.
-    """
-    return (_ops.EXTENSION_AVAILABLE and attn_mask is None
-            # The device early: CPU tensors (always a fallback) skip the rest.
-            and isinstance(query, torch.Tensor) and query.device.type == _KERNEL_DEVICE_TYPE
-            and type(is_causal) is bool and type(dropout_p) in (float, int) and dropout_p == 0
-            and (scale is None or type(scale) in (float, int))
-            and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active()
-            and _ops.forward_ad_input(query, key, value) is None
-            # From here on query, key and value are 4-D tensors on one device.
-            and _ops._passes_all_rules(query, key, value, scale, 1)
-            and (enable_gqa or query.shape[1] == key.shape[1])
-            and (_ops.HAS_BACKWARD or not torch.is_grad_enabled()
-                 or not (query.requires_grad or key.requires_grad or value.requires_grad))
-            and torch.cuda.get_device_capability(query.device) >= (7, 5))
 
 
 def _zero_size(query, key, value) -> bool:
@@ -494,11 +392,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Algorithm: FlashAttention-2 (T. Dao, 2023, arXiv:2307.08691); FlashAttention (T. Dao et al.,
     2022, arXiv:2205.14135).
     """
-    if _kernel_accepts(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        reason = None
-    else:
-        reason = _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                  enable_gqa)
+    reason = _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              enable_gqa)
     if reason is None:
         if attn_mask is None:
             out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),

@@ -188,7 +188,7 @@ def test_largest_softmax_scale_gives_no_nan(device):
     assert len({tuple(r) for r in sign[0].flatten(1).tolist()}) == 33  # distinct rows
     q = (sign * 65504.0).to(torch.float16).to(device)
     v = torch.randn(1, 33, 2, 128, generator=g).to(torch.float16).to(device)
-    scale = fa._ops.SOFTMAX_SCALE_MAX
+    scale = fa._rules.SOFTMAX_SCALE_MAX
     out, lse = run_op(q, q, v, "none", scale)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert torch.equal(out, v)

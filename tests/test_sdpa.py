@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention_sm75 as fa
-from flash_attention_sm75 import _ops, sdpa
+from flash_attention_sm75 import _ops, _rules, sdpa
 from reference import assert_close_fa, attention_ref, poisoned_cuda_memory, seed_from
 
 pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
@@ -63,58 +63,70 @@ def _kernel_ref_check(q, k, v, out, is_causal, scale=None):
 # --------------------------------------------------------------------- why_not_supported (CPU)
 
 
+@pytest.fixture
+def kernel_device_cpu(monkeypatch):
+    """The kernel path's rules for CPU tensors: the rulebook's device rule reads "cpu" (the rules
+    are otherwise unchanged; the op has a CPU implementation)."""
+    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
+
+
 def _reason_cases():
+    # Reasons from the rulebook (_rules) name the wrapper's arguments (query, key, value).
     q, k, v = bhsd()
     kg, vg = bhsd(h_k=2)[1:]
     return [
-        ("cpu", (q, k, v), {}, "only CUDA tensors are supported"),
-        ("fp32", bhsd(dtype=torch.float32), {}, "query.dtype is torch.float32; only torch.float16"),
-        ("bf16_value", (q, k, v.bfloat16()), {}, "value.dtype is torch.bfloat16"),
-        ("3d", (q[0], k[0], v[0]), {}, "query is 3-D"),
-        ("5d", (q[None], k[None], v[None]), {}, "query is 5-D"),
+        ("fp32", bhsd(dtype=torch.float32), {}, "query must be float16"),
+        ("bf16_value", (q, k, v.bfloat16()), {}, "value must be float16"),
+        ("3d", (q[0], k[0], v[0]), {}, "query must be 4-D"),
+        ("5d", (q[None], k[None], v[None]), {}, "query must be 4-D"),
         ("mask_and_causal", (q, k, v), {"attn_mask": torch.ones(8, 8, dtype=torch.bool),
                                         "is_causal": True}, "attn_mask and is_causal=True"),
         ("mask_int", (q, k, v), {"attn_mask": torch.ones(8, 8, dtype=torch.int64)},
          "attn_mask dtype torch.int64 is neither bool nor floating point"),
         ("dropout", (q, k, v), {"dropout_p": 0.1}, "dropout_p=0.1; dropout is not supported"),
-        ("head_dim_80", bhsd(d=80), {}, "head_dim is 80; only 64 and 128"),
-        ("head_dim_32", bhsd(d=32), {}, "head_dim is 32"),
-        ("value_head_dim", bhsd(d_v=128), {}, "key shape [2, 4, 8, 64] and value shape [2, 4, 8, 128] differ"),
-        ("qk_head_dim", (bhsd(d=128)[0], k, v), {}, "query head_dim 128 and key head_dim 64 differ"),
-        ("batch", (q[:1], k, v), {}, "query batch size 1 and key batch size 2 differ"),
+        ("head_dim_80", bhsd(d=80), {}, "head_dim must be 64 or 128, got 80"),
+        ("head_dim_32", bhsd(d=32), {}, "got 32"),
+        ("value_head_dim", bhsd(d_v=128), {},
+         "key and value must have the same shape, got key [2, 4, 8, 64] and value [2, 4, 8, 128]"),
+        ("qk_head_dim", (bhsd(d=128)[0], k, v), {},
+         "query and key must have the same head_dim, got 128 and 64"),
+        ("batch", (q[:1], k, v), {}, "query and key must have the same batch size, got 1 and 2"),
         ("gqa_disabled", (q, kg, vg), {}, "enable_gqa=False"),
         ("gqa_not_multiple", (bhsd(h=6)[0], bhsd(h_k=4)[1], bhsd(h_k=4)[2]),
-         {"enable_gqa": True}, "query heads (6) are not a multiple of key/value heads (4)"),
-        ("scale_zero", (q, k, v), {"scale": 0.0}, "scale=0.0; only a finite scale > 0"),
-        ("scale_negative", (q, k, v), {"scale": -1.0}, "scale=-1.0"),
-        ("scale_inf", (q, k, v), {"scale": float("inf")}, "scale=inf"),
+         {"enable_gqa": True}, "num_heads (6) must be a multiple of num_heads_k (4)"),
+        ("scale_zero", (q, k, v), {"scale": 0.0}, "softmax_scale must be a finite number > 0"),
+        ("scale_negative", (q, k, v), {"scale": -1.0}, "got -1.0"),
+        ("scale_inf", (q, k, v), {"scale": float("inf")}, "got inf"),
         ("nested", (torch.nested.nested_tensor([q[0], q[1]], layout=torch.jagged), k, v), {},
-         "nested tensor"),
-        ("not_tensor", (q, k.tolist(), v), {}, "key is a list, not a torch.Tensor"),
-    ] + ([] if _ops.HAS_BACKWARD else [
-        ("requires_grad", (q.clone().requires_grad_(), k, v), {}, "requires grad"),
-    ])
+         "query is a nested tensor"),
+        ("not_tensor", (q, k.tolist(), v), {}, "key must be a torch.Tensor, got list"),
+        ("last_stride", (torch.zeros(2, 4, 64, 8, dtype=torch.float16).transpose(2, 3), k, v),
+         {}, "query must have a contiguous last dimension"),
+        ("scale_fraction", (q, k, v), {"scale": fractions.Fraction(1, 8)},
+         "scale is a fractions.Fraction; a Python float is required"),
+        ("scale_bool", (q, k, v), {"scale": True}, "scale is a bool"),
+        ("is_causal_int", (q, k, v), {"is_causal": 1}, "is_causal is a int; a bool is required"),
+    ]
 
 
 REASON_CASES = _reason_cases()
 
 
 @pytest.mark.parametrize("case", REASON_CASES, ids=[c[0] for c in REASON_CASES])
-def test_why_not_supported_reasons(case):
+def test_why_not_supported_reasons(case, kernel_device_cpu):
     _, args, kwargs, expected = case
     reason = fa.why_not_supported(*args, **kwargs)
     assert isinstance(reason, str) and expected in reason, reason
 
 
-def test_why_not_supported_accepts_gqa_and_no_grad_on_cpu_until_the_device_check():
+def test_cpu_tensors_fall_back_naming_the_device():
     q, k, v = bhsd(h=8, h_k=2)
-    assert "only CUDA" in fa.why_not_supported(q, k, v, enable_gqa=True, is_causal=True,
-                                               scale=0.1)
+    assert fa.why_not_supported(q, k, v, enable_gqa=True, is_causal=True, scale=0.1) == (
+        "query must be a CUDA tensor, got device cpu")
     qg = q.clone().requires_grad_()
     with torch.no_grad():
-        assert "only CUDA" in fa.why_not_supported(qg, k, v, enable_gqa=True)
-    if _ops.HAS_BACKWARD:  # with a backward, requiring grad is no reason to fall back
-        assert "only CUDA" in fa.why_not_supported(qg, k, v, enable_gqa=True)
+        assert "must be a CUDA tensor" in fa.why_not_supported(qg, k, v, enable_gqa=True)
+    assert "must be a CUDA tensor" in fa.why_not_supported(qg, k, v, enable_gqa=True)
 
 
 def test_why_not_supported_extension_missing(monkeypatch):
@@ -125,13 +137,13 @@ def test_why_not_supported_extension_missing(monkeypatch):
 
 
 @pytest.mark.parametrize("kind,expected", [
-    ("ok", None),
-    ("last_stride", "stride(-1) is"),
-    ("misaligned_ptr", "not 16-byte aligned"),
-    ("odd_stride", "must be divisible by 8"),
-    ("size1_odd_stride", None),
+    ("ok", True),
+    ("last_stride", False),
+    ("misaligned_ptr", False),
+    ("odd_stride", False),
+    ("size1_odd_stride", True),
 ])
-def test_alignment_problem(kind, expected):
+def test_kernel_alignment_rule(kind, expected):
     base = torch.zeros(2, 4, 16, 64, dtype=torch.float16)
     t = {
         "ok": base,
@@ -144,21 +156,17 @@ def test_alignment_problem(kind, expected):
     }[kind]
     if t is None:
         pytest.skip("CPU allocation not 16-byte aligned")
-    problem = sdpa._alignment_problem("query", t)
-    if expected is None:
-        assert problem is None
-    else:
-        assert expected in problem
+    assert _rules.is_kernel_aligned(t) is expected
 
 
 def test_alignment_and_device_checks_trace_under_compile():
-    # The CUDA-only part of why_not_supported must trace with fullgraph=True (no data_ptr()).
+    # The CUDA-only part of the rules must trace with fullgraph=True (no data_ptr()).
     torch._dynamo.reset()
 
     def f(t, other):
-        problem = sdpa._alignment_problem("query", t)
+        aligned = _rules.is_kernel_aligned(t)
         mismatch = other.device != t.device
-        return t * (1 if problem is None else 2) + (3 if mismatch else 0)
+        return t * (1 if aligned else 2) + (3 if mismatch else 0)
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     base = torch.ones(2, 4, 16, 64, dtype=torch.float16)
@@ -168,49 +176,13 @@ def test_alignment_and_device_checks_trace_under_compile():
     assert compiled(base.transpose(2, 3), base).max().item() == 2.0
 
 
-# ------------------------------------------------------- _kernel_accepts, the fast accept (CPU)
-
-
-@pytest.fixture
-def kernel_device_cpu(monkeypatch):
-    """The kernel path's rules for CPU tensors: the device rule reads "cpu", compute capability
-    7.5 (the rules are otherwise unchanged; the op has a CPU implementation)."""
-    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+# ------------------------------------------------------------ the kernel path's rules (CPU)
 
 
 def _accepts(*args, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):
-    """(_kernel_accepts, why_not_supported is None) for the arguments of the SDPA wrapper."""
-    kw = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-              enable_gqa=enable_gqa)
-    return (sdpa._kernel_accepts(*args, **kw),
-            sdpa.why_not_supported(*args, **kw) is None)
-
-
-def _rejected_cases():
-    # Data-pointer and stride alignment are left out: _ops._passes_all_rules applies them to CUDA
-    # tensors only (the op's CPU implementation needs no alignment), so they cannot be checked on
-    # CPU; test_gpu_fallback_misaligned_and_odd_strides covers them.
-    q, k, v = bhsd()
-    return [c for c in REASON_CASES if c[0] != "cpu"] + [
-        ("last_stride", (torch.zeros(2, 4, 64, 8, dtype=torch.float16).transpose(2, 3), k, v),
-         {}, ""),
-        ("scale_fraction", (q, k, v), {"scale": fractions.Fraction(1, 8)}, ""),
-        ("scale_bool", (q, k, v), {"scale": True}, ""),
-        ("is_causal_int", (q, k, v), {"is_causal": 1}, ""),
-    ]
-
-
-REJECTED_CASES = _rejected_cases()
-
-
-@pytest.mark.parametrize("case", REJECTED_CASES, ids=[c[0] for c in REJECTED_CASES])
-def test_kernel_accepts_nothing_why_not_supported_rejects(case, kernel_device_cpu):
-    _, args, kwargs, _ = case
-    fast, slow = _accepts(*args, **kwargs)
-    assert not fast
-    assert not slow
+    return sdpa.why_not_supported(*args, attn_mask=attn_mask, dropout_p=dropout_p,
+                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa) is None
 
 
 @pytest.mark.parametrize("shape,kwargs", [
@@ -219,13 +191,13 @@ def test_kernel_accepts_nothing_why_not_supported_rejects(case, kernel_device_cp
     (dict(h=4, h_k=1, s_q=1, s_k=33, d=128), {"enable_gqa": True, "scale": 0.5}),
     (dict(b=1, h=1, h_k=1, s_q=1, s_k=1), {"scale": 1, "dropout_p": 0}),
 ])
-def test_kernel_accepts_what_why_not_supported_accepts(shape, kwargs, kernel_device_cpu):
+def test_supported_calls_are_accepted_with_and_without_grad(shape, kwargs, kernel_device_cpu):
     q, k, v = bhsd(**shape)
-    assert _accepts(q, k, v, **kwargs) == (True, True)
+    assert _accepts(q, k, v, **kwargs)
     qg = q.clone().requires_grad_()
     with torch.no_grad():
-        assert _accepts(qg, k, v, **kwargs) == (True, True)
-    assert _accepts(qg, k, v, **kwargs) == (_ops.HAS_BACKWARD,) * 2
+        assert _accepts(qg, k, v, **kwargs)
+    assert _accepts(qg, k, v, **kwargs)  # the backward kernel serves it
 
 
 def test_forward_mode_ad_falls_back(kernel_device_cpu):
@@ -233,10 +205,10 @@ def test_forward_mode_ad_falls_back(kernel_device_cpu):
     import torch.autograd.forward_ad as fwAD
 
     q, k, v = bhsd()
-    assert _accepts(q, k, v) == (True, True)
+    assert _accepts(q, k, v)
     with fwAD.dual_level():
         qd = fwAD.make_dual(q, torch.ones_like(q))
-        assert _accepts(qd, k, v) == (False, False)
+        assert not _accepts(qd, k, v)
         assert "forward-mode AD" in sdpa.why_not_supported(qd, k, v)
 
 
@@ -246,7 +218,7 @@ def test_torch_func_transforms_fall_back_to_torch(transform, kernel_device_cpu, 
     # serve grad/vjp/jacrev, so the wrapper leaves every torch.func call to torch.
     q, k, v = (t.float() for t in bhsd(s_q=6, s_k=6))
     plain = (q.half(), k.half(), v.half())
-    assert _accepts(*plain) == (True, True)  # the kernel path otherwise
+    assert _accepts(*plain)  # the kernel path otherwise
     if transform == "vmap":  # a leading batch dimension, so each sample is 4-D
         q, k, v = (torch.stack([t, t.flip(2)]) for t in (q, k, v))
     reasons = []
@@ -264,27 +236,15 @@ def test_torch_func_transforms_fall_back_to_torch(transform, kernel_device_cpu, 
         want = torch.func.vmap(ref)(q.half(), k.half(), v.half())
     assert torch.equal(got, want)
     assert reasons and all("torch.func transform" in r for r in reasons), reasons
-    assert _accepts(*plain) == (True, True)  # outside a transform: the kernel again
+    assert _accepts(*plain)  # outside a transform: the kernel again
 
 
-def test_kernel_accepts_declines_cpu_tensors_and_missing_extension(monkeypatch):
-    args = bhsd()
-    assert not sdpa._kernel_accepts(*args, None, 0.0, False, None, False)
-    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
-    assert not sdpa._kernel_accepts(*args, None, 0.0, False, None, False)  # capability 7.0
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert sdpa._kernel_accepts(*args, None, 0.0, False, None, False)
-    monkeypatch.setattr(_ops, "EXTENSION_AVAILABLE", False)
-    assert not sdpa._kernel_accepts(*args, None, 0.0, False, None, False)
-
-
-def test_wrapper_kernel_path_through_kernel_accepts(kernel_device_cpu, monkeypatch):
-    # The accepted call runs the op (its CPU implementation here) without asking
-    # why_not_supported, and gives the forced kernel branch's result.
+def test_wrapper_kernel_path_runs_the_op(kernel_device_cpu, op_calls):
+    # The accepted call runs the op (its CPU implementation here) with the wrapper's top-left
+    # causal alignment, and gives the reference result.
     q, k, v = bhsd(h=8, h_k=2, s_q=6, s_k=9)
-    monkeypatch.setattr(sdpa, "_metadata_reason", lambda *a, **kw: pytest.fail("asked"))
     out = fa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert len(op_calls) == 1 and op_calls[0][3:6] == (None, True, False)
     _kernel_ref_check(q, k, v, out, is_causal=True)
 
 
@@ -401,7 +361,7 @@ def test_zero_kv_heads_with_gqa_raises_instead_of_crashing():
         fa.scaled_dot_product_attention(q, k[:, :0], v[:, :0], enable_gqa=True)
 
 
-def test_scale_outside_float32_range_falls_back():
+def test_scale_outside_float32_range_falls_back(kernel_device_cpu):
     args = bhsd()
     for scale in (1e-40, 2.4e38):
         assert "[1.2e-38, 2.1e26]" in fa.why_not_supported(*args, scale=scale)
@@ -424,7 +384,7 @@ def test_strict_env_var(monkeypatch):
     for value in ["1", "true", "ON", "yes"]:
         monkeypatch.setenv("FLASH_ATTENTION_SM75_STRICT", value)
         assert fa.is_strict()
-        with pytest.raises(ValueError, match="only CUDA tensors are supported"):
+        with pytest.raises(ValueError, match="query must be a CUDA tensor"):
             fa.scaled_dot_product_attention(*args)
     for value in ["0", "", "false"]:
         monkeypatch.setenv("FLASH_ATTENTION_SM75_STRICT", value)
@@ -446,7 +406,7 @@ def test_set_strict_and_overrides(monkeypatch):
     args = bhsd()
     fa.set_strict(True)
     try:
-        with pytest.raises(ValueError, match="only CUDA"):
+        with pytest.raises(ValueError, match="must be a CUDA tensor"):
             fa.scaled_dot_product_attention(*args)
         with fa.strict(False):  # nested override, restored afterwards
             assert not fa.is_strict()
@@ -587,14 +547,9 @@ def test_gpu_fallback_dropout_fixed_seed():
 
 @pytest.mark.gpu
 def test_gpu_requires_grad_backward_matches_torch():
-    # Without the backward op: falls back to torch (whose grads we then get); with it: the
-    # kernel path, whose grads must match torch's up to fp16 accuracy.
+    # The kernel path, whose grads must match torch's up to fp16 accuracy.
     q, k, v = (t.requires_grad_() for t in bhsd(2, 4, 4, 64, 64, 64, device="cuda"))
-    reason = fa.why_not_supported(q, k, v)
-    if _ops.HAS_BACKWARD:
-        assert reason is None
-    else:
-        assert "requires grad" in reason
+    assert fa.why_not_supported(q, k, v) is None
     out = fa.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.float().sum().backward()
     grads = [t.grad.clone() for t in (q, k, v)]
@@ -637,14 +592,14 @@ def test_gpu_empty_query_runs_the_op_and_value_head_dim_falls_back():
     out = fa.scaled_dot_product_attention(empty, k, v)
     assert out.shape == (2, 4, 0, 64) and out.dtype == torch.float16 and out.is_cuda
     v128 = torch.randn(2, 4, 16, 128, device="cuda", dtype=torch.float16)
-    assert "differ" in fa.why_not_supported(q, k, v128)
+    assert "must have the same shape" in fa.why_not_supported(q, k, v128)
     assert_same_as_torch((q, k, v128), {})
 
 
 @pytest.mark.gpu
 def test_gpu_mixed_devices_fall_back_to_torch_error():
     q, k, v = bhsd(2, 4, 4, 16, 16, 64, device="cuda")
-    assert "only CUDA" in fa.why_not_supported(q, k.cpu(), v)
+    assert "key must be on the same device as query" in fa.why_not_supported(q, k.cpu(), v)
     assert_same_as_torch((q, k.cpu(), v), {})
 
 

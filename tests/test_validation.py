@@ -1,5 +1,6 @@
 """Input validation of the public API (ValueError naming the argument, before any launch) and
-the documentation of the public signatures."""
+the documentation of the public signatures. The rules themselves, rule by rule against the C++
+checks, are tests/test_rules.py."""
 import inspect
 import re
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention_sm75 as fa
-from flash_attention_sm75 import _ops, interface, sdpa
+from flash_attention_sm75 import _ops, _rules, interface, sdpa
 
 pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
                                 reason=f"extension not built: {fa.EXTENSION_ERROR}")
@@ -25,67 +26,6 @@ def to_bhsd(q, k, v):
     return tuple(t.transpose(1, 2) for t in (q, k, v))
 
 
-def _cases():
-    """(id, (q, k, v), kwargs, regex); tensors in BSHD, converted for the BHSD function."""
-    q, k, v = bshd()
-    return [
-        ("q_not_tensor", (q.tolist(), k, v), {}, r"q must be a torch\.Tensor, got list"),
-        ("q_nested", (torch.nested.nested_tensor([q[0], q[1, :3]], layout=torch.jagged), k, v),
-         {}, r"q is a nested tensor; a dense 4-D tensor"),
-        ("q_3d", (q[0], k, v), {}, r"q must be 4-D .* got 3-D of shape \[5, 4, 64\]"),
-        ("k_5d", (q, k.unsqueeze(0), v), {}, r"k must be 4-D .* got 5-D"),
-        ("q_fp32", (q.float(), k, v), {}, r"q must be float16 .* got torch\.float32"),
-        ("k_bf16", (q, k.bfloat16(), v), {}, r"k must be float16 .* got torch\.bfloat16"),
-        ("v_fp32", (q, k, v.float()), {}, r"v must be float16 .* got torch\.float32"),
-        ("device", (q, k.to("meta"), v), {}, r"k must be on the same device as q \(cpu\), got meta"),
-        # sparse layouts used to pass the checks above and fail on their strides (zeros)
-        ("q_sparse", (q.to_sparse(), k, v), {},
-         r"q must be a strided \(dense\) tensor, got torch\.sparse_coo; convert it with "
-         r"q\.to_dense\(\)"),
-        ("v_sparse", (q, k, v.to_sparse()), {},
-         r"v must be a strided \(dense\) tensor, got torch\.sparse_coo"),
-        # zero-size inputs are valid (an empty or zero result), except kv heads 0 under q heads
-        ("kv_heads_zero", (q, k[:, :, :0], v[:, :, :0]), {},
-         r"num_heads_k must be >= 1 when num_heads >= 1 \(GQA/MQA: num_heads must be a multiple "
-         r"of num_heads_k\), got num_heads_k 0 and num_heads 4"),
-        ("kv_heads_zero_seqlen0", (q[:, :0], k[:, :0, :0], v[:, :0, :0]), {},
-         r"num_heads_k must be >= 1 .* got num_heads_k 0 and num_heads 4"),
-        ("kv_heads_zero_v", (q, k, v[:, :, :0]), {}, r"k and v must have the same shape"),
-        ("last_stride", (q, k, v.transpose(1, 3).contiguous().transpose(1, 3)), {},
-         r"v must have a contiguous last dimension \(stride\(-1\) == 1\)"),
-        ("kv_shape", (q, k, v[:, :6]), {}, r"k and v must have the same shape"),
-        ("batch", (q[:1], k, v), {}, r"q and k must have the same batch size, got 1 and 2"),
-        ("head_dim_mismatch", (q, k[..., :32], v[..., :32]), {},
-         r"q and k must have the same head_dim, got 64 and 32"),
-        ("head_dim_80", bshd(d=80), {}, r"head_dim must be 64 or 128, got 80"),
-        ("head_dim_32", bshd(d=32), {}, r"head_dim must be 64 or 128, got 32"),
-        ("head_dim_256", bshd(d=256), {}, r"head_dim must be 64 or 128, got 256"),
-        ("gqa", bshd(h=6, h_k=4), {},
-         r"num_heads \(6\) must be a multiple of num_heads_k \(4\)"),
-        ("kv_heads_more", bshd(h=2, h_k=4), {},
-         r"num_heads \(2\) must be a multiple of num_heads_k \(4\)"),
-        ("scale_zero", (q, k, v), {"softmax_scale": 0.0},
-         r"softmax_scale must be a finite number > 0 within \[1\.2e-38, 2\.1e26\] \(float32 "
-         r"scores must not overflow\), got 0\.0"),
-        # float32 arithmetic in the kernel: a denormal scale flushes to 0, a huge one overflows
-        ("scale_denormal", (q, k, v), {"softmax_scale": 1e-40}, r"softmax_scale .* 1e-40"),
-        ("scale_huge", (q, k, v), {"softmax_scale": 2.4e38}, r"softmax_scale .* 2\.4e\+38"),
-        # finite in float32, but scores of float16 inputs could overflow (inf - inf = NaN)
-        ("scale_overflows_scores", (q, k, v), {"softmax_scale": 1e30}, r"softmax_scale .* 1e\+30"),
-        ("scale_above_bound", (q, k, v), {"softmax_scale": 2.2e26}, r"softmax_scale .* 2\.2e\+26"),
-        ("scale_tensor", (q, k, v), {"softmax_scale": torch.tensor(0.5)},
-         r"softmax_scale must be a real number \(float or int\), got torch\.Tensor"),
-        ("scale_negative", (q, k, v), {"softmax_scale": -0.5}, r"softmax_scale must be .* -0\.5"),
-        ("scale_nan", (q, k, v), {"softmax_scale": float("nan")}, r"softmax_scale .* nan"),
-        ("scale_inf", (q, k, v), {"softmax_scale": float("inf")}, r"softmax_scale .* inf"),
-        ("scale_str", (q, k, v), {"softmax_scale": "0.1"}, r"softmax_scale .* '0\.1'"),
-        ("scale_bool", (q, k, v), {"softmax_scale": True}, r"softmax_scale .* True"),
-    ]
-
-
-CASES = _cases()
-
-
 @pytest.fixture
 def calls(op_calls):
     """The argument tuples of every call that reaches torch.ops.flash_attention_sm75.fwd."""
@@ -98,68 +38,6 @@ def bhsd_args(q, k, v):
                  for t in (q, k, v))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_flash_attn_func_errors(case, calls):
-    _, (q, k, v), kwargs, regex = case
-    with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex):
-        fa.flash_attn_func(q, k, v, **kwargs)
-    assert calls == []  # rejected before reaching the op (so before any kernel launch)
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_flash_attention_forward_errors(case, calls):
-    _, (q, k, v), kwargs, regex = case
-    args = bhsd_args(q, k, v)
-    # The same rules and messages; shapes are printed as the caller passed them.
-    with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex):
-        fa.flash_attention_forward(*args, **kwargs)
-    assert calls == []
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fast_rule_check_rejects_every_bad_case(case):
-    # validate_fwd_inputs skips the per-rule checks when _passes_all_rules says the input is
-    # valid, so it must never accept what _validate rejects.
-    _, (q, k, v), kwargs, _ = case
-    scale = kwargs.get("softmax_scale")
-    assert not _ops._passes_all_rules(q, k, v, scale, 2)
-    args = bhsd_args(q, k, v)
-    assert not _ops._passes_all_rules(*args, scale, 1)
-
-
-@pytest.mark.parametrize("shape", [dict(), dict(h=4, h_k=4), dict(h=8, h_k=1), dict(d=128),
-                                   dict(b=1, s_q=1, s_k=1, h=1, h_k=1)])
-@pytest.mark.parametrize("scale", [None, 0.125, 1])
-def test_fast_rule_check_accepts_valid_input(shape, scale):
-    q, k, v = bshd(**shape)
-    assert _ops._passes_all_rules(q, k, v, scale, 2)
-    assert _ops._passes_all_rules(*to_bhsd(q, k, v), scale, 1)
-    # and _validate agrees (raises nothing)
-    _ops._validate(_ops._raise_value_error, q, k, v, scale, None, None, "bshd", True)
-
-
-# Cases whose arguments the C++ op itself can receive (dense tensors on one device, a float
-# scale): its check_fwd_inputs must reject them with the message the Python rules give.
-_CPP_CASES = [c for c in CASES if c[0] not in (
-    "q_not_tensor", "q_nested", "q_sparse", "v_sparse", "device", "scale_tensor", "scale_str",
-    "scale_bool")]
-
-
-def _message_head(msg):
-    # C++ and Python print dtypes differently (Float vs torch.float32); compare up to "got".
-    return msg.split(", got")[0].split(" got ")[0].strip()
-
-
-@pytest.mark.parametrize("case", _CPP_CASES, ids=[c[0] for c in _CPP_CASES])
-def test_cpp_op_rejects_with_the_python_message(case):
-    _, (q, k, v), kwargs, regex = case
-    with pytest.raises(ValueError, match="^flash_attention_sm75: ") as cpp:
-        torch.ops.flash_attention_sm75.fwd(q, k, v, kwargs.get("softmax_scale"))
-    with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex) as py:
-        fa.flash_attn_func(q, k, v, **kwargs)
-    assert _message_head(str(cpp.value)) == _message_head(str(py.value))
-
-
 # Zero-size inputs: (b, s_q, s_k, h, h_k). Valid on every rule; num_heads_k 0 only with
 # num_heads 0.
 ZERO_SIZE_SHAPES = [dict(b=0), dict(h=0, h_k=0), dict(h=0, h_k=2), dict(s_q=0), dict(s_k=0),
@@ -170,13 +48,11 @@ ZERO_SIZE_SHAPES = [dict(b=0), dict(h=0, h_k=0), dict(h=0, h_k=2), dict(s_q=0), 
 @pytest.mark.parametrize("shape", ZERO_SIZE_SHAPES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_zero_size_inputs_pass_every_rule(shape, calls):
     q, k, v = bshd(**shape)
-    assert _ops._passes_all_rules(q, k, v, None, 2)
-    assert _ops._passes_all_rules(*to_bhsd(q, k, v), None, 1)
-    _ops._validate(_ops._raise_value_error, q, k, v, None, None, None, "bshd", True)
-    _ops._validate(_ops._raise_value_error, *to_bhsd(q, k, v), None, None, None, "bhsd", True)
+    assert _rules.not_supported_reason(q, k, v) is None
+    assert _rules.not_supported_reason(*to_bhsd(q, k, v), layout="bhsd") is None
     b = q.shape[0]
-    _ops.validate_fwd_inputs(q, k, v, 0.5, torch.zeros(b, dtype=torch.int32),
-                             torch.full((b,), 3, dtype=torch.int32))
+    _rules.check_inputs(q, k, v, 0.5, torch.zeros(b, dtype=torch.int32),
+                        torch.full((b,), 3, dtype=torch.int32))
     torch.ops.flash_attention_sm75.fwd(q, k, v)  # the C++ rules (raise if not)
     # and the public functions reach the op
     fa.flash_attn_func(q, k, v)
@@ -259,24 +135,6 @@ def test_return_lse_forms(ret):
         assert isinstance(res, torch.Tensor) and isinstance(res_b, torch.Tensor)
 
 
-@pytest.mark.parametrize("kwargs,regex", [
-    ({"leftpad_k": torch.zeros(2, dtype=torch.int64)}, r"leftpad_k must be int32, got torch\.int64"),
-    ({"seqused_k": torch.zeros(3, dtype=torch.int32)},
-     r"seqused_k must have shape \(batch,\) = \(2,\), got \[3\]"),
-    ({"leftpad_k": torch.zeros(2, 1, dtype=torch.int32)}, r"leftpad_k must have shape \(batch,\)"),
-    ({"seqused_k": torch.zeros(2, dtype=torch.int32, device="meta")},
-     r"seqused_k must be on the same device as q \(cpu\), got meta"),
-    ({"leftpad_k": torch.zeros(4, dtype=torch.int32)[::2]}, r"leftpad_k must be contiguous"),
-    ({"leftpad_k": [0, 0]}, r"leftpad_k must be a torch\.Tensor or None, got list"),
-    ({"seqused_k": torch.full((2,), 7, dtype=torch.int32).to_sparse()},
-     r"seqused_k must be a strided \(dense\) tensor, got torch\.sparse_coo"),
-])
-def test_key_range_argument_errors(kwargs, regex):
-    q, k, v = bshd()
-    with pytest.raises(ValueError, match="^flash_attention_sm75: " + regex):
-        _ops.validate_fwd_inputs(q, k, v, **kwargs)
-
-
 _SPARSE_LAYOUTS = [torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
                    torch.sparse_bsc]
 
@@ -285,7 +143,7 @@ _SPARSE_LAYOUTS = [torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.s
 @pytest.mark.parametrize("layout", _SPARSE_LAYOUTS, ids=str)
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 @pytest.mark.parametrize("fn", ["flash_attn_func", "flash_attention_forward"])
-def test_sparse_layouts_are_rejected_naming_the_argument(layout, name, fn, calls):
+def test_sparse_layouts_are_rejected_naming_the_argument(layout, name, fn, calls, monkeypatch):
     dense = dict(zip("qkv", bshd() if fn == "flash_attn_func" else to_bhsd(*bshd())))
     # values in [1, 2): no zeros, so every batch of a compressed layout has the same nnz
     t = (torch.rand(dense[name].shape) + 1).half()
@@ -297,11 +155,12 @@ def test_sparse_layouts_are_rejected_naming_the_argument(layout, name, fn, calls
     with pytest.raises(ValueError, match=regex):
         getattr(fa, fn)(dense["q"], dense["k"], dense["v"])
     assert calls == []
-    # the SDPA entry point falls back for them and names the reason
+    # the SDPA entry point falls back for them and names the reason (on its kernel device)
+    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
     if fn == "flash_attention_forward":
         arg = {"q": "query", "k": "key", "v": "value"}[name]
         reason = fa.why_not_supported(dense["q"], dense["k"], dense["v"])
-        assert reason.startswith(f"{arg} is a {layout} tensor; only strided (dense)")
+        assert reason.startswith(f"{arg} must be a strided (dense) tensor, got {layout}")
 
 
 _BAD_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
@@ -329,23 +188,23 @@ def test_dtype_errors_use_torch_dtype_names_not_the_cpp_ones(dtype, name):
         msg = _message(fn, *qkv)
         assert msg.startswith(f"flash_attention_sm75: {name} must be float16")
         assert msg.endswith(f"got {dtype}") and f"got {cpp_name}" not in msg, msg
-    # the key-range arguments too (validate_fwd_inputs is what the wrappers call)
+    # the key-range arguments too (the rulebook's check, which every door asks)
     q, k, v = bshd()
     lp = torch.zeros(q.shape[0], dtype=dtype)
     if dtype != torch.int32:
         cpp = _message(torch.ops.flash_attention_sm75.fwd, q, k, v, None, False, True, lp, None)
-        msg = _message(_ops.validate_fwd_inputs, q, k, v, None, lp)
+        msg = _message(_rules.check_inputs, q, k, v, None, lp)
         assert msg.endswith(f"leftpad_k must be int32, got {dtype}"), msg
         assert "got " + re.search(r"got (\S+)$", cpp).group(1) not in msg, msg
 
 
 def test_validate_accepts_valid_and_rejects_bad_layout():
     q, k, v = bshd()
-    _ops.validate_fwd_inputs(q, k, v, 0.5, torch.zeros(2, dtype=torch.int32),
-                             torch.full((2,), 7, dtype=torch.int32))
-    _ops.validate_fwd_inputs(*to_bhsd(q, k, v), layout="bhsd")
+    _rules.check_inputs(q, k, v, 0.5, torch.zeros(2, dtype=torch.int32),
+                        torch.full((2,), 7, dtype=torch.int32))
+    _rules.check_inputs(*to_bhsd(q, k, v), layout="bhsd")
     with pytest.raises(ValueError, match="layout must be 'bshd' or 'bhsd'"):
-        _ops.validate_fwd_inputs(q, k, v, layout="sbhd")
+        _rules.check_inputs(q, k, v, layout="sbhd")
 
 
 def test_extension_missing_raises_runtime_error(monkeypatch):
@@ -355,43 +214,6 @@ def test_extension_missing_raises_runtime_error(monkeypatch):
         fa.flash_attn_func(*bshd())
     with pytest.raises(RuntimeError, match="could not be imported"):
         fa.flash_attention_forward(*to_bhsd(*bshd()))
-
-
-# ------------------------------------------------------------------------------ CUDA-only
-
-
-@pytest.mark.gpu
-def test_cuda_alignment_errors():
-    q, k, v = bshd(device="cuda")
-    flat = torch.empty(q.numel() + 4, dtype=torch.float16, device="cuda")
-    q_misaligned = flat[4:].view(q.shape)  # 8-byte offset
-    assert q_misaligned.data_ptr() % 16 != 0
-    msg = r"^flash_attention_sm75: q must be 16-byte aligned"
-    with pytest.raises(ValueError, match=msg):
-        fa.flash_attn_func(q_misaligned, k, v)
-    with pytest.raises(ValueError, match=msg):  # the C++ check
-        torch.ops.flash_attention_sm75.fwd(q_misaligned, k, v)
-    k_odd_stride = torch.zeros(2, 7, 2, 68, dtype=torch.float16, device="cuda")[..., :64]
-    with pytest.raises(ValueError, match=r"^flash_attention_sm75: k must be 16-byte aligned"):
-        fa.flash_attn_func(q, k_odd_stride, v)
-    with pytest.raises(ValueError, match=r"^flash_attention_sm75: k must be 16-byte aligned"):
-        torch.ops.flash_attention_sm75.fwd(q, k_odd_stride, v)
-    # the fast all-rules check used by validate_fwd_inputs rejects both, accepts the aligned set
-    assert not _ops._passes_all_rules(q_misaligned, k, v, None, 2)
-    assert not _ops._passes_all_rules(q, k_odd_stride, v, None, 2)
-    assert _ops._passes_all_rules(q, k, v, None, 2)
-
-
-@pytest.mark.gpu
-def test_cuda_device_mismatch():
-    q, k, v = bshd(device="cuda")
-    with pytest.raises(ValueError, match=r"k must be on the same device as q \(cuda:0\), got cpu"):
-        fa.flash_attn_func(q, k.cpu(), v)
-    with pytest.raises(ValueError, match=r"k must be on the same device as q"):
-        torch.ops.flash_attention_sm75.fwd(q, k.cpu(), v)
-    lp = torch.zeros(2, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"leftpad_k must be on the same device as q"):
-        torch.ops.flash_attention_sm75.fwd(q, k, v, None, False, True, lp)
 
 
 # ------------------------------------------------------------------------------ docstrings

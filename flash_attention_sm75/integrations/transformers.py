@@ -45,13 +45,12 @@ from __future__ import annotations
 import collections.abc
 import functools
 import logging
-import math
 import threading
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .. import _masks, _ops
+from .. import _masks, _ops, _rules
 
 __all__ = [
     "ATTENTION_NAME",
@@ -84,8 +83,6 @@ ATTENTION_NAMES = (ATTENTION_NAME, ATTENTION_NAME_PLAIN)
 
 DEFAULT_PATCH_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 """``config.model_type`` values that :func:`apply_patch` routes to the kernel by default."""
-
-_SUPPORTED_HEAD_DIMS = tuple(getattr(_ops, "SUPPORTED_HEAD_DIMS", (64, 128)))
 
 # ----------------------------------------------------------------------------------------------
 # Settings and statistics
@@ -182,7 +179,7 @@ def configure(*, decode_on_kernel: Optional[bool] = None,
                         ("allow_cpu_reference", allow_cpu_reference)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"flash_attention_sm75: configure({name}=...) must be True, False or "
-                             f"None, got {_ops.type_name(value)} {value!r}")
+                             f"None, got {_rules.type_name(value)} {value!r}")
     previous = dict(_SETTINGS)
     if decode_on_kernel is not None:
         _SETTINGS["decode_on_kernel"] = decode_on_kernel
@@ -256,11 +253,6 @@ def _unknown_kwargs(kwargs: dict) -> list:
                   if name not in _HANDLED_KWARGS and value is not None)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> Tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _position_bias_is_zero(position_bias: torch.Tensor, query: torch.Tensor) -> bool:
     """T5's cross-attention passes a bias of zeros, (1, H, q_len, kv_len): nothing to add."""
     if not (isinstance(position_bias, torch.Tensor) and position_bias.device == query.device
@@ -270,6 +262,9 @@ def _position_bias_is_zero(position_bias: torch.Tensor, query: torch.Tensor) -> 
 
 
 def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs) -> Optional[str]:
+    """The integration's own rules (transformers' arguments, an allow-list), then the rulebook
+    (``_rules``), then the module's head grouping and the autograd mode. None: the kernel can
+    run the call once the mask is planned (:func:`_plan`)."""
     unknown = _unknown_kwargs(kwargs)
     if unknown:
         return (f"keyword argument(s) {unknown} are not understood by the kernel path (they "
@@ -282,64 +277,37 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
     if kwargs.get("deterministic") and not _deterministic_backward():
         return ("deterministic=True while FLASH_SM75_BWD_DQ=atomic makes the backward "
                 "non-deterministic")
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
-        return "query/key/value are not 4-D tensors"
-    if bound["position_bias"] is not None and not _position_bias_is_zero(bound["position_bias"],
-                                                                          query):
-        return "position_bias is not supported"
-    dev = query.device
-    if key.device != dev or value.device != dev:
-        return "query, key and value are on different devices"
-    if dev.type == "cuda":
-        # Not traceable (lru_cache); under torch.compile the C++ op checks the device.
-        if not torch.compiler.is_compiling():
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
-            if _cuda_capability(index) < (7, 5):
-                return f"CUDA device capability {_cuda_capability(index)} < (7, 5)"
-    elif dev.type == "cpu":
-        if not _SETTINGS["allow_cpu_reference"]:
-            return "CPU tensors (the kernel runs on CUDA; CPU uses torch SDPA)"
-    else:
-        return f"device type {dev.type!r} is not supported"
-    if not _ops.EXTENSION_AVAILABLE:
-        return f"the compiled extension is not available ({_ops.EXTENSION_ERROR})"
-    if not (query.dtype == key.dtype == value.dtype == torch.float16):
-        return f"dtype {query.dtype} (the kernel supports float16 only)"
-    b, h, _, d = query.shape
-    if key.shape[0] != b or value.shape[0] != b:
-        return "batch sizes of query/key/value differ"
-    if key.shape != value.shape:
-        return f"key shape {list(key.shape)} != value shape {list(value.shape)}"
-    if key.shape[-1] != d or d not in _SUPPORTED_HEAD_DIMS:
-        return f"head_dim {d} (supported: {_SUPPORTED_HEAD_DIMS})"
-    h_k = key.shape[1]
-    if h_k == 0 or h % h_k != 0:
-        return f"num_heads {h} is not a multiple of num_key_value_heads {h_k}"
-    groups = getattr(module, "num_key_value_groups", None)
-    if isinstance(groups, int) and groups >= 1 and h != h_k * groups:
-        return (f"module.num_key_value_groups={groups} does not match query heads {h} / key "
-                f"heads {h_k}")
     dropout = bound["dropout"]
     if dropout is None:
         dropout = 0.0
     if not isinstance(dropout, (int, float)) or dropout != 0.0:
         return f"dropout={dropout} (the kernel has no dropout)"
-    scaling = bound["scaling"]
-    if scaling is not None and not (
-            isinstance(scaling, (int, float)) and not isinstance(scaling, bool)
-            and math.isfinite(scaling) and scaling > 0):
-        return f"scaling={scaling!r} is not a finite positive number"
-    if torch.is_grad_enabled() and not getattr(_ops, "HAS_BACKWARD", False) and (
-            query.requires_grad or key.requires_grad or value.requires_grad):
-        return "inputs require grad (no backward kernel yet)"
     if torch.jit.is_tracing():
         return "torch.jit tracing"
+    if not _ops.EXTENSION_AVAILABLE:
+        return f"the compiled extension is not available ({_ops.EXTENSION_ERROR})"
+    # CPU tensors run the op's reference implementation only as a testing aid; misaligned
+    # tensors are copied by _bshd_for_kernel, so the alignment rule is not a reason here.
+    devices = ("cuda", "cpu") if _SETTINGS["allow_cpu_reference"] else ("cuda",)
+    reason = _rules.not_supported_reason(query, key, value, bound["scaling"], layout="bhsd",
+                                         devices=devices, check_alignment=False,
+                                         names=("query", "key", "value"))
+    if reason is not None:
+        return reason
+    if bound["position_bias"] is not None and not _position_bias_is_zero(bound["position_bias"],
+                                                                          query):
+        return "position_bias is not supported"
+    h, h_k = query.shape[1], key.shape[1]
+    groups = getattr(module, "num_key_value_groups", None)
+    if isinstance(groups, int) and groups >= 1 and h != h_k * groups:
+        return (f"module.num_key_value_groups={groups} does not match query heads {h} / key "
+                f"heads {h_k}")
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):
             return f"attention_mask of type {type(attention_mask).__name__}"
-        if attention_mask.device != dev:
+        if attention_mask.device != query.device:
             return "attention_mask is on another device"
-    return None
+    return _ops.autograd_reason(query, key, value, any_transform=True)
 
 
 def _deterministic_backward() -> bool:
@@ -536,11 +504,7 @@ def _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs):
 def _bshd_for_kernel(x: torch.Tensor) -> torch.Tensor:
     """BHSD tensor -> BSHD view the kernel accepts (a copy only if strides/alignment demand)."""
     t = x.transpose(1, 2)
-    ok = t.stride(-1) == 1 and all(t.shape[i] == 1 or t.stride(i) % 8 == 0 for i in range(3))
-    # No data pointer while torch.compile traces: the C++ op checks the alignment at run time.
-    if ok and t.device.type == "cuda" and not torch.compiler.is_compiling():
-        ok = t.data_ptr() % 16 == 0
-    if not ok:
+    if t.device.type == "cuda" and not _rules.is_kernel_aligned(t):
         t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
     return t
 
@@ -554,10 +518,7 @@ def _run_kernel(query, key, value, scaling, info: MaskInfo) -> torch.Tensor:
     k = _bshd_for_kernel(key)
     v = _bshd_for_kernel(value)
     scale = None if scaling is None else float(scaling)
-    # Inputs were checked by _unsupported_reason/_bshd_for_kernel; the op re-validates in C++
-    # and raises ValueError (caught by the caller -> fallback), so no Python re-validation here.
-    out, _ = torch.ops.flash_attention_sm75.fwd(q, k, v, scale, info.causal, True,
-                                                info.leftpad_k, info.seqused_k)
+    out, _ = _ops.call_fwd(q, k, v, scale, info.causal, True, info.leftpad_k, info.seqused_k)
     return out
 
 

@@ -1,0 +1,321 @@
+"""The rulebook: what the kernels accept, written once.
+
+Every door asks :func:`not_supported_reason` and adds only its own extras:
+
+* the direct APIs (``flash_attn_func``, ``flash_attention_forward``) raise ``ValueError`` with
+  its reason (:func:`check_inputs`);
+* the SDPA wrapper (``sdpa.py``) and the Hugging Face integration (``integrations/
+  transformers.py``) fall back to torch with it;
+* the C++ ``check_fwd_inputs`` / ``mha_fwd`` (csrc/flash_api.cpp) enforce the same rules at run
+  time with the same messages (``tests/test_rules.py`` proves it rule by rule from
+  :data:`RULES`).
+
+The declarative part (dtypes, head dims, alignment, limits) is the module's constants; the
+function reads them and never spells a value itself. A new feature (a head dim, a mask kind) is
+added here, in the C++ check and as a row of ``tests/test_rules.py``.
+
+The reason strings carry no ``"flash_attention_sm75: "`` prefix; the C++ messages are the same
+strings after that prefix.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "HEAD_DIMS",
+    "KEY_RANGE_DTYPE",
+    "MIN_COMPUTE_CAPABILITY",
+    "RULES",
+    "SOFTMAX_SCALE_MAX",
+    "SOFTMAX_SCALE_MIN",
+    "check_inputs",
+    "is_kernel_aligned",
+    "not_supported_reason",
+    "require_bool",
+    "scale_problem",
+    "type_name",
+]
+
+PREFIX = "flash_attention_sm75: "
+
+# ---------------------------------------------------------------------------------- the rules
+DTYPES: Tuple[torch.dtype, ...] = (torch.float16,)
+"""Element types of q, k and v (SM75 tensor cores have no bf16 or fp32 MMA)."""
+
+HEAD_DIMS: Tuple[int, ...] = (64, 128)
+"""head_dim values with a compiled kernel (q, k and v share one)."""
+
+MIN_COMPUTE_CAPABILITY: Tuple[int, int] = (7, 5)
+"""The oldest GPU the kernels run on (Turing); newer ones run the same SM75 instructions."""
+
+VECTOR_BYTES = 16
+"""The kernels move 16-byte vectors: data pointers aligned to it, and batch, sequence and head
+strides a multiple of its element count (8 fp16) wherever that dimension has more than one entry."""
+
+STRIDE_MULTIPLE = VECTOR_BYTES // 2
+
+MAX_EXTENT = 2**31 - 1
+"""batch, seqlen and heads are int32 in the kernels' index arithmetic."""
+
+KEY_RANGE_DTYPE = torch.int32
+"""leftpad_k / seqused_k: int32 (batch,) tensors on q's device, contiguous."""
+
+# softmax_scale must survive the kernel's float32 arithmetic for every float16 input: normal in
+# float32 (a denormal scale is flushed to 0 by --use_fast_math), and small enough that the
+# largest possible score, scale * log2(e) * q.k with |q.k| <= 128 * 65504^2 (head_dim 128, fp16
+# max), stays finite with a factor 2 of headroom: at exactly FLT_MAX / (log2(e) * 128 * 65504^2)
+# the float32 roundings of scale * log2(e) and of the product give inf, and an inf score gives
+# inf - inf = NaN in the softmax.
+SOFTMAX_SCALE_MIN = 1.1754943508222875e-38  # FLT_MIN
+SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / (2 * 1.4426950408889634 * 128 * 65504.0**2)  # ~2.15e26
+_SCALE_RANGE = "[1.2e-38, 2.1e26]"
+
+RULES: Tuple[str, ...] = (
+    "tensor",          # q, k, v are dense strided torch.Tensors (not nested, not sparse)
+    "device",          # CUDA (the CPU reference op where the door allows it)
+    "rank",            # 4-D
+    "dtype",           # DTYPES
+    "same_device",     # k, v (and key ranges) on q's device
+    "last_dim",        # stride(-1) == 1
+    "kv_shape",        # k.shape == v.shape
+    "batch",           # equal batch sizes
+    "head_dim_match",  # q and k share head_dim
+    "head_dim",        # HEAD_DIMS
+    "kv_heads",        # num_heads_k >= 1 when num_heads >= 1
+    "gqa",             # num_heads % num_heads_k == 0
+    "extent",          # MAX_EXTENT
+    "key_range",       # leftpad_k / seqused_k: KEY_RANGE_DTYPE, (batch,), device, contiguous
+    "softmax_scale",   # finite, [SOFTMAX_SCALE_MIN, SOFTMAX_SCALE_MAX]
+    "alignment",       # VECTOR_BYTES data pointer, strides of STRIDE_MULTIPLE
+    "capability",      # MIN_COMPUTE_CAPABILITY
+)
+"""Every rule, in the order they are checked: the C++ order, except that the device type comes
+first (the C++ op is dispatched by device; the doors that fall back for non-CUDA tensors should
+say so first). tests/test_rules.py has one row per rule that breaks exactly it and compares our
+reason with the C++ op's error."""
+
+
+# ---------------------------------------------------------------------------------- helpers
+def type_name(obj: object) -> str:
+    """``obj``'s type for error messages: qualified outside builtins, so that e.g. numpy's
+    ``np.bool_`` (whose ``__name__`` is ``bool``) reads ``numpy.bool`` and not ``bool``."""
+    t = type(obj)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def require_bool(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a bool (``causal=0.125``, a scale passed in the
+    wrong slot, must not silently mean True); ``name`` is the argument as the caller wrote it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{PREFIX}{name} must be a bool (True or False), "
+                         f"got {type_name(value)} {value!r}")
+
+
+def scale_problem(softmax_scale: object) -> Optional[str]:
+    """None if ``softmax_scale`` (not None) is a usable scale, else what is wrong with it."""
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        return (f"softmax_scale must be a real number (float or int), got "
+                f"{type_name(softmax_scale)} {softmax_scale!r}")
+    s = float(softmax_scale)
+    if not (math.isfinite(s) and SOFTMAX_SCALE_MIN <= s <= SOFTMAX_SCALE_MAX):
+        return (f"softmax_scale must be a finite number > 0 within {_SCALE_RANGE} (float32 "
+                f"scores must not overflow), got {softmax_scale!r}")
+    return None
+
+
+def is_kernel_aligned(t: torch.Tensor) -> bool:
+    """True if the kernels' 16-byte vector loads can read ``t`` (4-D, BSHD or BHSD view): last
+    dimension contiguous, data pointer aligned (not read while torch.compile traces; the C++ op
+    checks it at run time), other strides a multiple of 8 elements where the size is not 1."""
+    st, sh = t.stride(), t.shape
+    if not (st[3] == 1 and (sh[0] == 1 or st[0] % STRIDE_MULTIPLE == 0)
+            and (sh[1] == 1 or st[1] % STRIDE_MULTIPLE == 0)
+            and (sh[2] == 1 or st[2] % STRIDE_MULTIPLE == 0)):
+        return False
+    return torch.compiler.is_compiling() or t.data_ptr() % VECTOR_BYTES == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> Tuple[int, int]:
+    """``torch.cuda.get_device_capability`` of a CUDA device, cached per device index."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)
+
+
+_BSHD = "(batch, seqlen, num_heads, head_dim) in BSHD layout"
+_BHSD = "(batch, num_heads, seqlen, head_dim) in BHSD layout"
+# Appended to the BHSD head-count errors: BSHD tensors passed to flash_attention_forward read
+# seqlen as num_heads, and this is where that usually surfaces.
+_BHSD_HINT = (" (heads are dim 1 in the BHSD layout (batch, num_heads, seqlen, head_dim); for "
+              "BSHD tensors use flash_attn_func)")
+_QKV = ("q", "k", "v")
+_STRIDED = torch.strided
+
+
+def _tensor_reason(name: str, t: object, q: torch.Tensor, nq: str, dims: str) -> Optional[str]:
+    if not isinstance(t, torch.Tensor):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if t.is_nested:
+        return (f"{name} is a nested tensor; a dense 4-D tensor {dims} is required (pad the "
+                f"sequences, or pass per-batch key ranges with leftpad_k / seqused_k to the op)")
+    if t.layout != torch.strided:
+        return (f"{name} must be a strided (dense) tensor, got {t.layout}; convert it with "
+                f"{name}.to_dense()")
+    if t.dim() != 4:
+        return f"{name} must be 4-D {dims}, got {t.dim()}-D of shape {list(t.shape)}"
+    if t.dtype not in DTYPES:
+        return (f"{name} must be float16 (SM75 tensor cores have no bf16/fp32 MMA), "
+                f"got {t.dtype}")
+    if t.device != q.device:
+        return f"{name} must be on the same device as {nq} ({q.device}), got {t.device}"
+    if t.stride(-1) != 1:
+        return (f"{name} must have a contiguous last dimension (stride(-1) == 1), "
+                f"got strides {list(t.stride())}")
+    return None
+
+
+def _key_range_reason(name: str, t: object, q: torch.Tensor) -> Optional[str]:
+    if not isinstance(t, torch.Tensor):
+        return f"{name} must be a torch.Tensor or None, got {type(t).__name__}"
+    if t.layout != torch.strided:
+        return f"{name} must be a strided (dense) tensor, got {t.layout}"
+    if t.dtype != KEY_RANGE_DTYPE:
+        return f"{name} must be int32, got {t.dtype}"
+    if not (t.dim() == 1 and t.shape[0] == q.shape[0]):
+        return f"{name} must have shape (batch,) = ({q.shape[0]},), got {list(t.shape)}"
+    if t.device != q.device:
+        return f"{name} must be on the same device as q ({q.device}), got {t.device}"
+    if not t.is_contiguous():
+        return f"{name} must be contiguous"
+    return None
+
+
+# ---------------------------------------------------------------------------------- the check
+def not_supported_reason(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    *,
+    layout: str = "bshd",
+    devices: Sequence[str] = ("cuda", "cpu", "meta"),
+    check_alignment: bool = True,
+    names: Sequence[str] = _QKV,
+) -> Optional[str]:
+    """None if the kernels accept these inputs, else the first rule they break, as a sentence
+    that names the argument and the accepted values.
+
+    Reads metadata only (shape, dtype, device, strides, data pointer), never tensor values; no
+    host synchronisation, traceable by torch.compile (which skips the data pointer and the
+    compute capability: the C++ op checks both at run time).
+
+    Parameters
+    ----------
+    q, k, v : torch.Tensor
+        ``layout="bshd"``: ``(batch, seqlen, num_heads, head_dim)``; ``"bhsd"``: ``(batch,
+        num_heads, seqlen, head_dim)`` (the rules are the same; only the head dimension and the
+        words of the messages differ).
+    softmax_scale : float, optional
+        None (``1 / sqrt(head_dim)``) or a real number in [1.2e-38, 2.1e26].
+    leftpad_k, seqused_k : torch.Tensor, optional
+        Per-batch key range, int32 ``(batch,)`` on q's device.
+    devices : sequence of str
+        Device types the caller can run: ``("cuda", "cpu", "meta")`` for the op (it has a CPU
+        reference and a fake), ``("cuda",)`` for doors that fall back for anything else.
+    check_alignment : bool
+        Apply the 16-byte vector rule to CUDA tensors (False for a caller that copies misaligned
+        tensors itself, see :func:`is_kernel_aligned`).
+    names : sequence of 3 str
+        How the messages call q, k and v (``("query", "key", "value")`` in the SDPA wrapper).
+    """
+    bhsd = layout == "bhsd"
+    if not (isinstance(q, torch.Tensor) and not q.is_nested and q.layout is _STRIDED):
+        return _tensor_reason(names[0], q, q, names[0], _BHSD if bhsd else _BSHD)
+    dev = q.device
+    dev_type = dev.type
+    # The device first: a door that runs CUDA only says so before anything else.
+    if dev_type not in devices:
+        alt = " (or CPU for the reference implementation)" if "cpu" in devices else ""
+        return f"{names[0]} must be a CUDA tensor{alt}, got device {dev}"
+    # _tensor_reason's rules, inlined for the common (valid) call; it words the failure.
+    for t in (q, k, v):
+        if not (isinstance(t, torch.Tensor) and not t.is_nested and t.layout is _STRIDED
+                and t.dim() == 4 and t.dtype in DTYPES and (t is q or t.device == dev)
+                and t.stride()[3] == 1):
+            name = names[0] if t is q else names[1] if t is k else names[2]
+            return _tensor_reason(name, t, q, names[0], _BHSD if bhsd else _BSHD)
+    nq, nk, nv = names
+
+    qs, ks = q.shape, k.shape
+    if ks != v.shape:
+        return f"{nk} and {nv} must have the same shape, got {nk} {list(ks)} and {nv} {list(v.shape)}"
+    if ks[0] != qs[0]:
+        return f"{nq} and {nk} must have the same batch size, got {qs[0]} and {ks[0]}"
+    d = qs[3]
+    if ks[3] != d:
+        return f"{nq} and {nk} must have the same head_dim, got {d} and {ks[3]}"
+    if d not in HEAD_DIMS:
+        return f"head_dim must be {' or '.join(map(str, HEAD_DIMS))}, got {d}"
+    hd = 1 if bhsd else 2
+    h, h_k = qs[hd], ks[hd]
+    # Zero-size inputs are valid (empty or zero result, no launch), but q heads need kv heads.
+    if h_k == 0:
+        if h != 0:
+            return (f"num_heads_k must be >= 1 when num_heads >= 1 (GQA/MQA: num_heads must be "
+                    f"a multiple of num_heads_k), got num_heads_k 0 and num_heads {h}"
+                    + _BHSD_HINT * bhsd)
+    elif h % h_k != 0:
+        return (f"num_heads ({h}) must be a multiple of num_heads_k ({h_k}) for GQA/MQA"
+                + _BHSD_HINT * bhsd)
+    if max(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2]) > MAX_EXTENT:
+        return "batch, seqlen and heads must each be < 2^31"
+    if leftpad_k is not None:
+        r = _key_range_reason("leftpad_k", leftpad_k, q)
+        if r is not None:
+            return r
+    if seqused_k is not None:
+        r = _key_range_reason("seqused_k", seqused_k, q)
+        if r is not None:
+            return r
+    if softmax_scale is not None and (type(softmax_scale) is not float
+                                      or not SOFTMAX_SCALE_MIN <= softmax_scale <= SOFTMAX_SCALE_MAX):
+        r = scale_problem(softmax_scale)
+        if r is not None:
+            return r
+
+    if dev_type == "cuda":
+        if check_alignment:
+            for name, t in ((nq, q), (nk, k), (nv, v)):
+                if not is_kernel_aligned(t):
+                    return (f"{name} must be 16-byte aligned with batch/seq/head strides "
+                            f"divisible by 8 elements, got strides {list(t.stride())}")
+        if not torch.compiler.is_compiling():
+            cap = device_capability(dev)
+            if cap < MIN_COMPUTE_CAPABILITY:
+                return (f"needs a GPU of compute capability >= 7.5 (Turing or newer), got "
+                        f"{cap[0]}.{cap[1]}")
+    return None
+
+
+def check_inputs(q, k, v, softmax_scale=None, leftpad_k=None, seqused_k=None, *,
+                 layout: str = "bshd") -> None:
+    """Raise ``ValueError("flash_attention_sm75: <reason>")`` for inputs the kernels do not accept
+    (:func:`not_supported_reason` with the op's devices: CUDA, CPU reference, meta), before any
+    launch. ``layout`` is ``"bshd"`` (the op's own) or ``"bhsd"``."""
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"{PREFIX}layout must be 'bshd' or 'bhsd', got {layout!r}")
+    reason = not_supported_reason(q, k, v, softmax_scale, leftpad_k, seqused_k, layout=layout)
+    if reason is not None:
+        raise ValueError(PREFIX + reason)
