@@ -26,10 +26,8 @@ if not torch.cuda.is_available():
 if args.dq_mode:
     os.environ["FLASH_SM75_BWD_DQ"] = args.dq_mode
 
-import flash_attention_sm75._C  # noqa: E402,F401
-from flash_attention_sm75._backward import register_backward  # noqa: E402
+import flash_attention_sm75  # noqa: E402,F401  (loads the ops and their autograd)
 
-assert register_backward(), "bwd op missing from the extension"
 ops = torch.ops.flash_attention_sm75
 dev = "cuda"
 torch.manual_seed(0)
