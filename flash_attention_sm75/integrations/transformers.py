@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 import torch
 
 from .. import _masks, _ops, _rules
+from ..sdpa import is_strict
 
 __all__ = [
     "ATTENTION_NAME",
@@ -188,14 +189,6 @@ def configure(*, decode_on_kernel: Optional[bool] = None,
     return previous
 
 
-def _is_strict() -> bool:
-    try:
-        from ..sdpa import is_strict
-    except Exception:  # pragma: no cover - sdpa.py missing or broken
-        return False
-    return bool(is_strict())
-
-
 # ----------------------------------------------------------------------------------------------
 # Mask classification (flash_attention_sm75._masks, shared with the SDPA wrapper)
 # ----------------------------------------------------------------------------------------------
@@ -274,7 +267,7 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
     for name in _REFUSED_KWARGS:
         if kwargs.get(name) is not None:
             return f"{name} is not supported by the kernel"
-    if kwargs.get("deterministic") and not _deterministic_backward():
+    if kwargs.get("deterministic") and not _ops.is_deterministic_backward():
         return ("deterministic=True while FLASH_SM75_BWD_DQ=atomic makes the backward "
                 "non-deterministic")
     dropout = bound["dropout"]
@@ -308,12 +301,6 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
         if attention_mask.device != query.device:
             return "attention_mask is on another device"
     return _ops.autograd_reason(query, key, value, any_transform=True)
-
-
-def _deterministic_backward() -> bool:
-    from .. import is_deterministic_backward
-
-    return bool(is_deterministic_backward())
 
 
 def _plan(module, query, key, attention_mask, is_causal) -> "_Classification":
@@ -529,7 +516,7 @@ def _stock_sdpa_forward() -> Callable:
 
 
 def _fall_back(reason: str) -> None:
-    if _is_strict():
+    if is_strict():
         raise ValueError(f"flash_attention_sm75: strict mode, cannot run on the kernel: {reason}")
     _count_fallback(reason)
 
