@@ -539,7 +539,7 @@ def test_lazy_apply_patch():
     assert fa.remove_patch is module.remove_patch
 
 
-# ------------------------------------------- keys outside [leftpad_k, seqused_k) (issue 17 #6)
+# ------------------------------------------------------- keys outside [leftpad_k, seqused_k)
 
 
 # (leftpad_k, seqused_k) per batch row for seqlen_k = 11: a range inside (keys left and right

@@ -1,4 +1,4 @@
-"""Zero-size inputs on every API (issue 17, item 4): batch 0, num_heads 0 (with num_heads_k 0),
+"""Zero-size inputs on every API: batch 0, num_heads 0 (with num_heads_k 0),
 seqlen_q 0, seqlen_k 0, their combinations, GQA.
 
 By the definition the result is empty, or, where there are query rows but no keys
