@@ -637,7 +637,7 @@ class Tee:
 def add_sweep_args(p, backends, n_default_help, tag):
     """Options every sweep benchmark has: shapes, causal, backends, output, timing."""
     ensure_repo_on_path()
-    from flash_attention_sm75._cli import positive_int
+    from devtools.cli import positive_int
 
     p.add_argument("--d", type=int, nargs="+", default=None, help="head dims (default 64 128)")
     p.add_argument("--n", type=positive_int, nargs="+", default=None,
