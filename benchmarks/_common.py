@@ -13,6 +13,7 @@ import contextlib
 import datetime as _dt
 import gc
 import json
+import logging
 import math
 import os
 import platform
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -298,10 +300,11 @@ def cuda_context_ok() -> bool:
 
 
 def bwd_problem(batch: int, heads: int, n: int, d: int, causal: bool, device: str = "cuda"):
-    """One backward problem for the kernel-tuning script (scripts/tune_bwd.py): fp16 BSHD (batch, n, heads, d) q, k, v, dout from a CPU
-    generator seeded with n + causal, softmax_scale = d**-0.5, the library's forward op's
-    (out, lse) and its backward op's (dq, dk, dv) as ``ref`` (bottom-right causal, deterministic).
-    Returns a dict with those keys plus ``scale``. Imports flash_attention_sm75 (its ops)."""
+    """One backward problem for the kernel-tuning script (scripts/tune_bwd.py): fp16 BSHD
+    (batch, n, heads, d) q, k, v, dout from a CPU generator seeded with n + causal,
+    softmax_scale = d**-0.5, the library's forward op's (out, lse) and its backward op's
+    (dq, dk, dv) as ``ref`` (bottom-right causal, deterministic). Returns a dict with those keys
+    plus ``scale``. Imports flash_attention_sm75 (its ops)."""
     ensure_repo_on_path()
     import flash_attention_sm75  # noqa: F401  (registers torch.ops.flash_attention_sm75)
     g = torch.Generator(device="cpu").manual_seed(n + causal)
@@ -364,11 +367,27 @@ def nvidia_smi_query() -> Optional[List[Dict[str, str]]]:
 
 
 def git_info() -> Dict[str, Any]:
-    """Commit of the checkout. FA_SM75_COMMIT, when set, wins: the GPU machine gets a copy of the
-    working tree whose .git (if any) is stale, so `git rev-parse HEAD` there names an old commit."""
-    commit = os.environ.get("FA_SM75_COMMIT") or _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
+    """Commit of the checkout and where it came from. FA_SM75_COMMIT, when set, wins: the GPU
+    machine gets a copy of the working tree whose .git (if any) is stale, so `git rev-parse HEAD`
+    there names an old commit."""
+    env_commit = os.environ.get("FA_SM75_COMMIT")
+    commit = env_commit or _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
-    return {"commit": commit, "dirty": (bool(status) if status is not None else None)}
+    info = {"commit": commit, "dirty": (bool(status) if status is not None else None),
+            "commit_source": ("$FA_SM75_COMMIT" if env_commit
+                              else "git rev-parse HEAD" if commit else None)}
+    if env_commit:
+        info["fa_sm75_commit_env"] = env_commit
+    return info
+
+
+def package_version() -> Optional[str]:
+    """flash_attention_sm75.__version__, or None when the package does not import."""
+    try:
+        import flash_attention_sm75
+        return getattr(flash_attention_sm75, "__version__", None)
+    except Exception:
+        return None
 
 
 def env_info(device: str) -> Dict[str, Any]:
@@ -615,19 +634,24 @@ def plot_panels(path: str, panels: List[Dict[str, Any]], ncols: int, suptitle: s
     return path
 
 
-class Tee:
-    """print() to stdout and collect the lines, to save the report as text as well."""
-
-    def __init__(self) -> None:
-        self.lines: List[str] = []
-
-    def __call__(self, *args) -> None:
-        s = " ".join(str(a) for a in args)
-        print(s, flush=True)
-        self.lines.append(s)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+@contextlib.contextmanager
+def report(path: str):
+    """A log function for the block: each line goes to stdout and to the text report at `path`
+    (written as the run goes, so a killed run keeps what it printed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    logger = logging.getLogger("benchmarks.report")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    handlers = [logging.StreamHandler(sys.stdout), logging.FileHandler(path, mode="w")]
+    for h in handlers:
+        h.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(h)
+    try:
+        yield logger.info
+    finally:
+        for h in handlers:
+            logger.removeHandler(h)
+            h.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -637,7 +661,7 @@ class Tee:
 def add_sweep_args(p, backends, n_default_help, tag):
     """Options every sweep benchmark has: shapes, causal, backends, output, timing."""
     ensure_repo_on_path()
-    from flash_attention_sm75._cli import positive_int
+    from devtools.cli import positive_int
 
     p.add_argument("--d", type=int, nargs="+", default=None, help="head dims (default 64 128)")
     p.add_argument("--n", type=positive_int, nargs="+", default=None,
@@ -690,3 +714,244 @@ def finish_sweep_args(p, a, backends, n_full, timing_full, timing_quick=(10, 40)
             p.error("our kernel supports d in {64, 128}")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False (use --dry-run)")
+
+
+DRY_RUN_SIZES = {"d": [64, 128], "n": [64, 128, 256], "batch": 1, "heads": 2}
+
+
+def add_device_args(p, cpu_help, dry_run_help):
+    """--device and --dry-run; the help ends with what the script does in each."""
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="default cuda; without CUDA the script stops unless --device cpu or "
+                        "--dry-run is given. " + cpu_help)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: " + dry_run_help)
+
+
+def use_dry_run_sizes(a):
+    """The tiny CPU sizes (DRY_RUN_SIZES) for the options the command line left unset."""
+    for name, value in DRY_RUN_SIZES.items():
+        if getattr(a, name) is None:
+            setattr(a, name, list(value) if isinstance(value, list) else value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runner, tables and outputs shared by the sweep benchmarks
+
+
+def fmt_tf(x):
+    """TFLOP/s cell: one decimal from 10 up, three significant digits below."""
+    return fmt(x, ".1f" if (x is None or x >= 10) else ".3g")
+
+
+def fmt_ratio(r):
+    return fmt(r, ".2f") + ("x" if r is not None else "")
+
+
+def mib(x):
+    return None if x is None else x / 2**20
+
+
+def ratio(case, num, den, key="ms"):
+    """case's t_num / t_den for the timing `key` of two backends, or None."""
+    tn = case["backends"].get(num, {}).get(key)
+    td = case["backends"].get(den, {}).get(key)
+    return None if not tn or not td else tn / td
+
+
+class SweepRunner:
+    """Runs the backends of a sweep benchmark: our op, the torch SDPA backends, the timing method
+    and what a backend that raises leaves behind (OOM, an error, a broken CUDA context).
+
+    A script subclasses it with `impl(...)` (-> (fn(q, k, v, causal), context-manager factory,
+    note) or (None, None, reason)), `new_case(d, causal, n)` (the case's own fields),
+    `make_inputs(case)`, `run_case(case, inputs)` and `progress(case)` (its log line)."""
+
+    def __init__(self, args, log):
+        self.t_start = time.time()
+        self.a = args
+        self.log = log
+        self.ours = Ours()
+        self.sdpa = sdpa_backends()
+        self.stand_in: Dict[str, Any] = {}  # backend name -> SDPBackend run in its place
+        self.context_broken = False
+        self.use_triton = (not args.no_triton) and args.device == "cuda" and triton_usable()
+
+    @property
+    def timing_method(self) -> str:
+        if self.a.device != "cuda":
+            return "cpu"
+        return "triton.testing.do_bench" if self.use_triton else "cuda_events"
+
+    def sdpa_impl(self, name):
+        """impl() of a torch SDPA backend (or of the backend standing in for it)."""
+        if name in self.stand_in:
+            be = self.stand_in[name]
+            return sdpa_bhsd, (lambda be=be: sdpa_context(be)), \
+                f"dry-run stand-in: SDPBackend.{be.name} (no {name} kernel on CPU)"
+        if name not in self.sdpa:
+            return None, None, f"SDPBackend for {name} not in this torch"
+        be = self.sdpa[name]
+        return sdpa_bhsd, (lambda be=be: sdpa_context(be)), None
+
+    def sync(self):
+        if self.a.device == "cuda":
+            torch.cuda.synchronize()
+
+    def prepare(self, rec, *impl_args):
+        """(fn, context-manager factory) from impl(*impl_args), or None with rec["status"]
+        saying why the backend does not run."""
+        fn, ctx_factory, note = self.impl(*impl_args)
+        if fn is None:
+            rec["status"] = f"unavailable: {note}"
+            return None
+        if note:
+            rec["note"] = note
+        if self.context_broken:
+            rec["status"] = "skipped: CUDA context broken by an earlier error"
+            return None
+        return fn, ctx_factory
+
+    def failed(self, rec, name, e, where=""):
+        """From an except block: the exception in rec["status"] ("oom: ..." or "error: ...");
+        after a sticky CUDA error the rest of the run is skipped, else the cache is emptied."""
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        msg = f"{type(e).__name__}{where}: {first}"
+        rec["status"] = ("oom: " if is_oom(e) else "error: ") + msg[:300]
+        if self.a.device == "cuda":
+            if not cuda_context_ok():
+                self.context_broken = True
+                self.log(f"  !! CUDA context broken after {name}: {msg}")
+                self.log(traceback.format_exc())
+            else:
+                torch.cuda.empty_cache()
+
+    def sweep(self):
+        """Every (d, causal, N) case of the command line: inputs made, run_case, a log line."""
+        cases = []
+        a = self.a
+        for d in a.d:
+            for causal in a.causal_list:
+                for n in a.n:
+                    case = {"kernel": self.case_name(d, causal), "d": d, "causal": causal,
+                            "n": n, "batch": a.batch, "heads": a.heads,
+                            **self.new_case(d, causal, n), "backends": {}}
+                    t0 = time.time()
+                    try:
+                        inputs = self.make_inputs(case)
+                    except Exception as e:
+                        case["error"] = f"input allocation failed: {type(e).__name__}: {e}"
+                        self.log(f"[{case['kernel']} N={n}] {case['error']}")
+                        cases.append(case)
+                        continue
+                    self.run_case(case, inputs)
+                    del inputs
+                    if a.device == "cuda":
+                        torch.cuda.empty_cache()
+                    case["wall_s"] = round(time.time() - t0, 2)
+                    self.log(f"[{case['kernel']} N={n}] {self.progress(case)}  "
+                             f"({case['wall_s']} s)")
+                    cases.append(case)
+        return cases
+
+
+def log_header(log, args, env, runner, ours_note="", notes=()):
+    """The report's opening lines: environment and commit, our entry point (+ ours_note), the
+    script's `notes`, the timing method, the nvidia-smi state."""
+    git = env["git"]
+    log(f"device={args.device} gpu={(env.get('gpu') or {}).get('name')} torch={env['torch']} "
+        f"cuda={env['torch_cuda']} triton={env['triton']} commit={git.get('commit')} "
+        f"({git.get('commit_source')})")
+    log(f"ours: {runner.ours.entry or 'UNAVAILABLE: ' + str(runner.ours.error)}{ours_note}")
+    for line in notes:
+        log(line)
+    if args.device == "cuda":
+        log(f"timing: {'triton.testing.do_bench' if runner.use_triton else 'CUDA events'} median, "
+            f"warmup {args.warmup_ms} ms, rep {args.rep_ms} ms, L2 flushed before each call")
+    else:
+        log("timing: CPU perf_counter median (dry run: numbers are meaningless)")
+        for name, be in runner.stand_in.items():
+            log(f"dry run: SDPBackend.{be.name} stands in for '{name}' (no CPU kernel)")
+    for g in env.get("nvidia_smi") or []:
+        log("nvidia-smi: " + ", ".join(f"{k}={v}" for k, v in g.items()))
+
+
+def log_problems(log, cases):
+    """The backends that did not run (their cells show '-') and the cases without inputs; the
+    math backend's deliberate skips above --math-max-n are left out."""
+    problems = sorted({f"{n}: {r['status']}" for c in cases for n, r in c["backends"].items()
+                       if r.get("status", "ok") != "ok"
+                       and not r["status"].startswith("skipped: N >")})
+    problems += [f"{c['kernel']} N={c['n']}: {c['error']}" for c in cases if c.get("error")]
+    if problems:
+        log("")
+        log("== backends that did not run (shown as '-') ==")
+        for p in problems[:40]:
+            log("  " + p)
+
+
+def sweep_groups(cases, args):
+    """(d, causal, cases of that pair sorted by N, their Ns) for each plot panel, in the
+    command line's order; pairs without cases are left out."""
+    for d in args.d:
+        for causal in args.causal_list:
+            sel = sorted([c for c in cases if c["d"] == d and c["causal"] == causal],
+                         key=lambda c: c["n"])
+            if sel:
+                yield d, causal, sel, [c["n"] for c in sel]
+
+
+def has_data(panels):
+    """Whether any panel has a point to draw (CPU runs have no allocator statistics)."""
+    return any(y is not None for p in panels for ys in p["series"].values() for y in ys)
+
+
+def plot_title(what, env, *extra):
+    """Plot title: what ran on which GPU, torch version, commit, then `extra` fields."""
+    gpu = (env.get("gpu") or {}).get("name") or env.get("device")
+    fields = [f"torch {env['torch']}", f"commit {(env['git'].get('commit') or '?')[:10]}", *extra]
+    return f"flash_attention_sm75 {what} vs torch SDPA on {gpu}  ({', '.join(fields)})"
+
+
+def sweep_result(benchmark, args, env, runner):
+    """The JSON record's common head: arguments, environment, versions, commit, our entry."""
+    return {
+        "benchmark": benchmark,
+        "args": dict(vars(args)),
+        "env": env,
+        "gpu_name": (env.get("gpu") or {}).get("name"),
+        "versions": {"torch": env["torch"], "cuda": env["torch_cuda"], "cudnn": env["cudnn"],
+                     "triton": env["triton"], "python": env["python"],
+                     "flash_attention_sm75": package_version()},
+        "commit": env["git"].get("commit"),
+        "ours_entry": runner.ours.entry,
+        "ours_error": runner.ours.error,
+        "timing_method": runner.timing_method,
+    }
+
+
+def report_path(args) -> str:
+    return os.path.join(args.out_dir, f"{args.tag}.txt")
+
+
+def write_outputs(args, log, result, runner, make_plot):
+    """<tag>.json (result + the nvidia-smi state after the run, the broken-context flag, the wall
+    time), <tag>.png from make_plot(path) unless --no-plot, and the "wrote ..." line."""
+    result["env"]["nvidia_smi_after"] = nvidia_smi_query() if args.device == "cuda" else None
+    result["cuda_context_broken"] = runner.context_broken
+    result["wall_s"] = round(time.time() - runner.t_start, 1)
+    json_path = os.path.join(args.out_dir, f"{args.tag}.json")
+    write_json(json_path, result)
+    png = None if args.no_plot else make_plot(os.path.join(args.out_dir, f"{args.tag}.png"))
+    log("")
+    log(f"wrote {json_path}" + (f", {png}" if png else "") + f", {report_path(args)}  "
+        f"({result['wall_s']} s)")
+
+
+def exit_status(script, runner, cases, wanted, key, what):
+    """1 when our op was asked for (`wanted`) and never produced a `key` timing (so gpu_suite
+    flags the step), 2 when a CUDA error broke the context, else 0."""
+    if wanted and cases and not any(c["backends"].get("ours", {}).get(key) is not None
+                                    for c in cases):
+        print(f"{script}: {what} produced no timing", file=sys.stderr)
+        return 1
+    return 2 if runner.context_broken else 0

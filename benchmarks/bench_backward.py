@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Backward-pass benchmark: our SM75 FlashAttention backward vs torch SDPA backends.
 
-Default sweep (issue 5): B=4, H=16, fp16, d in {64, 128}, N = Sq = Sk in
-{1024, 2048, 4096, 8192, 16384}, causal off/on (--quick: N in {1024, 4096}). For every case, in
-one process and on the same tensors:
+Default sweep: B=4, H=16, fp16, d in {64, 128}, N = Sq = Sk in {1024, 2048, 4096, 8192,
+16384}, causal off/on (--quick: N in {1024, 4096}). For every case, in one process and on
+the same tensors:
 
   ours         flash_attention_sm75.flash_attention_forward(q, k, v, causal=...) (BHSD) and its
                autograd backward (torch.ops.flash_attention_sm75.bwd), dQ mode of --dq-mode
@@ -18,8 +18,9 @@ CUDA events when triton is missing):
            torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True) is timed
   fwd+bwd  out = forward(q, k, v); torch.autograd.grad(out, (q, k, v), grad_out)
 TFLOP/s: the forward counts 4*B*H*N^2*d (halved for causal); backward = 2.5x that, fwd+bwd =
-3.5x. Ratios are t_efficient / t_ours (> 1: ours faster). The issue-5 bar rows (d=128 N=4096
-non-causal, d=64 N=4096 causal: ours >= 1.3x the memory-efficient backward) are flagged.
+3.5x. Ratios are t_efficient / t_ours (> 1: ours faster). The speed-bar rows, the target this
+backward was built to clear (d=128 N=4096 non-causal, d=64 N=4096 causal: ours >= 1.3x the
+memory-efficient backward), are flagged.
 Also: peak extra memory of one fwd+bwd (max_memory_allocated minus what was allocated before:
 out, saved tensors, workspace, the three gradients; inputs and grad_out excluded) and
 max |grad_backend - grad_ours| over dq, dk, dv (a sanity check, not the accuracy test).
@@ -45,8 +46,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -54,9 +53,8 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 ALL_BACKENDS = ["ours", "efficient", "flash", "cudnn"]
-SDPA_NAMES = ["efficient", "flash", "cudnn"]
 DQ_ENV = "FLASH_SM75_BWD_DQ"
-# Issue 5: ours >= 1.3x SDPA mem-efficient's backward at these (d, N, causal).
+# The speed bar this backward was built to clear: ours >= 1.3x SDPA mem-efficient's backward.
 BAR_THRESHOLD = 1.3
 BAR_CASES = [(128, False), (64, True)]  # (d, causal); N = --bar-n (4096)
 
@@ -84,13 +82,9 @@ def parse_args(argv=None):
                         "for every backend")
     p.add_argument("--quick", action="store_true", help="N in {1024, 4096}, shorter timing")
     p.add_argument("--bar-n", type=int, default=None,
-                   help="N of the issue-5 bar rows (default 4096; dry run: its middle N)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="default cuda; without CUDA the script stops unless --device cpu or "
-                        "--dry-run is given. cpu implies --dry-run (its sizes unless "
-                        "--n/--batch/--heads are given)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="CPU, tiny shapes: exercises every code path without a GPU")
+                   help="N of the speed-bar rows (default 4096; dry run: its middle N)")
+    C.add_device_args(p, "cpu implies --dry-run (its sizes unless --n/--batch/--heads are given)",
+                      "exercises every code path without a GPU")
     a = p.parse_args(argv)
 
     if a.dry_run and a.device == "cuda":
@@ -99,10 +93,7 @@ def parse_args(argv=None):
         a.dry_run = True
     if a.dry_run:
         a.device = "cpu"
-        a.d = a.d or [64, 128]
-        a.n = a.n or [64, 128, 256]
-        a.batch = a.batch or 1
-        a.heads = a.heads or 2
+        C.use_dry_run_sizes(a)
         a.bar_n = a.bar_n or sorted(a.n)[len(a.n) // 2]
         if a.dq_mode is None:
             a.dq_mode = "both"  # exercise the two-mode path too
@@ -151,31 +142,11 @@ def deterministic_backward_on():
         return bool(torch.are_deterministic_algorithms_enabled())
 
 
-def commit_info():
-    """C.git_info() ($FA_SM75_COMMIT when set, else git rev-parse HEAD: the GPU machine's copy of
-    the working tree may have a stale .git), plus which of the two the commit came from."""
-    g = C.git_info()
-    env_commit = os.environ.get("FA_SM75_COMMIT")
-    if env_commit:
-        g["commit_source"] = "$FA_SM75_COMMIT"
-    elif g.get("commit"):
-        g["commit_source"] = "git rev-parse HEAD"
-    else:
-        g["commit_source"] = None
-    if env_commit:
-        g["fa_sm75_commit_env"] = env_commit
-    return g
+class Runner(C.SweepRunner):
+    case_name = staticmethod(case_name)
 
-
-class Runner:
     def __init__(self, args, log):
-        self.a = args
-        self.log = log
-        self.ours = C.Ours()
-        self.sdpa = C.sdpa_backends()
-        self.context_broken = False
-        self.use_triton = (not args.no_triton) and args.device == "cuda" and C.triton_usable()
-        self.stand_in = {}
+        super().__init__(args, log)
         if args.device == "cpu" and "math" in self.sdpa:
             # SDPA's memory-efficient backend has no CPU kernel: let math stand in, so the
             # ratio / bar / plot code runs in the dry run.
@@ -187,18 +158,7 @@ class Runner:
             if not self.ours.available:
                 return None, None, self.ours.error
             return self.ours.bhsd, (lambda m=dq_mode: dq_env(m)), None
-        if name in self.stand_in:
-            be = self.stand_in[name]
-            return C.sdpa_bhsd, (lambda be=be: C.sdpa_context(be)), \
-                f"dry-run stand-in: SDPBackend.{be.name} (no {name} kernel on CPU)"
-        if name not in self.sdpa:
-            return None, None, f"SDPBackend for {name} not in this torch"
-        be = self.sdpa[name]
-        return C.sdpa_bhsd, (lambda be=be: C.sdpa_context(be)), None
-
-    def sync(self):
-        if self.a.device == "cuda":
-            torch.cuda.synchronize()
+        return self.sdpa_impl(name)
 
     def peak_memory(self, fn):
         """(bytes, method): C.peak_extra_memory on CUDA; on CPU the bytes of the tensors fn
@@ -219,15 +179,10 @@ class Runner:
                "bwd_tflops": None, "fwdbwd_tflops": None}
         if dq_mode is not None:
             rec["dq_mode"] = dq_mode
-        fn_impl, ctx_factory, note = self.impl(name, dq_mode)
-        if fn_impl is None:
-            rec["status"] = f"unavailable: {note}"
+        impl = self.prepare(rec, name, dq_mode)
+        if impl is None:
             return rec, None
-        if note:
-            rec["note"] = note
-        if self.context_broken:
-            rec["status"] = "skipped: CUDA context broken by an earlier error"
-            return rec, None
+        fn_impl, ctx_factory = impl
         inputs = (q, k, v)
 
         def fwd_bwd():
@@ -275,19 +230,40 @@ class Runner:
             if rec["fwdbwd_ms"] is not None and rec["bwd_ms"] is not None:
                 rec["fwd_derived_ms"] = rec["fwdbwd_ms"] - rec["bwd_ms"]
         except Exception as e:  # backend refuses the shape/GPU, OOM, kernel error
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            msg = f"{type(e).__name__} in {stage}: {first}"
-            rec["status"] = ("oom: " if C.is_oom(e) else "error: ") + msg[:300]
             # A partial result (fwd+bwd timed, bwd failed) is kept; TFLOP/s for what ran.
             rec["fwdbwd_tflops"] = C.tflops(3.5 * flop_fwd, rec["fwdbwd_ms"])
-            if self.a.device == "cuda":
-                if not C.cuda_context_ok():
-                    self.context_broken = True
-                    self.log(f"  !! CUDA context broken after {name}: {msg}")
-                    self.log(traceback.format_exc())
-                else:
-                    torch.cuda.empty_cache()
+            self.failed(rec, name, e, where=f" in {stage}")
         return rec, grads
+
+    def new_case(self, d, causal, n):
+        flop = C.attention_flops(self.a.batch, self.a.heads, n, n, d, causal)
+        return {"layout": self.a.layout, "flop_fwd": flop, "flop_bwd": 2.5 * flop,
+                "flop_fwdbwd": 3.5 * flop}
+
+    def make_inputs(self, case):
+        return make_inputs(self.a, case["n"], case["d"])
+
+    def run_case(self, case, inputs):
+        q, k, v, do = inputs
+        causal, flop = case["causal"], case["flop_fwd"]
+        ref = None
+        for name, mode in self.a.ours_variants:
+            rec, grads = self.measure(name, q, k, v, do, causal, flop, dq_mode=mode, ref=ref)
+            if ref is None:
+                ref = grads
+            del grads
+            case["backends"][name] = rec
+        for name in self.a.backend_list:
+            if name == "ours":
+                continue
+            rec, grads = self.measure(name, q, k, v, do, causal, flop, ref=ref)
+            del grads
+            case["backends"][name] = rec
+
+    def progress(self, case):
+        return "TFLOP/s bwd/fwd+bwd: " + "  ".join(
+            f"{nm}={C.fmt_tf(r.get('bwd_tflops'))}/{C.fmt_tf(r.get('fwdbwd_tflops'))}"
+            for nm, r in case["backends"].items())
 
 
 def make_inputs(args, n, d):
@@ -304,69 +280,6 @@ def make_inputs(args, n, d):
     return mk(True), mk(True), mk(True), mk(False)
 
 
-def run_sweep(args, runner, log):
-    cases = []
-    for d in args.d:
-        for causal in args.causal_list:
-            for n in args.n:
-                flop = C.attention_flops(args.batch, args.heads, n, n, d, causal)
-                case = {"kernel": case_name(d, causal), "d": d, "causal": causal, "n": n,
-                        "batch": args.batch, "heads": args.heads, "layout": args.layout,
-                        "flop_fwd": flop, "flop_bwd": 2.5 * flop, "flop_fwdbwd": 3.5 * flop,
-                        "backends": {}}
-                t0 = time.time()
-                try:
-                    q, k, v, do = make_inputs(args, n, d)
-                except Exception as e:
-                    case["error"] = f"input allocation failed: {type(e).__name__}: {e}"
-                    log(f"[{case['kernel']} N={n}] {case['error']}")
-                    cases.append(case)
-                    continue
-                ref = None
-                for name, mode in args.ours_variants:
-                    rec, grads = runner.measure(name, q, k, v, do, causal, flop, dq_mode=mode,
-                                                ref=ref)
-                    if ref is None:
-                        ref = grads
-                    del grads
-                    case["backends"][name] = rec
-                for name in args.backend_list:
-                    if name == "ours":
-                        continue
-                    rec, grads = runner.measure(name, q, k, v, do, causal, flop, ref=ref)
-                    del grads
-                    case["backends"][name] = rec
-                del q, k, v, do, ref
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-                case["wall_s"] = round(time.time() - t0, 2)
-                short = "  ".join(f"{nm}={fmt_tf(r.get('bwd_tflops'))}/"
-                                  f"{fmt_tf(r.get('fwdbwd_tflops'))}"
-                                  for nm, r in case["backends"].items())
-                log(f"[{case['kernel']} N={n}] TFLOP/s bwd/fwd+bwd: {short}  ({case['wall_s']} s)")
-                cases.append(case)
-    return cases
-
-
-def fmt_tf(x):
-    return C.fmt(x, ".1f" if (x is None or x >= 10) else ".3g")
-
-
-def fmt_ratio(r):
-    return C.fmt(r, ".2f") + ("x" if r is not None else "")
-
-
-def mib(x):
-    return None if x is None else x / 2**20
-
-
-def ratio(case, key, num, den):
-    """case's t_num / t_den for timing `key` ('bwd_ms' or 'fwdbwd_ms'), or None."""
-    tn = case["backends"].get(num, {}).get(key)
-    td = case["backends"].get(den, {}).get(key)
-    return None if not tn or not td else tn / td
-
-
 def is_bar_case(c, args):
     return c["n"] == args.bar_n and (c["d"], c["causal"]) in BAR_CASES
 
@@ -375,8 +288,8 @@ def annotate(cases, args):
     """Ratios (t_efficient / t_ours_variant) and the bar verdict, stored in each case."""
     for c in cases:
         c["ratios_vs_efficient"] = {
-            name: {"bwd": ratio(c, "bwd_ms", "efficient", name),
-                   "fwdbwd": ratio(c, "fwdbwd_ms", "efficient", name)}
+            name: {"bwd": C.ratio(c, "efficient", name, key="bwd_ms"),
+                   "fwdbwd": C.ratio(c, "efficient", name, key="fwdbwd_ms")}
             for name, _ in args.ours_variants}
         if is_bar_case(c, args):
             r = c["ratios_vs_efficient"].get("ours", {}).get("bwd")
@@ -401,7 +314,6 @@ def max_diff(c):
 
 def tables(cases, args):
     variants = [n for n, _ in args.ours_variants]
-    sdpa = [b for b in args.series if b not in variants]
     has_eff = "efficient" in args.series
     out = {}
     for key, label in (("bwd", "bwd"), ("fwdbwd", "fwd+bwd")):
@@ -417,9 +329,9 @@ def tables(cases, args):
             row += [C.fmt(bk.get(v, {}).get(f"{key}_ms"), ".3f") for v in variants]
             if has_eff:
                 row.append(C.fmt(bk.get("efficient", {}).get(f"{key}_ms"), ".3f"))
-            row += [fmt_tf(bk.get(s, {}).get(f"{key}_tflops")) for s in args.series]
+            row += [C.fmt_tf(bk.get(s, {}).get(f"{key}_tflops")) for s in args.series]
             if has_eff:
-                row += [fmt_ratio(c["ratios_vs_efficient"][v][key]) for v in variants]
+                row += [C.fmt_ratio(c["ratios_vs_efficient"][v][key]) for v in variants]
             if key == "bwd":
                 row += [bar_cell(c), C.fmt(max_diff(c), ".1e")]
             rows.append(row)
@@ -430,7 +342,7 @@ def tables(cases, args):
     rows = []
     for c in cases:
         bk = c["backends"]
-        row = [c["kernel"], c["n"]] + [C.fmt(mib(bk.get(s, {}).get("fwdbwd_peak_extra_bytes")),
+        row = [c["kernel"], c["n"]] + [C.fmt(C.mib(bk.get(s, {}).get("fwdbwd_peak_extra_bytes")),
                                              ".1f") for s in args.series]
         if has_eff:
             em = bk.get("efficient", {}).get("fwdbwd_peak_extra_bytes")
@@ -443,7 +355,7 @@ def tables(cases, args):
 
 
 def bar_summary(cases, args):
-    """One line per issue-5 bar row, and a short verdict for the last log line."""
+    """One line per speed-bar row, and a short verdict for the last log line."""
     lines, short = [], []
     for d, causal in BAR_CASES:
         tag = f"d={d} N={args.bar_n} {'causal' if causal else 'non-causal'}"
@@ -460,61 +372,49 @@ def bar_summary(cases, args):
         verdict = "?" if b.get("pass") is None else ("PASS" if b["pass"] else "FAIL")
         extra = ""
         if "ours_atomic" in c["ratios_vs_efficient"]:
-            extra = f"; atomic dQ bwd {fmt_ratio(c['ratios_vs_efficient']['ours_atomic']['bwd'])}"
-        lines.append(f"  {tag}: bwd eff/ours {fmt_ratio(r)} (need >= {BAR_THRESHOLD}x) "
-                     f"{verdict}; fwd+bwd {fmt_ratio(rf)}{extra}")
-        short.append(f"{stag} {fmt_ratio(r)} {verdict}")
+            extra = f"; atomic dQ bwd {C.fmt_ratio(c['ratios_vs_efficient']['ours_atomic']['bwd'])}"
+        lines.append(f"  {tag}: bwd eff/ours {C.fmt_ratio(r)} (need >= {BAR_THRESHOLD}x) "
+                     f"{verdict}; fwd+bwd {C.fmt_ratio(rf)}{extra}")
+        short.append(f"{stag} {C.fmt_ratio(r)} {verdict}")
     return lines, short
 
 
 def make_plot(path, cases, args, env):
     rows = {"bwd": [], "fwdbwd": [], "ratio": [], "mem": []}
     variants = [n for n, _ in args.ours_variants]
-    for d in args.d:
-        for causal in args.causal_list:
-            sel = sorted([c for c in cases if c["d"] == d and c["causal"] == causal],
-                         key=lambda c: c["n"])
-            if not sel:
-                continue
-            xs = [c["n"] for c in sel]
-            short = f"d={d} {'causal' if causal else 'non-causal'}"
-            for key, label, mult in (("bwd", "backward", 2.5), ("fwdbwd", "fwd+bwd", 3.5)):
-                rows[key].append({
-                    "title": f"{label} TFLOP/s: {case_name(d, causal)}", "x": xs,
-                    "xlabel": f"N (= Sq = Sk), B={args.batch}, H={args.heads}",
-                    "ylabel": f"TFLOP/s ({mult} x fwd FLOPs)", "logx2": True, "ymin0": True,
-                    "series": {s: [c["backends"].get(s, {}).get(f"{key}_tflops") for c in sel]
-                               for s in args.series}})
-            series = {}
-            for v in variants:
-                series[f"{v} bwd"] = [c["ratios_vs_efficient"][v]["bwd"] for c in sel]
-                series[f"{v} fwd+bwd"] = [c["ratios_vs_efficient"][v]["fwdbwd"] for c in sel]
-            bar_panel = (d, causal) in BAR_CASES and args.bar_n in xs
-            rows["ratio"].append({
-                "title": f"t_efficient / t_ours, {short}"
-                         + (f" (bar row at N={args.bar_n})" if bar_panel else ""),
-                "x": xs, "xlabel": "N", "ylabel": "speed-up over SDPA mem-efficient",
-                "logx2": True, "ymin0": True, "series": series,
-                "hline": ((BAR_THRESHOLD, f"issue-5 bar {BAR_THRESHOLD}x (bwd)") if bar_panel
-                          else (1.0, "parity"))})
-            rows["mem"].append({
-                "title": f"peak extra memory of fwd+bwd, {short}", "x": xs,
-                "xlabel": "N", "ylabel": "MiB", "logx2": True, "logy": True,
-                "series": {s: [mib(c["backends"].get(s, {}).get("fwdbwd_peak_extra_bytes"))
-                               for c in sel] for s in args.series}})
-
-    def has_data(panels):
-        return any(y is not None for p in panels for ys in p["series"].values() for y in ys)
+    for d, causal, sel, xs in C.sweep_groups(cases, args):
+        short = f"d={d} {'causal' if causal else 'non-causal'}"
+        for key, label, mult in (("bwd", "backward", 2.5), ("fwdbwd", "fwd+bwd", 3.5)):
+            rows[key].append({
+                "title": f"{label} TFLOP/s: {case_name(d, causal)}", "x": xs,
+                "xlabel": f"N (= Sq = Sk), B={args.batch}, H={args.heads}",
+                "ylabel": f"TFLOP/s ({mult} x fwd FLOPs)", "logx2": True, "ymin0": True,
+                "series": {s: [c["backends"].get(s, {}).get(f"{key}_tflops") for c in sel]
+                           for s in args.series}})
+        series = {}
+        for v in variants:
+            series[f"{v} bwd"] = [c["ratios_vs_efficient"][v]["bwd"] for c in sel]
+            series[f"{v} fwd+bwd"] = [c["ratios_vs_efficient"][v]["fwdbwd"] for c in sel]
+        bar_panel = (d, causal) in BAR_CASES and args.bar_n in xs
+        rows["ratio"].append({
+            "title": f"t_efficient / t_ours, {short}"
+                     + (f" (bar row at N={args.bar_n})" if bar_panel else ""),
+            "x": xs, "xlabel": "N", "ylabel": "speed-up over SDPA mem-efficient",
+            "logx2": True, "ymin0": True, "series": series,
+            "hline": ((BAR_THRESHOLD, f"speed bar {BAR_THRESHOLD}x (bwd)") if bar_panel
+                      else (1.0, "parity"))})
+        rows["mem"].append({
+            "title": f"peak extra memory of fwd+bwd, {short}", "x": xs,
+            "xlabel": "N", "ylabel": "MiB", "logx2": True, "logy": True,
+            "series": {s: [C.mib(c["backends"].get(s, {}).get("fwdbwd_peak_extra_bytes"))
+                           for c in sel] for s in args.series}})
     panels = []
     for key in ("bwd", "fwdbwd", "ratio", "mem"):
-        if has_data(rows[key]):
+        if C.has_data(rows[key]):
             panels += rows[key]
     if not panels:
         return None
-    gpu = (env.get("gpu") or {}).get("name") or env.get("device")
-    sup = (f"flash_attention_sm75 backward vs torch SDPA on {gpu}  (torch {env['torch']}, "
-           f"commit {(env['git'].get('commit') or '?')[:10]}, dQ {args.dq_mode}, "
-           f"layout {args.layout})")
+    sup = C.plot_title("backward", env, f"dQ {args.dq_mode}", f"layout {args.layout}")
     if args.device == "cpu":
         sup += "  DRY RUN (CPU): numbers meaningless"
     return C.plot_panels(path, panels, ncols=max(1, len(rows["bwd"])), suptitle=sup)
@@ -522,122 +422,67 @@ def make_plot(path, cases, args, env):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.out_dir, exist_ok=True)
-    log = C.Tee()
-    t_start = time.time()
-    env = C.env_info(args.device)
-    env["git"] = commit_info()
-    runner = Runner(args, log)
-    dq_info = {"requested": args.dq_requested, "mode": args.dq_mode,
-               "variants": dict(args.ours_variants),
-               f"{DQ_ENV}_at_start": os.environ.get(DQ_ENV),
-               "deterministic_backward": deterministic_backward_on()}
-    log(f"device={args.device} gpu={(env.get('gpu') or {}).get('name')} torch={env['torch']} "
-        f"cuda={env['torch_cuda']} triton={env['triton']} commit={env['git'].get('commit')} "
-        f"({env['git'].get('commit_source')})")
-    log(f"ours: {runner.ours.entry or 'UNAVAILABLE: ' + str(runner.ours.error)}; dQ mode "
-        f"{args.dq_mode} (${DQ_ENV}={os.environ.get(DQ_ENV)!r} at start, "
-        f"--dq-mode {args.dq_requested}); variants: "
-        + ", ".join(f"{n}={m}" for n, m in args.ours_variants))
-    if dq_info["deterministic_backward"] and any(m == "atomic" for _, m in args.ours_variants):
-        log("WARNING: deterministic backward is on: the atomic dQ mode is ignored (separate runs)")
-    if args.device == "cuda":
-        log(f"timing: {'triton.testing.do_bench' if runner.use_triton else 'CUDA events'} median, "
-            f"warmup {args.warmup_ms} ms, rep {args.rep_ms} ms, L2 flushed before each call")
-    else:
-        log("timing: CPU perf_counter median (dry run: numbers are meaningless)")
-        for name, be in runner.stand_in.items():
-            log(f"dry run: SDPBackend.{be.name} stands in for '{name}' (no CPU kernel)")
-    if env.get("nvidia_smi"):
-        for g in env["nvidia_smi"]:
-            log("nvidia-smi: " + ", ".join(f"{k}={v}" for k, v in g.items()))
+    with C.report(C.report_path(args)) as log:
+        runner = Runner(args, log)
+        env = C.env_info(args.device)
+        dq_info = {"requested": args.dq_requested, "mode": args.dq_mode,
+                   "variants": dict(args.ours_variants),
+                   f"{DQ_ENV}_at_start": os.environ.get(DQ_ENV),
+                   "deterministic_backward": deterministic_backward_on()}
+        notes = []
+        if dq_info["deterministic_backward"] and any(m == "atomic" for _, m in args.ours_variants):
+            notes.append("WARNING: deterministic backward is on: the atomic dQ mode is ignored "
+                         "(separate runs)")
+        C.log_header(log, args, env, runner, notes=notes, ours_note=(
+            f"; dQ mode {args.dq_mode} (${DQ_ENV}={os.environ.get(DQ_ENV)!r} at start, "
+            f"--dq-mode {args.dq_requested}); variants: "
+            + ", ".join(f"{n}={m}" for n, m in args.ours_variants)))
 
-    cases = run_sweep(args, runner, log)
-    annotate(cases, args)
-    tabs = tables(cases, args)
-    bar_lines, bar_short = bar_summary(cases, args)
+        cases = runner.sweep()
+        annotate(cases, args)
+        tabs = tables(cases, args)
+        bar_lines, bar_short = bar_summary(cases, args)
 
-    env["nvidia_smi_after"] = C.nvidia_smi_query() if args.device == "cuda" else None
-    hdr = (f"fp16, B={args.batch}, H={args.heads}, layout {args.layout}, dQ {args.dq_mode}; "
-           f"TF = TFLOP/s")
-    log("")
-    log(f"== backward alone ({hdr} with 2.5 x 4*B*H*N^2*d, /2 causal; grad of a kept forward "
-        f"graph, retain_graph=True); eff/X = t_efficient / t_X; bar = issue-5 row (ours >= "
-        f"{BAR_THRESHOLD}x efficient); maxdiff = max |grad - grad_ours| ==")
-    log(tabs["bwd"])
-    log("")
-    log(f"== forward + backward ({hdr} with 3.5 x 4*B*H*N^2*d, /2 causal); eff/X = "
-        f"t_efficient / t_X ==")
-    log(tabs["fwdbwd"])
-    log("")
-    mem_what = ("max_memory_allocated - allocated before: out, saved tensors, workspace, "
-                "gradients; inputs and grad_out excluded" if args.device == "cuda"
-                else "DRY RUN: bytes of the returned gradients, not a measurement")
-    log(f"== peak extra memory of one fwd+bwd, MiB ({mem_what}) ==")
-    log(tabs["mem"])
-    problems = sorted({f"{n}: {r['status']}" for c in cases for n, r in c["backends"].items()
-                       if r.get("status", "ok") != "ok"})
-    problems += [f"{c['kernel']} N={c['n']}: {c['error']}" for c in cases if c.get("error")]
-    if problems:
+        hdr = (f"fp16, B={args.batch}, H={args.heads}, layout {args.layout}, dQ {args.dq_mode}; "
+               f"TF = TFLOP/s")
         log("")
-        log("== backends that did not run (shown as '-') ==")
-        for p in problems[:40]:
-            log("  " + p)
-    log("")
-    log(f"== issue-5 bar: ours (dQ {dict(args.ours_variants).get('ours', '-')}) backward >= "
-        f"{BAR_THRESHOLD}x SDPA memory-efficient backward ==")
-    for line in bar_lines:
-        log(line)
+        log(f"== backward alone ({hdr} with 2.5 x 4*B*H*N^2*d, /2 causal; grad of a kept forward "
+            f"graph, retain_graph=True); eff/X = t_efficient / t_X; bar = speed-bar row (ours >= "
+            f"{BAR_THRESHOLD}x efficient); maxdiff = max |grad - grad_ours| ==")
+        log(tabs["bwd"])
+        log("")
+        log(f"== forward + backward ({hdr} with 3.5 x 4*B*H*N^2*d, /2 causal); eff/X = "
+            f"t_efficient / t_X ==")
+        log(tabs["fwdbwd"])
+        log("")
+        mem_what = ("max_memory_allocated - allocated before: out, saved tensors, workspace, "
+                    "gradients; inputs and grad_out excluded" if args.device == "cuda"
+                    else "DRY RUN: bytes of the returned gradients, not a measurement")
+        log(f"== peak extra memory of one fwd+bwd, MiB ({mem_what}) ==")
+        log(tabs["mem"])
+        C.log_problems(log, cases)
+        log("")
+        log(f"== speed bar: ours (dQ {dict(args.ours_variants).get('ours', '-')}) backward >= "
+            f"{BAR_THRESHOLD}x SDPA memory-efficient backward ==")
+        for line in bar_lines:
+            log(line)
 
-    result = {
-        "benchmark": "bench_backward",
-        "args": {k: v for k, v in vars(args).items()},
-        "env": env,
-        "gpu_name": (env.get("gpu") or {}).get("name"),
-        "versions": {"torch": env["torch"], "cuda": env["torch_cuda"], "cudnn": env["cudnn"],
-                     "triton": env["triton"], "python": env["python"],
-                     "flash_attention_sm75": _pkg_version()},
-        "commit": env["git"].get("commit"),
-        "ours_entry": runner.ours.entry,
-        "ours_error": runner.ours.error,
-        "dq": dq_info,
-        "timing_method": ("triton.testing.do_bench" if runner.use_triton else "cuda_events")
-        if args.device == "cuda" else "cpu",
-        "flop_convention": "fwd = 4*B*H*N^2*d (/2 causal); bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd",
-        "ratio_convention": "t_efficient / t_ours (> 1: ours faster)",
-        "bar": {"threshold": BAR_THRESHOLD, "n": args.bar_n,
-                "cases": [{"d": d, "causal": cz} for d, cz in BAR_CASES],
-                "summary": bar_lines},
-        "dry_run": args.dry_run,
-        "cases": cases,
-        "cuda_context_broken": runner.context_broken,
-        "wall_s": round(time.time() - t_start, 1),
-    }
-    json_path = os.path.join(args.out_dir, f"{args.tag}.json")
-    C.write_json(json_path, result)
-    png = None
-    if not args.no_plot:
-        png = make_plot(os.path.join(args.out_dir, f"{args.tag}.png"), cases, args, env)
-    txt_path = os.path.join(args.out_dir, f"{args.tag}.txt")
-    log("")
-    log(f"wrote {json_path}" + (f", {png}" if png else "") + f", {txt_path}  "
-        f"({result['wall_s']} s)")
-    log("bar (bwd eff/ours >= 1.3x): " + "; ".join(bar_short))
-    with open(txt_path, "w") as f:
-        f.write(log.text())
-    ours_ok = any(c["backends"].get("ours", {}).get("bwd_ms") is not None for c in cases)
-    if args.ours_variants and cases and not ours_ok:
-        print("bench_backward: our backward produced no timing", file=sys.stderr)
-        return 1
-    return 2 if runner.context_broken else 0
-
-
-def _pkg_version():
-    try:
-        import flash_attention_sm75
-        return getattr(flash_attention_sm75, "__version__", None)
-    except Exception:
-        return None
+        result = C.sweep_result("bench_backward", args, env, runner)
+        result.update({
+            "dq": dq_info,
+            "flop_convention": "fwd = 4*B*H*N^2*d (/2 causal); bwd = 2.5 x fwd; "
+                               "fwd+bwd = 3.5 x fwd",
+            "ratio_convention": "t_efficient / t_ours (> 1: ours faster)",
+            "bar": {"threshold": BAR_THRESHOLD, "n": args.bar_n,
+                    "cases": [{"d": d, "causal": cz} for d, cz in BAR_CASES],
+                    "summary": bar_lines},
+            "dry_run": args.dry_run,
+            "cases": cases,
+        })
+        C.write_outputs(args, log, result, runner, lambda path: make_plot(path, cases, args, env))
+        log("bar (bwd eff/ours >= 1.3x): " + "; ".join(bar_short))
+    return C.exit_status("bench_backward", runner, cases, bool(args.ours_variants), "bwd_ms",
+                         "our backward")
 
 
 if __name__ == "__main__":

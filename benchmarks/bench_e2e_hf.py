@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         print("CUDA is not available; use --device cpu for a smoke test", file=sys.stderr)
         return 1
     from flash_attention_sm75.integrations import transformers as hf
-    from flash_attention_sm75.integrations.configs import load_model
+    from devtools.model_configs import load_model
 
     if device.type == "cpu":
         hf.configure(allow_cpu_reference=True)  # smoke test: the op's CPU reference

@@ -29,10 +29,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flash_attention_sm75._cli import check_device, check_model_dir, positive_int  # noqa: E402
+from devtools.cli import check_device, check_model_dir, positive_int  # noqa: E402
+from devtools.model_configs import REALISTIC_CONFIGS, TINY_CONFIGS, load_model  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
-from flash_attention_sm75.integrations.configs import (  # noqa: E402
-    REALISTIC_CONFIGS, TINY_CONFIGS, load_model)
 
 CONFIG_NAMES = set(REALISTIC_CONFIGS) | set(TINY_CONFIGS)
 DEFAULT_PROMPT = "FlashAttention on Turing GPUs"

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flash_attention_sm75._cli import check_device, check_model_dir, positive_int  # noqa: E402
+from devtools.cli import check_device, check_model_dir, positive_int  # noqa: E402
 from flash_attention_sm75.integrations.transformers import (  # noqa: E402,F401
     apply_patch,
     get_stats,
@@ -49,8 +49,7 @@ logger = logging.getLogger("llama_attention_replacement")
 
 
 def main(argv=None):
-    from flash_attention_sm75.integrations.configs import (REALISTIC_CONFIGS, TINY_CONFIGS,
-                                                           load_model)
+    from devtools.model_configs import REALISTIC_CONFIGS, TINY_CONFIGS, load_model
 
     p = argparse.ArgumentParser(description="apply_patch()/remove_patch() demo")
     p.add_argument("--model", default=None, help="local checkpoint directory")

@@ -9,12 +9,17 @@ reference and their times. Without a CUDA GPU it says so and shows the fallback:
 checked against the same reference.
 """
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-import flash_attention_sm75 as fa
-from flash_attention_sm75._cli import positive_int
+# The repository root: devtools/ (not installed) and an in-place build of the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flash_attention_sm75 as fa  # noqa: E402
+from devtools.cli import positive_int  # noqa: E402
 
 
 def reference(q, k, v, causal):

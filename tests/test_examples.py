@@ -80,7 +80,7 @@ def test_importing_the_patch_example_configures_no_logging():
 @needs_op
 def test_generation_progress_does_not_change_the_tokens(caplog):
     hf_generate = _load("hf_generate")
-    from flash_attention_sm75.integrations.configs import load_model
+    from devtools.model_configs import load_model
 
     model = load_model("qwen2", dtype=torch.float32, seed=3)
     model.generation_config.eos_token_id = None

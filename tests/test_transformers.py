@@ -38,7 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 from flash_attention_sm75 import _ops  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
-from flash_attention_sm75.integrations.configs import (  # noqa: E402
+from devtools.model_configs import (  # noqa: E402
     REALISTIC_CONFIGS,
     TINY_CONFIGS,
     build_random_model,

@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 from flash_attention_sm75 import _ops  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
-from flash_attention_sm75.integrations.configs import build_random_model  # noqa: E402
+from devtools.model_configs import build_random_model  # noqa: E402
 from test_transformers import _Attn, _qkv  # noqa: E402  (the module-attention stand-in, inputs)
 
 needs_op = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,

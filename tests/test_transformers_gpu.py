@@ -2,7 +2,7 @@
 
 Models: random weights (fixed seed, fp16) with the shapes of Qwen2-0.5B (all 24 layers, GQA 14/2,
 head_dim 64), Llama-3.2-1B (4 of 16 layers, GQA 32/8, head_dim 64) and Llama-2-7B (2 layers,
-MHA 32/32, head_dim 128); see flash_attention_sm75/integrations/configs.py.
+MHA 32/32, head_dim 128); see devtools/model_configs.py.
 
 Tolerance. Ours and stock SDPA are both fp16 pipelines; they differ only in the attention kernel,
 and every fp16 matmul/norm around it rounds differently as soon as its input differs by one ulp,
@@ -46,7 +46,7 @@ transformers = pytest.importorskip("transformers")
 
 from flash_attention_sm75 import _ops  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
-from flash_attention_sm75.integrations.configs import (  # noqa: E402
+from devtools.model_configs import (  # noqa: E402
     build_random_model,
     make_config,
 )

@@ -3,9 +3,6 @@
 * :mod:`flash_attention_sm75.integrations.transformers` -- Hugging Face transformers:
   ``attn_implementation="flash_attention_sm75"`` and :func:`apply_patch` /
   :func:`remove_patch` for models running with ``attn_implementation="sdpa"``.
-* :mod:`flash_attention_sm75.integrations.configs` -- real architecture configurations
-  (Qwen2-0.5B, Llama-3.2-1B, Llama-2-7B shapes) for random-weight models in tests, examples and
-  benchmarks.
 
 The names below are loaded from the transformers integration on first access; importing it
 registers ``"flash_attention_sm75"`` with transformers.

@@ -1,4 +1,4 @@
-"""argparse helpers shared by the examples and benchmarks (not part of the public API).
+"""argparse helpers shared by the examples and benchmarks (repository tooling, not installed).
 
 Bad command-line values stop with argparse's usage error (exit status 2, a message naming the
 option) before any model or tensor is built, instead of a traceback from torch or transformers.

@@ -120,6 +120,13 @@ TINY_CONFIGS: Dict[str, Dict[str, Any]] = {
 }
 
 
+def _register_attention() -> None:
+    """Register ``"flash_attention_sm75"`` with transformers (importing the integration does)."""
+    from flash_attention_sm75.integrations import transformers as _hf
+
+    _hf.register()
+
+
 def make_config(name: str, num_hidden_layers: Optional[int] = None, **overrides: Any):
     """Build a transformers config from one of the named configurations.
 
@@ -201,9 +208,7 @@ def build_random_model(
     from transformers import AutoModelForCausalLM
 
     if attn_implementation == "flash_attention_sm75":
-        from . import transformers as _hf  # noqa: F401  (registers the attention name)
-
-        _hf.register()
+        _register_attention()
     if isinstance(config, str):
         config = make_config(config, num_hidden_layers=num_hidden_layers)
     init_device = torch.device(init_device if init_device is not None else device)
@@ -256,9 +261,7 @@ def load_model(
         from transformers import AutoModelForCausalLM
 
         if attn_implementation == "flash_attention_sm75":
-            from . import transformers as _hf
-
-            _hf.register()
+            _register_attention()
         model = AutoModelForCausalLM.from_pretrained(
             path_or_name, dtype=dtype, attn_implementation=attn_implementation,
             local_files_only=True)
