@@ -135,11 +135,9 @@ def dq_env(mode):
 
 
 def deterministic_backward_on():
-    try:
-        from flash_attention_sm75._backward import is_deterministic_backward
-        return bool(is_deterministic_backward())
-    except Exception:
-        return bool(torch.are_deterministic_algorithms_enabled())
+    from flash_attention_sm75 import is_deterministic_backward
+
+    return bool(is_deterministic_backward())
 
 
 class Runner(C.SweepRunner):
