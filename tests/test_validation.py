@@ -10,32 +10,16 @@ import torch.nn.functional as F
 
 import flash_attention_sm75 as fa
 from flash_attention_sm75 import _ops, _rules, interface, sdpa
+from test_rules import bshd, to_bhsd  # noqa: E402  (tests/ is on sys.path)
 
 pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
                                 reason=f"extension not built: {fa.EXTENSION_ERROR}")
-
-
-def bshd(b=2, s_q=5, s_k=7, h=4, h_k=2, d=64, dtype=torch.float16, device="cpu"):
-    q = torch.randn(b, s_q, h, d).to(dtype=dtype, device=device)
-    k = torch.randn(b, s_k, h_k, d).to(dtype=dtype, device=device)
-    v = torch.randn(b, s_k, h_k, d).to(dtype=dtype, device=device)
-    return q, k, v
-
-
-def to_bhsd(q, k, v):
-    return tuple(t.transpose(1, 2) for t in (q, k, v))
 
 
 @pytest.fixture
 def calls(op_calls):
     """The argument tuples of every call that reaches torch.ops.flash_attention_sm75.fwd."""
     return op_calls
-
-
-def bhsd_args(q, k, v):
-    """A case's BSHD arguments as the BHSD function takes them (non-4-D values unchanged)."""
-    return tuple(t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t
-                 for t in (q, k, v))
 
 
 # Zero-size inputs: (b, s_q, s_k, h, h_k). Valid on every rule; num_heads_k 0 only with
