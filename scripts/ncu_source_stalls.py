@@ -2,7 +2,7 @@
 
 Collect on the GPU machine, then summarise (here or there; only the CSV is needed):
 
-    ncu --kernel-name regex:flash_bwd_dkdv_kreg_kernel --launch-skip 1 --launch-count 1 \\
+    ncu --kernel-name regex:flash_bwd_dkdv_kernel --launch-skip 1 --launch-count 1 \\
         --section SourceCounters --section WarpStateStats -o dkdv -f python my_backward.py
     ncu -i dkdv.ncu-rep --page source --csv --print-source sass > dkdv_src.csv
     python scripts/ncu_source_stalls.py dkdv_src.csv [--top 45]

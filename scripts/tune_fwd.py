@@ -3,10 +3,9 @@
 Builds one extension with one translation unit per (head_dim, Br, Bc, warps) variant, compiled
 for sm_75 (+PTX) in parallel, then times each variant and SDPA mem-efficient on the same inputs.
 Usage: python scripts/tune_fwd.py [--n 4096 8192] [--variants 128,128,64,8 128,64,32,4,1,3]
-A variant is d,Br,Bc,warps[,q_in_smem(0/1)[,min_blocks_per_sm[,ping_pong(0/1)[,rescale_thr
-[,load_style(0-2)[,split_tile(0/1)[,warp_rows(16/32)]]]]]]]
-(the Flash_fwd_kernel_traits parameters), e.g. 128,128,64,8,0,1,0,8 for the threshold rescale,
-128,128,64,8,0,1,0,8,0,1 for the d=128 default, 128,128,32,4,1,2,0,8,2,0,32 for 32-row warps.
+A variant is d,Br,Bc,warps[,q_in_smem(0/1)[,min_blocks_per_sm[,rescale_thr[,load_style(0-2)
+[,split_tile(0/1)]]]]] (the Flash_fwd_kernel_traits parameters), e.g. 128,128,64,8,0,1,8 for the
+threshold rescale, 128,128,64,8,0,1,8,0,1 for the d=128 default.
 """
 import argparse
 import os
@@ -29,8 +28,7 @@ TU = """
 #include "kernels/flash_fwd_launch_template.h"
 namespace flash_sm75 {{
 void run_variant_{i}(Flash_fwd_params& p, cudaStream_t s) {{
-  using Kt = Flash_fwd_kernel_traits<{d}, {bm}, {bn}, {w}, {qs}, {mb}, {pp}, {thr}, {ls}, {sp},
-                                     {wr}>;
+  using Kt = Flash_fwd_kernel_traits<{d}, {bm}, {bn}, {w}, {qs}, {mb}, {thr}, {ls}, {sp}>;
   if (p.is_causal) run_flash_fwd<Kt, true>(p, s); else run_flash_fwd<Kt, false>(p, s);
 }}
 }}
@@ -61,19 +59,17 @@ def main():
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--variants", nargs="+",
                     # the tiles in use (Fwd_tile_config): d=64 default and small-grid, d=128
-                    # split tile and long-row tile
-                    default=["64,64,64,4,0,3,0,0,2", "64,64,32,4,1,4",
-                             "128,128,64,8,0,1,0,8,0,1", "128,128,32,4,1,2,0,8,1,0,32"])
+                    # split tile
+                    default=["64,64,64,4,0,3,0,2", "64,64,32,4,1,4", "128,128,64,8,0,1,8,0,1"])
     args = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
-    variants = [v + (0, 1, 0, 0, 0, 0, 16)[len(v) - 4:] for v in variants]
+    variants = [v + (0, 1, 0, 0, 0)[len(v) - 4:] for v in variants]
     tmp = pathlib.Path(tempfile.mkdtemp())
     srcs = []
-    for i, (d, bm, bn, w, qs, mb, pp, thr, ls, sp, wr) in enumerate(variants):
+    for i, (d, bm, bn, w, qs, mb, thr, ls, sp) in enumerate(variants):
         f = tmp / f"v{i}.cu"
         f.write_text(TU.format(i=i, d=d, bm=bm, bn=bn, w=w, qs="true" if qs else "false", mb=mb,
-                               pp="true" if pp else "false", thr=thr, ls=ls,
-                               sp="true" if sp else "false", wr=wr))
+                               thr=thr, ls=ls, sp="true" if sp else "false"))
         srcs.append(str(f))
     decls = " ".join(f"void run_variant_{i}(Flash_fwd_params&, cudaStream_t);" for i in range(len(variants)))
     cases = " ".join(f"case {i}: run_variant_{i}(p, s); break;" for i in range(len(variants)))
@@ -110,9 +106,8 @@ def main():
                     err = (o.transpose(1, 2).float() - ref.float()).abs().max().item()
                     t = bench(lambda: mod.run(qt, kt, vt, causal, i))
                     tag = (f"{var[1]}x{var[2]}w{var[3]}" + ("q" if var[4] else "") + f"m{var[5]}"
-                           + ("pp" if var[6] else "") + (f"t{var[7]}" if var[7] else "")
-                           + (f"L{var[8]}" if var[8] else "") + ("s" if var[9] else "")
-                           + (f"r{var[10]}" if var[10] != 16 else ""))
+                           + (f"t{var[6]}" if var[6] else "") + (f"L{var[7]}" if var[7] else "")
+                           + ("s" if var[8] else ""))
                     row.append(f"{tag}: {fl / t / 1e9:6.1f} ({t_me / t:.2f}x, err {err:.0e})")
                 print(" | ".join(row), flush=True)
 

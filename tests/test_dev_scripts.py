@@ -52,8 +52,8 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
     variant = tmp_path / "v1"
     variant.mkdir()
     (variant / "flash_bwd_kernel.h").write_text("// an edited copy\n")
-    r = run_script("scripts/tune_bwd.py", "--gen-only", "--dkdv", "16,4,0,2",
-                   f"128/{variant}:16,4,0,2", "64/old", "--dq", "32,8",
+    r = run_script("scripts/tune_bwd.py", "--gen-only", "--dkdv", "32,64,8",
+                   f"128/{variant}:32,64,8", "64/default", "--dq", "32,8",
                    hide_cuda=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = ROOT / r.stdout.strip().splitlines()[-1]
@@ -61,11 +61,12 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
     # base variants use the library's own namespace and headers ...
     assert "#define flash_sm75" not in tus[0]
     assert f'#include "{ROOT / "csrc/kernels"}/flash_bwd_kernel.h"' in tus[0]
-    assert "flash_sm75::Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 2>" in tus[0]
+    assert "flash_sm75::Flash_bwd_kernel_traits<128, 32, 64, 8>" in tus[0]
+    assert "flash_sm75::flash_bwd_dkdv_kernel<Kr, true, false>" in tus[0]
     # ... a copied directory gets its own namespace, and its own headers.
     assert "#define flash_sm75 flash_sm75_v1" in tus[1] and "#undef flash_sm75" in tus[1]
     assert f'#include "{variant}/flash_bwd_kernel.h"' in tus[1]
-    assert "flash_sm75_v1::flash_bwd_dkdv_kreg_kernel<Kr, true>" in tus[1]
+    assert "flash_sm75_v1::flash_bwd_dkdv_kernel<Kr, true, false>" in tus[1]
     assert "flash_sm75::Bwd_tile_config<64>::Traits" in tus[2]
     assert "flash_bwd_dkdv_kernel<Kr, false, false>" in tus[2]
     assert "Flash_bwd_dq_kernel_traits<128, 32, 8>" in tus[3]
@@ -74,7 +75,7 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dkdv", "16,4"], "Br,warps,v_in_regs[,stages] or old"),
+    (["--dkdv", "16,4"], "Br,Bc,warps or default"),
     (["--dq", "32"], "Bc,warps"),
     (["--dkdv", "no_such_dir:16,4,0"], "holds no flash_bwd_kernel.h"),
     ([], "give at least one variant"),

@@ -238,40 +238,8 @@ def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", CAUSAL_MODES)
-@pytest.mark.parametrize("choice", ["always", "never", "auto"])
-@pytest.mark.parametrize("shape", [(2, 1000, 1000, 4, 2), (1, 517, 700, 3, 1), (3, 300, 129, 2, 2),
-                                   (1, 7, 1000, 4, 4), (2, 1100, 1100, 10, 2)])
-def test_gpu_long_row_tile(shape, choice, mode, monkeypatch):
-    # d = 128 has a second tile with 32-row warps (Q in shared memory, Bc = 32, 2 CTAs of 4 warps
-    # per SM) for rows that see >= 512 keys; FLASH_SM75_FWD_LONG_ROW_TILE forces it on or off.
-    # Both tiles must be exact, and the forced choice must be the kernel that ran.
-    b, s_q, s_k, h, h_k = shape
-    q, k, v = make_qkv(b, s_q, s_k, h, h_k, 128, "cuda", seed_from("lr", shape, mode))
-    name, out, lse = run_forced_tile("FLASH_SM75_FWD_LONG_ROW_TILE", choice, q, k, v, mode,
-                                     monkeypatch)
-    long_rows = "flash_fwd_m32_kernel" in name
-    if choice == "auto":
-        # prefer_long_row_tile: the middle query row sees >= 512 keys, the grid (CTAs of 128
-        # query rows) has more CTAs than the GPU has SMs, and the SM keeps two of its 48 KiB
-        # CTAs (true on the H200, false on a 64 KiB Turing SM).
-        is_causal, bottom_right = causal_args(mode)
-        i = s_q // 2
-        seen = s_k if not is_causal else min(s_k, max(0, i + 1 + (s_k - s_q if bottom_right else 0)))
-        props = torch.cuda.get_device_properties(0)
-        two_ctas = props.shared_memory_per_multiprocessor >= 2 * 48 * 1024
-        blocks = -(-s_q // 128) * b * h
-        expected = seen >= 512 and blocks > props.multi_processor_count and two_ctas
-        assert long_rows == expected, (name, seen, blocks)
-    else:
-        assert long_rows == (choice == "always"), name
-    check_against_ref(q, k, v, mode, out, lse)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("name,value,s_q", [
     *[("FLASH_SM75_FWD_SMALL_GRID_TILE", v, 65) for v in ("ALWAYS", "1", "on")],
-    *[("FLASH_SM75_FWD_LONG_ROW_TILE", v, 65) for v in ("ALWAYS", "yes")],
     *[("FLASH_SM75_DECODE", v, 1) for v in ("NEVER", "0", "always")]])
 def test_gpu_forward_env_rejects_unknown_values(name, value, s_q, monkeypatch):
     q, k, v = make_qkv(1, s_q, 65, 2, 2, 64, "cuda", 3)

@@ -20,8 +20,8 @@ constexpr int chunks_per_thread() {
 }
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
-          int kMinBlocksPerSm_ = 1, bool kPingPong_ = false, int kRescaleThreshold_ = 0,
-          int kLoadStyle_ = 0, bool kSplitTile_ = false, int kWarpRows_ = 16>
+          int kMinBlocksPerSm_ = 1, int kRescaleThreshold_ = 0, int kLoadStyle_ = 0,
+          bool kSplitTile_ = false>
 struct Flash_fwd_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
@@ -34,9 +34,6 @@ struct Flash_fwd_kernel_traits {
   static constexpr bool kQInSmem = kQInSmem_;
   // __launch_bounds__ minimum CTAs per SM (caps registers at 64K / (this x threads)).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
-  // flash_fwd_pingpong_kernel instead of flash_fwd_kernel: two warp groups alternate on the
-  // tensor cores; K and V are double-buffered in shared memory (4 tiles).
-  static constexpr bool kPingPong = kPingPong_;
   // Online-softmax rescale policy. 0: every tile moves the running max to the new row max and
   // rescales O and l (FlashAttention-2). t > 0: a warp keeps its stale max (no O / l rescale,
   // 64 FMULs and 2 exp2 per row saved at d = 128) unless some row's max grew by more than t in
@@ -56,19 +53,11 @@ struct Flash_fwd_kernel_traits {
   // straight-line code (no branch between them) for the scheduler to interleave. Same
   // shared-memory layout and barriers as the plain loop.
   static constexpr bool kSplitTile = kSplitTile_;
-  static_assert(!kSplitTile ||
-                    (!kPingPong && !kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
+  static_assert(!kSplitTile || (!kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
                 "split tile: Q in registers, halves of 16k keys, a rescale threshold");
 
-  // Query rows per warp: 16 (one m16 MMA tile) or 32 (flash_fwd_m32_kernel: two m16 tiles
-  // share every K and V fragment read from shared memory, which halves the K/V ldmatrix bytes per
-  // MMA; Q is then re-read from shared memory, as O alone takes d/2 x 2 fp32 registers). S and P
-  // never leave the warp's registers.
-  static constexpr int kWarpRows = kWarpRows_;
-  static_assert(kWarpRows == 16 || (kWarpRows == 32 && kQInSmem && !kPingPong && !kSplitTile &&
-                                    kRescaleThreshold > 0),
-                "32-row warps: Q in shared memory, lock-step loop with a rescale threshold");
-  static_assert(kBlockM == kWarpRows * kNWarps, "each warp owns exactly kWarpRows query rows");
+  // Each warp owns 16 query rows (one m16 MMA tile); S and P never leave its registers.
+  static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");
   static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16 (ldmatrix.x4 k-pairs)");
   static_assert(kBlockN % 16 == 0, "Bc must be a multiple of 16 (ldmatrix.x4 n-pairs)");
 
@@ -81,9 +70,8 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kSmemQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kSmemKVOffset = kQInSmem ? kSmemQBytes : 0;  // bytes before sK
   static constexpr int kSmemSize =
-      kPingPong ? 4 * kSmemTileBytes
-      : kQInSmem ? kSmemQBytes + 2 * kSmemTileBytes
-                 : (2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes);
+      kQInSmem ? kSmemQBytes + 2 * kSmemTileBytes
+               : (2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes);
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   // Global <-> shared copies move 16 bytes per thread per step.
@@ -103,38 +91,23 @@ struct Fwd_tile_config;
 //  * SmallGridTraits (void where there is none): a tile with more CTAs per SM for grids that the
 //    default tile runs in a little more than one wave but this one runs in one
 //    (prefer_small_grid_tile in launch_plan.h).
-//  * LongRowTraits (void where there is none): 32-row warps (flash_fwd_m32_kernel), for rows that
-//    see at least kLongRowMinKeys keys, in grids of more CTAs than SMs, on GPUs that keep two of
-//    its CTAs per SM (prefer_long_row_tile in launch_plan.h).
 template <>
 struct Fwd_tile_config<64> {
   // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit. Load
   // style 2: +3-8% at N = 4096 on the H200 (NOTES, session 5).
-  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4, false, 3, false, 0, 2>;
+  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4, false, 3, 0, 2>;
   // Q in shared memory, Bc = 32, 4 CTAs per SM (<= 128 registers, 16 KiB smem each): 16 warps
   // per SM instead of 12. Measured 1.42x vs 1.25x of mem-efficient in session 3's tune loop
   // (bench_forward.py, session 5: 1.35x vs 1.12x) at B=4 H=16 N=512 (512 CTAs:
   // one wave of 528 slots on the H200 instead of 1.3 waves of 396), slower from N = 1024 on.
   using SmallGridTraits = Flash_fwd_kernel_traits<64, 64, 32, 4, true, 4>;
-  using LongRowTraits = void;
-  static constexpr int kLongRowMinKeys = 0;
 };
 template <>
 struct Fwd_tile_config<128> {
   // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile. Split tile:
   // +4-8% at N >= 1024 (NOTES, session 7; 246-248 registers, no spills).
-  using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8, false, 1, false, 8, 0, true>;
+  using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8, false, 1, 8, 0, true>;
   using SmallGridTraits = void;
-  // 32-row warps, Q in shared memory, Bc = 32, 4 warps, 2 CTAs per SM (254/255 registers,
-  // 48 KiB): each K/V fragment feeds two m16 row tiles, 25% fewer shared-memory bytes per MMA.
-  // Measured on the H200 (NOTES, session 9): d = 128 N = 8192 271.7 TFLOP/s in b107c0e's
-  // bench_forward run against the default tile's 246.9 at fabb2f1 (+10%). The first build
-  // (cc601df's predecessor, +3-6% at N >= 1024, +7% at N = 512 non-causal) was 14% slower at
-  // N = 512 causal, whose rows see ~256 keys: hence kLongRowMinKeys (the middle query row must
-  // see >= 512 keys; not re-measured with the later +6%). A Turing SM (64 KiB of shared memory)
-  // holds one 48 KiB CTA, 4 warps: there the default tile runs.
-  using LongRowTraits = Flash_fwd_kernel_traits<128, 128, 32, 4, true, 2, false, 8, 1, false, 32>;
-  static constexpr int kLongRowMinKeys = 512;
 };
 
 }  // namespace flash_sm75
