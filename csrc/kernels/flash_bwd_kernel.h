@@ -33,8 +33,8 @@
 #include "bwd_block_info.h"
 #include "bwd_kernel_traits.h"
 #include "flash_bwd.h"
-#include "flash_fwd_kernel.h"  // load_tile_g2r / store_tile_r2s
 #include "fragment.h"
+#include "tile_io.h"
 #include "utils.h"
 
 namespace flash_sm75 {
@@ -166,24 +166,6 @@ __device__ __forceinline__ void reduce_over_query_splits(float (&acc)[Kt::kHeadD
       }
     }
     __syncthreads();
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Registers -> shared memory for the dK/dV kernel's padded layout: row r of a tile starts at
-// r * kRowHalves halves (d + 8: rows are an odd number of 16-byte units apart, so the 8 rows an
-// ldmatrix reads hit 8 distinct bank groups). Unlike the XOR swizzle, every k-step / n-tile of a
-// fragment is then a constant byte offset from one per-lane base address (an immediate in LDSM),
-// which keeps the address registers out of the way of the dK/dV accumulators.
-template <typename Kt, int kN>
-__device__ __forceinline__ void store_tile_r2s_padded(const uint4 (&stage)[kN], __half* smem,
-                                                      int tid) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    const int idx = tid + i * Kt::kNThreads;
-    const int r = idx / Kt::kChunksPerRow;
-    const int c = idx % Kt::kChunksPerRow;
-    *reinterpret_cast<uint4*>(smem + r * Kt::kRowHalves + c * 8) = stage[i];
   }
 }
 
