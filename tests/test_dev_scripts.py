@@ -1,6 +1,6 @@
 """CPU tests of the development scripts in scripts/ that need no GPU for part of their work:
-the ncu stall-sample summary, tune_bwd.py's source generation and spec checks, and the backward
-problem they share (benchmarks/_common.py)."""
+the ncu stall-sample summary, tune_fwd.py's and tune_bwd.py's source generation and spec checks,
+and the backward problem they share (benchmarks/_common.py)."""
 import csv
 
 import pytest
@@ -83,6 +83,44 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
 def test_tune_bwd_rejects_bad_specs_with_a_usage_error(args, message):
     pytest.importorskip("torch.utils.cpp_extension")
     r = run_script("scripts/tune_bwd.py", "--gen-only", *args, hide_cuda=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_tune_fwd_writes_each_variant_as_a_named_tile(tmp_path):
+    pytest.importorskip("torch.utils.cpp_extension")
+    r = run_script("scripts/tune_fwd.py", "--gen-only", "--variants", "FwdTileD128,split=0,rescale=4",
+                   "d=64,bm=64,bn=32,warps=4,q_in_smem=1,min_blocks=4", "FwdTileD64",
+                   hide_cuda=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = ROOT / r.stdout.strip().splitlines()[-1]
+    tus = [(out / f"v{i}.cu").read_text() for i in range(3)]
+    # A shipped tile as the base, with overrides ...
+    assert "struct TuneTile0 : FwdTileD128 {" in tus[0]
+    assert "static constexpr bool kSplitTile = false;" in tus[0]
+    assert "static constexpr int kRescaleThreshold = 4;" in tus[0]
+    assert "using Kt = Flash_fwd_kernel_traits<TuneTile0>;" in tus[0]
+    # ... a tile from the defaults, every field named ...
+    assert "struct TuneTile1 : FwdTileDefaults {" in tus[1]
+    for field in ("int kHeadDim = 64;", "int kBlockM = 64;", "int kBlockN = 32;",
+                  "int kNWarps = 4;", "bool kQInSmem = true;", "int kMinBlocksPerSm = 4;"):
+        assert f"static constexpr {field}" in tus[1], field
+    # ... and a shipped tile as it is.
+    assert "struct TuneTile2 : FwdTileD64 {\n};" in tus[2]
+    bind = (out / "bind.cpp").read_text()
+    assert all(f"case {i}: run_variant_{i}(p, s);" in bind for i in range(3))
+    assert all(f"case {i}: return head_dim_{i}();" in bind for i in range(3))
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("FwdTileD32", "is not one of FwdTileD64, FwdTileD64SmallGrid, FwdTileD128"),
+    ("d=64,bm=64,bn=64", "a tile without a base needs warps"),
+    ("FwdTileD64,pingpong=1", "is not key=integer"),
+    ("FwdTileD64,bn=x", "is not key=integer"),
+])
+def test_tune_fwd_rejects_bad_variants_with_a_usage_error(variant, message):
+    pytest.importorskip("torch.utils.cpp_extension")
+    r = run_script("scripts/tune_fwd.py", "--gen-only", "--variants", variant, hide_cuda=True,
+                   timeout=120)
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 

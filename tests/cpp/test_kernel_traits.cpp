@@ -59,6 +59,38 @@ TEST(KernelTraits, EveryFwdConfigFitsSm75) {
   EXPECT_EQ(kSm75MaxThreadsPerBlock, 1024);
 }
 
+// A tile names what differs from FwdTileDefaults; the traits read every field by name.
+struct TestTile : FwdTileDefaults {
+  static constexpr int kHeadDim = 64, kBlockM = 32, kBlockN = 32, kNWarps = 2;
+  static constexpr int kRescaleThreshold = 4;
+};
+
+TEST(KernelTraits, TileFieldsByNameWithDefaults) {
+  using Kt = Flash_fwd_kernel_traits<TestTile>;
+  static_assert(std::is_same_v<Kt::TileConfig, TestTile>);
+  EXPECT_EQ(Kt::kHeadDim, 64);
+  EXPECT_EQ(Kt::kBlockM, 32);
+  EXPECT_EQ(Kt::kBlockN, 32);
+  EXPECT_EQ(Kt::kNWarps, 2);
+  EXPECT_EQ(Kt::kNThreads, 64);
+  EXPECT_EQ(Kt::kRescaleThreshold, 4);  // overridden
+  EXPECT_FALSE(Kt::kQInSmem);           // defaults
+  EXPECT_EQ(Kt::kMinBlocksPerSm, 1);
+  EXPECT_EQ(Kt::kLoadStyle, 0);
+  EXPECT_FALSE(Kt::kSplitTile);
+  // The shipped tiles' choices that differ from the defaults.
+  static_assert(std::is_same_v<Traits<64>::TileConfig, FwdTileD64>);
+  static_assert(std::is_same_v<Traits<128>::TileConfig, FwdTileD128>);
+  EXPECT_EQ(Traits<64>::kMinBlocksPerSm, 3);
+  EXPECT_EQ(Traits<64>::kLoadStyle, 2);
+  EXPECT_EQ(Traits<128>::kRescaleThreshold, 8);
+  EXPECT_TRUE(Traits<128>::kSplitTile);
+  using Small = Fwd_tile_config<64>::SmallGridTraits;
+  static_assert(std::is_same_v<Small::TileConfig, FwdTileD64SmallGrid>);
+  EXPECT_TRUE(Small::kQInSmem);
+  EXPECT_EQ(Small::kBlockN, 32);
+}
+
 #ifdef FLASH_SM75_SOURCE_DIR
 // Every csrc/kernels/instantiations/flash_fwd_hdim{D}_fp16[_causal]_sm75.cu must have its head
 // dim checked above, so a new instantiation cannot skip the shared-memory check.
