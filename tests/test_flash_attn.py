@@ -317,9 +317,9 @@ def test_gpu_huge_scores_across_key_tiles(s_k, s_q, a, d):
     # As below, each query is one of the s_k keys (distinct +-a vectors), so the output is
     # exactly that key's v at any magnitude. (300, 70): the prefill kernel over 5 key tiles,
     # queries scattered over them (the running max and the exact-exponent flag carry across
-    # tiles). (3000, 1): the decode kernel in several key splits (one fp32 LSE per split lost
-    # log(l) next to m * scale and mis-weighted the splits in the merge: O = 2x the exact value
-    # in an emulator probe; the merge uses (max, sum) pairs).
+    # tiles). (3000, 1): the decode kernel in several key splits (one fp32 LSE per split loses
+    # log(l) next to m * scale and mis-weights the splits in the merge, O = 2x the exact value;
+    # the merge uses (max, sum) pairs).
     g = torch.Generator(device="cpu").manual_seed(int(a) + d + s_k)
     sign = torch.where(torch.rand(1, s_k, 1, d, generator=g) < 0.5, -1.0, 1.0)
     assert len({tuple(r) for r in sign[0, :, 0].tolist()}) == s_k  # distinct keys
@@ -338,10 +338,9 @@ def _large_spread_inputs(rising, a, d):
     # Large but finite scores that are not one-hot: q_i = (a, 1, 0, ...), k_j = (a, delta_j,
     # 0, ...), s_ij = a^2 + delta_j exactly (scaled ~2^19 / 2^21 at d = 128, below the exact
     # path), delta_j even in [0, 46] (keys within ~6 log2 units) or 2 j (the row max moves every
-    # ~32 keys). An exponent carrying the rounding error of rn(max * scale_log2) gave errors of
-    # 1e-2..7e-2 here in an emulator probe (the split tile's first form), float32 scores in the
-    # CPU op 1e-2..4e-2. fp16 SDPA overflows at a^2, so the bound is absolute: fp16 rounding of
-    # P and of the output (~1e-3).
+    # ~32 keys). An exponent carrying the rounding error of rn(max * scale_log2) gives errors of
+    # 1e-2..7e-2 here, float32 scores in the CPU op 1e-2..4e-2. fp16 SDPA overflows at a^2, so
+    # the bound is absolute: fp16 rounding of P and of the output (~1e-3).
     s_q, s_k = 16, 256
     g = torch.Generator(device="cpu").manual_seed(int(a) + d + 7 * rising)
     delta = 2.0 * (torch.arange(s_k) if rising else torch.randint(0, 24, (s_k,), generator=g))

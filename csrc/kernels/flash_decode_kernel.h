@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     } else {
       // The split's raw max m and its sum l (relative to m), not one LSE: in fp32, m * scale +
       // log(l) loses log(l) once |m * scale| is large, and the merge would weight the splits
-      // wrongly (O = 2 instead of 1 in an emulator probe with scores ~1e8).
+      // wrongly (O = 2 instead of 1 at scores ~1e8; tests/emu check_decode_split_merges).
       const int64_t rows = static_cast<int64_t>(params.num_splits) * params.b * params.h;
       const int64_t row = (static_cast<int64_t>(split) * params.b + bidb) * params.h + hq;
       params.oaccum_ptr[row * kD + c] = out[0];

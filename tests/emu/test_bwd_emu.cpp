@@ -448,8 +448,8 @@ int check_huge_scores() {
 // so s_ij = a^2 + delta_j exactly (a = 2048 / 4096: scaled scores ~2^19 / 2^21, below the exact
 // path). "spread": delta_j even in [0, 46] (all keys within ~6 log2 units: the stale max is
 // used); "rising": delta_j = 2 j (the max moves by 8 log2 units every ~32 keys). An exponent that
-// carries the rounding error of rn(m * scale_log2) (~1 ulp of 2^21) put 1e-2..7e-2 errors into O
-// (the split tile's first form; found by a review helper); the reference is float64.
+// carries the rounding error of rn(m * scale_log2) (~1 ulp of 2^21) puts 1e-2..7e-2 errors into
+// O, which this catches; the reference is float64.
 template <typename Kt>
 int check_large_spread_case(float a, bool rising, uint32_t seed) {
   constexpr int D = Kt::kHeadDim;
@@ -503,9 +503,8 @@ int check_large_spread_scores() {
 
 // Decode kernel with key splits at huge scores: q = a * signs, key j = +-q (tied best keys: one
 // in the first 128-key split, 128 in the second), v = 1, so O = 1 exactly and
-// LSE = d a^2 scale + log(129) (the other keys add exp(-2 d a^2 scale) ~ 0). With one fp32 LSE
-// per split (before the fix) the merge gave O = 2 at a = 4096. A NaN in one key gives NaN out
-// and LSE.
+// LSE = d a^2 scale + log(129) (the other keys add exp(-2 d a^2 scale) ~ 0). A merge of one
+// fp32 LSE per split gives O = 2 at a = 4096. A NaN in one key gives NaN out and LSE.
 template <int kD>
 int check_decode_split_merge(float a, bool nan_key) {
   constexpr int kSk = 256;
