@@ -137,8 +137,7 @@ int env_choice(const char* name, std::initializer_list<const char*> accepted) {
   return 0;
 }
 
-// FLASH_SM75_FWD_SMALL_GRID_TILE (d = 64's small-grid tile, prefer_small_grid_tile) and
-// FLASH_SM75_FWD_LONG_ROW_TILE (d = 128's 32-row-warp tile, prefer_long_row_tile): 'auto' (or
+// FLASH_SM75_FWD_SMALL_GRID_TILE (d = 64's small-grid tile, prefer_small_grid_tile): 'auto' (or
 // unset) = 0, the tile where it pays; 'always' = 1 / 'never' = -1 force the choice (tests,
 // tuning).
 static int env_tile_choice(const char* name) {
@@ -222,7 +221,6 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                    seqused_k);
   params.num_sms = props->multiProcessorCount;
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
-  params.long_row_tile = env_tile_choice("FLASH_SM75_FWD_LONG_ROW_TILE");
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {
     const DecodePlan dp = plan_decode(params.b, params.h, params.h_k, params.seqlen_q,

@@ -8,8 +8,6 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
-#include <cerrno>
-#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -67,20 +65,6 @@ void check_lse_like(const at::Tensor& t, const char* name, const at::Tensor& q) 
 // tuning knob for GPUs with fast fp32 atomics); deterministic=True always uses the separate kernel.
 bool env_selects_atomic_dq() {
   return env_choice("FLASH_SM75_BWD_DQ", {"separate", "atomic"}) == 1;
-}
-
-// FLASH_SM75_BWD_SMEM_PER_SM=<bytes>: the shared memory per SM the backward plan assumes
-// (unset or empty: the device's).
-int env_smem_per_sm() {
-  const char* v = std::getenv("FLASH_SM75_BWD_SMEM_PER_SM");
-  if (v == nullptr || v[0] == '\0') return 0;
-  char* end = nullptr;
-  errno = 0;
-  const long n = std::strtol(v, &end, 10);
-  TORCH_CHECK_VALUE(errno == 0 && end != v && *end == '\0' && n > 0 && n <= INT_MAX,
-                    "flash_attention_sm75: environment variable FLASH_SM75_BWD_SMEM_PER_SM must "
-                    "be a positive integer number of bytes (e.g. 65536), or unset, got '", v, "'");
-  return static_cast<int>(n);
 }
 
 // FLASH_SM75_BWD_DQ_STREAM: "side" (default) runs the deterministic mode's dQ kernel on a
@@ -193,12 +177,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
 
   Flash_bwd_params params{};
   const bool dq_atomic = !deterministic && env_selects_atomic_dq();
-  const int smem_per_sm_override = env_smem_per_sm();  // errors before any allocation or launch
   const bool dq_side_stream = env_selects_dq_side_stream();
   BwdBuffers bufs = prepare_bwd(params, dout, q, k, v, out, softmax_lse_, scale, is_causal,
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
                                 grad_softmax_lse);
-  params.smem_per_sm_override = smem_per_sm_override;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   std::optional<ForkJoinEvents> events;
   if (!dq_atomic && dq_side_stream) {

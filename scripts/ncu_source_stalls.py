@@ -2,16 +2,15 @@
 
 Collect on the GPU machine, then summarise (here or there; only the CSV is needed):
 
-    ncu --kernel-name regex:flash_bwd_dkdv_kreg_kernel --launch-skip 1 --launch-count 1 \\
+    ncu --kernel-name regex:flash_bwd_dkdv_kernel --launch-skip 1 --launch-count 1 \\
         --section SourceCounters --section WarpStateStats -o dkdv -f python my_backward.py
     ncu -i dkdv.ncu-rep --page source --csv --print-source sass > dkdv_src.csv
     python scripts/ncu_source_stalls.py dkdv_src.csv [--top 45]
 
 Prints the CSV's columns, the stall samples per SASS opcode, per stall reason the opcodes that
 collect them (reasons with >= 2% of all samples), and the instructions with the most samples
-with the reasons that make up >= 10% of each. Session 11 found the backward's stalled lse load
-this way (benchmarks/NOTES.md): whole-kernel stall counters say how long warps wait, these say
-at which instruction.
+with the reasons that make up >= 10% of each. Whole-kernel stall counters say how long warps
+wait, these say at which instruction (benchmarks/NOTES.md has a worked example).
 """
 from __future__ import annotations
 

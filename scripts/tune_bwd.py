@@ -1,18 +1,18 @@
 """Time backward-kernel variants side by side, each kernel alone (development tool, needs a
 CUDA GPU; ``--gen-only`` does not).
 
-    python scripts/tune_bwd.py --d 128 --n 4096 8192 --dkdv old 16,4,0,2 --dq 32,8
+    python scripts/tune_bwd.py --d 128 --n 4096 8192 --dkdv default 32,64,8 --dq 32,8
     cp -r csrc/kernels /tmp/v1 && rm -r /tmp/v1/instantiations   # then edit /tmp/v1/*.h
-    python scripts/tune_bwd.py --n 4096 --causal 0 --dkdv 16,4,0,2 /tmp/v1:16,4,0,2 64/old
+    python scripts/tune_bwd.py --n 4096 --causal 0 --dkdv default /tmp/v1:default 64/default
 
 A variant is ``[d/][DIR:]SPEC``. DIR (default: csrc/kernels) may name a copy of csrc/kernels,
 relative to the repository root or absolute: it is compiled with the kernels' namespace renamed
 by a macro in its translation unit, so every variant's template instantiations are distinct
 symbols in one extension module and a source edit can be timed against the original in one
-build. d (64 or 128) defaults to --d. SPEC of a dK/dV variant: ``Br,warps,v_in_regs[,stages]``
-(Flash_bwd_dkdv_kreg_traits; stages = query tiles per barrier, default 1) or ``old``
-(Bwd_tile_config<d>::Traits, the 8-warp kernel); of a dQ variant: ``Bc,warps[,...]``
-(Flash_bwd_dq_kernel_traits; further numbers are passed on as template arguments).
+build. d (64 or 128) defaults to --d. SPEC of a dK/dV variant (the deterministic mode's
+flash_bwd_dkdv_kernel): ``Br,Bc,warps`` (Flash_bwd_kernel_traits) or ``default``
+(Bwd_tile_config<d>::Traits); of a dQ variant: ``Bc,warps[,...]`` (Flash_bwd_dq_kernel_traits;
+further numbers are passed on as template arguments).
 
 The problem is prepared with the library's host code (prepare_bwd) and the real preprocess
 kernel. Each variant first runs once on NaN-poisoned gradients and is compared with the
@@ -20,8 +20,7 @@ library's backward op: "bitwise", or "DIFF" with the max error (the library's ow
 may sum in another order). Then the variants of one shape are timed in alternating rounds
 (10 back-to-back launches between CUDA events, median of 5 trials per round; printed: the
 median over rounds, and every round). TFLOP/s use the kernel's own matmul work: 4 units of
-2*N^2*d per head for dK/dV, 3 for dQ (halved when causal). benchmarks/NOTES.md, session 11,
-has a use (the lse fix).
+2*N^2*d per head for dK/dV, 3 for dQ (halved when causal). benchmarks/NOTES.md records uses.
 """
 import argparse
 import itertools
@@ -107,17 +106,16 @@ def parse_spec(kind, spec, default_d):
     vdir, sp = rest.rsplit(":", 1) if ":" in rest else ("base", rest)
     d = int(d)
     key_grid = "((p.seqlen_k + Kr::kBlockN - 1) / Kr::kBlockN) * p.b * p.h_k"
-    if kind == "dkdv" and sp == "old":
+    if kind == "dkdv" and sp == "default":
         return (d, vdir, f"Bwd_tile_config<{d}>::Traits", "flash_bwd_dkdv_kernel", ", false",
                 "kSmemSizeNoDq", key_grid)
     nums = [int(x) for x in sp.split(",")]
     if kind == "dkdv":
-        if len(nums) not in (3, 4):
-            raise ValueError(f"dK/dV spec {spec!r}: Br,warps,v_in_regs[,stages] or old")
-        br, w, vr, st = (nums + [1])[:4]
-        traits = (f"Flash_bwd_dkdv_kreg_traits<{d}, {br}, {w}, {'true' if vr else 'false'}, "
-                  f"{st}>")
-        return d, vdir, traits, "flash_bwd_dkdv_kreg_kernel", "", "kSmemSize", key_grid
+        if len(nums) != 3:
+            raise ValueError(f"dK/dV spec {spec!r}: Br,Bc,warps or default")
+        br, bc, w = nums
+        return (d, vdir, f"Flash_bwd_kernel_traits<{d}, {br}, {bc}, {w}>", "flash_bwd_dkdv_kernel",
+                ", false", "kSmemSizeNoDq", key_grid)
     if len(nums) < 2:
         raise ValueError(f"dQ spec {spec!r}: Bc,warps[,...]")
     extra = "".join(f", {x}" for x in nums[2:])

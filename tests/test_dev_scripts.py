@@ -1,6 +1,6 @@
 """CPU tests of the development scripts in scripts/ that need no GPU for part of their work:
-the ncu stall-sample summary, tune_bwd.py's source generation and spec checks, and the backward
-problem they share (benchmarks/_common.py)."""
+the ncu stall-sample summary, tune_fwd.py's and tune_bwd.py's source generation and spec checks,
+and the backward problem they share (benchmarks/_common.py)."""
 import csv
 
 import pytest
@@ -52,8 +52,8 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
     variant = tmp_path / "v1"
     variant.mkdir()
     (variant / "flash_bwd_kernel.h").write_text("// an edited copy\n")
-    r = run_script("scripts/tune_bwd.py", "--gen-only", "--dkdv", "16,4,0,2",
-                   f"128/{variant}:16,4,0,2", "64/old", "--dq", "32,8",
+    r = run_script("scripts/tune_bwd.py", "--gen-only", "--dkdv", "32,64,8",
+                   f"128/{variant}:32,64,8", "64/default", "--dq", "32,8",
                    hide_cuda=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = ROOT / r.stdout.strip().splitlines()[-1]
@@ -61,11 +61,12 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
     # base variants use the library's own namespace and headers ...
     assert "#define flash_sm75" not in tus[0]
     assert f'#include "{ROOT / "csrc/kernels"}/flash_bwd_kernel.h"' in tus[0]
-    assert "flash_sm75::Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 2>" in tus[0]
+    assert "flash_sm75::Flash_bwd_kernel_traits<128, 32, 64, 8>" in tus[0]
+    assert "flash_sm75::flash_bwd_dkdv_kernel<Kr, true, false>" in tus[0]
     # ... a copied directory gets its own namespace, and its own headers.
     assert "#define flash_sm75 flash_sm75_v1" in tus[1] and "#undef flash_sm75" in tus[1]
     assert f'#include "{variant}/flash_bwd_kernel.h"' in tus[1]
-    assert "flash_sm75_v1::flash_bwd_dkdv_kreg_kernel<Kr, true>" in tus[1]
+    assert "flash_sm75_v1::flash_bwd_dkdv_kernel<Kr, true, false>" in tus[1]
     assert "flash_sm75::Bwd_tile_config<64>::Traits" in tus[2]
     assert "flash_bwd_dkdv_kernel<Kr, false, false>" in tus[2]
     assert "Flash_bwd_dq_kernel_traits<128, 32, 8>" in tus[3]
@@ -74,7 +75,7 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dkdv", "16,4"], "Br,warps,v_in_regs[,stages] or old"),
+    (["--dkdv", "16,4"], "Br,Bc,warps or default"),
     (["--dq", "32"], "Bc,warps"),
     (["--dkdv", "no_such_dir:16,4,0"], "holds no flash_bwd_kernel.h"),
     ([], "give at least one variant"),
@@ -82,6 +83,44 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
 def test_tune_bwd_rejects_bad_specs_with_a_usage_error(args, message):
     pytest.importorskip("torch.utils.cpp_extension")
     r = run_script("scripts/tune_bwd.py", "--gen-only", *args, hide_cuda=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_tune_fwd_writes_each_variant_as_a_named_tile(tmp_path):
+    pytest.importorskip("torch.utils.cpp_extension")
+    r = run_script("scripts/tune_fwd.py", "--gen-only", "--variants", "FwdTileD128,split=0,rescale=4",
+                   "d=64,bm=64,bn=32,warps=4,q_in_smem=1,min_blocks=4", "FwdTileD64",
+                   hide_cuda=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = ROOT / r.stdout.strip().splitlines()[-1]
+    tus = [(out / f"v{i}.cu").read_text() for i in range(3)]
+    # A shipped tile as the base, with overrides ...
+    assert "struct TuneTile0 : FwdTileD128 {" in tus[0]
+    assert "static constexpr bool kSplitTile = false;" in tus[0]
+    assert "static constexpr int kRescaleThreshold = 4;" in tus[0]
+    assert "using Kt = Flash_fwd_kernel_traits<TuneTile0>;" in tus[0]
+    # ... a tile from the defaults, every field named ...
+    assert "struct TuneTile1 : FwdTileDefaults {" in tus[1]
+    for field in ("int kHeadDim = 64;", "int kBlockM = 64;", "int kBlockN = 32;",
+                  "int kNWarps = 4;", "bool kQInSmem = true;", "int kMinBlocksPerSm = 4;"):
+        assert f"static constexpr {field}" in tus[1], field
+    # ... and a shipped tile as it is.
+    assert "struct TuneTile2 : FwdTileD64 {\n};" in tus[2]
+    bind = (out / "bind.cpp").read_text()
+    assert all(f"case {i}: run_variant_{i}(p, s);" in bind for i in range(3))
+    assert all(f"case {i}: return head_dim_{i}();" in bind for i in range(3))
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("FwdTileD32", "is not one of FwdTileD64, FwdTileD64SmallGrid, FwdTileD128"),
+    ("d=64,bm=64,bn=64", "a tile without a base needs warps"),
+    ("FwdTileD64,pingpong=1", "is not key=integer"),
+    ("FwdTileD64,bn=x", "is not key=integer"),
+])
+def test_tune_fwd_rejects_bad_variants_with_a_usage_error(variant, message):
+    pytest.importorskip("torch.utils.cpp_extension")
+    r = run_script("scripts/tune_fwd.py", "--gen-only", "--variants", variant, hide_cuda=True,
+                   timeout=120)
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 

@@ -224,7 +224,7 @@ def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
     q, k, v = make_qkv(b, s_q, s_k, h, h_k, 64, "cuda", seed_from("sg", shape, mode))
     name, out, lse = run_forced_tile("FLASH_SM75_FWD_SMALL_GRID_TILE", choice, q, k, v, mode,
                                      monkeypatch)
-    small = "64, 32, 4, true" in name
+    small = "FwdTileD64SmallGrid" in name
     if choice == "auto":
         # Resident CTAs per SM: 3 of the default tile (launch bounds), 4 of the small one (<= 128
         # registers, 16 KiB). The small tile runs when it makes the grid one wave, the default
@@ -238,40 +238,8 @@ def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", CAUSAL_MODES)
-@pytest.mark.parametrize("choice", ["always", "never", "auto"])
-@pytest.mark.parametrize("shape", [(2, 1000, 1000, 4, 2), (1, 517, 700, 3, 1), (3, 300, 129, 2, 2),
-                                   (1, 7, 1000, 4, 4), (2, 1100, 1100, 10, 2)])
-def test_gpu_long_row_tile(shape, choice, mode, monkeypatch):
-    # d = 128 has a second tile with 32-row warps (Q in shared memory, Bc = 32, 2 CTAs of 4 warps
-    # per SM) for rows that see >= 512 keys; FLASH_SM75_FWD_LONG_ROW_TILE forces it on or off.
-    # Both tiles must be exact, and the forced choice must be the kernel that ran.
-    b, s_q, s_k, h, h_k = shape
-    q, k, v = make_qkv(b, s_q, s_k, h, h_k, 128, "cuda", seed_from("lr", shape, mode))
-    name, out, lse = run_forced_tile("FLASH_SM75_FWD_LONG_ROW_TILE", choice, q, k, v, mode,
-                                     monkeypatch)
-    long_rows = "flash_fwd_m32_kernel" in name
-    if choice == "auto":
-        # prefer_long_row_tile: the middle query row sees >= 512 keys, the grid (CTAs of 128
-        # query rows) has more CTAs than the GPU has SMs, and the SM keeps two of its 48 KiB
-        # CTAs (true on the H200, false on a 64 KiB Turing SM).
-        is_causal, bottom_right = causal_args(mode)
-        i = s_q // 2
-        seen = s_k if not is_causal else min(s_k, max(0, i + 1 + (s_k - s_q if bottom_right else 0)))
-        props = torch.cuda.get_device_properties(0)
-        two_ctas = props.shared_memory_per_multiprocessor >= 2 * 48 * 1024
-        blocks = -(-s_q // 128) * b * h
-        expected = seen >= 512 and blocks > props.multi_processor_count and two_ctas
-        assert long_rows == expected, (name, seen, blocks)
-    else:
-        assert long_rows == (choice == "always"), name
-    check_against_ref(q, k, v, mode, out, lse)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("name,value,s_q", [
     *[("FLASH_SM75_FWD_SMALL_GRID_TILE", v, 65) for v in ("ALWAYS", "1", "on")],
-    *[("FLASH_SM75_FWD_LONG_ROW_TILE", v, 65) for v in ("ALWAYS", "yes")],
     *[("FLASH_SM75_DECODE", v, 1) for v in ("NEVER", "0", "always")]])
 def test_gpu_forward_env_rejects_unknown_values(name, value, s_q, monkeypatch):
     q, k, v = make_qkv(1, s_q, 65, 2, 2, 64, "cuda", 3)
@@ -349,9 +317,9 @@ def test_gpu_huge_scores_across_key_tiles(s_k, s_q, a, d):
     # As below, each query is one of the s_k keys (distinct +-a vectors), so the output is
     # exactly that key's v at any magnitude. (300, 70): the prefill kernel over 5 key tiles,
     # queries scattered over them (the running max and the exact-exponent flag carry across
-    # tiles). (3000, 1): the decode kernel in several key splits (one fp32 LSE per split lost
-    # log(l) next to m * scale and mis-weighted the splits in the merge: O = 2x the exact value
-    # in an emulator probe; the merge uses (max, sum) pairs).
+    # tiles). (3000, 1): the decode kernel in several key splits (one fp32 LSE per split loses
+    # log(l) next to m * scale and mis-weights the splits in the merge, O = 2x the exact value;
+    # the merge uses (max, sum) pairs).
     g = torch.Generator(device="cpu").manual_seed(int(a) + d + s_k)
     sign = torch.where(torch.rand(1, s_k, 1, d, generator=g) < 0.5, -1.0, 1.0)
     assert len({tuple(r) for r in sign[0, :, 0].tolist()}) == s_k  # distinct keys
@@ -370,10 +338,9 @@ def _large_spread_inputs(rising, a, d):
     # Large but finite scores that are not one-hot: q_i = (a, 1, 0, ...), k_j = (a, delta_j,
     # 0, ...), s_ij = a^2 + delta_j exactly (scaled ~2^19 / 2^21 at d = 128, below the exact
     # path), delta_j even in [0, 46] (keys within ~6 log2 units) or 2 j (the row max moves every
-    # ~32 keys). An exponent carrying the rounding error of rn(max * scale_log2) gave errors of
-    # 1e-2..7e-2 here in an emulator probe (the split tile's first form), float32 scores in the
-    # CPU op 1e-2..4e-2. fp16 SDPA overflows at a^2, so the bound is absolute: fp16 rounding of
-    # P and of the output (~1e-3).
+    # ~32 keys). An exponent carrying the rounding error of rn(max * scale_log2) gives errors of
+    # 1e-2..7e-2 here, float32 scores in the CPU op 1e-2..4e-2. fp16 SDPA overflows at a^2, so
+    # the bound is absolute: fp16 rounding of P and of the output (~1e-3).
     s_q, s_k = 16, 256
     g = torch.Generator(device="cpu").manual_seed(int(a) + d + 7 * rising)
     delta = 2.0 * (torch.arange(s_k) if rising else torch.randint(0, 24, (s_k,), generator=g))

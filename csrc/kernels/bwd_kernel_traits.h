@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include "kernel_traits.h"
 
@@ -89,59 +88,6 @@ struct Flash_bwd_kernel_traits {
   static_assert(kBlockM * kHeadDim % kNThreads == 0, "dQ atomics must divide evenly");
 };
 
-// dK/dV kernel with the block's K (and optionally V) fragments held in registers
-// (deterministic mode). One warp per 16 keys (Bc = 16 x kNWarps), no query splits: warp w keeps
-// the A fragments of K_w (16 keys x d, d/4 registers per thread) and the dK/dV accumulators of
-// its keys (d/2 fp32 registers each), and every warp runs over all kBlockM queries of a tile.
-// S^T then needs only its B operand (Q) from shared memory: with V in registers too, one
-// ldmatrix.x4 per 4 MMAs in all four products, against 1 per 2.7 in Flash_bwd_kernel_traits
-// at d = 128, whose query splits and 16 x 16 warp tiles reload K_w / V_w for every tile (at
-// d = 128, V in registers spills, so V stays in shared memory: 1 per 3.2).
-// Q / dO / lse / D tiles sit in 2 * kStages shared-memory buffers (one barrier per kStages
-// tiles); the tile kStages ahead is fetched through registers during the current tile's
-// products (its Q stored after S^T / dP^T, its dO after dK).
-template <int kHeadDim_, int kBlockM_, int kNWarps_, bool kVInRegs_ = true, int kStages_ = 1>
-struct Flash_bwd_dkdv_kreg_traits {
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;  // queries per tile
-  static constexpr int kNWarps = kNWarps_;
-  // Query tiles per block barrier: the Q/dO/lse/D tiles sit in 2 * kStages shared-memory
-  // buffers, the tile of iteration it + kStages is fetched during iteration it, and the CTA
-  // synchronizes after every kStages-th tile.
-  static constexpr int kStages = kStages_;
-  static constexpr int kNBuf = 2 * kStages;
-  static_assert(kStages == 1 || kStages == 2 || kStages == 4, "kStages: 1, 2 or 4");
-  // false: V stays in shared memory (after the Q/dO buffers) and its A fragments are re-read
-  // for every tile (d/4 fewer registers, one more ldmatrix.x4 per 4 MMAs of dP^T).
-  static constexpr bool kVInRegs = kVInRegs_;
-  static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kBlockN = 16 * kNWarps;  // keys per CTA
-  // Two 4-warp CTAs per SM (255 registers x 128 threads fit twice in 64K); one larger CTA.
-  static constexpr int kMinBlocksPerSm = kNWarps <= 4 ? 2 : 1;
-  static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "multiples of 16");
-
-  // Padded rows (d + 8 halves) as in Flash_bwd_kernel_traits.
-  static constexpr int kChunksPerRow = kHeadDim / 8;
-  static constexpr int kRowHalves = kHeadDim + 8;
-  static constexpr int kQTileBytes = kBlockM * kRowHalves * 2;
-  static constexpr int kBufBytes = 2 * kQTileBytes;          // Q tile + dO tile
-  static constexpr int kOffLse = kNBuf * kBufBytes;          // [kNBuf][kBlockM] fp32: lse * log2(e)
-  static constexpr int kOffDsum = kOffLse + kNBuf * kBlockM * 4;  // [kNBuf][kBlockM] fp32: D
-  static constexpr int kKTileBytes = kBlockN * kRowHalves * 2;  // K or V staging, before the loop
-  static constexpr int kOffV = kOffDsum + kNBuf * kBlockM * 4;  // V tile (kVInRegs = false)
-  static constexpr int kSmemSize =
-      !kVInRegs ? kOffV + kKTileBytes
-      : (kOffV > kKTileBytes ? kOffV : kKTileBytes);
-  static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
-  // Two CTAs per SM need 2 x kSmemSize of the SM's shared memory: 64 KiB on a T4, so with V
-  // in shared memory (d = 128: 34.25 KiB with kStages = 1, 51.5 KiB with 2) a T4 would run one
-  // CTA per SM (make_bwd_plan then picks the 8-warp kernel); the H200 runs two.
-
-  static constexpr int kKVChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
-  static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
-  static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
-};
-
 // Deterministic dQ kernel: the forward's structure. Each warp owns 16 query rows (Q and dO
 // fragments stay in registers), the CTA streams K/V tiles of Bc keys and accumulates
 // dQ += dS K in registers. Q and dO are staged through the K/V space before the loop.
@@ -175,23 +121,14 @@ struct Flash_bwd_dq_kernel_traits {
 //    (d/4 + d/4 + d/2 registers) resident, so Bc = 32 keeps S, dP small enough not to spill.
 template <int kHeadDim>
 struct Bwd_tile_config;
-//  * KregTraits (void: not used): the dK/dV kernel of deterministic mode on GPUs whose SMs hold
-//    two of its CTAs (make_bwd_plan); Traits' kernel serves the atomic-dQ mode and the others.
-//    KregTraits1 (void: none) is the same kernel with one query tile per barrier and half the
-//    Q/dO buffers, for SMs that hold two of its CTAs but not two of KregTraits' (100 KiB).
-//    Two tiles per barrier measured 2% faster on the H200 (d = 128, N = 4096, session 10).
 template <>
 struct Bwd_tile_config<64> {
   using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
-  using KregTraits = void;
-  using KregTraits1 = void;
   using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4>;
 };
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
-  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 2>;   // 51.5 KiB
-  using KregTraits1 = Flash_bwd_dkdv_kreg_traits<128, 16, 4, false, 1>;  // 34.25 KiB
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
 };
 
@@ -199,8 +136,6 @@ struct Bwd_tile_config<128> {
 constexpr int kBwdAuxThreads = 256;
 
 struct BwdLaunchPlan {
-  bool dkdv_keys_in_regs;    // the dK/dV kernel: KregTraits' / KregTraits1's (true) or Traits'
-  int dkdv_stages;           // with dkdv_keys_in_regs: KregTraits (2) or KregTraits1 (1); else 0
   int num_n_blocks;          // key blocks of the dK/dV kernel
   int64_t dkdv_blocks;       // num_n_blocks * b * h_k
   int dkdv_threads;
@@ -213,50 +148,15 @@ struct BwdLaunchPlan {
   int64_t convert_blocks;     // b * seqlen_q * h * d / 8 threads of work (atomic mode)
 };
 
-// Whether the K-in-registers kernel Kr (void: none) runs with kMinBlocksPerSm CTAs per SM.
-template <typename Kr>
-constexpr bool kreg_fits(int smem_per_sm) {
-  if constexpr (std::is_void_v<Kr>) {
-    return false;
-  } else {
-    return Kr::kMinBlocksPerSm * Kr::kSmemSize <= smem_per_sm;
-  }
-}
-
-// The dK/dV fields of a plan that runs the K-in-registers kernel of traits K.
-template <typename K>
-inline void set_kreg_dkdv(BwdLaunchPlan& p, int seqlen_k) {
-  p.dkdv_keys_in_regs = true;
-  p.dkdv_stages = K::kStages;
-  p.num_n_blocks = (seqlen_k + K::kBlockN - 1) / K::kBlockN;
-  p.dkdv_threads = K::kNThreads;
-  p.dkdv_smem = K::kSmemSize;
-}
-
-// Which dK/dV kernel runs: in the deterministic dQ mode, the K-in-registers kernel Kr (if the
-// head dim has one) when kMinBlocksPerSm of its CTAs fit in the SM's shared memory, else its
-// one-tile-per-barrier form Kr1 when that many of those fit (smem_per_sm bytes,
-// cudaDevAttrMaxSharedMemoryPerMultiprocessor): it was measured faster on the H200 with two
-// CTAs (8 warps) per SM, but at d = 128 it needs
-// 51.5 KiB (Kr1: 34.25 KiB), so a Turing SM (64 KiB) would hold one CTA of 4 warps; there the
-// 8-warp Traits kernel keeps 8 warps per SM.
-template <typename Kt, typename Kq, typename Kr = void, typename Kr1 = void>
+// Grids, threads and shared memory of the backward's kernels: the dK/dV kernel of Kt (both dQ
+// modes; in the atomic mode with the dS^T tile for the dQ atomics) and the dQ kernel of Kq.
+template <typename Kt, typename Kq>
 inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seqlen_k,
-                                   bool dq_atomic, int smem_per_sm) {
+                                   bool dq_atomic) {
   BwdLaunchPlan p;
-  p.dkdv_keys_in_regs = false;
-  p.dkdv_stages = 0;
   p.num_n_blocks = (seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN;
   p.dkdv_threads = Kt::kNThreads;
   p.dkdv_smem = dq_atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq;
-  if (!dq_atomic) {
-    if constexpr (!std::is_void_v<Kr>) {
-      if (kreg_fits<Kr>(smem_per_sm)) set_kreg_dkdv<Kr>(p, seqlen_k);
-    }
-    if constexpr (!std::is_void_v<Kr1>) {
-      if (!p.dkdv_keys_in_regs && kreg_fits<Kr1>(smem_per_sm)) set_kreg_dkdv<Kr1>(p, seqlen_k);
-    }
-  }
   p.dkdv_blocks = static_cast<int64_t>(p.num_n_blocks) * b * h_k;
   p.num_m_blocks_dq = (seqlen_q + Kq::kBlockM - 1) / Kq::kBlockM;
   p.dq_blocks = static_cast<int64_t>(p.num_m_blocks_dq) * b * h;
@@ -278,16 +178,14 @@ inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seql
 }
 
 inline BwdLaunchPlan plan_bwd_launch(int d, int b, int h, int h_k, int seqlen_q, int seqlen_k,
-                                     bool dq_atomic, int smem_per_sm) {
+                                     bool dq_atomic) {
   if (d == 64) {
     using C = Bwd_tile_config<64>;
-    return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits, C::KregTraits1>(
-        b, h, h_k, seqlen_q, seqlen_k, dq_atomic, smem_per_sm);
+    return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
   }
   if (d == 128) {
     using C = Bwd_tile_config<128>;
-    return make_bwd_plan<C::Traits, C::DqTraits, C::KregTraits, C::KregTraits1>(
-        b, h, h_k, seqlen_q, seqlen_k, dq_atomic, smem_per_sm);
+    return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
   }
   throw std::invalid_argument("flash_attention_sm75: head_dim must be 64 or 128, got " +
                               std::to_string(d));

@@ -57,8 +57,6 @@ struct Flash_fwd_params {
   int num_sms;          // SMs of the device (0 = unknown: the default tile)
   int small_grid_tile;  // Fwd_tile_config::SmallGridTraits: 0 = when it pays
                         // (prefer_small_grid_tile), 1 = always, -1 = never
-  int long_row_tile;    // Fwd_tile_config::LongRowTraits: 0 = when it pays
-                        // (prefer_long_row_tile), 1 = always, -1 = never
 
   // ---- decode (seqlen_q == 1, run_mha_fwd_decode; plan_decode) -------------------------
   int decode_ratio_bucket;   // q-heads per CTA, compile time: 1, 2, 4, 8, 16

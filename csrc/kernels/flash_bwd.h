@@ -37,10 +37,6 @@ struct Flash_bwd_params : public Flash_fwd_params {
   // (deterministic, no atomics, ~1.4x the matmul work of the atomic mode).
   bool dq_atomic;
 
-  // Shared memory per SM (bytes) that picks the d = 128 dK/dV kernel (make_bwd_plan); 0 = the
-  // device's (cudaDevAttrMaxSharedMemoryPerMultiprocessor). Set from FLASH_SM75_BWD_SMEM_PER_SM.
-  int smem_per_sm_override;
-
   // Deterministic mode: when dq_stream is not null, the dQ kernel runs on dq_stream,
   // concurrently with the dK/dV kernel (the two are independent; the CTAs of one fill the SMs
   // the other's last wave leaves idle). dq_fork is recorded on the caller's stream after the

@@ -33,8 +33,8 @@
 #include "bwd_block_info.h"
 #include "bwd_kernel_traits.h"
 #include "flash_bwd.h"
-#include "flash_fwd_kernel.h"  // load_tile_g2r / store_tile_r2s
 #include "fragment.h"
+#include "tile_io.h"
 #include "utils.h"
 
 namespace flash_sm75 {
@@ -54,10 +54,7 @@ __device__ __forceinline__ int fp32_tile_offset(int row, int col) {
 
 // The saved lse of a row in log2 units, as the exp2 recompute of P wants it. A row that saw no
 // key in the forward (lse = -inf), or a row past seqlen_q (callers pass -inf), gets +inf:
-// P = exp2(s - inf) = 0, so it contributes nothing (never NaN). The K-in-registers dK/dV
-// kernel applies it where it stores the prefetched lse to shared memory, not where it loads
-// it: there a compare right after the load made the loading warp wait for the load every tile
-// and the other warps wait at the barrier (ncu, session 11; -9% kernel time at d = 128).
+// P = exp2(s - inf) = 0, so it contributes nothing (never NaN).
 __device__ __forceinline__ float lse_log2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
@@ -173,26 +170,8 @@ __device__ __forceinline__ void reduce_over_query_splits(float (&acc)[Kt::kHeadD
 }
 
 // ---------------------------------------------------------------------------------------------
-// Registers -> shared memory for the dK/dV kernel's padded layout: row r of a tile starts at
-// r * kRowHalves halves (d + 8: rows are an odd number of 16-byte units apart, so the 8 rows an
-// ldmatrix reads hit 8 distinct bank groups). Unlike the XOR swizzle, every k-step / n-tile of a
-// fragment is then a constant byte offset from one per-lane base address (an immediate in LDSM),
-// which keeps the address registers out of the way of the dK/dV accumulators.
-template <typename Kt, int kN>
-__device__ __forceinline__ void store_tile_r2s_padded(const uint4 (&stage)[kN], __half* smem,
-                                                      int tid) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    const int idx = tid + i * Kt::kNThreads;
-    const int r = idx / Kt::kChunksPerRow;
-    const int c = idx % Kt::kChunksPerRow;
-    *reinterpret_cast<uint4*>(smem + r * Kt::kRowHalves + c * 8) = stage[i];
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Pieces shared by the two dK/dV kernels. A warp owns 16 keys (rows of its S^T / dP^T
-// accumulators) and kWC query columns qc0 .. qc0 + kWC - 1 of the current query tile.
+// Pieces of the dK/dV kernel. A warp owns 16 keys (rows of its S^T / dP^T accumulators) and
+// kWC query columns qc0 .. qc0 + kWC - 1 of the current query tile.
 
 // (key block, batch, kv head) of this CTA. Causal: the first key blocks are seen by the most
 // queries, so they are scheduled first.
@@ -404,8 +383,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       if (tid < kBM) {
         const int row = m0 + tid;
         const int64_t off = (static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + row;
-        // Converted here, unlike the K-in-registers kernel (which converts where it stores):
-        // converting in store_tile measured 1.6-1.9% slower for this kernel (d = 64, session 11).
+        // Converted right after the load: converting in store_tile instead measured 1.6-1.9%
+        // slower for this kernel (d = 64).
         lse_stage = lse_log2(row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY);
         dsum_stage = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
       }
@@ -578,239 +557,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     reduce_over_query_splits<Kt>(acc_dv, sRed, wn, wm, g, t);
   }
   if (wm == 0) store_dkdv<kD>(params, acc_dk, acc_dv, bidb, bidh_k, n0 + 16 * wn, g, t);
-}
-
-// ---------------------------------------------------------------------------------------------
-// dK / dV with K_w (and, if Kt::kVInRegs, V_w) in registers (deterministic mode;
-// Flash_bwd_dkdv_kreg_traits). Warp w owns keys 16 w .. 16 w + 15 of the block and all
-// kBlockM queries of each tile:
-//   S^T = K_w Q^T and dP^T = V_w dO^T (one k loop: 4 independent MMA chains per warp instead
-//   of 2) -> P^T -> dV += P^T dO -> dS^T = P^T o (dP^T - D) -> dK += dS^T Q,
-// with the A operands of S^T from registers and the B operands (Q, dO, plain and transposed)
-// from the tile's shared-memory buffer. Tile it + kStages is fetched meanwhile into buffer
-// (it + kStages) mod 2 kStages, through registers in two parts: Q is loaded at the top of the
-// loop and stored after S^T/dP^T, dO is loaded then and stored after dK (measured against other
-// schedules in benchmarks/NOTES.md, sessions 4 and 10); the block synchronizes after every
-// kStages-th tile.
-template <typename Kt, bool Is_causal>
-__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
-    flash_bwd_dkdv_kreg_kernel(const Flash_bwd_params params) {
-  constexpr int kD = Kt::kHeadDim;
-  constexpr int kBM = Kt::kBlockM;
-  constexpr int kBN = Kt::kBlockN;
-  constexpr int kRowH = Kt::kRowHalves;
-  constexpr int kRowB = Kt::kRowHalves * 2;
-  constexpr uint32_t kBuf = Kt::kBufBytes;  // byte offset of buffer 1 from buffer 0
-  constexpr uint32_t kDo = Kt::kQTileBytes;  // byte offset of the dO tile from the Q tile
-
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __half* sQ0 = reinterpret_cast<__half*>(smem_raw);                // [kNBuf] x (Q, dO tile)
-  float* sLse0 = reinterpret_cast<float*>(smem_raw + Kt::kOffLse);   // [kNBuf][Br] lse * log2(e)
-  float* sDsum0 = reinterpret_cast<float*>(smem_raw + Kt::kOffDsum);  // [kNBuf][Br] D
-
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
-  const int g = lane / 4;
-  const int t = lane % 4;
-  const int mi = lane / 8;
-
-  const DkdvBlock blk = dkdv_block<Is_causal>(params, kBN);
-  const int n0 = blk.n_block * kBN;
-  const int ratio = params.h_h_k_ratio;
-  const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, blk.bidb);
-  const MBlockRange mr = m_block_range(blk.n_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
-                                       params.causal_offset);
-  const int num_m = imax(mr.m_block_max - mr.m_block_min, 0);
-  const int total = num_m * ratio;  // (q head of the group, query tile) iterations
-  const float scale_log2 = params.scale_softmax_log2;
-
-  float acc_dk[kD / 8][4];
-  float acc_dv[kD / 8][4];
-  zero_acc(acc_dk);
-  zero_acc(acc_dv);
-
-  if (total > 0) {
-    // ---- K_w, V_w: global -> shared (padded rows, through the buffers' space) -> registers.
-    // kv_frag[kk] = A fragments of k-steps 2kk, 2kk + 1 (regs {0,1}, {2,3}).
-    uint32_t k_frag[kD / 16][4];
-    uint32_t v_frag[Kt::kVInRegs ? kD / 16 : 1][4];
-    __half* sV = reinterpret_cast<__half*>(smem_raw + (Kt::kVInRegs ? 0 : Kt::kOffV));
-    const uint32_t v_a_addr =
-        smem_u32addr(sV + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
-    {
-      const uint32_t a_addr =
-          smem_u32addr(sQ0 + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
-      const __half* k_base = static_cast<const __half*>(params.k_ptr) +
-                             blk.bidb * params.k_batch_stride + blk.bidh_k * params.k_head_stride;
-      const __half* v_base = static_cast<const __half*>(params.v_ptr) +
-                             blk.bidb * params.v_batch_stride + blk.bidh_k * params.v_head_stride;
-      uint4 kv[Kt::kKVChunksPerThread];
-      load_tile_g2r<Kt>(kv, k_base, params.k_row_stride, n0, kr.key_start, kr.key_end, tid);
-      store_tile_r2s_padded<Kt>(kv, sQ0, tid);
-      load_tile_g2r<Kt>(kv, v_base, params.v_row_stride, n0, kr.key_start, kr.key_end, tid);
-      __syncthreads();
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(k_frag[kk], a_addr + kk * 32);
-      __syncthreads();
-      store_tile_r2s_padded<Kt>(kv, sV, tid);
-      __syncthreads();
-      if constexpr (Kt::kVInRegs) {
-#pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(v_frag[kk], v_a_addr + kk * 32);
-        __syncthreads();
-      }
-    }
-
-    // Iterations run over (q-head of the group, query tile) pairs, query tiles inner. The
-    // cursor (nx_head, nx_m) names the next tile to fetch and steps without a division (an
-    // it / num_m per fetch cost ~25 dependent integer instructions in the loop's SASS).
-    int nx_head = blk.bidh_k * ratio;
-    int nx_m = mr.m_block_min;
-    auto advance = [&] {
-      if (++nx_m == mr.m_block_max) {
-        nx_m = mr.m_block_min;
-        ++nx_head;
-      }
-    };
-    constexpr int kStages = Kt::kStages;
-    constexpr int kNBuf = Kt::kNBuf;
-    // Q or dO tile (head, query tile m): global -> registers (load) and registers -> a padded tile.
-    constexpr int kQC = Kt::kQChunksPerThread;
-    auto load_q = [&](uint4 (&st)[kQC], int head, int m) {
-      load_tile_g2r<Kt>(st,
-                        static_cast<const __half*>(params.q_ptr) +
-                            blk.bidb * params.q_batch_stride + head * params.q_head_stride,
-                        params.q_row_stride, m * kBM, 0, params.seqlen_q, tid);
-    };
-    auto load_do = [&](uint4 (&st)[kQC], int head, int m) {
-      load_tile_g2r<Kt>(st,
-                        static_cast<const __half*>(params.do_ptr) +
-                            blk.bidb * params.do_batch_stride + head * params.do_head_stride,
-                        params.do_row_stride, m * kBM, 0, params.seqlen_q, tid);
-    };
-    // Raw lse (-inf past seqlen_q; converted by lse_log2 where it is stored) and D of row tid
-    // of tile (head, m) (threads tid < Br).
-    auto load_lse = [&](float& lse_s, float& dsum_s, int head, int m) {
-      const int row = m * kBM + tid;
-      const int64_t off =
-          (static_cast<int64_t>(blk.bidb) * params.h + head) * params.seqlen_q + row;
-      lse_s = row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY;
-      dsum_s = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
-    };
-
-    uint4 stage[kQC];  // Q, then dO, of the tile kStages ahead
-    float lse_stage = 0.f, dsum_stage = 0.f;
-    int cur_m = nx_m;  // query tile of iteration it
-    // Tiles 0 .. kStages - 1 into buffers 0 .. kStages - 1.
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      if (s < total) {
-        __half* sQs = sQ0 + s * (kBuf / 2);
-        uint4 st[kQC];
-        load_q(st, nx_head, nx_m);
-        store_tile_r2s_padded<Kt>(st, sQs, tid);
-        load_do(st, nx_head, nx_m);
-        store_tile_r2s_padded<Kt>(st, sQs + kBM * kRowH, tid);
-        if (tid < kBM) {
-          load_lse(lse_stage, dsum_stage, nx_head, nx_m);
-          sLse0[s * kBM + tid] = lse_log2(lse_stage);
-          sDsum0[s * kBM + tid] = dsum_stage;
-        }
-        advance();
-      }
-    }
-    __syncthreads();
-
-    // Per-lane ldmatrix addresses in buffer 0 (see flash_bwd_dkdv_kernel): B of S^T / dP^T
-    // (Q / dO rows, non-trans) and B of dV / dK (dO / Q rows, trans).
-    const uint32_t q_b_addr0 =
-        smem_u32addr(sQ0 + ((mi >> 1) * 8 + (lane % 8)) * kRowH + (mi & 1) * 8);
-    const uint32_t q_t_addr0 =
-        smem_u32addr(sQ0 + ((mi & 1) * 8 + (lane % 8)) * kRowH + (mi >> 1) * 8);
-
-    for (int it = 0; it < total; ++it) {
-      const int buf = it & (kNBuf - 1);
-      const int nbuf = (it + kStages) & (kNBuf - 1);  // buffer of the tile fetched now
-      const uint32_t q_b_addr = q_b_addr0 + buf * kBuf;
-      const uint32_t q_t_addr = q_t_addr0 + buf * kBuf;
-      const float* sLse = sLse0 + buf * kBM;
-      const float* sDsum = sDsum0 + buf * kBM;
-      __half* sQn = sQ0 + nbuf * (kBuf / 2);  // that tile's buffer (halves)
-      const int m0 = cur_m * kBM;
-      const bool has_next = it + kStages < total;
-      if (has_next) {
-        load_q(stage, nx_head, nx_m);
-        if (tid < kBM) load_lse(lse_stage, dsum_stage, nx_head, nx_m);
-      }
-
-      const bool need_mask = !tile_is_unmasked(m0 / kBM, blk.n_block, kBM, kBN, kr, Is_causal,
-                                               params.causal_offset);
-      // ---- S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x Br queries per warp), one k loop.
-      float acc_s[kBM / 8][4];
-      float acc_dp[kBM / 8][4];
-      zero_acc(acc_s);
-      zero_acc(acc_dp);
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        {
-          const uint32_t a_lo[2] = {k_frag[kk][0], k_frag[kk][1]};
-          const uint32_t a_hi[2] = {k_frag[kk][2], k_frag[kk][3]};
-#pragma unroll
-          for (int np = 0; np < kBM / 16; ++np) {
-            uint32_t b[4];
-            ldmatrix_x4(b, q_b_addr + np * 16 * kRowB + kk * 32);
-            mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
-          }
-        }
-        uint32_t a[4];
-        if constexpr (Kt::kVInRegs) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) a[i] = v_frag[Kt::kVInRegs ? kk : 0][i];
-        } else {
-          ldmatrix_x4(a, v_a_addr + kk * 32);
-        }
-        const uint32_t a_lo[2] = {a[0], a[1]};
-        const uint32_t a_hi[2] = {a[2], a[3]};
-#pragma unroll
-        for (int np = 0; np < kBM / 16; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4(b, q_b_addr + kDo + np * 16 * kRowB + kk * 32);
-          mma_k2n2(acc_dp[2 * np], acc_dp[2 * np + 1], a_lo, a_hi, b);
-        }
-      }
-      if (has_next) {  // that tile's Q to its buffer; its dO loads in flight from here
-        store_tile_r2s_padded<Kt>(stage, sQn, tid);
-        load_do(stage, nx_head, nx_m);
-      }
-
-      // ---- P^T, then dV += P^T dO.
-      uint32_t p_frag[kBM / 8][2];
-      probs_t<kBM, Is_causal>(acc_s, p_frag, sLse, 0, t, scale_log2, need_mask,
-                              n0 + 16 * warp + g, m0, kr, params.causal_offset);
-      gemm_rs_t<kBM, kD, kRowB, false>(acc_dv, p_frag, q_t_addr + kDo);
-
-      // ---- dS^T = P^T o (dP^T - D), then dK += dS^T Q.
-      uint32_t ds_frag[kBM / 8][2];
-      dsoftmax_t<kBM>(acc_s, acc_dp, ds_frag, sDsum, 0, t);
-      gemm_rs_t<kBM, kD, kRowB, false>(acc_dk, ds_frag, q_t_addr);
-      if (has_next) {
-        store_tile_r2s_padded<Kt>(stage, sQn + kBM * kRowH, tid);
-        if (tid < kBM) {
-          sLse0[nbuf * kBM + tid] = lse_log2(lse_stage);
-          sDsum0[nbuf * kBM + tid] = dsum_stage;
-        }
-      }
-      // After every kStages-th tile: tiles it + 1 .. it + kStages are complete in their
-      // buffers, and the buffers of tiles it - kStages + 1 .. it are free. (A buffer is written
-      // kStages iterations after it was last read and read kStages iterations after it was
-      // written; every run of kStages consecutive iterations ends one barrier.)
-      if (kStages == 1 || (it & (kStages - 1)) == kStages - 1) __syncthreads();
-      if (++cur_m == mr.m_block_max) cur_m = mr.m_block_min;
-      advance();
-    }
-  }
-  store_dkdv<kD>(params, acc_dk, acc_dv, blk.bidb, blk.bidh_k, n0 + 16 * warp, g, t);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -24,8 +24,9 @@
 
 #include "block_info.h"
 #include "flash.h"
-#include "flash_fwd_kernel.h"  // clamp_to_fp16_range
 #include "kernel_traits.h"
+#include "softmax.h"  // clamp_to_fp16_range
+#include "state.h"
 #include "utils.h"
 
 namespace flash_sm75 {
@@ -235,45 +236,40 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   __syncthreads();
   for (int i = tid; i < ratio * kD; i += T::kThreads) {
     const int h = i / kD, c = i % kD;
-    float mx = -INFINITY;
+    SoftmaxMerge<1> st;  // the warps' (m, l, unnormalised O) of head h, output dim c
 #pragma unroll
-    for (int w = 0; w < T::kWarps; ++w) mx = fmaxf(mx, sM[w * kR + h]);
-    const float ref = mx == -INFINITY ? 0.f : mx;
-    float sum = 0.f, acc = 0.f;
+    for (int w = 0; w < T::kWarps; ++w) st.max_with(sM[w * kR + h]);
+    st.start();
 #pragma unroll
     for (int w = 0; w < T::kWarps; ++w) {
-      const float f = exp2f((sM[w * kR + h] - ref) * scale_log2);
-      sum += f * sL[w * kR + h];
-      acc += f * sO[(w * kR + h) * kD + c];
+      st.add_unnormalised(st.weight(sM[w * kR + h], scale_log2), sL[w * kR + h],
+                          [&](int) { return sO[(w * kR + h) * kD + c]; });
     }
-    // sum = 0: no key (O = 0, LSE = -inf); NaN propagates (sum != 0 holds for NaN).
-    const bool any = sum != 0.f;
-    const float out = any ? acc / sum : 0.f;
-    const float lse = any ? ref * params.scale_softmax + logf(sum) : -INFINITY;
+    float out[1], lse;
+    st.result(params.scale_softmax, out, lse);
     const int hq = h0 + h;
     if (params.num_splits == 1) {
       __half* o_ptr = static_cast<__half*>(params.o_ptr) + bidb * params.o_batch_stride +
                       hq * params.o_head_stride;
-      o_ptr[c] = __float2half_rn(clamp_to_fp16_range(out));
+      o_ptr[c] = __float2half_rn(clamp_to_fp16_range(out[0]));
       if (c == 0) params.softmax_lse_ptr[static_cast<int64_t>(bidb) * params.h + hq] = lse;
     } else {
       // The split's raw max m and its sum l (relative to m), not one LSE: in fp32, m * scale +
       // log(l) loses log(l) once |m * scale| is large, and the merge would weight the splits
-      // wrongly (O = 2 instead of 1 in an emulator probe with scores ~1e8).
+      // wrongly (O = 2 instead of 1 at scores ~1e8; tests/emu check_decode_split_merges).
       const int64_t rows = static_cast<int64_t>(params.num_splits) * params.b * params.h;
       const int64_t row = (static_cast<int64_t>(split) * params.b + bidb) * params.h + hq;
-      params.oaccum_ptr[row * kD + c] = out;
+      params.oaccum_ptr[row * kD + c] = out[0];
       if (c == 0) {
-        params.softmax_lseaccum_ptr[row] = mx;
-        params.softmax_lseaccum_ptr[rows + row] = sum;
+        params.softmax_lseaccum_ptr[row] = st.m;
+        params.softmax_lseaccum_ptr[rows + row] = st.sum;
       }
     }
   }
 }
 
-// Merge of the splits of each (batch, q-head) row from their (m_s, l_s, O_s), as the warps of a
-// CTA merge: w_s = exp2((m_s - M) * scale * log2 e) * l_s with M = max_s m_s,
-// O = sum_s w_s O_s / sum_s w_s, LSE = M * scale + log(sum_s w_s). One warp per row.
+// Merge of the splits of each (batch, q-head) row from their (m_s, l_s, normalised O_s)
+// (SoftmaxMerge, state.h). One warp per row.
 template <int kD>
 __global__ void __launch_bounds__(128) flash_fwd_decode_merge_kernel(const Flash_fwd_params params) {
   constexpr int kDPL = kD / 32;
@@ -284,28 +280,20 @@ __global__ void __launch_bounds__(128) flash_fwd_decode_merge_kernel(const Flash
   const int bidb = static_cast<int>(row / params.h), hq = static_cast<int>(row % params.h);
   const float* m_s = params.softmax_lseaccum_ptr;
   const float* l_s = m_s + rows * params.num_splits;
-  float mx = -INFINITY;
-  for (int s = 0; s < params.num_splits; ++s) mx = fmaxf(mx, m_s[s * rows + row]);
-  const float ref = mx == -INFINITY ? 0.f : mx;
-  float sum = 0.f, acc[kDPL];
-#pragma unroll
-  for (int e = 0; e < kDPL; ++e) acc[e] = 0.f;
+  SoftmaxMerge<kDPL> st;
+  for (int s = 0; s < params.num_splits; ++s) st.max_with(m_s[s * rows + row]);
+  st.start();
   for (int s = 0; s < params.num_splits; ++s) {
-    // An empty split has m = -inf, l = 0, O = 0: weight exp2(-inf) * 0 = 0.
-    const float w = exp2f((m_s[s * rows + row] - ref) * params.scale_softmax_log2) * l_s[s * rows + row];
-    sum += w;
-    const float* src = params.oaccum_ptr + (s * rows + row) * kD + lane * kDPL;
-#pragma unroll
-    for (int e = 0; e < kDPL; ++e) acc[e] = fmaf(w, src[e], acc[e]);
+    st.add_normalised(st.weight(m_s[s * rows + row], params.scale_softmax_log2), l_s[s * rows + row],
+                      [src = params.oaccum_ptr + (s * rows + row) * kD + lane * kDPL](int e) {
+                        return src[e];
+                      });
   }
-  const bool any = sum != 0.f;  // no key: O = 0, LSE = -inf; NaN propagates
   __half* o_ptr = static_cast<__half*>(params.o_ptr) + bidb * params.o_batch_stride +
                   hq * params.o_head_stride + lane * kDPL;
 #pragma unroll
-  for (int e = 0; e < kDPL; ++e) {
-    o_ptr[e] = __float2half_rn(clamp_to_fp16_range(any ? acc[e] / sum : 0.f));
-  }
-  if (lane == 0) params.softmax_lse_ptr[row] = any ? ref * params.scale_softmax + logf(sum) : -INFINITY;
+  for (int e = 0; e < kDPL; ++e) o_ptr[e] = __float2half_rn(clamp_to_fp16_range(st.out(e)));
+  if (lane == 0) params.softmax_lse_ptr[row] = st.lse(params.scale_softmax);
 }
 
 }  // namespace flash_sm75

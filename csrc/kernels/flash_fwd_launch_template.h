@@ -15,14 +15,7 @@ namespace flash_sm75 {
 
 template <typename Kt, bool Is_causal>
 auto fwd_kernel() {
-  void (*kernel)(const Flash_fwd_params);
-  if constexpr (Kt::kPingPong) {
-    kernel = &flash_fwd_pingpong_kernel<Kt, Is_causal>;
-  } else if constexpr (Kt::kWarpRows == 32) {
-    kernel = &flash_fwd_m32_kernel<Kt, Is_causal>;
-  } else {
-    kernel = &flash_fwd_kernel<Kt, Is_causal>;
-  }
+  auto kernel = &flash_fwd_kernel<Kt, Is_causal>;
   set_max_dynamic_smem(kernel, Kt::kSmemSize);
   return kernel;
 }
@@ -62,17 +55,6 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
   using Config = Fwd_tile_config<kHeadDim>;
   using Kt = typename Config::Traits;
   using Ks = typename Config::SmallGridTraits;
-  using Kl = typename Config::LongRowTraits;
-  if constexpr (!std::is_void_v<Kl>) {
-    bool long_rows = params.long_row_tile > 0;
-    if (params.long_row_tile == 0) {
-      long_rows = prefer_long_row_tile(
-          middle_row_keys(params.seqlen_q, params.seqlen_k, Is_causal, params.causal_offset),
-          Config::kLongRowMinKeys, make_fwd_plan<Kl>(params.b, params.h, params.seqlen_q).num_blocks,
-          params.num_sms, [] { return fwd_ctas_per_sm<Kl, Is_causal>(); });
-    }
-    if (long_rows) return run_flash_fwd<Kl, Is_causal>(params, stream);
-  }
   if constexpr (!std::is_void_v<Ks>) {
     bool small = params.small_grid_tile > 0;
     if (params.small_grid_tile == 0 && params.num_sms > 0) {

@@ -1,4 +1,5 @@
-// Tile shapes of the SM75 forward kernel, one specialization per head dim.
+// Tiles of the SM75 forward kernel: the named tile parameters, the kernel traits derived from
+// them, and the tiles each head dim launches.
 //
 // This header is plain C++ (no device code) so that host code and the GoogleTest suite can
 // check every instantiation's shared-memory budget against the Turing limits.
@@ -19,56 +20,73 @@ constexpr int chunks_per_thread() {
   return kRows * (kHeadDim / 8) / kNThreads;
 }
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInSmem_ = false,
-          int kMinBlocksPerSm_ = 1, bool kPingPong_ = false, int kRescaleThreshold_ = 0,
-          int kLoadStyle_ = 0, bool kSplitTile_ = false, int kWarpRows_ = 16>
+// A forward tile is a struct of named parameters (C++17 has no class-type template arguments, so
+// the struct is the one type argument of Flash_fwd_kernel_traits). It sets the four shape fields
+// and derives from FwdTileDefaults, overriding only the choices that differ:
+//
+//   struct MyTile : FwdTileDefaults {
+//     static constexpr int kHeadDim = 64, kBlockM = 64, kBlockN = 64, kNWarps = 4;
+//     static constexpr int kMinBlocksPerSm = 3;
+//   };
+//
+//   kHeadDim         d
+//   kBlockM          Br: query rows per CTA (16 per warp)
+//   kBlockN          Bc: keys per K/V tile
+//   kNWarps          warps per CTA
+//   kQInSmem         Q fragments: false = loaded once into registers (d/4 registers per thread);
+//                    true = the Q tile stays in its own shared-memory region and is re-read with
+//                    ldmatrix for every K tile (fewer registers, more shared-memory reads).
+//   kMinBlocksPerSm  __launch_bounds__ minimum CTAs per SM (caps registers at
+//                    64K / (this x threads)).
+//   kRescaleThreshold  online-softmax rescale policy. 0: every tile moves the running max to the
+//                    new row max and rescales O and l (FlashAttention-2). t > 0: a warp keeps its
+//                    stale max (no O / l rescale, 64 FMULs and 2 exp2 per row saved at d = 128)
+//                    unless some row's max grew by more than t in log2 units; P = exp2(s -
+//                    m_stale) is then at most 2^t, safe in fp16 for t <= 15, and the result is
+//                    exact because l, O and the LSE all use the same stale max. Used at d = 128
+//                    (t = 8, +2-7% on the H200, benchmarks/NOTES.md); at d = 64 it spills under
+//                    the 3-CTA register cap.
+//   kLoadStyle       address arithmetic of the tile loads (tile_io.h, load_tile_g2r's kStyle:
+//                    0 = a 64-bit multiply per chunk, 1 = one row pointer plus a step per chunk,
+//                    2 = as 1 with an unchecked path for whole tiles). Same loads, different
+//                    SASS; picked per head dim by measurement (benchmarks/NOTES.md).
+//   kSplitTile       each K/V tile is processed as two halves of Bc/2 keys (flash_fwd_kernel): S
+//                    of the second half is issued beside the softmax of the first, and O += P V
+//                    of the first half beside the softmax of the second, so that one warp has
+//                    MMAs and softmax arithmetic in the same straight-line code (no branch
+//                    between them) for the scheduler to interleave. Same shared-memory layout
+//                    and barriers as the plain loop.
+struct FwdTileDefaults {
+  static constexpr bool kQInSmem = false;
+  static constexpr int kMinBlocksPerSm = 1;
+  static constexpr int kRescaleThreshold = 0;
+  static constexpr int kLoadStyle = 0;
+  static constexpr bool kSplitTile = false;
+};
+
+// The forward kernel's compile-time parameters: the tile's fields, checked against the kernel's
+// constraints and the Turing limits, and the shared-memory layout and copy counts derived from
+// them.
+template <typename Tile>
 struct Flash_fwd_kernel_traits {
-  static constexpr int kHeadDim = kHeadDim_;  // d
-  static constexpr int kBlockM = kBlockM_;    // Br: query rows per CTA
-  static constexpr int kBlockN = kBlockN_;    // Bc: keys per K/V tile
-  static constexpr int kNWarps = kNWarps_;
+  using TileConfig = Tile;
+  static constexpr int kHeadDim = Tile::kHeadDim;
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kNWarps = Tile::kNWarps;
   static constexpr int kNThreads = kNWarps * 32;
-  // Q fragments: false = loaded once into registers (d/4 registers per thread); true = the Q
-  // tile stays in its own shared-memory region and is re-read with ldmatrix for every K tile
-  // (fewer registers, more shared-memory reads).
-  static constexpr bool kQInSmem = kQInSmem_;
-  // __launch_bounds__ minimum CTAs per SM (caps registers at 64K / (this x threads)).
-  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
-  // flash_fwd_pingpong_kernel instead of flash_fwd_kernel: two warp groups alternate on the
-  // tensor cores; K and V are double-buffered in shared memory (4 tiles).
-  static constexpr bool kPingPong = kPingPong_;
-  // Online-softmax rescale policy. 0: every tile moves the running max to the new row max and
-  // rescales O and l (FlashAttention-2). t > 0: a warp keeps its stale max (no O / l rescale,
-  // 64 FMULs and 2 exp2 per row saved at d = 128) unless some row's max grew by more than t in
-  // log2 units; P = exp2(s - m_stale) is then at most 2^t, safe in fp16 for t <= 15, and the
-  // result is exact because l, O and the LSE all use the same stale max. Used at d = 128 (t = 8,
-  // +2-7% on the H200, benchmarks/NOTES.md); at d = 64 it spills under the 3-CTA register cap.
-  static constexpr int kRescaleThreshold = kRescaleThreshold_;
+  static constexpr bool kQInSmem = Tile::kQInSmem;
+  static constexpr int kMinBlocksPerSm = Tile::kMinBlocksPerSm;
+  static constexpr int kRescaleThreshold = Tile::kRescaleThreshold;
   static_assert(kRescaleThreshold >= 0 && kRescaleThreshold <= 15, "P must fit in fp16");
-  // Address arithmetic of the K/V tile loads (load_tile_g2r's kStyle: 0 = a 64-bit multiply per
-  // chunk, 1 = one row pointer plus a step per chunk, 2 = as 1 with an unchecked path for whole
-  // tiles). Same loads, different SASS; picked per head dim by measurement (NOTES, session 5).
-  static constexpr int kLoadStyle = kLoadStyle_;
+  static constexpr int kLoadStyle = Tile::kLoadStyle;
   static_assert(kLoadStyle >= 0 && kLoadStyle <= 2, "load style 0, 1 or 2");
-  // Each K/V tile is processed as two halves of Bc/2 keys (flash_fwd_kernel): S of the second
-  // half is issued beside the softmax of the first, and O += P V of the first half beside the
-  // softmax of the second, so that one warp has MMAs and softmax arithmetic in the same
-  // straight-line code (no branch between them) for the scheduler to interleave. Same
-  // shared-memory layout and barriers as the plain loop.
-  static constexpr bool kSplitTile = kSplitTile_;
-  static_assert(!kSplitTile ||
-                    (!kPingPong && !kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
+  static constexpr bool kSplitTile = Tile::kSplitTile;
+  static_assert(!kSplitTile || (!kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
                 "split tile: Q in registers, halves of 16k keys, a rescale threshold");
 
-  // Query rows per warp: 16 (one m16 MMA tile) or 32 (flash_fwd_m32_kernel: two m16 tiles
-  // share every K and V fragment read from shared memory, which halves the K/V ldmatrix bytes per
-  // MMA; Q is then re-read from shared memory, as O alone takes d/2 x 2 fp32 registers). S and P
-  // never leave the warp's registers.
-  static constexpr int kWarpRows = kWarpRows_;
-  static_assert(kWarpRows == 16 || (kWarpRows == 32 && kQInSmem && !kPingPong && !kSplitTile &&
-                                    kRescaleThreshold > 0),
-                "32-row warps: Q in shared memory, lock-step loop with a rescale threshold");
-  static_assert(kBlockM == kWarpRows * kNWarps, "each warp owns exactly kWarpRows query rows");
+  // Each warp owns 16 query rows (one m16 MMA tile); S and P never leave its registers.
+  static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");
   static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16 (ldmatrix.x4 k-pairs)");
   static_assert(kBlockN % 16 == 0, "Bc must be a multiple of 16 (ldmatrix.x4 n-pairs)");
 
@@ -81,9 +99,8 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kSmemQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kSmemKVOffset = kQInSmem ? kSmemQBytes : 0;  // bytes before sK
   static constexpr int kSmemSize =
-      kPingPong ? 4 * kSmemTileBytes
-      : kQInSmem ? kSmemQBytes + 2 * kSmemTileBytes
-                 : (2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes);
+      kQInSmem ? kSmemQBytes + 2 * kSmemTileBytes
+               : (2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes);
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   // Global <-> shared copies move 16 bytes per thread per step.
@@ -91,50 +108,52 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
 };
 
-// The tile configuration used for each head dim. Why these shapes (see DESIGN.md):
+// The tiles that ship. Why these shapes (see DESIGN.md):
 //  * Each warp keeps 16 rows of Q (d/4 registers), O (d/2 fp32 registers) and S (Bc/2 fp32
 //    registers) in registers; Bc = 64 gives a 16 x 64 S tile per warp.
 //  * d = 64: Br = 64 with 4 warps (~165 registers/thread, 16 KiB smem): three CTAs fit a T4 SM.
 //  * d = 128: Br = 128 with 8 warps. With 4 warps the per-thread register staging of the next
 //    K/V tile (Bc*d/128 halves) pushes the kernel past 255 registers and ptxas spills; 8 warps
 //    halve that staging and fit (246 / 248 registers, no spills). 32 KiB of smem.
-template <int kHeadDim>
-struct Fwd_tile_config;
+struct FwdTileD64 : FwdTileDefaults {
+  static constexpr int kHeadDim = 64, kBlockM = 64, kBlockN = 64, kNWarps = 4;
+  // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit.
+  static constexpr int kMinBlocksPerSm = 3;
+  static constexpr int kLoadStyle = 2;  // +3-8% at N = 4096 on the H200
+};
+// d = 64 for grids that FwdTileD64 runs in a little more than one wave: Q in shared memory,
+// Bc = 32, 4 CTAs per SM (<= 128 registers, 16 KiB smem each), 16 warps per SM instead of 12.
+// Measured 1.35x vs 1.12x of mem-efficient (bench_forward.py) at B=4 H=16 N=512 (512 CTAs: one
+// wave of 528 slots on the H200 instead of 1.3 waves of 396), slower from N = 1024 on.
+struct FwdTileD64SmallGrid : FwdTileDefaults {
+  static constexpr int kHeadDim = 64, kBlockM = 64, kBlockN = 32, kNWarps = 4;
+  static constexpr bool kQInSmem = true;
+  static constexpr int kMinBlocksPerSm = 4;
+};
+// Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile. Split tile:
+// +4-8% at N >= 1024 (246-248 registers, no spills).
+struct FwdTileD128 : FwdTileDefaults {
+  static constexpr int kHeadDim = 128, kBlockM = 128, kBlockN = 64, kNWarps = 8;
+  static constexpr int kRescaleThreshold = 8;
+  static constexpr bool kSplitTile = true;
+};
+
+// The tiles each head dim launches (flash_fwd_launch_template.h):
+//  * Traits: the default tile.
 //  * SmallGridTraits (void where there is none): a tile with more CTAs per SM for grids that the
 //    default tile runs in a little more than one wave but this one runs in one
 //    (prefer_small_grid_tile in launch_plan.h).
-//  * LongRowTraits (void where there is none): 32-row warps (flash_fwd_m32_kernel), for rows that
-//    see at least kLongRowMinKeys keys, in grids of more CTAs than SMs, on GPUs that keep two of
-//    its CTAs per SM (prefer_long_row_tile in launch_plan.h).
+template <int kHeadDim>
+struct Fwd_tile_config;
 template <>
 struct Fwd_tile_config<64> {
-  // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit. Load
-  // style 2: +3-8% at N = 4096 on the H200 (NOTES, session 5).
-  using Traits = Flash_fwd_kernel_traits<64, 64, 64, 4, false, 3, false, 0, 2>;
-  // Q in shared memory, Bc = 32, 4 CTAs per SM (<= 128 registers, 16 KiB smem each): 16 warps
-  // per SM instead of 12. Measured 1.42x vs 1.25x of mem-efficient in session 3's tune loop
-  // (bench_forward.py, session 5: 1.35x vs 1.12x) at B=4 H=16 N=512 (512 CTAs:
-  // one wave of 528 slots on the H200 instead of 1.3 waves of 396), slower from N = 1024 on.
-  using SmallGridTraits = Flash_fwd_kernel_traits<64, 64, 32, 4, true, 4>;
-  using LongRowTraits = void;
-  static constexpr int kLongRowMinKeys = 0;
+  using Traits = Flash_fwd_kernel_traits<FwdTileD64>;
+  using SmallGridTraits = Flash_fwd_kernel_traits<FwdTileD64SmallGrid>;
 };
 template <>
 struct Fwd_tile_config<128> {
-  // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile. Split tile:
-  // +4-8% at N >= 1024 (NOTES, session 7; 246-248 registers, no spills).
-  using Traits = Flash_fwd_kernel_traits<128, 128, 64, 8, false, 1, false, 8, 0, true>;
+  using Traits = Flash_fwd_kernel_traits<FwdTileD128>;
   using SmallGridTraits = void;
-  // 32-row warps, Q in shared memory, Bc = 32, 4 warps, 2 CTAs per SM (254/255 registers,
-  // 48 KiB): each K/V fragment feeds two m16 row tiles, 25% fewer shared-memory bytes per MMA.
-  // Measured on the H200 (NOTES, session 9): d = 128 N = 8192 271.7 TFLOP/s in b107c0e's
-  // bench_forward run against the default tile's 246.9 at fabb2f1 (+10%). The first build
-  // (cc601df's predecessor, +3-6% at N >= 1024, +7% at N = 512 non-causal) was 14% slower at
-  // N = 512 causal, whose rows see ~256 keys: hence kLongRowMinKeys (the middle query row must
-  // see >= 512 keys; not re-measured with the later +6%). A Turing SM (64 KiB of shared memory)
-  // holds one 48 KiB CTA, 4 warps: there the default tile runs.
-  using LongRowTraits = Flash_fwd_kernel_traits<128, 128, 32, 4, true, 2, false, 8, 1, false, 32>;
-  static constexpr int kLongRowMinKeys = 512;
 };
 
 }  // namespace flash_sm75

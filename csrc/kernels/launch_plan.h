@@ -47,27 +47,6 @@ inline bool prefer_small_grid_tile(int64_t default_blocks, int64_t default_slots
          small_blocks <= small_slots;
 }
 
-// Keys the middle query row of the problem sees (key j visible to row i iff j <= i +
-// causal_offset when causal): a cheap proxy for the keys per row of the grid's CTAs.
-inline int64_t middle_row_keys(int seqlen_q, int seqlen_k, bool causal, int causal_offset) {
-  if (!causal) return seqlen_k;
-  const int64_t seen = static_cast<int64_t>(seqlen_q / 2) + 1 + causal_offset;
-  return seen < 0 ? 0 : (seen > seqlen_k ? seqlen_k : seen);
-}
-
-// The 32-row-warp tile (Fwd_tile_config::LongRowTraits) pays when rows see many keys (its
-// per-warp prologue and epilogue cover twice the rows), when the grid has more CTAs than the GPU
-// has SMs (num_sms; a grid of at most one CTA per SM gives each SM one 4-warp CTA, against the
-// 8 warps of the 16-row tile's CTA over the same 128 rows) and when the SM keeps at least two of
-// its 4-warp CTAs resident (long_row_ctas_per_sm(): the occupancy query, called only if the
-// other tests pass). An unknown SM count or occupancy (0) keeps the default tile.
-template <typename CtasPerSm>
-inline bool prefer_long_row_tile(int64_t middle_keys, int min_keys, int64_t long_row_blocks,
-                                 int num_sms, CtasPerSm long_row_ctas_per_sm) {
-  return middle_keys >= min_keys && num_sms > 0 && long_row_blocks > num_sms &&
-         long_row_ctas_per_sm() >= 2;
-}
-
 // Decode (seqlen_q == 1, flash_decode_kernel.h): one CTA of 4 warps per (batch, kv head, key
 // split) runs the q-heads of the kv head together (GQA packing: K/V read once per kv head) on
 // CUDA cores; the splits of a row are merged by a second kernel. The key range is cut into

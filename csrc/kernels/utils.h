@@ -59,17 +59,6 @@ __device__ __forceinline__ void mma_m16n8k8(float (&d)[4], const uint32_t (&a)[2
       : "r"(a[0]), "r"(a[1]), "r"(b));
 }
 
-// Named CTA barriers (PTX bar.sync / bar.arrive with a barrier id and a thread count; sm_70+
-// semantics: the threads may reach the barrier from different instructions). bar.sync waits until
-// `nthreads` threads have arrived; bar.arrive counts the caller without waiting. Id 0 is the one
-// __syncthreads uses.
-__device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int nthreads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
-}
-
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);

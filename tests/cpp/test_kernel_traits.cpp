@@ -29,8 +29,7 @@ void expect_fits_sm75(int head_dim) {
   EXPECT_LE(Kt::kNThreads, kSm75MaxThreadsPerBlock);
   EXPECT_EQ(Kt::kNThreads % 32, 0);
   EXPECT_EQ(Kt::kNThreads, 32 * Kt::kNWarps);
-  EXPECT_TRUE(Kt::kWarpRows == 16 || Kt::kWarpRows == 32);  // one or two m16 MMA row tiles
-  EXPECT_EQ(Kt::kBlockM, Kt::kWarpRows * Kt::kNWarps);
+  EXPECT_EQ(Kt::kBlockM, 16 * Kt::kNWarps);  // one m16 MMA row tile per warp
   EXPECT_EQ(Kt::kBlockN % 16, 0);
   EXPECT_EQ(Kt::kHeadDim % 16, 0);
   // K and V tiles in fp16; Q and O are staged through the same space unless Q has its own.
@@ -52,20 +51,44 @@ TEST(KernelTraits, EveryFwdConfigFitsSm75) {
   EXPECT_GT(Small::kMinBlocksPerSm, Traits<64>::kMinBlocksPerSm);
   EXPECT_LE(Small::kMinBlocksPerSm * Small::kSmemSize, 64 * 1024);
   EXPECT_TRUE((std::is_void_v<Fwd_tile_config<128>::SmallGridTraits>));
-  // The d = 128 long-row tile: 32-row warps read Q from shared memory; two CTAs of 4 warps fit
-  // the 64K registers of an SM at 255 registers per thread, but not the 64 KiB of shared memory
-  // of a Turing SM (prefer_long_row_tile then keeps the default tile).
-  using Long = Fwd_tile_config<128>::LongRowTraits;
-  expect_fits_sm75<Long>(128);
-  EXPECT_EQ(Long::kWarpRows, 32);
-  EXPECT_TRUE(Long::kQInSmem);
-  EXPECT_EQ(Long::kBlockM, Traits<128>::kBlockM);  // same grid as the default tile
-  EXPECT_LE(Long::kMinBlocksPerSm * Long::kNThreads * 255, 64 * 1024);
-  EXPECT_GT(Long::kMinBlocksPerSm * Long::kSmemSize, 64 * 1024);
-  EXPECT_TRUE((std::is_void_v<Fwd_tile_config<64>::LongRowTraits>));
+  // Every tile's kMinBlocksPerSm CTAs fit the shared memory of a Turing SM.
+  EXPECT_LE(Traits<64>::kMinBlocksPerSm * Traits<64>::kSmemSize, 64 * 1024);
+  EXPECT_LE(Traits<128>::kMinBlocksPerSm * Traits<128>::kSmemSize, 64 * 1024);
   EXPECT_EQ(kSm75MaxSmemPerBlock, 64 * 1024);
   EXPECT_EQ(kSm75DefaultSmemPerBlock, 48 * 1024);
   EXPECT_EQ(kSm75MaxThreadsPerBlock, 1024);
+}
+
+// A tile names what differs from FwdTileDefaults; the traits read every field by name.
+struct TestTile : FwdTileDefaults {
+  static constexpr int kHeadDim = 64, kBlockM = 32, kBlockN = 32, kNWarps = 2;
+  static constexpr int kRescaleThreshold = 4;
+};
+
+TEST(KernelTraits, TileFieldsByNameWithDefaults) {
+  using Kt = Flash_fwd_kernel_traits<TestTile>;
+  static_assert(std::is_same_v<Kt::TileConfig, TestTile>);
+  EXPECT_EQ(Kt::kHeadDim, 64);
+  EXPECT_EQ(Kt::kBlockM, 32);
+  EXPECT_EQ(Kt::kBlockN, 32);
+  EXPECT_EQ(Kt::kNWarps, 2);
+  EXPECT_EQ(Kt::kNThreads, 64);
+  EXPECT_EQ(Kt::kRescaleThreshold, 4);  // overridden
+  EXPECT_FALSE(Kt::kQInSmem);           // defaults
+  EXPECT_EQ(Kt::kMinBlocksPerSm, 1);
+  EXPECT_EQ(Kt::kLoadStyle, 0);
+  EXPECT_FALSE(Kt::kSplitTile);
+  // The shipped tiles' choices that differ from the defaults.
+  static_assert(std::is_same_v<Traits<64>::TileConfig, FwdTileD64>);
+  static_assert(std::is_same_v<Traits<128>::TileConfig, FwdTileD128>);
+  EXPECT_EQ(Traits<64>::kMinBlocksPerSm, 3);
+  EXPECT_EQ(Traits<64>::kLoadStyle, 2);
+  EXPECT_EQ(Traits<128>::kRescaleThreshold, 8);
+  EXPECT_TRUE(Traits<128>::kSplitTile);
+  using Small = Fwd_tile_config<64>::SmallGridTraits;
+  static_assert(std::is_same_v<Small::TileConfig, FwdTileD64SmallGrid>);
+  EXPECT_TRUE(Small::kQInSmem);
+  EXPECT_EQ(Small::kBlockN, 32);
 }
 
 #ifdef FLASH_SM75_SOURCE_DIR

@@ -76,56 +76,6 @@ TEST(LaunchPlan, SmallGridTileOnlyWhenItSavesAWave) {
   EXPECT_FALSE(prefer_small_grid_tile(512, 396, 512, 0));
 }
 
-TEST(LaunchPlan, MiddleRowKeysCountsTheVisibleKeys) {
-  // Against a count over the keys of row seqlen_q / 2 (key j visible iff j <= i + offset).
-  for (int sq : {1, 2, 7, 128, 129, 512, 1000}) {
-    for (int sk : {1, 7, 128, 333, 512, 1000}) {
-      for (int off : {0, sk - sq}) {
-        for (bool causal : {false, true}) {
-          const int i = sq / 2;
-          int64_t want = 0;
-          for (int j = 0; j < sk; ++j) want += !causal || j <= i + off;
-          EXPECT_EQ(middle_row_keys(sq, sk, causal, off), want)
-              << "sq=" << sq << " sk=" << sk << " off=" << off << " causal=" << causal;
-        }
-      }
-    }
-  }
-}
-
-TEST(LaunchPlan, LongRowTileOnlyForLongRowsLargeGridsAndTwoCtasPerSm) {
-  constexpr int kMin = Fwd_tile_config<128>::kLongRowMinKeys;
-  constexpr int kSms = 132;
-  const int64_t big = 4 * 16 * 32;  // B=4 H=16 N=4096: 2048 CTAs of 128 rows
-  auto two = [] { return 2; };
-  // B=4 H=16 d=128 (measured, NOTES session 9): N=512 causal (middle row sees 257 keys) slower
-  // on the long-row tile, N=512 non-causal and N=1024 causal (513 keys) faster.
-  EXPECT_FALSE(prefer_long_row_tile(middle_row_keys(512, 512, true, 0), kMin, big, kSms, two));
-  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(512, 512, false, 0), kMin, big, kSms, two));
-  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(1024, 1024, true, 0), kMin, big, kSms, two));
-  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(8192, 8192, true, 0), kMin, big, kSms, two));
-  // The boundary: the middle row of a causal N x N problem sees N / 2 + 1 keys.
-  EXPECT_FALSE(prefer_long_row_tile(middle_row_keys(1020, 1020, true, 0), kMin, big, kSms, two));
-  EXPECT_TRUE(prefer_long_row_tile(middle_row_keys(1022, 1022, true, 0), kMin, big, kSms, two));
-  // A Turing SM keeps one 48 KiB CTA (4 warps); unknown occupancy (0) keeps the default.
-  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, big, kSms, [] { return 1; }));
-  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, big, kSms, [] { return 0; }));
-  // Grids of at most one CTA per SM keep the 16-row tile (8 warps per CTA); the grid must
-  // exceed the SM count; an unknown SM count (0) keeps the default tile.
-  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, kSms, kSms, two));
-  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, 16, kSms, two));
-  EXPECT_TRUE(prefer_long_row_tile(8192, kMin, kSms + 1, kSms, two));
-  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, big, 0, two));
-  // The occupancy query (a CUDA call) runs only when keys and grid pass.
-  int queries = 0;
-  auto counted = [&] { ++queries; return 2; };
-  EXPECT_FALSE(prefer_long_row_tile(100, kMin, big, kSms, counted));
-  EXPECT_FALSE(prefer_long_row_tile(8192, kMin, 16, kSms, counted));
-  EXPECT_EQ(queries, 0);
-  EXPECT_TRUE(prefer_long_row_tile(8192, kMin, big, kSms, counted));
-  EXPECT_EQ(queries, 1);
-}
-
 TEST(DecodePlan, OnlySingleQueryRowsAndSmallGroups) {
   EXPECT_TRUE(plan_decode(1, 32, 8, 1, 100, 40, true).use);
   EXPECT_FALSE(plan_decode(1, 32, 8, 2, 100, 40, true).use);    // seqlen_q > 1: prefill kernel

@@ -116,13 +116,6 @@ __device__ __forceinline__ void mma_m16n8k8(float (&d)[4], const uint32_t (&a)[2
   }
 }
 
-__device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
-  ::emu::named_barrier_sync(id, nthreads);
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int nthreads) {
-  ::emu::named_barrier_arrive(id, nthreads);
-}
-
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   uint32_t r;

@@ -81,7 +81,6 @@ struct Machine {
   std::vector<Fiber> fibers;
   std::vector<WarpState> warps;
   Barrier block_bar;
-  Barrier named[16];  // bar.sync / bar.arrive ids 1..15 (id 0 is block_bar)
   int cur = -1;
   Uint3 block_idx{0, 0, 0};
   const std::function<void()>* body = nullptr;
@@ -122,29 +121,6 @@ inline void barrier_wait(Barrier& b) {
 inline void syncthreads() { barrier_wait(machine().block_bar); }
 inline void syncwarp() { barrier_wait(warp().bar); }
 
-inline Barrier& named_barrier(int id, int nthreads) {
-  if (id <= 0 || id >= 16 || nthreads <= 0 || nthreads % 32 != 0) {
-    std::fprintf(stderr, "emu: bad named barrier id %d / thread count %d\n", id, nthreads);
-    std::abort();
-  }
-  Barrier& b = machine().named[id];
-  if (b.count != 0 && b.n != nthreads) {
-    std::fprintf(stderr, "emu: named barrier %d used with thread counts %d and %d\n", id, b.n,
-                 nthreads);
-    std::abort();
-  }
-  b.n = nthreads;
-  return b;
-}
-inline void named_barrier_sync(int id, int nthreads) { barrier_wait(named_barrier(id, nthreads)); }
-inline void named_barrier_arrive(int id, int nthreads) {
-  Barrier& b = named_barrier(id, nthreads);
-  if (++b.count == b.n) {
-    b.count = 0;
-    ++b.gen;
-  }
-}
-
 // Warp collective: each lane posts up to 4 words, waits for the whole warp, and gets a pointer
 // to the 32 lanes' posts (valid until the lane's next collective).
 inline const uint32_t (*warp_exchange(const uint32_t* in, int n))[4] {
@@ -176,7 +152,6 @@ inline void run_block(Uint3 block_idx, int nthreads, const std::function<void()>
   for (auto& w : m.warps) w.bar.n = 32;
   m.block_bar = Barrier{};
   m.block_bar.n = nthreads;
-  for (auto& b : m.named) b = Barrier{};
   std::memset(flash_sm75::smem_raw, 0xff, kMaxSmem);  // fp16/fp32 NaN poison
   for (int i = 0; i < nthreads; ++i) {
     Fiber& f = m.fibers[i];
@@ -244,13 +219,6 @@ inline void run_block(Uint3 block_idx, int nthreads, const std::function<void()>
     }
   }
   m.cur = -1;
-  for (int id = 1; id < 16; ++id) {
-    if (m.named[id].count != 0) {
-      std::fprintf(stderr, "emu: CTA exits with %d pending arrivals on named barrier %d\n",
-                   m.named[id].count, id);
-      std::abort();
-    }
-  }
 }
 
 // Runs a grid of CTAs in a shuffled order.

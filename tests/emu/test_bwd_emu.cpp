@@ -128,15 +128,13 @@ bool try_decode(Flash_fwd_params& p) {
 // Which forward tile of Fwd_tile_config Kt is, for the report lines.
 template <typename Kt>
 const char* tile_name() {
-  return Kt::kWarpRows == 32 ? "long-row tile" : Kt::kQInSmem ? "small-grid tile" : "default tile";
+  return Kt::kQInSmem ? "small-grid tile" : "default tile";
 }
 
-// The forward kernel of Kt (as fwd_kernel() in flash_fwd_launch_template.h picks it).
+// The forward kernel of Kt (as fwd_kernel() in flash_fwd_launch_template.h launches it).
 template <typename Kt, bool kCausal>
 void fwd_kernel_body(const Flash_fwd_params& p) {
-  if constexpr (Kt::kPingPong) flash_fwd_pingpong_kernel<Kt, kCausal>(p);
-  else if constexpr (Kt::kWarpRows == 32) flash_fwd_m32_kernel<Kt, kCausal>(p);
-  else flash_fwd_kernel<Kt, kCausal>(p);
+  flash_fwd_kernel<Kt, kCausal>(p);
 }
 
 template <int kD, bool kCausal>
@@ -154,18 +152,6 @@ void run_forward(Flash_fwd_params& p) {
       return;
     }
   }
-  using Kl = typename Fwd_tile_config<kD>::LongRowTraits;
-  if constexpr (!std::is_void_v<Kl>) {
-    // The 32-row-warp tile (chosen on the GPU by keys per row and occupancy) on the cases with an
-    // even b + seqlen_q + seqlen_k (3 of the 8 quick d = 128 cases: causal sq > sk both
-    // alignments, MQA with key ranges), fixed per case as above.
-    if ((p.b + p.seqlen_q + p.seqlen_k) % 2 == 0) {
-      const FwdLaunchPlan plan = make_fwd_plan<Kl>(p.b, p.h, p.seqlen_q);
-      emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-                  [&] { fwd_kernel_body<Kl, kCausal>(p); });
-      return;
-    }
-  }
   using Kt = typename Fwd_tile_config<kD>::Traits;
   const FwdLaunchPlan plan = plan_fwd_launch(kD, p.b, p.h, p.seqlen_q);
   emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
@@ -175,18 +161,9 @@ void run_forward(Flash_fwd_params& p) {
 template <int kD, bool kCausal>
 void run_backward(Flash_bwd_params& p) {
   using Kt = typename Bwd_tile_config<kD>::Traits;
-  using Kr = typename Bwd_tile_config<kD>::KregTraits;
-  using Kr1 = typename Bwd_tile_config<kD>::KregTraits1;
   using Kq = typename Bwd_tile_config<kD>::DqTraits;
-  // Every dK/dV kernel of the deterministic mode: an H200-sized SM (228 KiB of shared memory,
-  // K-in-registers kernel, two query tiles per barrier), a 100 KiB one (the same kernel, one
-  // tile per barrier) or a Turing one (64 KiB, 8-warp kernel), fixed per case so that the
-  // bitwise rerun compares the same kernel.
-  const int smem_per_sm = (p.seqlen_q + p.seqlen_k) % 2 ? 228 * 1024
-                          : p.is_causal                 ? 100 * 1024
-                                                        : 64 * 1024;
-  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq, Kr, Kr1>(
-      p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, p.dq_atomic, smem_per_sm);
+  const BwdLaunchPlan plan =
+      make_bwd_plan<Kt, Kq>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, p.dq_atomic);
   emu::launch(static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads,
               [&] { flash_bwd_preprocess_kernel<kD>(p); });
   if (p.dq_atomic) {
@@ -195,19 +172,8 @@ void run_backward(Flash_bwd_params& p) {
     emu::launch(static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads,
                 [&] { flash_bwd_convert_dq_kernel<kD>(p); });
   } else {
-    emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, [&] {
-      if constexpr (!std::is_void_v<Kr>) {
-        if (plan.dkdv_keys_in_regs && plan.dkdv_stages == Kr::kStages) {
-          return flash_bwd_dkdv_kreg_kernel<Kr, kCausal>(p);
-        }
-      }
-      if constexpr (!std::is_void_v<Kr1>) {
-        if (plan.dkdv_keys_in_regs && plan.dkdv_stages == Kr1::kStages) {
-          return flash_bwd_dkdv_kreg_kernel<Kr1, kCausal>(p);
-        }
-      }
-      flash_bwd_dkdv_kernel<Kt, kCausal, false>(p);
-    });
+    emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
+                [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false>(p); });
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
                 [&] { flash_bwd_dq_kernel<Kq, kCausal>(p); });
   }
@@ -411,8 +377,8 @@ void run_fwd_one_head(std::vector<__half>& q, std::vector<__half>& k, std::vecto
 //   "rising": 1 query; tiles 0 and 2 hold keys = -q (score -d a^2, a hugely negative first
 //            max), tiles 1 and 3 zero keys (score 0): the max jumps and 128 keys tie.
 //   "two-mag" (two_mags, with "mixed" keys): 48 queries, rows 16-31 of every 32 scaled by
-//            a / 64 instead of a, so the two m16 row tiles of a 32-row warp (the long-row tile)
-//            sit at different magnitudes (one may take the exact path, the other not).
+//            a / 64 instead of a, so neighbouring warps' rows sit at different magnitudes (one
+//            may take the exact path, the other not).
 template <typename Kt>
 int check_huge_scores_case(float a, bool rising, uint32_t seed, bool two_mags = false) {
   constexpr int D = Kt::kHeadDim;
@@ -470,12 +436,10 @@ int check_huge_scores() {
   for (float a : {4096.f, 65504.f, 64.f}) {
     for (bool rising : {false, true}) {
       fails += check_huge_scores_case<Fwd_tile_config<128>::Traits>(a, rising, seed++);
-      fails += check_huge_scores_case<Fwd_tile_config<128>::LongRowTraits>(a, rising, seed++);
       fails += check_huge_scores_case<Fwd_tile_config<64>::Traits>(a, rising, seed++);
       fails += check_huge_scores_case<Fwd_tile_config<64>::SmallGridTraits>(a, rising, seed++);
     }
     fails += check_huge_scores_case<Fwd_tile_config<128>::Traits>(a, false, seed++, true);
-    fails += check_huge_scores_case<Fwd_tile_config<128>::LongRowTraits>(a, false, seed++, true);
   }
   return fails;
 }
@@ -484,8 +448,8 @@ int check_huge_scores() {
 // so s_ij = a^2 + delta_j exactly (a = 2048 / 4096: scaled scores ~2^19 / 2^21, below the exact
 // path). "spread": delta_j even in [0, 46] (all keys within ~6 log2 units: the stale max is
 // used); "rising": delta_j = 2 j (the max moves by 8 log2 units every ~32 keys). An exponent that
-// carries the rounding error of rn(m * scale_log2) (~1 ulp of 2^21) put 1e-2..7e-2 errors into O
-// (the split tile's first form; found by a review helper); the reference is float64.
+// carries the rounding error of rn(m * scale_log2) (~1 ulp of 2^21) puts 1e-2..7e-2 errors into
+// O, which this catches; the reference is float64.
 template <typename Kt>
 int check_large_spread_case(float a, bool rising, uint32_t seed) {
   constexpr int D = Kt::kHeadDim;
@@ -531,7 +495,6 @@ int check_large_spread_scores() {
   for (float a : {2048.f, 4096.f}) {
     for (bool rising : {false, true}) {
       fails += check_large_spread_case<Fwd_tile_config<128>::Traits>(a, rising, seed++);
-      fails += check_large_spread_case<Fwd_tile_config<128>::LongRowTraits>(a, rising, seed++);
       fails += check_large_spread_case<Fwd_tile_config<64>::Traits>(a, rising, seed++);
     }
   }
@@ -540,9 +503,8 @@ int check_large_spread_scores() {
 
 // Decode kernel with key splits at huge scores: q = a * signs, key j = +-q (tied best keys: one
 // in the first 128-key split, 128 in the second), v = 1, so O = 1 exactly and
-// LSE = d a^2 scale + log(129) (the other keys add exp(-2 d a^2 scale) ~ 0). With one fp32 LSE
-// per split (before the fix) the merge gave O = 2 at a = 4096. A NaN in one key gives NaN out
-// and LSE.
+// LSE = d a^2 scale + log(129) (the other keys add exp(-2 d a^2 scale) ~ 0). A merge of one
+// fp32 LSE per split gives O = 2 at a = 4096. A NaN in one key gives NaN out and LSE.
 template <int kD>
 int check_decode_split_merge(float a, bool nan_key) {
   constexpr int kSk = 256;

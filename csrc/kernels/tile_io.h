@@ -1,0 +1,94 @@
+// Tile copies between global memory, registers and shared memory, shared by the forward and
+// backward kernels. SM75 has no cp.async: a tile is fetched from global memory into registers
+// (16 bytes per thread per step, issued early so the loads are in flight during MMAs) and
+// written to shared memory later, in the layout the kernel's ldmatrix reads expect.
+//
+// Kt is any kernel traits type with kNThreads and kChunksPerRow (16-byte chunks per row);
+// store_tile_r2s_padded also needs kRowHalves (the padded row stride).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "flash.h"
+#include "utils.h"
+
+namespace flash_sm75 {
+
+// Global -> registers: the Kt::kNThreads threads of the CTA fetch a kRows x d fp16 tile, 16 bytes
+// per thread per step, rows [row0, row0 + kRows). Rows outside [valid_begin, valid_end) are
+// zero-filled: they are never read from memory, and zero V rows keep masked keys (P = 0) from
+// contributing 0 * garbage = NaN.
+// kStyle picks the address arithmetic (same loads, different SASS; chosen per kernel by
+// measurement, Flash_fwd_kernel_traits::kLoadStyle): 0 = a 64-bit row multiply per chunk;
+// 1 = one row pointer per call plus a 64-bit step per chunk; 2 = as 1, with a CTA-uniform
+// branch to unchecked loads when the whole tile is in range.
+template <typename Kt, int kStyle = 0, int kN>
+__device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* base,
+                                              index_t row_stride, int row0, int valid_begin,
+                                              int valid_end, int tid) {
+  constexpr int kCPR = Kt::kChunksPerRow;
+  if constexpr (kStyle == 0) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int idx = tid + i * Kt::kNThreads;
+      const int grow = row0 + idx / kCPR;
+      if (grow >= valid_begin && grow < valid_end) {
+        stage[i] = __ldg(reinterpret_cast<const uint4*>(base + grow * row_stride + idx % kCPR * 8));
+      } else {
+        stage[i] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    return;
+  }
+  constexpr int kRowsPerPass = Kt::kNThreads / kCPR;
+  static_assert(Kt::kNThreads % kCPR == 0, "a pass covers whole rows");
+  const int grow0 = row0 + tid / kCPR;
+  const __half* p = base + grow0 * row_stride + (tid % kCPR) * 8;
+  const index_t step = kRowsPerPass * row_stride;
+  if (kStyle == 2 && row0 >= valid_begin && row0 + kN * kRowsPerPass <= valid_end) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int grow = grow0 + i * kRowsPerPass;
+    if (grow >= valid_begin && grow < valid_end) {
+      stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
+    } else {
+      stage[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// Registers -> shared memory, in the swizzled layout (see swizzle_offset).
+template <typename Kt, int kN>
+__device__ __forceinline__ void store_tile_r2s(const uint4 (&stage)[kN], __half* smem, int tid) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int idx = tid + i * Kt::kNThreads;
+    const int r = idx / Kt::kChunksPerRow;
+    const int c = idx % Kt::kChunksPerRow;
+    *reinterpret_cast<uint4*>(smem + swizzle_offset<Kt::kChunksPerRow>(r, c)) = stage[i];
+  }
+}
+
+// Registers -> shared memory for the dK/dV kernel's padded layout: row r of a tile starts at
+// r * kRowHalves halves (d + 8: rows are an odd number of 16-byte units apart, so the 8 rows an
+// ldmatrix reads hit 8 distinct bank groups). Unlike the XOR swizzle, every k-step / n-tile of a
+// fragment is then a constant byte offset from one per-lane base address (an immediate in LDSM),
+// which keeps the address registers out of the way of the dK/dV accumulators.
+template <typename Kt, int kN>
+__device__ __forceinline__ void store_tile_r2s_padded(const uint4 (&stage)[kN], __half* smem,
+                                                      int tid) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int idx = tid + i * Kt::kNThreads;
+    const int r = idx / Kt::kChunksPerRow;
+    const int c = idx % Kt::kChunksPerRow;
+    *reinterpret_cast<uint4*>(smem + r * Kt::kRowHalves + c * 8) = stage[i];
+  }
+}
+
+}  // namespace flash_sm75
