@@ -514,12 +514,12 @@ def _gpu_fallback_cases():
         ("mask_float", {"attn_mask": "float"}, "attn_mask"),
         ("fp32", {"dtype": torch.float32}, "float32"),
         ("bf16", {"dtype": torch.bfloat16}, "bfloat16"),
-        ("head_dim_80", {"d": 80}, "head_dim is 80"),
-        ("head_dim_32", {"d": 32}, "head_dim is 32"),
+        ("head_dim_80", {"d": 80}, "head_dim must be 64 or 128, got 80"),
+        ("head_dim_32", {"d": 32}, "head_dim must be 64 or 128, got 32"),
         ("3d", {"three_d": True}, "3-D"),
         ("causal_unequal_fp32", {"is_causal": True, "s_q": 5, "s_k": 11,
                                  "dtype": torch.float32}, "float32"),
-        ("scale_negative", {"scale": -0.5}, "scale=-0.5"),
+        ("scale_negative", {"scale": -0.5}, "softmax_scale must be a finite number > 0"),
     ]
 
 
@@ -577,9 +577,10 @@ def test_gpu_fallback_misaligned_and_odd_strides():
     q, k, v = bhsd(2, 4, 4, 32, 32, 64, device="cuda")
     flat = torch.empty(q.numel() + 4, dtype=torch.float16, device="cuda")
     q_mis = flat[4:].view(q.shape).copy_(q)
-    assert "not 16-byte aligned" in fa.why_not_supported(q_mis, k, v)
+    assert "query must be 16-byte aligned" in fa.why_not_supported(q_mis, k, v)
     k_odd = torch.zeros(2, 4, 32, 68, dtype=torch.float16, device="cuda")[..., :64].copy_(k)
-    assert "divisible by 8" in fa.why_not_supported(q, k_odd, v)
+    assert "key must be 16-byte aligned with batch/seq/head strides divisible by 8" in (
+        fa.why_not_supported(q, k_odd, v))
     for args in [(q_mis, k, v), (q, k_odd, v)]:
         assert assert_same_as_torch(args, {}) is not None
 
