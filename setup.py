@@ -148,9 +148,10 @@ def sources():
     return files
 
 
+# No -std flag: torch adds the C++ standard its headers need (C++17 for torch 2.6-2.11, C++20
+# for 2.15, whose headers reject C++17); our sources compile as either.
 nvcc_flags = [
     "-O3",
-    "-std=c++17",
     "--use_fast_math",
     "--expt-relaxed-constexpr",
     "-lineinfo",
@@ -180,7 +181,7 @@ def build_setup_kwargs():
                 name="flash_attention_sm75._C",
                 sources=sources(),
                 include_dirs=[os.path.join(ROOT, "csrc")],
-                extra_compile_args={"cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x030A0000"],
+                extra_compile_args={"cxx": ["-O3", "-DPy_LIMITED_API=0x030A0000"],
                                     "nvcc": nvcc_flags},
                 py_limited_api=True,
             )
