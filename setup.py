@@ -7,8 +7,9 @@ Build against the torch you already have (Colab, Kaggle, any CUDA build of torch
 Without --no-build-isolation pip builds in a fresh environment with the newest torch from PyPI,
 and the extension then only loads with that torch.
 
-Before compiling, setup.py checks that a CUDA toolkit (nvcc) is there and that its major version
-is the one torch was built with (torch.version.cuda), and stops with the fix when it is not.
+Before compiling, setup.py checks that torch is a CUDA build >= 2.6, that a CUDA toolkit (nvcc)
+is there and that its major version is the one torch was built with (torch.version.cuda), and
+stops with the fix when one of them is not.
 
 Environment knobs:
   TORCH_CUDA_ARCH_LIST  architectures to build; default "7.5+PTX" (Turing SASS plus PTX that the
