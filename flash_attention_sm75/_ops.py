@@ -27,6 +27,7 @@ import contextlib
 import math
 import os
 import threading
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -43,6 +44,17 @@ __all__ = [
     "is_deterministic_backward",
 ]
 
+
+def _built_for_other_torch() -> Optional[str]:
+    """The torch the extension was compiled against, when it is not the running one (setup.py
+    writes ``_build_info.py`` beside ``_C``; no such file, or the same torch, gives None)."""
+    try:
+        from ._build_info import TORCH_VERSION as built
+    except ImportError:
+        return None
+    return None if built == torch.__version__ else built
+
+
 try:
     from . import _C  # noqa: F401  (registers torch.ops.flash_attention_sm75.*)
 
@@ -51,6 +63,15 @@ try:
 except ImportError as e:  # not built, or built against another torch/CUDA
     EXTENSION_AVAILABLE = False
     EXTENSION_ERROR = f"{type(e).__name__}: {e}"
+_built = _built_for_other_torch()
+if _built is not None:
+    _mismatch = (f"flash_attention_sm75: the extension was built against torch {_built}, this is "
+                 f"torch {torch.__version__}; rebuild it with the torch you run: "
+                 f"`pip install --no-build-isolation .` in the source tree")
+    if EXTENSION_AVAILABLE:  # it loaded, but torch's C++ ABI differs between releases
+        warnings.warn(_mismatch, RuntimeWarning, stacklevel=2)
+    else:
+        EXTENSION_ERROR += f" ({_mismatch})"
 
 
 def require_extension() -> None:
@@ -58,8 +79,8 @@ def require_extension() -> None:
     if not EXTENSION_AVAILABLE:
         raise RuntimeError(
             "flash_attention_sm75: the compiled extension flash_attention_sm75._C could not be "
-            f"imported ({EXTENSION_ERROR}); build it with `pip install .` or "
-            "`python setup.py build_ext --inplace`")
+            f"imported ({EXTENSION_ERROR}); build it with `pip install --no-build-isolation .` "
+            "(README: Set-up)")
 
 
 # Set by deterministic_backward(), process-wide: PyTorch runs the backward of CUDA tensors on its

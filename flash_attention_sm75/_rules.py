@@ -279,8 +279,9 @@ def not_supported_reason(
     elif h % h_k != 0:
         return (f"num_heads ({h}) must be a multiple of num_heads_k ({h_k}) for GQA/MQA"
                 + _BHSD_HINT * bhsd)
-    if max(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2]) > MAX_EXTENT:
-        return "batch, seqlen and heads must each be < 2^31"
+    for extent in (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2]):  # not max(): torch 2.6's dynamo
+        if extent > MAX_EXTENT:                                  # cannot trace max() of SymInts
+            return "batch, seqlen and heads must each be < 2^31"
     if leftpad_k is not None:
         r = _key_range_reason("leftpad_k", leftpad_k, q)
         if r is not None:

@@ -10,10 +10,15 @@
 #   3. runs python -m pytest -q tests (no tests collected, or none passed, is a failure);
 #   4. configures, builds and runs the LibTorch/GoogleTest suite with CMake + CTest (zero tests,
 #      or none passed, is a failure);
+#   5. newest torch: a venv (build/newest-torch) with the newest torch on PyPI, the package built
+#      and installed there as a user would (pip install --no-build-isolation .), then the CPU
+#      test suite and the sm_75 ptxas check run with it (the supported range has no upper bound);
 # and prints one summary line. GPU tests skip themselves when no GPU is visible.
 #
 # Knobs: PYTHON (default python3), MAX_JOBS (default 2), TORCH_INDEX_URL (index for torch),
-#        BUILD_DIR (CMake build dir, default build/cmake), SKIP_INSTALL=1 (use what is installed).
+#        BUILD_DIR (CMake build dir, default build/cmake), SKIP_INSTALL=1 (use what is installed),
+#        SKIP_NEWEST_TORCH=1 (skip step 5), NEWEST_TORCH_VERSION (step 5's torch; default: the
+#        newest on the index).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -180,6 +185,69 @@ else
   ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j "$MAX_JOBS" \
     --output-junit "$ROOT/$RESULTS/ctest.xml" || rc=$?
   judge_junit ctest "$rc" "$RESULTS/ctest.xml"
+fi
+
+# ---- 5. newest torch on PyPI --------------------------------------------------------------------
+# pyproject.toml says torch >= 2.6 with no upper bound, so the newest release must build and pass.
+# Its own venv (the main environment keeps its torch), seeing the main environment's packages
+# (pytest, transformers, ...) after its own through a .pth file. The package is built from a
+# copy of the tree and installed non-editable, as `pip install --no-build-isolation .` does for
+# a user; the copy's package folder is then removed so that the tests import the installed one.
+newest_torch() {
+  local dir=$ROOT/build/newest-torch
+  local venv=$dir/venv src=$dir/src py=$dir/venv/bin/python version rc
+  log "newest torch: venv $venv"
+  if [ ! -x "$py" ]; then
+    "$PY" -m venv "$venv" || { fail "newest-torch (venv)"; return; }
+  fi
+  "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+    > "$("$py" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/_flash_sm75_main_env.pth"
+  local index=()
+  [ -z "${TORCH_INDEX_URL:-}" ] || index=(--index-url "$TORCH_INDEX_URL")
+  if ! "$py" -m pip install -q --upgrade "${index[@]}" \
+      "torch${NEWEST_TORCH_VERSION:+==$NEWEST_TORCH_VERSION}"; then
+    fail "newest-torch (pip install torch)"; return
+  fi
+  "$py" -m pip install -q --upgrade "setuptools>=64" wheel ninja || { fail "newest-torch (build tools)"; return; }
+  version=$("$py" -c 'import torch; print(torch.__version__)')
+  log "newest torch: torch $version (CUDA $("$py" -c 'import torch; print(torch.version.cuda)')); pip install --no-build-isolation . (MAX_JOBS=$MAX_JOBS)"
+  rm -rf "$src" && mkdir -p "$src"
+  if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$src"
+  else
+    tar --exclude=./build --exclude=./.venv --exclude=./.git --exclude='*.so' -cf - . | tar -xf - -C "$src"
+  fi
+  local build_log=$RESULTS/newest-torch-build.log
+  if ! (cd "$src" && "$py" -m pip install -v --no-build-isolation "$src") > "$build_log" 2>&1; then
+    grep -E "error|Error" "$build_log" | head -n 30
+    tail -n 15 "$build_log"
+    fail "newest-torch $version (build; log: $build_log)"; return
+  fi
+  grep -E "^ *\[[0-9]+/[0-9]+\]|Successfully installed" "$build_log" | sed 's/ -.*//' | tail -n 3
+  rm -rf "$src/flash_attention_sm75"
+  if ! (cd "$src" && "$py" -c 'import flash_attention_sm75 as fa, torch, sys
+print("flash_attention_sm75", fa.__version__, "from", fa.__file__, "extension:", fa.EXTENSION_AVAILABLE)
+sys.exit(0 if fa.EXTENSION_AVAILABLE and "site-packages" in fa.__file__ else 1)'); then
+    fail "newest-torch $version (import)"; return
+  fi
+  log "newest torch: scripts/check_sm75.py"
+  if "$py" "$src/scripts/check_sm75.py" --jobs "$MAX_JOBS" --json "$RESULTS/newest-torch-check_sm75.json"; then
+    SUMMARY+=("newest-torch check_sm75 OK")
+  else
+    fail "newest-torch check_sm75"
+  fi
+  # tests/test_emu_kernels.py runs the kernels on a CPU emulator without torch: step 3 ran it.
+  log "newest torch: python -m pytest -q tests (torch $version; not test_emu_kernels.py)"
+  rc=0
+  (cd "$src" && "$py" -m pytest -q tests -p no:cacheprovider --ignore=tests/test_emu_kernels.py \
+    --junitxml="$ROOT/$RESULTS/newest-torch-pytest.xml") || rc=$?
+  judge_junit "newest-torch $version pytest" "$rc" "$RESULTS/newest-torch-pytest.xml"
+}
+
+if [ "${SKIP_NEWEST_TORCH:-0}" = 1 ]; then
+  SUMMARY+=("newest-torch skipped (SKIP_NEWEST_TORCH=1)")
+else
+  newest_torch
 fi
 
 finish

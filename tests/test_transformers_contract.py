@@ -361,6 +361,18 @@ def test_t5_logits_match_sdpa():
 # ---------------------------------------------------------------------------------------------
 
 
+def _skip_if_stock_model_does_not_compile(family, ids, am):
+    """Skip when transformers' own model, on stock SDPA, cannot be compiled with fullgraph=True on
+    this torch either (transformers 5.24 on torch 2.6: dynamo cannot trace its kwargs wrapper)."""
+    torch._dynamo.reset()
+    stock = build_random_model(family, dtype=torch.float16, seed=14, attn_implementation="sdpa")
+    try:
+        torch.compile(stock, fullgraph=True, backend="aot_eager")(input_ids=ids, attention_mask=am)
+    except torch._dynamo.exc.Unsupported as e:
+        pytest.skip(f"transformers {transformers.__version__} does not compile with fullgraph=True "
+                    f"on torch {torch.__version__} even on stock SDPA: {str(e).splitlines()[0]}")
+
+
 @pytest.mark.parametrize("kernel_path", [False, True], ids=["fallback", "kernel-path"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -380,7 +392,11 @@ def test_fullgraph_compile_equals_eager(family, padded, kernel_path):
     with torch.no_grad():
         eager = model(input_ids=ids, attention_mask=am).logits
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-        got = compiled(input_ids=ids, attention_mask=am).logits
+        try:
+            got = compiled(input_ids=ids, attention_mask=am).logits
+        except torch._dynamo.exc.Unsupported:
+            _skip_if_stock_model_does_not_compile(family, ids, am)
+            raise
     real = am.bool()
     torch.testing.assert_close(got.float()[real], eager.float()[real], atol=1e-2, rtol=1e-2)
 
