@@ -180,7 +180,7 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
     causal_bottom_right, leftpad_k, seqused_k)``, skipping the op's autograd kernel when no
     gradient can flow.
 
-    The autograd kernel (``torch.library.register_autograd``, see ``_backward.py``) is Python and
+    The autograd kernel (``torch.library.register_autograd``, below in this module) is Python and
     runs on every call: even with no input requiring grad it costs ~8 us of host time (boxing into
     Python, a metadata object, ``op.redispatch``) before doing exactly what this fast path does,
     dispatching below autograd (benchmarks/NOTES.md, "Host overhead"). The plain call is kept
@@ -221,9 +221,20 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
         return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k)
 
 
+def _check_one_device(q, **others) -> None:
+    for name, t in others.items():
+        if t is not None:
+            torch._check_value(t.device == q.device,
+                               lambda: f"flash_attention_sm75: {name} must be on the same device "
+                                       f"as q ({q.device}), got {t.device}")
+
+
 def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=True,
               leftpad_k=None, seqused_k=None):
     # Shapes only (the rulebook validated the call): what the output shapes are derived from.
+    # And one device: a meta tensor among real ones dispatches here, and the outputs would be
+    # uninitialised memory on q's device.
+    _check_one_device(q, k=k, v=v, leftpad_k=leftpad_k, seqused_k=seqused_k)
     torch._check(q.dim() == 4 and k.dim() == 4,
                  lambda: "flash_attention_sm75: q, k and v must be 4-D")
     torch._check(k.shape == v.shape, lambda: "flash_attention_sm75: k and v must have one shape")
@@ -236,6 +247,8 @@ def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=
 
 def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_bottom_right,
               leftpad_k=None, seqused_k=None, deterministic=False, grad_softmax_lse=None):
+    _check_one_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse,
+                      leftpad_k=leftpad_k, seqused_k=seqused_k, grad_softmax_lse=grad_softmax_lse)
     torch._check(dout.shape == q.shape, lambda: "flash_attention_sm75: dout must have the shape of q")
     torch._check(out.shape == q.shape, lambda: "flash_attention_sm75: out must have the shape of q")
     # The C++: at::empty({b, sq, h, d}, q.options()) and at::empty({b, sk, h_k, d}, ...) twice.

@@ -7,7 +7,7 @@ Every door asks :func:`not_supported_reason` and adds only its own extras:
 * the SDPA wrapper (``sdpa.py``) and the Hugging Face integration (``integrations/
   transformers.py``) fall back to torch with it;
 * the C++ ``check_fwd_inputs`` / ``mha_fwd`` (csrc/flash_api.cpp) enforce the same rules at run
-  time with the same messages (``tests/test_rules.py`` proves it rule by rule from
+  time with the same messages (up to the printed value: C++ prints c10 names) (``tests/test_rules.py`` proves it rule by rule from
   :data:`RULES`).
 
 The declarative part (dtypes, head dims, alignment, limits) is the module's constants; the

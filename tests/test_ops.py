@@ -115,6 +115,22 @@ def test_fake_checks_the_shapes_it_derives_outputs_from(name):
         _op()(fq, fk, fv)
 
 
+@needs_ext
+@pytest.mark.parametrize("name", ["k", "v", "seqused_k"])
+def test_a_meta_tensor_among_real_ones_raises_instead_of_returning_garbage(name):
+    # A meta tensor sends the call to the fake, which used to allocate outputs on q's device
+    # and return them uninitialised.
+    q, k, v = qkv(1, 3, 5, 2, 2, 64)
+    args = {"k": k, "v": v, "seqused_k": torch.full((1,), 5, dtype=torch.int32)}
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} must be on the same device as q \\(cpu\\), got meta"):
+        _op()(q, args["k"], args["v"], None, False, True, None, args["seqused_k"])
+    out, lse = _op()(q, k, v)
+    dout = torch.randn_like(out)
+    with pytest.raises(ValueError, match="dout must be on the same device as q"):
+        torch.ops.flash_attention_sm75.bwd(dout.to("meta"), q, k, v, out, lse, 0.125, False, True)
+
+
 # ------------------------------------------------------------------------------- opcheck
 
 
