@@ -61,6 +61,17 @@ def torch_wheel_index(cuda):
     return f"https://download.pytorch.org/whl/cu{major}{minor}"
 
 
+def torch_swap_commands(cuda):
+    """Commands that replace the installed torch by a build for CUDA `cuda`. A plain
+    `pip install torch --index-url ...` keeps an installed torch ("Requirement already
+    satisfied"), so the old one is uninstalled first."""
+    return f"""pip uninstall -y torch torchvision torchaudio
+        pip install torch --index-url {torch_wheel_index(cuda)}
+    (add torchvision / torchaudio to the second command if you use them; not every CUDA minor
+    version has an index: pytorch.org/get-started/locally lists them, e.g. cu126 and cu128 for
+    CUDA 12.x, cu130 for 13.x; any index of the same major version works)"""
+
+
 def check_toolchain(torch):
     """Stop with the fix when torch is too old or a CPU-only build, when no CUDA toolkit is
     found, or when nvcc's major version differs from torch's CUDA (a minor difference is fine:
@@ -79,12 +90,11 @@ def check_toolchain(torch):
     release = nvcc_release(nvcc) if nvcc and os.path.exists(nvcc) else None
     cuda = torch.version.cuda
     if cuda is None:
-        index = torch_wheel_index(release) if release else "https://download.pytorch.org/whl/cu128"
         fail(f"""torch {tv} is a CPU-only build (torch.version.cuda is None).
 The extension links against torch's CUDA libraries, which a CPU-only torch does not have.
 Install the CUDA build of torch for your toolkit ({f"nvcc {release} at {nvcc}" if release
 else "no nvcc found"}):
-    pip install torch --index-url {index}
+    {torch_swap_commands(release or "12.8")}
 ({SKIP_CHECK_ENV}=1 tries anyway.)""")
     if release is None:
         where = (f"{nvcc} did not run or printed no 'release X.Y'" if nvcc and os.path.exists(nvcc)
@@ -106,7 +116,7 @@ CUDA {cuda}. The extension must be compiled with torch's CUDA major version. Eit
         CUDA_HOME=/usr/local/cuda-{cuda} pip install --no-build-isolation .
     (get one from developer.nvidia.com/cuda-downloads, or: conda install -c nvidia cuda-toolkit={cuda})
   * or install the torch build for CUDA {release}, then build again:
-        pip install torch --index-url {torch_wheel_index(release)}
+        {torch_swap_commands(release)}
 Experts: {SKIP_CHECK_ENV}=1 builds anyway (unsupported: the extension then loads two CUDA
 runtimes and needs a driver for CUDA {release}).""")
     if release != cuda:

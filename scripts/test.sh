@@ -244,7 +244,7 @@ sys.exit(0 if fa.EXTENSION_AVAILABLE and "site-packages" in fa.__file__ else 1)'
   judge_junit "newest-torch $version pytest" "$rc" "$RESULTS/newest-torch-pytest.xml"
 }
 
-if [ "${SKIP_NEWEST_TORCH:-0}" = 1 ]; then
+if [[ "${SKIP_NEWEST_TORCH:-0}" =~ ^(1|true|yes|on)$ ]]; then
   SUMMARY+=("newest-torch skipped (SKIP_NEWEST_TORCH=1)")
 else
   newest_torch

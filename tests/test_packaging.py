@@ -75,6 +75,8 @@ class TestToolchainCheck:
         assert "CUDA version mismatch" in msg and str(home / "bin" / "nvcc") in msg
         assert "CUDA_HOME=/usr/local/cuda-12.8 pip install --no-build-isolation ." in msg
         assert "pip install torch --index-url https://download.pytorch.org/whl/cu130" in msg
+        # pip keeps an installed torch ("Requirement already satisfied"): uninstall it first
+        assert "pip uninstall -y torch" in msg
         assert "FLASH_SM75_SKIP_CUDA_VERSION_CHECK=1" in msg
 
     def test_no_toolkit_stops_with_the_fix(self, setup_py, toolkit):
@@ -94,6 +96,8 @@ class TestToolchainCheck:
         msg = build_error(setup_py, fake_torch("2.11.0+cpu", None))
         assert "CPU-only build" in msg
         assert "pip install torch --index-url https://download.pytorch.org/whl/cu128" in msg
+        # pip keeps an installed torch ("Requirement already satisfied"): uninstall it first
+        assert "pip uninstall -y torch" in msg
 
     def test_torch_older_than_the_minimum_stops(self, setup_py, toolkit):
         toolkit("12.4")
