@@ -26,6 +26,7 @@
 # Knobs (environment): OUT, MAX_JOBS (16), CLEAN_BUILD (1), BUILD_TIMEOUT (420), TEST_TIMEOUT
 # (300), SANITIZE_TIMEOUT (240 per tool), SANITIZE_TOOLS ("memcheck racecheck"), BENCH_TIMEOUT
 # (330), BENCH_ARGS (extra args for bench_forward.py), EXTRA_TIMEOUT (240), PYTEST_ARGS,
+# PYTEST_WORKERS (0; N runs pytest-xdist with N processes, from wheels in .whl/ if needed),
 # ASSUME_BUILT=1 (trust an importable extension instead of rebuilding on a fresh machine).
 
 set -u -o pipefail
@@ -60,6 +61,7 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-330}
 BENCH_ARGS=${BENCH_ARGS:-}
 EXTRA_TIMEOUT=${EXTRA_TIMEOUT:-240}
 PYTEST_ARGS=${PYTEST_ARGS:-}
+PYTEST_WORKERS=${PYTEST_WORKERS:-0}
 
 SCRIPT_ARGS="$*"
 ASSUME_BUILT=${ASSUME_BUILT:-0}
@@ -200,8 +202,24 @@ do_ptxas() {
 do_test() {
   local t0=$SECONDS
   if ! need_ext; then record test skip 0 "extension not built"; return; fi
+  # PYTEST_WORKERS=N: pytest-xdist with N processes on the one GPU. The GPU machine has no
+  # xdist; wheels in .whl/ (pip download --no-deps -d .whl pytest-xdist execnet; carry ".whl")
+  # are installed into a scratch folder. Verbose, so that a run the window cuts short still
+  # names every failure so far (a quiet run names them only at the end).
+  local mode=(-q)
+  if [ "$PYTEST_WORKERS" != 0 ]; then
+    if ! python3 -c "import xdist" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+      python3 -m pip install -q --no-deps --target /tmp/gpu_suite_xdist .whl/*.whl \
+        && export PYTHONPATH="/tmp/gpu_suite_xdist${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    if python3 -c "import xdist" 2>/dev/null; then
+      mode=(-v -n "$PYTEST_WORKERS")
+    else
+      echo "gpu_suite: PYTEST_WORKERS=$PYTEST_WORKERS but pytest-xdist is not importable; serial run"
+    fi
+  fi
   # shellcheck disable=SC2086
-  run_logged test "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rfEs \
+  run_logged test "$TEST_TIMEOUT" python3 -m pytest "${mode[@]}" -p no:cacheprovider -rfEs \
     --durations=10 --junitxml="$OUT/junit.xml" $PYTEST_ARGS tests
   local rc=$?
   local line
@@ -324,7 +342,7 @@ echo
 echo "################################ gpu_suite digest ################################"
 if [ -f "$LOGS/test.log" ]; then
   echo "--- pytest (failures / summary) ---"
-  grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed)|no tests ran|^E  ' "$LOGS/test.log" \
+  grep -E '^(FAILED|ERROR) | (FAILED|ERROR) tests/|[0-9]+ (passed|failed)|no tests ran|^E  ' "$LOGS/test.log" \
     | cut -c1-200 | tail -15
 fi
 for f in "$LOGS"/sanitize-*.log; do
