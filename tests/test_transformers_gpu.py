@@ -41,6 +41,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 transformers = pytest.importorskip("transformers")
 
@@ -403,14 +404,20 @@ def test_captured_decode_step_reads_the_mask_at_replay():
     v = torch.randn(b, h_k, kv_len, d, device=DEVICE, dtype=torch.float16)
     mod = _Attn(h, h_k)
     mask = _static_decode_mask([10, 40, 70], kv_len)  # the static buffer the graph reads
+    # While capturing, the integration cannot read the mask and hands the call to torch SDPA.
+    # Restrict torch to the backends it has on Turing: on the H200 it would otherwise pick
+    # cuDNN attention, whose first call allocates and so cannot be the one being captured
+    # (this test then passed or failed with the order the file's tests ran in).
+    turing_backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), sdpa_kernel(turing_backends):
         for _ in range(2):  # warm-up, as torch.compile / HF do before capturing
             hf.flash_attention_sm75_forward(mod, q, k, v, mask)
+            sdpa_attention_forward(mod, q, k, v, mask)  # the path the capture takes
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), sdpa_kernel(turing_backends):
         out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, mask)
     for valid in ([11, 41, 71], [60, 2, 96]):  # the cache grew / was refilled
         mask.copy_(_static_decode_mask(valid, kv_len))
