@@ -86,7 +86,8 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK_VALUE(k.size(3) == q.size(3), "flash_attention_sm75: q and k must have the same head_dim, got ",
                     q.size(3), " and ", k.size(3));
   const int64_t d = q.size(3);
-  TORCH_CHECK_VALUE(d == 64 || d == 128, "flash_attention_sm75: head_dim must be 64 or 128, got ", d);
+  TORCH_CHECK_VALUE(flash_sm75::head_dim_bucket(d) != 0, "flash_attention_sm75: head_dim must be ",
+                    flash_sm75::head_dim_rule(), ", got ", d);
   // Zero-size inputs are valid (the callers return an empty or zero result before any launch),
   // but a q head needs a kv head: no division by zero below or in the kernels.
   TORCH_CHECK_VALUE(k.size(2) > 0 || q.size(2) == 0,
@@ -104,16 +105,16 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   check_key_bound(seqused_k, "seqused_k", q);
   const double scale = softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
   // Normal in float32, and small enough that no score overflows for any float16 input:
-  // scale * log2(e) * |q.k| <= FLT_MAX / 2 with |q.k| <= 128 * 65504^2. The factor 2 absorbs
+  // scale * log2(e) * |q.k| <= FLT_MAX / 2 with |q.k| <= 256 * 65504^2. The factor 2 absorbs
   // the float32 roundings of scale * log2(e) and of the product (without it the largest score
   // rounds to inf, and inf - inf = NaN in the softmax). The Python side,
   // _rules.SOFTMAX_SCALE_MIN/MAX (the rulebook), uses the same bounds.
   constexpr double kScaleMin = static_cast<double>(FLT_MIN);
   constexpr double kScaleMax =
-      static_cast<double>(FLT_MAX) / (2 * 1.4426950408889634 * 128 * 65504.0 * 65504.0);
+      static_cast<double>(FLT_MAX) / (2 * 1.4426950408889634 * 256 * 65504.0 * 65504.0);
   TORCH_CHECK_VALUE(std::isfinite(scale) && scale >= kScaleMin && scale <= kScaleMax,
                     "flash_attention_sm75: softmax_scale must be a finite number > 0 within "
-                    "[1.2e-38, 2.1e26] (float32 scores must not overflow), got ", scale);
+                    "[1.2e-38, 1.0e26] (float32 scores must not overflow), got ", scale);
   return scale;
 }
 

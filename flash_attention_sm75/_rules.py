@@ -48,8 +48,27 @@ PREFIX = "flash_attention_sm75: "
 DTYPES: Tuple[torch.dtype, ...] = (torch.float16,)
 """Element types of q, k and v (SM75 tensor cores have no bf16 or fp32 MMA)."""
 
-HEAD_DIMS: Tuple[int, ...] = (64, 128)
-"""head_dim values with a compiled kernel (q, k and v share one)."""
+HEAD_DIM_MULTIPLE = 8
+"""head_dim must be a multiple of this (one 16-byte vector of fp16)."""
+
+HEAD_DIM_BUCKETS: Tuple[int, ...] = (64, 128)
+"""The compiled head dims (csrc/kernels/head_dims.h): head_dim d runs on the smallest bucket
+>= d, with the columns past d zero-filled on load and never stored."""
+
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+
+HEAD_DIMS: Tuple[int, ...] = tuple(range(HEAD_DIM_MULTIPLE, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE))
+"""Every head_dim the kernels take (q, k and v share one): the multiples of 8 up to the
+largest bucket."""
+
+_HEAD_DIM_RULE = f"a multiple of {HEAD_DIM_MULTIPLE} from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}"
+
+
+def head_dim_bucket(d: int) -> int:
+    """The compiled head dim that runs ``d`` (0 when none does)."""
+    if d in HEAD_DIMS:
+        return next(b for b in HEAD_DIM_BUCKETS if d <= b)
+    return 0
 
 MIN_COMPUTE_CAPABILITY: Tuple[int, int] = (7, 5)
 """The oldest GPU the kernels run on (Turing); newer ones run the same SM75 instructions."""
@@ -68,13 +87,13 @@ KEY_RANGE_DTYPE = torch.int32
 
 # softmax_scale must survive the kernel's float32 arithmetic for every float16 input: normal in
 # float32 (a denormal scale is flushed to 0 by --use_fast_math), and small enough that the
-# largest possible score, scale * log2(e) * q.k with |q.k| <= 128 * 65504^2 (head_dim 128, fp16
-# max), stays finite with a factor 2 of headroom: at exactly FLT_MAX / (log2(e) * 128 * 65504^2)
+# largest possible score, scale * log2(e) * q.k with |q.k| <= 256 * 65504^2 (head_dim 256, fp16
+# max), stays finite with a factor 2 of headroom: at exactly FLT_MAX / (log2(e) * 256 * 65504^2)
 # the float32 roundings of scale * log2(e) and of the product give inf, and an inf score gives
 # inf - inf = NaN in the softmax.
 SOFTMAX_SCALE_MIN = 1.1754943508222875e-38  # FLT_MIN
-SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / (2 * 1.4426950408889634 * 128 * 65504.0**2)  # ~2.15e26
-_SCALE_RANGE = "[1.2e-38, 2.1e26]"
+SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / (2 * 1.4426950408889634 * 256 * 65504.0**2)  # ~1.07e26
+_SCALE_RANGE = "[1.2e-38, 1.0e26]"
 
 RULES: Tuple[str, ...] = (
     "tensor",          # q, k, v are dense strided torch.Tensors (not nested, not sparse)
@@ -228,7 +247,7 @@ def not_supported_reason(
         num_heads, seqlen, head_dim)`` (the rules are the same; only the head dimension and the
         words of the messages differ).
     softmax_scale : float, optional
-        None (``1 / sqrt(head_dim)``) or a real number in [1.2e-38, 2.1e26].
+        None (``1 / sqrt(head_dim)``) or a real number in [1.2e-38, 1.0e26].
     leftpad_k, seqused_k : torch.Tensor, optional
         Per-batch key range, int32 ``(batch,)`` on q's device.
     devices : sequence of str
@@ -267,7 +286,7 @@ def not_supported_reason(
     if ks[3] != d:
         return f"{nq} and {nk} must have the same head_dim, got {d} and {ks[3]}"
     if d not in HEAD_DIMS:
-        return f"head_dim must be {' or '.join(map(str, HEAD_DIMS))}, got {d}"
+        return f"head_dim must be {_HEAD_DIM_RULE}, got {d}"
     hd = 1 if bhsd else 2
     h, h_k = qs[hd], ks[hd]
     # Zero-size inputs are valid (empty or zero result, no launch), but q heads need kv heads.

@@ -178,7 +178,7 @@ def why_not_supported(
     tensors on one GPU of compute capability >= 7.5, one ``head_dim`` of 64 or 128, key and
     value of the same shape, equal batch sizes (no broadcasting), ``num_heads % num_heads_k ==
     0``, last dimension contiguous, data pointers 16-byte aligned, other strides divisible by 8
-    elements, ``scale`` None or finite within [1.2e-38, 2.1e26]); and the wrapper's own rules:
+    elements, ``scale`` None or finite within [1.2e-38, 1.0e26]); and the wrapper's own rules:
     ``attn_mask`` None or a key-range mask (see above); ``dropout_p == 0``; ``is_causal`` a
     bool; ``scale`` a Python float or int; ``enable_gqa=True`` when ``num_heads !=
     num_heads_k``; no forward-mode AD tangent on any input; no ``torch.func`` transform

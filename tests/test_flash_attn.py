@@ -179,8 +179,8 @@ def test_gpu_row_max_growing_across_key_tiles(growth, d, mode):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_largest_softmax_scale_gives_no_nan(device):
-    # The largest float16 scores, |q.k| = 128 * 65504^2, times the largest accepted scale reach
-    # ~FLT_MAX / 2 (above 1e38) but cannot overflow: no NaN. With q = k made of distinct +-65504
+    # The largest float16 scores at head_dim 128, |q.k| = 128 * 65504^2, times the largest
+    # accepted scale (bounded for head_dim 256) reach ~FLT_MAX / 4 (above 5e37) but cannot overflow: no NaN. With q = k made of distinct +-65504
     # rows, every row's own key wins by at least 2 * 65504^2 * scale, so the exact result is
     # one-hot: out = v (the GPU kernel needs its exact exponent path for that, kExactExpFrom).
     g = torch.Generator(device="cpu").manual_seed(7)

@@ -83,6 +83,9 @@ def _odd_stride(device):
     return (q, k, v), {}
 
 
+_HEAD_DIM_MSG = (f"head_dim must be a multiple of {_rules.HEAD_DIM_MULTIPLE} from "
+                 f"{_rules.HEAD_DIM_MULTIPLE} to {_rules.MAX_HEAD_DIM}, got ")
+
 ROWS = [
     Row("tensor", "q_not_tensor", _with(lambda q, k, v: (q.tolist(), k, v)),
         r"q must be a torch\.Tensor, got list", cpp=False),
@@ -121,9 +124,9 @@ ROWS = [
         r"q and k must have the same batch size, got 1 and 2"),
     Row("head_dim_match", "head_dim_mismatch", _with(lambda q, k, v: (q, k[..., :32], v[..., :32])),
         r"q and k must have the same head_dim, got 64 and 32"),
-    Row("head_dim", "head_dim_80", _base(d=80), r"head_dim must be 64 or 128, got 80"),
-    Row("head_dim", "head_dim_32", _base(d=32), r"head_dim must be 64 or 128, got 32"),
-    Row("head_dim", "head_dim_256", _base(d=256), r"head_dim must be 64 or 128, got 256"),
+    Row("head_dim", "head_dim_12", _base(d=12), _HEAD_DIM_MSG + "12"),
+    Row("head_dim", "head_dim_4", _base(d=4), _HEAD_DIM_MSG + "4"),
+    Row("head_dim", "head_dim_264", _base(d=264), _HEAD_DIM_MSG + "264"),
     # Zero-size inputs are valid (an empty or zero result), except kv heads 0 under q heads.
     Row("kv_heads", "kv_heads_zero", _with(lambda q, k, v: (q, k[:, :, :0], v[:, :, :0])),
         r"num_heads_k must be >= 1 when num_heads >= 1 \(GQA/MQA: num_heads must be a multiple "
@@ -319,8 +322,27 @@ def test_capability_rule(monkeypatch):
 
 
 def test_rulebook_constants_are_what_the_messages_say():
-    # The messages are built from the constants; a head dim added to HEAD_DIMS shows up in them.
-    (q, k, v), _ = _base(d=80)("cpu")
+    # The messages are built from the constants; a bucket added to HEAD_DIM_BUCKETS shows up in them.
+    (q, k, v), _ = _base(d=_rules.MAX_HEAD_DIM + 8)("cpu")
     reason = _rules.not_supported_reason(q, k, v)
-    assert all(str(d) in reason for d in _rules.HEAD_DIMS)
+    assert f"to {_rules.MAX_HEAD_DIM}, got {_rules.MAX_HEAD_DIM + 8}" in reason
     assert _rules.DTYPES == (torch.float16,)
+
+
+def test_head_dim_buckets_agree_with_the_kernels():
+    # csrc/kernels/head_dims.h is the C++ side's list; generate_kernels.py instantiates it.
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "csrc" / "kernels" / "head_dims.h").read_text()
+    buckets = tuple(int(x) for x in re.search(r"kHeadDimBuckets\[\] = \{([^}]*)\}", text)
+                    .group(1).split(","))
+    assert buckets == _rules.HEAD_DIM_BUCKETS
+    assert int(re.search(r"kHeadDimMultiple = (\d+)", text).group(1)) == _rules.HEAD_DIM_MULTIPLE
+    for d in range(0, _rules.MAX_HEAD_DIM + 24):
+        b = _rules.head_dim_bucket(d)
+        if d % _rules.HEAD_DIM_MULTIPLE or not 0 < d <= _rules.MAX_HEAD_DIM:
+            assert b == 0 and d not in _rules.HEAD_DIMS
+        else:
+            assert b == min(x for x in buckets if x >= d) and d in _rules.HEAD_DIMS

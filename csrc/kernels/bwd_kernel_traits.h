@@ -179,16 +179,17 @@ inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seql
 
 inline BwdLaunchPlan plan_bwd_launch(int d, int b, int h, int h_k, int seqlen_q, int seqlen_k,
                                      bool dq_atomic) {
-  if (d == 64) {
-    using C = Bwd_tile_config<64>;
-    return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
+  switch (head_dim_bucket(d)) {
+    case 64: {
+      using C = Bwd_tile_config<64>;
+      return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
+    }
+    case 128: {
+      using C = Bwd_tile_config<128>;
+      return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
+    }
+    default: throw_bad_head_dim(d);
   }
-  if (d == 128) {
-    using C = Bwd_tile_config<128>;
-    return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
-  }
-  throw std::invalid_argument("flash_attention_sm75: head_dim must be 64 or 128, got " +
-                              std::to_string(d));
 }
 
 }  // namespace flash_sm75

@@ -109,7 +109,8 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4]
     const int r = idx / kCPR;
     const int ch = idx % kCPR;
     const int grow = row0 + r;
-    if (grow < params.seqlen_q) {
+    // No column past head_dim d (head_dims.h).
+    if (grow < params.seqlen_q && (Kt::kFullHeadDimOnly || ch < params.d / 8)) {
       *reinterpret_cast<uint4*>(c.o_base + grow * params.o_row_stride + ch * 8) =
           *reinterpret_cast<const uint4*>(sO + swizzle_offset<kCPR>(r, ch));
     }
@@ -133,6 +134,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   constexpr int kCPR = Kt::kChunksPerRow;
   constexpr int kRowBytes = kD * 2;
   constexpr int kLs = Kt::kLoadStyle;  // load_tile_g2r address arithmetic
+  // 16-byte chunks of a row that exist (head_dims.h: the tail past head_dim d).
+  const int dc = Kt::kFullHeadDimOnly ? kCPR : params.d / 8;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // kQInSmem: [sQ: Br x d][sK][sV], O staged through sQ. Otherwise [sK][sV], with the Q tile
@@ -161,9 +164,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     const uint32_t q_lane_addr = lane_addr_a<kCPR>(sQ, 16 * warp, lane);
     {
       uint4 qstage[Kt::kQChunksPerThread];
-      load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid,
+                             dc);
       load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, c.nb.n_block_min * kBN,
-                             c.kr.key_start, c.kr.key_end, tid);
+                             c.kr.key_start, c.kr.key_end, tid, dc);
       store_tile_r2s<Kt>(qstage, sQ, tid);
     }
     // Without kQInSmem, Q stays in registers for the whole loop: q_frag[kk] holds the A
@@ -191,7 +195,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         constexpr int kHalf = kBN / 2;
         constexpr uint32_t kHalfBytes = kHalf * kRowBytes;
         load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
-                               c.kr.key_end, tid);
+                               c.kr.key_end, tid, dc);
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
         gemm_rs_bt<kD, kHalf, kRowBytes>(acc_sa, q_frag, k_lane_addr);
@@ -210,7 +214,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         const bool has_next = n_block + 1 < c.nb.n_block_max;
         if (has_next) {
           load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
-                                 c.kr.key_start, c.kr.key_end, tid);
+                                 c.kr.key_start, c.kr.key_end, tid, dc);
         }
         // O += P_a V_a beside the softmax of half b; O is rescaled for b's max only after it.
         gemm_rs_t<kHalf, kD, kRowBytes, true>(acc_o, p_a, v_lane_addr);
@@ -226,7 +230,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
         // V_j: global loads in flight while S_j and its softmax are computed.
         load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
-                               c.kr.key_end, tid);
+                               c.kr.key_end, tid, dc);
 
         // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax.
         float acc_s[kBN / 8][4];
@@ -249,7 +253,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         const bool has_next = n_block + 1 < c.nb.n_block_max;
         if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
           load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
-                                 c.kr.key_start, c.kr.key_end, tid);
+                                 c.kr.key_start, c.kr.key_end, tid, dc);
         }
         gemm_rs_t<kBN, kD, kRowBytes, true>(acc_o, p_frag, v_lane_addr);  // O += P V
         if (has_next) store_tile_r2s<Kt>(stage, sK, tid);

@@ -55,6 +55,11 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
   using Config = Fwd_tile_config<kHeadDim>;
   using Kt = typename Config::Traits;
   using Ks = typename Config::SmallGridTraits;
+  if constexpr (Kt::kFullHeadDimOnly) {
+    static_assert(!std::is_void_v<Ks>, "a full-head-dim-only tile needs a tile for the tail");
+    static_assert(!Ks::kFullHeadDimOnly, "the small-grid tile runs head dims below kHeadDim");
+    if (params.d != kHeadDim) return run_flash_fwd<Ks, Is_causal>(params, stream);
+  }
   if constexpr (!std::is_void_v<Ks>) {
     bool small = params.small_grid_tile > 0;
     if (params.small_grid_tile == 0 && params.num_sms > 0) {

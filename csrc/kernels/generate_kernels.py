@@ -6,11 +6,19 @@ runs ``--check`` to make sure it is up to date.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-HEAD_DIMS = (64, 128)
+def _head_dim_buckets() -> tuple[int, ...]:
+    """The instantiated head dims, from head_dims.h (the C++ side's one list)."""
+    text = (Path(__file__).parent / "head_dims.h").read_text()
+    body = re.search(r"kHeadDimBuckets\[\] = \{([^}]*)\}", text).group(1)
+    return tuple(int(x) for x in body.split(","))
+
+
+HEAD_DIMS = _head_dim_buckets()
 DTYPE = "fp16"  # SM75 tensor cores: fp16 only (bf16 MMA needs sm80)
 
 TEMPLATES = {

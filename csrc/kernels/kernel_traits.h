@@ -5,6 +5,8 @@
 // check every instantiation's shared-memory budget against the Turing limits.
 #pragma once
 
+#include "head_dims.h"
+
 namespace flash_sm75 {
 
 // Turing (sm_75) limits the kernels must respect.
@@ -56,12 +58,16 @@ constexpr int chunks_per_thread() {
 //                    MMAs and softmax arithmetic in the same straight-line code (no branch
 //                    between them) for the scheduler to interleave. Same shared-memory layout
 //                    and barriers as the plain loop.
+//   kFullHeadDimOnly the tile runs only head_dim == kHeadDim (no tail predicate on the loads and
+//                    stores, head_dims.h): for a tile at its register cap, where the predicate
+//                    spills. Fwd_tile_config's SmallGridTraits then runs the smaller head dims.
 struct FwdTileDefaults {
   static constexpr bool kQInSmem = false;
   static constexpr int kMinBlocksPerSm = 1;
   static constexpr int kRescaleThreshold = 0;
   static constexpr int kLoadStyle = 0;
   static constexpr bool kSplitTile = false;
+  static constexpr bool kFullHeadDimOnly = false;
 };
 
 // The forward kernel's compile-time parameters: the tile's fields, checked against the kernel's
@@ -82,6 +88,7 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kLoadStyle = Tile::kLoadStyle;
   static_assert(kLoadStyle >= 0 && kLoadStyle <= 2, "load style 0, 1 or 2");
   static constexpr bool kSplitTile = Tile::kSplitTile;
+  static constexpr bool kFullHeadDimOnly = Tile::kFullHeadDimOnly;
   static_assert(!kSplitTile || (!kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
                 "split tile: Q in registers, halves of 16k keys, a rescale threshold");
 
@@ -120,6 +127,9 @@ struct FwdTileD64 : FwdTileDefaults {
   // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit.
   static constexpr int kMinBlocksPerSm = 3;
   static constexpr int kLoadStyle = 2;  // +3-8% at N = 4096 on the H200
+  // The tail predicate (head_dim < 64) spills 12 B in the causal kernel under the 3-CTA cap;
+  // FwdTileD64SmallGrid (124 registers) runs those head dims.
+  static constexpr bool kFullHeadDimOnly = true;
 };
 // d = 64 for grids that FwdTileD64 runs in a little more than one wave: Q in shared memory,
 // Bc = 32, 4 CTAs per SM (<= 128 registers, 16 KiB smem each), 16 warps per SM instead of 12.
@@ -142,7 +152,8 @@ struct FwdTileD128 : FwdTileDefaults {
 //  * Traits: the default tile.
 //  * SmallGridTraits (void where there is none): a tile with more CTAs per SM for grids that the
 //    default tile runs in a little more than one wave but this one runs in one
-//    (prefer_small_grid_tile in launch_plan.h).
+//    (prefer_small_grid_tile in launch_plan.h), and every head dim below kHeadDim when the
+//    default tile is kFullHeadDimOnly.
 template <int kHeadDim>
 struct Fwd_tile_config;
 template <>

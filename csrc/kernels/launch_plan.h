@@ -94,10 +94,11 @@ inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k,
 }
 
 inline FwdLaunchPlan plan_fwd_launch(int d, int b, int h, int seqlen_q) {
-  if (d == 64) return make_fwd_plan<Fwd_tile_config<64>::Traits>(b, h, seqlen_q);
-  if (d == 128) return make_fwd_plan<Fwd_tile_config<128>::Traits>(b, h, seqlen_q);
-  throw std::invalid_argument("flash_attention_sm75: head_dim must be 64 or 128, got " +
-                              std::to_string(d));
+  switch (head_dim_bucket(d)) {
+    case 64: return make_fwd_plan<Fwd_tile_config<64>::Traits>(b, h, seqlen_q);
+    case 128: return make_fwd_plan<Fwd_tile_config<128>::Traits>(b, h, seqlen_q);
+    default: throw_bad_head_dim(d);
+  }
 }
 
 }  // namespace flash_sm75

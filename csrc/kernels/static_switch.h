@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "head_dims.h"
+
 #define BOOL_SWITCH(COND, CONST_NAME, ...)      \
   [&] {                                         \
     if (COND) {                                 \
@@ -17,15 +19,17 @@
     }                                           \
   }()
 
-#define HEADDIM_SWITCH(HEADDIM, ...)                                                  \
-  [&] {                                                                               \
-    if (HEADDIM == 64) {                                                              \
-      constexpr static int kHeadDim = 64;                                             \
-      return __VA_ARGS__();                                                           \
-    } else if (HEADDIM == 128) {                                                      \
-      constexpr static int kHeadDim = 128;                                            \
-      return __VA_ARGS__();                                                           \
-    }                                                                                 \
-    throw std::invalid_argument("flash_attention_sm75: head_dim must be 64 or 128, got " + \
-                                std::to_string(HEADDIM));                             \
+// HEADDIM is the runtime head dim; kHeadDim is its bucket (head_dims.h), the instantiation that
+// runs it with the tail handled inside the kernel.
+#define HEADDIM_SWITCH(HEADDIM, ...)                                  \
+  [&] {                                                               \
+    const int headdim_bucket_ = ::flash_sm75::head_dim_bucket(HEADDIM); \
+    if (headdim_bucket_ == 64) {                                      \
+      constexpr static int kHeadDim = 64;                             \
+      return __VA_ARGS__();                                           \
+    } else if (headdim_bucket_ == 128) {                              \
+      constexpr static int kHeadDim = 128;                            \
+      return __VA_ARGS__();                                           \
+    }                                                                 \
+    ::flash_sm75::throw_bad_head_dim(HEADDIM);                        \
   }()

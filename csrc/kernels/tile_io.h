@@ -15,10 +15,12 @@
 
 namespace flash_sm75 {
 
-// Global -> registers: the Kt::kNThreads threads of the CTA fetch a kRows x d fp16 tile, 16 bytes
+// Global -> registers: the Kt::kNThreads threads of the CTA fetch a kRows x kD fp16 tile, 16 bytes
 // per thread per step, rows [row0, row0 + kRows). Rows outside [valid_begin, valid_end) are
 // zero-filled: they are never read from memory, and zero V rows keep masked keys (P = 0) from
-// contributing 0 * garbage = NaN.
+// contributing 0 * garbage = NaN. So are the 16-byte chunks at or past col_chunks (= d / 8 for a
+// head dim d below the instantiated kD, head_dims.h): columns past d belong to the next head or
+// lie past the tensor, and zeros there add nothing to q.k, dO.v or P V.
 // kStyle picks the address arithmetic (same loads, different SASS; chosen per kernel by
 // measurement, Flash_fwd_kernel_traits::kLoadStyle): 0 = a 64-bit row multiply per chunk;
 // 1 = one row pointer per call plus a 64-bit step per chunk; 2 = as 1, with a CTA-uniform
@@ -26,38 +28,42 @@ namespace flash_sm75 {
 template <typename Kt, int kStyle = 0, int kN>
 __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* base,
                                               index_t row_stride, int row0, int valid_begin,
-                                              int valid_end, int tid) {
+                                              int valid_end, int tid,
+                                              int col_chunks = Kt::kChunksPerRow) {
   constexpr int kCPR = Kt::kChunksPerRow;
   if constexpr (kStyle == 0) {
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       const int idx = tid + i * Kt::kNThreads;
       const int grow = row0 + idx / kCPR;
-      if (grow >= valid_begin && grow < valid_end) {
+      if (grow >= valid_begin && grow < valid_end && idx % kCPR < col_chunks) {
         stage[i] = __ldg(reinterpret_cast<const uint4*>(base + grow * row_stride + idx % kCPR * 8));
       } else {
         stage[i] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
     return;
-  }
-  constexpr int kRowsPerPass = Kt::kNThreads / kCPR;
-  static_assert(Kt::kNThreads % kCPR == 0, "a pass covers whole rows");
-  const int grow0 = row0 + tid / kCPR;
-  const __half* p = base + grow0 * row_stride + (tid % kCPR) * 8;
-  const index_t step = kRowsPerPass * row_stride;
-  if (kStyle == 2 && row0 >= valid_begin && row0 + kN * kRowsPerPass <= valid_end) {
+  } else {
+    constexpr int kRowsPerPass = Kt::kNThreads / kCPR;
+    static_assert(Kt::kNThreads % kCPR == 0, "a pass covers whole rows");
+    const int grow0 = row0 + tid / kCPR;
+    const bool col_in = tid % kCPR < col_chunks;  // a thread's chunk column is the same each pass
+    const __half* p = base + grow0 * row_stride + (tid % kCPR) * 8;
+    const index_t step = kRowsPerPass * row_stride;
+    if (kStyle == 2 && col_chunks == kCPR && row0 >= valid_begin &&
+        row0 + kN * kRowsPerPass <= valid_end) {
 #pragma unroll
-    for (int i = 0; i < kN; ++i) stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
-    return;
-  }
+      for (int i = 0; i < kN; ++i) stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
+      return;
+    }
 #pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    const int grow = grow0 + i * kRowsPerPass;
-    if (grow >= valid_begin && grow < valid_end) {
-      stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
-    } else {
-      stage[i] = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = 0; i < kN; ++i) {
+      const int grow = grow0 + i * kRowsPerPass;
+      if (col_in && grow >= valid_begin && grow < valid_end) {
+        stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
+      } else {
+        stage[i] = make_uint4(0u, 0u, 0u, 0u);
+      }
     }
   }
 }

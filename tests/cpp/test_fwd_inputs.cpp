@@ -164,7 +164,7 @@ TEST_F(FwdInputs, SoftmaxScale) {
   }
   EXPECT_DOUBLE_EQ(check(in.q, in.k, in.v, 1e-6), 1e-6);
   EXPECT_DOUBLE_EQ(check(in.q, in.k, in.v, 1.2e-38), 1.2e-38);
-  EXPECT_DOUBLE_EQ(check(in.q, in.k, in.v, 2.1e26), 2.1e26);
+  EXPECT_DOUBLE_EQ(check(in.q, in.k, in.v, 1.0e26), 1.0e26);
 }
 
 TEST_F(FwdInputs, BothImplementationsValidate) {
