@@ -71,5 +71,5 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", nargs="?", default="quick", choices=["quick", "full"])
+    ap.add_argument("mode", nargs="?", default="quick", choices=["quick", "full", "tails"])
     sys.exit(run(ap.parse_args().mode))
