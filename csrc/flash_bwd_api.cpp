@@ -16,6 +16,7 @@
 
 #include "kernels/block_info.h"
 #include "kernels/flash_bwd.h"
+#include "kernels/head_dims.h"
 
 namespace flash_sm75 {
 namespace {
@@ -115,7 +116,12 @@ BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const a
   bufs.dk = at::empty({b, seqlen_k, h_k, d}, q.options());
   bufs.dv = at::empty({b, seqlen_k, h_k, d}, q.options());
   bufs.dsoftmax_sum = at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
-  if (dq_atomic) bufs.dq_accum = at::zeros({b, h, seqlen_q, d}, q.options().dtype(at::kFloat));
+  // Rows of the bucket's width (head_dims.h): the dK/dV kernel adds whole kD-wide tile rows at
+  // constant offsets; columns at or past d stay 0 and are never converted.
+  if (dq_atomic) {
+    bufs.dq_accum = at::zeros({b, h, seqlen_q, static_cast<int64_t>(head_dim_bucket(d))},
+                              q.options().dtype(at::kFloat));
+  }
 
   set_params_fprop(params, q, k, v, out, softmax_lse, softmax_scale, is_causal,
                    causal_bottom_right, leftpad_k, seqused_k);

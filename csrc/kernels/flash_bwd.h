@@ -28,8 +28,9 @@ struct Flash_bwd_params : public Flash_fwd_params {
   // Optional gradient of softmax_lse (batch x h x seqlen_q, contiguous) or nullptr. A gradient
   // g flowing into lse_i adds g_i * P_ij to dS_ij, i.e. it is folded into D.
   const float* dlse_ptr;
-  // Atomic dQ mode only: batch x h x seqlen_q x d fp32, zero-initialised, contiguous; the main
-  // kernel adds every key block's dS K into it, a final kernel scales and converts to fp16.
+  // Atomic dQ mode only: batch x h x seqlen_q x kD fp32 (kD = head_dim_bucket(d), the
+  // instantiation's head dim), zero-initialised, contiguous; the main kernel adds every key
+  // block's dS K into it, a final kernel scales and converts columns < d to fp16.
   float* dq_accum_ptr;
 
   // true: dQ accumulated with fp32 atomics inside the dK/dV kernel (fast, not bitwise

@@ -61,7 +61,8 @@ __device__ __forceinline__ float lse_log2(float lse) {
 
 // ---------------------------------------------------------------------------------------------
 // D_i = sum_c dO[i][c] * O[i][c] - dlse_i, for every (batch, head, query row): kHeadDim / 8
-// threads per row, one 16-byte chunk each, reduced with shuffles.
+// threads per row, one 16-byte chunk each, reduced with shuffles. Chunks at or past the head dim
+// d (head_dims.h) are not read and add 0.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads)
     flash_bwd_preprocess_kernel(const Flash_bwd_params params) {
@@ -71,7 +72,7 @@ __global__ void __launch_bounds__(kBwdAuxThreads)
   const int c = threadIdx.x % kCPR;
   const int64_t total = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
   float acc = 0.f;
-  if (row < total) {
+  if (row < total && c * 8 < params.d) {
     const int i = static_cast<int>(row % params.seqlen_q);
     const int64_t bh = row / params.seqlen_q;
     const int bidb = static_cast<int>(bh / params.h);
@@ -104,7 +105,8 @@ __global__ void __launch_bounds__(kBwdAuxThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Atomic mode: dq (fp16, strided) = softmax_scale * dq_accum (fp32, batch x h x seqlen_q x d).
+// Atomic mode: dq (fp16, strided) = softmax_scale * dq_accum (fp32, batch x h x seqlen_q x
+// kHeadDim: rows are the bucket's width, see mha_bwd). Columns at or past d are not written.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads)
     flash_bwd_convert_dq_kernel(const Flash_bwd_params params) {
@@ -113,6 +115,7 @@ __global__ void __launch_bounds__(kBwdAuxThreads)
   const int64_t total = static_cast<int64_t>(params.b) * params.h * params.seqlen_q * kCPR;
   if (idx >= total) return;
   const int c = static_cast<int>(idx % kCPR);
+  if (c * 8 >= params.d) return;
   const int64_t row = idx / kCPR;  // (batch, head, query) row of dq_accum
   const int i = static_cast<int>(row % params.seqlen_q);
   const int64_t bh = row / params.seqlen_q;
@@ -254,7 +257,7 @@ __device__ __forceinline__ void dsoftmax_t(const float (&acc_s)[kWC / 8][4],
 }
 
 // Epilogue: dK * scale and dV of the warp's 16 keys key0 .. key0 + 15 (rows g, g + 8 of the
-// accumulators), fp16, rows past seqlen_k skipped.
+// accumulators), fp16, rows past seqlen_k and columns past the head dim d skipped.
 template <int kD>
 __device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
                                            const float (&acc_dk)[kD / 8][4],
@@ -271,6 +274,7 @@ __device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
     if (key < params.seqlen_k) {
 #pragma unroll
       for (int dt = 0; dt < kD / 8; ++dt) {
+        if (8 * dt >= params.d) break;
         const int col = 8 * dt + 2 * t;
         *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) =
             pack_half2(acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
@@ -349,9 +353,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       const __half* v_base = static_cast<const __half*>(params.v_ptr) +
                              bidb * params.v_batch_stride + bidh_k * params.v_head_stride;
       uint4 kv[Kt::kKVChunksPerThread];
-      load_tile_g2r<Kt>(kv, k_base, params.k_row_stride, n0, kr.key_start, kr.key_end, tid);
+      load_tile_g2r<Kt>(kv, k_base, params.k_row_stride, n0, kr.key_start, kr.key_end, tid,
+                        params.d / 8);
       store_tile_r2s_padded<Kt>(kv, sK, tid);
-      load_tile_g2r<Kt>(kv, v_base, params.v_row_stride, n0, kr.key_start, kr.key_end, tid);
+      load_tile_g2r<Kt>(kv, v_base, params.v_row_stride, n0, kr.key_start, kr.key_end, tid,
+                        params.d / 8);
       store_tile_r2s_padded<Kt>(kv, sV, tid);
     }
 
@@ -378,8 +384,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                              bidb * params.q_batch_stride + head * params.q_head_stride;
       const __half* do_base = static_cast<const __half*>(params.do_ptr) +
                               bidb * params.do_batch_stride + head * params.do_head_stride;
-      load_tile_g2r<Kt>(q_stage, q_base, params.q_row_stride, m0, 0, params.seqlen_q, tid);
-      load_tile_g2r<Kt>(do_stage, do_base, params.do_row_stride, m0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt>(q_stage, q_base, params.q_row_stride, m0, 0, params.seqlen_q, tid,
+                        params.d / 8);
+      load_tile_g2r<Kt>(do_stage, do_base, params.do_row_stride, m0, 0, params.seqlen_q, tid,
+                        params.d / 8);
       if (tid < kBM) {
         const int row = m0 + tid;
         const int64_t off = (static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + row;
@@ -523,16 +531,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
               make_float2(acc_dq[nt][2], acc_dq[nt][3]);
         }
         __syncthreads();
-        // Coalesced fp32 atomics: the tile's rows are contiguous in dq_accum (b, h, sq, d). Each
+        // Coalesced fp32 atomics: the tile's rows are contiguous in dq_accum (b, h, sq, kD). Each
         // step covers kRowsPerStep whole rows; the thread's column is fixed, so every step is a
-        // constant offset (immediates, no per-step address registers).
+        // constant offset (immediates, no per-step address registers). Columns past d hold 0
+        // (zero K columns) and are skipped.
         constexpr int kRowsPerStep = Kt::kNThreads / kD;
         const int my_row = tid / kD;
         const float* src = sdQ + fp32_tile_offset<kD>(my_row, tid % kD);
         float* dq_acc = params.dq_accum_ptr +
                         ((static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + m0) * kD +
                         tid;
-        const int rows_left = params.seqlen_q - m0 - my_row;
+        const int rows_left = tid % kD < params.d ? params.seqlen_q - m0 - my_row : 0;
 #pragma unroll
         for (int i = 0; i < kBM / kRowsPerStep; ++i) {
           if (i * kRowsPerStep < rows_left) {
@@ -570,6 +579,8 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   constexpr int kBN = Kt::kBlockN;
   constexpr int kCPR = Kt::kChunksPerRow;
   constexpr int kRowBytes = kD * 2;
+  // 16-byte chunks of a row that exist (head_dims.h: the tail past head_dim d).
+  const int dc = params.d / 8;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __half* sK = reinterpret_cast<__half*>(smem_raw);  // Bc x d; with sV the Q / dO / dQ staging
@@ -636,13 +647,13 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     const uint32_t a_addr = lane_addr_a<kCPR>(sK, 16 * warp, lane);
     {
       uint4 qstage[Kt::kQChunksPerThread];
-      load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid, dc);
       store_tile_r2s<Kt>(qstage, sK, tid);
       __syncthreads();
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(q_frag[kk], swizzle_xor(a_addr, kk));
       __syncthreads();
-      load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, params.seqlen_q, tid);
+      load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, params.seqlen_q, tid, dc);
       store_tile_r2s<Kt>(qstage, sK, tid);
       __syncthreads();
 #pragma unroll
@@ -650,7 +661,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       __syncthreads();
     }
     load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, nb.n_block_min * kBN, kr.key_start,
-                      kr.key_end, tid);
+                      kr.key_end, tid, dc);
     store_tile_r2s<Kt>(stage, sK, tid);
     __syncthreads();
 
@@ -663,7 +674,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     for (int n_block = nb.n_block_min; n_block < nb.n_block_max; ++n_block) {
       // V_j: global loads in flight while S_j is computed.
       load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, n_block * kBN, kr.key_start,
-                        kr.key_end, tid);
+                        kr.key_end, tid, dc);
 
       float acc_s[kBN / 8][4];
       gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
@@ -689,7 +700,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       const bool has_next = n_block + 1 < nb.n_block_max;
       if (has_next) {  // K_{j+1}: global loads in flight during dP and dQ
         load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, (n_block + 1) * kBN, kr.key_start,
-                          kr.key_end, tid);
+                          kr.key_end, tid, dc);
       }
 
       // ---- dP = dO V_j^T, then dS = P o (dP - D) as fp16 A fragments.
@@ -742,7 +753,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     const int r = idx / kCPR;
     const int c = idx % kCPR;
     const int grow = row0 + r;
-    if (grow < params.seqlen_q) {
+    if (grow < params.seqlen_q && c < dc) {
       *reinterpret_cast<uint4*>(dq_base + grow * params.dq_row_stride + c * 8) =
           *reinterpret_cast<const uint4*>(sO + swizzle_offset<kCPR>(r, c));
     }

@@ -256,7 +256,7 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   HTensor dq = make_tensor(B, Sq, H, D, 0), dk = make_tensor(B, Sk, Hk, D, 0),
           dv = make_tensor(B, Sk, Hk, D, 0);
   std::vector<float> dsum(size_t(B) * H * Sq, NAN);
-  std::vector<float> dq_accum(c.atomic ? size_t(B) * H * Sq * D : 0, 0.f);
+  std::vector<float> dq_accum(c.atomic ? size_t(B) * H * Sq * head_dim_bucket(D) : 0, 0.f);
   Flash_bwd_params bp{};
   static_cast<Flash_fwd_params&>(bp) = fp;
   bp.do_ptr = dout.data.data();
