@@ -179,12 +179,13 @@ struct FwdTileD128 : FwdTileDefaults {
 // warp beside S and the load staging, so pairs of warps split the head dim (kDSplit = 2: 32 + 64
 // registers per warp, S split-k and summed through shared memory). 8 warps, 64 x 32:
 // K + V = 32 KiB (the Q and O tiles are staged through it), exchange slots 16 KiB, 48 KiB in
-// all (no opt-in). At ~250 registers a Turing SM holds 8 warps at most (64K registers), and the
-// shared memory one such CTA per SM: this tile has all 8 in one CTA. The alternative that fits
-// one warp per 16 rows, 64 x 16 with 4 warps and Q re-read from shared memory (48 KiB, ~250
-// registers), leaves 4 warps per SM (one per scheduler: MMA latency exposed), re-reads Q for
-// every 16 keys (1/3 of its ldmatrix traffic), and has twice the barriers and O rescales per key.
-// Threshold rescale t = 8 as at d = 128 (O is 64 fp32 registers per warp here).
+// all (no opt-in); 238 / 240 registers. At that register count a Turing SM holds 8 warps
+// (64K registers), and at > 32 KiB one CTA: this tile has all 8 warps in it, two per scheduler.
+// The tile that keeps one warp per 16 rows, 64 x 16 with 4 warps and Q re-read from shared
+// memory (48 KiB, 254-255 registers), leaves 4 warps per SM (one per scheduler, 2 independent
+// S accumulators to cover the MMA latency), re-reads Q for every 16 keys (a third of its
+// ldmatrix traffic), and has twice the barriers and O rescales per key. Bc = 64 does not fit
+// (K + V alone 64 KiB). Threshold rescale t = 8 as at d = 128.
 struct FwdTileD256 : FwdTileDefaults {
   static constexpr int kHeadDim = 256, kBlockM = 64, kBlockN = 32, kNWarps = 8;
   static constexpr int kDSplit = 2;

@@ -140,9 +140,8 @@ void fwd_kernel_body(const Flash_fwd_params& p) {
 
 // The decode kernel at d = 256 is not in yet: seqlen_q == 1 runs the forward kernel there.
 constexpr bool kDecode256 = false;
-// kFwd256WithoutBucket: the d = 256 forward tile runs 128 < d <= 256 before 256 is a bucket
-// (head_dim_bucket and so plan_fwd_launch do not know it yet); once it is, dispatch_fwd's
-// branch becomes `case 256:` and this flag goes.
+// Before head_dims.h lists the 256 bucket, plan_fwd_launch does not take d > 128: the d = 256
+// tile's plan is made directly (the same plan as plan_fwd_launch's case 256).
 constexpr bool kFwd256WithoutBucket = head_dim_bucket(256) != 256;
 
 template <int kD, bool kCausal>
@@ -206,7 +205,9 @@ void dispatch_fwd(Flash_fwd_params& p) {
     case 64: run_forward<64, kCausal>(p); break;
     case 128: run_forward<128, kCausal>(p); break;
     default:
-      if (kFwd256WithoutBucket && p.d > 128 && p.d <= 256 && p.d % 8 == 0) {
+      // The d = 256 tile's head dims, also before head_dims.h lists the bucket (head_dim_bucket
+      // is 0 there); with the bucket this becomes `case 256:`.
+      if (p.d > 128 && p.d <= 256 && p.d % kHeadDimMultiple == 0) {
         run_forward<256, kCausal>(p);
         break;
       }
