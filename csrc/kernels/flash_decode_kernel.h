@@ -150,9 +150,9 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   const __half* v_base = static_cast<const __half*>(params.v_ptr) +
                          bidb * params.v_batch_stride + hk * params.v_head_stride +
                          (lane * kDPL < params.d ? lane * kDPL : 0);
-  // K chunks past d: zero-filled through an empty key range for the lane (within a column
-  // part, a lane's chunk column is the same in every row it loads: 32 % kCPR == 0), one bound
-  // per part as for d = kD.
+  // K chunks past d: zero-filled by one bool per lane and column part (within a part, a lane's
+  // chunk column is the same in every row it loads: 32 % kCPR == 0). A bool stays in a predicate
+  // register; a per-lane key bound in its place cost kR = 16 at d = 128 a spill.
   constexpr int kCPR = T::kKCols / 8;  // 16-byte chunks per staged K row
   static_assert(32 % kCPR == 0, "a lane's K chunk column is fixed");
   bool k_ok[T::kKParts];
