@@ -225,14 +225,15 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {
     const DecodePlan dp = plan_decode(params.b, params.h, params.h_k, params.seqlen_q,
-                                      params.seqlen_k, params.num_sms, env_decode_enabled());
+                                      params.seqlen_k, flash_sm75::head_dim_bucket(d),
+                                      params.num_sms, env_decode_enabled());
     if (dp.use) {
       params.decode_ratio_bucket = dp.ratio_bucket;
       params.num_splits = dp.num_splits;
       params.keys_per_split = dp.keys_per_split;
       if (dp.num_splits > 1) {
         const auto f32 = q.options().dtype(at::kFloat);
-        oaccum = at::empty({dp.num_splits, b, h, d}, f32);
+        oaccum = at::empty({dp.num_splits, b, h, d}, f32);  // indexed with d, not the bucket
         lseaccum = at::empty({2, dp.num_splits, b, h}, f32);  // each split's max m, then sum l
         params.oaccum_ptr = oaccum.data_ptr<float>();
         params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();

@@ -2,13 +2,16 @@
 //
 // With one query row the prefill kernel wastes 63 of its 64 (or 127 of 128) tile rows and runs
 // one CTA per (batch, q-head) over all keys: few CTAs, each K/V row read once per q-head. Here
-// one CTA of 4 warps serves (batch, kv head, key split):
-//   * the kR >= h / h_k q-heads of the kv head are handled together (K/V read once per kv head);
+// one CTA of 4 warps serves (batch, kv head, head part, key split):
+//   * up to kR q-heads of the kv head are handled together (K/V read once per CTA); a group of
+//     h / h_k > kR q-heads is cut into ceil(h / h_k / kR) parts of kR heads, one CTA each
+//     (registers cap kR per head dim: decode_max_heads_per_cta, launch_plan.h);
 //   * the keys [key_start, key_end) are cut into splits so the grid fills the GPU; each split
 //     writes its normalised O (fp32) and LSE, and flash_fwd_decode_merge_kernel combines them
 //     (the split-KV scheme of FlashDecoding / FlashAttention-2's `num_splits`);
 //   * per step, warp w takes 32 keys: the K rows go through shared memory (coalesced 16-byte
-//     loads), lane j computes the kR scores of key j, an online softmax per head (the
+//     loads; for kD > 128 in two column halves, which keeps the staging buffer at 34 KiB), lane j
+//     computes the kR scores of key j, an online softmax per head (the
 //     FlashAttention recurrence: running max m, sum l, O rescaled by exp2(m_old - m_new)),
 //     then each lane accumulates O for its d/32 output dims, reading V rows directly
 //     (coalesced: a warp reads one whole row per key).
@@ -33,6 +36,7 @@
 #include "block_info.h"
 #include "flash.h"
 #include "kernel_traits.h"
+#include "launch_plan.h"  // decode_max_heads_per_cta
 #include "softmax.h"  // clamp_to_fp16_range
 #include "state.h"
 #include "utils.h"
@@ -44,16 +48,22 @@ struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kKeys = 32;              // keys per warp per step
-  static constexpr int kRowH = kD + 8;          // padded K rows: 16-byte reads of 8 lanes
+  // K is staged kKCols columns at a time: the whole row up to kD = 128, halves above (a
+  // 32 x 256 fp16 tile per warp would take 66 KiB).
+  static constexpr int kKParts = kD > 128 ? 2 : 1;
+  static constexpr int kKCols = kD / kKParts;
+  static constexpr int kRowH = kKCols + 8;      // padded K rows: 16-byte reads of 8 lanes
                                                 // (8 rows) hit 8 distinct bank groups
-  static constexpr int kDimsPerLane = kD / 32;  // output dims of a lane
+  static constexpr int kDimsPerLane = kD / 32;  // output dims of a lane: 2, 4 or 8 (one load)
   static constexpr int kSmemK = kWarps * kKeys * kRowH * 2;
   static constexpr int kSmemO = kWarps * kR * kD * 4;  // end-of-kernel merge, aliases sK
   static constexpr int kOffQ = kSmemK > kSmemO ? kSmemK : kSmemO;  // [kR][kD] fp32
   static constexpr int kOffP = kOffQ + kR * kD * 4;                // [warps][kR][32] fp32
   static constexpr int kOffM = kOffP + kWarps * kR * kKeys * 4;    // [warps][kR] fp32 m, l
-  static constexpr int kSmemSize = kOffM + 2 * kWarps * kR * 4;
-  static_assert(kD % 64 == 0 && kR >= 1 && kR <= 16, "d = 64, 128; up to 16 heads");
+  static constexpr int kOffCta = kOffM + 2 * kWarps * kR * 4;     // 4 ints: the CTA's coordinates
+  static constexpr int kSmemSize = kOffCta + 4 * 4;
+  static_assert(kD == 64 || kD == 128 || kD == 256, "kD = 64, 128 or 256");
+  static_assert(kR >= 1 && kR <= decode_max_heads_per_cta(kD), "kR over the register cap");
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 };
 
@@ -84,13 +94,20 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   float* sQ = reinterpret_cast<float*>(smem_raw + T::kOffQ);
   float* sM = reinterpret_cast<float*>(smem_raw + T::kOffM);
   float* sL = sM + T::kWarps * kR;
+  int* sCta = reinterpret_cast<int*>(smem_raw + T::kOffCta);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int split = static_cast<int>(blockIdx.x % params.num_splits);
-  const int bhk = static_cast<int>(blockIdx.x / params.num_splits);
-  const int bidb = bhk / params.h_k, hk = bhk % params.h_k;
+  // blockIdx.x = ((batch * h_k + kv head) * num_splits + split) * parts + part: the parts of a
+  // group run next to each other and share the split's K/V in L2.
   const int ratio = params.h_h_k_ratio;
-  const int h0 = hk * ratio;  // first q-head of the group
+  const int parts = (ratio + kR - 1) / kR;
+  const int part = static_cast<int>(blockIdx.x % parts);
+  const int bhks = static_cast<int>(blockIdx.x / parts);
+  const int split = bhks % params.num_splits;
+  const int bhk = bhks / params.num_splits;
+  const int bidb = bhk / params.h_k, hk = bhk % params.h_k;
+  const int h0 = hk * ratio + part * kR;  // first q-head of the CTA
+  const int nh = imin(kR, ratio - part * kR);  // q-heads of the CTA
   const KeyRange kr = decode_key_range(params, bidb);
   // In 64 bits: (split + 1) * keys_per_split passes 2^31 - 1 for seqlen_k near it.
   const int64_t split_lo = static_cast<int64_t>(split) * params.keys_per_split;
@@ -99,11 +116,20 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   const int end = static_cast<int>(split_hi < kr.key_end ? split_hi : kr.key_end);
   const float scale_log2 = params.scale_softmax_log2;
 
-  // ---- q of the group's heads -> sQ (fp32; heads past `ratio` are 0 and never written out).
+  // The epilogue reads its coordinates back from shared memory: kept in registers across the
+  // key loop they cost the kR = 16, d = 128 kernel a spill.
+  if (tid == 0) {
+    sCta[0] = bidb;
+    sCta[1] = h0;
+    sCta[2] = nh;
+    sCta[3] = split;
+  }
+
+  // ---- q of the CTA's heads -> sQ (fp32; heads past nh are 0 and never written out).
   const __half* q = static_cast<const __half*>(params.q_ptr) + bidb * params.q_batch_stride;
   for (int i = tid; i < kR * kD; i += T::kThreads) {
     const int h = i / kD, c = i % kD;
-    sQ[i] = h < ratio && c < params.d ? __half2float(q[(h0 + h) * params.q_head_stride + c]) : 0.f;
+    sQ[i] = h < nh && c < params.d ? __half2float(q[(h0 + h) * params.q_head_stride + c]) : 0.f;
   }
   __syncthreads();
 
@@ -124,59 +150,70 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   const __half* v_base = static_cast<const __half*>(params.v_ptr) +
                          bidb * params.v_batch_stride + hk * params.v_head_stride +
                          (lane * kDPL < params.d ? lane * kDPL : 0);
-  // K chunks past d: zero-filled through an empty key range for the lane (a lane's chunk
-  // column is the same in every row it loads, 32 % kCPR == 0), one bound as for d = kD.
-  constexpr int kCPR = kD / 8;  // 16-byte chunks per K row
+  // K chunks past d: zero-filled by one bool per lane and column part (within a part, a lane's
+  // chunk column is the same in every row it loads: 32 % kCPR == 0). A bool stays in a predicate
+  // register; a per-lane key bound in its place cost kR = 16 at d = 128 a spill.
+  constexpr int kCPR = T::kKCols / 8;  // 16-byte chunks per staged K row
   static_assert(32 % kCPR == 0, "a lane's K chunk column is fixed");
-  const int k_end = (lane % kCPR) * 8 < params.d ? end : 0;
+  bool k_ok[T::kKParts];
+#pragma unroll
+  for (int kp = 0; kp < T::kKParts; ++kp) k_ok[kp] = kp * T::kKCols + (lane % kCPR) * 8 < params.d;
   __half* sK = reinterpret_cast<__half*>(smem_raw) + warp * T::kKeys * T::kRowH;
   float* sP = reinterpret_cast<float*>(smem_raw + T::kOffP) + warp * kR * T::kKeys;
 
   // Steps of 128 keys; key indices in 64 bits (base + 128 can pass 2^31 - 1).
   for (int64_t base = begin + static_cast<int64_t>(warp) * T::kKeys; base < end;
        base += T::kWarps * T::kKeys) {
-    // ---- K rows base .. base + 31 -> sK (rows past `end` and chunks past d zero-filled, never
-    // read from memory).
-#pragma unroll
-    for (int i = 0; i < kCPR; ++i) {
-      const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
-      uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (base + r < k_end) {
-        val = __ldg(reinterpret_cast<const uint4*>(k_base + (base + r) * params.k_row_stride +
-                                                   cc * 8));
-      }
-      *reinterpret_cast<uint4*>(sK + r * T::kRowH + cc * 8) = val;
-    }
-    __syncwarp();
-
-    // ---- scores of key base + lane for the kR heads.
     float s[kR];
 #pragma unroll
-    for (int h = 0; h < kR; ++h) s[h] = 0.f;
-    const __half* k_row = sK + lane * T::kRowH;
-#pragma unroll 4
-    for (int c = 0; c < kD; c += 8) {
-      const uint4 kv = *reinterpret_cast<const uint4*>(k_row + c);
-      const uint32_t kw[4] = {kv.x, kv.y, kv.z, kv.w};
-      float kf[8];
+    for (int kp = 0; kp < T::kKParts; ++kp) {
+      if (kp > 0) __syncwarp();  // every lane is done with the previous part's sK
+      // ---- K rows base .. base + 31, columns of part kp -> sK (rows past `end` and chunks
+      // past d zero-filled, never read from memory).
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack_half2(kw[i]);
-        kf[2 * i] = f.x;
-        kf[2 * i + 1] = f.y;
+      for (int i = 0; i < kCPR; ++i) {
+        const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (k_ok[kp] && base + r < end) {
+          val = __ldg(reinterpret_cast<const uint4*>(k_base + (base + r) * params.k_row_stride +
+                                                     kp * T::kKCols + cc * 8));
+        }
+        *reinterpret_cast<uint4*>(sK + r * T::kRowH + cc * 8) = val;
       }
+      __syncwarp();
+
+      // ---- scores of key base + lane for the kR heads over the part's columns (s is zeroed
+      // after the K loads: live across them, it costs the kR = 16 kernels registers).
+      if (kp == 0) {
 #pragma unroll
-      for (int h = 0; h < kR; ++h) {
-        const float4 qa = *reinterpret_cast<const float4*>(sQ + h * kD + c);
-        const float4 qb = *reinterpret_cast<const float4*>(sQ + h * kD + c + 4);
-        s[h] = fmaf(qa.x, kf[0], s[h]);
-        s[h] = fmaf(qa.y, kf[1], s[h]);
-        s[h] = fmaf(qa.z, kf[2], s[h]);
-        s[h] = fmaf(qa.w, kf[3], s[h]);
-        s[h] = fmaf(qb.x, kf[4], s[h]);
-        s[h] = fmaf(qb.y, kf[5], s[h]);
-        s[h] = fmaf(qb.z, kf[6], s[h]);
-        s[h] = fmaf(qb.w, kf[7], s[h]);
+        for (int h = 0; h < kR; ++h) s[h] = 0.f;
+      }
+      const __half* k_row = sK + lane * T::kRowH;
+      const float* q_part = sQ + kp * T::kKCols;
+#pragma unroll 4
+      for (int c = 0; c < T::kKCols; c += 8) {
+        const uint4 kv = *reinterpret_cast<const uint4*>(k_row + c);
+        const uint32_t kw[4] = {kv.x, kv.y, kv.z, kv.w};
+        float kf[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = unpack_half2(kw[i]);
+          kf[2 * i] = f.x;
+          kf[2 * i + 1] = f.y;
+        }
+#pragma unroll
+        for (int h = 0; h < kR; ++h) {
+          const float4 qa = *reinterpret_cast<const float4*>(q_part + h * kD + c);
+          const float4 qb = *reinterpret_cast<const float4*>(q_part + h * kD + c + 4);
+          s[h] = fmaf(qa.x, kf[0], s[h]);
+          s[h] = fmaf(qa.y, kf[1], s[h]);
+          s[h] = fmaf(qa.z, kf[2], s[h]);
+          s[h] = fmaf(qa.w, kf[3], s[h]);
+          s[h] = fmaf(qb.x, kf[4], s[h]);
+          s[h] = fmaf(qb.y, kf[5], s[h]);
+          s[h] = fmaf(qb.z, kf[6], s[h]);
+          s[h] = fmaf(qb.w, kf[7], s[h]);
+        }
       }
     }
 
@@ -199,13 +236,23 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
 
     // ---- O += P V: lane owns dims lane * kDPL .. + kDPL - 1; masked keys are not loaded
     // (their P is 0, and 0 * a NaN left in unused cache memory would be NaN).
-#pragma unroll 2
+#pragma unroll(kD > 128 && kR * kDPL > 32 ? 1 : 2)
     for (int j = 0; j < T::kKeys; j += 4) {
       float vf[4][kDPL];
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const int64_t key = base + j + jj;
-        if constexpr (kDPL == 4) {
+        if constexpr (kDPL == 8) {
+          uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+          if (key < end) raw = __ldg(reinterpret_cast<const uint4*>(v_base + key * params.v_row_stride));
+          const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = unpack_half2(w[i]);
+            vf[jj][2 * i] = f.x;
+            vf[jj][2 * i + 1] = f.y;
+          }
+        } else if constexpr (kDPL == 4) {
           uint2 raw = make_uint2(0u, 0u);
           if (key < end) raw = __ldg(reinterpret_cast<const uint2*>(v_base + key * params.v_row_stride));
           const float2 a = unpack_half2(raw.x), b = unpack_half2(raw.y);
@@ -251,7 +298,8 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     for (int e = 0; e < kDPL; ++e) sO[(warp * kR + h) * kD + lane * kDPL + e] = o[h][e];
   }
   __syncthreads();
-  for (int i = tid; i < ratio * kD; i += T::kThreads) {
+  const int e_bidb = sCta[0], e_h0 = sCta[1], e_nh = sCta[2], e_split = sCta[3];
+  for (int i = tid; i < e_nh * kD; i += T::kThreads) {
     const int h = i / kD, c = i % kD;
     if (c >= params.d) continue;
     SoftmaxMerge<1> st;  // the warps' (m, l, unnormalised O) of head h, output dim c
@@ -265,18 +313,18 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     }
     float out[1], lse;
     st.result(params.scale_softmax, out, lse);
-    const int hq = h0 + h;
+    const int hq = e_h0 + h;
     if (params.num_splits == 1) {
-      __half* o_ptr = static_cast<__half*>(params.o_ptr) + bidb * params.o_batch_stride +
+      __half* o_ptr = static_cast<__half*>(params.o_ptr) + e_bidb * params.o_batch_stride +
                       hq * params.o_head_stride;
       o_ptr[c] = __float2half_rn(clamp_to_fp16_range(out[0]));
-      if (c == 0) params.softmax_lse_ptr[static_cast<int64_t>(bidb) * params.h + hq] = lse;
+      if (c == 0) params.softmax_lse_ptr[static_cast<int64_t>(e_bidb) * params.h + hq] = lse;
     } else {
       // The split's raw max m and its sum l (relative to m), not one LSE: in fp32, m * scale +
       // log(l) loses log(l) once |m * scale| is large, and the merge would weight the splits
       // wrongly (O = 2 instead of 1 at scores ~1e8; tests/emu check_decode_split_merges).
       const int64_t rows = static_cast<int64_t>(params.num_splits) * params.b * params.h;
-      const int64_t row = (static_cast<int64_t>(split) * params.b + bidb) * params.h + hq;
+      const int64_t row = (static_cast<int64_t>(e_split) * params.b + e_bidb) * params.h + hq;
       params.oaccum_ptr[row * params.d + c] = out[0];
       if (c == 0) {
         params.softmax_lseaccum_ptr[row] = st.m;

@@ -7,6 +7,7 @@
 
 #include "flash.h"
 #include "flash_decode_kernel.h"
+#include "launch_plan.h"
 #include "launch_utils.h"
 
 namespace flash_sm75 {
@@ -16,7 +17,8 @@ void run_decode_kernels(Flash_fwd_params& params, cudaStream_t stream) {
   using T = DecodeTraits<kD, kR>;
   auto kernel = &flash_fwd_decode_kernel<kD, kR>;
   set_max_dynamic_smem(kernel, T::kSmemSize);
-  const int64_t ctas = static_cast<int64_t>(params.b) * params.h_k * params.num_splits;
+  const int parts = (params.h_h_k_ratio + kR - 1) / kR;  // DecodePlan::head_parts
+  const int64_t ctas = static_cast<int64_t>(params.b) * params.h_k * params.num_splits * parts;
   kernel<<<static_cast<unsigned>(ctas), T::kThreads, T::kSmemSize, stream>>>(params);
   if (params.num_splits > 1) {
     const int64_t rows = static_cast<int64_t>(params.b) * params.h;
@@ -25,18 +27,30 @@ void run_decode_kernels(Flash_fwd_params& params, cudaStream_t stream) {
   }
 }
 
+// kR buckets past the head dim's register cap are not instantiated (plan_decode never picks
+// them).
+template <int kD, int kR>
+bool run_decode_bucket(Flash_fwd_params& params, cudaStream_t stream) {
+  if constexpr (kR <= decode_max_heads_per_cta(kD)) {
+    if (params.decode_ratio_bucket == kR) {
+      run_decode_kernels<kD, kR>(params, stream);
+      return true;
+    }
+  }
+  return false;
+}
+
 template <int kD>
 void run_mha_fwd_decode_hdim(Flash_fwd_params& params, cudaStream_t stream) {
-  switch (params.decode_ratio_bucket) {
-    case 1: return run_decode_kernels<kD, 1>(params, stream);
-    case 2: return run_decode_kernels<kD, 2>(params, stream);
-    case 4: return run_decode_kernels<kD, 4>(params, stream);
-    case 8: return run_decode_kernels<kD, 8>(params, stream);
-    case 16: return run_decode_kernels<kD, 16>(params, stream);
-    default:
-      throw std::invalid_argument("flash_attention_sm75: decode head bucket must be 1, 2, 4, 8 "
-                                  "or 16, got " + std::to_string(params.decode_ratio_bucket));
+  if (run_decode_bucket<kD, 1>(params, stream) || run_decode_bucket<kD, 2>(params, stream) ||
+      run_decode_bucket<kD, 4>(params, stream) || run_decode_bucket<kD, 8>(params, stream) ||
+      run_decode_bucket<kD, 16>(params, stream)) {
+    return;
   }
+  throw std::invalid_argument("flash_attention_sm75: decode head bucket must be a power of two "
+                              "up to " + std::to_string(decode_max_heads_per_cta(kD)) +
+                              " at head dim " + std::to_string(kD) + ", got " +
+                              std::to_string(params.decode_ratio_bucket));
 }
 
 }  // namespace flash_sm75

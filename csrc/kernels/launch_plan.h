@@ -47,33 +47,44 @@ inline bool prefer_small_grid_tile(int64_t default_blocks, int64_t default_slots
          small_blocks <= small_slots;
 }
 
-// Decode (seqlen_q == 1, flash_decode_kernel.h): one CTA of 4 warps per (batch, kv head, key
-// split) runs the q-heads of the kv head together (GQA packing: K/V read once per kv head) on
-// CUDA cores; the splits of a row are merged by a second kernel. The key range is cut into
+// Decode (seqlen_q == 1, flash_decode_kernel.h): one CTA of 4 warps per (batch, kv head, head
+// part, key split) runs up to decode_max_heads_per_cta q-heads of the kv head together (GQA
+// packing: K/V read once per CTA, so once per kv head when the group fits one part) on CUDA
+// cores; the splits of a row are merged by a second kernel. The key range is cut into
 // num_splits chunks of keys_per_split keys (a multiple of the 128 keys a CTA takes per step)
 // so that the grid holds ~4 CTAs per SM when the keys allow it. Up to min_steps_to_split steps
 // (1024 keys by default) a CTA takes all keys: the merge launch and its workspace cost more host
 // time (~10 us measured on the H200) than the split saves on the GPU.
 constexpr int kDecodeKeysPerStep = 128;
-constexpr int kDecodeMaxRatio = 16;   // q-heads per kv head handled by one CTA
 constexpr int kDecodeMaxSplits = 64;
 
+// q-heads one decode CTA holds (its kR) at head-dim bucket kd: each lane keeps kR x kd / 32 fp32
+// outputs and kR scores in registers. The largest power of two with 0 spills under 255
+// registers (scripts/check_sm75.py): kR = 16 uses 198 / 255 registers at kd = 64 / 128, kR = 8
+// 254 at kd = 256 (its P V loop not unrolled; kR = 16 there would need 128 fp32 outputs).
+constexpr int decode_max_heads_per_cta(int kd) { return kd <= 128 ? 16 : 8; }
+
 struct DecodePlan {
-  bool use;            // seqlen_q == 1 and h / h_k <= kDecodeMaxRatio (and not disabled)
-  int ratio_bucket;    // 1, 2, 4, 8 or 16: the smallest >= h / h_k (compile-time head count)
-  int num_splits;      // CTAs per (batch, kv head); 1 = no merge kernel
+  bool use;            // seqlen_q == 1 (and not disabled)
+  int ratio_bucket;    // kR, q-heads per CTA (compile time): the smallest power of two >= h / h_k,
+                       // at most decode_max_heads_per_cta(kd)
+  int head_parts;      // CTAs per (batch, kv head, split): ceil(h / h_k / ratio_bucket)
+  int num_splits;      // key splits per (batch, kv head); 1 = no merge kernel
   int keys_per_split;  // multiple of kDecodeKeysPerStep
 };
 
-inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k, int num_sms,
-                              bool enabled, int min_steps_to_split = 8) {
-  DecodePlan p{false, 0, 1, kDecodeKeysPerStep};
+// kd: the head-dim bucket that runs d (head_dims.h).
+inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k, int kd,
+                              int num_sms, bool enabled, int min_steps_to_split = 8) {
+  DecodePlan p{false, 0, 1, 1, kDecodeKeysPerStep};
   const int ratio = h_k > 0 ? h / h_k : 0;
-  if (!enabled || seqlen_q != 1 || ratio < 1 || ratio > kDecodeMaxRatio || seqlen_k < 1) return p;
+  if (!enabled || seqlen_q != 1 || ratio < 1 || seqlen_k < 1 || kd < 1) return p;
   p.use = true;
+  const int cap = decode_max_heads_per_cta(kd);
   p.ratio_bucket = 1;
-  while (p.ratio_bucket < ratio) p.ratio_bucket *= 2;
-  const int64_t rows = static_cast<int64_t>(b) * h_k;
+  while (p.ratio_bucket < ratio && p.ratio_bucket < cap) p.ratio_bucket *= 2;
+  p.head_parts = (ratio + p.ratio_bucket - 1) / p.ratio_bucket;
+  const int64_t rows = static_cast<int64_t>(b) * h_k * p.head_parts;
   const int64_t steps = (static_cast<int64_t>(seqlen_k) + kDecodeKeysPerStep - 1) / kDecodeKeysPerStep;
   int64_t want = num_sms > 0 && steps > min_steps_to_split
                      ? (4 * static_cast<int64_t>(num_sms) + rows - 1) / rows : 1;
@@ -86,7 +97,7 @@ inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k,
   p.keys_per_split = static_cast<int>(keys < INT32_MAX ? keys : INT32_MAX);
   p.num_splits = static_cast<int>((steps + steps_per_split - 1) / steps_per_split);
   if (rows * p.num_splits > INT32_MAX) {
-    throw std::invalid_argument("flash_attention_sm75: batch * num_heads_k * splits = " +
+    throw std::invalid_argument("flash_attention_sm75: batch * num_heads_k * head parts * splits = " +
                                 std::to_string(rows * p.num_splits) +
                                 " exceeds the 2^31-1 grid limit");
   }

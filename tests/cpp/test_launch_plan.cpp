@@ -89,28 +89,49 @@ TEST(LaunchPlan, SmallGridTileOnlyWhenItSavesAWave) {
   EXPECT_FALSE(prefer_small_grid_tile(512, 396, 512, 0));
 }
 
-TEST(DecodePlan, OnlySingleQueryRowsAndSmallGroups) {
-  EXPECT_TRUE(plan_decode(1, 32, 8, 1, 100, 40, true).use);
-  EXPECT_FALSE(plan_decode(1, 32, 8, 2, 100, 40, true).use);    // seqlen_q > 1: prefill kernel
-  EXPECT_FALSE(plan_decode(1, 32, 8, 1, 100, 40, false).use);   // FLASH_SM75_DECODE=never
-  EXPECT_FALSE(plan_decode(1, 64, 2, 1, 100, 40, true).use);    // 32 q-heads per kv head
-  EXPECT_TRUE(plan_decode(1, 32, 2, 1, 100, 40, true).use);     // 16: the largest bucket
+TEST(DecodePlan, OnlySingleQueryRows) {
+  EXPECT_TRUE(plan_decode(1, 32, 8, 1, 100, 128, 40, true).use);
+  EXPECT_FALSE(plan_decode(1, 32, 8, 2, 100, 128, 40, true).use);   // seqlen_q > 1: prefill kernel
+  EXPECT_FALSE(plan_decode(1, 32, 8, 1, 100, 128, 40, false).use);  // FLASH_SM75_DECODE=never
+  EXPECT_TRUE(plan_decode(1, 64, 2, 1, 100, 128, 40, true).use);    // 32 q-heads: 2 head parts
+  EXPECT_TRUE(plan_decode(1, 64, 1, 1, 100, 256, 40, true).use);    // 64 q-heads: 8 head parts
 }
 
-TEST(DecodePlan, BucketIsTheSmallestPowerOfTwoHoldingTheGroup) {
-  const int expect[17] = {0, 1, 2, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16};
-  for (int ratio = 1; ratio <= 16; ++ratio) {
-    EXPECT_EQ(plan_decode(2, 2 * ratio, 2, 1, 1000, 40, true).ratio_bucket, expect[ratio])
-        << "ratio " << ratio;
+TEST(DecodePlan, HeadCapPerHeadDim) {
+  EXPECT_EQ(decode_max_heads_per_cta(64), 16);
+  EXPECT_EQ(decode_max_heads_per_cta(128), 16);
+  EXPECT_EQ(decode_max_heads_per_cta(256), 8);
+}
+
+// kR = the smallest power of two holding the group, up to the head dim's cap; larger groups are
+// cut into ceil(ratio / kR) parts of kR heads, each part one CTA.
+TEST(DecodePlan, BucketHoldsTheGroupOrItsParts) {
+  for (int kd : {64, 128, 256}) {
+    const int cap = decode_max_heads_per_cta(kd);
+    for (int ratio = 1; ratio <= 64; ++ratio) {
+      SCOPED_TRACE("kd=" + std::to_string(kd) + " ratio=" + std::to_string(ratio));
+      const DecodePlan p = plan_decode(2, 2 * ratio, 2, 1, 1000, kd, 40, true);
+      ASSERT_TRUE(p.use);
+      int want = 1;
+      while (want < ratio && want < cap) want *= 2;
+      EXPECT_EQ(p.ratio_bucket, want);
+      EXPECT_EQ(p.head_parts, (ratio + want - 1) / want);
+      EXPECT_GE(p.head_parts * p.ratio_bucket, ratio);        // every head in a part
+      EXPECT_LT((p.head_parts - 1) * p.ratio_bucket, ratio);  // no empty part
+      if (ratio <= cap) EXPECT_EQ(p.head_parts, 1);           // K/V read once per kv head
+    }
   }
+  EXPECT_EQ(plan_decode(1, 3, 1, 1, 100, 256, 40, true).ratio_bucket, 4);
+  EXPECT_EQ(plan_decode(1, 12, 1, 1, 100, 256, 40, true).head_parts, 2);  // 8 + 4 heads
+  EXPECT_EQ(plan_decode(1, 32, 1, 1, 100, 128, 40, true).head_parts, 2);  // 16 + 16
 }
 
 TEST(DecodePlan, SplitsCoverTheKeysAndFillTheGpu) {
   for (int sk : {1, 127, 128, 129, 1000, 4096, 70000, INT32_MAX - 100, INT32_MAX}) {
     for (int rows : {1, 8, 64, 160, 1000}) {
       for (int sms : {0, 40, 132}) {
-        const DecodePlan p = plan_decode(rows, 4, 4, 1, sk, sms, true);
-        const DecodePlan p1 = plan_decode(rows, 4, 4, 1, sk, sms, true, 1);  // splits from 2 steps
+        const DecodePlan p = plan_decode(rows, 4, 4, 1, sk, 128, sms, true);
+        const DecodePlan p1 = plan_decode(rows, 4, 4, 1, sk, 128, sms, true, 1);  // splits from 2 steps
         EXPECT_GE(p1.num_splits, p.num_splits);
         SCOPED_TRACE("sk=" + std::to_string(sk) + " rows=" + std::to_string(rows) +
                      " sms=" + std::to_string(sms));

@@ -101,7 +101,8 @@ void run_decode(Flash_fwd_params& p) {
     p.oaccum_ptr = oacc.data();
     p.softmax_lseaccum_ptr = lacc.data();
   }
-  emu::launch(static_cast<unsigned>(int64_t(p.b) * p.h_k * p.num_splits), T::kThreads,
+  const int parts = (p.h_h_k_ratio + kR - 1) / kR;
+  emu::launch(static_cast<unsigned>(int64_t(p.b) * p.h_k * p.num_splits * parts), T::kThreads,
               [&] { flash_fwd_decode_kernel<kD, kR>(p); });
   if (p.num_splits > 1) {
     emu::launch(static_cast<unsigned>((int64_t(p.b) * p.h + 3) / 4), 128,
@@ -109,19 +110,29 @@ void run_decode(Flash_fwd_params& p) {
   }
 }
 
+// As run_mha_fwd_decode_hdim: kR buckets past the head dim's cap are not instantiated.
+template <int kD, int kR>
+bool run_decode_bucket(Flash_fwd_params& p) {
+  if constexpr (kR <= decode_max_heads_per_cta(kD)) {
+    if (p.decode_ratio_bucket == kR) {
+      run_decode<kD, kR>(p);
+      return true;
+    }
+  }
+  return false;
+}
+
 template <int kD>
 bool try_decode(Flash_fwd_params& p) {
-  const DecodePlan dp = plan_decode(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, 8, true, 1);
+  const DecodePlan dp = plan_decode(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, kD, 8, true, 1);
   if (!dp.use) return false;
   p.decode_ratio_bucket = dp.ratio_bucket;
   p.num_splits = dp.num_splits;
   p.keys_per_split = dp.keys_per_split;
-  switch (dp.ratio_bucket) {
-    case 1: run_decode<kD, 1>(p); break;
-    case 2: run_decode<kD, 2>(p); break;
-    case 4: run_decode<kD, 4>(p); break;
-    case 8: run_decode<kD, 8>(p); break;
-    default: run_decode<kD, 16>(p); break;
+  if (!(run_decode_bucket<kD, 1>(p) || run_decode_bucket<kD, 2>(p) || run_decode_bucket<kD, 4>(p) ||
+        run_decode_bucket<kD, 8>(p) || run_decode_bucket<kD, 16>(p))) {
+    std::printf("BAD decode plan: kR %d at d=%d\n", dp.ratio_bucket, kD);
+    std::exit(1);
   }
   return true;
 }
@@ -138,17 +149,9 @@ void fwd_kernel_body(const Flash_fwd_params& p) {
   flash_fwd_kernel<Kt, kCausal>(p);
 }
 
-// The decode kernel at d = 256 is not in yet: seqlen_q == 1 runs the forward kernel there.
-constexpr bool kDecode256 = false;
-// Before head_dims.h lists the 256 bucket, plan_fwd_launch does not take d > 128: the d = 256
-// tile's plan is made directly (the same plan as plan_fwd_launch's case 256).
-constexpr bool kFwd256WithoutBucket = head_dim_bucket(256) != 256;
-
 template <int kD, bool kCausal>
 void run_forward(Flash_fwd_params& p) {
-  if constexpr (kD != 256 || kDecode256) {
-    if (try_decode<kD>(p)) return;
-  }
+  if (try_decode<kD>(p)) return;
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
   using Kt = typename Fwd_tile_config<kD>::Traits;
   if constexpr (!std::is_void_v<Ks>) {
@@ -170,9 +173,7 @@ void run_forward(Flash_fwd_params& p) {
       return;
     }
   }
-  const FwdLaunchPlan plan = kD == 256 && kFwd256WithoutBucket
-                                 ? make_fwd_plan<Kt>(p.b, p.h, p.seqlen_q)
-                                 : plan_fwd_launch(p.d, p.b, p.h, p.seqlen_q);
+  const FwdLaunchPlan plan = plan_fwd_launch(p.d, p.b, p.h, p.seqlen_q);
   emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
               [&] { fwd_kernel_body<Kt, kCausal>(p); });
 }
@@ -204,14 +205,8 @@ void dispatch_fwd(Flash_fwd_params& p) {
   switch (head_dim_bucket(p.d)) {
     case 64: run_forward<64, kCausal>(p); break;
     case 128: run_forward<128, kCausal>(p); break;
-    default:
-      // The d = 256 tile's head dims, also before head_dims.h lists the bucket (head_dim_bucket
-      // is 0 there); with the bucket this becomes `case 256:`.
-      if (p.d > 128 && p.d <= 256 && p.d % kHeadDimMultiple == 0) {
-        run_forward<256, kCausal>(p);
-        break;
-      }
-      throw_bad_head_dim(p.d);
+    case 256: run_forward<256, kCausal>(p); break;
+    default: throw_bad_head_dim(p.d);
   }
 }
 template <bool kCausal>
@@ -651,8 +646,10 @@ int check_decode_split_merges() {
     fails += check_decode_split_merge<64>(a, false);
     fails += check_decode_split_merge<128>(a, false);
   }
+  for (float a : {1.f, 64.f, 1024.f, 4096.f}) fails += check_decode_split_merge<256>(a, false);
   fails += check_decode_split_merge<64>(1.f, true);
   fails += check_decode_split_merge<128>(1.f, true);
+  fails += check_decode_split_merge<256>(1.f, true);
   return fails;
 }
 
@@ -722,7 +719,20 @@ int main(int argc, char** argv) {
     add(1, 1, 300, 4, 2, d, true, true, false, false, 0, false);
     add(2, 1, 260, 2, 2, d, true, false, false, false, 2, false);
     add(1, 1, 290, 16, 1, d, false, true, false, true, 0, false);
+    add(1, 1, 200, 32, 1, d, true, true, true, false, 2, false);  // MQA 32: 2 head parts of 16
   }
+  // Decode at kD = 256 (forward only: no 256 prefill/backward kernel here): GQA 1, 2, 3, 8 and
+  // 12 (head parts 8 + 4), key ranges, causal both alignments, splits.
+  auto add_fwd = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, bool br, bool lp,
+                     bool su, int layout) {
+    add(b, sq, sk, h, hk, d, causal, br, lp, su, layout, false);
+    cases.back().fwd_only = true;
+  };
+  add_fwd(2, 1, 600, 3, 3, 256, false, true, true, true, 2);
+  add_fwd(1, 1, 300, 4, 2, 256, true, true, false, false, 0);
+  add_fwd(2, 1, 260, 6, 2, 256, true, false, false, false, 1);
+  add_fwd(1, 1, 290, 16, 2, 256, false, true, false, true, 0);
+  add_fwd(2, 1, 400, 24, 2, 256, true, true, true, true, 2);
   const size_t base_cases = cases.size();
   // Head dims below their bucket (head_dims.h: the tail inside the kernel). Layout 2 pads rows
   // with NaN, so a column read past d poisons the result; layout 0 reads the next head.
@@ -738,6 +748,16 @@ int main(int argc, char** argv) {
       add(1, 100, 33, 4, 2, d, true, false, false, false, 1, false);     // top-left, sq > sk
       add(2, 1, 600, 6, 2, d, false, true, true, true, 2, false);        // decode, splits
       add(1, 1, 290, 16, 1, d, true, true, false, true, 0, false);       // decode, MQA 16
+    }
+    // Tails of the decode-only kD = 256 (see above): GQA 1, 2, 3, 8, 16 (2 head parts).
+    const std::vector<int> wide_tail_dims = mode == "quick" ? std::vector<int>{200}
+                                                            : std::vector<int>{136, 200, 248};
+    for (int d : wide_tail_dims) {
+      add_fwd(2, 1, 600, 6, 2, d, false, true, true, true, 2);   // GQA 3, splits, NaN gaps
+      add_fwd(1, 1, 290, 16, 2, d, true, true, false, true, 0);  // GQA 8
+      add_fwd(2, 1, 300, 2, 1, d, true, true, true, false, 2);   // GQA 2, causal
+      add_fwd(1, 1, 150, 3, 3, d, false, true, false, false, 1); // GQA 1, no split
+      add_fwd(1, 1, 260, 32, 2, d, false, true, true, true, 2);  // GQA 16: 2 head parts
     }
   }
   // The d = 256 forward tile (two warps per 16 rows, kDSplit) at d = 256 and its tails
