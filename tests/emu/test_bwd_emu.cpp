@@ -166,20 +166,27 @@ void run_forward(Flash_fwd_params& p) {
               [&] { fwd_kernel_body<Kt, kCausal>(p); });
 }
 
+// As run_mha_bwd_hdim: a head dim without the atomic dQ mode runs the deterministic kernels.
 template <int kD, bool kCausal>
 void run_backward(Flash_bwd_params& p) {
-  using Kt = typename Bwd_tile_config<kD>::Traits;
-  using Kq = typename Bwd_tile_config<kD>::DqTraits;
-  const BwdLaunchPlan plan =
-      make_bwd_plan<Kt, Kq>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, p.dq_atomic);
+  using C = Bwd_tile_config<kD>;
+  using Kt = typename C::Traits;
+  using Kq = typename C::DqTraits;
+  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k,
+                                                   p.dq_atomic && C::kAtomicDq);
   emu::launch(static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads,
               [&] { flash_bwd_preprocess_kernel<kD>(p); });
-  if (p.dq_atomic) {
-    emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
-                [&] { flash_bwd_dkdv_kernel<Kt, kCausal, true>(p); });
-    emu::launch(static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads,
-                [&] { flash_bwd_convert_dq_kernel<kD>(p); });
-  } else {
+  bool ran_atomic = false;
+  if constexpr (C::kAtomicDq) {
+    if (plan.dq_atomic) {
+      emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
+                  [&] { flash_bwd_dkdv_kernel<Kt, kCausal, true>(p); });
+      emu::launch(static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads,
+                  [&] { flash_bwd_convert_dq_kernel<kD>(p); });
+      ran_atomic = true;
+    }
+  }
+  if (!ran_atomic) {
     emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
                 [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false>(p); });
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
@@ -187,21 +194,62 @@ void run_backward(Flash_bwd_params& p) {
   }
 }
 
-// As HEADDIM_SWITCH: head dim d runs on its bucket's instantiation (head_dims.h).
+// As HEADDIM_SWITCH: head dim d runs on its bucket's instantiation (head_dims.h). Head dims
+// 136 .. 256 run the d = 256 backward (Bwd_tile_config<256>) here whether or not head_dims.h
+// lists 256 yet.
+int emu_bucket(int d) { return d > 128 && d <= 256 && d % 8 == 0 ? 256 : head_dim_bucket(d); }
+
+// Returns false where this harness has no emulated forward for d (the caller then computes O and
+// LSE in float64).
 template <bool kCausal>
-void dispatch_fwd(Flash_fwd_params& p) {
-  switch (head_dim_bucket(p.d)) {
-    case 64: run_forward<64, kCausal>(p); break;
-    case 128: run_forward<128, kCausal>(p); break;
+bool dispatch_fwd(Flash_fwd_params& p) {
+  switch (emu_bucket(p.d)) {
+    case 64: run_forward<64, kCausal>(p); return true;
+    case 128: run_forward<128, kCausal>(p); return true;
+    case 256: return false;
     default: throw_bad_head_dim(p.d);
   }
 }
 template <bool kCausal>
 void dispatch_bwd(Flash_bwd_params& p) {
-  switch (head_dim_bucket(p.d)) {
+  switch (emu_bucket(p.d)) {
     case 64: run_backward<64, kCausal>(p); break;
     case 128: run_backward<128, kCausal>(p); break;
+    case 256: run_backward<256, kCausal>(p); break;
     default: throw_bad_head_dim(p.d);
+  }
+}
+
+// O (fp16) and LSE (fp32) of the forward in float64, for head dims without an emulated forward.
+void reference_forward(const HTensor& q, const HTensor& k, const HTensor& v, HTensor& out,
+                       std::vector<float>& lse, const Flash_fwd_params& p) {
+  const double scale = p.scale_softmax;
+  for (int b = 0; b < p.b; ++b) {
+    const KeyRange kr = key_range(p.seqlen_k, p.leftpad_k, p.seqused_k, b);
+    for (int h = 0; h < p.h; ++h) {
+      const int hk = h / p.h_h_k_ratio;
+      for (int i = 0; i < p.seqlen_q; ++i) {
+        std::vector<double> s(p.seqlen_k, -INFINITY);
+        double mx = -INFINITY;
+        for (int j = 0; j < p.seqlen_k; ++j) {
+          if (!key_visible(i, j, kr, p.is_causal, p.causal_offset)) continue;
+          double acc = 0;
+          for (int x = 0; x < p.d; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
+          s[j] = acc * scale;
+          mx = std::max(mx, s[j]);
+        }
+        double l = 0;
+        for (int j = 0; j < p.seqlen_k; ++j) l += std::isinf(s[j]) ? 0.0 : std::exp(s[j] - mx);
+        lse[(size_t(b) * p.h + h) * p.seqlen_q + i] = l > 0 ? float(mx + std::log(l)) : -INFINITY;
+        for (int x = 0; x < p.d; ++x) {
+          double o = 0;
+          for (int j = 0; j < p.seqlen_k; ++j) {
+            if (l > 0 && !std::isinf(s[j])) o += std::exp(s[j] - mx) / l * v.get(b, j, hk, x);
+          }
+          out.at(b, i, h, x) = f2h(float(o));
+        }
+      }
+    }
   }
 }
 
@@ -249,14 +297,14 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   fp.scale_softmax_log2 = float(scale * M_LOG2E);
   fp.is_causal = c.causal;
   fp.causal_offset = causal_offset(Sq, Sk, c.bottom_right);
-  if (c.causal) dispatch_fwd<true>(fp);
-  else dispatch_fwd<false>(fp);
+  const bool emulated_fwd = c.causal ? dispatch_fwd<true>(fp) : dispatch_fwd<false>(fp);
+  if (!emulated_fwd) reference_forward(q, k, v, out, lse, fp);
 
   // ---- backward on the emulator
   HTensor dq = make_tensor(B, Sq, H, D, 0), dk = make_tensor(B, Sk, Hk, D, 0),
           dv = make_tensor(B, Sk, Hk, D, 0);
   std::vector<float> dsum(size_t(B) * H * Sq, NAN);
-  std::vector<float> dq_accum(c.atomic ? size_t(B) * H * Sq * head_dim_bucket(D) : 0, 0.f);
+  std::vector<float> dq_accum(c.atomic ? size_t(B) * H * Sq * emu_bucket(D) : 0, 0.f);
   Flash_bwd_params bp{};
   static_cast<Flash_fwd_params&>(bp) = fp;
   bp.do_ptr = dout.data.data();
@@ -653,6 +701,18 @@ int main(int argc, char** argv) {
       add(1, 1, 290, 16, 1, d, true, true, false, true, 0, false);       // decode, MQA 16
     }
   }
+  // The d = 256 backward (Br = 16, Bc = 32, two column splits; dQ kernel 32 x 16): the full
+  // head dim and tails of it (the forward's O and LSE come from float64 where no d = 256
+  // forward is emulated). Atomic requests run the deterministic kernels at d = 256.
+  {
+    const std::vector<int> big_dims = mode == "quick" ? std::vector<int>{256, 200}
+                                                      : std::vector<int>{256, 136, 200, 248};
+    for (int d : big_dims) {
+      add(2, 33, 100, 2, 1, d, true, true, false, false, 2, d == 256);  // causal, GQA, NaN gaps
+      add(3, 65, 90, 4, 1, d, false, true, true, true, d == 200 ? 2 : 0, false);  // MQA, ranges
+      if (mode != "quick") add(1, 100, 33, 4, 2, d, true, false, false, false, 1, false);
+    }
+  }
   if (mode == "tails") cases.erase(cases.begin(), cases.begin() + base_cases);
   if (mode == "full") {
     for (int d : {64, 128}) {
@@ -672,14 +732,17 @@ int main(int argc, char** argv) {
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
   // thread interleaving are reshuffled by the seed).
-  if (mode != "tails") {
-    Case c{2, 90, 77, 4, 2, 64, true, true, true, true, 0, false, 99};
+  // full: also the d = 256 kernels (column splits), at a tail head dim.
+  std::vector<int> rerun_dims = {64};
+  if (mode == "full") rerun_dims.push_back(200);
+  for (int d : mode != "tails" ? rerun_dims : std::vector<int>{}) {
+    Case c{2, 90, 77, 4, 2, d, true, true, true, true, 0, false, 99};
     Result r1 = run_case(c, false, 1001);
     Result r2 = run_case(c, false, 4242);
     const bool same = std::memcmp(r1.dq.data(), r2.dq.data(), r1.dq.size() * 2) == 0 &&
                       std::memcmp(r1.dk.data(), r2.dk.data(), r1.dk.size() * 2) == 0 &&
                       std::memcmp(r1.dv.data(), r2.dv.data(), r1.dv.size() * 2) == 0;
-    std::printf("%s deterministic rerun bitwise identical\n", same ? "OK " : "BAD");
+    std::printf("%s deterministic rerun bitwise identical (d=%d)\n", same ? "OK " : "BAD", d);
     fails += same && r1.ok && r2.ok ? 0 : 1;
   }
   std::printf("%d case(s) failed, %" PRIu64 " fiber switches\n", fails, emu::machine().switches);
