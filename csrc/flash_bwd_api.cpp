@@ -16,6 +16,7 @@
 
 #include "kernels/block_info.h"
 #include "kernels/flash_bwd.h"
+#include "kernels/bwd_kernel_traits.h"
 #include "kernels/head_dims.h"
 
 namespace flash_sm75 {
@@ -182,7 +183,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   if (zero_size(q, k)) return zero_size_bwd(q, k);
 
   Flash_bwd_params params{};
-  const bool dq_atomic = !deterministic && env_selects_atomic_dq();
+  // Head dims without the atomic dQ mode (d > 128) run the deterministic kernels.
+  const bool dq_atomic = !deterministic && env_selects_atomic_dq() &&
+                         bwd_atomic_dq_supported(static_cast<int>(q.size(3)));
   const bool dq_side_stream = env_selects_dq_side_stream();
   BwdBuffers bufs = prepare_bwd(params, dout, q, k, v, out, softmax_lse_, scale, is_causal,
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,

@@ -20,28 +20,37 @@
 
 namespace flash_sm75 {
 
-// dK/dV kernel. kNWarps warps = (kBlockN / 16 key groups) x (kNWarpsM query splits): warp
-// (wn, wm) owns keys 16 wn .. 16 wn + 15 of the block and query columns
-// wm * kWarpCols .. (wm + 1) * kWarpCols - 1 of each query tile. It computes the transposed
-// scores S^T = K Q^T directly, so the rows of its accumulators are keys: P^T and dS^T are then
-// already the A operands (fp16 registers) of dV += P^T dO and dK += dS^T Q. The kNWarpsM partial
-// dK/dV of one key group are summed through shared memory once, at the end.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// dK/dV kernel. kNWarps warps = (kBlockN / 16 key groups) x (kNWarpsM query splits) x
+// (kDSplit column splits): warp (wn, wm, ws) owns keys 16 wn .. 16 wn + 15 of the block, query
+// columns wm * kWarpCols .. (wm + 1) * kWarpCols - 1 of each query tile and output columns
+// ws * kDOut .. (ws + 1) * kDOut - 1 of dK and dV. It computes the transposed scores
+// S^T = K Q^T directly, so the rows of its accumulators are keys: P^T and dS^T are then already
+// the A operands (fp16 registers) of dV += P^T dO and dK += dS^T Q. The kNWarpsM partial dK/dV
+// of one key group are summed through shared memory once, at the end. With kDSplit > 1 the
+// warps of one (key group, query split) each compute the same S^T and dP^T (over the whole d)
+// and keep only their share of the dK/dV columns: 1 / kDSplit of the d/2 + d/2 fp32 accumulator
+// registers, for S^T / dP^T MMAs done kDSplit times (d = 256: the dK/dV accumulators alone
+// would take all 255 registers).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDSplit_ = 1>
 struct Flash_bwd_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per tile of the inner loop
   static constexpr int kBlockN = kBlockN_;    // Bc: keys per CTA
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kDSplit = kDSplit_;              // column splits of dK / dV
+  static constexpr int kDOut = kHeadDim / kDSplit;      // dK / dV columns per warp
 
-  static constexpr int kNWarpsN = kBlockN / 16;        // key groups
-  static constexpr int kNWarpsM = kNWarps / kNWarpsN;  // query splits
-  static constexpr int kWarpCols = kBlockM / (kNWarps / (kBlockN / 16));  // queries per warp
+  static constexpr int kNWarpsN = kBlockN / 16;                   // key groups
+  static constexpr int kNWarpsM = kNWarps / (kNWarpsN * kDSplit);  // query splits
+  static constexpr int kWarpCols = kBlockM / kNWarpsM;            // queries per warp
   static_assert(kBlockN % 16 == 0, "each warp owns 16 keys");
-  static_assert(kNWarps % kNWarpsN == 0, "warps must tile (key groups x query splits)");
+  static_assert(kNWarpsM >= 1 && kNWarps % (kNWarpsN * kDSplit) == 0,
+                "warps must tile (key groups x query splits x column splits)");
   static_assert(kBlockM % kNWarpsM == 0 && kWarpCols % 16 == 0,
                 "each warp's query columns must be a multiple of 16 (ldmatrix.x4 pairs)");
   static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16");
+  static_assert(kHeadDim % kDSplit == 0 && kDOut % 16 == 0, "column splits of 16k");
 
   // dQ tile (atomic mode) = dS (Br x Bc) K (Bc x d), split over the warps as
   // (Br / 16 row groups) x (kDqWarpsN column groups of kDqCols).
@@ -78,7 +87,6 @@ struct Flash_bwd_kernel_traits {
   // (fp32 tiles have rows padded to d + 8 floats, see fp32_tile_offset.)
   static_assert(kBlockM * (kHeadDim + 8) * 4 == 2 * kQTileBytes, "dQ tile aliases sQ + sdO");
   static_assert(kBlockN * (kHeadDim + 8) * 4 == 2 * kKVTileBytes, "reduction aliases sK + sV");
-  static_assert(kHeadDim % 32 == 0 && kNThreads % kHeadDim == 0, "dQ atomics: whole rows per step");
   static_assert(kSmemSizeAtomicDq <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   // ---- global <-> shared copies, 16 bytes per thread per step
@@ -88,23 +96,41 @@ struct Flash_bwd_kernel_traits {
   static_assert(kBlockM * kHeadDim % kNThreads == 0, "dQ atomics must divide evenly");
 };
 
-// Deterministic dQ kernel: the forward's structure. Each warp owns 16 query rows (Q and dO
-// fragments stay in registers), the CTA streams K/V tiles of Bc keys and accumulates
-// dQ += dS K in registers. Q and dO are staged through the K/V space before the loop.
-template <int kHeadDim_, int kBlockN_, int kNWarps_>
+// Deterministic dQ kernel: the forward's structure. Each warp owns 16 query rows, the CTA
+// streams K/V tiles of Bc keys and accumulates dQ += dS K in registers.
+//  kQInSmem = false: Q and dO fragments stay in registers (d/4 + d/4 per thread), staged
+//    through the K/V space before the loop. smem [K | V] (the Q / dO / dQ staging aliases it).
+//  kQInSmem = true: Q and dO tiles stay in their own shared memory and are re-read with
+//    ldmatrix for every K/V tile. smem [Q | dO | K | V], dQ staged through Q.
+//  kDSplit: the warps of one 16-row group (kDSplit of them) each own kDOut = d / kDSplit columns
+//    of dQ and compute the same S and dP over the whole d (needs kQInSmem).
+template <int kHeadDim_, int kBlockN_, int kNWarps_, int kDSplit_ = 1, bool kQInSmem_ = false>
 struct Flash_bwd_dq_kernel_traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kBlockM = 16 * kNWarps;
+  static constexpr int kDSplit = kDSplit_;
+  static constexpr bool kQInSmem = kQInSmem_;
+  static constexpr int kDOut = kHeadDim / kDSplit;  // dQ columns per warp
+  static constexpr int kRowGroups = kNWarps / kDSplit;
+  static constexpr int kBlockM = 16 * kRowGroups;
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "multiples of 16");
+  static_assert(kNWarps % kDSplit == 0 && kHeadDim % kDSplit == 0, "column splits tile the warps");
+  static_assert(kDSplit == 1 || kQInSmem, "column-split warps read Q and dO from shared memory");
+  // The dQ += dS K column loop of a warp moves through chunk pairs col0 / 16 + np with one XOR
+  // (swizzle_xor): kDOut / 16 must be a power of two.
+  static_assert((kDOut / 16 & (kDOut / 16 - 1)) == 0, "dQ columns per warp: 16 x a power of two");
 
   static constexpr int kChunksPerRow = kHeadDim / 8;
   static constexpr int kSmemTileBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQTileBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kOffQ = 0;                                    // kQInSmem only
+  static constexpr int kOffDo = kQTileBytes;                         // kQInSmem only
+  static constexpr int kOffK = kQInSmem ? 2 * kQTileBytes : 0;
   static constexpr int kSmemSize =
-      2 * kSmemTileBytes > kQTileBytes ? 2 * kSmemTileBytes : kQTileBytes;
+      kQInSmem ? 2 * kQTileBytes + 2 * kSmemTileBytes
+               : (2 * kSmemTileBytes > kQTileBytes ? 2 * kSmemTileBytes : kQTileBytes);
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 
   static constexpr int kChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
@@ -119,23 +145,41 @@ struct Flash_bwd_dq_kernel_traits {
 //             Br = 64 would not fit the 64 KiB of an SM75 block.
 //  * dQ kernel: d = 64 like the forward (Br = 64, 4 warps, Bc = 64); d = 128 keeps Q, dO and dQ
 //    (d/4 + d/4 + d/2 registers) resident, so Bc = 32 keeps S, dP small enough not to spill.
+//  * d = 256 (the Turing limits: 64 KiB of shared memory, 255 registers, no spills):
+//    dK/dV: Br = 16, Bc = 32, 4 warps = 2 key groups x 1 query split x 2 column splits. K, V
+//    (padded rows) take 33 KiB and Q, dO 16.5 KiB: 49.6 KiB (51.1 KiB atomic); Br = 32 would
+//    need 66 KiB. Each warp keeps dK, dV of 128 columns (64 + 64 fp32 registers).
+//    dQ: Br = 32, Bc = 16, 4 warps = 2 row groups x 2 column splits, Q and dO in shared memory
+//    (in registers they alone would take 128 registers): 48 KiB. Deterministic dQ only.
 template <int kHeadDim>
 struct Bwd_tile_config;
 template <>
 struct Bwd_tile_config<64> {
   using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
   using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4>;
+  static constexpr bool kAtomicDq = true;  // the atomic dQ mode exists (else: deterministic)
 };
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
+  static constexpr bool kAtomicDq = true;
+};
+template <>
+struct Bwd_tile_config<256> {
+  using Traits = Flash_bwd_kernel_traits<256, 16, 32, 4, 2>;
+  using DqTraits = Flash_bwd_dq_kernel_traits<256, 16, 4, 2, true>;
+  // No atomic dQ mode: the dK/dV kernel with the dQ = dS K tile and its atomics spills 12-84
+  // bytes at 255 registers (deterministic 252 / 253). Requests for it run the deterministic
+  // kernels (bwd_atomic_dq_supported).
+  static constexpr bool kAtomicDq = false;
 };
 
 // Preprocess / convert kernels: 256 threads, 8 elements (16 bytes of fp16) per thread.
 constexpr int kBwdAuxThreads = 256;
 
 struct BwdLaunchPlan {
+  bool dq_atomic;            // the dQ mode that runs (an atomic request may run deterministic)
   int num_n_blocks;          // key blocks of the dK/dV kernel
   int64_t dkdv_blocks;       // num_n_blocks * b * h_k
   int dkdv_threads;
@@ -150,10 +194,12 @@ struct BwdLaunchPlan {
 
 // Grids, threads and shared memory of the backward's kernels: the dK/dV kernel of Kt (both dQ
 // modes; in the atomic mode with the dS^T tile for the dQ atomics) and the dQ kernel of Kq.
+// dq_atomic is the mode that runs (see Bwd_tile_config::kAtomicDq).
 template <typename Kt, typename Kq>
 inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seqlen_k,
                                    bool dq_atomic) {
   BwdLaunchPlan p;
+  p.dq_atomic = dq_atomic;
   p.num_n_blocks = (seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN;
   p.dkdv_threads = Kt::kNThreads;
   p.dkdv_smem = dq_atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq;
@@ -177,16 +223,34 @@ inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seql
   return p;
 }
 
+// Whether head dim d has the atomic dQ mode; without it an atomic request runs the
+// deterministic kernels (d > 128: the d = 256 bucket).
+inline bool bwd_atomic_dq_supported(int d) {
+  switch (head_dim_bucket(d)) {
+    case 64: return Bwd_tile_config<64>::kAtomicDq;
+    case 128: return Bwd_tile_config<128>::kAtomicDq;
+    case 256: return Bwd_tile_config<256>::kAtomicDq;
+    default: throw_bad_head_dim(d);
+  }
+}
+
 inline BwdLaunchPlan plan_bwd_launch(int d, int b, int h, int h_k, int seqlen_q, int seqlen_k,
                                      bool dq_atomic) {
   switch (head_dim_bucket(d)) {
     case 64: {
       using C = Bwd_tile_config<64>;
-      return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
+      return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k,
+                                                   dq_atomic && C::kAtomicDq);
     }
     case 128: {
       using C = Bwd_tile_config<128>;
-      return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k, dq_atomic);
+      return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k,
+                                                   dq_atomic && C::kAtomicDq);
+    }
+    case 256: {
+      using C = Bwd_tile_config<256>;
+      return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k,
+                                                   dq_atomic && C::kAtomicDq);
     }
     default: throw_bad_head_dim(d);
   }

@@ -135,20 +135,20 @@ __global__ void __launch_bounds__(kBwdAuxThreads)
   *reinterpret_cast<uint4*>(dst) = out;
 }
 
-// Adds the partial accumulators (16 keys x d per warp) of query splits wm = 1 .. kNWarpsM - 1
-// into those of wm = 0, through the fp32 buffer sRed (Bc x d). Called by all threads; the caller
-// guarantees sRed is free.
+// Adds the partial accumulators (16 keys x kDOut columns col0 .. per warp) of query splits
+// wm = 1 .. kNWarpsM - 1 into those of wm = 0, through the fp32 buffer sRed (Bc x d). Called by
+// all threads; the caller guarantees sRed is free.
 template <typename Kt>
-__device__ __forceinline__ void reduce_over_query_splits(float (&acc)[Kt::kHeadDim / 8][4],
-                                                         float* sRed, int wn, int wm, int g,
-                                                         int t) {
+__device__ __forceinline__ void reduce_over_query_splits(float (&acc)[Kt::kDOut / 8][4],
+                                                         float* sRed, int wn, int wm, int col0,
+                                                         int g, int t) {
   constexpr int kD = Kt::kHeadDim;
   const int row = 16 * wn + g;
   for (int src = 1; src < Kt::kNWarpsM; ++src) {
     if (wm == src) {
 #pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        const int col = 8 * dt + 2 * t;
+      for (int dt = 0; dt < Kt::kDOut / 8; ++dt) {
+        const int col = col0 + 8 * dt + 2 * t;
         *reinterpret_cast<float2*>(sRed + fp32_tile_offset<kD>(row, col)) =
             make_float2(acc[dt][0], acc[dt][1]);
         *reinterpret_cast<float2*>(sRed + fp32_tile_offset<kD>(row + 8, col)) =
@@ -158,8 +158,8 @@ __device__ __forceinline__ void reduce_over_query_splits(float (&acc)[Kt::kHeadD
     __syncthreads();
     if (wm == 0) {
 #pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        const int col = 8 * dt + 2 * t;
+      for (int dt = 0; dt < Kt::kDOut / 8; ++dt) {
+        const int col = col0 + 8 * dt + 2 * t;
         const float2 x = *reinterpret_cast<const float2*>(sRed + fp32_tile_offset<kD>(row, col));
         const float2 y = *reinterpret_cast<const float2*>(sRed + fp32_tile_offset<kD>(row + 8, col));
         acc[dt][0] += x.x;
@@ -257,12 +257,13 @@ __device__ __forceinline__ void dsoftmax_t(const float (&acc_s)[kWC / 8][4],
 }
 
 // Epilogue: dK * scale and dV of the warp's 16 keys key0 .. key0 + 15 (rows g, g + 8 of the
-// accumulators), fp16, rows past seqlen_k and columns past the head dim d skipped.
-template <int kD>
+// accumulators) and kDO columns col0 .., fp16, rows past seqlen_k and columns past the head dim
+// d skipped.
+template <int kDO>
 __device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
-                                           const float (&acc_dk)[kD / 8][4],
-                                           const float (&acc_dv)[kD / 8][4], int bidb, int bidh_k,
-                                           int key0, int g, int t) {
+                                           const float (&acc_dk)[kDO / 8][4],
+                                           const float (&acc_dv)[kDO / 8][4], int bidb, int bidh_k,
+                                           int key0, int col0, int g, int t) {
   __half* dk_base = static_cast<__half*>(params.dk_ptr) + bidb * params.dk_batch_stride +
                     bidh_k * params.dk_head_stride;
   __half* dv_base = static_cast<__half*>(params.dv_ptr) + bidb * params.dv_batch_stride +
@@ -273,9 +274,9 @@ __device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
     const int key = key0 + g + 8 * r;
     if (key < params.seqlen_k) {
 #pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        if (8 * dt >= params.d) break;
-        const int col = 8 * dt + 2 * t;
+      for (int dt = 0; dt < kDO / 8; ++dt) {
+        if (col0 + 8 * dt >= params.d) break;
+        const int col = col0 + 8 * dt + 2 * t;
         *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) =
             pack_half2(acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
         *reinterpret_cast<uint32_t*>(dv_base + key * params.dv_row_stride + col) =
@@ -300,6 +301,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kDsRow = Kt::kDsRowHalves;
   constexpr uint32_t kVfromK = Kt::kOffV - Kt::kOffK;     // byte offset sV - sK
   constexpr uint32_t kDofromQ = Kt::kOffDo - Kt::kOffQ;   // byte offset sdO - sQ
+  constexpr int kDO = Kt::kDOut;  // dK / dV columns of a warp
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kOffK);    // Bc x d (padded rows)
@@ -319,7 +321,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int t = lane % 4;
   const int mi = lane / 8;             // which 8x8 matrix of an ldmatrix.x4 this lane addresses
   const int wn = warp % Kt::kNWarpsN;  // key group: keys 16 wn .. 16 wn + 15
-  const int wm = warp / Kt::kNWarpsN;  // query split: columns qc0 .. qc0 + kWC - 1 of a tile
+  // query split: columns qc0 .. qc0 + kWC - 1 of a tile
+  const int wm = Kt::kDSplit == 1 ? warp / Kt::kNWarpsN : (warp / Kt::kNWarpsN) % Kt::kNWarpsM;
+  // column split: dK / dV columns col0 .. col0 + kDO - 1
+  const int ws = Kt::kDSplit == 1 ? 0 : warp / (Kt::kNWarpsN * Kt::kNWarpsM);
+  const int col0 = ws * kDO;
   const int qc0 = wm * kWC;
 
   const DkdvBlock blk = dkdv_block<Is_causal>(params, kBN);
@@ -334,10 +340,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int total = num_m * ratio;  // (q head of the group, query tile) iterations
   const float scale_log2 = params.scale_softmax_log2;
 
-  float acc_dk[kD / 8][4];
-  float acc_dv[kD / 8][4];
+  float acc_dk[kDO / 8][4];
+  float acc_dv[kDO / 8][4];
 #pragma unroll
-  for (int i = 0; i < kD / 8; ++i) {
+  for (int i = 0; i < kDO / 8; ++i) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       acc_dk[i][j] = 0.f;
@@ -415,12 +421,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     //  B of S^T / dP^T (non-trans): Q / dO rows = queries, matrices (queries +0..7 | +8..15 of
     //    the 16-query pair np) x (chunk 2kk | 2kk+1).
     //  B of dV / dK (trans): dO / Q rows = queries = the k dimension, matrices (queries +0..7 |
-    //    +8..15) x (chunk 2np | 2np+1).
+    //    +8..15) x (chunk col0 / 8 + 2np | + 2np+1).
     const uint32_t k_a_addr = smem_u32addr(sK + (16 * wn + (lane % 16)) * kRowH + (lane / 16) * 8);
     const uint32_t q_b_addr =
         smem_u32addr(sQ + (qc0 + (mi >> 1) * 8 + (lane % 8)) * kRowH + (mi & 1) * 8);
     const uint32_t q_t_addr =
-        smem_u32addr(sQ + (qc0 + (mi & 1) * 8 + (lane % 8)) * kRowH + (mi >> 1) * 8);
+        smem_u32addr(sQ + (qc0 + (mi & 1) * 8 + (lane % 8)) * kRowH + col0 + (mi >> 1) * 8);
 
     for (int it = 0; it < total; ++it) {
       const int head = bidh_k * ratio + it / num_m;
@@ -459,7 +465,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                               n0 + 16 * wn + g, m0, kr, params.causal_offset);
 
       // ---- dV += P^T dO (16 keys x d per warp; k = this warp's queries).
-      gemm_rs_t<kWC, kD, kRowB, false>(acc_dv, p_frag, q_t_addr + kDofromQ);
+      gemm_rs_t<kWC, kDO, kRowB, false>(acc_dv, p_frag, q_t_addr + kDofromQ);
 
       // ---- dP^T = V_w dO^T.
       float acc_dp[kWC / 8][4];
@@ -481,7 +487,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       // ---- dS^T = P^T o (dP^T - D[query]) (fp16 A fragments; also to sdS in atomic mode).
       uint32_t ds_frag[kWC / 8][2];
       dsoftmax_t<kWC>(acc_s, acc_dp, ds_frag, sDsum, qc0, t);
-      if (Atomic_dq) {
+      if (Atomic_dq && ws == 0) {  // the column splits hold the same dS^T
 #pragma unroll
         for (int nt = 0; nt < kWC / 8; ++nt) {
           __half* row_ptr = sdS + (16 * wn + g) * kDsRow + qc0 + 8 * nt + 2 * t;
@@ -491,9 +497,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       }
 
       // ---- dK += dS^T Q.
-      gemm_rs_t<kWC, kD, kRowB, false>(acc_dk, ds_frag, q_t_addr);
+      gemm_rs_t<kWC, kDO, kRowB, false>(acc_dk, ds_frag, q_t_addr);
 
-      if (Atomic_dq) {
+      if constexpr (Atomic_dq) {
         __syncthreads();  // dS^T complete in smem; every warp is done with sQ and sdO
         if (has_next) load_tile(it + 1);
         // ---- dQ_tile = dS K: warp (rq, cq) computes rows 16 rq .. 16 rq + 15 and columns
@@ -535,12 +541,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // step covers kRowsPerStep whole rows; the thread's column is fixed, so every step is a
         // constant offset (immediates, no per-step address registers). Columns past d hold 0
         // (zero K columns) and are skipped.
-        constexpr int kRowsPerStep = Kt::kNThreads / kD;
-        const int my_row = tid / kD;
-        const float* src = sdQ + fp32_tile_offset<kD>(my_row, tid % kD);
         float* dq_acc = params.dq_accum_ptr +
                         ((static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + m0) * kD +
                         tid;
+        static_assert(Kt::kNThreads % kD == 0, "dQ atomics: whole rows per step");
+        constexpr int kRowsPerStep = Kt::kNThreads / kD;
+        const int my_row = tid / kD;
+        const float* src = sdQ + fp32_tile_offset<kD>(my_row, tid % kD);
         const int rows_left = tid % kD < params.d ? params.seqlen_q - m0 - my_row : 0;
 #pragma unroll
         for (int i = 0; i < kBM / kRowsPerStep; ++i) {
@@ -562,15 +569,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // (sRed aliases sK + sV, free now), then the wm == 0 warps write dK * scale and dV.
   if (Kt::kNWarpsM > 1) {
     __syncthreads();
-    reduce_over_query_splits<Kt>(acc_dk, sRed, wn, wm, g, t);
-    reduce_over_query_splits<Kt>(acc_dv, sRed, wn, wm, g, t);
+    reduce_over_query_splits<Kt>(acc_dk, sRed, wn, wm, col0, g, t);
+    reduce_over_query_splits<Kt>(acc_dv, sRed, wn, wm, col0, g, t);
   }
-  if (wm == 0) store_dkdv<kD>(params, acc_dk, acc_dv, bidb, bidh_k, n0 + 16 * wn, g, t);
+  if (wm == 0) store_dkdv<kDO>(params, acc_dk, acc_dv, bidb, bidh_k, n0 + 16 * wn, col0, g, t);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Deterministic dQ: one CTA per (query tile, batch, head), 16 query rows per warp, streaming the
-// K/V tiles the tile sees (the forward's loop): S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+// Deterministic dQ: one CTA per (query tile, batch, head), 16 query rows per warp (row group wr),
+// streaming the K/V tiles the tile sees (the forward's loop): S = Q K^T, P, dP = dO V^T, dS,
+// dQ += dS K. With Kt::kDSplit > 1 the kDSplit warps of a row group (ws = 0 ..) each accumulate
+// dQ columns col0 = ws * kDOut .. and recompute the same S and dP.
 template <typename Kt, bool Is_causal>
 __global__ void __launch_bounds__(Kt::kNThreads)
     flash_bwd_dq_kernel(const Flash_bwd_params params) {
@@ -579,11 +588,17 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   constexpr int kBN = Kt::kBlockN;
   constexpr int kCPR = Kt::kChunksPerRow;
   constexpr int kRowBytes = kD * 2;
+  constexpr int kDO = Kt::kDOut;
+  constexpr bool kQS = Kt::kQInSmem;
   // 16-byte chunks of a row that exist (head_dims.h: the tail past head_dim d).
   const int dc = params.d / 8;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __half* sK = reinterpret_cast<__half*>(smem_raw);  // Bc x d; with sV the Q / dO / dQ staging
+  // kQInSmem: [sQ: Br x d][sdO: Br x d][sK][sV]. Otherwise [sK: Bc x d][sV], which also stages
+  // the Q and dO tiles before the loop. The dQ tile is staged through sQ (kQInSmem) or sK.
+  __half* sQ = reinterpret_cast<__half*>(smem_raw + Kt::kOffQ);
+  __half* sdO = reinterpret_cast<__half*>(smem_raw + Kt::kOffDo);
+  __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kOffK);
   __half* sV = sK + kBN * kD;
 
   const int tid = threadIdx.x;
@@ -591,6 +606,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   const int lane = tid % 32;
   const int g = lane / 4;
   const int t = lane % 4;
+  const int wr = Kt::kDSplit == 1 ? warp : warp % Kt::kRowGroups;  // rows 16 wr .. 16 wr + 15
+  const int ws = Kt::kDSplit == 1 ? 0 : warp / Kt::kRowGroups;     // dQ columns col0 ..
+  const int col0 = ws * kDO;
 
   const int num_m_blocks = ceil_div(params.seqlen_q, kBM);
   const int64_t num_bh = static_cast<int64_t>(params.b) * params.h;
@@ -630,35 +648,46 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   float lse_l2[2], dsum[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 16 * warp + g + 8 * r;
+    const int row = row0 + 16 * wr + g + 8 * r;
     const int64_t off = bh * params.seqlen_q + row;
     lse_l2[r] = lse_log2(row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY);
     dsum[r] = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
   }
 
-  float acc_dq[kD / 8][4];
+  float acc_dq[kDO / 8][4];
   zero_acc(acc_dq);
 
   if (nb.n_block_max > nb.n_block_min) {
     uint4 stage[Kt::kChunksPerThread];
-    // ---- Q and dO tiles -> smem -> A fragments in registers (as q_frag in the forward).
-    uint32_t q_frag[kD / 16][4];
-    uint32_t do_frag[kD / 16][4];
-    const uint32_t a_addr = lane_addr_a<kCPR>(sK, 16 * warp, lane);
+    // A fragments of Q and dO: in registers (loaded once, as q_frag in the forward), or the
+    // lane's ldmatrix address of this row group in sQ / sdO (kQInSmem).
+    uint32_t q_frag[kQS ? 1 : kD / 16][4];
+    uint32_t do_frag[kQS ? 1 : kD / 16][4];
+    const uint32_t q_a_addr = lane_addr_a<kCPR>(kQS ? sQ : sK, 16 * wr, lane);
+    const uint32_t do_a_addr = lane_addr_a<kCPR>(sdO, 16 * wr, lane);
     {
       uint4 qstage[Kt::kQChunksPerThread];
-      load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid, dc);
-      store_tile_r2s<Kt>(qstage, sK, tid);
-      __syncthreads();
+      if constexpr (kQS) {
+        load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid, dc);
+        store_tile_r2s<Kt>(qstage, sQ, tid);
+        load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, params.seqlen_q, tid,
+                          dc);
+        store_tile_r2s<Kt>(qstage, sdO, tid);
+      } else {
+        load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid, dc);
+        store_tile_r2s<Kt>(qstage, sK, tid);
+        __syncthreads();
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(q_frag[kk], swizzle_xor(a_addr, kk));
-      __syncthreads();
-      load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, params.seqlen_q, tid, dc);
-      store_tile_r2s<Kt>(qstage, sK, tid);
-      __syncthreads();
+        for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(q_frag[kk], swizzle_xor(q_a_addr, kk));
+        __syncthreads();
+        load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, params.seqlen_q, tid,
+                          dc);
+        store_tile_r2s<Kt>(qstage, sK, tid);
+        __syncthreads();
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(do_frag[kk], swizzle_xor(a_addr, kk));
-      __syncthreads();
+        for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(do_frag[kk], swizzle_xor(q_a_addr, kk));
+        __syncthreads();
+      }
     }
     load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, nb.n_block_min * kBN, kr.key_start,
                       kr.key_end, tid, dc);
@@ -666,10 +695,11 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     __syncthreads();
 
     // B of S = Q K^T and dP = dO V^T: K / V non-trans (as in the forward);
-    // B of dQ += dS K: K trans (the forward's V pattern).
+    // B of dQ += dS K: K trans (the forward's V pattern), moved to chunk pair col0 / 16 (chunk
+    // pairs col0 / 16 + np are then one XOR each, see the kDOut assert in the traits).
     const uint32_t k_lane_addr = lane_addr_b<kCPR>(sK, lane);
     const uint32_t v_lane_addr = lane_addr_b<kCPR>(sV, lane);
-    const uint32_t kt_lane_addr = lane_addr_bt<kCPR>(sK, lane);
+    const uint32_t kt_lane_addr = swizzle_xor(lane_addr_bt<kCPR>(sK, lane), col0 / 16);
 
     for (int n_block = nb.n_block_min; n_block < nb.n_block_max; ++n_block) {
       // V_j: global loads in flight while S_j is computed.
@@ -677,7 +707,11 @@ __global__ void __launch_bounds__(Kt::kNThreads)
                         kr.key_end, tid, dc);
 
       float acc_s[kBN / 8][4];
-      gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+      if constexpr (kQS) {
+        gemm_ss_bt<kD, kBN, kRowBytes>(acc_s, q_a_addr, k_lane_addr);
+      } else {
+        gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+      }
       // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s).
       const bool need_mask =
           !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset);
@@ -687,7 +721,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         for (int e = 0; e < 4; ++e) {
           float p = recompute_p(acc_s[nt][e], scale_log2, lse_l2[e >> 1]);
           if (need_mask) {
-            const int row = row0 + 16 * warp + g + (e >= 2 ? 8 : 0);
+            const int row = row0 + 16 * wr + g + (e >= 2 ? 8 : 0);
             const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
             if (!key_visible(row, col, kr, Is_causal, params.causal_offset)) p = 0.f;
           }
@@ -707,7 +741,11 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       uint32_t ds_frag[kBN / 8][2];
       {
         float acc_dp[kBN / 8][4];
-        gemm_rs_bt<kD, kBN, kRowBytes>(acc_dp, do_frag, v_lane_addr);
+        if constexpr (kQS) {
+          gemm_ss_bt<kD, kBN, kRowBytes>(acc_dp, do_a_addr, v_lane_addr);
+        } else {
+          gemm_rs_bt<kD, kBN, kRowBytes>(acc_dp, do_frag, v_lane_addr);
+        }
 #pragma unroll
         for (int nt = 0; nt < kBN / 8; ++nt) {
           ds_frag[nt][0] = pack_half2(acc_s[nt][0] * (acc_dp[nt][0] - dsum[0]),
@@ -717,17 +755,17 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         }
       }
 
-      // ---- dQ += dS K_j (k = keys).
+      // ---- dQ[:, col0 ..] += dS K_j[:, col0 ..] (k = keys).
 #pragma unroll
       for (int kp = 0; kp < kBN / 16; ++kp) {
 #pragma unroll
-        for (int np = 0; np < kD / 16; ++np) {
+        for (int np = 0; np < kDO / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, swizzle_xor(kt_lane_addr, np) + kp * 16 * kRowBytes);
           mma_k2n2(acc_dq[2 * np], acc_dq[2 * np + 1], ds_frag[2 * kp], ds_frag[2 * kp + 1], b);
         }
       }
-      __syncthreads();  // every warp is done with K_j and V_j
+      __syncthreads();  // every warp is done with K_j and V_j (and sQ, sdO)
       if (has_next) {
         store_tile_r2s<Kt>(stage, sK, tid);
         __syncthreads();
@@ -735,15 +773,17 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     }
   }
 
-  // ---- epilogue: dq = scale * acc_dq in fp16, staged through smem for 16-byte row stores.
+  // ---- epilogue: dq = scale * acc_dq in fp16, staged through smem for 16-byte row stores. No
+  // warp reads sQ / sK any more: every loop iteration ends with a barrier.
   const float scale = params.scale_softmax;
-  __half* sO = sK;
+  __half* sO = kQS ? sQ : sK;
 #pragma unroll
-  for (int dt = 0; dt < kD / 8; ++dt) {
-    const int row = 16 * warp + g;
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, dt) + 2 * t) =
+  for (int dt = 0; dt < kDO / 8; ++dt) {
+    const int row = 16 * wr + g;
+    const int ch = col0 / 8 + dt;
+    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, ch) + 2 * t) =
         pack_half2(acc_dq[dt][0] * scale, acc_dq[dt][1] * scale);
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, dt) + 2 * t) =
+    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, ch) + 2 * t) =
         pack_half2(acc_dq[dt][2] * scale, acc_dq[dt][3] * scale);
   }
   __syncthreads();

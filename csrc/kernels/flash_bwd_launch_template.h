@@ -11,23 +11,30 @@ namespace flash_sm75 {
 // 1. D = rowsum(dO o O) - dLSE.  2. dK/dV kernel (atomic mode: + dQ partial sums).
 // 3. atomic mode: dq = scale * dq_accum; deterministic mode: the dQ kernel.
 // Atomic mode expects params.dq_accum_ptr zero-filled (the host API allocates it with zeros).
+// A head dim without the atomic mode (Bwd_tile_config::kAtomicDq) runs the deterministic
+// kernels whatever params.dq_atomic says; its atomic kernels are not even instantiated.
 template <int kHeadDim, bool Is_causal>
 void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
-  using Kt = typename Bwd_tile_config<kHeadDim>::Traits;
-  using Kq = typename Bwd_tile_config<kHeadDim>::DqTraits;
+  using C = Bwd_tile_config<kHeadDim>;
+  using Kt = typename C::Traits;
+  using Kq = typename C::DqTraits;
   const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq>(params.b, params.h, params.h_k,
                                                    params.seqlen_q, params.seqlen_k,
-                                                   params.dq_atomic);
+                                                   params.dq_atomic && C::kAtomicDq);
   flash_bwd_preprocess_kernel<kHeadDim>
       <<<static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads, 0, stream>>>(params);
-  if (params.dq_atomic) {
-    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, true>;
-    set_max_dynamic_smem(kernel, plan.dkdv_smem);
-    kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
-             stream>>>(params);
-    flash_bwd_convert_dq_kernel<kHeadDim>
-        <<<static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads, 0, stream>>>(params);
-  } else {
+  if constexpr (C::kAtomicDq) {
+    if (plan.dq_atomic) {
+      auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, true>;
+      set_max_dynamic_smem(kernel, plan.dkdv_smem);
+      kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
+               stream>>>(params);
+      flash_bwd_convert_dq_kernel<kHeadDim>
+          <<<static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads, 0, stream>>>(params);
+      return;
+    }
+  }
+  {
     auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false>;
     set_max_dynamic_smem(kernel, plan.dkdv_smem);
     auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal>;

@@ -14,7 +14,7 @@
 namespace flash_sm75 {
 
 constexpr int kHeadDimMultiple = 8;  // one 16-byte vector of fp16
-constexpr int kHeadDimBuckets[] = {64, 128};
+constexpr int kHeadDimBuckets[] = {64, 128, 256};
 constexpr int kNumHeadDimBuckets = sizeof(kHeadDimBuckets) / sizeof(kHeadDimBuckets[0]);
 constexpr int kMaxHeadDim = kHeadDimBuckets[kNumHeadDimBuckets - 1];
 

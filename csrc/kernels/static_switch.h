@@ -30,6 +30,9 @@
     } else if (headdim_bucket_ == 128) {                              \
       constexpr static int kHeadDim = 128;                            \
       return __VA_ARGS__();                                           \
+    } else if (headdim_bucket_ == 256) {                              \
+      constexpr static int kHeadDim = 256;                            \
+      return __VA_ARGS__();                                           \
     }                                                                 \
     ::flash_sm75::throw_bad_head_dim(HEADDIM);                        \
   }()

@@ -21,9 +21,13 @@ void expect_bwd_plan(int b, int h, int h_k, int sq, int sk) {
   SCOPED_TRACE("d=" + std::to_string(D) + " b=" + std::to_string(b) + " h=" + std::to_string(h) +
                " h_k=" + std::to_string(h_k) + " sq=" + std::to_string(sq) +
                " sk=" + std::to_string(sk));
-  for (bool atomic : {false, true}) {
-    SCOPED_TRACE(atomic ? "atomic dQ" : "deterministic");
-    const BwdLaunchPlan p = plan_bwd_launch(D, b, h, h_k, sq, sk, atomic);
+  for (bool requested : {false, true}) {
+    SCOPED_TRACE(requested ? "atomic dQ" : "deterministic");
+    const BwdLaunchPlan p = plan_bwd_launch(D, b, h, h_k, sq, sk, requested);
+    // A head dim without the atomic mode runs the deterministic kernels.
+    const bool atomic = requested && C::kAtomicDq;
+    EXPECT_EQ(p.dq_atomic, atomic);
+    EXPECT_EQ(bwd_atomic_dq_supported(D), C::kAtomicDq);
     // Both modes run the dK/dV kernel of Traits; the atomic mode adds the dS^T tile for dQ.
     EXPECT_EQ(p.num_n_blocks, cdiv(sk, Kt::kBlockN));
     EXPECT_EQ(p.dkdv_blocks, cdiv(sk, Kt::kBlockN) * b * h_k);  // one CTA per kv head: GQA summed
@@ -47,7 +51,51 @@ TEST(BwdLaunchPlan, KernelsGridThreadsSmem) {
     expect_bwd_plan<64>(2, 4, 2, s, 2 * s + 1);
     expect_bwd_plan<128>(2, 4, 2, s, 2 * s + 1);
     expect_bwd_plan<128>(1, 6, 1, 3 * s, s);
+    if (head_dim_bucket(256) == 256) {
+      expect_bwd_plan<256>(2, 4, 2, s, 2 * s + 1);
+      expect_bwd_plan<256>(1, 6, 1, 3 * s, s);
+    }
   }
+}
+
+// A head dim below a bucket runs the bucket's kernels (the tail is handled inside them).
+TEST(BwdLaunchPlan, HeadDimsRunOnTheirBucket) {
+  for (int d = kHeadDimMultiple; d <= kMaxHeadDim; d += kHeadDimMultiple) {
+    SCOPED_TRACE("d=" + std::to_string(d));
+    const int bucket = head_dim_bucket(d);
+    ASSERT_GE(bucket, d);
+    for (bool atomic : {false, true}) {
+      const BwdLaunchPlan p = plan_bwd_launch(d, 2, 4, 2, 100, 300, atomic);
+      const BwdLaunchPlan q = plan_bwd_launch(bucket, 2, 4, 2, 100, 300, atomic);
+      EXPECT_EQ(p.dq_atomic, q.dq_atomic);
+      EXPECT_EQ(p.dkdv_blocks, q.dkdv_blocks);
+      EXPECT_EQ(p.dkdv_threads, q.dkdv_threads);
+      EXPECT_EQ(p.dkdv_smem, q.dkdv_smem);
+      EXPECT_EQ(p.dq_blocks, q.dq_blocks);
+      EXPECT_EQ(p.dq_smem, q.dq_smem);
+      EXPECT_EQ(p.preprocess_blocks, q.preprocess_blocks);
+      EXPECT_EQ(p.convert_blocks, q.convert_blocks);
+    }
+  }
+}
+
+// d = 256 has no atomic dQ mode (its dK/dV kernel with the dQ atomics spills on sm_75): an
+// atomic request plans the deterministic kernels, without the dS^T tile.
+TEST(BwdLaunchPlan, HeadDim256FallsBackToDeterministicDq) {
+  using C = Bwd_tile_config<256>;
+  static_assert(!C::kAtomicDq, "d = 256 runs the deterministic dQ kernel");
+  const BwdLaunchPlan p = make_bwd_plan<C::Traits, C::DqTraits>(2, 4, 2, 100, 300,
+                                                                /*dq_atomic=*/false);
+  EXPECT_FALSE(p.dq_atomic);
+  EXPECT_EQ(p.dkdv_smem, C::Traits::kSmemSizeNoDq);
+  if (head_dim_bucket(256) == 256) {
+    for (int d : {136, 200, 248, 256}) {
+      EXPECT_FALSE(bwd_atomic_dq_supported(d)) << d;
+      EXPECT_FALSE(plan_bwd_launch(d, 2, 4, 2, 100, 300, /*dq_atomic=*/true).dq_atomic) << d;
+    }
+  }
+  EXPECT_TRUE(bwd_atomic_dq_supported(64));
+  EXPECT_TRUE(bwd_atomic_dq_supported(128));
 }
 
 // Every backward tile runs on a Turing SM (64 KiB of shared memory): one CTA of each kernel fits
@@ -64,14 +112,21 @@ void expect_bwd_tiles_fit_turing() {
   EXPECT_LE(Kq::kSmemSize, kSm75MaxSmemPerBlock);
   EXPECT_LE(Kt::kNThreads, kSm75MaxThreadsPerBlock);
   EXPECT_LE(Kq::kNThreads, kSm75MaxThreadsPerBlock);
-  EXPECT_EQ(Kt::kNWarpsN * Kt::kNWarpsM, Kt::kNWarps);  // key groups x query splits
+  // key groups x query splits x column splits
+  EXPECT_EQ(Kt::kNWarpsN * Kt::kNWarpsM * Kt::kDSplit, Kt::kNWarps);
   EXPECT_EQ(Kt::kBlockN, 16 * Kt::kNWarpsN);
-  EXPECT_EQ(Kq::kBlockM, 16 * Kq::kNWarps);
+  EXPECT_EQ(Kt::kDOut * Kt::kDSplit, D);
+  EXPECT_EQ(Kq::kBlockM * Kq::kDSplit, 16 * Kq::kNWarps);  // 16-row groups x column splits
+  EXPECT_EQ(Kq::kDOut * Kq::kDSplit, D);
 }
 
 TEST(BwdLaunchPlan, EveryTileFitsATuringSm) {
   expect_bwd_tiles_fit_turing<64>();
   expect_bwd_tiles_fit_turing<128>();
+  expect_bwd_tiles_fit_turing<256>();
+  // d = 256: above the 48 KiB default (opt-in through set_max_dynamic_smem).
+  EXPECT_EQ(Bwd_tile_config<256>::Traits::kSmemSizeNoDq, 50816);
+  EXPECT_EQ(Bwd_tile_config<256>::DqTraits::kSmemSize, 48 * 1024);
 }
 
 TEST(BwdLaunchPlan, GridLimitAndHeadDim) {
@@ -79,7 +134,7 @@ TEST(BwdLaunchPlan, GridLimitAndHeadDim) {
   EXPECT_THROW(plan_bwd_launch(128, 1 << 16, 1 << 10, 1, 1 << 20, 64, false),
                std::invalid_argument);
   EXPECT_NO_THROW(plan_bwd_launch(128, 4, 16, 16, 1 << 16, 1 << 16, false));
-  for (int d : {0, 32, 96, 256}) {
+  for (int d : {0, 4, 12, kMaxHeadDim + 8}) {
     try {
       plan_bwd_launch(d, 1, 1, 1, 64, 64, false);
       ADD_FAILURE() << "expected std::invalid_argument for head_dim " << d;

@@ -178,20 +178,27 @@ void run_forward(Flash_fwd_params& p) {
               [&] { fwd_kernel_body<Kt, kCausal>(p); });
 }
 
+// As run_mha_bwd_hdim: a head dim without the atomic dQ mode runs the deterministic kernels.
 template <int kD, bool kCausal>
 void run_backward(Flash_bwd_params& p) {
-  using Kt = typename Bwd_tile_config<kD>::Traits;
-  using Kq = typename Bwd_tile_config<kD>::DqTraits;
-  const BwdLaunchPlan plan =
-      make_bwd_plan<Kt, Kq>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, p.dq_atomic);
+  using C = Bwd_tile_config<kD>;
+  using Kt = typename C::Traits;
+  using Kq = typename C::DqTraits;
+  const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k,
+                                                   p.dq_atomic && C::kAtomicDq);
   emu::launch(static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads,
               [&] { flash_bwd_preprocess_kernel<kD>(p); });
-  if (p.dq_atomic) {
-    emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
-                [&] { flash_bwd_dkdv_kernel<Kt, kCausal, true>(p); });
-    emu::launch(static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads,
-                [&] { flash_bwd_convert_dq_kernel<kD>(p); });
-  } else {
+  bool ran_atomic = false;
+  if constexpr (C::kAtomicDq) {
+    if (plan.dq_atomic) {
+      emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
+                  [&] { flash_bwd_dkdv_kernel<Kt, kCausal, true>(p); });
+      emu::launch(static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads,
+                  [&] { flash_bwd_convert_dq_kernel<kD>(p); });
+      ran_atomic = true;
+    }
+  }
+  if (!ran_atomic) {
     emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
                 [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false>(p); });
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
@@ -214,6 +221,7 @@ void dispatch_bwd(Flash_bwd_params& p) {
   switch (head_dim_bucket(p.d)) {
     case 64: run_backward<64, kCausal>(p); break;
     case 128: run_backward<128, kCausal>(p); break;
+    case 256: run_backward<256, kCausal>(p); break;
     default: throw_bad_head_dim(p.d);
   }
 }
@@ -781,6 +789,18 @@ int main(int argc, char** argv) {
       add_fwd(1, 1, 100, 2, 1, d, true, false, false, false, 0);    // one row (top-left: key 0)
     }
   }
+  // The d = 256 backward (Br = 16, Bc = 32, two column splits; dQ kernel 32 x 16): the full
+  // head dim and tails of it (the forward's O and LSE come from float64 where no d = 256
+  // forward is emulated). Atomic requests run the deterministic kernels at d = 256.
+  {
+    const std::vector<int> big_dims = mode == "quick" ? std::vector<int>{256, 200}
+                                                      : std::vector<int>{256, 136, 200, 248};
+    for (int d : big_dims) {
+      add(2, 33, 100, 2, 1, d, true, true, false, false, 2, d == 256);  // causal, GQA, NaN gaps
+      add(3, 65, 90, 4, 1, d, false, true, true, true, d == 200 ? 2 : 0, false);  // MQA, ranges
+      if (mode != "quick") add(1, 100, 33, 4, 2, d, true, false, false, false, 1, false);
+    }
+  }
   if (mode == "tails") cases.erase(cases.begin(), cases.begin() + base_cases);
   if (mode == "decode") {
     cases.erase(std::remove_if(cases.begin(), cases.end(), [](const Case& c) { return c.sq != 1; }),
@@ -806,14 +826,18 @@ int main(int argc, char** argv) {
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
   // thread interleaving are reshuffled by the seed).
-  if (mode != "tails" && mode != "decode" && mode != "fwd") {
-    Case c{2, 90, 77, 4, 2, 64, true, true, true, true, 0, false, 99};
+  // full: also the d = 256 kernels (column splits), at a tail head dim.
+  std::vector<int> rerun_dims = {64};
+  if (mode == "full") rerun_dims.push_back(200);
+  const bool rerun = mode != "tails" && mode != "decode" && mode != "fwd";
+  for (int d : rerun ? rerun_dims : std::vector<int>{}) {
+    Case c{2, 90, 77, 4, 2, d, true, true, true, true, 0, false, 99};
     Result r1 = run_case(c, false, 1001);
     Result r2 = run_case(c, false, 4242);
     const bool same = std::memcmp(r1.dq.data(), r2.dq.data(), r1.dq.size() * 2) == 0 &&
                       std::memcmp(r1.dk.data(), r2.dk.data(), r1.dk.size() * 2) == 0 &&
                       std::memcmp(r1.dv.data(), r2.dv.data(), r1.dv.size() * 2) == 0;
-    std::printf("%s deterministic rerun bitwise identical\n", same ? "OK " : "BAD");
+    std::printf("%s deterministic rerun bitwise identical (d=%d)\n", same ? "OK " : "BAD", d);
     fails += same && r1.ok && r2.ok ? 0 : 1;
   }
   std::printf("%d case(s) failed, %" PRIu64 " fiber switches\n", fails, emu::machine().switches);
