@@ -177,23 +177,26 @@ def test_gpu_row_max_growing_across_key_tiles(growth, d, mode):
     check_against_ref(q, k, v, mode, out, lse)
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_largest_softmax_scale_gives_no_nan(device):
-    # The largest float16 scores at head_dim 128, |q.k| = 128 * 65504^2, times the largest
-    # accepted scale (bounded for head_dim 256) reach ~FLT_MAX / 4 (above 5e37) but cannot overflow: no NaN. With q = k made of distinct +-65504
-    # rows, every row's own key wins by at least 2 * 65504^2 * scale, so the exact result is
-    # one-hot: out = v (the GPU kernel needs its exact exponent path for that, kExactExpFrom).
+def test_largest_softmax_scale_gives_no_nan(device, d):
+    # The largest float16 scores, |q.k| = d * 65504^2, times the largest accepted scale (bounded
+    # for head_dim 256) reach ~FLT_MAX / 2 at d = 256 (above 1e38) but cannot overflow: no NaN.
+    # With q = k made of distinct +-65504 rows, every row's own key wins by at least
+    # 2 * 65504^2 * scale, so the exact result is one-hot: out = v (the GPU kernel needs its
+    # exact exponent path for that, kExactExpFrom).
     g = torch.Generator(device="cpu").manual_seed(7)
-    sign = torch.where(torch.rand(1, 33, 2, 128, generator=g) < 0.5, -1.0, 1.0)
+    sign = torch.where(torch.rand(1, 33, 2, d, generator=g) < 0.5, -1.0, 1.0)
     assert len({tuple(r) for r in sign[0].flatten(1).tolist()}) == 33  # distinct rows
     q = (sign * 65504.0).to(torch.float16).to(device)
-    v = torch.randn(1, 33, 2, 128, generator=g).to(torch.float16).to(device)
+    v = torch.randn(1, 33, 2, d, generator=g).to(torch.float16).to(device)
     scale = fa._rules.SOFTMAX_SCALE_MAX
     out, lse = run_op(q, q, v, "none", scale)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert torch.equal(out, v)
     _, lse_ref = attention_ref(q, q, v, softmax_scale=scale)
-    assert lse_ref.abs().max().item() > 1e38  # the test really reaches the top of float32
+    # The test really reaches the top of float32.
+    assert lse_ref.abs().max().item() > (1e38 if d == 256 else 5e37)
     assert_lse_close(lse, lse_ref)
 
 
