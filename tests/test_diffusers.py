@@ -97,7 +97,7 @@ def test_sd15_unet_on_the_kernel_matches_stock(monkeypatch):
     assert {(d, sk == TEXT_TOKENS) for d, _, sk, _ in rec.calls} == {
         (40, False), (40, True), (80, False), (80, True), (160, False), (160, True)}
     assert all(r is None for *_, r in rec.calls)
-    err, err_stock = (x - ref).abs().max().item(), (stock - ref).abs().max().item()
+    err, err_stock = (ours - ref).abs().max().item(), (stock - ref).abs().max().item()
     print(f"\nSD1.5 UNet: max |ours - fp32| {err:.3e}, |stock fp16 - fp32| {err_stock:.3e}")
     assert torch.isfinite(ours).all()
     assert err <= 2 * err_stock + 1e-3
