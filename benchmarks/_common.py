@@ -658,17 +658,43 @@ def report(path: str):
 # Command line shared by the sweep benchmarks (bench_forward.py, bench_backward.py)
 
 
+# Heads of the models each head dim comes from when --heads is not given: Phi-2 (d = 80, 32
+# heads), Phi-3-mini (96, 32), Gemma-2-2B (256, 8); 16 for the rest.
+MODEL_HEADS = {80: 32, 96: 32, 256: 8}
+
+
+def default_head_dims() -> List[int]:
+    """64 and 128, then the model head dims of MODEL_HEADS that the kernels take."""
+    from flash_attention_sm75 import _rules
+    return [64, 128] + [d for d in MODEL_HEADS if d in _rules.HEAD_DIMS]
+
+
+def heads_for(a, d: int) -> int:
+    """Heads of a case at head dim d: --heads, else the model's (MODEL_HEADS), else 16."""
+    return a.heads if getattr(a, "heads_given", True) else MODEL_HEADS.get(d, a.heads)
+
+
+def heads_label(a) -> str:
+    """The heads of a sweep for a table header: one number, or per head dim."""
+    hs = {d: heads_for(a, d) for d in a.d}
+    if len(set(hs.values())) == 1:
+        return str(next(iter(hs.values())))
+    return " ".join(f"{h} (d={d})" for d, h in hs.items())
+
+
 def add_sweep_args(p, backends, n_default_help, tag):
     """Options every sweep benchmark has: shapes, causal, backends, output, timing."""
     ensure_repo_on_path()
     from devtools.cli import positive_int
 
-    p.add_argument("--d", type=int, nargs="+", default=None, help="head dims (default 64 128)")
+    p.add_argument("--d", type=int, nargs="+", default=None,
+                   help="head dims (default 64 128 and the model dims 80 96 256)")
     p.add_argument("--n", type=positive_int, nargs="+", default=None,
                    help=f"sequence lengths, Sq = Sk (default {n_default_help})")
     p.add_argument("--causal", choices=["off", "on", "both"], default="both")
     p.add_argument("--batch", type=positive_int, default=None, help="batch size (default 4)")
-    p.add_argument("--heads", type=positive_int, default=None, help="heads (default 16)")
+    p.add_argument("--heads", type=positive_int, default=None,
+                   help="heads (default: 16; 32 at d = 80 and 96, 8 at d = 256, as the models)")
     p.add_argument("--backends", default=",".join(backends), help=f"comma list from {backends}")
     p.add_argument("--out-dir", default="bench_out")
     p.add_argument("--tag", default=tag, help="output file name stem")
@@ -697,9 +723,10 @@ def finish_sweep_args(p, a, backends, n_full, timing_full, timing_quick=(10, 40)
                     "code path) or --device cpu (the same tiny default shapes, numbers are "
                     "meaningless)")
         a.device = "cuda"
-    a.d = a.d or [64, 128]
+    a.d = a.d or default_head_dims()
     a.n = a.n or ([1024, 4096] if a.quick else list(n_full))
     a.batch = a.batch or 4
+    a.heads_given = a.heads is not None
     a.heads = a.heads or 16
     warmup, rep = timing_quick if a.quick else timing_full
     a.warmup_ms = a.warmup_ms if a.warmup_ms is not None else warmup
@@ -709,9 +736,10 @@ def finish_sweep_args(p, a, backends, n_full, timing_full, timing_quick=(10, 40)
     bad = [b for b in a.backend_list if b not in backends]
     if bad:
         p.error(f"unknown backends {bad}; choose from {backends}")
+    from flash_attention_sm75 import _rules
     for dd in a.d:
-        if dd not in (64, 128):
-            p.error("our kernel supports d in {64, 128}")
+        if dd not in _rules.HEAD_DIMS:
+            p.error(f"our kernel supports d a multiple of 8 from 8 to {_rules.MAX_HEAD_DIM}, got {dd}")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False (use --dry-run)")
 
@@ -833,7 +861,7 @@ class SweepRunner:
             for causal in a.causal_list:
                 for n in a.n:
                     case = {"kernel": self.case_name(d, causal), "d": d, "causal": causal,
-                            "n": n, "batch": a.batch, "heads": a.heads,
+                            "n": n, "batch": a.batch, "heads": heads_for(a, d),
                             **self.new_case(d, causal, n), "backends": {}}
                     t0 = time.time()
                     try:

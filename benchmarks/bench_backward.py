@@ -234,7 +234,7 @@ class Runner(C.SweepRunner):
         return rec, grads
 
     def new_case(self, d, causal, n):
-        flop = C.attention_flops(self.a.batch, self.a.heads, n, n, d, causal)
+        flop = C.attention_flops(self.a.batch, C.heads_for(self.a, d), n, n, d, causal)
         return {"layout": self.a.layout, "flop_fwd": flop, "flop_bwd": 2.5 * flop,
                 "flop_fwdbwd": 3.5 * flop}
 
@@ -267,7 +267,7 @@ class Runner(C.SweepRunner):
 def make_inputs(args, n, d):
     """q, k, v (requires_grad) and grad_out, BHSD-shaped; bshd layout = BSHD storage viewed BHSD."""
     g = torch.Generator(device=args.device).manual_seed(args.seed)
-    b, h = args.batch, args.heads
+    b, h = args.batch, C.heads_for(args, d)
 
     def mk(grad):
         shape = (b, n, h, d) if args.layout == "bshd" else (b, h, n, d)
@@ -385,7 +385,7 @@ def make_plot(path, cases, args, env):
         for key, label, mult in (("bwd", "backward", 2.5), ("fwdbwd", "fwd+bwd", 3.5)):
             rows[key].append({
                 "title": f"{label} TFLOP/s: {case_name(d, causal)}", "x": xs,
-                "xlabel": f"N (= Sq = Sk), B={args.batch}, H={args.heads}",
+                "xlabel": f"N (= Sq = Sk), B={args.batch}, H={C.heads_for(args, d)}",
                 "ylabel": f"TFLOP/s ({mult} x fwd FLOPs)", "logx2": True, "ymin0": True,
                 "series": {s: [c["backends"].get(s, {}).get(f"{key}_tflops") for c in sel]
                            for s in args.series}})
@@ -441,7 +441,7 @@ def main(argv=None):
         tabs = tables(cases, args)
         bar_lines, bar_short = bar_summary(cases, args)
 
-        hdr = (f"fp16, B={args.batch}, H={args.heads}, layout {args.layout}, dQ {args.dq_mode}; "
+        hdr = (f"fp16, B={args.batch}, H={C.heads_label(args)}, layout {args.layout}, dQ {args.dq_mode}; "
                f"TF = TFLOP/s")
         log("")
         log(f"== backward alone ({hdr} with 2.5 x 4*B*H*N^2*d, /2 causal; grad of a kept forward "

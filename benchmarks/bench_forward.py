@@ -130,11 +130,11 @@ class Runner(C.SweepRunner):
         return rec, out
 
     def new_case(self, d, causal, n):
-        return {"flop": C.attention_flops(self.a.batch, self.a.heads, n, n, d, causal)}
+        return {"flop": C.attention_flops(self.a.batch, C.heads_for(self.a, d), n, n, d, causal)}
 
     def make_inputs(self, case):
         a = self.a
-        return make_inputs(a.batch, a.heads, case["n"], case["n"], case["d"], a.device, a.seed)
+        return make_inputs(a.batch, case["heads"], case["n"], case["n"], case["d"], a.device, a.seed)
 
     def run_case(self, case, inputs):
         q, k, v = inputs
@@ -169,7 +169,7 @@ def run_decode(args, runner, log):
     rows = []
     for d in args.d:
         for sk in args.decode_sk:
-            b, h = args.decode_batch, args.heads
+            b, h = args.decode_batch, C.heads_for(args, d)
             case = {"kernel": C.kernel_name(d, False), "d": d, "causal": False, "sq": 1, "sk": sk,
                     "batch": b, "heads": h, "flop": C.attention_flops(b, h, 1, sk, d, False),
                     "backends": {}}
@@ -249,7 +249,7 @@ def decode_table(rows):
 def make_plot(path, cases, args, ceiling, env):
     panels_tf, panels_mem = [], []
     for d, causal, sel, xs in C.sweep_groups(cases, args):
-        title = f"{C.kernel_name(d, causal)}  (B={args.batch}, H={args.heads})"
+        title = f"{C.kernel_name(d, causal)}  (B={args.batch}, H={C.heads_for(args, d)})"
         panels_tf.append({
             "title": title, "x": xs, "xlabel": "N (= Sq = Sk)", "ylabel": "TFLOP/s",
             "logx2": True, "ymin0": True,
@@ -284,7 +284,7 @@ def main(argv=None):
         dec = run_decode(args, runner, log) if args.decode else []
 
         log("")
-        log(f"== forward, fp16, B={args.batch}, H={args.heads}; TF = TFLOP/s (4*B*H*N^2*d, /2 "
+        log(f"== forward, fp16, B={args.batch}, H={C.heads_label(args)}; TF = TFLOP/s (4*B*H*N^2*d, /2 "
             f"causal); ours/eff = t_efficient / t_ours; %ceil = ours / SM75 mma ceiling "
             f"({C.fmt(ceiling, '.1f')} TFLOP/s); maxdiff = max |backend - ours| ==")
         log(perf_t)
@@ -294,7 +294,7 @@ def main(argv=None):
         log(mem_t)
         if dec:
             log("")
-            log(f"== decode (q_len=1, B={args.decode_batch}, H={args.heads}, not causal); gpu = "
+            log(f"== decode (q_len=1, B={args.decode_batch}, H={C.heads_label(args)}, not causal); gpu = "
                 "median GPU time (L2 flushed); loop = per call over 200 back-to-back calls "
                 "(host-overhead bound); eff/ours = gpu t_efficient / t_ours ==")
             log(decode_table(dec))

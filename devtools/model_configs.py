@@ -9,9 +9,13 @@ and for exercising the kernel's GQA and head_dim paths.
 * ``"qwen2-0.5b"``: Qwen2-0.5B (24 layers, 14 heads, 2 KV heads, head_dim 64).
 * ``"llama-3.2-1b"``: Llama-3.2-1B (16 layers, 32 heads, 8 KV heads, head_dim 64, llama3 RoPE).
 * ``"llama-2-7b"``: Llama-2-7B shapes (32 heads, 32 KV heads, head_dim 128), 2 layers by default.
+* ``"gemma-3-1b"``: Gemma-3-1B text shapes (4 heads, 1 KV head, head_dim 256; sliding and full
+  attention layers), 2 layers by default.
+* ``"phi-3-mini"``: Phi-3-mini shapes (32 heads, head_dim 96), 2 layers by default.
+* ``"phi-2"``: Phi-2 shapes (32 heads, head_dim 80, partial rotary 0.4, LayerNorm), 2 layers.
 
-:data:`TINY_CONFIGS` are two-layer models of the four families the patch targets (Llama, Qwen2,
-Qwen3, Mistral) with head_dim 64, small enough for CPU unit tests.
+:data:`TINY_CONFIGS` are two-layer models small enough for CPU unit tests: Llama, Qwen2, Qwen3 and
+Mistral with head_dim 64, and Gemma 3, Phi-3 and Phi-2 with their real head dims (256, 96, 80).
 """
 from __future__ import annotations
 
@@ -95,6 +99,56 @@ REALISTIC_CONFIGS: Dict[str, Dict[str, Any]] = {
     ),
 }
 
+REALISTIC_CONFIGS.update({
+    "gemma-3-1b": dict(
+        model_type="gemma3_text",
+        hidden_size=1152,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        intermediate_size=6912,
+        vocab_size=262144,
+        max_position_embeddings=32768,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        # The real model repeats 5 sliding layers and 1 full one; 2 layers keep one of each.
+        layer_types=["sliding_attention", "full_attention"],
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+    "phi-3-mini": dict(
+        model_type="phi3",
+        hidden_size=3072,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=8192,
+        vocab_size=32064,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+    "phi-2": dict(
+        model_type="phi",
+        hidden_size=2560,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=10240,
+        vocab_size=51200,
+        max_position_embeddings=2048,
+        partial_rotary_factor=0.4,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+})
+
 _TINY_COMMON = dict(
     hidden_size=128,
     num_hidden_layers=2,
@@ -117,6 +171,15 @@ TINY_CONFIGS: Dict[str, Dict[str, Any]] = {
     # Mistral keeps its default sliding window (4096): longer than any test prompt, so the
     # masks it builds are plain causal + padding masks.
     "mistral": dict(model_type="mistral", **_TINY_COMMON),
+    # The head dims of Gemma 3 (256), Phi-3 (96) and Phi-2 (80), which the kernels run on the
+    # tails of their 256 / 128 buckets.
+    "gemma3": dict(model_type="gemma3_text", **{**_TINY_COMMON, "head_dim": 256},
+                   query_pre_attn_scalar=256, sliding_window=512,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(model_type="phi3", **{**_TINY_COMMON, "hidden_size": 192, "head_dim": 96,
+                                       "num_key_value_heads": 2}),
+    "phi": dict(model_type="phi", **{**_TINY_COMMON, "hidden_size": 160, "head_dim": 80,
+                                     "num_key_value_heads": 2}, partial_rotary_factor=0.4),
 }
 
 

@@ -44,7 +44,8 @@ def main():
     parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--heads", type=positive_int, default=16)
     parser.add_argument("--seqlen", type=positive_int, default=2048)
-    parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
+    parser.add_argument("--head-dim", type=int, default=64, choices=fa._rules.HEAD_DIMS, metavar="D",
+                        help="a multiple of 8 from 8 to 256 (default 64)")
     parser.add_argument("--causal", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)

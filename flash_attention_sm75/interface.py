@@ -77,7 +77,8 @@ def flash_attn_func(
     k : torch.Tensor
         Keys, shape ``(batch_size, seqlen_k, num_heads_k, head_dim)``, same dtype, device and
         stride requirements as ``q``. ``num_heads`` must be divisible by ``num_heads_k``
-        (grouped-query / multi-query attention, see Notes). ``head_dim`` must be 64 or 128.
+        (grouped-query / multi-query attention, see Notes). ``head_dim`` must be a multiple of 8
+        from 8 to 256 (``_rules.HEAD_DIMS``).
     v : torch.Tensor
         Values, same shape as ``k``, same dtype, device and stride requirements as ``q``.
     softmax_scale : float, optional
@@ -125,7 +126,7 @@ def flash_attn_func(
         If an input is invalid: sparse (not strided), not 4-D, not float16, on different
         devices, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
-        ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
+        ``k``/``v`` shapes differ, ``head_dim`` not a multiple of 8 in [8, 256], ``num_heads`` not divisible by
         ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
         ``softmax_scale`` not a real number in ``[1.2e-38, 1.0e26]``, or
         ``causal`` /
@@ -217,7 +218,7 @@ def flash_attention_forward(
     k : torch.Tensor
         Keys, shape ``(batch_size, num_heads_k, seqlen_k, head_dim)``, same dtype, device and
         stride requirements as ``q``. ``num_heads`` must be divisible by ``num_heads_k`` (GQA,
-        see Notes). ``head_dim`` must be 64 or 128.
+        see Notes). ``head_dim`` must be a multiple of 8 from 8 to 256 (``_rules.HEAD_DIMS``).
     v : torch.Tensor
         Values, same shape as ``k``, same dtype, device and stride requirements as ``q``.
     causal : bool, optional
@@ -256,7 +257,7 @@ def flash_attention_forward(
         If an input is invalid: sparse (not strided), not 4-D, not float16, on different
         devices, last
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
-        ``k``/``v`` shapes differ, ``head_dim`` not 64 or 128, ``num_heads`` not divisible by
+        ``k``/``v`` shapes differ, ``head_dim`` not a multiple of 8 in [8, 256], ``num_heads`` not divisible by
         ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
         ``softmax_scale`` not a real number in ``[1.2e-38, 1.0e26]``, or
         ``causal`` /

@@ -175,7 +175,8 @@ def why_not_supported(
     -----
     Requirements for the kernel path: the compiled extension is importable; query, key and
     value pass the rulebook (``flash_attention_sm75._rules``: dense (strided) 4-D float16 CUDA
-    tensors on one GPU of compute capability >= 7.5, one ``head_dim`` of 64 or 128, key and
+    tensors on one GPU of compute capability >= 7.5, one ``head_dim`` that is a multiple of 8
+    from 8 to 256, key and
     value of the same shape, equal batch sizes (no broadcasting), ``num_heads % num_heads_k ==
     0``, last dimension contiguous, data pointers 16-byte aligned, other strides divisible by 8
     elements, ``scale`` None or finite within [1.2e-38, 1.0e26]); and the wrapper's own rules:
@@ -329,7 +330,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ----------
     query : torch.Tensor
         Query, shape ``(batch, num_heads, seqlen_q, head_dim)``. Kernel path: ``torch.float16``,
-        CUDA (compute capability >= 7.5), ``head_dim`` 64 or 128, ``stride(-1) == 1``, 16-byte
+        CUDA (compute capability >= 7.5), ``head_dim`` a multiple of 8 in [8, 256], ``stride(-1) == 1``, 16-byte
         aligned, other strides divisible by 8 elements. Any other input torch accepts (3-D, 5-D,
         float32, bfloat16, CPU, ...) is handled by the fallback.
     key : torch.Tensor

@@ -22,7 +22,9 @@ from torch.profiler import ProfilerActivity, profile
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--d", type=int, default=128, choices=[64, 128])
+    from flash_attention_sm75 import _rules
+    ap.add_argument("--d", type=int, default=128, choices=_rules.HEAD_DIMS, metavar="D",
+                    help="head_dim, a multiple of 8 from 8 to 256 (default 128)")
     ap.add_argument("--n", type=int, default=4096, help="seqlen_q = seqlen_k")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Tiny driver for compute-sanitizer: launches every forward kernel instantiation
-(d in {64, 128} x causal in {False, True}) on small, odd shapes that hit the edge paths
+(every head-dim bucket and a head dim below each, _rules.HEAD_DIM_BUCKETS, x causal) on small, odd shapes that hit the edge paths
 (partial Q/K tiles, Sq > Sk rows that see no key, decode q_len=1, GQA, strided BHSD views,
 leftpad_k / seqused_k including an empty key range; at d=64 each with the small-grid tile
 forced off and on, FLASH_SM75_FWD_SMALL_GRID_TILE), then the backward kernels on the same
@@ -109,7 +109,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (self-test)")
     ap.add_argument("--no-check", action="store_true", help="skip the CPU reference comparison")
-    ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    from flash_attention_sm75 import _rules
+    # Each bucket's instantiation at its full width and with a tail (d = bucket - 24: loads
+    # zero-fill and stores skip the chunks past d, head_dims.h).
+    default_d = sorted({x for b in _rules.HEAD_DIM_BUCKETS for x in (b, b - 24)})
+    ap.add_argument("--d", type=int, nargs="+", default=default_d)
     ap.add_argument("--no-bwd", action="store_true", help="forward kernels only")
     args = ap.parse_args(argv)
 

@@ -88,7 +88,7 @@ def check(B, Sq, Sk, H, Hk, D, causal, br, deterministic=False, lp=None, su=None
           f"br={br} det={deterministic} lp={lp is not None}: " + ", ".join(msg))
 
 
-for D in (64, 128):
+for D in flash_attention_sm75._rules.HEAD_DIM_BUCKETS:
     for det in (False, True):
         for (Sq, Sk) in [(1, 1), (7, 7), (127, 129), (129, 127), (1000, 1000), (1, 1000), (1000, 7)]:
             for causal, br in [(False, True), (True, True), (True, False)]:
@@ -119,7 +119,7 @@ print("\nbackward time (ms) and TFLOP/s; B=4 H=16")
 print(f"{'D':>4} {'N':>5} {'causal':>6} | {'ours':>8} {'ours det':>8} {'mem-eff':>8} | "
       f"{'TF ours':>7} {'TF det':>7} {'TF me':>7} | speedup")
 B, H = 4, 16
-for D in (64, 128):
+for D in flash_attention_sm75._rules.HEAD_DIM_BUCKETS:
     for N in (1024, 4096):
         for causal in (False, True):
             q = torch.randn(B, N, H, D, device=dev, dtype=torch.float16)

@@ -159,7 +159,7 @@ ROWS = [
         _key_range("leftpad_k", torch.zeros(2, dtype=torch.int32)),
         r"leftpad_k must be on the same device as q \(cuda:0\), got cpu", device="cuda"),
     Row("softmax_scale", "scale_zero", _with(lambda *t: t, softmax_scale=0.0),
-        r"softmax_scale must be a finite number > 0 within \[1\.2e-38, 2\.1e26\] \(float32 "
+        r"softmax_scale must be a finite number > 0 within \[1\.2e-38, 1\.0e26\] \(float32 "
         r"scores must not overflow\), got 0\.0"),
     # float32 arithmetic in the kernel: a denormal scale flushes to 0, a huge one overflows
     Row("softmax_scale", "scale_denormal", _with(lambda *t: t, softmax_scale=1e-40),
@@ -273,7 +273,7 @@ def test_hf_integration_falls_back_with_the_rulebook_reason():
     hf = pytest.importorskip("flash_attention_sm75.integrations.transformers")
     previous = hf.configure(allow_cpu_reference=True)
     try:
-        for row in (ROWS_BY_ID[i] for i in ("head_dim_80", "q_fp32", "gqa", "batch", "scale_nan")):
+        for row in (ROWS_BY_ID[i] for i in ("head_dim_12", "q_fp32", "gqa", "batch", "scale_nan")):
             (q, k, v), kwargs = row.make("cpu")
             args = to_bhsd(q, k, v)
             bound = {"dropout": 0.0, "scaling": kwargs.get("softmax_scale"), "is_causal": None,

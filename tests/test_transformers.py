@@ -45,7 +45,7 @@ from devtools.model_configs import (  # noqa: E402
     make_config,
 )
 
-FAMILIES = sorted(TINY_CONFIGS)  # llama, mistral, qwen2, qwen3
+FAMILIES = sorted(TINY_CONFIGS)  # gemma3, llama, mistral, phi, phi3, qwen2, qwen3
 
 needs_op = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
                               reason=f"extension not built: {_ops.EXTENSION_ERROR}")
@@ -115,7 +115,17 @@ def test_configs_have_the_real_shapes():
     assert (l2.hidden_size, l2.num_attention_heads, l2.num_key_value_heads, l2.head_dim,
             l2.intermediate_size, l2.vocab_size, l2.num_hidden_layers) == (
                 4096, 32, 32, 128, 11008, 32000, 3)
-    assert set(REALISTIC_CONFIGS) == {"qwen2-0.5b", "llama-3.2-1b", "llama-2-7b"}
+    g3 = make_config("gemma-3-1b")
+    assert (g3.hidden_size, g3.num_attention_heads, g3.num_key_value_heads, g3.head_dim,
+            g3.vocab_size) == (1152, 4, 1, 256, 262144)
+    p3 = make_config("phi-3-mini")
+    assert (p3.hidden_size, p3.num_attention_heads, p3.vocab_size) == (3072, 32, 32064)
+    assert p3.hidden_size // p3.num_attention_heads == 96
+    p2 = make_config("phi-2")
+    assert (p2.hidden_size, p2.num_attention_heads, p2.vocab_size) == (2560, 32, 51200)
+    assert p2.hidden_size // p2.num_attention_heads == 80
+    assert set(REALISTIC_CONFIGS) == {"qwen2-0.5b", "llama-3.2-1b", "llama-2-7b", "gemma-3-1b",
+                                      "phi-3-mini", "phi-2"}
     with pytest.raises(KeyError):
         make_config("no-such-model")
 
@@ -348,7 +358,7 @@ def test_patch_model_type_filter():
         _logits(llama, ids, am)
         assert hf.get_stats()["fallback"] == 2
     with hf.apply_patch():  # default: the four families
-        for fam in FAMILIES:
+        for fam in sorted(hf.DEFAULT_PATCH_MODEL_TYPES):
             m = build_random_model(fam, dtype=torch.float32, seed=9)
             hf.reset_stats()
             _logits(m, ids, am)
@@ -614,7 +624,7 @@ def _fallback_case(name):
     if name == "fp32":
         q, k, v = q.float(), k.float(), v.float()
     elif name == "head_dim":
-        q, k, v = _qkv(2, 4, 2, 5, 5, 32)
+        q, k, v = _qkv(2, 4, 2, 5, 5, 12)  # not a multiple of 8
     elif name == "dropout":
         kwargs["dropout"] = 0.1
     elif name == "output_attentions":

@@ -60,7 +60,9 @@ pytestmark = [
 ]
 
 # name -> number of layers (None: the real depth)
-MODELS = {"qwen2-0.5b": None, "llama-3.2-1b": 4, "llama-2-7b": 2}
+MODELS = {"qwen2-0.5b": None, "llama-3.2-1b": 4, "llama-2-7b": 2,
+          # head dims 256, 96, 80 (the buckets' tails run them: head_dims.h)
+          "gemma-3-1b": 2, "phi-3-mini": 2, "phi-2": 2}
 PROMPT_LEN = 257                   # batch 1: crosses several 64/128-row tiles, ragged tail
 PADDED_LENGTHS = [203, 150, 77, 19]  # batch 4, left padded
 NEW_TOKENS = 32
@@ -178,8 +180,8 @@ def test_prefill_logits_match_stock_sdpa(name, batch):
     _check(f"{name} {batch} prefill", ours[real], stock[real], ref_logits[real])
 
 
-def test_greedy_generate_left_padded_teacher_forced():
-    name = "qwen2-0.5b"
+@pytest.mark.parametrize("name", ["qwen2-0.5b", "gemma-3-1b", "phi-3-mini", "phi-2"])
+def test_greedy_generate_left_padded_teacher_forced(name):
     model = _model(name)
     n_layers = model.config.num_hidden_layers
     ids, am = _left_padded(PADDED_LENGTHS, model.config.vocab_size, seed=3)
@@ -274,11 +276,20 @@ def test_unsupported_dtype_falls_back_on_gpu():
 
 # Two-layer Llama models, fp16, random weights (seed 0): head_dim 64 with GQA 16/4 and head_dim
 # 128 with MHA 8/8.
+# name -> (make_config name, overrides)
 TRAIN_CONFIGS = {
-    "llama-hd64-gqa": dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
-                           head_dim=64, intermediate_size=2816, vocab_size=8192),
-    "llama-hd128": dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8,
-                        head_dim=128, intermediate_size=2816, vocab_size=8192),
+    "llama-hd64-gqa": ("llama", dict(hidden_size=1024, num_attention_heads=16,
+                                     num_key_value_heads=4, head_dim=64,
+                                     intermediate_size=2816, vocab_size=8192)),
+    "llama-hd128": ("llama", dict(hidden_size=1024, num_attention_heads=8,
+                                  num_key_value_heads=8, head_dim=128, intermediate_size=2816,
+                                  vocab_size=8192)),
+    # The models' own head dims (256, 96, 80) with fewer heads and a smaller vocabulary.
+    "gemma3-hd256": ("gemma-3-1b", dict(vocab_size=8192)),
+    "phi3-hd96": ("phi-3-mini", dict(hidden_size=768, num_attention_heads=8,
+                                     num_key_value_heads=8, vocab_size=8192)),
+    "phi2-hd80": ("phi-2", dict(hidden_size=640, num_attention_heads=8, num_key_value_heads=8,
+                                vocab_size=8192)),
 }
 TRAIN_LENGTHS = {"b2": [300, 300], "b2-right-padded": [300, 211]}
 # Loss scale, as fp16 training uses (torch.amp.GradScaler): with the plain mean loss, the
@@ -310,7 +321,9 @@ def _rel_err(a, b):
 
 
 @pytest.mark.parametrize("name,batch", [("llama-hd64-gqa", "b2"), ("llama-hd128", "b2"),
-                                        ("llama-hd64-gqa", "b2-right-padded")])
+                                        ("llama-hd64-gqa", "b2-right-padded"),
+                                        ("gemma3-hd256", "b2-right-padded"), ("phi3-hd96", "b2"),
+                                        ("phi2-hd80", "b2-right-padded")])
 def test_training_gradients_match_stock_sdpa(name, batch):
     """loss.backward() through the kernel gives every parameter the gradient stock SDPA gives.
 
@@ -329,7 +342,8 @@ def test_training_gradients_match_stock_sdpa(name, batch):
     kernel runs with ``seqused_k``; their query rows still see the real keys, so no row is empty
     in any of the three runs.
     """
-    model = build_random_model(make_config("llama", **TRAIN_CONFIGS[name]), dtype=torch.float16,
+    family, overrides = TRAIN_CONFIGS[name]
+    model = build_random_model(make_config(family, **overrides), dtype=torch.float16,
                                device=DEVICE, seed=0,
                                attn_implementation="flash_attention_sm75").train()
     n_layers = model.config.num_hidden_layers

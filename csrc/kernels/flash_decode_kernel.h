@@ -16,6 +16,14 @@
 // exact fp16 products; exponents are taken as exp2((s - m) * scale_log2), so the row max gets
 // exactly 1 for any score magnitude. A NaN score gives NaN O and LSE, an empty key range O = 0,
 // LSE = -inf, as in the prefill kernel.
+//
+// Head dims below kD (head_dims.h): d is a multiple of 8, so the K rows' 16-byte chunks at or
+// past d / 8 and whole lanes' V dims (a lane owns kD / 32 = 2, 4 or 8 dims, aligned to them) lie
+// past d. Nothing past d is read (it belongs to the next head or lies past the tensor): q and
+// those K chunks are zero-filled, so the scores are exact, and such a lane reads V dims below d
+// in place of its own and never stores them. Output dims >= d are neither stored nor written to
+// the fp32 split workspace, which is indexed with d (num_splits x b x h x d, as mha_fwd
+// allocates it).
 #pragma once
 
 #include <cmath>
@@ -95,7 +103,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   const __half* q = static_cast<const __half*>(params.q_ptr) + bidb * params.q_batch_stride;
   for (int i = tid; i < kR * kD; i += T::kThreads) {
     const int h = i / kD, c = i % kD;
-    sQ[i] = h < ratio ? __half2float(q[(h0 + h) * params.q_head_stride + c]) : 0.f;
+    sQ[i] = h < ratio && c < params.d ? __half2float(q[(h0 + h) * params.q_head_stride + c]) : 0.f;
   }
   __syncthreads();
 
@@ -110,21 +118,30 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
 
   const __half* k_base = static_cast<const __half*>(params.k_ptr) +
                          bidb * params.k_batch_stride + hk * params.k_head_stride;
+  // A lane whose V dims lie past d (all of them: d % 8 == 0 and kDPL divides 8) reads dims
+  // 0 .. kDPL - 1 of the row instead, memory lane 0 reads anyway: its O dims are never stored,
+  // and the loop keeps the single key bound of d = kD.
   const __half* v_base = static_cast<const __half*>(params.v_ptr) +
-                         bidb * params.v_batch_stride + hk * params.v_head_stride + lane * kDPL;
+                         bidb * params.v_batch_stride + hk * params.v_head_stride +
+                         (lane * kDPL < params.d ? lane * kDPL : 0);
+  // K chunks past d: zero-filled through an empty key range for the lane (a lane's chunk
+  // column is the same in every row it loads, 32 % kCPR == 0), one bound as for d = kD.
+  constexpr int kCPR = kD / 8;  // 16-byte chunks per K row
+  static_assert(32 % kCPR == 0, "a lane's K chunk column is fixed");
+  const int k_end = (lane % kCPR) * 8 < params.d ? end : 0;
   __half* sK = reinterpret_cast<__half*>(smem_raw) + warp * T::kKeys * T::kRowH;
   float* sP = reinterpret_cast<float*>(smem_raw + T::kOffP) + warp * kR * T::kKeys;
 
   // Steps of 128 keys; key indices in 64 bits (base + 128 can pass 2^31 - 1).
   for (int64_t base = begin + static_cast<int64_t>(warp) * T::kKeys; base < end;
        base += T::kWarps * T::kKeys) {
-    // ---- K rows base .. base + 31 -> sK (rows past `end` zero-filled, never read from memory).
-    constexpr int kCPR = kD / 8;  // 16-byte chunks per row
+    // ---- K rows base .. base + 31 -> sK (rows past `end` and chunks past d zero-filled, never
+    // read from memory).
 #pragma unroll
     for (int i = 0; i < kCPR; ++i) {
       const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
       uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (base + r < end) {
+      if (base + r < k_end) {
         val = __ldg(reinterpret_cast<const uint4*>(k_base + (base + r) * params.k_row_stride +
                                                    cc * 8));
       }
@@ -236,6 +253,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   __syncthreads();
   for (int i = tid; i < ratio * kD; i += T::kThreads) {
     const int h = i / kD, c = i % kD;
+    if (c >= params.d) continue;
     SoftmaxMerge<1> st;  // the warps' (m, l, unnormalised O) of head h, output dim c
 #pragma unroll
     for (int w = 0; w < T::kWarps; ++w) st.max_with(sM[w * kR + h]);
@@ -259,7 +277,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       // wrongly (O = 2 instead of 1 at scores ~1e8; tests/emu check_decode_split_merges).
       const int64_t rows = static_cast<int64_t>(params.num_splits) * params.b * params.h;
       const int64_t row = (static_cast<int64_t>(split) * params.b + bidb) * params.h + hq;
-      params.oaccum_ptr[row * kD + c] = out[0];
+      params.oaccum_ptr[row * params.d + c] = out[0];
       if (c == 0) {
         params.softmax_lseaccum_ptr[row] = st.m;
         params.softmax_lseaccum_ptr[rows + row] = st.sum;
@@ -276,7 +294,7 @@ __global__ void __launch_bounds__(128) flash_fwd_decode_merge_kernel(const Flash
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + warp;  // bidb * h + hq
   const int64_t rows = static_cast<int64_t>(params.b) * params.h;
-  if (row >= rows) return;
+  if (row >= rows || lane * kDPL >= params.d) return;  // lanes past d: no dims (d % 8 == 0)
   const int bidb = static_cast<int>(row / params.h), hq = static_cast<int>(row % params.h);
   const float* m_s = params.softmax_lseaccum_ptr;
   const float* l_s = m_s + rows * params.num_splits;
@@ -285,7 +303,7 @@ __global__ void __launch_bounds__(128) flash_fwd_decode_merge_kernel(const Flash
   st.start();
   for (int s = 0; s < params.num_splits; ++s) {
     st.add_normalised(st.weight(m_s[s * rows + row], params.scale_softmax_log2), l_s[s * rows + row],
-                      [src = params.oaccum_ptr + (s * rows + row) * kD + lane * kDPL](int e) {
+                      [src = params.oaccum_ptr + (s * rows + row) * params.d + lane * kDPL](int e) {
                         return src[e];
                       });
   }

@@ -18,6 +18,9 @@
 //  * Split tile (d = 128, Flash_fwd_kernel_traits::kSplitTile): each K/V tile as two halves of
 //    Bc/2 keys, the softmax of one half in the same branch-free code as the MMAs of the other
 //    (softmax_step), so one warp can overlap its own softmax with tensor-core work.
+//  * Head-dim split (d = 256, Flash_fwd_kernel_traits::kDSplit = 2): two warps share 16 query
+//    rows, each holding half of Q's and O's columns; their partial S tiles are summed through
+//    shared memory between the loop's two barriers (no extra barrier).
 #pragma once
 
 #include <cmath>
@@ -81,25 +84,28 @@ __device__ __forceinline__ FwdCta fwd_cta(const Flash_fwd_params& params) {
 // LSE = -inf (never NaN). The fp16 O tile is staged through shared memory sO (Br x d, free for
 // this warp's rows when called) so the global stores are 16-byte, row-contiguous, coalesced.
 template <typename Kt>
-__device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4],
+__device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
                                              const float (&m_i)[2], const float (&l_i)[2],
                                              const Flash_fwd_params& params, const FwdCta& c,
                                              __half* sO) {
-  constexpr int kD = Kt::kHeadDim;
+  constexpr int kDCols = Kt::kDCols;
   constexpr int kCPR = Kt::kChunksPerRow;
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  // This warp's 16 rows and its first head-dim chunk (kDSplit: its part of the columns).
+  const int rw = Kt::kDSplit > 1 ? warp % Kt::kRowWarps : warp;
+  const int ch0 = Kt::kDSplit > 1 ? warp / Kt::kRowWarps * (kDCols / 8) : 0;
   const int row0 = c.m_block * Kt::kBlockM;
   // One m16 row tile per warp. [1][2] rather than [2]: the flat array changes ptxas's register
   // assignment of this kernel (d = 64), this shape keeps the SASS it had with warps of more tiles.
   float lse[1][2];
-  softmax_normalize<kD>(acc_o, m_i, l_i, params.scale_softmax, lse[0]);
+  softmax_normalize<kDCols>(acc_o, m_i, l_i, params.scale_softmax, lse[0]);
 #pragma unroll
-  for (int dt = 0; dt < kD / 8; ++dt) {
-    const int row = 16 * warp + g;
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, dt) + 2 * t) =
+  for (int dt = 0; dt < kDCols / 8; ++dt) {
+    const int row = 16 * rw + g;
+    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, ch0 + dt) + 2 * t) =
         pack_half2(clamp_to_fp16_range(acc_o[dt][0]), clamp_to_fp16_range(acc_o[dt][1]));
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, dt) + 2 * t) =
+    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, ch0 + dt) + 2 * t) =
         pack_half2(clamp_to_fp16_range(acc_o[dt][2]), clamp_to_fp16_range(acc_o[dt][3]));
   }
   __syncthreads();
@@ -115,11 +121,11 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kHeadDim / 8][4]
           *reinterpret_cast<const uint4*>(sO + swizzle_offset<kCPR>(r, ch));
     }
   }
-  if (t == 0) {
+  if (t == 0 && ch0 == 0) {  // kDSplit: the pair holds the same LSE; one warp writes it
     float* lse_base = params.softmax_lse_ptr + c.bh * params.seqlen_q;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 16 * warp + g + 8 * r;
+      const int row = row0 + 16 * rw + g + 8 * r;
       if (row < params.seqlen_q) lse_base[row] = lse[0][r];
     }
   }
@@ -130,6 +136,7 @@ template <typename Kt, bool Is_causal>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     flash_fwd_kernel(const Flash_fwd_params params) {
   constexpr int kD = Kt::kHeadDim;
+  constexpr int kDCols = Kt::kDCols;  // head-dim columns of this warp's Q and O
   constexpr int kBN = Kt::kBlockN;
   constexpr int kCPR = Kt::kChunksPerRow;
   constexpr int kRowBytes = kD * 2;
@@ -140,13 +147,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // kQInSmem: [sQ: Br x d][sK][sV], O staged through sQ. Otherwise [sK][sV], with the Q tile
   // (before the loop) and the O tile (after it) staged through the contiguous K+V space.
+  // kDSplit > 1: then [sX], one 16 x Bc fp32 partial-S slot per warp.
   __half* sQ = reinterpret_cast<__half*>(smem_raw);
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kSmemKVOffset);  // Bc x d
   __half* sV = sK + kBN * kD;                                            // Bc x d
+  float4* sX = reinterpret_cast<float4*>(smem_raw + Kt::kSmemExchangeOffset);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
+  // The warp's 16-row group, and its part of the head dim (0 unless kDSplit > 1).
+  const int rw = Kt::kDSplit > 1 ? warp % Kt::kRowWarps : warp;
+  const int dpart = Kt::kDSplit > 1 ? warp / Kt::kRowWarps : 0;
+  // Chunk pairs (16 columns) before this warp's columns: swizzle_xor moves any lane address
+  // there, as it moves between the chunk pairs of a GEMM.
+  const int kk0 = dpart * (kDCols / 16);
   const FwdCta c = fwd_cta<Kt, Is_causal>(params);
   const int row0 = c.m_block * Kt::kBlockM;
   const float scale_log2 = params.scale_softmax_log2;
@@ -154,14 +169,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   float m_i[2] = {-INFINITY, -INFINITY};  // running max of raw scores, rows g and g + 8
   bool exact_exp = false;  // softmax_rescale: the warp's scaled max needs exact exponents
   float l_i[2] = {0.f, 0.f};              // running sum of exp2(s * scale_log2 - m), per thread
-  float acc_o[kD / 8][4];                 // unnormalised O, 16 x d per warp
+  float acc_o[kDCols / 8][4];             // unnormalised O, 16 x d (d / kDSplit) per warp
   zero_acc(acc_o);
 
   if (c.nb.n_block_max > c.nb.n_block_min) {
     uint4 stage[Kt::kChunksPerThread];
     // ---- prologue: the Q tile and the first K tile are fetched together (one global-memory
     // round trip, not two); Q -> shared -> (unless kQInSmem) registers, then K_0 -> sK.
-    const uint32_t q_lane_addr = lane_addr_a<kCPR>(sQ, 16 * warp, lane);
+    const uint32_t q_lane_addr = swizzle_xor(lane_addr_a<kCPR>(sQ, 16 * rw, lane), kk0);
     {
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid,
@@ -171,12 +186,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       store_tile_r2s<Kt>(qstage, sQ, tid);
     }
     // Without kQInSmem, Q stays in registers for the whole loop: q_frag[kk] holds the A
-    // fragments of k-steps 2kk (regs 0, 1) and 2kk + 1 (regs 2, 3) for this warp's 16 rows.
-    uint32_t q_frag[Kt::kQInSmem ? 1 : kD / 16][4];
+    // fragments of k-steps 2kk (regs 0, 1) and 2kk + 1 (regs 2, 3) for this warp's 16 rows
+    // (and its kDCols columns).
+    uint32_t q_frag[Kt::kQInSmem ? 1 : kDCols / 16][4];
     if (!Kt::kQInSmem) {
       __syncthreads();
 #pragma unroll
-      for (int kk = 0; kk < (Kt::kQInSmem ? 1 : kD / 16); ++kk) {
+      for (int kk = 0; kk < (Kt::kQInSmem ? 1 : kDCols / 16); ++kk) {
         ldmatrix_x4(q_frag[kk], swizzle_xor(q_lane_addr, kk));
       }
       __syncthreads();  // every warp holds its Q fragments before the space is reused
@@ -184,12 +200,55 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     store_tile_r2s<Kt>(stage, sK, tid);
     __syncthreads();
 
-    // Per-lane ldmatrix base addresses (chunk pair 0; fragment.h): K non-transposed as B of
-    // S = Q K^T, V transposed as B of O += P V.
-    const uint32_t k_lane_addr = lane_addr_b<kCPR>(sK, lane);
-    const uint32_t v_lane_addr = lane_addr_bt<kCPR>(sV, lane);
+    // Per-lane ldmatrix base addresses (chunk pair 0 of this warp's columns; fragment.h): K
+    // non-transposed as B of S = Q K^T, V transposed as B of O += P V.
+    const uint32_t k_lane_addr = swizzle_xor(lane_addr_b<kCPR>(sK, lane), kk0);
+    const uint32_t v_lane_addr = swizzle_xor(lane_addr_bt<kCPR>(sV, lane), kk0);
 
-    if constexpr (Kt::kSplitTile) {
+    if constexpr (Kt::kDSplit > 1) {
+      // This warp's exchange slot and its partner's (the other half of the head dim, same rows).
+      // Lane-major float4s: a warp's 16-byte accesses are contiguous, conflict-free.
+      float4* x_own = sX + warp * (kBN / 8) * 32 + lane;
+      const float4* x_other = sX + (warp + Kt::kRowWarps) % Kt::kNWarps * (kBN / 8) * 32 + lane;
+      for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
+        load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
+                               c.kr.key_end, tid, dc);
+        // Partial S over this warp's columns; the slot was read by the partner before the
+        // previous tile's last barrier.
+        float acc_s[kBN / 8][4];
+        gemm_rs_bt<kDCols, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j) {
+          x_own[32 * j] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
+        }
+        store_tile_r2s<Kt>(stage, sV, tid);
+        __syncthreads();  // V_j and the partial S tiles visible; every warp is done with K_j
+
+        const bool has_next = n_block + 1 < c.nb.n_block_max;
+        if (has_next) {  // K_{j+1}: global loads in flight during the softmax and O += P V_j
+          load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
+                                 c.kr.key_start, c.kr.key_end, tid, dc);
+        }
+        // S = own + partner's partial: the pair computes the same sums (fp32 addition
+        // commutes), so both run the same softmax on bitwise equal scores.
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j) {
+          const float4 x = x_other[32 * j];
+          acc_s[j][0] += x.x;
+          acc_s[j][1] += x.y;
+          acc_s[j][2] += x.z;
+          acc_s[j][3] += x.w;
+        }
+        mask_scores<Is_causal, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * rw,
+                                                 params.causal_offset);
+        uint32_t p_frag[kBN / 8][2];
+        softmax_rescale<kBN, kDCols, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
+                                                            p_frag, exact_exp);
+        gemm_rs_t<kBN, kDCols, kRowBytes, true>(acc_o, p_frag, v_lane_addr);  // O += P V
+        if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
+        __syncthreads();  // K_{j+1} visible; every warp is done with V_j and the slots
+      }
+    } else if constexpr (Kt::kSplitTile) {
       for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
         // The split tile: halves a (keys 0 .. Bc/2 - 1) and b of K_j / V_j.
         constexpr int kHalf = kBN / 2;

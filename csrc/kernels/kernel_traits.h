@@ -61,6 +61,16 @@ constexpr int chunks_per_thread() {
 //   kFullHeadDimOnly the tile runs only head_dim == kHeadDim (no tail predicate on the loads and
 //                    stores, head_dims.h): for a tile at its register cap, where the predicate
 //                    spills. Fwd_tile_config's SmallGridTraits then runs the smaller head dims.
+//   kDSplit          warps per 16-row group (1 or 2). With 2, the two warps of a group each own
+//                    half of the head dim: half of Q's columns (d/8 registers) and half of O's
+//                    (d/4 fp32 registers). Each computes the partial S of its half (split-k of
+//                    S = Q K^T), the pair adds the partials through a shared-memory exchange
+//                    slot (16 x Bc fp32 per warp), and both run the same softmax on the sum
+//                    (a + b == b + a exactly, so their m, l and P are bitwise equal) and
+//                    O += P V for their own columns. No MMA is done twice; it costs the
+//                    exchange (smem traffic of 1/4 of the K and V reads at Bc = 32) and the
+//                    duplicated softmax. For head dims whose Q and O do not fit one warp's
+//                    registers (d = 256: 64 + 128 registers).
 struct FwdTileDefaults {
   static constexpr bool kQInSmem = false;
   static constexpr int kMinBlocksPerSm = 1;
@@ -68,6 +78,7 @@ struct FwdTileDefaults {
   static constexpr int kLoadStyle = 0;
   static constexpr bool kSplitTile = false;
   static constexpr bool kFullHeadDimOnly = false;
+  static constexpr int kDSplit = 1;
 };
 
 // The forward kernel's compile-time parameters: the tile's fields, checked against the kernel's
@@ -91,24 +102,41 @@ struct Flash_fwd_kernel_traits {
   static constexpr bool kFullHeadDimOnly = Tile::kFullHeadDimOnly;
   static_assert(!kSplitTile || (!kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
                 "split tile: Q in registers, halves of 16k keys, a rescale threshold");
+  static constexpr int kDSplit = Tile::kDSplit;
+  static_assert(kDSplit == 1 || (kDSplit == 2 && !kQInSmem && !kSplitTile),
+                "head-dim split: pairs of warps, Q in registers, the plain loop");
+  static constexpr int kRowWarps = kNWarps / kDSplit;  // 16-row groups
+  static constexpr int kDCols = kHeadDim / kDSplit;    // head-dim columns of Q and O per warp
 
-  // Each warp owns 16 query rows (one m16 MMA tile); S and P never leave its registers.
-  static_assert(kBlockM == 16 * kNWarps, "each warp owns exactly 16 query rows");
+  // Each row group owns 16 query rows (one m16 MMA tile); S and P never leave its registers.
+  static_assert(kNWarps % kDSplit == 0 && kBlockM == 16 * kRowWarps,
+                "each warp (kDSplit = 1) or pair of warps (2) owns exactly 16 query rows");
   static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16 (ldmatrix.x4 k-pairs)");
+  static_assert(kDCols % 16 == 0, "a warp's head-dim columns are whole ldmatrix.x4 k-pairs");
   static_assert(kBlockN % 16 == 0, "Bc must be a multiple of 16 (ldmatrix.x4 n-pairs)");
 
   // Shared memory holds one K tile and one V tile, Bc x d fp16 each, row-major with the 16-byte
   // chunks of row r XOR-swizzled by (r % 8) so that ldmatrix (8 rows, same logical chunk)
   // touches 8 distinct bank groups. The Q tile (before the loop) and the output tile (after it)
-  // are staged through the same, contiguous K+V space, so neither needs its own.
+  // are staged through the same, contiguous K+V space, so neither needs its own. kDSplit = 2
+  // adds the exchange slots of the partial S tiles after it (16 x Bc fp32 per warp).
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row
   static constexpr int kSmemTileBytes = kBlockN * kHeadDim * 2;
   static constexpr int kSmemQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kSmemKVOffset = kQInSmem ? kSmemQBytes : 0;  // bytes before sK
-  static constexpr int kSmemSize =
-      kQInSmem ? kSmemQBytes + 2 * kSmemTileBytes
+  static constexpr int kSmemKVBytes =
+      kQInSmem ? 2 * kSmemTileBytes
                : (2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes);
+  static constexpr int kSmemExchangeOffset = kSmemKVOffset + kSmemKVBytes;  // bytes before sX
+  static constexpr int kSmemExchangeBytes = kDSplit > 1 ? kNWarps * 16 * kBlockN * 4 : 0;
+  static constexpr int kSmemSize = kSmemExchangeOffset + kSmemExchangeBytes;
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
+  // swizzle_xor (utils.h) moves between chunk pairs by XOR-ing address bits 5 .. 4 + log2(d/16):
+  // rows must be a power of two of >= 128 bytes, and every tile start a multiple of the row size.
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
+                "swizzle_xor needs rows of 128, 256 or 512 bytes");
+  static_assert(kSmemKVOffset % (2 * kHeadDim) == 0 && kSmemTileBytes % (2 * kHeadDim) == 0,
+                "tiles start on a row boundary");
 
   // Global <-> shared copies move 16 bytes per thread per step.
   static constexpr int kChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
@@ -147,6 +175,22 @@ struct FwdTileD128 : FwdTileDefaults {
   static constexpr int kRescaleThreshold = 8;
   static constexpr bool kSplitTile = true;
 };
+// d = 256: Q (d/4 = 64 registers) and O (d/2 = 128 fp32 registers) of 16 rows do not fit one
+// warp beside S and the load staging, so pairs of warps split the head dim (kDSplit = 2: 32 + 64
+// registers per warp, S split-k and summed through shared memory). 8 warps, 64 x 32:
+// K + V = 32 KiB (the Q and O tiles are staged through it), exchange slots 16 KiB, 48 KiB in
+// all (no opt-in); 238 / 240 registers. At that register count a Turing SM holds 8 warps
+// (64K registers), and at > 32 KiB one CTA: this tile has all 8 warps in it, two per scheduler.
+// The tile that keeps one warp per 16 rows, 64 x 16 with 4 warps and Q re-read from shared
+// memory (48 KiB, 254-255 registers), leaves 4 warps per SM (one per scheduler, 2 independent
+// S accumulators to cover the MMA latency), re-reads Q for every 16 keys (a third of its
+// ldmatrix traffic), and has twice the barriers and O rescales per key. Bc = 64 does not fit
+// (K + V alone 64 KiB). Threshold rescale t = 8 as at d = 128.
+struct FwdTileD256 : FwdTileDefaults {
+  static constexpr int kHeadDim = 256, kBlockM = 64, kBlockN = 32, kNWarps = 8;
+  static constexpr int kDSplit = 2;
+  static constexpr int kRescaleThreshold = 8;
+};
 
 // The tiles each head dim launches (flash_fwd_launch_template.h):
 //  * Traits: the default tile.
@@ -164,6 +208,11 @@ struct Fwd_tile_config<64> {
 template <>
 struct Fwd_tile_config<128> {
   using Traits = Flash_fwd_kernel_traits<FwdTileD128>;
+  using SmallGridTraits = void;
+};
+template <>
+struct Fwd_tile_config<256> {
+  using Traits = Flash_fwd_kernel_traits<FwdTileD256>;
   using SmallGridTraits = void;
 };
 

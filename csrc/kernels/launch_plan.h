@@ -97,6 +97,7 @@ inline FwdLaunchPlan plan_fwd_launch(int d, int b, int h, int seqlen_q) {
   switch (head_dim_bucket(d)) {
     case 64: return make_fwd_plan<Fwd_tile_config<64>::Traits>(b, h, seqlen_q);
     case 128: return make_fwd_plan<Fwd_tile_config<128>::Traits>(b, h, seqlen_q);
+    case 256: return make_fwd_plan<Fwd_tile_config<256>::Traits>(b, h, seqlen_q);
     default: throw_bad_head_dim(d);
   }
 }

@@ -30,7 +30,7 @@ Masks are classified (:func:`classify_attention_mask`): a mask runs on the kerne
 exactly "key range per batch row" (``leftpad_k[b] <= j < seqused_k[b]``), optionally AND a causal
 diagonal, which covers no mask, causal, left/right padding, chunked prefill and decode with a
 cache. Anything else (arbitrary 4-D masks, packed-sequence/document masks, sliding windows, float
-masks with other values), any unsupported input (CPU, fp32/bf16, head_dim not in {64, 128},
+masks with other values), any unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256],
 dropout, ``output_attentions``, a keyword argument outside the allow-list) calls transformers'
 own ``sdpa_attention_forward`` with the original arguments, and the reason is logged at DEBUG
 on the ``"flash_attention_sm75"`` logger and counted in :func:`get_stats`. Packed sequences

@@ -18,7 +18,7 @@ using Traits = typename Fwd_tile_config<D>::Traits;
 
 // Head dims with a forward tile configuration checked below. Every generated forward
 // instantiation must use one of them (see InstantiationsAreCovered).
-const std::set<int> kCheckedFwdHeadDims = {64, 128};
+const std::set<int> kCheckedFwdHeadDims = {64, 128, 256};
 
 template <typename Kt>
 void expect_fits_sm75(int head_dim) {
@@ -29,13 +29,17 @@ void expect_fits_sm75(int head_dim) {
   EXPECT_LE(Kt::kNThreads, kSm75MaxThreadsPerBlock);
   EXPECT_EQ(Kt::kNThreads % 32, 0);
   EXPECT_EQ(Kt::kNThreads, 32 * Kt::kNWarps);
-  EXPECT_EQ(Kt::kBlockM, 16 * Kt::kNWarps);  // one m16 MMA row tile per warp
+  // One m16 MMA row tile per warp, or per pair of warps that split the head dim.
+  EXPECT_EQ(Kt::kBlockM * Kt::kDSplit, 16 * Kt::kNWarps);
+  EXPECT_EQ(Kt::kDCols * Kt::kDSplit, Kt::kHeadDim);
   EXPECT_EQ(Kt::kBlockN % 16, 0);
   EXPECT_EQ(Kt::kHeadDim % 16, 0);
-  // K and V tiles in fp16; Q and O are staged through the same space unless Q has its own.
+  // K and V tiles in fp16; Q and O are staged through the same space unless Q has its own;
+  // a head-dim split adds one 16 x Bc fp32 exchange slot per warp.
   EXPECT_EQ(Kt::kSmemSize,
-            2 * Kt::kBlockN * Kt::kHeadDim * 2 + (Kt::kQInSmem ? Kt::kBlockM * Kt::kHeadDim * 2 : 0));
-  EXPECT_LE(Kt::kBlockM * Kt::kHeadDim * 2, Kt::kSmemSize);
+            2 * Kt::kBlockN * Kt::kHeadDim * 2 + (Kt::kQInSmem ? Kt::kBlockM * Kt::kHeadDim * 2 : 0) +
+                (Kt::kDSplit > 1 ? Kt::kNWarps * 16 * Kt::kBlockN * 4 : 0));
+  EXPECT_LE(Kt::kBlockM * Kt::kHeadDim * 2, Kt::kSmemKVBytes);
   EXPECT_EQ(Kt::kChunksPerThread * Kt::kNThreads, Kt::kBlockN * Kt::kHeadDim / 8);
   EXPECT_EQ(Kt::kQChunksPerThread * Kt::kNThreads, Kt::kBlockM * Kt::kHeadDim / 8);
 }
@@ -43,6 +47,7 @@ void expect_fits_sm75(int head_dim) {
 TEST(KernelTraits, EveryFwdConfigFitsSm75) {
   expect_fits_sm75<Traits<64>>(64);
   expect_fits_sm75<Traits<128>>(128);
+  expect_fits_sm75<Traits<256>>(256);
   // The d = 64 small-grid tile: its kMinBlocksPerSm CTAs must fit a Turing SM (64 KiB of shared
   // memory, 64K registers), or it would not raise the CTAs per SM it exists for.
   using Small = Fwd_tile_config<64>::SmallGridTraits;
@@ -54,6 +59,12 @@ TEST(KernelTraits, EveryFwdConfigFitsSm75) {
   // Every tile's kMinBlocksPerSm CTAs fit the shared memory of a Turing SM.
   EXPECT_LE(Traits<64>::kMinBlocksPerSm * Traits<64>::kSmemSize, 64 * 1024);
   EXPECT_LE(Traits<128>::kMinBlocksPerSm * Traits<128>::kSmemSize, 64 * 1024);
+  EXPECT_LE(Traits<256>::kMinBlocksPerSm * Traits<256>::kSmemSize, 64 * 1024);
+  // d = 256 runs every head dim of its bucket (no full-head-dim-only fast path) in one tile,
+  // within the default 48 KiB.
+  EXPECT_TRUE((std::is_void_v<Fwd_tile_config<256>::SmallGridTraits>));
+  EXPECT_FALSE(Traits<256>::kFullHeadDimOnly);
+  EXPECT_LE(Traits<256>::kSmemSize, kSm75DefaultSmemPerBlock);
   EXPECT_EQ(kSm75MaxSmemPerBlock, 64 * 1024);
   EXPECT_EQ(kSm75DefaultSmemPerBlock, 48 * 1024);
   EXPECT_EQ(kSm75MaxThreadsPerBlock, 1024);
@@ -78,6 +89,10 @@ TEST(KernelTraits, TileFieldsByNameWithDefaults) {
   EXPECT_EQ(Kt::kMinBlocksPerSm, 1);
   EXPECT_EQ(Kt::kLoadStyle, 0);
   EXPECT_FALSE(Kt::kSplitTile);
+  EXPECT_EQ(Kt::kDSplit, 1);
+  EXPECT_EQ(Kt::kRowWarps, Kt::kNWarps);
+  EXPECT_EQ(Kt::kDCols, Kt::kHeadDim);
+  EXPECT_EQ(Kt::kSmemExchangeBytes, 0);
   // The shipped tiles' choices that differ from the defaults.
   static_assert(std::is_same_v<Traits<64>::TileConfig, FwdTileD64>);
   static_assert(std::is_same_v<Traits<128>::TileConfig, FwdTileD128>);
@@ -85,6 +100,13 @@ TEST(KernelTraits, TileFieldsByNameWithDefaults) {
   EXPECT_EQ(Traits<64>::kLoadStyle, 2);
   EXPECT_EQ(Traits<128>::kRescaleThreshold, 8);
   EXPECT_TRUE(Traits<128>::kSplitTile);
+  static_assert(std::is_same_v<Traits<256>::TileConfig, FwdTileD256>);
+  EXPECT_EQ(Traits<256>::kDSplit, 2);  // two warps per 16 rows, 128 head-dim columns each
+  EXPECT_EQ(Traits<256>::kDCols, 128);
+  EXPECT_EQ(Traits<256>::kRowWarps, 4);
+  EXPECT_EQ(Traits<256>::kSmemSize, 48 * 1024);  // K + V 32 KiB, exchange 16 KiB
+  EXPECT_EQ(Traits<256>::kSmemExchangeOffset, 32 * 1024);
+  EXPECT_EQ(Traits<256>::kRescaleThreshold, 8);
   using Small = Fwd_tile_config<64>::SmallGridTraits;
   static_assert(std::is_same_v<Small::TileConfig, FwdTileD64SmallGrid>);
   EXPECT_TRUE(Small::kQInSmem);
@@ -109,8 +131,10 @@ TEST(KernelTraits, InstantiationsAreCovered) {
     EXPECT_TRUE(kCheckedFwdHeadDims.count(d)) << name << " has no tile check in this test";
     seen.insert(name);
   }
-  // The head dims x causal matrix is complete.
-  for (int d : kCheckedFwdHeadDims) {
+  // The head-dim buckets x causal matrix is complete (a tile may be checked before its bucket
+  // exists: kCheckedFwdHeadDims can run ahead of kHeadDimBuckets).
+  for (int d : kHeadDimBuckets) {
+    EXPECT_TRUE(kCheckedFwdHeadDims.count(d)) << "bucket " << d << " has no tile check";
     for (const char* c : {"", "_causal"}) {
       const std::string name = "flash_fwd_hdim" + std::to_string(d) + "_fp16" + c + "_sm75.cu";
       EXPECT_TRUE(seen.count(name)) << "missing instantiation " << name;

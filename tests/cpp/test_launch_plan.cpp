@@ -35,13 +35,26 @@ TEST(LaunchPlan, GridThreadsSmem) {
     for (int bh : {1, 3, 32}) {
       expect_plan<64>(bh, 2 * bh + 1, sq);
       expect_plan<128>(bh + 1, bh, sq);
+      if (head_dim_bucket(256) == 256) expect_plan<256>(bh, bh + 2, sq);
     }
   }
 }
 
+// A head dim below a bucket runs its bucket's tile (head_dims.h).
+TEST(LaunchPlan, HeadDimTailsUseTheBucketTile) {
+  for (int d = kHeadDimMultiple; d <= kMaxHeadDim; d += kHeadDimMultiple) {
+    const FwdLaunchPlan p = plan_fwd_launch(d, 2, 3, 1000);
+    const FwdLaunchPlan q = plan_fwd_launch(head_dim_bucket(d), 2, 3, 1000);
+    EXPECT_EQ(p.block_m, q.block_m) << d;
+    EXPECT_EQ(p.block_n, q.block_n) << d;
+    EXPECT_EQ(p.num_threads, q.num_threads) << d;
+    EXPECT_EQ(p.smem_bytes, q.smem_bytes) << d;
+  }
+}
+
 TEST(LaunchPlan, GridLimit) {
-  for (int d : {64, 128}) {
-    const int bm = d == 64 ? Traits<64>::kBlockM : Traits<128>::kBlockM;
+  for (int d : kHeadDimBuckets) {
+    const int bm = plan_fwd_launch(d, 1, 1, 1).block_m;
     const int sq = bm * 1024;  // 1024 row tiles
     // 1024 * 2048 * 1023 = 2^31 - 2^21 CTAs: allowed.
     EXPECT_NO_THROW(plan_fwd_launch(d, 2048, 1023, sq));
@@ -119,7 +132,7 @@ TEST(DecodePlan, SplitsCoverTheKeysAndFillTheGpu) {
 }
 
 TEST(LaunchPlan, UnsupportedHeadDim) {
-  for (int d : {0, 32, 80, 96, 256, -64}) {
+  for (int d : {0, 4, 12, 100, kMaxHeadDim + 8, 1024, -64}) {
     try {
       plan_fwd_launch(d, 1, 1, 128);
       ADD_FAILURE() << "expected std::invalid_argument for head_dim " << d;

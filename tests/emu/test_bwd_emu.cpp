@@ -77,6 +77,7 @@ struct Case {
   int layout;
   bool atomic;
   uint32_t seed;
+  bool fwd_only = false;  // forward (o, lse) only: no backward run, gradients not checked
 };
 
 struct Errors {
@@ -95,7 +96,7 @@ void run_decode(Flash_fwd_params& p) {
   using T = DecodeTraits<kD, kR>;
   std::vector<float> oacc, lacc;
   if (p.num_splits > 1) {
-    oacc.assign(size_t(p.num_splits) * p.b * p.h * kD, NAN);
+    oacc.assign(size_t(p.num_splits) * p.b * p.h * p.d, NAN);  // indexed with d, as mha_fwd allocates it
     lacc.assign(2 * size_t(p.num_splits) * p.b * p.h, NAN);
     p.oaccum_ptr = oacc.data();
     p.softmax_lseaccum_ptr = lacc.data();
@@ -128,7 +129,7 @@ bool try_decode(Flash_fwd_params& p) {
 // Which forward tile of Fwd_tile_config Kt is, for the report lines.
 template <typename Kt>
 const char* tile_name() {
-  return Kt::kQInSmem ? "small-grid tile" : "default tile";
+  return Kt::kQInSmem ? "small-grid tile" : (Kt::kDSplit > 1 ? "d-split tile" : "default tile");
 }
 
 // The forward kernel of Kt (as fwd_kernel() in flash_fwd_launch_template.h launches it).
@@ -137,9 +138,17 @@ void fwd_kernel_body(const Flash_fwd_params& p) {
   flash_fwd_kernel<Kt, kCausal>(p);
 }
 
+// The decode kernel at d = 256 is not in yet: seqlen_q == 1 runs the forward kernel there.
+constexpr bool kDecode256 = false;
+// Before head_dims.h lists the 256 bucket, plan_fwd_launch does not take d > 128: the d = 256
+// tile's plan is made directly (the same plan as plan_fwd_launch's case 256).
+constexpr bool kFwd256WithoutBucket = head_dim_bucket(256) != 256;
+
 template <int kD, bool kCausal>
 void run_forward(Flash_fwd_params& p) {
-  if (try_decode<kD>(p)) return;
+  if constexpr (kD != 256 || kDecode256) {
+    if (try_decode<kD>(p)) return;
+  }
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
   using Kt = typename Fwd_tile_config<kD>::Traits;
   if constexpr (!std::is_void_v<Ks>) {
@@ -161,7 +170,9 @@ void run_forward(Flash_fwd_params& p) {
       return;
     }
   }
-  const FwdLaunchPlan plan = plan_fwd_launch(p.d, p.b, p.h, p.seqlen_q);
+  const FwdLaunchPlan plan = kD == 256 && kFwd256WithoutBucket
+                                 ? make_fwd_plan<Kt>(p.b, p.h, p.seqlen_q)
+                                 : plan_fwd_launch(p.d, p.b, p.h, p.seqlen_q);
   emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
               [&] { fwd_kernel_body<Kt, kCausal>(p); });
 }
@@ -195,19 +206,22 @@ void run_backward(Flash_bwd_params& p) {
 }
 
 // As HEADDIM_SWITCH: head dim d runs on its bucket's instantiation (head_dims.h). Head dims
-// 136 .. 256 run the d = 256 backward (Bwd_tile_config<256>) here whether or not head_dims.h
-// lists 256 yet.
+// 136 .. 256 run the d = 256 kernels here whether or not head_dims.h lists 256 yet.
 int emu_bucket(int d) { return d > 128 && d <= 256 && d % 8 == 0 ? 256 : head_dim_bucket(d); }
 
-// Returns false where this harness has no emulated forward for d (the caller then computes O and
-// LSE in float64).
 template <bool kCausal>
-bool dispatch_fwd(Flash_fwd_params& p) {
-  switch (emu_bucket(p.d)) {
-    case 64: run_forward<64, kCausal>(p); return true;
-    case 128: run_forward<128, kCausal>(p); return true;
-    case 256: return false;
-    default: throw_bad_head_dim(p.d);
+void dispatch_fwd(Flash_fwd_params& p) {
+  switch (head_dim_bucket(p.d)) {
+    case 64: run_forward<64, kCausal>(p); break;
+    case 128: run_forward<128, kCausal>(p); break;
+    default:
+      // The d = 256 tile's head dims, also before head_dims.h lists the bucket (head_dim_bucket
+      // is 0 there); with the bucket this becomes `case 256:`.
+      if (p.d > 128 && p.d <= 256 && p.d % kHeadDimMultiple == 0) {
+        run_forward<256, kCausal>(p);
+        break;
+      }
+      throw_bad_head_dim(p.d);
   }
 }
 template <bool kCausal>
@@ -220,43 +234,61 @@ void dispatch_bwd(Flash_bwd_params& p) {
   }
 }
 
-// O (fp16) and LSE (fp32) of the forward in float64, for head dims without an emulated forward.
-void reference_forward(const HTensor& q, const HTensor& k, const HTensor& v, HTensor& out,
-                       std::vector<float>& lse, const Flash_fwd_params& p) {
-  const double scale = p.scale_softmax;
-  for (int b = 0; b < p.b; ++b) {
-    const KeyRange kr = key_range(p.seqlen_k, p.leftpad_k, p.seqused_k, b);
-    for (int h = 0; h < p.h; ++h) {
-      const int hk = h / p.h_h_k_ratio;
-      for (int i = 0; i < p.seqlen_q; ++i) {
-        std::vector<double> s(p.seqlen_k, -INFINITY);
-        double mx = -INFINITY;
-        for (int j = 0; j < p.seqlen_k; ++j) {
-          if (!key_visible(i, j, kr, p.is_causal, p.causal_offset)) continue;
-          double acc = 0;
-          for (int x = 0; x < p.d; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
-          s[j] = acc * scale;
-          mx = std::max(mx, s[j]);
-        }
-        double l = 0;
-        for (int j = 0; j < p.seqlen_k; ++j) l += std::isinf(s[j]) ? 0.0 : std::exp(s[j] - mx);
-        lse[(size_t(b) * p.h + h) * p.seqlen_q + i] = l > 0 ? float(mx + std::log(l)) : -INFINITY;
-        for (int x = 0; x < p.d; ++x) {
-          double o = 0;
-          for (int j = 0; j < p.seqlen_k; ++j) {
-            if (l > 0 && !std::isinf(s[j])) o += std::exp(s[j] - mx) / l * v.get(b, j, hk, x);
-          }
-          out.at(b, i, h, x) = f2h(float(o));
-        }
-      }
-    }
-  }
-}
-
 struct Result {
   std::vector<__half> dq, dk, dv;
   bool ok;
 };
+
+// O and LSE of a forward-only case against the float64 reference (run_case's forward half).
+Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const HTensor& v,
+                      const HTensor& out, const std::vector<float>& lse, const std::vector<int>& lp,
+                      const std::vector<int>& su, bool verbose) {
+  const int B = c.b, Sq = c.sq, Sk = c.sk, H = c.h, Hk = c.hk, D = c.d;
+  const double scale = 1.0 / std::sqrt(double(D));
+  const int off = causal_offset(Sq, Sk, c.bottom_right);
+  Errors e_o, e_lse;
+  bool lse_inf_ok = true;
+  for (int b = 0; b < B; ++b) {
+    const KeyRange kr = key_range(Sk, c.use_lp ? lp.data() : nullptr, c.use_su ? su.data() : nullptr, b);
+    for (int h = 0; h < H; ++h) {
+      const int hk = h / (H / Hk);
+      for (int i = 0; i < Sq; ++i) {
+        double mx = -INFINITY;
+        std::vector<double> s(Sk, -INFINITY);
+        for (int j = 0; j < Sk; ++j) {
+          if (!key_visible(i, j, kr, c.causal, off)) continue;
+          double acc = 0;
+          for (int x = 0; x < D; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
+          s[j] = acc * scale;
+          mx = std::max(mx, s[j]);
+        }
+        double l = 0;
+        for (int j = 0; j < Sk; ++j) l += std::isinf(s[j]) ? 0.0 : std::exp(s[j] - mx);
+        const double lse_ref = l > 0 ? mx + std::log(l) : -INFINITY;
+        const float lse_got = lse[(size_t(b) * H + h) * Sq + i];
+        if (std::isinf(lse_ref)) lse_inf_ok = lse_inf_ok && std::isinf(lse_got) && lse_got < 0;
+        else e_lse.add(lse_got, lse_ref);
+        for (int x = 0; x < D; ++x) {
+          double o = 0;
+          for (int j = 0; j < Sk; ++j) {
+            if (l > 0 && !std::isinf(s[j])) o += std::exp(s[j] - lse_ref) * v.get(b, j, hk, x);
+          }
+          e_o.add(out.get(b, i, h, x), o);
+        }
+      }
+    }
+  }
+  const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && lse_inf_ok;
+  if (verbose || !ok) {
+    std::printf(
+        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d br=%d lp=%d su=%d layout=%d fwd only | "
+        "o %.2e/%.2e lse %.2e inf_ok=%d\n",
+        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.bottom_right, c.use_lp, c.use_su,
+        c.layout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok);
+    std::fflush(stdout);
+  }
+  return {out.data, {}, {}, ok};
+}
 
 Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   std::mt19937 rng(c.seed);
@@ -297,8 +329,9 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   fp.scale_softmax_log2 = float(scale * M_LOG2E);
   fp.is_causal = c.causal;
   fp.causal_offset = causal_offset(Sq, Sk, c.bottom_right);
-  const bool emulated_fwd = c.causal ? dispatch_fwd<true>(fp) : dispatch_fwd<false>(fp);
-  if (!emulated_fwd) reference_forward(q, k, v, out, lse, fp);
+  if (c.causal) dispatch_fwd<true>(fp);
+  else dispatch_fwd<false>(fp);
+  if (c.fwd_only) return check_fwd_case(c, q, k, v, out, lse, lp, su, verbose);
 
   // ---- backward on the emulator
   HTensor dq = make_tensor(B, Sq, H, D, 0), dk = make_tensor(B, Sk, Hk, D, 0),
@@ -317,8 +350,10 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   bp.dlse_ptr = nullptr;
   bp.dq_accum_ptr = c.atomic ? dq_accum.data() : nullptr;
   bp.dq_atomic = c.atomic;
-  if (c.causal) dispatch_bwd<true>(bp);
-  else dispatch_bwd<false>(bp);
+  if (!c.fwd_only) {
+    if (c.causal) dispatch_bwd<true>(bp);
+    else dispatch_bwd<false>(bp);
+  }
 
   // ---- float64 reference
   Errors e_o, e_lse, e_dq, e_dk, e_dv;
@@ -390,9 +425,16 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
           if ((j < kr.key_start || j >= kr.key_end) && (gk != 0.f || gv != 0.f)) masked_zero_ok = false;
         }
   }
-  const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && lse_inf_ok && e_dq.ok(1e-2, 2e-3) &&
-                  e_dk.ok(1e-2, 2e-3) && e_dv.ok(1e-2, 2e-3) && masked_zero_ok;
-  if (verbose || !ok) {
+  const bool fwd_ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && lse_inf_ok;
+  const bool ok = fwd_ok && (c.fwd_only || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) &&
+                                            e_dv.ok(1e-2, 2e-3) && masked_zero_ok));
+  if ((verbose || !ok) && c.fwd_only) {
+    std::printf("%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d br=%d lp=%d su=%d layout=%d | "
+                "o %.2e/%.2e lse %.2e inf_ok=%d | forward only\n",
+                ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.bottom_right, c.use_lp,
+                c.use_su, c.layout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok);
+    std::fflush(stdout);
+  } else if (verbose || !ok) {
     std::printf(
         "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d br=%d lp=%d su=%d layout=%d atomic=%d | "
         "o %.2e/%.2e lse %.2e inf_ok=%d | dq %.2e/%.2e dk %.2e/%.2e dv %.2e/%.2e masked0=%d\n",
@@ -495,7 +537,7 @@ int check_huge_scores_case(float a, bool rising, uint32_t seed, bool two_mags = 
 
 int check_huge_scores() {
   int fails = 0;
-  uint32_t seed = 500;
+  uint32_t seed = 500, seed256 = 900;
   for (float a : {4096.f, 65504.f, 64.f}) {
     for (bool rising : {false, true}) {
       fails += check_huge_scores_case<Fwd_tile_config<128>::Traits>(a, rising, seed++);
@@ -503,6 +545,11 @@ int check_huge_scores() {
       fails += check_huge_scores_case<Fwd_tile_config<64>::SmallGridTraits>(a, rising, seed++);
     }
     fails += check_huge_scores_case<Fwd_tile_config<128>::Traits>(a, false, seed++, true);
+    // d = 256 (two warps per row group, S summed through shared memory): mixed, rising and
+    // two magnitudes (the rows of the 2nd and 4th group at a / 64).
+    fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, false, seed256++);
+    fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, true, seed256++);
+    fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, false, seed256++, true);
   }
   return fails;
 }
@@ -554,11 +601,12 @@ int check_large_spread_case(float a, bool rising, uint32_t seed) {
 
 int check_large_spread_scores() {
   int fails = 0;
-  uint32_t seed = 700;
+  uint32_t seed = 700, seed256 = 950;
   for (float a : {2048.f, 4096.f}) {
     for (bool rising : {false, true}) {
       fails += check_large_spread_case<Fwd_tile_config<128>::Traits>(a, rising, seed++);
       fails += check_large_spread_case<Fwd_tile_config<64>::Traits>(a, rising, seed++);
+      fails += check_large_spread_case<Fwd_tile_config<256>::Traits>(a, rising, seed256++);
     }
   }
   return fails;
@@ -655,7 +703,9 @@ int check_m_block_range() {
 }
 
 int main(int argc, char** argv) {
-  // Usage: test_bwd_emu [quick|full|tails|blockinfo]  (tails: only the head dims below a bucket)
+  // Usage: test_bwd_emu [quick|full|tails|decode|fwd|blockinfo]  (tails: only the head dims
+  // below a bucket; decode: only the seqlen_q == 1 cases of all modes, forward only, and the
+  // split merges; fwd: only the forward-only cases and the forward's huge-score checks)
   const std::string mode = argc > 1 ? argv[1] : "quick";
   int fails = check_m_block_range();
   if (mode == "blockinfo") return fails;
@@ -702,8 +752,7 @@ int main(int argc, char** argv) {
     }
   }
   // The d = 256 backward (Br = 16, Bc = 32, two column splits; dQ kernel 32 x 16): the full
-  // head dim and tails of it (the forward's O and LSE come from float64 where no d = 256
-  // forward is emulated). Atomic requests run the deterministic kernels at d = 256.
+  // head dim and tails of it. Atomic requests run the deterministic kernels at d = 256.
   {
     const std::vector<int> big_dims = mode == "quick" ? std::vector<int>{256, 200}
                                                       : std::vector<int>{256, 136, 200, 248};
@@ -713,7 +762,34 @@ int main(int argc, char** argv) {
       if (mode != "quick") add(1, 100, 33, 4, 2, d, true, false, false, false, 1, false);
     }
   }
+  // The d = 256 forward tile (two warps per 16 rows, kDSplit) at d = 256 and its tails
+  // 136 / 200 / 248, forward only (O and LSE): more forward shapes than the backward cases above.
+  const size_t fwd_only_begin = cases.size();
+  {
+    auto add_fwd = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, bool br, bool lp,
+                       bool su, int layout) {
+      add(b, sq, sk, h, hk, d, causal, br, lp, su, layout, false);
+      cases.back().fwd_only = true;
+    };
+    const std::vector<int> dims = mode == "quick" ? std::vector<int>{256, 136}
+                                                  : std::vector<int>{256, 136, 200, 248};
+    for (int d : dims) {
+      add_fwd(1, 70, 70, 2, 1, d, false, true, false, false, 0);    // GQA, 3 key tiles
+      add_fwd(2, 33, 100, 2, 1, d, true, true, false, false, 2);    // bottom-right, NaN gaps
+      add_fwd(1, 100, 33, 4, 2, d, true, false, false, false, 1);   // top-left, sq > sk
+      add_fwd(1, 100, 33, 2, 1, d, true, true, false, false, 2);    // bottom-right, sq > sk
+      add_fwd(3, 65, 90, 4, 1, d, false, true, true, true, 2);      // MQA, key ranges, NaN gaps
+      add_fwd(1, 7, 129, 2, 2, d, true, true, true, false, 2);      // few rows, key ranges
+      add_fwd(1, 1, 100, 2, 1, d, true, false, false, false, 0);    // one row (top-left: key 0)
+    }
+  }
   if (mode == "tails") cases.erase(cases.begin(), cases.begin() + base_cases);
+  if (mode == "decode") {
+    cases.erase(std::remove_if(cases.begin(), cases.end(), [](const Case& c) { return c.sq != 1; }),
+                cases.end());
+    for (Case& c : cases) c.fwd_only = true;
+  }
+  if (mode == "fwd") cases.erase(cases.begin(), cases.begin() + fwd_only_begin);
   if (mode == "full") {
     for (int d : {64, 128}) {
       for (bool atomic : {true, false}) {
@@ -724,18 +800,19 @@ int main(int argc, char** argv) {
     }
   }
   for (const Case& c : cases) fails += run_case(c, true).ok ? 0 : 1;
-  if (mode != "tails") {
+  if (mode != "tails" && mode != "decode") {
     fails += check_huge_scores();
     fails += check_large_spread_scores();
-    fails += check_decode_split_merges();
   }
+  if (mode != "tails" && mode != "fwd") fails += check_decode_split_merges();
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
   // thread interleaving are reshuffled by the seed).
   // full: also the d = 256 kernels (column splits), at a tail head dim.
   std::vector<int> rerun_dims = {64};
   if (mode == "full") rerun_dims.push_back(200);
-  for (int d : mode != "tails" ? rerun_dims : std::vector<int>{}) {
+  const bool rerun = mode != "tails" && mode != "decode" && mode != "fwd";
+  for (int d : rerun ? rerun_dims : std::vector<int>{}) {
     Case c{2, 90, 77, 4, 2, d, true, true, true, true, 0, false, 99};
     Result r1 = run_case(c, false, 1001);
     Result r2 = run_case(c, false, 4242);
