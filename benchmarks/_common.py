@@ -103,9 +103,13 @@ class Ours:
         return self.bhsd is not None
 
 
-def kernel_name(d: int, causal: bool) -> str:
-    """Benchmark case name = the kernel instantiation it exercises (csrc/kernels/instantiations)."""
-    return f"flash_fwd_hdim{d}_fp16{'_causal' if causal else ''}_sm75"
+def kernel_name(d: int, causal: bool, direction: str = "fwd") -> str:
+    """Benchmark case name = the kernel instantiation it exercises (csrc/kernels/instantiations):
+    head dim d runs on its bucket's (head_dims.h), named with ``/d<d>`` when d is below it."""
+    from flash_attention_sm75 import _rules
+    bucket = _rules.head_dim_bucket(d) or d
+    tail = "" if bucket == d else f"/d{d}"
+    return f"flash_{direction}_hdim{bucket}_fp16{'_causal' if causal else ''}_sm75{tail}"
 
 
 # --------------------------------------------------------------------------------------------

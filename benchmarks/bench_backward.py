@@ -117,7 +117,7 @@ def parse_args(argv=None):
 
 def case_name(d, causal):
     """Benchmark case name = the backward kernel instantiation (csrc/kernels/instantiations)."""
-    return f"flash_bwd_hdim{d}_fp16{'_causal' if causal else ''}_sm75"
+    return C.kernel_name(d, causal, "bwd")
 
 
 @contextlib.contextmanager
