@@ -61,15 +61,19 @@ def torch_wheel_index(cuda):
     return f"https://download.pytorch.org/whl/cu{major}{minor}"
 
 
-def torch_swap_commands(cuda):
-    """Commands that replace the installed torch by a build for CUDA `cuda`. A plain
-    `pip install torch --index-url ...` keeps an installed torch ("Requirement already
-    satisfied"), so the old one is uninstalled first."""
+def torch_swap_commands(cuda, torch_version):
+    """Commands that replace the installed torch by a build of the same version for CUDA `cuda`.
+    A plain `pip install torch --index-url ...` keeps an installed torch ("Requirement already
+    satisfied"), so the old one is uninstalled first; the version is pinned so that an index
+    whose newest torch is older (cu124 ends at 2.6) fails instead of quietly downgrading."""
+    version = torch_version.split("+")[0]
     return f"""pip uninstall -y torch torchvision torchaudio
-        pip install torch --index-url {torch_wheel_index(cuda)}
-    (add torchvision / torchaudio to the second command if you use them; not every CUDA minor
-    version has an index: pytorch.org/get-started/locally lists them, e.g. cu126 and cu128 for
-    CUDA 12.x, cu130 for 13.x; any index of the same major version works)"""
+        pip install torch=={version} --index-url {torch_wheel_index(cuda)}
+    (add torchvision / torchaudio to the second command if you use them. Not every CUDA minor
+    version has an index, and an index carries only some torch versions: if pip finds no
+    torch {version} there, take another CUDA {cuda.split('.')[0]}.x index that has it
+    (pytorch.org/get-started/previous-versions lists them, e.g. cu126 / cu128 for 12.x and
+    cu130 for 13.x), or drop the pin to accept that index's newest torch)"""
 
 
 def check_toolchain(torch):
@@ -94,7 +98,7 @@ def check_toolchain(torch):
 The extension links against torch's CUDA libraries, which a CPU-only torch does not have.
 Install the CUDA build of torch for your toolkit ({f"nvcc {release} at {nvcc}" if release
 else "no nvcc found"}):
-    {torch_swap_commands(release or "12.8")}
+    {torch_swap_commands(release or "12.8", tv)}
 ({SKIP_CHECK_ENV}=1 tries anyway.)""")
     if release is None:
         where = (f"{nvcc} did not run or printed no 'release X.Y'" if nvcc and os.path.exists(nvcc)
@@ -116,7 +120,7 @@ CUDA {cuda}. The extension must be compiled with torch's CUDA major version. Eit
         CUDA_HOME=/usr/local/cuda-{cuda} pip install --no-build-isolation .
     (get one from developer.nvidia.com/cuda-downloads, or: conda install -c nvidia cuda-toolkit={cuda})
   * or install the torch build for CUDA {release}, then build again:
-        {torch_swap_commands(release)}
+        {torch_swap_commands(release, tv)}
 Experts: {SKIP_CHECK_ENV}=1 builds anyway (unsupported: the extension then loads two CUDA
 runtimes and needs a driver for CUDA {release}).""")
     if release != cuda:

@@ -74,7 +74,8 @@ class TestToolchainCheck:
         msg = build_error(setup_py, fake_torch("2.11.0+cu128", "12.8"))
         assert "CUDA version mismatch" in msg and str(home / "bin" / "nvcc") in msg
         assert "CUDA_HOME=/usr/local/cuda-12.8 pip install --no-build-isolation ." in msg
-        assert "pip install torch --index-url https://download.pytorch.org/whl/cu130" in msg
+        # the same torch version for the other CUDA: never a silent downgrade (cu124 ends at 2.6)
+        assert "pip install torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130" in msg
         # pip keeps an installed torch ("Requirement already satisfied"): uninstall it first
         assert "pip uninstall -y torch" in msg
         assert "FLASH_SM75_SKIP_CUDA_VERSION_CHECK=1" in msg
@@ -95,7 +96,7 @@ class TestToolchainCheck:
         toolkit("12.8")
         msg = build_error(setup_py, fake_torch("2.11.0+cpu", None))
         assert "CPU-only build" in msg
-        assert "pip install torch --index-url https://download.pytorch.org/whl/cu128" in msg
+        assert "pip install torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128" in msg
         # pip keeps an installed torch ("Requirement already satisfied"): uninstall it first
         assert "pip uninstall -y torch" in msg
 
