@@ -58,8 +58,8 @@ void check_key_bound(const std::optional<at::Tensor>& t, const char* name, const
   TORCH_CHECK_VALUE(t->is_contiguous(), "flash_attention_sm75: ", name, " must be contiguous");
 }
 
-// Zero-size problems (batch, num_heads, seqlen_q or seqlen_k of 0; head_dim is 64 or 128 once
-// validated): the math definition, without a launch (a CUDA grid of size 0 is an error). Query
+// Zero-size problems (batch, num_heads, seqlen_q or seqlen_k of 0; head_dim is a multiple of 8
+// up to 256 once validated): the math definition, without a launch (a CUDA grid of size 0 is an error). Query
 // rows that see no key (seqlen_k == 0) get out = 0 and lse = -inf, like any row that sees none.
 bool zero_size(const at::Tensor& q, const at::Tensor& k) { return q.numel() == 0 || k.numel() == 0; }
 

@@ -14,9 +14,9 @@ port), implemented in :mod:`flash_attention_sm75.integrations.transformers`::
         model.generate(...)
 
 The patch replaces transformers' global ``"sdpa"`` attention entry (models look it up at every
-forward). Calls the kernel cannot run (CPU, fp32/bf16, head_dim not 64/128, masks other than
-causal + padding, ...) go to the original SDPA function. New code can instead load models with
-``attn_implementation="flash_attention_sm75"`` (see hf_generate.py).
+forward). Calls the kernel cannot run (CPU, fp32/bf16, head_dim not a multiple of 8 up to 256,
+masks other than causal + padding, ...) go to the original SDPA function. New code can instead
+load models with ``attn_implementation="flash_attention_sm75"`` (see hf_generate.py).
 
 Run as a script, it demonstrates the patch on a Llama-3.2-1B-shaped model (random weights, 4
 layers by default) or a local checkpoint (``--model PATH``). Progress (model building, the three

@@ -41,7 +41,7 @@ struct Flash_fwd_params {
   int h;            // number of query heads
   int h_k;          // number of key/value heads (h % h_k == 0)
   int h_h_k_ratio;  // h / h_k: query head i reads kv head i / h_h_k_ratio (GQA/MQA)
-  int d;            // head dimension (64 or 128)
+  int d;            // head dimension: a multiple of 8 up to 256; runs on head_dim_bucket(d)
 
   // ---- softmax -------------------------------------------------------------------------
   float scale_softmax;        // multiplies q.k (default 1/sqrt(d))

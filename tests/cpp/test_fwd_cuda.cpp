@@ -1,6 +1,6 @@
 // The SM75 CUDA kernels against the CPU implementation (mha_fwd_cpu): one launch per
-// instantiation (head dim 64/128 x causal; causal in both alignments), plus the CUDA-only input
-// checks. Skipped when no GPU is visible (CI has none).
+// instantiation (head dim buckets 64/128/256, full and with a tail, x causal; both alignments),
+// plus the CUDA-only input checks. Skipped when no GPU is visible (CI has none).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
@@ -34,7 +34,7 @@ std::ostream& operator<<(std::ostream& os, const GpuCase& g) { return os << g.na
 
 std::vector<GpuCase> gpu_cases() {
   std::vector<GpuCase> v;
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {40, 64, 96, 128, 200, 256}) {  // each bucket, full and with a tail
     const std::string ds = "hdim" + std::to_string(d);
     // flash_fwd_hdim{d}_fp16_sm75: ragged lengths, GQA 4:2, padded keys, BHSD strided input.
     AttnCase c;

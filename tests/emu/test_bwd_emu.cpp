@@ -231,6 +231,29 @@ struct Result {
   bool ok;
 };
 
+// Row i of (batch b, head h) in float64: p[j] = softmax probability of key j (0 where the key
+// is not visible, and for a row that sees none); returns the row's LSE (-inf if it sees none).
+double reference_row(const HTensor& q, const HTensor& k, int b, int i, int h, int hk,
+                     const KeyRange& kr, const Case& c, int off, double scale,
+                     std::vector<double>& p) {
+  const int Sk = c.sk, D = c.d;
+  double mx = -INFINITY;
+  std::vector<double> s(Sk, -INFINITY);
+  for (int j = 0; j < Sk; ++j) {
+    if (!key_visible(i, j, kr, c.causal, off)) continue;
+    double acc = 0;
+    for (int x = 0; x < D; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
+    s[j] = acc * scale;
+    mx = std::max(mx, s[j]);
+  }
+  double l = 0;
+  for (int j = 0; j < Sk; ++j) l += std::isinf(s[j]) ? 0.0 : std::exp(s[j] - mx);
+  const double lse = l > 0 ? mx + std::log(l) : -INFINITY;
+  p.assign(Sk, 0.0);
+  for (int j = 0; j < Sk; ++j) p[j] = l > 0 && !std::isinf(s[j]) ? std::exp(s[j] - lse) : 0.0;
+  return lse;
+}
+
 // O and LSE of a forward-only case against the float64 reference (run_case's forward half).
 Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const HTensor& v,
                       const HTensor& out, const std::vector<float>& lse, const std::vector<int>& lp,
@@ -244,27 +267,15 @@ Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const H
     const KeyRange kr = key_range(Sk, c.use_lp ? lp.data() : nullptr, c.use_su ? su.data() : nullptr, b);
     for (int h = 0; h < H; ++h) {
       const int hk = h / (H / Hk);
+      std::vector<double> prob;
       for (int i = 0; i < Sq; ++i) {
-        double mx = -INFINITY;
-        std::vector<double> s(Sk, -INFINITY);
-        for (int j = 0; j < Sk; ++j) {
-          if (!key_visible(i, j, kr, c.causal, off)) continue;
-          double acc = 0;
-          for (int x = 0; x < D; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
-          s[j] = acc * scale;
-          mx = std::max(mx, s[j]);
-        }
-        double l = 0;
-        for (int j = 0; j < Sk; ++j) l += std::isinf(s[j]) ? 0.0 : std::exp(s[j] - mx);
-        const double lse_ref = l > 0 ? mx + std::log(l) : -INFINITY;
+        const double lse_ref = reference_row(q, k, b, i, h, hk, kr, c, off, scale, prob);
         const float lse_got = lse[(size_t(b) * H + h) * Sq + i];
         if (std::isinf(lse_ref)) lse_inf_ok = lse_inf_ok && std::isinf(lse_got) && lse_got < 0;
         else e_lse.add(lse_got, lse_ref);
         for (int x = 0; x < D; ++x) {
           double o = 0;
-          for (int j = 0; j < Sk; ++j) {
-            if (l > 0 && !std::isinf(s[j])) o += std::exp(s[j] - lse_ref) * v.get(b, j, hk, x);
-          }
+          for (int j = 0; j < Sk; ++j) o += prob[j] * v.get(b, j, hk, x);
           e_o.add(out.get(b, i, h, x), o);
         }
       }
@@ -357,26 +368,16 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
     for (int h = 0; h < H; ++h) {
       const int hk = h / (H / Hk);
       std::vector<double> P(size_t(Sq) * Sk, 0.0), dP(size_t(Sq) * Sk, 0.0);
+      std::vector<double> prob;
       for (int i = 0; i < Sq; ++i) {
-        double mx = -INFINITY;
-        std::vector<double> s(Sk, -INFINITY);
-        for (int j = 0; j < Sk; ++j) {
-          if (!key_visible(i, j, kr, c.causal, off)) continue;
-          double acc = 0;
-          for (int x = 0; x < D; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
-          s[j] = acc * scale;
-          mx = std::max(mx, s[j]);
-        }
-        double l = 0;
-        for (int j = 0; j < Sk; ++j) l += std::isinf(s[j]) ? 0.0 : std::exp(s[j] - mx);
-        const double lse_ref = l > 0 ? mx + std::log(l) : -INFINITY;
+        const double lse_ref = reference_row(q, k, b, i, h, hk, kr, c, off, scale, prob);
         const float lse_got = lse[(size_t(b) * H + h) * Sq + i];
         if (std::isinf(lse_ref)) {
           lse_inf_ok = lse_inf_ok && std::isinf(lse_got) && lse_got < 0;
         } else {
           e_lse.add(lse_got, lse_ref);
         }
-        for (int j = 0; j < Sk; ++j) P[size_t(i) * Sk + j] = l > 0 && !std::isinf(s[j]) ? std::exp(s[j] - lse_ref) : 0.0;
+        for (int j = 0; j < Sk; ++j) P[size_t(i) * Sk + j] = prob[j];
         double dsum_i = 0;
         for (int x = 0; x < D; ++x) {
           double o = 0;
