@@ -80,7 +80,10 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   check_tensor(k, "k", q);
   check_tensor(v, "v", q);
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "flash_attention_sm75: k and v must have the same shape, got k ",
-                    k.sizes(), " and v ", v.sizes());
+                    k.sizes(), " and v ", v.sizes(),
+                    k.size(3) != v.size(3)
+                        ? " (a value head_dim different from the query/key head_dim is not supported)"
+                        : "");
   TORCH_CHECK_VALUE(k.size(0) == q.size(0), "flash_attention_sm75: q and k must have the same batch size, got ",
                     q.size(0), " and ", k.size(0));
   TORCH_CHECK_VALUE(k.size(3) == q.size(3), "flash_attention_sm75: q and k must have the same head_dim, got ",
@@ -114,7 +117,7 @@ double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
       static_cast<double>(FLT_MAX) / (2 * 1.4426950408889634 * 256 * 65504.0 * 65504.0);
   TORCH_CHECK_VALUE(std::isfinite(scale) && scale >= kScaleMin && scale <= kScaleMax,
                     "flash_attention_sm75: softmax_scale must be a finite number > 0 within "
-                    "[1.2e-38, 1.0e26] (float32 scores must not overflow), got ", scale);
+                    "[1.18e-38, 1.07e26] (float32 scores must not overflow), got ", scale);
   return scale;
 }
 

@@ -112,7 +112,8 @@ REALISTIC_CONFIGS.update({
         max_position_embeddings=32768,
         query_pre_attn_scalar=256,
         sliding_window=512,
-        # The real model repeats 5 sliding layers and 1 full one; 2 layers keep one of each.
+        # The real model repeats 5 sliding layers and 1 full one; 2 layers keep one of each
+        # (make_config rebuilds the list for another layer count: gemma3_layer_types).
         layer_types=["sliding_attention", "full_attention"],
         rms_norm_eps=1e-6,
         bos_token_id=None,
@@ -190,6 +191,17 @@ def _register_attention() -> None:
     _hf.register()
 
 
+def gemma3_layer_types(num_layers: int) -> list:
+    """Gemma 3's attention pattern for ``num_layers`` layers: every sixth layer full, the others
+    sliding-window, and the last layer full when there are fewer than six (so that a cut-down
+    model still has both kinds)."""
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+             for i in range(num_layers)]
+    if num_layers and "full_attention" not in types:
+        types[-1] = "full_attention"
+    return types
+
+
 def make_config(name: str, num_hidden_layers: Optional[int] = None, **overrides: Any):
     """Build a transformers config from one of the named configurations.
 
@@ -197,10 +209,12 @@ def make_config(name: str, num_hidden_layers: Optional[int] = None, **overrides:
     ----------
     name : str
         A key of :data:`REALISTIC_CONFIGS` (``"qwen2-0.5b"``, ``"llama-3.2-1b"``,
-        ``"llama-2-7b"``) or of :data:`TINY_CONFIGS` (``"llama"``, ``"qwen2"``, ``"qwen3"``,
-        ``"mistral"``).
+        ``"llama-2-7b"``, ``"gemma-3-1b"``, ``"phi-3-mini"``, ``"phi-2"``) or of
+        :data:`TINY_CONFIGS` (``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"mistral"``,
+        ``"gemma3"``, ``"phi3"``, ``"phi"``).
     num_hidden_layers : int, optional
         Override the number of decoder layers (e.g. a few layers of a big model for fast tests).
+        Gemma 3's per-layer attention kinds follow (:func:`gemma3_layer_types`).
     **overrides
         Any other config attribute to override.
 
@@ -226,6 +240,10 @@ def make_config(name: str, num_hidden_layers: Optional[int] = None, **overrides:
     if num_hidden_layers is not None:
         kwargs["num_hidden_layers"] = int(num_hidden_layers)
     kwargs.update(overrides)
+    n = kwargs.get("num_hidden_layers")
+    if "layer_types" in kwargs and "layer_types" not in overrides and n is not None \
+            and len(kwargs["layer_types"]) != n:
+        kwargs["layer_types"] = gemma3_layer_types(n)
     model_type = kwargs.pop("model_type")
     return AutoConfig.for_model(model_type, **kwargs)
 

@@ -65,7 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="local checkpoint directory")
     p.add_argument("--config", default="qwen2-0.5b", choices=sorted(CONFIG_NAMES),
                    help="named config for random weights (default qwen2-0.5b): the real-shape "
-                        "qwen2-0.5b, llama-3.2-1b, llama-2-7b, or a tiny llama/qwen2/qwen3/mistral")
+                        "qwen2-0.5b, llama-3.2-1b, llama-2-7b, gemma-3-1b (head_dim 256), "
+                        "phi-3-mini (96), phi-2 (80), or a tiny llama/qwen2/qwen3/mistral/"
+                        "gemma3/phi3/phi")
     p.add_argument("--layers", type=positive_int, default=None,
                    help="override the number of layers")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,

@@ -61,6 +61,8 @@ HEAD_DIMS: Tuple[int, ...] = tuple(range(HEAD_DIM_MULTIPLE, MAX_HEAD_DIM + 1, HE
 """Every head_dim the kernels take (q, k and v share one): the multiples of 8 up to the
 largest bucket."""
 
+_VALUE_HEAD_DIM = " (a value head_dim different from the query/key head_dim is not supported)"
+
 _HEAD_DIM_RULE = f"a multiple of {HEAD_DIM_MULTIPLE} from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}"
 
 
@@ -93,7 +95,7 @@ KEY_RANGE_DTYPE = torch.int32
 # inf - inf = NaN in the softmax.
 SOFTMAX_SCALE_MIN = 1.1754943508222875e-38  # FLT_MIN
 SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / (2 * 1.4426950408889634 * 256 * 65504.0**2)  # ~1.07e26
-_SCALE_RANGE = "[1.2e-38, 1.0e26]"
+_SCALE_RANGE = "[1.18e-38, 1.07e26]"
 
 RULES: Tuple[str, ...] = (
     "tensor",          # q, k, v are dense strided torch.Tensors (not nested, not sparse)
@@ -136,14 +138,15 @@ def require_bool(name: str, value: object) -> None:
                          f"got {type_name(value)} {value!r}")
 
 
-def scale_problem(softmax_scale: object) -> Optional[str]:
-    """None if ``softmax_scale`` (not None) is a usable scale, else what is wrong with it."""
+def scale_problem(softmax_scale: object, name: str = "softmax_scale") -> Optional[str]:
+    """None if ``softmax_scale`` (not None) is a usable scale, else what is wrong with it (the
+    argument called ``name``: ``scale`` in torch's SDPA, ``scaling`` in transformers)."""
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        return (f"softmax_scale must be a real number (float or int), got "
+        return (f"{name} must be a real number (float or int), got "
                 f"{type_name(softmax_scale)} {softmax_scale!r}")
     s = float(softmax_scale)
     if not (math.isfinite(s) and SOFTMAX_SCALE_MIN <= s <= SOFTMAX_SCALE_MAX):
-        return (f"softmax_scale must be a finite number > 0 within {_SCALE_RANGE} (float32 "
+        return (f"{name} must be a finite number > 0 within {_SCALE_RANGE} (float32 "
                 f"scores must not overflow), got {softmax_scale!r}")
     return None
 
@@ -247,7 +250,7 @@ def not_supported_reason(
         num_heads, seqlen, head_dim)`` (the rules are the same; only the head dimension and the
         words of the messages differ).
     softmax_scale : float, optional
-        None (``1 / sqrt(head_dim)``) or a real number in [1.2e-38, 1.0e26].
+        None (``1 / sqrt(head_dim)``) or a real number in [1.18e-38, 1.07e26].
     leftpad_k, seqused_k : torch.Tensor, optional
         Per-batch key range, int32 ``(batch,)`` on q's device.
     devices : sequence of str
@@ -256,8 +259,9 @@ def not_supported_reason(
     check_alignment : bool
         Apply the 16-byte vector rule to CUDA tensors (False for a caller that copies misaligned
         tensors itself, see :func:`is_kernel_aligned`).
-    names : sequence of 3 str
-        How the messages call q, k and v (``("query", "key", "value")`` in the SDPA wrapper).
+    names : sequence of 3 or 4 str
+        How the messages call q, k, v and (optionally; default ``softmax_scale``) the scale:
+        ``("query", "key", "value", "scale")`` in the SDPA wrapper.
     """
     bhsd = layout == "bhsd"
     if not (isinstance(q, torch.Tensor) and not q.is_nested and q.layout is _STRIDED):
@@ -275,11 +279,12 @@ def not_supported_reason(
                 and t.stride()[3] == 1):
             name = names[0] if t is q else names[1] if t is k else names[2]
             return _tensor_reason(name, t, q, names[0], _BHSD if bhsd else _BSHD)
-    nq, nk, nv = names
+    nq, nk, nv = names[:3]
 
     qs, ks = q.shape, k.shape
     if ks != v.shape:
-        return f"{nk} and {nv} must have the same shape, got {nk} {list(ks)} and {nv} {list(v.shape)}"
+        return (f"{nk} and {nv} must have the same shape, got {nk} {list(ks)} and {nv} "
+                f"{list(v.shape)}" + (_VALUE_HEAD_DIM if ks[3] != v.shape[3] else ""))
     if ks[0] != qs[0]:
         return f"{nq} and {nk} must have the same batch size, got {qs[0]} and {ks[0]}"
     d = qs[3]
@@ -311,7 +316,7 @@ def not_supported_reason(
             return r
     if softmax_scale is not None and (type(softmax_scale) is not float
                                       or not SOFTMAX_SCALE_MIN <= softmax_scale <= SOFTMAX_SCALE_MAX):
-        r = scale_problem(softmax_scale)
+        r = scale_problem(softmax_scale, names[3] if len(names) > 3 else "softmax_scale")
         if r is not None:
             return r
 

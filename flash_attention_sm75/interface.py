@@ -83,7 +83,7 @@ def flash_attn_func(
         Values, same shape as ``k``, same dtype, device and stride requirements as ``q``.
     softmax_scale : float, optional
         Multiplier of ``q @ k^T`` before the softmax: a real number (Python or numpy scalar) in
-        ``[1.2e-38, 1.0e26]``, the range in which no float32 score can overflow for float16
+        ``[1.18e-38, 1.07e26]``, the range in which no float32 score can overflow for float16
         inputs. Default ``None`` means
         ``1 / sqrt(head_dim)``.
     causal : bool, optional
@@ -128,7 +128,7 @@ def flash_attn_func(
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not a multiple of 8 in [8, 256], ``num_heads`` not divisible by
         ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
-        ``softmax_scale`` not a real number in ``[1.2e-38, 1.0e26]``, or
+        ``softmax_scale`` not a real number in ``[1.18e-38, 1.07e26]``, or
         ``causal`` /
         ``return_lse`` not a bool, or a FlashAttention-2 option (``dropout_p``,
         ``window_size``, ``softcap``, ``alibi_slopes``) not at its "off" value. The message
@@ -228,7 +228,7 @@ def flash_attention_forward(
         (top-left) when ``seqlen_q != seqlen_k``; see Notes.
     softmax_scale : float, optional
         Multiplier of ``q @ k^T`` before the softmax: a real number (Python or numpy scalar) in
-        ``[1.2e-38, 1.0e26]``, the range in which no float32 score can overflow for float16
+        ``[1.18e-38, 1.07e26]``, the range in which no float32 score can overflow for float16
         inputs. Default ``None`` means
         ``1 / sqrt(head_dim)``.
     return_lse : bool, optional
@@ -259,7 +259,7 @@ def flash_attention_forward(
         dimension not contiguous, misaligned on CUDA, mismatched batch size or head_dim,
         ``k``/``v`` shapes differ, ``head_dim`` not a multiple of 8 in [8, 256], ``num_heads`` not divisible by
         ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
-        ``softmax_scale`` not a real number in ``[1.2e-38, 1.0e26]``, or
+        ``softmax_scale`` not a real number in ``[1.18e-38, 1.07e26]``, or
         ``causal`` /
         ``return_lse`` not a bool; also for a CUDA GPU of compute capability < 7.5. The message
         names the argument. The rules are ``flash_attention_sm75._rules`` (one rulebook for every

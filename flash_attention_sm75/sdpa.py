@@ -35,7 +35,7 @@ _strict_override: Optional[bool] = None
 # to run the kernel path on CPU tensors (the op has a CPU reference implementation).
 _KERNEL_DEVICE_TYPE = "cuda"
 # How the rulebook's messages name the tensors: torch's SDPA argument names.
-_NAMES = ("query", "key", "value")
+_NAMES = ("query", "key", "value", "scale")
 
 
 def set_strict(enabled: Optional[bool]) -> None:
@@ -160,8 +160,8 @@ def why_not_supported(
     is_causal : bool, optional
         Default ``False``. Supported either way (top-left alignment, as torch).
     scale : float, optional
-        Default ``None`` (``1 / sqrt(head_dim)``). A value that is not finite and > 0 makes the
-        call fall back.
+        Default ``None`` (``1 / sqrt(head_dim)``). A value outside [1.18e-38, 1.07e26] (the
+        range in which no float32 score can overflow) makes the call fall back.
     enable_gqa : bool, optional
         Default ``False``. Needed (as in torch) when ``num_heads != num_heads_k``.
 
@@ -169,7 +169,8 @@ def why_not_supported(
     -------
     str or None
         ``None`` if the kernel can run this call, otherwise a human-readable reason (the first
-        one found), e.g. ``"query.dtype is torch.float32; only torch.float16 is supported"``.
+        one found), e.g. ``"query must be float16 (SM75 tensor cores have no bf16/fp32 MMA), got
+        torch.float32"``.
 
     Notes
     -----
@@ -179,7 +180,7 @@ def why_not_supported(
     from 8 to 256, key and
     value of the same shape, equal batch sizes (no broadcasting), ``num_heads % num_heads_k ==
     0``, last dimension contiguous, data pointers 16-byte aligned, other strides divisible by 8
-    elements, ``scale`` None or finite within [1.2e-38, 1.0e26]); and the wrapper's own rules:
+    elements, ``scale`` None or finite within [1.18e-38, 1.07e26]); and the wrapper's own rules:
     ``attn_mask`` None or a key-range mask (see above); ``dropout_p == 0``; ``is_causal`` a
     bool; ``scale`` a Python float or int; ``enable_gqa=True`` when ``num_heads !=
     num_heads_k``; no forward-mode AD tangent on any input; no ``torch.func`` transform
@@ -349,8 +350,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Default ``False``. If ``True``, a causal mask aligned to the **top-left** corner, as in
         torch: query ``i`` sees key ``j`` iff ``j <= i`` (see Notes).
     scale : float, optional
-        Default ``None`` means ``1 / sqrt(head_dim)``. Kernel path for finite values > 0; other
-        values (which torch accepts) use the fallback.
+        Default ``None`` means ``1 / sqrt(head_dim)``. Kernel path for values in [1.18e-38,
+        1.07e26]; other values (which torch accepts) use the fallback.
     enable_gqa : bool, optional
         Default ``False``. As in torch: if ``True``, ``num_heads`` may be a multiple of
         ``num_heads_k`` and query head ``i`` uses key/value head ``i // (num_heads //

@@ -120,6 +120,9 @@ ROWS = [
         r"k and v must have the same shape"),
     Row("kv_shape", "kv_heads_zero_v", _with(lambda q, k, v: (q, k, v[:, :, :0])),
         r"k and v must have the same shape"),
+    Row("kv_shape", "value_head_dim", _with(lambda q, k, v: (q, k, v[..., :32])),
+        r"k and v must have the same shape, got k \[.*\] and v \[.*, 32\] \(a value head_dim "
+        r"different from the query/key head_dim is not supported\)"),
     Row("batch", "batch", _with(lambda q, k, v: (q[:1], k, v)),
         r"q and k must have the same batch size, got 1 and 2"),
     Row("head_dim_match", "head_dim_mismatch", _with(lambda q, k, v: (q, k[..., :32], v[..., :32])),
@@ -159,7 +162,7 @@ ROWS = [
         _key_range("leftpad_k", torch.zeros(2, dtype=torch.int32)),
         r"leftpad_k must be on the same device as q \(cuda:0\), got cpu", device="cuda"),
     Row("softmax_scale", "scale_zero", _with(lambda *t: t, softmax_scale=0.0),
-        r"softmax_scale must be a finite number > 0 within \[1\.2e-38, 1\.0e26\] \(float32 "
+        r"softmax_scale must be a finite number > 0 within \[1\.18e-38, 1\.07e26\] \(float32 "
         r"scores must not overflow\), got 0\.0"),
     # float32 arithmetic in the kernel: a denormal scale flushes to 0, a huge one overflows
     Row("softmax_scale", "scale_denormal", _with(lambda *t: t, softmax_scale=1e-40),
@@ -263,7 +266,7 @@ def test_sdpa_wrapper_falls_back_with_the_rulebook_reason(row, monkeypatch):
     args = to_bhsd(q, k, v)
     expected = _rules.not_supported_reason(*args, kwargs.get("softmax_scale"), layout="bhsd",
                                            devices=(row.device,),
-                                           names=("query", "key", "value"))
+                                           names=("query", "key", "value", "scale"))
     assert expected is not None
     reason = sdpa.why_not_supported(*args, scale=kwargs.get("softmax_scale"), enable_gqa=True)
     assert reason == expected
@@ -281,7 +284,7 @@ def test_hf_integration_falls_back_with_the_rulebook_reason():
             reason = hf._unsupported_reason(torch.nn.Module(), *args, None, bound, {})
             assert reason == _rules.not_supported_reason(
                 *args, kwargs.get("softmax_scale"), layout="bhsd", devices=("cuda", "cpu"),
-                check_alignment=False, names=("query", "key", "value")), row.id
+                check_alignment=False, names=("query", "key", "value", "scaling")), row.id
     finally:
         hf.configure(**previous)
 
@@ -346,3 +349,21 @@ def test_head_dim_buckets_agree_with_the_kernels():
             assert b == 0 and d not in _rules.HEAD_DIMS
         else:
             assert b == min(x for x in buckets if x >= d) and d in _rules.HEAD_DIMS
+
+
+def test_scale_reason_names_each_door_s_argument(monkeypatch):
+    # The scale is softmax_scale in the direct APIs, scale in torch's SDPA, scaling in
+    # transformers: each door's message names its own argument.
+    q = torch.zeros(1, 3, 2, 64, dtype=torch.float16)
+    assert _rules.not_supported_reason(q, q, q, 1e30).startswith("softmax_scale must be")
+    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
+    args = to_bhsd(q, q, q)
+    assert sdpa.why_not_supported(*args, scale=1e30).startswith("scale must be a finite number")
+    hf = pytest.importorskip("flash_attention_sm75.integrations.transformers")
+    previous = hf.configure(allow_cpu_reference=True)
+    try:
+        bound = {"dropout": 0.0, "scaling": 1e30, "is_causal": None, "position_bias": None}
+        reason = hf._unsupported_reason(torch.nn.Module(), *args, None, bound, {})
+        assert reason.startswith("scaling must be a finite number"), reason
+    finally:
+        hf.configure(**previous)

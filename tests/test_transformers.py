@@ -124,6 +124,9 @@ def test_configs_have_the_real_shapes():
     p2 = make_config("phi-2")
     assert (p2.hidden_size, p2.num_attention_heads, p2.vocab_size) == (2560, 32, 51200)
     assert p2.hidden_size // p2.num_attention_heads == 80
+    # Gemma 3's attention kinds follow the layer count (the model refuses a mismatch).
+    assert make_config("gemma-3-1b", num_hidden_layers=7).layer_types.count("full_attention") == 1
+    assert make_config("gemma3", num_hidden_layers=1).layer_types == ["full_attention"]
     assert set(REALISTIC_CONFIGS) == {"qwen2-0.5b", "llama-3.2-1b", "llama-2-7b", "gemma-3-1b",
                                       "phi-3-mini", "phi-2"}
     with pytest.raises(KeyError):

@@ -284,7 +284,7 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
     devices = ("cuda", "cpu") if _SETTINGS["allow_cpu_reference"] else ("cuda",)
     reason = _rules.not_supported_reason(query, key, value, bound["scaling"], layout="bhsd",
                                          devices=devices, check_alignment=False,
-                                         names=("query", "key", "value"))
+                                         names=("query", "key", "value", "scaling"))
     if reason is not None:
         return reason
     if bound["position_bias"] is not None and not _position_bias_is_zero(bound["position_bias"],
