@@ -33,6 +33,10 @@ __all__ = [
     "make_config",
 ]
 
+# Random weights and no tokenizer: no special token ids (transformers would otherwise pick the
+# checkpoint's defaults, which mean nothing for these models).
+_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
 # Keyword arguments of the transformers config classes, keyed by a short name. "model_type"
 # selects the config class (transformers.AutoConfig.for_model).
 REALISTIC_CONFIGS: Dict[str, Dict[str, Any]] = {
@@ -50,9 +54,7 @@ REALISTIC_CONFIGS: Dict[str, Dict[str, Any]] = {
         tie_word_embeddings=True,
         use_sliding_window=False,
         hidden_act="silu",
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **_NO_SPECIAL_TOKENS,
     ),
     "llama-3.2-1b": dict(
         model_type="llama",
@@ -75,9 +77,7 @@ REALISTIC_CONFIGS: Dict[str, Dict[str, Any]] = {
         },
         tie_word_embeddings=True,
         hidden_act="silu",
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **_NO_SPECIAL_TOKENS,
     ),
     "llama-2-7b": dict(
         model_type="llama",
@@ -93,13 +93,8 @@ REALISTIC_CONFIGS: Dict[str, Dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
         hidden_act="silu",
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **_NO_SPECIAL_TOKENS,
     ),
-}
-
-REALISTIC_CONFIGS.update({
     "gemma-3-1b": dict(
         model_type="gemma3_text",
         hidden_size=1152,
@@ -116,9 +111,7 @@ REALISTIC_CONFIGS.update({
         # (make_config rebuilds the list for another layer count: gemma3_layer_types).
         layer_types=["sliding_attention", "full_attention"],
         rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **_NO_SPECIAL_TOKENS,
     ),
     "phi-3-mini": dict(
         model_type="phi3",
@@ -130,9 +123,7 @@ REALISTIC_CONFIGS.update({
         vocab_size=32064,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **_NO_SPECIAL_TOKENS,
     ),
     "phi-2": dict(
         model_type="phi",
@@ -144,11 +135,9 @@ REALISTIC_CONFIGS.update({
         vocab_size=51200,
         max_position_embeddings=2048,
         partial_rotary_factor=0.4,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **_NO_SPECIAL_TOKENS,
     ),
-})
+}
 
 _TINY_COMMON = dict(
     hidden_size=128,
@@ -160,9 +149,7 @@ _TINY_COMMON = dict(
     vocab_size=128,
     max_position_embeddings=512,
     hidden_act="silu",
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
+    **_NO_SPECIAL_TOKENS,
 )
 
 TINY_CONFIGS: Dict[str, Dict[str, Any]] = {

@@ -66,9 +66,14 @@ _VALUE_HEAD_DIM = " (a value head_dim different from the query/key head_dim is n
 _HEAD_DIM_RULE = f"a multiple of {HEAD_DIM_MULTIPLE} from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}"
 
 
+def is_head_dim(d: int) -> bool:
+    """``d in HEAD_DIMS``, as arithmetic (the rulebook's hot path)."""
+    return HEAD_DIM_MULTIPLE <= d <= MAX_HEAD_DIM and d % HEAD_DIM_MULTIPLE == 0
+
+
 def head_dim_bucket(d: int) -> int:
     """The compiled head dim that runs ``d`` (0 when none does)."""
-    if d in HEAD_DIMS:
+    if is_head_dim(d):
         return next(b for b in HEAD_DIM_BUCKETS if d <= b)
     return 0
 
@@ -290,7 +295,7 @@ def not_supported_reason(
     d = qs[3]
     if ks[3] != d:
         return f"{nq} and {nk} must have the same head_dim, got {d} and {ks[3]}"
-    if d not in HEAD_DIMS:
+    if not is_head_dim(d):
         return f"head_dim must be {_HEAD_DIM_RULE}, got {d}"
     hd = 1 if bhsd else 2
     h, h_k = qs[hd], ks[hd]
