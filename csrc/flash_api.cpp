@@ -228,7 +228,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {
     const DecodePlan dp = plan_decode(params.b, params.h, params.h_k, params.seqlen_q,
-                                      params.seqlen_k, flash_sm75::head_dim_bucket(d),
+                                      params.seqlen_k,
+                                      flash_sm75::decode_head_dim(flash_sm75::head_dim_bucket(d)),
                                       params.num_sms, env_decode_enabled());
     if (dp.use) {
       params.decode_ratio_bucket = dp.ratio_bucket;

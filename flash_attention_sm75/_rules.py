@@ -51,7 +51,7 @@ DTYPES: Tuple[torch.dtype, ...] = (torch.float16,)
 HEAD_DIM_MULTIPLE = 8
 """head_dim must be a multiple of this (one 16-byte vector of fp16)."""
 
-HEAD_DIM_BUCKETS: Tuple[int, ...] = (64, 128, 256)
+HEAD_DIM_BUCKETS: Tuple[int, ...] = (64, 96, 128, 256)
 """The compiled head dims (csrc/kernels/head_dims.h): head_dim d runs on the smallest bucket
 >= d, with the columns past d zero-filled on load and never stored."""
 

@@ -93,7 +93,6 @@ struct Flash_bwd_kernel_traits {
   static constexpr int kKVChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
   static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
   static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
-  static_assert(kBlockM * kHeadDim % kNThreads == 0, "dQ atomics must divide evenly");
 };
 
 // Deterministic dQ kernel: the forward's structure. Each warp owns 16 query rows, the CTA
@@ -118,13 +117,19 @@ struct Flash_bwd_dq_kernel_traits {
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "multiples of 16");
   static_assert(kNWarps % kDSplit == 0 && kHeadDim % kDSplit == 0, "column splits tile the warps");
   static_assert(kDSplit == 1 || kQInSmem, "column-split warps read Q and dO from shared memory");
-  // The dQ += dS K column loop of a warp moves through chunk pairs col0 / 16 + np with one XOR
-  // (swizzle_xor): kDOut / 16 must be a power of two.
-  static_assert((kDOut / 16 & (kDOut / 16 - 1)) == 0, "dQ columns per warp: 16 x a power of two");
-
+  // Shared tiles in the forward's layouts (smem_layout.h): XOR-swizzled rows at d in {64, 128,
+  // 256}, rows padded to d + 8 halves at d = 96 (12 chunks per row).
   static constexpr int kChunksPerRow = kHeadDim / 8;
-  static constexpr int kSmemTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kQTileBytes = kBlockM * kHeadDim * 2;
+  static constexpr bool kPaddedRows = !(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256);
+  static constexpr int kRowHalves = kPaddedRows ? kHeadDim + 8 : kHeadDim;
+  static_assert(!kPaddedRows || kChunksPerRow % 2 == 0, "padded rows need an even d / 8");
+  // The dQ += dS K column loop of a warp moves through chunk pairs col0 / 16 + np with one XOR
+  // (swizzle_xor): kDOut / 16 must be a power of two (padded rows: one add, any count).
+  static_assert(kPaddedRows || (kDOut / 16 & (kDOut / 16 - 1)) == 0,
+                "dQ columns per warp: 16 x a power of two");
+
+  static constexpr int kSmemTileBytes = kBlockN * kRowHalves * 2;
+  static constexpr int kQTileBytes = kBlockM * kRowHalves * 2;
   static constexpr int kOffQ = 0;                                    // kQInSmem only
   static constexpr int kOffDo = kQTileBytes;                         // kQInSmem only
   static constexpr int kOffK = kQInSmem ? 2 * kQTileBytes : 0;
@@ -159,6 +164,16 @@ struct Bwd_tile_config<64> {
   using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4>;
   static constexpr bool kAtomicDq = true;  // the atomic dQ mode exists (else: deterministic)
 };
+// d = 96 (runs d = 72 .. 96). dK/dV: the d = 64 shape, Br = 64 (32 query columns per warp):
+// K, V, Q, dO with rows padded to 104 halves take 52.5 KiB (61.5 KiB atomic; opt-in above 48).
+// dQ: Q, dO and dQ resident (24 + 24 + 48 registers), Bc = 32 keeps S and dP small; its shared
+// tiles use padded rows like the forward (smem_layout.h): 13 KiB.
+template <>
+struct Bwd_tile_config<96> {
+  using Traits = Flash_bwd_kernel_traits<96, 64, 64, 8>;
+  using DqTraits = Flash_bwd_dq_kernel_traits<96, 32, 4>;
+  static constexpr bool kAtomicDq = true;
+};
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
@@ -177,6 +192,14 @@ struct Bwd_tile_config<256> {
 
 // Preprocess / convert kernels: 256 threads, 8 elements (16 bytes of fp16) per thread.
 constexpr int kBwdAuxThreads = 256;
+// Threads per query row of the preprocess kernel: one per 16-byte chunk of the bucket, rounded
+// up to a power of two so that a row's threads form a shuffle-reducible group of a warp (d = 96:
+// 16 threads, 12 loading).
+constexpr int bwd_preprocess_threads_per_row(int d) {
+  int n = 1;
+  while (n < d / 8) n *= 2;
+  return n;
+}
 
 struct BwdLaunchPlan {
   bool dq_atomic;            // the dQ mode that runs (an atomic request may run deterministic)
@@ -188,7 +211,7 @@ struct BwdLaunchPlan {
   int64_t dq_blocks;         // num_m_blocks_dq * b * h (deterministic mode)
   int dq_threads;
   int dq_smem;
-  int64_t preprocess_blocks;  // b * h * seqlen_q rows, 256 / (d / 8) rows per block
+  int64_t preprocess_blocks;  // b * h * seqlen_q rows, 256 / bwd_preprocess_threads_per_row rows per block
   int64_t convert_blocks;     // b * seqlen_q * h * d / 8 threads of work (atomic mode)
 };
 
@@ -209,7 +232,7 @@ inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seql
   p.dq_threads = Kq::kNThreads;
   p.dq_smem = Kq::kSmemSize;
   const int64_t rows = static_cast<int64_t>(b) * h * seqlen_q;
-  const int rows_per_block = kBwdAuxThreads / (Kt::kHeadDim / 8);
+  const int rows_per_block = kBwdAuxThreads / bwd_preprocess_threads_per_row(Kt::kHeadDim);
   p.preprocess_blocks = (rows + rows_per_block - 1) / rows_per_block;
   p.convert_blocks = (rows * (Kt::kHeadDim / 8) + kBwdAuxThreads - 1) / kBwdAuxThreads;
   const int64_t worst = p.dkdv_blocks > p.dq_blocks ? p.dkdv_blocks : p.dq_blocks;
@@ -228,6 +251,7 @@ inline BwdLaunchPlan make_bwd_plan(int b, int h, int h_k, int seqlen_q, int seql
 inline bool bwd_atomic_dq_supported(int d) {
   switch (head_dim_bucket(d)) {
     case 64: return Bwd_tile_config<64>::kAtomicDq;
+    case 96: return Bwd_tile_config<96>::kAtomicDq;
     case 128: return Bwd_tile_config<128>::kAtomicDq;
     case 256: return Bwd_tile_config<256>::kAtomicDq;
     default: throw_bad_head_dim(d);
@@ -239,6 +263,11 @@ inline BwdLaunchPlan plan_bwd_launch(int d, int b, int h, int h_k, int seqlen_q,
   switch (head_dim_bucket(d)) {
     case 64: {
       using C = Bwd_tile_config<64>;
+      return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k,
+                                                   dq_atomic && C::kAtomicDq);
+    }
+    case 96: {
+      using C = Bwd_tile_config<96>;
       return make_bwd_plan<C::Traits, C::DqTraits>(b, h, h_k, seqlen_q, seqlen_k,
                                                    dq_atomic && C::kAtomicDq);
     }

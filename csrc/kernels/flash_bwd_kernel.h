@@ -60,16 +60,17 @@ __device__ __forceinline__ float lse_log2(float lse) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// D_i = sum_c dO[i][c] * O[i][c] - dlse_i, for every (batch, head, query row): kHeadDim / 8
-// threads per row, one 16-byte chunk each, reduced with shuffles. Chunks at or past the head dim
-// d (head_dims.h) are not read and add 0.
+// D_i = sum_c dO[i][c] * O[i][c] - dlse_i, for every (batch, head, query row): one thread per
+// 16-byte chunk, in groups of bwd_preprocess_threads_per_row (kHeadDim / 8 rounded up to a power
+// of two) per row, reduced with shuffles. Chunks at or past the head dim d (head_dims.h; at
+// kHeadDim = 96 also the 4 idle threads of a row's 16) are not read and add 0.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads)
     flash_bwd_preprocess_kernel(const Flash_bwd_params params) {
-  constexpr int kCPR = kHeadDim / 8;
-  constexpr int kRowsPerBlock = kBwdAuxThreads / kCPR;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kCPR;
-  const int c = threadIdx.x % kCPR;
+  constexpr int kTPR = bwd_preprocess_threads_per_row(kHeadDim);
+  constexpr int kRowsPerBlock = kBwdAuxThreads / kTPR;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kTPR;
+  const int c = threadIdx.x % kTPR;
   const int64_t total = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
   float acc = 0.f;
   if (row < total && c * 8 < params.d) {
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(kBwdAuxThreads)
     }
   }
 #pragma unroll
-  for (int off = kCPR / 2; off >= 1; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  for (int off = kTPR / 2; off >= 1; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (row < total && c == 0) {
     if (params.dlse_ptr != nullptr) acc -= params.dlse_ptr[row];
     params.dsoftmax_sum[row] = acc;
@@ -540,19 +541,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // Coalesced fp32 atomics: the tile's rows are contiguous in dq_accum (b, h, sq, kD). Each
         // step covers kRowsPerStep whole rows; the thread's column is fixed, so every step is a
         // constant offset (immediates, no per-step address registers). Columns past d hold 0
-        // (zero K columns) and are skipped.
+        // (zero K columns) and are skipped. When kD does not divide the threads (d = 96: 2 rows
+        // of 96 per 256 threads), the threads past kRowsPerStep rows idle.
         float* dq_acc = params.dq_accum_ptr +
                         ((static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + m0) * kD +
                         tid;
-        static_assert(Kt::kNThreads % kD == 0, "dQ atomics: whole rows per step");
         constexpr int kRowsPerStep = Kt::kNThreads / kD;
+        static_assert(kRowsPerStep >= 1 && kBM % kRowsPerStep == 0, "dQ atomics: whole rows");
         const int my_row = tid / kD;
         const float* src = sdQ + fp32_tile_offset<kD>(my_row, tid % kD);
-        const int rows_left = tid % kD < params.d ? params.seqlen_q - m0 - my_row : 0;
+        const bool active = Kt::kNThreads % kD == 0 || my_row < kRowsPerStep;
+        const int rows_left = active && tid % kD < params.d ? params.seqlen_q - m0 - my_row : 0;
 #pragma unroll
         for (int i = 0; i < kBM / kRowsPerStep; ++i) {
           if (i * kRowsPerStep < rows_left) {
-            atomicAdd(dq_acc + i * Kt::kNThreads, src[i * kRowsPerStep * (kD + 8)]);
+            atomicAdd(dq_acc + i * kRowsPerStep * kD, src[i * kRowsPerStep * (kD + 8)]);
           }
         }
       }
@@ -587,7 +590,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   constexpr int kBM = Kt::kBlockM;
   constexpr int kBN = Kt::kBlockN;
   constexpr int kCPR = Kt::kChunksPerRow;
-  constexpr int kRowBytes = kD * 2;
+  constexpr bool kPad = Kt::kPaddedRows;  // shared layout (smem_layout.h): padded or swizzled
+  using L = SmemRows<kCPR, kPad>;
+  constexpr int kRowBytes = L::kRowBytes;
   constexpr int kDO = Kt::kDOut;
   constexpr bool kQS = Kt::kQInSmem;
   // 16-byte chunks of a row that exist (head_dims.h: the tail past head_dim d).
@@ -599,7 +604,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   __half* sQ = reinterpret_cast<__half*>(smem_raw + Kt::kOffQ);
   __half* sdO = reinterpret_cast<__half*>(smem_raw + Kt::kOffDo);
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kOffK);
-  __half* sV = sK + kBN * kD;
+  __half* sV = sK + kBN * Kt::kRowHalves;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -663,8 +668,8 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     // lane's ldmatrix address of this row group in sQ / sdO (kQInSmem).
     uint32_t q_frag[kQS ? 1 : kD / 16][4];
     uint32_t do_frag[kQS ? 1 : kD / 16][4];
-    const uint32_t q_a_addr = lane_addr_a<kCPR>(kQS ? sQ : sK, 16 * wr, lane);
-    const uint32_t do_a_addr = lane_addr_a<kCPR>(sdO, 16 * wr, lane);
+    const uint32_t q_a_addr = lane_addr_a<kCPR, kPad>(kQS ? sQ : sK, 16 * wr, lane);
+    const uint32_t do_a_addr = lane_addr_a<kCPR, kPad>(sdO, 16 * wr, lane);
     {
       uint4 qstage[Kt::kQChunksPerThread];
       if constexpr (kQS) {
@@ -678,14 +683,18 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         store_tile_r2s<Kt>(qstage, sK, tid);
         __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(q_frag[kk], swizzle_xor(q_a_addr, kk));
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          ldmatrix_x4(q_frag[kk], chunk_pair_addr<kPad>(q_a_addr, kk));
+        }
         __syncthreads();
         load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, params.seqlen_q, tid,
                           dc);
         store_tile_r2s<Kt>(qstage, sK, tid);
         __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(do_frag[kk], swizzle_xor(q_a_addr, kk));
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          ldmatrix_x4(do_frag[kk], chunk_pair_addr<kPad>(q_a_addr, kk));
+        }
         __syncthreads();
       }
     }
@@ -696,10 +705,11 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
     // B of S = Q K^T and dP = dO V^T: K / V non-trans (as in the forward);
     // B of dQ += dS K: K trans (the forward's V pattern), moved to chunk pair col0 / 16 (chunk
-    // pairs col0 / 16 + np are then one XOR each, see the kDOut assert in the traits).
-    const uint32_t k_lane_addr = lane_addr_b<kCPR>(sK, lane);
-    const uint32_t v_lane_addr = lane_addr_b<kCPR>(sV, lane);
-    const uint32_t kt_lane_addr = swizzle_xor(lane_addr_bt<kCPR>(sK, lane), col0 / 16);
+    // pairs col0 / 16 + np are then one XOR or add each, see the kDOut assert in the traits).
+    const uint32_t k_lane_addr = lane_addr_b<kCPR, kPad>(sK, lane);
+    const uint32_t v_lane_addr = lane_addr_b<kCPR, kPad>(sV, lane);
+    const uint32_t kt_lane_addr =
+        chunk_pair_addr<kPad>(lane_addr_bt<kCPR, kPad>(sK, lane), col0 / 16);
 
     for (int n_block = nb.n_block_min; n_block < nb.n_block_max; ++n_block) {
       // V_j: global loads in flight while S_j is computed.
@@ -708,9 +718,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
       float acc_s[kBN / 8][4];
       if constexpr (kQS) {
-        gemm_ss_bt<kD, kBN, kRowBytes>(acc_s, q_a_addr, k_lane_addr);
+        gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_a_addr, k_lane_addr);
       } else {
-        gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+        gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
       }
       // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s).
       const bool need_mask =
@@ -742,9 +752,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       {
         float acc_dp[kBN / 8][4];
         if constexpr (kQS) {
-          gemm_ss_bt<kD, kBN, kRowBytes>(acc_dp, do_a_addr, v_lane_addr);
+          gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_dp, do_a_addr, v_lane_addr);
         } else {
-          gemm_rs_bt<kD, kBN, kRowBytes>(acc_dp, do_frag, v_lane_addr);
+          gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_dp, do_frag, v_lane_addr);
         }
 #pragma unroll
         for (int nt = 0; nt < kBN / 8; ++nt) {
@@ -761,7 +771,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 #pragma unroll
         for (int np = 0; np < kDO / 16; ++np) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, swizzle_xor(kt_lane_addr, np) + kp * 16 * kRowBytes);
+          ldmatrix_x4_trans(b, chunk_pair_addr<kPad>(kt_lane_addr, np) + kp * 16 * kRowBytes);
           mma_k2n2(acc_dq[2 * np], acc_dq[2 * np + 1], ds_frag[2 * kp], ds_frag[2 * kp + 1], b);
         }
       }
@@ -781,9 +791,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   for (int dt = 0; dt < kDO / 8; ++dt) {
     const int row = 16 * wr + g;
     const int ch = col0 / 8 + dt;
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, ch) + 2 * t) =
+    *reinterpret_cast<uint32_t*>(sO + L::offset(row, ch) + 2 * t) =
         pack_half2(acc_dq[dt][0] * scale, acc_dq[dt][1] * scale);
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, ch) + 2 * t) =
+    *reinterpret_cast<uint32_t*>(sO + L::offset(row + 8, ch) + 2 * t) =
         pack_half2(acc_dq[dt][2] * scale, acc_dq[dt][3] * scale);
   }
   __syncthreads();
@@ -795,7 +805,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     const int grow = row0 + r;
     if (grow < params.seqlen_q && c < dc) {
       *reinterpret_cast<uint4*>(dq_base + grow * params.dq_row_stride + c * 8) =
-          *reinterpret_cast<const uint4*>(sO + swizzle_offset<kCPR>(r, c));
+          *reinterpret_cast<const uint4*>(sO + L::offset(r, c));
     }
   }
 }

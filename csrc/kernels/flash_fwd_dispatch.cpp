@@ -11,8 +11,9 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   });
 }
 
+// The bucket's decode kernel (head_dims.h: bucket 96 runs the 128 one).
 void run_mha_fwd_decode(Flash_fwd_params& params, cudaStream_t stream) {
-  HEADDIM_SWITCH(params.d, [&] { run_mha_fwd_decode_<kHeadDim>(params, stream); });
+  HEADDIM_SWITCH(params.d, [&] { run_mha_fwd_decode_<decode_head_dim(kHeadDim)>(params, stream); });
 }
 
 }  // namespace flash_sm75

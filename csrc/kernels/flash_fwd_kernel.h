@@ -11,7 +11,7 @@
 //    accumulator fragment of S has the same layout as the fp16 A fragment of the next MMA, so
 //    P = exp2(S * scale_log2 - m) is packed to fp16 in registers and never touches shared memory.
 //  * ldmatrix (x4) loads Q and K fragments, ldmatrix.trans loads V fragments from an XOR-swizzled
-//    shared-memory layout without bank conflicts.
+//    (d = 96: row-padded, smem_layout.h) shared-memory layout without bank conflicts.
 //  * No cp.async on SM75: the next tile's global loads are issued into registers before the
 //    current tile's MMAs and written to shared memory after them (register double buffering):
 //    V_j is fetched while S_j = Q K_j^T and its softmax run, K_{j+1} while O += P_j V_j runs.
@@ -90,6 +90,7 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
                                              __half* sO) {
   constexpr int kDCols = Kt::kDCols;
   constexpr int kCPR = Kt::kChunksPerRow;
+  using L = SmemRows<kCPR, Kt::kPaddedRows>;
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   // This warp's 16 rows and its first head-dim chunk (kDSplit: its part of the columns).
@@ -103,9 +104,9 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
 #pragma unroll
   for (int dt = 0; dt < kDCols / 8; ++dt) {
     const int row = 16 * rw + g;
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row, ch0 + dt) + 2 * t) =
+    *reinterpret_cast<uint32_t*>(sO + L::offset(row, ch0 + dt) + 2 * t) =
         pack_half2(clamp_to_fp16_range(acc_o[dt][0]), clamp_to_fp16_range(acc_o[dt][1]));
-    *reinterpret_cast<uint32_t*>(sO + swizzle_offset<kCPR>(row + 8, ch0 + dt) + 2 * t) =
+    *reinterpret_cast<uint32_t*>(sO + L::offset(row + 8, ch0 + dt) + 2 * t) =
         pack_half2(clamp_to_fp16_range(acc_o[dt][2]), clamp_to_fp16_range(acc_o[dt][3]));
   }
   __syncthreads();
@@ -118,7 +119,7 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
     // No column past head_dim d (head_dims.h).
     if (grow < params.seqlen_q && (Kt::kFullHeadDimOnly || ch < params.d / 8)) {
       *reinterpret_cast<uint4*>(c.o_base + grow * params.o_row_stride + ch * 8) =
-          *reinterpret_cast<const uint4*>(sO + swizzle_offset<kCPR>(r, ch));
+          *reinterpret_cast<const uint4*>(sO + L::offset(r, ch));
     }
   }
   if (t == 0 && ch0 == 0) {  // kDSplit: the pair holds the same LSE; one warp writes it
@@ -139,7 +140,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   constexpr int kDCols = Kt::kDCols;  // head-dim columns of this warp's Q and O
   constexpr int kBN = Kt::kBlockN;
   constexpr int kCPR = Kt::kChunksPerRow;
-  constexpr int kRowBytes = kD * 2;
+  constexpr bool kPad = Kt::kPaddedRows;  // shared layout (smem_layout.h): padded or swizzled
+  constexpr int kRowBytes = Kt::kRowHalves * 2;
   constexpr int kLs = Kt::kLoadStyle;  // load_tile_g2r address arithmetic
   // 16-byte chunks of a row that exist (head_dims.h: the tail past head_dim d).
   const int dc = Kt::kFullHeadDimOnly ? kCPR : params.d / 8;
@@ -150,7 +152,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   // kDSplit > 1: then [sX], one 16 x Bc fp32 partial-S slot per warp.
   __half* sQ = reinterpret_cast<__half*>(smem_raw);
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kSmemKVOffset);  // Bc x d
-  __half* sV = sK + kBN * kD;                                            // Bc x d
+  __half* sV = sK + kBN * Kt::kRowHalves;                                // Bc x d
   float4* sX = reinterpret_cast<float4*>(smem_raw + Kt::kSmemExchangeOffset);
 
   const int tid = threadIdx.x;
@@ -159,7 +161,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   // The warp's 16-row group, and its part of the head dim (0 unless kDSplit > 1).
   const int rw = Kt::kDSplit > 1 ? warp % Kt::kRowWarps : warp;
   const int dpart = Kt::kDSplit > 1 ? warp / Kt::kRowWarps : 0;
-  // Chunk pairs (16 columns) before this warp's columns: swizzle_xor moves any lane address
+  // Chunk pairs (16 columns) before this warp's columns: chunk_pair_addr moves any lane address
   // there, as it moves between the chunk pairs of a GEMM.
   const int kk0 = dpart * (kDCols / 16);
   const FwdCta c = fwd_cta<Kt, Is_causal>(params);
@@ -176,7 +178,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     uint4 stage[Kt::kChunksPerThread];
     // ---- prologue: the Q tile and the first K tile are fetched together (one global-memory
     // round trip, not two); Q -> shared -> (unless kQInSmem) registers, then K_0 -> sK.
-    const uint32_t q_lane_addr = swizzle_xor(lane_addr_a<kCPR>(sQ, 16 * rw, lane), kk0);
+    const uint32_t q_lane_addr =
+        chunk_pair_addr<kPad>(lane_addr_a<kCPR, kPad>(sQ, 16 * rw, lane), kk0);
     {
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid,
@@ -193,7 +196,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       __syncthreads();
 #pragma unroll
       for (int kk = 0; kk < (Kt::kQInSmem ? 1 : kDCols / 16); ++kk) {
-        ldmatrix_x4(q_frag[kk], swizzle_xor(q_lane_addr, kk));
+        ldmatrix_x4(q_frag[kk], chunk_pair_addr<kPad>(q_lane_addr, kk));
       }
       __syncthreads();  // every warp holds its Q fragments before the space is reused
     }
@@ -202,8 +205,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
     // Per-lane ldmatrix base addresses (chunk pair 0 of this warp's columns; fragment.h): K
     // non-transposed as B of S = Q K^T, V transposed as B of O += P V.
-    const uint32_t k_lane_addr = swizzle_xor(lane_addr_b<kCPR>(sK, lane), kk0);
-    const uint32_t v_lane_addr = swizzle_xor(lane_addr_bt<kCPR>(sV, lane), kk0);
+    const uint32_t k_lane_addr = chunk_pair_addr<kPad>(lane_addr_b<kCPR, kPad>(sK, lane), kk0);
+    const uint32_t v_lane_addr = chunk_pair_addr<kPad>(lane_addr_bt<kCPR, kPad>(sV, lane), kk0);
 
     if constexpr (Kt::kDSplit > 1) {
       // This warp's exchange slot and its partner's (the other half of the head dim, same rows).
@@ -216,7 +219,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         // Partial S over this warp's columns; the slot was read by the partner before the
         // previous tile's last barrier.
         float acc_s[kBN / 8][4];
-        gemm_rs_bt<kDCols, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+        gemm_rs_bt<kDCols, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
 #pragma unroll
         for (int j = 0; j < kBN / 8; ++j) {
           x_own[32 * j] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
@@ -244,7 +247,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kDCols, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
                                                             p_frag, exact_exp);
-        gemm_rs_t<kBN, kDCols, kRowBytes, true>(acc_o, p_frag, v_lane_addr);  // O += P V
+        gemm_rs_t<kBN, kDCols, kRowBytes, !kPad>(acc_o, p_frag, v_lane_addr);  // O += P V
         if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
         __syncthreads();  // K_{j+1} visible; every warp is done with V_j and the slots
       }
@@ -257,11 +260,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                                c.kr.key_end, tid, dc);
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
-        gemm_rs_bt<kD, kHalf, kRowBytes>(acc_sa, q_frag, k_lane_addr);
+        gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
         mask_scores<Is_causal, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
                                                    row0 + 16 * warp, params.causal_offset);
         // S_b = Q K_b^T beside the softmax of half a.
-        gemm_rs_bt<kD, kHalf, kRowBytes>(acc_sb, q_frag, k_lane_addr + kHalfBytes);
+        gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sb, q_frag, k_lane_addr + kHalfBytes);
         if (softmax_step<kHalf, Kt::kRescaleThreshold>(acc_sa, m_i, l_i, scale_log2, p_a, alpha,
                                                        exact_exp)) {
           rescale_o<kD>(acc_o, alpha);
@@ -276,12 +279,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                                  c.kr.key_start, c.kr.key_end, tid, dc);
         }
         // O += P_a V_a beside the softmax of half b; O is rescaled for b's max only after it.
-        gemm_rs_t<kHalf, kD, kRowBytes, true>(acc_o, p_a, v_lane_addr);
+        gemm_rs_t<kHalf, kD, kRowBytes, !kPad>(acc_o, p_a, v_lane_addr);
         if (softmax_step<kHalf, Kt::kRescaleThreshold>(acc_sb, m_i, l_i, scale_log2, p_b, alpha,
                                                        exact_exp)) {
           rescale_o<kD>(acc_o, alpha);
         }
-        gemm_rs_t<kHalf, kD, kRowBytes, true>(acc_o, p_b, v_lane_addr + kHalfBytes);
+        gemm_rs_t<kHalf, kD, kRowBytes, !kPad>(acc_o, p_b, v_lane_addr + kHalfBytes);
         if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
         __syncthreads();  // K_{j+1} visible; every warp is done with V_j
       }
@@ -294,9 +297,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax.
         float acc_s[kBN / 8][4];
         if constexpr (Kt::kQInSmem) {
-          gemm_ss_bt<kD, kBN, kRowBytes>(acc_s, q_lane_addr, k_lane_addr);
+          gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_lane_addr, k_lane_addr);
         } else {
-          gemm_rs_bt<kD, kBN, kRowBytes>(acc_s, q_frag, k_lane_addr);
+          gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
         mask_scores<Is_causal, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,
                                                  params.causal_offset);
@@ -314,7 +317,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
           load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
                                  c.kr.key_start, c.kr.key_end, tid, dc);
         }
-        gemm_rs_t<kBN, kD, kRowBytes, true>(acc_o, p_frag, v_lane_addr);  // O += P V
+        gemm_rs_t<kBN, kD, kRowBytes, !kPad>(acc_o, p_frag, v_lane_addr);  // O += P V
         if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
         __syncthreads();  // K_{j+1} visible; every warp is done with V_j
       }

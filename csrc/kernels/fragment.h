@@ -5,12 +5,14 @@
 
 #include <cstdint>
 
+#include "smem_layout.h"
 #include "utils.h"
 
 namespace flash_sm75 {
 
-// Per-lane ldmatrix.x4 addresses of chunk pair 0 in a row-major, XOR-swizzled [rows][d] tile
-// (swizzle_xor then selects chunk pair kk). Lane l addresses row (l % 8) of matrix l / 8.
+// Per-lane ldmatrix.x4 addresses of chunk pair 0 in a row-major [rows][d] tile of layout
+// SmemRows<kCPR, kPadded> (chunk_pair_addr then selects chunk pair kk). Lane l addresses row (l % 8)
+// of matrix l / 8.
 //  lane_addr_a:   matrices (rows r0 + 0..7 | r0 + 8..15) x (chunk 0 | 1), in the order of an
 //                 m16n8k8 A fragment pair: 16 rows x 2 k-steps.
 //  lane_addr_b:   matrices (rows +0..7 | +8..15) x (chunk 0 | 1), ordered (n0,k0) (n0,k1) (n1,k0)
@@ -18,19 +20,19 @@ namespace flash_sm75 {
 //                 S = Q K^T).
 //  lane_addr_bt:  the same four matrices ordered (k0,n0) (k1,n0) (k0,n1) (k1,n1), for
 //                 ldmatrix.trans when rows are the k dimension (V in O += P V).
-template <int kCPR>
+template <int kCPR, bool kPadded = false>
 __device__ __forceinline__ uint32_t lane_addr_a(const __half* tile, int r0, int lane) {
-  return smem_u32addr(tile + swizzle_offset<kCPR>(r0 + (lane % 16), lane / 16));
+  return smem_u32addr(tile + SmemRows<kCPR, kPadded>::offset(r0 + (lane % 16), lane / 16));
 }
-template <int kCPR>
+template <int kCPR, bool kPadded = false>
 __device__ __forceinline__ uint32_t lane_addr_b(const __half* tile, int lane) {
   const int mi = lane / 8;
-  return smem_u32addr(tile + swizzle_offset<kCPR>((mi >> 1) * 8 + (lane % 8), mi & 1));
+  return smem_u32addr(tile + SmemRows<kCPR, kPadded>::offset((mi >> 1) * 8 + (lane % 8), mi & 1));
 }
-template <int kCPR>
+template <int kCPR, bool kPadded = false>
 __device__ __forceinline__ uint32_t lane_addr_bt(const __half* tile, int lane) {
   const int mi = lane / 8;
-  return smem_u32addr(tile + swizzle_offset<kCPR>((mi & 1) * 8 + (lane % 8), mi >> 1));
+  return smem_u32addr(tile + SmemRows<kCPR, kPadded>::offset((mi & 1) * 8 + (lane % 8), mi >> 1));
 }
 
 // Two k-steps x two n-tiles from one ldmatrix.x4 of B: b = {(n0, k0), (n0, k1), (n1, k0),
@@ -72,31 +74,31 @@ __device__ __forceinline__ void gemm_kstep_pair(float (&acc)[kN / 8][4], const u
 
 // acc (16 x kN fp32 per warp, zeroed here) = A (16 x kK, fp16 A fragments held in registers,
 // a_frag[kk] = k-steps 2kk and 2kk + 1 as loaded by ldmatrix.x4) times B^T, where B is a kN x kK
-// row-major tile in the XOR-swizzled shared layout and b_lane_addr is this lane's non-transposed
-// ldmatrix address for chunk pair 0 (matrices: rows +0..7 | +8..15 x chunk 0 | 1). Used for
-// S = Q K^T (forward and backward dQ kernel) and dP = dO V^T.
-template <int kK, int kN, int kRowBytes>
+// row-major tile in the shared layout SmemRows<., kPadded> and b_lane_addr is this lane's
+// non-transposed ldmatrix address for chunk pair 0 (matrices: rows +0..7 | +8..15 x chunk 0 | 1).
+// Used for S = Q K^T (forward and backward dQ kernel) and dP = dO V^T.
+template <int kK, int kN, int kRowBytes, bool kPadded = false>
 __device__ __forceinline__ void gemm_rs_bt(float (&acc)[kN / 8][4],
                                            const uint32_t (&a_frag)[kK / 16][4],
                                            uint32_t b_lane_addr) {
   zero_acc(acc);
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    gemm_kstep_pair<kN, kRowBytes>(acc, a_frag[kk], swizzle_xor(b_lane_addr, kk));
+    gemm_kstep_pair<kN, kRowBytes>(acc, a_frag[kk], chunk_pair_addr<kPadded>(b_lane_addr, kk));
   }
 }
 
-// Same as gemm_rs_bt with A (16 x kK) also read from the swizzled shared layout:
-// a_lane_addr is this lane's ldmatrix.x4 address of chunk pair 0 (lane_addr_a).
-template <int kK, int kN, int kRowBytes>
+// Same as gemm_rs_bt with A (16 x kK) also read from shared memory (same layout): a_lane_addr is
+// this lane's ldmatrix.x4 address of chunk pair 0 (lane_addr_a).
+template <int kK, int kN, int kRowBytes, bool kPadded = false>
 __device__ __forceinline__ void gemm_ss_bt(float (&acc)[kN / 8][4], uint32_t a_lane_addr,
                                            uint32_t b_lane_addr) {
   zero_acc(acc);
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[4];
-    ldmatrix_x4(a, swizzle_xor(a_lane_addr, kk));
-    gemm_kstep_pair<kN, kRowBytes>(acc, a, swizzle_xor(b_lane_addr, kk));
+    ldmatrix_x4(a, chunk_pair_addr<kPadded>(a_lane_addr, kk));
+    gemm_kstep_pair<kN, kRowBytes>(acc, a, chunk_pair_addr<kPadded>(b_lane_addr, kk));
   }
 }
 

@@ -11,14 +11,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-def _head_dim_buckets() -> tuple[int, ...]:
-    """The instantiated head dims, from head_dims.h (the C++ side's one list)."""
+def _head_dims(name: str) -> tuple[int, ...]:
+    """A list of instantiated head dims from head_dims.h (the C++ side's one list)."""
     text = (Path(__file__).parent / "head_dims.h").read_text()
-    body = re.search(r"kHeadDimBuckets\[\] = \{([^}]*)\}", text).group(1)
+    body = re.search(name + r"\[\] = \{([^}]*)\}", text).group(1)
     return tuple(int(x) for x in body.split(","))
 
 
-HEAD_DIMS = _head_dim_buckets()
+HEAD_DIMS = _head_dims("kHeadDimBuckets")
+DECODE_HEAD_DIMS = _head_dims("kDecodeHeadDims")  # the buckets with a decode kernel of their own
 DTYPE = "fp16"  # SM75 tensor cores: fp16 only (bf16 MMA needs sm80)
 
 TEMPLATES = {
@@ -81,7 +82,8 @@ class Kernel:
 
 
 def all_kernels(directions=tuple(TEMPLATES)) -> list[Kernel]:
-    return [Kernel(d, h, c) for d in directions for h in HEAD_DIMS for c in CAUSAL_VARIANTS[d]]
+    return [Kernel(d, h, c) for d in directions
+            for h in (DECODE_HEAD_DIMS if d == "decode" else HEAD_DIMS) for c in CAUSAL_VARIANTS[d]]
 
 
 def main() -> int:

@@ -14,15 +14,29 @@
 namespace flash_sm75 {
 
 constexpr int kHeadDimMultiple = 8;  // one 16-byte vector of fp16
-constexpr int kHeadDimBuckets[] = {64, 128, 256};
+constexpr int kHeadDimBuckets[] = {64, 96, 128, 256};
 constexpr int kNumHeadDimBuckets = sizeof(kHeadDimBuckets) / sizeof(kHeadDimBuckets[0]);
 constexpr int kMaxHeadDim = kHeadDimBuckets[kNumHeadDimBuckets - 1];
+// The head dims of the decode kernel (seqlen_q == 1, flash_decode_kernel.h), a subset of the
+// buckets: a bucket without its own decode kernel (96: 3 dims per lane, which its V loads do not
+// take) runs the next larger one, with the tail inside as for any d below a bucket. Decode reads
+// only d columns of K and V either way; the larger kernel spends CUDA-core work on zeros.
+constexpr int kDecodeHeadDims[] = {64, 128, 256};
+constexpr int kNumDecodeHeadDims = sizeof(kDecodeHeadDims) / sizeof(kDecodeHeadDims[0]);
 
 // The instantiated head dim that runs d, or 0 when no kernel takes d.
 constexpr int head_dim_bucket(long long d) {
   if (d < kHeadDimMultiple || d > kMaxHeadDim || d % kHeadDimMultiple != 0) return 0;
   for (int i = 0; i < kNumHeadDimBuckets; ++i) {
     if (d <= kHeadDimBuckets[i]) return kHeadDimBuckets[i];
+  }
+  return 0;
+}
+
+// The decode kernel's head dim that runs bucket kd (0 when none).
+constexpr int decode_head_dim(int kd) {
+  for (int i = 0; i < kNumDecodeHeadDims; ++i) {
+    if (kd <= kDecodeHeadDims[i]) return kDecodeHeadDims[i];
   }
   return 0;
 }

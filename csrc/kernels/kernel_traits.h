@@ -115,14 +115,19 @@ struct Flash_fwd_kernel_traits {
   static_assert(kDCols % 16 == 0, "a warp's head-dim columns are whole ldmatrix.x4 k-pairs");
   static_assert(kBlockN % 16 == 0, "Bc must be a multiple of 16 (ldmatrix.x4 n-pairs)");
 
-  // Shared memory holds one K tile and one V tile, Bc x d fp16 each, row-major with the 16-byte
-  // chunks of row r XOR-swizzled by (r % 8) so that ldmatrix (8 rows, same logical chunk)
-  // touches 8 distinct bank groups. The Q tile (before the loop) and the output tile (after it)
-  // are staged through the same, contiguous K+V space, so neither needs its own. kDSplit = 2
-  // adds the exchange slots of the partial S tiles after it (16 x Bc fp32 per warp).
+  // Shared memory holds one K tile and one V tile, Bc x d fp16 each, row-major in one of the two
+  // layouts of smem_layout.h: d in {64, 128, 256}: rows of d halves, the 16-byte chunks of row r
+  // XOR-swizzled by (r % 8); d = 96 (12 chunks, no power of two): rows padded to d + 8 halves.
+  // Either way ldmatrix (8 rows, same logical chunk) touches 8 distinct bank groups. The Q tile
+  // (before the loop) and the output tile (after it) are staged through the same, contiguous
+  // K+V space, so neither needs its own. kDSplit = 2 adds the exchange slots of the partial S
+  // tiles after it (16 x Bc fp32 per warp).
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row
-  static constexpr int kSmemTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kSmemQBytes = kBlockM * kHeadDim * 2;
+  static constexpr bool kPaddedRows = !(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256);
+  static constexpr int kRowHalves = kPaddedRows ? kHeadDim + 8 : kHeadDim;  // row stride
+  static_assert(!kPaddedRows || kChunksPerRow % 2 == 0, "padded rows need an even d / 8");
+  static constexpr int kSmemTileBytes = kBlockN * kRowHalves * 2;
+  static constexpr int kSmemQBytes = kBlockM * kRowHalves * 2;
   static constexpr int kSmemKVOffset = kQInSmem ? kSmemQBytes : 0;  // bytes before sK
   static constexpr int kSmemKVBytes =
       kQInSmem ? 2 * kSmemTileBytes
@@ -133,10 +138,13 @@ struct Flash_fwd_kernel_traits {
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
   // swizzle_xor (utils.h) moves between chunk pairs by XOR-ing address bits 5 .. 4 + log2(d/16):
   // rows must be a power of two of >= 128 bytes, and every tile start a multiple of the row size.
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256,
-                "swizzle_xor needs rows of 128, 256 or 512 bytes");
-  static_assert(kSmemKVOffset % (2 * kHeadDim) == 0 && kSmemTileBytes % (2 * kHeadDim) == 0,
-                "tiles start on a row boundary");
+  // Padded rows only need 16-byte aligned tiles (ldmatrix rows).
+  static_assert(kPaddedRows || kSmemKVOffset % (2 * kHeadDim) == 0,
+                "swizzled tiles start on a row boundary");
+  static_assert(kSmemKVOffset % 16 == 0 && kSmemTileBytes % 16 == 0, "16-byte aligned tiles");
+  // Load styles 1 and 2 give each thread a fixed chunk column: whole rows per pass.
+  static_assert(kLoadStyle == 0 || kNThreads % kChunksPerRow == 0,
+                "load styles 1 / 2 need d / 8 to divide the threads (d = 96: style 0)");
 
   // Global <-> shared copies move 16 bytes per thread per step.
   static constexpr int kChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
@@ -175,6 +183,24 @@ struct FwdTileD128 : FwdTileDefaults {
   static constexpr int kRescaleThreshold = 8;
   static constexpr bool kSplitTile = true;
 };
+// d = 96 (runs d = 72 .. 96): the d = 128 tile at three quarters of its head dim: 128 x 64,
+// 8 warps, split tile, threshold rescale t = 8. Rows padded to 104 halves (smem_layout.h; 12
+// chunks per row do not XOR-swizzle): K + V 26 KiB. Load style 0 (12 chunks do not divide 256
+// threads, which styles 1 / 2 need). One CTA (8 warps) per Turing SM by registers, like d = 128;
+// it loads each K/V tile once per 128 query rows (half the K/V traffic of a 64-row tile).
+struct FwdTileD96 : FwdTileDefaults {
+  static constexpr int kHeadDim = 96, kBlockM = 128, kBlockN = 64, kNWarps = 8;
+  static constexpr int kRescaleThreshold = 8;
+  static constexpr bool kSplitTile = true;
+};
+// Not instantiated: the first A/B against FwdTileD96 on a GPU (DESIGN.md section 5, head dims).
+// 64 x 64 with 4 warps, two CTAs per SM (registers capped at 256 by the launch bounds): the same
+// 8 warps per SM, in two independent CTAs whose barriers do not stall each other, for twice the
+// K/V loads per query row; plain loop, rescale every tile (as d = 64).
+struct FwdTileD96Narrow : FwdTileDefaults {
+  static constexpr int kHeadDim = 96, kBlockM = 64, kBlockN = 64, kNWarps = 4;
+  static constexpr int kMinBlocksPerSm = 2;
+};
 // d = 256: Q (d/4 = 64 registers) and O (d/2 = 128 fp32 registers) of 16 rows do not fit one
 // warp beside S and the load staging, so pairs of warps split the head dim (kDSplit = 2: 32 + 64
 // registers per warp, S split-k and summed through shared memory). 8 warps, 64 x 32:
@@ -204,6 +230,11 @@ template <>
 struct Fwd_tile_config<64> {
   using Traits = Flash_fwd_kernel_traits<FwdTileD64>;
   using SmallGridTraits = Flash_fwd_kernel_traits<FwdTileD64SmallGrid>;
+};
+template <>
+struct Fwd_tile_config<96> {
+  using Traits = Flash_fwd_kernel_traits<FwdTileD96>;
+  using SmallGridTraits = void;
 };
 template <>
 struct Fwd_tile_config<128> {

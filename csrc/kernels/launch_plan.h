@@ -107,6 +107,7 @@ inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k,
 inline FwdLaunchPlan plan_fwd_launch(int d, int b, int h, int seqlen_q) {
   switch (head_dim_bucket(d)) {
     case 64: return make_fwd_plan<Fwd_tile_config<64>::Traits>(b, h, seqlen_q);
+    case 96: return make_fwd_plan<Fwd_tile_config<96>::Traits>(b, h, seqlen_q);
     case 128: return make_fwd_plan<Fwd_tile_config<128>::Traits>(b, h, seqlen_q);
     case 256: return make_fwd_plan<Fwd_tile_config<256>::Traits>(b, h, seqlen_q);
     default: throw_bad_head_dim(d);

@@ -27,6 +27,9 @@
     if (headdim_bucket_ == 64) {                                      \
       constexpr static int kHeadDim = 64;                             \
       return __VA_ARGS__();                                           \
+    } else if (headdim_bucket_ == 96) {                               \
+      constexpr static int kHeadDim = 96;                             \
+      return __VA_ARGS__();                                           \
     } else if (headdim_bucket_ == 128) {                              \
       constexpr static int kHeadDim = 128;                            \
       return __VA_ARGS__();                                           \

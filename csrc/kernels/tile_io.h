@@ -4,13 +4,14 @@
 // written to shared memory later, in the layout the kernel's ldmatrix reads expect.
 //
 // Kt is any kernel traits type with kNThreads and kChunksPerRow (16-byte chunks per row);
-// store_tile_r2s_padded also needs kRowHalves (the padded row stride).
+// store_tile_r2s also needs kPaddedRows, store_tile_r2s_padded kRowHalves (the padded row stride).
 #pragma once
 
 #include <cuda_fp16.h>
 #include <cstdint>
 
 #include "flash.h"
+#include "smem_layout.h"
 #include "utils.h"
 
 namespace flash_sm75 {
@@ -68,7 +69,8 @@ __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* 
   }
 }
 
-// Registers -> shared memory, in the swizzled layout (see swizzle_offset).
+// Registers -> shared memory, in the tile layout of Kt (SmemRows<kChunksPerRow, kPaddedRows>:
+// XOR-swizzled or padded rows, smem_layout.h).
 template <typename Kt, int kN>
 __device__ __forceinline__ void store_tile_r2s(const uint4 (&stage)[kN], __half* smem, int tid) {
 #pragma unroll
@@ -76,7 +78,8 @@ __device__ __forceinline__ void store_tile_r2s(const uint4 (&stage)[kN], __half*
     const int idx = tid + i * Kt::kNThreads;
     const int r = idx / Kt::kChunksPerRow;
     const int c = idx % Kt::kChunksPerRow;
-    *reinterpret_cast<uint4*>(smem + swizzle_offset<Kt::kChunksPerRow>(r, c)) = stage[i];
+    *reinterpret_cast<uint4*>(smem + SmemRows<Kt::kChunksPerRow, Kt::kPaddedRows>::offset(r, c)) =
+        stage[i];
   }
 }
 

@@ -39,16 +39,22 @@ void expect_bwd_plan(int b, int h, int h_k, int sq, int sk) {
     EXPECT_EQ(p.dq_threads, Kq::kNThreads);
     EXPECT_EQ(p.dq_smem, Kq::kSmemSize);
     EXPECT_LE(p.dq_smem, kSm75MaxSmemPerBlock);
-    // Preprocess: every (batch, head, query) row covered by 256-thread blocks of d/8 per row.
+    // Preprocess: every (batch, head, query) row covered by 256-thread blocks of d/8 threads per
+    // row, rounded up to a power of two (d = 96: 16).
     const int64_t rows = int64_t{b} * h * sq;
-    EXPECT_GE(p.preprocess_blocks * (kBwdAuxThreads / (D / 8)), rows);
-    EXPECT_LT((p.preprocess_blocks - 1) * (kBwdAuxThreads / (D / 8)), rows);
+    int tpr = 1;
+    while (tpr < D / 8) tpr *= 2;
+    EXPECT_EQ(bwd_preprocess_threads_per_row(D), tpr);
+    EXPECT_GE(p.preprocess_blocks * (kBwdAuxThreads / tpr), rows);
+    EXPECT_LT((p.preprocess_blocks - 1) * (kBwdAuxThreads / tpr), rows);
   }
 }
 
 TEST(BwdLaunchPlan, KernelsGridThreadsSmem) {
   for (int s : {1, 15, 16, 17, 63, 64, 65, 1000, 4097}) {
     expect_bwd_plan<64>(2, 4, 2, s, 2 * s + 1);
+    expect_bwd_plan<96>(2, 4, 2, s, 2 * s + 1);
+    expect_bwd_plan<96>(1, 6, 1, 3 * s, s);
     expect_bwd_plan<128>(2, 4, 2, s, 2 * s + 1);
     expect_bwd_plan<128>(1, 6, 1, 3 * s, s);
     if (head_dim_bucket(256) == 256) {
@@ -95,6 +101,8 @@ TEST(BwdLaunchPlan, HeadDim256FallsBackToDeterministicDq) {
     }
   }
   EXPECT_TRUE(bwd_atomic_dq_supported(64));
+  EXPECT_TRUE(bwd_atomic_dq_supported(96));
+  EXPECT_TRUE(bwd_atomic_dq_supported(72));
   EXPECT_TRUE(bwd_atomic_dq_supported(128));
 }
 
@@ -122,7 +130,16 @@ void expect_bwd_tiles_fit_turing() {
 
 TEST(BwdLaunchPlan, EveryTileFitsATuringSm) {
   expect_bwd_tiles_fit_turing<64>();
+  expect_bwd_tiles_fit_turing<96>();
   expect_bwd_tiles_fit_turing<128>();
+  // d = 96: dK/dV with padded rows of 104 halves, above the 48 KiB default in both modes
+  // (opt-in); the dQ kernel's padded K/V tiles (Bc = 32) and Q staging, 13 KiB.
+  EXPECT_EQ(Bwd_tile_config<96>::Traits::kSmemSizeNoDq, 4 * 64 * 104 * 2 + 2 * 64 * 4);
+  EXPECT_EQ(Bwd_tile_config<96>::Traits::kSmemSizeAtomicDq,
+            4 * 64 * 104 * 2 + 2 * 64 * 4 + 64 * 72 * 2);
+  EXPECT_EQ(Bwd_tile_config<96>::DqTraits::kSmemSize, 64 * 104 * 2);
+  EXPECT_TRUE(Bwd_tile_config<96>::DqTraits::kPaddedRows);
+  EXPECT_FALSE(Bwd_tile_config<128>::DqTraits::kPaddedRows);
   expect_bwd_tiles_fit_turing<256>();
   // d = 256: above the 48 KiB default (opt-in through set_max_dynamic_smem).
   EXPECT_EQ(Bwd_tile_config<256>::Traits::kSmemSizeNoDq, 50816);

@@ -2,6 +2,7 @@
 // limits: shared memory per block, threads per block, warp/MMA tiling.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <regex>
 #include <set>
@@ -18,7 +19,7 @@ using Traits = typename Fwd_tile_config<D>::Traits;
 
 // Head dims with a forward tile configuration checked below. Every generated forward
 // instantiation must use one of them (see InstantiationsAreCovered).
-const std::set<int> kCheckedFwdHeadDims = {64, 128, 256};
+const std::set<int> kCheckedFwdHeadDims = {64, 96, 128, 256};
 
 template <typename Kt>
 void expect_fits_sm75(int head_dim) {
@@ -34,18 +35,25 @@ void expect_fits_sm75(int head_dim) {
   EXPECT_EQ(Kt::kDCols * Kt::kDSplit, Kt::kHeadDim);
   EXPECT_EQ(Kt::kBlockN % 16, 0);
   EXPECT_EQ(Kt::kHeadDim % 16, 0);
-  // K and V tiles in fp16; Q and O are staged through the same space unless Q has its own;
-  // a head-dim split adds one 16 x Bc fp32 exchange slot per warp.
+  // K and V tiles in fp16 (rows of d halves, or d + 8 where padded); Q and O are staged through
+  // the same space unless Q has its own; a head-dim split adds one 16 x Bc fp32 exchange slot
+  // per warp.
+  const int row = Kt::kPaddedRows ? Kt::kHeadDim + 8 : Kt::kHeadDim;
+  EXPECT_EQ(Kt::kRowHalves, row);
+  EXPECT_EQ(Kt::kPaddedRows, !(head_dim == 64 || head_dim == 128 || head_dim == 256));
   EXPECT_EQ(Kt::kSmemSize,
-            2 * Kt::kBlockN * Kt::kHeadDim * 2 + (Kt::kQInSmem ? Kt::kBlockM * Kt::kHeadDim * 2 : 0) +
+            std::max(2 * Kt::kBlockN * row * 2, Kt::kQInSmem ? 0 : Kt::kBlockM * row * 2) +
+                (Kt::kQInSmem ? Kt::kBlockM * row * 2 : 0) +
                 (Kt::kDSplit > 1 ? Kt::kNWarps * 16 * Kt::kBlockN * 4 : 0));
-  EXPECT_LE(Kt::kBlockM * Kt::kHeadDim * 2, Kt::kSmemKVBytes);
+  EXPECT_LE(Kt::kBlockM * row * 2, Kt::kSmemKVBytes);
   EXPECT_EQ(Kt::kChunksPerThread * Kt::kNThreads, Kt::kBlockN * Kt::kHeadDim / 8);
   EXPECT_EQ(Kt::kQChunksPerThread * Kt::kNThreads, Kt::kBlockM * Kt::kHeadDim / 8);
 }
 
 TEST(KernelTraits, EveryFwdConfigFitsSm75) {
   expect_fits_sm75<Traits<64>>(64);
+  expect_fits_sm75<Traits<96>>(96);
+  expect_fits_sm75<Flash_fwd_kernel_traits<FwdTileD96Narrow>>(96);  // the GPU A/B alternative
   expect_fits_sm75<Traits<128>>(128);
   expect_fits_sm75<Traits<256>>(256);
   // The d = 64 small-grid tile: its kMinBlocksPerSm CTAs must fit a Turing SM (64 KiB of shared
@@ -59,6 +67,14 @@ TEST(KernelTraits, EveryFwdConfigFitsSm75) {
   // Every tile's kMinBlocksPerSm CTAs fit the shared memory of a Turing SM.
   EXPECT_LE(Traits<64>::kMinBlocksPerSm * Traits<64>::kSmemSize, 64 * 1024);
   EXPECT_LE(Traits<128>::kMinBlocksPerSm * Traits<128>::kSmemSize, 64 * 1024);
+  EXPECT_LE(Traits<96>::kMinBlocksPerSm * Traits<96>::kSmemSize, 64 * 1024);
+  // d = 96 runs d = 72 .. 96 in one tile (the tail predicate, no small-grid tile), under the
+  // 48 KiB default; the alternative's two CTAs per SM fit a Turing SM's 64 KiB.
+  EXPECT_TRUE((std::is_void_v<Fwd_tile_config<96>::SmallGridTraits>));
+  EXPECT_FALSE(Traits<96>::kFullHeadDimOnly);
+  EXPECT_EQ(Traits<96>::kSmemSize, 2 * 64 * 104 * 2);  // K + V, rows padded to 104 halves
+  EXPECT_LE(Traits<96>::kSmemSize, kSm75DefaultSmemPerBlock);
+  EXPECT_LE(2 * Flash_fwd_kernel_traits<FwdTileD96Narrow>::kSmemSize, 64 * 1024);
   EXPECT_LE(Traits<256>::kMinBlocksPerSm * Traits<256>::kSmemSize, 64 * 1024);
   // d = 256 runs every head dim of its bucket (no full-head-dim-only fast path) in one tile,
   // within the default 48 KiB.
@@ -96,6 +112,10 @@ TEST(KernelTraits, TileFieldsByNameWithDefaults) {
   // The shipped tiles' choices that differ from the defaults.
   static_assert(std::is_same_v<Traits<64>::TileConfig, FwdTileD64>);
   static_assert(std::is_same_v<Traits<128>::TileConfig, FwdTileD128>);
+  static_assert(std::is_same_v<Traits<96>::TileConfig, FwdTileD96>);
+  EXPECT_TRUE(Traits<96>::kSplitTile);
+  EXPECT_EQ(Traits<96>::kRescaleThreshold, 8);
+  EXPECT_EQ(Traits<96>::kLoadStyle, 0);  // 12 chunks per row do not divide 256 threads
   EXPECT_EQ(Traits<64>::kMinBlocksPerSm, 3);
   EXPECT_EQ(Traits<64>::kLoadStyle, 2);
   EXPECT_EQ(Traits<128>::kRescaleThreshold, 8);

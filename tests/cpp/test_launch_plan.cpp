@@ -34,6 +34,7 @@ TEST(LaunchPlan, GridThreadsSmem) {
   for (int sq : {1, 63, 64, 65, 97, 1024, 1025, 16384}) {
     for (int bh : {1, 3, 32}) {
       expect_plan<64>(bh, 2 * bh + 1, sq);
+      expect_plan<96>(bh + 1, 2 * bh, sq);
       expect_plan<128>(bh + 1, bh, sq);
       if (head_dim_bucket(256) == 256) expect_plan<256>(bh, bh + 2, sq);
     }
@@ -101,6 +102,16 @@ TEST(DecodePlan, HeadCapPerHeadDim) {
   EXPECT_EQ(decode_max_heads_per_cta(64), 16);
   EXPECT_EQ(decode_max_heads_per_cta(128), 16);
   EXPECT_EQ(decode_max_heads_per_cta(256), 8);
+  // Bucket 96 has no decode kernel of its own: it decodes on the 128 one (head_dims.h).
+  EXPECT_EQ(decode_head_dim(64), 64);
+  EXPECT_EQ(decode_head_dim(96), 128);
+  EXPECT_EQ(decode_head_dim(128), 128);
+  EXPECT_EQ(decode_head_dim(256), 256);
+  for (int kd : kDecodeHeadDims) {
+    bool is_bucket = false;
+    for (int b : kHeadDimBuckets) is_bucket = is_bucket || b == kd;
+    EXPECT_TRUE(is_bucket) << kd;
+  }
 }
 
 // kR = the smallest power of two holding the group, up to the head dim's cap; larger groups are

@@ -151,7 +151,7 @@ void fwd_kernel_body(const Flash_fwd_params& p) {
 
 template <int kD, bool kCausal>
 void run_forward(Flash_fwd_params& p) {
-  if (try_decode<kD>(p)) return;
+  if (try_decode<decode_head_dim(kD)>(p)) return;  // bucket 96 decodes on the 128 kernel
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
   using Kt = typename Fwd_tile_config<kD>::Traits;
   if constexpr (!std::is_void_v<Ks>) {
@@ -211,6 +211,7 @@ template <bool kCausal>
 void dispatch_fwd(Flash_fwd_params& p) {
   switch (head_dim_bucket(p.d)) {
     case 64: run_forward<64, kCausal>(p); break;
+    case 96: run_forward<96, kCausal>(p); break;
     case 128: run_forward<128, kCausal>(p); break;
     case 256: run_forward<256, kCausal>(p); break;
     default: throw_bad_head_dim(p.d);
@@ -220,6 +221,7 @@ template <bool kCausal>
 void dispatch_bwd(Flash_bwd_params& p) {
   switch (head_dim_bucket(p.d)) {
     case 64: run_backward<64, kCausal>(p); break;
+    case 96: run_backward<96, kCausal>(p); break;
     case 128: run_backward<128, kCausal>(p); break;
     case 256: run_backward<256, kCausal>(p); break;
     default: throw_bad_head_dim(p.d);
@@ -530,7 +532,7 @@ int check_huge_scores_case(float a, bool rising, uint32_t seed, bool two_mags = 
 
 int check_huge_scores() {
   int fails = 0;
-  uint32_t seed = 500, seed256 = 900;
+  uint32_t seed = 500, seed256 = 900, seed96 = 1100;
   for (float a : {4096.f, 65504.f, 64.f}) {
     for (bool rising : {false, true}) {
       fails += check_huge_scores_case<Fwd_tile_config<128>::Traits>(a, rising, seed++);
@@ -538,6 +540,11 @@ int check_huge_scores() {
       fails += check_huge_scores_case<Fwd_tile_config<64>::SmallGridTraits>(a, rising, seed++);
     }
     fails += check_huge_scores_case<Fwd_tile_config<128>::Traits>(a, false, seed++, true);
+    // d = 96 (padded rows, split tile, threshold rescale as d = 128).
+    for (bool rising : {false, true}) {
+      fails += check_huge_scores_case<Fwd_tile_config<96>::Traits>(a, rising, seed96++);
+    }
+    fails += check_huge_scores_case<Fwd_tile_config<96>::Traits>(a, false, seed96++, true);
     // d = 256 (two warps per row group, S summed through shared memory): mixed, rising and
     // two magnitudes (the rows of the 2nd and 4th group at a / 64).
     fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, false, seed256++);
@@ -594,12 +601,13 @@ int check_large_spread_case(float a, bool rising, uint32_t seed) {
 
 int check_large_spread_scores() {
   int fails = 0;
-  uint32_t seed = 700, seed256 = 950;
+  uint32_t seed = 700, seed256 = 950, seed96 = 1200;
   for (float a : {2048.f, 4096.f}) {
     for (bool rising : {false, true}) {
       fails += check_large_spread_case<Fwd_tile_config<128>::Traits>(a, rising, seed++);
       fails += check_large_spread_case<Fwd_tile_config<64>::Traits>(a, rising, seed++);
       fails += check_large_spread_case<Fwd_tile_config<256>::Traits>(a, rising, seed256++);
+      fails += check_large_spread_case<Fwd_tile_config<96>::Traits>(a, rising, seed96++);
     }
   }
   return fails;
@@ -730,6 +738,29 @@ int main(int argc, char** argv) {
     add(1, 1, 290, 16, 1, d, false, true, false, true, 0, false);
     add(1, 1, 200, 32, 1, d, true, true, true, false, 2, false);  // MQA 32: 2 head parts of 16
   }
+  // The d = 96 bucket (padded shared rows in the forward and dQ kernels, 2 rows of atomics per
+  // step, 16-thread preprocess rows, decode on the 128 kernel) at its full head dim: the cases
+  // of 64 / 128 above, own seeds (the cases after keep theirs).
+  {
+    const uint32_t seed_after = seed;
+    seed = 3000;
+    const int d = 96;
+    for (bool atomic : {true, false}) {
+      add(1, 70, 70, 2, 1, d, false, true, false, false, 0, atomic);
+      add(1, 70, 70, 2, 2, d, true, true, false, false, 1, atomic);
+      add(2, 33, 100, 2, 1, d, true, true, false, false, 2, atomic);   // bottom-right, sq < sk
+      add(1, 100, 33, 4, 2, d, true, false, false, false, 0, atomic);  // top-left, sq > sk
+      add(1, 100, 33, 2, 1, d, true, true, false, false, 2, atomic);   // bottom-right, sq > sk
+      add(3, 65, 90, 4, 1, d, false, true, true, true, 1, atomic);     // MQA, key ranges
+      add(1, 1, 1, 1, 1, d, false, true, false, false, 0, atomic);
+      add(1, 7, 129, 2, 2, d, true, true, true, false, 2, atomic);     // bottom-right, few rows
+      add(2, 130, 200, 4, 2, d, true, true, true, true, 2, atomic);    // 2 query tiles, 4 key tiles
+    }
+    add(2, 1, 600, 6, 2, d, false, true, true, true, 1, false);   // decode: GQA 3, splits
+    add(1, 1, 290, 16, 1, d, false, true, false, true, 2, false);  // decode: MQA 16
+    add(1, 1, 200, 32, 1, d, true, true, true, false, 2, false);   // decode: 2 head parts
+    seed = seed_after;
+  }
   // Decode at kD = 256 (forward only: no 256 prefill/backward kernel here): GQA 1, 2, 3, 8 and
   // 12 (head parts 8 + 4), key ranges, causal both alignments, splits.
   auto add_fwd = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, bool br, bool lp,
@@ -748,7 +779,7 @@ int main(int argc, char** argv) {
   // quick: two head dims; tails / full: every kind of tail.
   {
     const std::vector<int> tail_dims = mode == "quick" ? std::vector<int>{40, 120}
-                                                       : std::vector<int>{8, 40, 56, 72, 80, 96, 120};
+                                                       : std::vector<int>{8, 40, 56, 72, 80, 88, 96, 120};
     for (int d : tail_dims) {
       for (bool atomic : {true, false}) {
         add(2, 33, 100, 2, 1, d, true, true, false, false, 2, atomic);   // causal, GQA, NaN gaps
@@ -757,6 +788,17 @@ int main(int argc, char** argv) {
       add(1, 100, 33, 4, 2, d, true, false, false, false, 1, false);     // top-left, sq > sk
       add(2, 1, 600, 6, 2, d, false, true, true, true, 2, false);        // decode, splits
       add(1, 1, 290, 16, 1, d, true, true, false, true, 0, false);       // decode, MQA 16
+    }
+    // quick: a tail of the 96 bucket too (own seeds).
+    if (mode == "quick") {
+      const uint32_t seed_after = seed;
+      seed = 3100;
+      for (bool atomic : {true, false}) {
+        add(2, 33, 100, 2, 1, 80, true, true, false, false, 2, atomic);  // causal, GQA, NaN gaps
+        add(3, 65, 90, 4, 1, 80, false, true, true, true, 0, atomic);    // MQA, key ranges
+      }
+      add(1, 1, 290, 16, 1, 80, true, true, false, true, 2, false);      // decode, MQA 16
+      seed = seed_after;
     }
     // Tails of the decode-only kD = 256 (see above): GQA 1, 2, 3, 8, 16 (2 head parts).
     const std::vector<int> wide_tail_dims = mode == "quick" ? std::vector<int>{200}
@@ -790,6 +832,26 @@ int main(int argc, char** argv) {
       add_fwd(1, 1, 100, 2, 1, d, true, false, false, false, 0);    // one row (top-left: key 0)
     }
   }
+  // The d = 96 forward (128 x 64 split tile, padded rows) at 96 and its tails, forward only,
+  // own seeds.
+  {
+    const uint32_t seed_after = seed;
+    seed = 3200;
+    const std::vector<int> dims = mode == "quick" ? std::vector<int>{96, 72}
+                                                  : std::vector<int>{96, 72, 80, 88};
+    for (int d : dims) {
+      auto add_fwd96 = [&](int b, int sq, int sk, int h, int hk, bool causal, bool br, bool lp,
+                           bool su, int layout) {
+        add(b, sq, sk, h, hk, d, causal, br, lp, su, layout, false);
+        cases.back().fwd_only = true;
+      };
+      add_fwd96(1, 300, 333, 2, 1, false, true, false, false, 2);  // 3 query tiles, 6 key tiles
+      add_fwd96(2, 200, 260, 2, 1, true, true, false, false, 2);   // causal bottom-right, NaN gaps
+      add_fwd96(1, 260, 200, 4, 2, true, false, false, false, 1);  // top-left, sq > sk
+      add_fwd96(3, 129, 190, 4, 1, false, true, true, true, 2);    // MQA, key ranges, NaN gaps
+    }
+    seed = seed_after;
+  }
   // The d = 256 backward (Br = 16, Bc = 32, two column splits; dQ kernel 32 x 16): the full
   // head dim and tails of it (the forward's O and LSE come from float64 where no d = 256
   // forward is emulated). Atomic requests run the deterministic kernels at d = 256.
@@ -810,7 +872,7 @@ int main(int argc, char** argv) {
   }
   if (mode == "fwd") cases.erase(cases.begin(), cases.begin() + fwd_only_begin);
   if (mode == "full") {
-    for (int d : {64, 128}) {
+    for (int d : {64, 128, 96}) {
       for (bool atomic : {true, false}) {
         add(2, 130, 130, 4, 2, d, true, true, true, true, 2, atomic);
         add(1, 200, 70, 2, 2, d, false, true, false, true, 1, atomic);
@@ -828,7 +890,7 @@ int main(int argc, char** argv) {
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
   // thread interleaving are reshuffled by the seed).
   // full: also the d = 256 kernels (column splits), at a tail head dim.
-  std::vector<int> rerun_dims = {64};
+  std::vector<int> rerun_dims = {64, 96};
   if (mode == "full") rerun_dims.push_back(200);
   const bool rerun = mode != "tails" && mode != "decode" && mode != "fwd";
   for (int d : rerun ? rerun_dims : std::vector<int>{}) {
