@@ -155,11 +155,20 @@ static bool env_decode_enabled() {
   return env_choice("FLASH_SM75_DECODE", {"auto", "never"}) == 0;
 }
 
+void check_window_size(int64_t window_size_left, int64_t window_size_right) {
+  TORCH_CHECK_VALUE(window_size_left >= -1,
+                    "flash_attention_sm75: window_size_left must be -1 (no limit) or >= 0, got ",
+                    window_size_left);
+  TORCH_CHECK_VALUE(window_size_right >= -1,
+                    "flash_attention_sm75: window_size_right must be -1 (no limit) or >= 0, got ",
+                    window_size_right);
+}
+
 void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                       double softmax_scale, bool is_causal, bool causal_bottom_right,
                       const std::optional<at::Tensor>& leftpad_k,
-                      const std::optional<at::Tensor>& seqused_k) {
+                      const std::optional<at::Tensor>& seqused_k, int64_t window_size_left, int64_t window_size_right) {
   params = Flash_fwd_params{};
   const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);
@@ -191,8 +200,12 @@ void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::T
   params.d = static_cast<int>(d);
   params.scale_softmax = static_cast<float>(softmax_scale);
   params.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  params.is_causal = is_causal;
-  params.causal_offset = causal_offset(params.seqlen_q, params.seqlen_k, causal_bottom_right);
+  // Causal and / or a sliding window: one diagonal band, run by the masked instantiations.
+  const BandDiagonals band = band_diagonals(params.seqlen_q, params.seqlen_k, causal_bottom_right,
+                                            is_causal, window_size_left, window_size_right);
+  params.is_causal = is_causal || window_size_left >= 0 || window_size_right >= 0;
+  params.causal_offset = band.upper;
+  params.window_lower = band.lower;
 
 }
 
@@ -201,8 +214,10 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                                            std::optional<double> softmax_scale, bool is_causal,
                                            bool causal_bottom_right,
                                            const std::optional<at::Tensor>& leftpad_k,
-                                           const std::optional<at::Tensor>& seqused_k) {
+                                           const std::optional<at::Tensor>& seqused_k,
+                                           int64_t window_size_left, int64_t window_size_right) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
+  check_window_size(window_size_left, window_size_right);
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   check_alignment(q, "q");
   check_alignment(k, "k");
@@ -222,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
 
   Flash_fwd_params params;
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
-                   seqused_k);
+                   seqused_k, window_size_left, window_size_right);
   params.num_sms = props->multiProcessorCount;
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
@@ -279,18 +294,21 @@ at::Tensor cpu_key_in_range(const at::Tensor& k, const std::optional<at::Tensor>
 at::Tensor cpu_visibility_mask(const at::Tensor& q, const at::Tensor& k, bool is_causal,
                                bool causal_bottom_right,
                                const std::optional<at::Tensor>& leftpad_k,
-                               const std::optional<at::Tensor>& seqused_k) {
-  // Vectorised form of key_range() + key_visible() (block_info.h): the same clamping rules.
+                               const std::optional<at::Tensor>& seqused_k,
+                               int64_t window_size_left, int64_t window_size_right) {
+  // Vectorised form of key_range() + key_visible() (block_info.h): the same clamping rules and
+  // the same band (band_diagonals) as set_params_fprop gives the kernels.
   const int64_t b = q.size(0), seqlen_q = q.size(1), seqlen_k = k.size(1);
   const auto idx = at::TensorOptions().dtype(at::kLong);
   const at::Tensor i = at::arange(seqlen_q, idx).view({1, 1, seqlen_q, 1});
   const at::Tensor j = at::arange(seqlen_k, idx).view({1, 1, 1, seqlen_k});
   const auto [start, end] = cpu_key_bounds(b, seqlen_k, leftpad_k, seqused_k);
   at::Tensor visible = j.ge(start.view({b, 1, 1, 1})).logical_and(j.lt(end.view({b, 1, 1, 1})));
-  if (is_causal) {
-    const int off = causal_offset(static_cast<int>(seqlen_q), static_cast<int>(seqlen_k),
-                                  causal_bottom_right);
-    visible = visible.logical_and(j.le(i + off));
+  if (is_causal || window_size_left >= 0 || window_size_right >= 0) {
+    const BandDiagonals band =
+        band_diagonals(static_cast<int>(seqlen_q), static_cast<int>(seqlen_k), causal_bottom_right,
+                       is_causal, window_size_left, window_size_right);
+    visible = visible.logical_and(j.le(i + band.upper)).logical_and(j.ge(i + band.lower));
   }
   return visible;  // (b, 1, seqlen_q, seqlen_k) bool
 }
@@ -300,8 +318,10 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                std::optional<double> softmax_scale,
                                                bool is_causal, bool causal_bottom_right,
                                                const std::optional<at::Tensor>& leftpad_k,
-                                               const std::optional<at::Tensor>& seqused_k) {
+                                               const std::optional<at::Tensor>& seqused_k,
+                                               int64_t window_size_left, int64_t window_size_right) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
+  check_window_size(window_size_left, window_size_right);
   if (zero_size(q, k)) return zero_size_fwd(q);
   // The ATen ops below must compute in float64 even under torch.autocast (which would run the
   // matmuls in bfloat16 and return a bfloat16 lse).
@@ -327,8 +347,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
   vf = vf.repeat_interleave(h / h_k, 1);
   at::Tensor s = at::matmul(qf, kf.transpose(-1, -2)) * scale;  // b, h, sq, sk
 
-  const at::Tensor visible =
-      cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k, seqused_k);
+  const at::Tensor visible = cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k,
+                                                 seqused_k, window_size_left, window_size_right);
   s = s.masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
   // P = exp(s - max) / sum, not exp(s - lse): at scaled scores ~1e13 and above, float64 loses
   // log(sum) in s - lse (tied keys at the row max got up to m x their weight: inf in fp16 O).

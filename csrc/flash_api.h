@@ -35,7 +35,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                                            std::optional<double> softmax_scale, bool is_causal,
                                            bool causal_bottom_right,
                                            const std::optional<at::Tensor>& leftpad_k,
-                                           const std::optional<at::Tensor>& seqused_k);
+                                           const std::optional<at::Tensor>& seqused_k,
+                                           int64_t window_size_left = -1, int64_t window_size_right = -1);
 
 // The same contract computed with ATen ops in float32 on the CPU (reference and fallback).
 std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -43,7 +44,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                std::optional<double> softmax_scale,
                                                bool is_causal, bool causal_bottom_right,
                                                const std::optional<at::Tensor>& leftpad_k,
-                                               const std::optional<at::Tensor>& seqused_k);
+                                               const std::optional<at::Tensor>& seqused_k,
+                                               int64_t window_size_left = -1, int64_t window_size_right = -1);
+
+// window_size_left / window_size_right: -1 (no limit on that side) or >= 0; anything else
+// raises ValueError naming the argument (before any launch).
+void check_window_size(int64_t window_size_left, int64_t window_size_right);
 
 // The value of environment variable `name` as an index into `accepted` (unset or empty: 0, the
 // default); any other value raises ValueError naming the variable and the accepted values.
@@ -68,14 +74,16 @@ at::Tensor cpu_key_in_range(const at::Tensor& k, const std::optional<at::Tensor>
 at::Tensor cpu_visibility_mask(const at::Tensor& q, const at::Tensor& k, bool is_causal,
                                bool causal_bottom_right,
                                const std::optional<at::Tensor>& leftpad_k,
-                               const std::optional<at::Tensor>& seqused_k);
+                               const std::optional<at::Tensor>& seqused_k,
+                               int64_t window_size_left = -1, int64_t window_size_right = -1);
 
 // Fills the kernel parameters from validated tensors (out and softmax_lse already allocated).
 void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                       double softmax_scale, bool is_causal, bool causal_bottom_right,
                       const std::optional<at::Tensor>& leftpad_k,
-                      const std::optional<at::Tensor>& seqused_k);
+                      const std::optional<at::Tensor>& seqused_k,
+                      int64_t window_size_left = -1, int64_t window_size_right = -1);
 
 // ---- backward (csrc/flash_bwd_api.cpp) --------------------------------------------------------
 // Gradients of mha_fwd. dout and out: like q (out and softmax_lse are mha_fwd's outputs);
@@ -94,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
-    const std::optional<at::Tensor>& grad_softmax_lse);
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1);
 
 // The same contract computed with ATen ops in float32 on the CPU.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
@@ -102,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
-    const std::optional<at::Tensor>& grad_softmax_lse);
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1);
 
 // Output and workspace tensors of one backward call (they own the memory params points to).
 struct BwdBuffers {
@@ -121,7 +129,8 @@ BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const a
                        const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
                        bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
                        const std::optional<at::Tensor>& seqused_k, bool dq_atomic,
-                       const std::optional<at::Tensor>& grad_softmax_lse);
+                       const std::optional<at::Tensor>& grad_softmax_lse,
+                       int64_t window_size_left = -1, int64_t window_size_right = -1);
 
 // Backward input validation (check_fwd_inputs plus dout/out/softmax_lse/grad_softmax_lse).
 double check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,

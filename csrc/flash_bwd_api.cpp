@@ -106,7 +106,7 @@ BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const a
                        const at::Tensor& softmax_lse_, double softmax_scale, bool is_causal,
                        bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
                        const std::optional<at::Tensor>& seqused_k, bool dq_atomic,
-                       const std::optional<at::Tensor>& grad_softmax_lse) {
+                       const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right) {
   BwdBuffers bufs;
   const at::Tensor softmax_lse = softmax_lse_.contiguous();
   if (grad_softmax_lse.has_value()) bufs.dlse = grad_softmax_lse->contiguous();
@@ -125,7 +125,7 @@ BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const a
   }
 
   set_params_fprop(params, q, k, v, out, softmax_lse, softmax_scale, is_causal,
-                   causal_bottom_right, leftpad_k, seqused_k);
+                   causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right);
   params.do_ptr = dout.data_ptr();
   params.do_batch_stride = dout.stride(0);
   params.do_row_stride = dout.stride(1);
@@ -168,7 +168,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const at::Tensor& out_, const at::Tensor& softmax_lse_, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
-    const std::optional<at::Tensor>& grad_softmax_lse) {
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right) {
+  check_window_size(window_size_left, window_size_right);
   const at::Tensor q = to_kernel_layout(q_), k = to_kernel_layout(k_), v = to_kernel_layout(v_);
   const at::Tensor dout = to_kernel_layout(dout_), out = to_kernel_layout(out_);
   const double scale = check_bwd_inputs(dout, q, k, v, out, softmax_lse_, softmax_scale,
@@ -189,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   const bool dq_side_stream = env_selects_dq_side_stream();
   BwdBuffers bufs = prepare_bwd(params, dout, q, k, v, out, softmax_lse_, scale, is_causal,
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
-                                grad_softmax_lse);
+                                grad_softmax_lse, window_size_left, window_size_right);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   std::optional<ForkJoinEvents> events;
   if (!dq_atomic && dq_side_stream) {
@@ -228,7 +229,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool /*deterministic: always*/,
-    const std::optional<at::Tensor>& grad_softmax_lse) {
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right) {
+  check_window_size(window_size_left, window_size_right);
   // float32 ATen math even under torch.autocast (see mha_fwd_cpu).
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const double scale = check_bwd_inputs(to_kernel_layout(dout), to_kernel_layout(q),
@@ -257,8 +259,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
   const at::Tensor dof = dout.to(at::kFloat).transpose(1, 2);
   const at::Tensor of = out.to(at::kFloat).transpose(1, 2);
 
-  const at::Tensor visible =
-      cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k, seqused_k);
+  const at::Tensor visible = cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k,
+                                                 seqused_k, window_size_left, window_size_right);
 
   // P from the saved LSE (as the kernel does); rows with lse = -inf saw no key: P = 0.
   const at::Tensor lse = softmax_lse.to(at::kFloat).unsqueeze(-1);  // b, h, sq, 1

@@ -40,7 +40,10 @@ class MaskInfo:
         are visible in batch row ``b``. ``None`` means no key-range restriction.
     kind : str
         Human-readable category (``"none"``, ``"causal"``, ``"causal+key-range"``,
-        ``"causal+key-range (truncated keys)"``, ``"key-range"``).
+        ``"causal+key-range (truncated keys)"``, ``"key-range"``, and those with ``"+window"``).
+    window_size : (int, int)
+        The op's sliding window ``(left, right)`` (bottom-right aligned like ``causal``);
+        ``(-1, -1)``: none.
     """
 
     causal: bool
@@ -48,6 +51,7 @@ class MaskInfo:
     leftpad_k: Optional[torch.Tensor]
     seqused_k: Optional[torch.Tensor]
     kind: str
+    window_size: Tuple[int, int] = (-1, -1)
 
 
 _Classification = Tuple[Optional[MaskInfo], Optional[str]]
@@ -167,7 +171,8 @@ def _describe_mismatch(allowed: torch.Tensor) -> str:
 
 def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: int,
                        query_dtype: Optional[torch.dtype],
-                       exact_empty_rows: bool = False) -> "_Classification":
+                       exact_empty_rows: bool = False,
+                       sliding_window: Optional[int] = None) -> "_Classification":
     if mask.dim() != 4:
         return None, f"attention_mask is {mask.dim()}-D, expected a 4-D (B, 1, q_len, kv_len) mask"
     bm, hm, sqm, skm = mask.shape
@@ -216,22 +221,34 @@ def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: 
     # Candidate A: causal, bottom-right on the full key length (dynamic cache, no cache).
     # Candidate B: causal, bottom-right on keys [0, max(seqused)) (static cache slots unused).
     # Candidate C: key range only (bidirectional padding masks; decode).
+    # Candidates A' and B' (a sliding_window hint, transformers' sliding layers): A and B whose
+    # rows also see only the window's last `sliding_window` keys up to the diagonal (the op's
+    # window (sliding_window - 1, 0)). A mask matching both A and A' (no row reaches past its
+    # window) runs as A.
     causal_possible = sqm == q_len and q_len > 1
+    windowed = causal_possible and sliding_window is not None
     i = torch.arange(q_len, device=dev)[:, None]
+    yes = torch.ones((), dtype=torch.bool, device=dev)
     if causal_possible:
-        expected = in_range[:, None, :] & (j[None, :] <= i + (kv_len - q_len))[None]
-        flags.append(expected.bitwise_xor_(allowed).any())
-        del expected
-        expected = in_range[:, None, :] & (j[None, :] <= i + (max_hi - q_len))[None]
-        flags.append(expected.bitwise_xor_(allowed).any())
-        del expected
+        for off in (kv_len - q_len, max_hi - q_len):
+            expected = in_range[:, None, :] & (j[None, :] <= i + off)[None]
+            flags.append(expected.bitwise_xor_(allowed).any())
+            del expected
     else:
-        flags.extend([torch.ones((), dtype=torch.bool, device=dev)] * 2)
+        flags.extend([yes] * 2)
     flags.append((allowed ^ in_range[:, None, :]).any())
+    if windowed:
+        for off in (kv_len - q_len, max_hi - q_len):
+            dist = (i + off) - j[None, :]
+            expected = in_range[:, None, :] & ((dist >= 0) & (dist < sliding_window))[None]
+            flags.append(expected.bitwise_xor_(allowed).any())
+            del expected, dist
+    else:
+        flags.extend([yes] * 2)
 
     values = torch.stack([f.to(torch.int64) for f in flags] + [max_hi.to(torch.int64)]).tolist()
     invalid = values[:n_invalid]
-    mis_a, mis_b, mis_c, max_hi_val = values[n_invalid:]
+    mis_a, mis_b, mis_c, mis_aw, mis_bw, max_hi_val = values[n_invalid:]
 
     if mask.dtype != torch.bool and invalid[0]:
         return None, "float attention_mask has values other than 0 and -inf/min-dtype"
@@ -261,6 +278,12 @@ def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: 
                             "causal+key-range (truncated keys)"), None
         if not mis_c:
             return MaskInfo(False, kv_len, leftpad, seqused, "key-range"), None
+        window = (sliding_window - 1, 0) if windowed else (-1, -1)
+        if not mis_aw:
+            return MaskInfo(True, kv_len, leftpad, seqused, "causal+key-range+window", window), None
+        if not mis_bw:
+            return MaskInfo(True, int(max_hi_val), leftpad, seqused,
+                            "causal+key-range+window (truncated keys)", window), None
     return None, _describe_mismatch(allowed)
 
 
@@ -271,6 +294,7 @@ def classify_attention_mask(
     kv_len: int,
     query_dtype: Optional[torch.dtype] = None,
     exact_empty_rows: bool = False,
+    sliding_window: Optional[int] = None,
 ) -> Tuple[Optional[MaskInfo], Optional[str]]:
     """Decide whether a transformers attention mask runs on the kernel, and with which arguments.
 
@@ -300,6 +324,11 @@ def classify_attention_mask(
         averages V over such a row and the kernel gives 0. ``False`` (default; transformers,
         where such rows are padding queries whose outputs no real token reads): those rows are
         0, as every row that sees no key.
+    sliding_window : int, optional
+        A window the mask may carry (transformers passes its sliding layers' ``sliding_window``):
+        two more causal patterns are tried, A and B whose query rows see only the last
+        ``sliding_window`` keys up to their diagonal; such a mask runs with the op's
+        ``window_size = (sliding_window - 1, 0)``. Only a hint: the mask decides.
 
     Returns
     -------
@@ -323,12 +352,13 @@ def classify_attention_mask(
     if not host_reads_allowed(attention_mask):
         return None, ("a mask cannot be classified while torch.compile traces or a CUDA graph "
                       "captures (no host read of device values there); torch SDPA applies it")
-    extra = (int(batch_size), int(q_len), int(kv_len), query_dtype, bool(exact_empty_rows))
+    window = None if sliding_window is None else int(sliding_window)
+    extra = (int(batch_size), int(q_len), int(kv_len), query_dtype, bool(exact_empty_rows), window)
     hit = _MASK_CACHE.get(attention_mask, extra)
     if hit is not None:
         return hit
     result = _classify_uncached(attention_mask, int(batch_size), int(q_len), int(kv_len),
-                                query_dtype, exact_empty_rows)
+                                query_dtype, exact_empty_rows, window)
     _MASK_CACHE.put(attention_mask, extra, result)
     return result
 

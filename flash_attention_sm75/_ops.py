@@ -175,10 +175,10 @@ def autograd_reason(q, k, v, *, any_transform: bool = False) -> Optional[str]:
 
 
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
-             seqused_k=None):
+             seqused_k=None, window_size_left=-1, window_size_right=-1):
     """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
-    causal_bottom_right, leftpad_k, seqused_k)``, skipping the op's autograd kernel when no
-    gradient can flow.
+    causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right)``, skipping
+    the op's autograd kernel when no gradient can flow.
 
     The autograd kernel (``torch.library.register_autograd``, below in this module) is Python and
     runs on every call: even with no input requiring grad it costs ~8 us of host time (boxing into
@@ -216,9 +216,11 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
             or torch._C._is_torch_function_mode_enabled()
             or (torch.is_grad_enabled()
                 and (q.requires_grad or k.requires_grad or v.requires_grad))):
-        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k)
+        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
+                  window_size_left, window_size_right)
     with torch._C._AutoDispatchBelowAutograd():
-        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k)
+        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
+                  window_size_left, window_size_right)
 
 
 def _check_one_device(q, **others) -> None:
@@ -230,7 +232,7 @@ def _check_one_device(q, **others) -> None:
 
 
 def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=True,
-              leftpad_k=None, seqused_k=None):
+              leftpad_k=None, seqused_k=None, window_size_left=-1, window_size_right=-1):
     # Shapes only (the rulebook validated the call): what the output shapes are derived from.
     # And one device: a meta tensor among real ones dispatches here, and the outputs would be
     # uninitialised memory on q's device.
@@ -246,7 +248,8 @@ def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=
 
 
 def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_bottom_right,
-              leftpad_k=None, seqused_k=None, deterministic=False, grad_softmax_lse=None):
+              leftpad_k=None, seqused_k=None, deterministic=False, grad_softmax_lse=None,
+              window_size_left=-1, window_size_right=-1):
     _check_one_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse,
                       leftpad_k=leftpad_k, seqused_k=seqused_k, grad_softmax_lse=grad_softmax_lse)
     torch._check(dout.shape == q.shape, lambda: "flash_attention_sm75: dout must have the shape of q")
@@ -256,26 +259,31 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k = inputs
+    (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
+     window_size_left, window_size_right) = inputs
     out, softmax_lse = output
     ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k)
     ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
     ctx.is_causal = bool(is_causal)
     ctx.causal_bottom_right = bool(causal_bottom_right)
+    ctx.window_size = (int(window_size_left), int(window_size_right))
     # Unused outputs (usually softmax_lse) get None instead of a materialized zero tensor.
     ctx.set_materialize_grads(False)
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     q, k, v, out, softmax_lse, leftpad_k, seqused_k = ctx.saved_tensors
-    none = (None,) * 5  # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k
+    # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k, window_size_left,
+    # window_size_right
+    none = (None,) * 7
     if grad_out is None and grad_lse is None:
         return (None, None, None) + none
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
         grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
-        ctx.causal_bottom_right, leftpad_k, seqused_k, _deterministic_forced(), grad_lse)
+        ctx.causal_bottom_right, leftpad_k, seqused_k, _deterministic_forced(), grad_lse,
+        *ctx.window_size)
     return (dq, dk, dv) + none
 
 

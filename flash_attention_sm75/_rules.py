@@ -35,6 +35,8 @@ __all__ = [
     "SOFTMAX_SCALE_MAX",
     "SOFTMAX_SCALE_MIN",
     "check_inputs",
+    "NO_WINDOW",
+    "window_size_problem",
     "is_kernel_aligned",
     "not_supported_reason",
     "require_bool",
@@ -118,6 +120,7 @@ RULES: Tuple[str, ...] = (
     "extent",          # MAX_EXTENT
     "key_range",       # leftpad_k / seqused_k: KEY_RANGE_DTYPE, (batch,), device, contiguous
     "softmax_scale",   # finite, [SOFTMAX_SCALE_MIN, SOFTMAX_SCALE_MAX]
+    "window_size",     # (left, right) ints, each -1 (no limit) or >= 0
     "alignment",       # VECTOR_BYTES data pointer, strides of STRIDE_MULTIPLE
     "capability",      # MIN_COMPUTE_CAPABILITY
 )
@@ -153,6 +156,29 @@ def scale_problem(softmax_scale: object, name: str = "softmax_scale") -> Optiona
     if not (math.isfinite(s) and SOFTMAX_SCALE_MIN <= s <= SOFTMAX_SCALE_MAX):
         return (f"{name} must be a finite number > 0 within {_SCALE_RANGE} (float32 "
                 f"scores must not overflow), got {softmax_scale!r}")
+    return None
+
+
+NO_WINDOW: Tuple[int, int] = (-1, -1)
+"""flash-attn's ``window_size`` default: no sliding window."""
+
+
+def window_size_problem(window_size: object) -> Optional[str]:
+    """None if ``window_size`` is a usable sliding window ``(left, right)``: a pair of ints, each
+    -1 (no limit on that side) or >= 0 (key ``j`` is visible to query ``i`` iff
+    ``i + off - left <= j <= i + off + right``, ``off`` the causal alignment's offset), else what
+    is wrong with it. The C++ op checks the same (``check_window_size``)."""
+    if window_size is NO_WINDOW:
+        return None
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        return (f"window_size must be a pair (left, right) of ints, each -1 (no limit) or >= 0, "
+                f"got {type_name(window_size)} {window_size!r}")
+    for side, w in zip(("left", "right"), window_size):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            return (f"window_size_{side} must be an int, -1 (no limit) or >= 0, got "
+                    f"{type_name(w)} {w!r}")
+        if w < -1:
+            return f"window_size_{side} must be -1 (no limit) or >= 0, got {int(w)}"
     return None
 
 
@@ -240,6 +266,7 @@ def not_supported_reason(
     devices: Sequence[str] = ("cuda", "cpu", "meta"),
     check_alignment: bool = True,
     names: Sequence[str] = _QKV,
+    window_size: Sequence[int] = NO_WINDOW,
 ) -> Optional[str]:
     """None if the kernels accept these inputs, else the first rule they break, as a sentence
     that names the argument and the accepted values.
@@ -267,6 +294,9 @@ def not_supported_reason(
     names : sequence of 3 or 4 str
         How the messages call q, k, v and (optionally; default ``softmax_scale``) the scale:
         ``("query", "key", "value", "scale")`` in the SDPA wrapper.
+    window_size : pair of int
+        flash-attn's sliding window ``(left, right)``, each -1 (no limit) or >= 0
+        (:func:`window_size_problem`).
     """
     bhsd = layout == "bhsd"
     if not (isinstance(q, torch.Tensor) and not q.is_nested and q.layout is _STRIDED):
@@ -324,6 +354,10 @@ def not_supported_reason(
         r = scale_problem(softmax_scale, names[3] if len(names) > 3 else "softmax_scale")
         if r is not None:
             return r
+    if window_size is not NO_WINDOW:
+        r = window_size_problem(window_size)
+        if r is not None:
+            return r
 
     if dev_type == "cuda":
         if check_alignment:
@@ -340,12 +374,13 @@ def not_supported_reason(
 
 
 def check_inputs(q, k, v, softmax_scale=None, leftpad_k=None, seqused_k=None, *,
-                 layout: str = "bshd") -> None:
+                 layout: str = "bshd", window_size: Sequence[int] = NO_WINDOW) -> None:
     """Raise ``ValueError("flash_attention_sm75: <reason>")`` for inputs the kernels do not accept
     (:func:`not_supported_reason` with the op's devices: CUDA, CPU reference, meta), before any
     launch. ``layout`` is ``"bshd"`` (the op's own) or ``"bhsd"``."""
     if layout not in ("bshd", "bhsd"):
         raise ValueError(f"{PREFIX}layout must be 'bshd' or 'bhsd', got {layout!r}")
-    reason = not_supported_reason(q, k, v, softmax_scale, leftpad_k, seqused_k, layout=layout)
+    reason = not_supported_reason(q, k, v, softmax_scale, leftpad_k, seqused_k, layout=layout,
+                                  window_size=window_size)
     if reason is not None:
         raise ValueError(PREFIX + reason)

@@ -22,15 +22,12 @@ def _as_float(softmax_scale: object) -> Optional[float]:
     return None if softmax_scale is None else float(softmax_scale)
 
 
-def _reject_fa2_options(dropout_p, window_size, softcap, alibi_slopes) -> None:
-    """ValueError unless FlashAttention-2's dropout_p / window_size / softcap / alibi_slopes are
-    at their "off" values (what this kernel computes)."""
+def _reject_fa2_options(dropout_p, softcap, alibi_slopes) -> None:
+    """ValueError unless FlashAttention-2's dropout_p / softcap / alibi_slopes are at their "off"
+    values (what this kernel computes)."""
     problems = []
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         problems.append(f"dropout_p={dropout_p!r} (only 0.0: dropout is not implemented)")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) or w >= 0 for w in window_size)):
-        problems.append(f"window_size={window_size!r} (only (-1, -1): no sliding window)")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap != 0:
         problems.append(f"softcap={softcap!r} (only 0.0: no logit soft-capping)")
     if alibi_slopes is not None:
@@ -38,6 +35,11 @@ def _reject_fa2_options(dropout_p, window_size, softcap, alibi_slopes) -> None:
     if problems:
         raise ValueError("flash_attention_sm75: unsupported FlashAttention-2 option: "
                          + "; ".join(problems))
+
+
+def _window_args(window_size) -> Tuple[int, int]:
+    # A validated window (the rulebook) as the op's two ints (numpy integers included).
+    return int(window_size[0]), int(window_size[1])
 
 
 def flash_attn_func(
@@ -60,10 +62,11 @@ def flash_attn_func(
     positional order is FlashAttention-3's ``(q, k, v, softmax_scale, causal)``, so code using
     ``flash_attn.flash_attn_func(q, k, v, softmax_scale=..., causal=...)`` can switch by
     changing the import. FlashAttention-2's order has ``dropout_p`` before ``softmax_scale``:
-    pass ``softmax_scale`` and ``causal`` by keyword when porting such calls. ``dropout_p``,
-    ``window_size``, ``softcap`` and ``alibi_slopes`` are accepted as keywords at their
-    FlashAttention-2 "off" values only (so ``flash_attn_func(q, k, v, dropout_p=0.0,
-    causal=True)`` runs unchanged); any other value raises ``ValueError``.
+    pass ``softmax_scale`` and ``causal`` by keyword when porting such calls. ``window_size``
+    (a sliding window) is computed as in FlashAttention-2. ``dropout_p``, ``softcap`` and
+    ``alibi_slopes`` are accepted as keywords at their FlashAttention-2 "off" values only (so
+    ``flash_attn_func(q, k, v, dropout_p=0.0, causal=True)`` runs unchanged); any other value
+    raises ``ValueError``.
 
     Parameters
     ----------
@@ -96,8 +99,12 @@ def flash_attn_func(
         FlashAttention-2's dropout probability, accepted for porting at its default only: 0.
         Dropout is not implemented; any other value raises ``ValueError``.
     window_size : tuple of int, optional, keyword-only
-        FlashAttention-2's sliding window, accepted at its default only: ``(-1, -1)`` (no
-        window). Any other value raises ``ValueError``.
+        Sliding window ``(left, right)`` as in FlashAttention-2: query ``i`` sees key ``j`` only
+        if ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (the
+        bottom-right alignment of ``causal``); ``-1`` leaves that side unbounded. Each entry is
+        an int, ``-1`` or ``>= 0``. With ``causal=True`` the right side is 0. Default
+        ``(-1, -1)``: no window. Key tiles outside every row's window are skipped, so the cost
+        follows the window, not ``seqlen_k``.
     softcap : float, optional, keyword-only
         FlashAttention-2's logit soft-capping, accepted at its default only: 0 (off). Any other
         value raises ``ValueError``.
@@ -130,8 +137,9 @@ def flash_attn_func(
         ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
         ``softmax_scale`` not a real number in ``[1.18e-38, 1.07e26]``, or
         ``causal`` /
-        ``return_lse`` not a bool, or a FlashAttention-2 option (``dropout_p``,
-        ``window_size``, ``softcap``, ``alibi_slopes``) not at its "off" value. The message
+        ``return_lse`` not a bool, ``window_size`` not a pair of ints each -1 or >= 0, or a
+        FlashAttention-2 option (``dropout_p``, ``softcap``, ``alibi_slopes``) not at its "off"
+        value. The message
         names the argument. Also for a CUDA GPU of compute capability < 7.5. The rules are
         ``flash_attention_sm75._rules`` (one rulebook for every API); raised before any kernel
         launch.
@@ -184,9 +192,10 @@ def flash_attn_func(
     _ops.require_extension()
     _rules.require_bool("causal", causal)
     _rules.require_bool("return_lse", return_lse)
-    _reject_fa2_options(dropout_p, window_size, softcap, alibi_slopes)
-    _rules.check_inputs(q, k, v, softmax_scale, layout="bshd")
-    out, softmax_lse = _ops.call_fwd(q, k, v, _as_float(softmax_scale), causal, True)
+    _reject_fa2_options(dropout_p, softcap, alibi_slopes)
+    _rules.check_inputs(q, k, v, softmax_scale, layout="bshd", window_size=window_size)
+    out, softmax_lse = _ops.call_fwd(q, k, v, _as_float(softmax_scale), causal, True,
+                                     None, None, *_window_args(window_size))
     if return_lse:
         return out, softmax_lse
     return out
@@ -199,6 +208,8 @@ def flash_attention_forward(
     causal: bool = False,
     softmax_scale: Optional[float] = None,
     return_lse: bool = False,
+    *,
+    window_size: Tuple[int, int] = (-1, -1),
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention with the FlashAttention-2 algorithm, BHSD layout.
 
@@ -233,6 +244,9 @@ def flash_attention_forward(
         ``1 / sqrt(head_dim)``.
     return_lse : bool, optional
         Default ``False``. If ``True``, also return the softmax log-sum-exp.
+    window_size : tuple of int, optional, keyword-only
+        Sliding window ``(left, right)``, bottom-right aligned, as in :func:`flash_attn_func`.
+        Default ``(-1, -1)``: none.
 
     Returns
     -------
@@ -261,7 +275,8 @@ def flash_attention_forward(
         ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
         ``softmax_scale`` not a real number in ``[1.18e-38, 1.07e26]``, or
         ``causal`` /
-        ``return_lse`` not a bool; also for a CUDA GPU of compute capability < 7.5. The message
+        ``return_lse`` not a bool, ``window_size`` not a pair of ints each -1 or >= 0; also for
+        a CUDA GPU of compute capability < 7.5. The message
         names the argument. The rules are ``flash_attention_sm75._rules`` (one rulebook for every
         API); raised before any kernel launch.
     RuntimeError
@@ -312,9 +327,10 @@ def flash_attention_forward(
     _ops.require_extension()
     _rules.require_bool("causal", causal)
     _rules.require_bool("return_lse", return_lse)
-    _rules.check_inputs(q, k, v, softmax_scale, layout="bhsd")
+    _rules.check_inputs(q, k, v, softmax_scale, layout="bhsd", window_size=window_size)
     out, softmax_lse = _ops.call_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                     _as_float(softmax_scale), causal, True)
+                                     _as_float(softmax_scale), causal, True, None, None,
+                                     *_window_args(window_size))
     out = out.transpose(1, 2)
     if return_lse:
         return out, softmax_lse

@@ -10,6 +10,9 @@ implementations.
 
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_driver.py
     compute-sanitizer --tool racecheck python3 scripts/sanitize_driver.py
+    compute-sanitizer --tool memcheck  python3 scripts/sanitize_driver.py --window 20 7
+
+``--window LEFT RIGHT`` runs every launch with that sliding window (flash-attn's window_size).
 
 Exit status: 0 if every launch ran and matched, 1 on a mismatch, 2 if the op/GPU is missing.
 Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so memcheck sees each tensor as its own allocation
@@ -88,13 +91,15 @@ def with_env(name, value, fn):
             os.environ[name] = prev
 
 
-def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode):
+def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode,
+            window=(-1, -1)):
     """The backward op in one dQ mode (the mode is read from the environment at each call)."""
     s = scale if scale is not None else q.shape[-1] ** -0.5
     return with_env("FLASH_SM75_BWD_DQ", "atomic" if mode == "atomic" else "separate",
                     lambda: torch.ops.flash_attention_sm75.bwd(dout, q, k, v, out, lse, s, causal,
                                                                bottom_right, lpt, sut,
-                                                               mode == "deterministic"))
+                                                               mode == "deterministic", None,
+                                                               *window))
 
 
 def grad_error(g, r):
@@ -115,7 +120,10 @@ def main(argv=None):
     default_d = sorted({x for b in _rules.HEAD_DIM_BUCKETS for x in (b, b - 24)})
     ap.add_argument("--d", type=int, nargs="+", default=default_d)
     ap.add_argument("--no-bwd", action="store_true", help="forward kernels only")
+    ap.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
+                    help="sliding window (window_size) of every launch; default -1 -1 (none)")
     args = ap.parse_args(argv)
+    window = tuple(args.window)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("sanitize_driver: no CUDA device")
@@ -142,14 +150,15 @@ def main(argv=None):
                     lpt = None if lp is None else torch.tensor(lp, dtype=torch.int32, device=dev)
                     sut = None if su is None else torch.tensor(su, dtype=torch.int32, device=dev)
                     scale = 0.5 / (d ** 0.5) if name == "odd_gqa" else None
-                    tag = (f"d={d} causal={causal} bottom_right={bottom_right} {name} "
+                    tag = (f"d={d} causal={causal} bottom_right={bottom_right} window={window} {name} "
                            f"B={b} Sq={sq} Sk={sk} H={h} Hk={hk}"
                            + (f" {tile_name}" if tile == "always" and sq > 1 else "")
                            + (" (decode kernel either way)" if tile == "always" and sq == 1 else ""))
                     res = launch(tag, failures, dev, lambda: with_env(
                         tile_env, tile, lambda: op(
                             q, k, v, softmax_scale=scale, is_causal=causal,
-                            causal_bottom_right=bottom_right, leftpad_k=lpt, seqused_k=sut)))
+                            causal_bottom_right=bottom_right, leftpad_k=lpt, seqused_k=sut,
+                            window_size_left=window[0], window_size_right=window[1])))
                     if res is None:
                         continue
                     out, lse = res
@@ -159,7 +168,7 @@ def main(argv=None):
                         for mode in ("deterministic", "atomic"):
                             grads = launch(f"{tag} bwd {mode}", failures, dev, lambda: run_bwd(
                                 dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut,
-                                mode))
+                                mode, window))
                             if grads is None:
                                 continue
                             launches += 1
@@ -168,7 +177,8 @@ def main(argv=None):
                             ref = run_bwd(dout.cpu(), q.cpu(), k.cpu(), v.cpu(), out.cpu(),
                                           lse.cpu(), scale, causal, bottom_right,
                                           None if lpt is None else lpt.cpu(),
-                                          None if sut is None else sut.cpu(), "deterministic")
+                                          None if sut is None else sut.cpu(), "deterministic",
+                                          window)
                             errs = [grad_error(g, r) for g, r in zip(grads, ref)]
                             ok = all(e <= 2e-2 for e in errs)
                             print(("ok  " if ok else "FAIL"), tag, f"bwd {mode}",
@@ -182,7 +192,8 @@ def main(argv=None):
                     ro, rl = op(q.cpu(), k.cpu(), v.cpu(), softmax_scale=scale,
                                 is_causal=causal, causal_bottom_right=bottom_right,
                                 leftpad_k=None if lpt is None else lpt.cpu(),
-                                seqused_k=None if sut is None else sut.cpu())
+                                seqused_k=None if sut is None else sut.cpu(),
+                                window_size_left=window[0], window_size_right=window[1])
                     o_err = (out.cpu().float() - ro.float()).abs().max().item()
                     lc, rlc = lse.cpu(), rl
                     same_inf = bool(torch.equal(torch.isinf(lc), torch.isinf(rlc)))

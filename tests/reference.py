@@ -37,8 +37,13 @@ def seed_from(*params) -> int:
 
 def visible_mask(batch: int, seqlen_q: int, seqlen_k: int, causal: bool = False,
                  causal_bottom_right: bool = True, leftpad_k: Optional[torch.Tensor] = None,
-                 seqused_k: Optional[torch.Tensor] = None, device="cpu") -> torch.Tensor:
-    """Bool (batch, 1, seqlen_q, seqlen_k): True where query i may attend key j."""
+                 seqused_k: Optional[torch.Tensor] = None, device="cpu",
+                 window_size=(-1, -1)) -> torch.Tensor:
+    """Bool (batch, 1, seqlen_q, seqlen_k): True where query i may attend key j.
+
+    ``window_size = (left, right)`` (flash-attn): key j only if ``i + off - left <= j <=
+    i + off + right`` with ``off`` the causal alignment's offset; -1 = unbounded side; causal
+    sets right to 0."""
     row = torch.arange(seqlen_q, device=device).view(1, seqlen_q, 1)
     col = torch.arange(seqlen_k, device=device).view(1, 1, seqlen_k)
     if leftpad_k is not None:
@@ -50,14 +55,20 @@ def visible_mask(batch: int, seqlen_q: int, seqlen_k: int, causal: bool = False,
     else:
         end = torch.full((batch,), seqlen_k, dtype=torch.int64, device=device)
     vis = (col >= start.view(batch, 1, 1)) & (col < end.view(batch, 1, 1))
+    offset = seqlen_k - seqlen_q if causal_bottom_right else 0
+    left, right = window_size
     if causal:
-        offset = seqlen_k - seqlen_q if causal_bottom_right else 0
-        vis = vis & (col <= row + offset)
+        right = 0
+    if right >= 0:
+        vis = vis & (col <= row + offset + right)
+    if left >= 0:
+        vis = vis & (col >= row + offset - left)
     return vis.unsqueeze(1)
 
 
 def attention_ref(q, k, v, *, causal=False, causal_bottom_right=True, softmax_scale=None,
-                  leftpad_k=None, seqused_k=None, layout="bshd", upcast=True, reorder_ops=False):
+                  leftpad_k=None, seqused_k=None, layout="bshd", upcast=True, reorder_ops=False,
+                  window_size=(-1, -1)):
     """Attention by the definition. Returns ``(out, lse)``.
 
     q: (B, Sq, H, D), k/v: (B, Sk, Hk, D) for ``layout="bshd"``; (B, H, S, D) for ``"bhsd"``.
@@ -81,7 +92,8 @@ def attention_ref(q, k, v, *, causal=False, causal_bottom_right=True, softmax_sc
         scores = torch.matmul(qh * scale, kh.transpose(-1, -2))
     else:
         scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    vis = visible_mask(b, s_q, s_k, causal, causal_bottom_right, leftpad_k, seqused_k, q.device)
+    vis = visible_mask(b, s_q, s_k, causal, causal_bottom_right, leftpad_k, seqused_k, q.device,
+                       window_size)
     scores = scores.masked_fill(~vis, float("-inf"))
     if upcast:
         lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is visible

@@ -17,7 +17,7 @@ import torch
 
 ext = pytest.importorskip("flash_attention_sm75._C", reason="extension not built")
 from flash_attention_sm75 import deterministic_backward  # noqa: E402
-from reference import cuda_kernels_run, kernel_streams  # noqa: E402
+from reference import cuda_kernels_run, kernel_streams, visible_mask  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -31,24 +31,8 @@ ops = torch.ops.flash_attention_sm75
 
 # ---------------------------------------------------------------------------------------------
 # Reference
-def visible_mask(B, Sq, Sk, causal, bottom_right, leftpad_k=None, seqused_k=None, device="cpu"):
-    i = torch.arange(Sq, device=device)[:, None]
-    j = torch.arange(Sk, device=device)[None, :]
-    vis = torch.ones(B, 1, Sq, Sk, dtype=torch.bool, device=device)
-    if causal:
-        off = Sk - Sq if bottom_right else 0
-        vis = vis & (j <= i + off)
-    if leftpad_k is not None:
-        lp = leftpad_k.to(device).long().clamp(0, Sk)
-        vis = vis & (j[None, None] >= lp.view(B, 1, 1, 1))
-    if seqused_k is not None:
-        su = seqused_k.to(device).long().clamp(0, Sk)
-        vis = vis & (j[None, None] < su.view(B, 1, 1, 1))
-    return vis
-
-
 def attention_ref(q, k, v, scale, causal, bottom_right, leftpad_k=None, seqused_k=None,
-                  dtype=torch.float64):
+                  dtype=torch.float64, window_size=(-1, -1)):
     """BSHD attention in `dtype` (float64 reference, or float16 = the PyTorch baseline with an
     fp32 softmax). Rows that see no key output 0. Differentiable."""
     B, Sq, H, D = q.shape
@@ -57,7 +41,8 @@ def attention_ref(q, k, v, scale, causal, bottom_right, leftpad_k=None, seqused_
     kd = kd.repeat_interleave(H // Hk, 1)
     vd = vd.repeat_interleave(H // Hk, 1)
     s = (qd * scale) @ kd.transpose(-1, -2) if dtype == torch.float16 else (qd @ kd.transpose(-1, -2)) * scale
-    vis = visible_mask(B, Sq, Sk, causal, bottom_right, leftpad_k, seqused_k, q.device)
+    vis = visible_mask(B, Sq, Sk, causal, bottom_right, leftpad_k, seqused_k, q.device,
+                       window_size)
     s = s.masked_fill(~vis, float("-inf"))
     p = torch.softmax(s.float() if dtype == torch.float16 else s, dim=-1)
     p = p.masked_fill(~vis.any(-1, keepdim=True), 0.0).to(dtype)
@@ -109,24 +94,26 @@ def dq_mode(mode):
 
 
 def check_against_reference(q, k, v, do, causal, bottom_right, lp=None, su=None,
-                            deterministic=False, atol=1e-3):
+                            deterministic=False, atol=1e-3, window_size=(-1, -1)):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = ops.fwd(q, k, v, scale, causal, bottom_right, lp, su)
+    out, lse = ops.fwd(q, k, v, scale, causal, bottom_right, lp, su, *window_size)
     # deterministic=False exercises the atomic-dQ kernel (opt-in via FLASH_SM75_BWD_DQ=atomic);
     # deterministic=True the separate dQ kernel, which is also the default.
     with dq_mode("separate" if deterministic else "atomic"):
         dq, dk, dv = ops.bwd(do, q, k, v, out, lse, scale, causal, bottom_right, lp, su,
-                             deterministic)
+                             deterministic, None, *window_size)
     for t in (dq, dk, dv):
         assert t.dtype == torch.float16 and t.is_contiguous()
         assert not torch.isnan(t).any()
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
     _, dq_ref, dk_ref, dv_ref = grads(
-        lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su), q, k, v, do)
+        lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su,
+                                      window_size=window_size), q, k, v, do)
     _, dq_pt, dk_pt, dv_pt = grads(
         lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su,
-                                      dtype=torch.float16), q, k, v, do, dtype=torch.float16)
+                                      dtype=torch.float16, window_size=window_size),
+        q, k, v, do, dtype=torch.float16)
     for name, ours, ref, pt in (("dq", dq, dq_ref, dq_pt), ("dk", dk, dk_ref, dk_pt),
                                 ("dv", dv, dv_ref, dv_pt)):
         err = (ours.double() - ref).abs().max().item()

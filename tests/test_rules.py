@@ -186,6 +186,15 @@ ROWS = [
         r"softmax_scale .* '0\.1'", cpp=False),
     Row("softmax_scale", "scale_bool", _with(lambda *t: t, softmax_scale=True),
         r"softmax_scale .* True", cpp=False),
+    Row("window_size", "window_left_minus_2", _with(lambda *t: t, window_size=(-2, -1)),
+        r"window_size_left must be -1 \(no limit\) or >= 0, got -2"),
+    Row("window_size", "window_right_minus_5", _with(lambda *t: t, window_size=(3, -5)),
+        r"window_size_right must be -1 \(no limit\) or >= 0, got -5"),
+    Row("window_size", "window_not_pair", _with(lambda *t: t, window_size=(3,)),
+        r"window_size must be a pair \(left, right\) of ints, each -1 \(no limit\) or >= 0, "
+        r"got tuple \(3,\)", cpp=False),
+    Row("window_size", "window_float", _with(lambda *t: t, window_size=(3.0, 0)),
+        r"window_size_left must be an int, -1 \(no limit\) or >= 0, got float 3\.0", cpp=False),
     # CPU tensors reach the op's CPU reference (the dispatcher's choice), never the C++ device
     # rule of the CUDA kernel; doors that run CUDA only ask the rulebook with devices=("cuda",).
     Row("device", "cpu_where_cuda_only", _base(), r"q must be a CUDA tensor, got device cpu",
@@ -235,7 +244,8 @@ def test_cpp_check_gives_the_rulebook_message(row):
     reason = _rules.not_supported_reason(q, k, v, **kwargs)
     with pytest.raises(ValueError, match="^flash_attention_sm75: ") as cpp:
         torch.ops.flash_attention_sm75.fwd(q, k, v, kwargs.get("softmax_scale"), False, True,
-                                           kwargs.get("leftpad_k"), kwargs.get("seqused_k"))
+                                           kwargs.get("leftpad_k"), kwargs.get("seqused_k"),
+                                           *kwargs.get("window_size", (-1, -1)))
     assert _head(str(cpp.value)) == _head("flash_attention_sm75: " + reason)
 
 
@@ -256,7 +266,8 @@ def test_direct_apis_raise_the_rulebook_reason_before_the_op(row, op_calls):
 
 # Rows the SDPA wrapper rejects for its own reason first (torch's argument contract: a Python
 # float scale) or that it never sees in this form.
-_SDPA_OWN = {"scale_tensor", "scale_str", "scale_bool", "cpu_where_cuda_only"}
+_SDPA_OWN = {"scale_tensor", "scale_str", "scale_bool", "cpu_where_cuda_only",
+             "window_left_minus_2", "window_right_minus_5", "window_not_pair", "window_float"}
 
 
 @pytest.mark.parametrize("row", _params([r for r in _API_ROWS if r.id not in _SDPA_OWN]))

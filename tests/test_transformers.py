@@ -539,6 +539,93 @@ def test_classify_sliding_window_falls_back():
     assert info is None and "sliding-window" in reason
 
 
+@pytest.mark.parametrize("case", ["causal", "left-pad", "chunked", "static-cache"])
+def test_classify_sliding_window_with_the_hint_runs_with_the_window(case):
+    # transformers passes sliding layers' `sliding_window`: the mask then matches a causal
+    # pattern whose rows see the last `sliding_window` keys, the op's window (w - 1, 0).
+    w = 3
+    fn = sliding_window_causal_mask_function(w)
+    _, left = _padded_batch([9, 4, 7], side="left")
+    _, left12 = _padded_batch([12, 5, 9], side="left")
+    mask, sq, sk, kv_len, kind = {
+        "causal": (_hf_mask(3, 9, 9, mask_function=fn), 9, 9, 9, "causal+key-range+window"),
+        "left-pad": (_hf_mask(3, 9, 9, left, mask_function=fn), 9, 9, 9, "+window"),
+        "chunked": (_hf_mask(3, 4, 12, left12, q_offset=8, mask_function=fn), 4, 12, 12,
+                    "+window"),
+        "static-cache": (_hf_mask(3, 9, 16, torch.cat([left, torch.zeros(3, 7, dtype=left.dtype)],
+                                                      1), mask_function=fn), 9, 16, 9,
+                         "window (truncated keys)"),
+    }[case]
+    info, reason = hf.classify_attention_mask(mask, 3, sq, sk, sliding_window=w)
+    assert reason is None, reason
+    assert info.causal and info.window_size == (w - 1, 0) and kind in info.kind
+    assert info.kv_len == kv_len
+    # The op's visibility with these arguments is exactly the mask.
+    from reference import visible_mask
+    vis = visible_mask(3, sq, kv_len, True, True, info.leftpad_k, info.seqused_k,
+                       window_size=info.window_size)
+    assert torch.equal(vis, mask[..., :kv_len] if mask.shape[1] == 1 else mask)
+    # A wrong hint does not make the mask run (the mask decides).
+    info, reason = hf.classify_attention_mask(mask, 3, sq, sk, sliding_window=w + 1)
+    assert info is None and "sliding-window" in reason
+
+
+@needs_op
+@pytest.mark.parametrize("family,window", [("mistral", 5), ("gemma3", 6), ("qwen2", 4)])
+def test_sliding_window_models_run_the_kernel_window_via_cpu_reference(family, window):
+    """Mistral / Gemma-3 / Qwen2 with a window shorter than the prompts: padded prefill and
+    generation run on the kernel (its window), matching stock SDPA with transformers' masks."""
+    hf.configure(allow_cpu_reference=True)
+    over = dict(sliding_window=window)
+    if family == "qwen2":
+        over.update(use_sliding_window=True, max_window_layers=0)
+    model = build_random_model(make_config(family, **over), dtype=torch.float16, seed=21,
+                               attn_implementation="flash_attention_sm75")
+    ref32 = copy.deepcopy(model).float()
+    ref32.set_attn_implementation("sdpa")
+    ids, am = _padded_batch([24, 9, 17], seed=22)
+    ours = _logits(model, ids, am)
+    stats = hf.get_stats()
+    assert stats["kernel_prefill"] == 2 and stats["fallback"] == 0, stats
+    ref = _logits(ref32, ids, am)
+    real = am.bool()
+    torch.testing.assert_close(ours.float()[real], ref[real], atol=1e-2, rtol=1e-2)
+    # The window changes the result (so the comparison above tests it).
+    full = copy.deepcopy(ref32)
+    full.config.sliding_window = 4096
+    for layer in full.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None):
+            layer.self_attn.sliding_window = 4096
+    assert (_logits(full, ids, am)[real] - ref[real]).abs().max() > 0.05
+
+    hf.reset_stats()
+    with torch.inference_mode():
+        gen = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    stats = hf.get_stats()
+    assert stats["kernel_prefill"] == 2 and stats["kernel_decode"] == 2 * 5, stats
+    assert stats["fallback"] == 0, stats
+    full_am = torch.cat([am, torch.ones(3, 6, dtype=am.dtype)], dim=1)
+    teacher = _logits(ref32, gen.sequences, full_am)[:, ids.shape[1] - 1:-1]
+    torch.testing.assert_close(torch.stack(gen.logits, 1).float(), teacher, atol=1e-2, rtol=1e-2)
+
+
+@needs_op
+def test_sliding_window_without_a_mask_runs_the_kernel_window():
+    # transformers' FlashAttention semantics: no mask, a window shorter than the keys ->
+    # window_size (w - 1, w - 1) (the right side is the diagonal when causal).
+    hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(2, 4, 2, 11, 11, 64, seed=5)
+    mod = _Attn(4, 2)
+    with torch.inference_mode():
+        out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, sliding_window=4)
+    assert hf.get_stats()["kernel"] == 1 and hf.get_stats()["fallback"] == 0
+    mask = _hf_mask(2, 11, 11, mask_function=sliding_window_causal_mask_function(4))
+    with torch.inference_mode():
+        ref, _ = sdpa_attention_forward(mod, q.float(), k.float(), v.float(), mask)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
 def test_classify_sliding_window_wider_than_sequence_runs():
     # transformers builds sliding-window masks for Mistral/Qwen2 sliding layers; when the window
     # covers the whole sequence the mask is plain causal and runs on the kernel.

@@ -224,6 +224,46 @@ def test_greedy_generate_left_padded_teacher_forced(name):
     assert agree >= 0.9
 
 
+@pytest.mark.parametrize("name,window", [("gemma-3-1b", 64), ("mistral", 100)])
+def test_sliding_window_prefill_and_generate_run_the_kernel_window(name, window):
+    # Windows shorter than the prompts: transformers' sliding masks run on the kernel's window
+    # (no fallback), prefill and decode, and match stock SDPA like the other models.
+    config = make_config(name, sliding_window=window)
+    if name == "mistral":
+        config = make_config(name, sliding_window=window, hidden_size=1024,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    model = build_random_model(config, dtype=torch.float16, device=DEVICE, seed=0,
+                               attn_implementation="flash_attention_sm75")
+    n_layers = model.config.num_hidden_layers
+    ids, am = _left_padded(PADDED_LENGTHS, model.config.vocab_size, seed=4)
+    hf.reset_stats()
+    ours = _logits(model, "flash_attention_sm75", ids, am)
+    stats = hf.get_stats()
+    assert stats["kernel_prefill"] == n_layers and stats["fallback"] == 0, stats
+    stock = _logits(model, "sdpa", ids, am)
+    ref = _reference(model)
+    ref_logits = _ref_logits(ref, ids, am)
+    real = am.bool()
+    _check(f"{name} window {window} prefill", ours[real], stock[real], ref_logits[real])
+
+    hf.reset_stats()
+    model.set_attn_implementation("flash_attention_sm75")
+    with torch.inference_mode():
+        gen = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=16,
+                             do_sample=False, use_cache=True, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    stats = hf.get_stats()
+    assert stats["fallback"] == 0 and stats["kernel_decode"] == n_layers * 15, stats
+    prompt_len = ids.shape[1]
+    full_am = torch.cat([am, torch.ones(am.shape[0], 16, dtype=am.dtype, device=am.device)], 1)
+    teacher = _ref_logits(ref, gen.sequences, full_am)[:, prompt_len - 1:-1]
+    stock_tf = _logits(model, "sdpa", gen.sequences, full_am)[:, prompt_len - 1:-1]
+    del ref
+    _check(f"{name} window {window} generate", torch.stack(gen.logits, 1).float().flatten(0, 1),
+           stock_tf.flatten(0, 1), teacher.flatten(0, 1), max_factor=3.0, mean_factor=2.0,
+           max_slack=0.03, mean_slack=2e-3)
+
+
 def test_patched_sdpa_model_runs_kernel():
     name = "llama-3.2-1b"
     model = _model(name)

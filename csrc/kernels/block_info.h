@@ -16,6 +16,14 @@ FLASH_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
 FLASH_HOST_DEVICE int imin(int a, int b) { return a < b ? a : b; }
 FLASH_HOST_DEVICE int imax(int a, int b) { return a > b ? a : b; }
 
+// The diagonal band. Key j is visible to query i iff i + window_lower <= j <= i + c, where c is
+// the causal offset (the band's upper diagonal) and window_lower its lower diagonal. Plain
+// causal attention has no lower diagonal (kNoWindowLower); a sliding window (flash-attn's
+// window_size = (left, right), aligned like the causal mask) sets c = offset + right and
+// window_lower = offset - left (band_diagonals). The kernels take the masked (Is_causal)
+// instantiation for any band.
+constexpr int kNoWindowLower = -(1 << 30);
+
 // The causal offset c: key j is visible to query i iff j <= i + c.
 //   bottom_right (FlashAttention `causal`): c = seqlen_k - seqlen_q, the last query sees every key;
 //   top-left (torch SDPA `is_causal`):      c = 0, query i sees keys 0..i.
@@ -37,36 +45,64 @@ FLASH_HOST_DEVICE KeyRange key_range(int seqlen_k, const int* leftpad_k, const i
   return {start, end};
 }
 
+// The band's diagonals for flash-attn's window_size = (left, right) (-1 = unbounded on that
+// side; causal forces right = 0) around offset = causal_offset(...): {upper, lower}. Computed in
+// 64 bits and clamped so that the kernels' int arithmetic cannot overflow: upper into
+// [kNoWindowLower, seqlen_k] (>= seqlen_k - 1 hides nothing), lower into [kNoWindowLower,
+// seqlen_k] (kNoWindowLower: no lower diagonal, exact for seqlen_q < 2^30).
+struct BandDiagonals {
+  int upper;
+  int lower;
+};
+inline BandDiagonals band_diagonals(int seqlen_q, int seqlen_k, bool bottom_right, bool causal,
+                                    long long window_left, long long window_right) {
+  const long long off = causal_offset(seqlen_q, seqlen_k, bottom_right);
+  const long long lo_clamp = kNoWindowLower;
+  long long upper = causal ? off : (window_right >= 0 ? off + window_right : seqlen_k);
+  long long lower = window_left >= 0 ? off - window_left : lo_clamp;
+  upper = upper < lo_clamp ? lo_clamp : (upper > seqlen_k ? seqlen_k : upper);
+  lower = lower < lo_clamp ? lo_clamp : (lower > seqlen_k ? seqlen_k : lower);
+  return {static_cast<int>(upper), static_cast<int>(lower)};
+}
+
 // Range [n_block_min, n_block_max) of key tiles (size block_n) that query tile m_block
 // (rows m_block*block_m .. min(seqlen_q, (m_block+1)*block_m) - 1) must visit. Tiles entirely
-// outside the key range or entirely above the causal diagonal are skipped. An empty range
-// (max <= min) means no row of the tile sees any key: output 0, LSE -inf.
+// outside the key range, entirely above the causal diagonal or entirely before the window's
+// lower diagonal are skipped, so a window's cost follows the window, not seqlen_k. An empty
+// range (max <= min) means no row of the tile sees any key: output 0, LSE -inf.
 struct BlockRange {
   int n_block_min;
   int n_block_max;
 };
 FLASH_HOST_DEVICE BlockRange n_block_range(int m_block, int block_m, int block_n, int seqlen_q,
-                                           KeyRange kr, bool is_causal, int causal_off) {
-  int n_min = kr.key_start / block_n;
+                                           KeyRange kr, bool is_causal, int causal_off,
+                                           int window_lower = kNoWindowLower) {
+  int first_key = kr.key_start;
   int last_key = kr.key_end;  // exclusive
   if (is_causal) {
     int last_row = imin(seqlen_q, (m_block + 1) * block_m) - 1;
-    // The last row of the tile sees keys <= last_row + causal_off.
+    // The last row of the tile sees keys <= last_row + causal_off, the first row keys >=
+    // first_row + window_lower.
     last_key = imin(last_key, imax(last_row + causal_off + 1, 0));
+    first_key = imax(first_key, m_block * block_m + window_lower);
   }
+  int n_min = first_key / block_n;
   int n_max = ceil_div(last_key, block_n);
-  if (last_key <= kr.key_start) n_max = n_min;  // nothing visible
+  if (last_key <= first_key) n_max = n_min;  // nothing visible
   return {n_min, n_max};
 }
 
 // True when key tile n_block needs no per-element mask for query tile m_block: it lies inside
-// the key range and, if causal, entirely on or below the diagonal for the tile's first row.
+// the key range and, if causal, entirely on or below the diagonal for the tile's first row and
+// on or after the window's lower diagonal for its last row.
 FLASH_HOST_DEVICE bool tile_is_unmasked(int m_block, int n_block, int block_m, int block_n,
-                                        KeyRange kr, bool is_causal, int causal_off) {
+                                        KeyRange kr, bool is_causal, int causal_off,
+                                        int window_lower = kNoWindowLower) {
   int n_start = n_block * block_n;
   int n_end = n_start + block_n;
   if (n_start < kr.key_start || n_end > kr.key_end) return false;
   if (is_causal && n_end - 1 > m_block * block_m + causal_off) return false;
+  if (is_causal && n_start < (m_block + 1) * block_m - 1 + window_lower) return false;
   return true;
 }
 
@@ -99,9 +135,9 @@ FLASH_HOST_DEVICE TileOrder causal_tile_order(long long linear, int num_blocks, 
 
 // Element-level visibility, the definition the tile logic above must agree with.
 FLASH_HOST_DEVICE bool key_visible(int row, int col, KeyRange kr, bool is_causal,
-                                   int causal_off) {
+                                   int causal_off, int window_lower = kNoWindowLower) {
   if (col < kr.key_start || col >= kr.key_end) return false;
-  return !is_causal || col <= row + causal_off;
+  return !is_causal || (col <= row + causal_off && col >= row + window_lower);
 }
 
 }  // namespace flash_sm75

@@ -15,19 +15,24 @@ struct MBlockRange {
   int m_block_max;
 };
 FLASH_HOST_DEVICE MBlockRange m_block_range(int n_block, int block_m, int block_n, int seqlen_q,
-                                            KeyRange kr, bool is_causal, int causal_off) {
+                                            KeyRange kr, bool is_causal, int causal_off,
+                                            int window_lower = kNoWindowLower) {
   const int first_key = imax(n_block * block_n, kr.key_start);
   const int end_key = imin((n_block + 1) * block_n, kr.key_end);
   if (end_key <= first_key) return {0, 0};
   int m_min = 0;
+  int m_max = ceil_div(seqlen_q, block_m);
   if (is_causal) {
-    // Query i sees key j iff j <= i + causal_off: the block's first visible key is seen from
-    // row first_key - causal_off on, and every later row sees it too.
+    // Query i sees key j iff i + window_lower <= j <= i + causal_off: the block's first visible
+    // key is seen from row first_key - causal_off on, its last one up to row
+    // end_key - 1 - window_lower (64 bits: with no lower diagonal that passes 2^31).
     const int first_row = first_key - causal_off;
-    if (first_row >= seqlen_q) return {0, 0};
+    const long long last_row = static_cast<long long>(end_key) - 1 - window_lower;
+    if (first_row >= seqlen_q || last_row < 0 || last_row < first_row) return {0, 0};
     m_min = imax(first_row, 0) / block_m;
+    if (last_row < seqlen_q) m_max = static_cast<int>(last_row) / block_m + 1;
   }
-  return {m_min, ceil_div(seqlen_q, block_m)};
+  return {m_min, m_max};
 }
 
 }  // namespace flash_sm75

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "block_info.h"
+
 namespace flash_sm75 {
 
 using index_t = int64_t;
@@ -48,10 +50,12 @@ struct Flash_fwd_params {
   float scale_softmax_log2;   // scale_softmax * log2(e): the kernel evaluates exp2, not exp
 
   // ---- masking -------------------------------------------------------------------------
-  bool is_causal;       // apply the causal mask below
+  bool is_causal;       // apply the diagonal band below (causal and / or a sliding window)
   int causal_offset;    // key j is visible to query i iff j <= i + causal_offset.
                         // seqlen_k - seqlen_q: bottom-right (FlashAttention `causal`);
-                        // 0: top-left (torch SDPA `is_causal`).
+                        // 0: top-left (torch SDPA `is_causal`); + right for a window.
+  int window_lower = kNoWindowLower;  // ... and j >= i + window_lower (a window's left edge: offset - left);
+                        // kNoWindowLower (block_info.h) without one. band_diagonals().
 
   // ---- launch choice (host only) -------------------------------------------------------
   int num_sms;          // SMs of the device (0 = unknown: the default tile)

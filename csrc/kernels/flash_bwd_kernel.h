@@ -221,7 +221,7 @@ template <int kWC, bool Is_causal>
 __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p_frag)[kWC / 8][2],
                                         const float* sLse, int qc0, int t, float scale_log2,
                                         bool need_mask, int key_g, int m0, const KeyRange& kr,
-                                        int causal_offset) {
+                                        int causal_offset, int window_lower) {
 #pragma unroll
   for (int nt = 0; nt < kWC / 8; ++nt) {
     const int qcol = qc0 + 8 * nt + 2 * t;
@@ -232,7 +232,7 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
       if (need_mask) {
         const int key = key_g + (e >= 2 ? 8 : 0);
         const int query = m0 + qcol + (e & 1);
-        if (!key_visible(query, key, kr, Is_causal, causal_offset)) p = 0.f;
+        if (!key_visible(query, key, kr, Is_causal, causal_offset, window_lower)) p = 0.f;
       }
       acc_s[nt][e] = p;
     }
@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
   const MBlockRange mr = m_block_range(n_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
-                                       params.causal_offset);
+                                       params.causal_offset, params.window_lower);
   const int num_m = imax(mr.m_block_max - mr.m_block_min, 0);
   const int total = num_m * ratio;  // (q head of the group, query tile) iterations
   const float scale_log2 = params.scale_softmax_log2;
@@ -460,10 +460,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       // ---- P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked; kept in acc_s.
       // Element (nt, e): key 16 wn + g + 8 (e >= 2), query qc0 + 8 nt + 2 t + (e & 1).
       const bool need_mask =
-          !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset);
+          !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
+                            params.window_lower);
       uint32_t p_frag[kWC / 8][2];
       probs_t<kWC, Is_causal>(acc_s, p_frag, sLse, qc0, t, scale_log2, need_mask,
-                              n0 + 16 * wn + g, m0, kr, params.causal_offset);
+                              n0 + 16 * wn + g, m0, kr, params.causal_offset,
+                              params.window_lower);
 
       // ---- dV += P^T dO (16 keys x d per warp; k = this warp's queries).
       gemm_rs_t<kWC, kDO, kRowB, false>(acc_dv, p_frag, q_t_addr + kDofromQ);
@@ -645,7 +647,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
   const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
   const BlockRange nb = n_block_range(m_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
-                                      params.causal_offset);
+                                      params.causal_offset, params.window_lower);
   const int row0 = m_block * kBM;
   const float scale_log2 = params.scale_softmax_log2;
 
@@ -724,7 +726,8 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       }
       // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s).
       const bool need_mask =
-          !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset);
+          !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
+                            params.window_lower);
 #pragma unroll
       for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
@@ -733,7 +736,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
           if (need_mask) {
             const int row = row0 + 16 * wr + g + (e >= 2 ? 8 : 0);
             const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
-            if (!key_visible(row, col, kr, Is_causal, params.causal_offset)) p = 0.f;
+            if (!key_visible(row, col, kr, Is_causal, params.causal_offset, params.window_lower)) {
+              p = 0.f;
+            }
           }
           acc_s[nt][e] = p;
         }

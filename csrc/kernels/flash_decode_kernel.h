@@ -78,10 +78,14 @@ __device__ __forceinline__ float warp_allreduce_sum(float x) {
   return x;
 }
 
-// Keys of this (batch) row that query 0 sees: [key_start, key_end) and, causal, j <= offset.
+// Keys of this (batch) row that query 0 sees: [key_start, key_end) and, with a band (causal,
+// window), window_lower <= j <= causal_offset.
 __device__ __forceinline__ KeyRange decode_key_range(const Flash_fwd_params& params, int bidb) {
   KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
-  if (params.is_causal) kr.key_end = imax(kr.key_start, imin(kr.key_end, params.causal_offset + 1));
+  if (params.is_causal) {
+    kr.key_start = imin(imax(kr.key_start, params.window_lower), kr.key_end);
+    kr.key_end = imax(kr.key_start, imin(kr.key_end, params.causal_offset + 1));
+  }
   return kr;
 }
 

@@ -76,7 +76,7 @@ __device__ __forceinline__ FwdCta fwd_cta(const Flash_fwd_params& params) {
              c.bidh * params.o_head_stride;
   c.kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, c.bidb);
   c.nb = n_block_range(c.m_block, Kt::kBlockM, Kt::kBlockN, params.seqlen_q, c.kr, Is_causal,
-                       params.causal_offset);
+                       params.causal_offset, params.window_lower);
   return c;
 }
 
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
           acc_s[j][3] += x.w;
         }
         mask_scores<Is_causal, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * rw,
-                                                 params.causal_offset);
+                                                 params.causal_offset, params.window_lower);
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kDCols, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
                                                             p_frag, exact_exp);
@@ -262,7 +262,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
         mask_scores<Is_causal, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
-                                                   row0 + 16 * warp, params.causal_offset);
+                                                   row0 + 16 * warp, params.causal_offset,
+                                                   params.window_lower);
         // S_b = Q K_b^T beside the softmax of half a.
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sb, q_frag, k_lane_addr + kHalfBytes);
         if (softmax_step<kHalf, Kt::kRescaleThreshold>(acc_sa, m_i, l_i, scale_log2, p_a, alpha,
@@ -270,7 +271,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
           rescale_o<kD>(acc_o, alpha);
         }
         mask_scores<Is_causal, Kt::kBlockM, kHalf>(acc_sb, c.m_block, 2 * n_block + 1, c.kr,
-                                                   row0 + 16 * warp, params.causal_offset);
+                                                   row0 + 16 * warp, params.causal_offset,
+                                                   params.window_lower);
         store_tile_r2s<Kt>(stage, sV, tid);
         __syncthreads();  // V_j visible; every warp is done with K_j
         const bool has_next = n_block + 1 < c.nb.n_block_max;
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
         mask_scores<Is_causal, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,
-                                                 params.causal_offset);
+                                                 params.causal_offset, params.window_lower);
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
                                                         p_frag, exact_exp);

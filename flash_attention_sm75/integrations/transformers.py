@@ -303,12 +303,30 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
     return _ops.autograd_reason(query, key, value, any_transform=True)
 
 
-def _plan(module, query, key, attention_mask, is_causal) -> "_Classification":
-    """Map the call onto the op (``MaskInfo``) or return the reason to fall back."""
+def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
+          flash_semantics=False) -> "_Classification":
+    """Map the call onto the op (``MaskInfo``) or return the reason to fall back.
+
+    ``sliding_window`` (transformers' argument for sliding layers) is a hint for recognising a
+    windowed mask; without a mask and with ``flash_semantics`` it is applied as transformers'
+    FlashAttention path applies it: ``window_size = (sliding_window - 1, sliding_window - 1)``
+    (causal: the right side is the diagonal), bottom-right aligned on all keys.
+    """
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     if q_len == 1 and not _SETTINGS["decode_on_kernel"]:
         return None, "decode (q_len == 1) is configured to use torch SDPA"
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
+            or sliding_window < 1:
+        sliding_window = None  # not a window (the flash path rejects it in _explicit_mask)
+    if attention_mask is None and flash_semantics and sliding_window is not None \
+            and kv_len > sliding_window:
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        causal = bool(q_len > 1 and is_causal)
+        window = (sliding_window - 1, sliding_window - 1)
+        return MaskInfo(causal, kv_len, None, None, "window" if not causal else "causal+window",
+                        window), None
     if attention_mask is None:
         # transformers' rule (sdpa_attention_forward): causal only for q_len > 1 without a mask,
         # torch SDPA's top-left alignment. With kv_len > q_len (prefill into an empty static
@@ -321,7 +339,8 @@ def _plan(module, query, key, attention_mask, is_causal) -> "_Classification":
         if kv_len < q_len:
             return None, f"causal without a mask and kv_len {kv_len} < q_len {q_len}"
         return MaskInfo(True, q_len, None, None, "causal"), None
-    return classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype)
+    return classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype,
+                                   sliding_window=sliding_window)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -454,14 +473,7 @@ def _explicit_mask(module, query, key, attention_mask, bound, kwargs) -> Tuple[
             mask = _documents_mask(doc, doc, rel, rel, torch.zeros_like(rel), causal, window)
             reason = ("packed sequences (position_ids restart within a row): no varlen kernel "
                       "yet, per-document mask")
-        elif no_mask and window is not None and kv_len > window:
-            iq = torch.arange(q_len, device=dev)
-            ik = torch.arange(kv_len, device=dev)
-            zeros = torch.zeros_like(iq)
-            mask = _documents_mask(zeros, torch.zeros_like(ik), iq, ik,
-                                   zeros + (kv_len - q_len), causal, window)
-            reason = f"sliding_window={window} without a mask (the kernel has no window yet)"
-        else:
+        else:  # a window without a mask runs on the kernel (_plan)
             return None, None
     if not no_mask:
         if attention_mask.dtype == torch.bool:
@@ -505,7 +517,8 @@ def _run_kernel(query, key, value, scaling, info: MaskInfo) -> torch.Tensor:
     k = _bshd_for_kernel(key)
     v = _bshd_for_kernel(value)
     scale = None if scaling is None else float(scaling)
-    out, _ = _ops.call_fwd(q, k, v, scale, info.causal, True, info.leftpad_k, info.seqused_k)
+    out, _ = _ops.call_fwd(q, k, v, scale, info.causal, True, info.leftpad_k, info.seqused_k,
+                           *info.window_size)
     return out
 
 
@@ -539,7 +552,8 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
     reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs)
     info = None
     if reason is None:
-        info, reason = _plan(module, query, key, attention_mask, bound["is_causal"])
+        info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
+                             kwargs.get("sliding_window"), flash_semantics)
     if reason is None:
         if torch.compiler.is_compiling():  # no try/except on a traced path; the op checks
             _count_kernel(query.shape[2])
@@ -595,8 +609,11 @@ def flash_attention_sm75_forward(
           equals the row's minimum). Each sequence attends only to itself (bottom-right causal
           within it when causal). Until a varlen kernel exists these run on torch SDPA with a
           per-document mask built on the device;
-        * ``sliding_window``: carried by transformers' mask; without a mask, a window shorter
-          than the keys is applied through an explicit mask on torch SDPA;
+        * ``sliding_window``: carried by transformers' mask (a causal, padded or static-cache
+          mask whose rows see only the last ``sliding_window`` keys runs on the kernel's
+          window); without a mask, a window shorter than the keys runs on the kernel with
+          ``window_size = (sliding_window - 1, sliding_window - 1)`` as transformers'
+          FlashAttention path applies it;
         * ``output_attentions=True`` falls back (torch SDPA returns no weights either);
           ``deterministic=True`` falls back only when ``FLASH_SM75_BWD_DQ=atomic`` makes our
           backward non-deterministic;

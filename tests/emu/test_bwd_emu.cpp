@@ -78,6 +78,10 @@ struct Case {
   bool atomic;
   uint32_t seed;
   bool fwd_only = false;  // forward (o, lse) only: no backward run, gradients not checked
+  int wl = -1, wr = -1;   // sliding window (flash-attn's window_size), -1 = unbounded
+  // The diagonal band the host gives the kernels (set_params_fprop): causal and / or window.
+  bool banded() const { return causal || wl >= 0 || wr >= 0; }
+  BandDiagonals band() const { return band_diagonals(sq, sk, bottom_right, causal, wl, wr); }
 };
 
 struct Errors {
@@ -236,13 +240,13 @@ struct Result {
 // Row i of (batch b, head h) in float64: p[j] = softmax probability of key j (0 where the key
 // is not visible, and for a row that sees none); returns the row's LSE (-inf if it sees none).
 double reference_row(const HTensor& q, const HTensor& k, int b, int i, int h, int hk,
-                     const KeyRange& kr, const Case& c, int off, double scale,
+                     const KeyRange& kr, const Case& c, int /*off: c.band()*/, double scale,
                      std::vector<double>& p) {
   const int Sk = c.sk, D = c.d;
   double mx = -INFINITY;
   std::vector<double> s(Sk, -INFINITY);
   for (int j = 0; j < Sk; ++j) {
-    if (!key_visible(i, j, kr, c.causal, off)) continue;
+    if (!key_visible(i, j, kr, c.banded(), c.band().upper, c.band().lower)) continue;
     double acc = 0;
     for (int x = 0; x < D; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
     s[j] = acc * scale;
@@ -286,9 +290,9 @@ Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const H
   const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && lse_inf_ok;
   if (verbose || !ok) {
     std::printf(
-        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d br=%d lp=%d su=%d layout=%d fwd only | "
+        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d fwd only | "
         "o %.2e/%.2e lse %.2e inf_ok=%d\n",
-        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.bottom_right, c.use_lp, c.use_su,
+        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
         c.layout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok);
     std::fflush(stdout);
   }
@@ -332,9 +336,10 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   fp.b = B, fp.seqlen_q = Sq, fp.seqlen_k = Sk, fp.h = H, fp.h_k = Hk, fp.h_h_k_ratio = H / Hk, fp.d = D;
   fp.scale_softmax = float(scale);
   fp.scale_softmax_log2 = float(scale * M_LOG2E);
-  fp.is_causal = c.causal;
-  fp.causal_offset = causal_offset(Sq, Sk, c.bottom_right);
-  if (c.causal) dispatch_fwd<true>(fp);
+  fp.is_causal = c.banded();
+  fp.causal_offset = c.band().upper;
+  fp.window_lower = c.band().lower;
+  if (fp.is_causal) dispatch_fwd<true>(fp);
   else dispatch_fwd<false>(fp);
   if (c.fwd_only) return check_fwd_case(c, q, k, v, out, lse, lp, su, verbose);
 
@@ -356,7 +361,7 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   bp.dq_accum_ptr = c.atomic ? dq_accum.data() : nullptr;
   bp.dq_atomic = c.atomic;
   if (!c.fwd_only) {
-    if (c.causal) dispatch_bwd<true>(bp);
+    if (bp.is_causal) dispatch_bwd<true>(bp);
     else dispatch_bwd<false>(bp);
   }
 
@@ -424,16 +429,16 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   const bool ok = fwd_ok && (c.fwd_only || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) &&
                                             e_dv.ok(1e-2, 2e-3) && masked_zero_ok));
   if ((verbose || !ok) && c.fwd_only) {
-    std::printf("%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d br=%d lp=%d su=%d layout=%d | "
+    std::printf("%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d | "
                 "o %.2e/%.2e lse %.2e inf_ok=%d | forward only\n",
-                ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.bottom_right, c.use_lp,
+                ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.wl, c.wr, c.bottom_right, c.use_lp,
                 c.use_su, c.layout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok);
     std::fflush(stdout);
   } else if (verbose || !ok) {
     std::printf(
-        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d br=%d lp=%d su=%d layout=%d atomic=%d | "
+        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d atomic=%d | "
         "o %.2e/%.2e lse %.2e inf_ok=%d | dq %.2e/%.2e dk %.2e/%.2e dv %.2e/%.2e masked0=%d\n",
-        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.bottom_right, c.use_lp, c.use_su,
+        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
         c.layout, c.atomic, e_o.err, e_o.ref, e_lse.err, lse_inf_ok, e_dq.err, e_dq.ref, e_dk.err,
         e_dk.ref, e_dv.err, e_dv.ref, masked_zero_ok);
     std::fflush(stdout);
@@ -670,43 +675,77 @@ int check_decode_split_merges() {
   return fails;
 }
 
+// m_block_range (backward) and n_block_range / tile_is_unmasked (forward, dQ) against brute
+// force over key_visible, with causal masks and sliding windows (band_diagonals): a tile range
+// must hold every tile with a visible (row, key) pair and start and end on such tiles (the
+// window's pruning), and a tile called unmasked must have every (row, key) visible.
 int check_m_block_range() {
   int bad = 0;
+  const std::pair<int, int> windows[] = {{-1, -1}, {0, 0}, {5, -1}, {-1, 3}, {40, 10}, {70, 0}};
   for (int sq : {1, 5, 31, 32, 33, 64, 100, 130})
     for (int sk : {1, 7, 64, 65, 129, 200})
       for (int causal = 0; causal < 2; ++causal)
         for (int br = 0; br < 2; ++br)
-          for (int lp : {0, 3, 64})
-            for (int su : {sk, sk / 2, 70}) {
-              const int bm = 32, bn = 64;
-              const KeyRange kr{std::min(lp, sk), std::max(std::min(su, sk), std::min(lp, sk))};
-              const int off = causal_offset(sq, sk, br);
-              for (int nb = 0; nb * bn < sk; ++nb) {
-                const MBlockRange r = m_block_range(nb, bm, bn, sq, kr, causal, off);
-                int first = -1;
-                for (int i = 0; i < sq && first < 0; ++i)
-                  for (int j = nb * bn; j < std::min(sk, (nb + 1) * bn); ++j)
-                    if (key_visible(i, j, kr, causal, off)) {
-                      first = i / bm;
-                      break;
-                    }
-                const bool ok = first < 0 ? r.m_block_max <= r.m_block_min
-                                          : r.m_block_min == first &&
-                                                r.m_block_max == (sq + bm - 1) / bm;
-                if (!ok) {
-                  ++bad;
-                  std::printf("BAD m_block_range sq=%d sk=%d causal=%d br=%d lp=%d su=%d nb=%d: "
-                              "[%d,%d) first=%d\n", sq, sk, causal, br, lp, su, nb,
-                              r.m_block_min, r.m_block_max, first);
+          for (auto [wl, wr] : windows)
+            for (int lp : {0, 3, 64})
+              for (int su : {sk, sk / 2, 70}) {
+                const int bm = 32, bn = 64;
+                const KeyRange kr{std::min(lp, sk), std::max(std::min(su, sk), std::min(lp, sk))};
+                const bool band = causal || wl >= 0 || wr >= 0;
+                const BandDiagonals bd = band_diagonals(sq, sk, br, causal, wl, wr);
+                auto vis = [&](int i, int j) { return key_visible(i, j, kr, band, bd.upper, bd.lower); };
+                for (int nb = 0; nb * bn < sk; ++nb) {
+                  const MBlockRange r = m_block_range(nb, bm, bn, sq, kr, band, bd.upper, bd.lower);
+                  int first = -1, last = -1;
+                  for (int i = 0; i < sq; ++i)
+                    for (int j = nb * bn; j < std::min(sk, (nb + 1) * bn); ++j)
+                      if (vis(i, j)) {
+                        if (first < 0) first = i / bm;
+                        last = i / bm;
+                      }
+                  // Without a lower diagonal the range runs to the last tile (every later row
+                  // sees the key too); with one it must end on the last tile that sees it.
+                  const int want_max = bd.lower == kNoWindowLower ? (sq + bm - 1) / bm : last + 1;
+                  const bool ok = first < 0 ? r.m_block_max <= r.m_block_min
+                                            : r.m_block_min == first && r.m_block_max == want_max;
+                  if (!ok) {
+                    ++bad;
+                    std::printf("BAD m_block_range sq=%d sk=%d causal=%d w=(%d,%d) br=%d lp=%d "
+                                "su=%d nb=%d: [%d,%d) first=%d last=%d\n", sq, sk, causal, wl, wr,
+                                br, lp, su, nb, r.m_block_min, r.m_block_max, first, last);
+                  }
+                }
+                for (int mb = 0; mb * bm < sq; ++mb) {
+                  const BlockRange r = n_block_range(mb, bm, bn, sq, kr, band, bd.upper, bd.lower);
+                  int first = -1, last = -1;
+                  for (int i = mb * bm; i < std::min(sq, (mb + 1) * bm); ++i)
+                    for (int j = 0; j < sk; ++j)
+                      if (vis(i, j)) {
+                        if (first < 0 || j / bn < first) first = j / bn;
+                        last = std::max(last, j / bn);
+                      }
+                  bool ok = first < 0 ? r.n_block_max <= r.n_block_min
+                                      : r.n_block_min == first && r.n_block_max == last + 1;
+                  for (int nb = 0; nb * bn < sk && ok; ++nb) {
+                    if (!tile_is_unmasked(mb, nb, bm, bn, kr, band, bd.upper, bd.lower)) continue;
+                    for (int i = mb * bm; i < (mb + 1) * bm && ok; ++i)
+                      for (int j = nb * bn; j < (nb + 1) * bn && ok; ++j) ok = vis(i, j);
+                  }
+                  if (!ok) {
+                    ++bad;
+                    std::printf("BAD n_block_range sq=%d sk=%d causal=%d w=(%d,%d) br=%d lp=%d "
+                                "su=%d mb=%d: [%d,%d) first=%d last=%d\n", sq, sk, causal, wl, wr,
+                                br, lp, su, mb, r.n_block_min, r.n_block_max, first, last);
+                  }
                 }
               }
-            }
-  std::printf("%s m_block_range brute force\n", bad ? "BAD" : "OK ");
+  std::printf("%s m_block_range / n_block_range / tile_is_unmasked brute force\n",
+              bad ? "BAD" : "OK ");
   return bad ? 1 : 0;
 }
 
 int main(int argc, char** argv) {
-  // Usage: test_bwd_emu [quick|full|tails|decode|fwd|blockinfo]  (tails: only the head dims
+  // Usage: test_bwd_emu [quick|full|tails|decode|fwd|window|blockinfo]  (tails: only the head dims
   // below a bucket; decode: only the seqlen_q == 1 cases of all modes, forward only, and the
   // split merges; fwd: only the forward-only cases and the forward's huge-score checks)
   const std::string mode = argc > 1 ? argv[1] : "quick";
@@ -880,19 +919,45 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // Sliding windows (window_size = (wl, wr), one diagonal band with the causal mask): forward
+  // and both backward modes on every bucket with a prefill kernel, windows narrower than a tile
+  // and spanning several, with and without causal, both alignments, key ranges, NaN gaps;
+  // decode (seqlen_q == 1) with a window on the split-KV kernel. window: only these.
+  if (mode == "window") cases.clear();
+  if (mode == "quick" || mode == "full" || mode == "window") {
+    const uint32_t seed_after = seed;
+    seed = 4000;
+    auto addw = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, bool br, bool lp,
+                    bool su, int layout, bool atomic, int wl, int wr) {
+      add(b, sq, sk, h, hk, d, causal, br, lp, su, layout, atomic);
+      cases.back().wl = wl, cases.back().wr = wr;
+    };
+    const std::vector<int> dims = mode == "quick" ? std::vector<int>{64, 96, 256}
+                                                  : std::vector<int>{64, 96, 128, 256, 40, 200};
+    for (int d : dims) {
+      addw(2, 200, 200, 2, 1, d, true, true, false, false, 2, false, 37, -1);   // causal + left
+      addw(1, 150, 230, 4, 2, d, false, true, true, true, 1, d == 64, 20, 45); // both sides
+      addw(1, 230, 150, 2, 2, d, false, false, false, false, 0, false, -1, 9);  // right only, sq > sk
+      addw(2, 130, 170, 2, 1, d, true, true, true, false, 2, d != 64, 100, -1); // wide, key ranges
+      addw(1, 90, 90, 2, 2, d, false, true, false, false, 0, false, 0, 0);      // diagonal only
+      addw(2, 1, 600, 6, 2, d, true, true, true, true, 2, false, 250, -1);      // decode, splits
+      addw(1, 1, 300, 4, 4, d, false, true, false, false, 0, false, 100, 0);   // decode
+    }
+    seed = seed_after;
+  }
   for (const Case& c : cases) fails += run_case(c, true).ok ? 0 : 1;
-  if (mode != "tails" && mode != "decode") {
+  if (mode != "tails" && mode != "decode" && mode != "window") {
     fails += check_huge_scores();
     fails += check_large_spread_scores();
   }
-  if (mode != "tails" && mode != "fwd") fails += check_decode_split_merges();
+  if (mode != "tails" && mode != "fwd" && mode != "window") fails += check_decode_split_merges();
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
   // thread interleaving are reshuffled by the seed).
   // full: also the d = 256 kernels (column splits), at a tail head dim.
   std::vector<int> rerun_dims = {64, 96};
   if (mode == "full") rerun_dims.push_back(200);
-  const bool rerun = mode != "tails" && mode != "decode" && mode != "fwd";
+  const bool rerun = mode != "tails" && mode != "decode" && mode != "fwd" && mode != "window";
   for (int d : rerun ? rerun_dims : std::vector<int>{}) {
     Case c{2, 90, 77, 4, 2, d, true, true, true, true, 0, false, 99};
     Result r1 = run_case(c, false, 1001);
