@@ -14,6 +14,8 @@ struct MBlockRange {
   int m_block_min;
   int m_block_max;
 };
+// Has_lower: the band's lower diagonal (block_info.h's n_block_range says why it is a template).
+template <bool Has_lower = false>
 FLASH_HOST_DEVICE MBlockRange m_block_range(int n_block, int block_m, int block_n, int seqlen_q,
                                             KeyRange kr, bool is_causal, int causal_off,
                                             int window_lower = kNoWindowLower) {
@@ -24,13 +26,16 @@ FLASH_HOST_DEVICE MBlockRange m_block_range(int n_block, int block_m, int block_
   int m_max = ceil_div(seqlen_q, block_m);
   if (is_causal) {
     // Query i sees key j iff i + window_lower <= j <= i + causal_off: the block's first visible
-    // key is seen from row first_key - causal_off on, its last one up to row
-    // end_key - 1 - window_lower (64 bits: with no lower diagonal that passes 2^31).
+    // key is seen from row first_key - causal_off on (and, without a lower diagonal, by every
+    // later row), its last one up to row end_key - 1 - window_lower.
     const int first_row = first_key - causal_off;
-    const long long last_row = static_cast<long long>(end_key) - 1 - window_lower;
-    if (first_row >= seqlen_q || last_row < 0 || last_row < first_row) return {0, 0};
+    if (first_row >= seqlen_q) return {0, 0};
     m_min = imax(first_row, 0) / block_m;
-    if (last_row < seqlen_q) m_max = static_cast<int>(last_row) / block_m + 1;
+    if constexpr (Has_lower) {
+      const long long last_row = static_cast<long long>(end_key) - 1 - window_lower;
+      if (last_row < 0 || last_row < first_row) return {0, 0};
+      if (last_row < seqlen_q) m_max = static_cast<int>(last_row) / block_m + 1;
+    }
   }
   return {m_min, m_max};
 }

@@ -71,11 +71,19 @@ struct Flash_fwd_params {
                                 // then its sum l = sum exp2((s - m) * scale_softmax_log2)
 };
 
-// Host entry: dispatches on head dim and causal flag. Defined in flash_fwd_dispatch.cpp.
+// Host entry: dispatches on head dim, causal flag and lower diagonal. Defined in
+// flash_fwd_dispatch.cpp.
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream);
 
-// One explicit specialization per generated instantiation file (instantiations/*.cu).
-template <int kHeadDim, bool Is_causal>
+// The band has a lower diagonal (a sliding window's left edge): the local instantiations
+// (Is_local) run it; causal-only and right-only bands run the causal ones.
+inline bool has_window_lower(const Flash_fwd_params& params) {
+  return params.is_causal && params.window_lower != kNoWindowLower;
+}
+
+// One explicit specialization per generated instantiation file (instantiations/*.cu):
+// (Is_causal, Is_local) in {(false, false), (true, false), (true, true)}.
+template <int kHeadDim, bool Is_causal, bool Is_local>
 void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream);
 
 // Decode path (seqlen_q == 1; the host fills the decode fields from plan_decode).

@@ -52,8 +52,9 @@ struct Flash_bwd_params : public Flash_fwd_params {
 // Host entry: dispatches on head dim and causal flag (flash_bwd_dispatch.cpp).
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
 
-// One explicit specialization per generated instantiation file (instantiations/flash_bwd_*.cu).
-template <int kHeadDim, bool Is_causal>
+// One explicit specialization per generated instantiation file (instantiations/flash_bwd_*.cu),
+// (Is_causal, Is_local) as run_mha_fwd_'s.
+template <int kHeadDim, bool Is_causal, bool Is_local>
 void run_mha_bwd_(Flash_bwd_params& params, cudaStream_t stream);
 
 }  // namespace flash_sm75

@@ -1,4 +1,5 @@
-// run_mha_bwd: runtime (head dim, causal) -> one of the explicitly specialized instantiations in
+// run_mha_bwd: runtime (head dim, causal, local: as run_mha_fwd) -> one of the explicitly
+// specialized instantiations in
 // instantiations/flash_bwd_*.cu, each compiled in its own translation unit.
 #include "flash_bwd.h"
 #include "static_switch.h"
@@ -7,7 +8,10 @@ namespace flash_sm75 {
 
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
   HEADDIM_SWITCH(params.d, [&] {
-    BOOL_SWITCH(params.is_causal, Is_causal, [&] { run_mha_bwd_<kHeadDim, Is_causal>(params, stream); });
+    if (has_window_lower(params)) return run_mha_bwd_<kHeadDim, true, true>(params, stream);
+    BOOL_SWITCH(params.is_causal, Is_causal, [&] {
+      run_mha_bwd_<kHeadDim, Is_causal, false>(params, stream);
+    });
   });
 }
 

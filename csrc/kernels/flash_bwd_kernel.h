@@ -217,7 +217,7 @@ __device__ __forceinline__ float recompute_p(float s, float scale_log2, float ls
 // P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked, in place in acc_s, and packed
 // as the fp16 A fragments of dV += P^T dO. Element (nt, e): key key_g + 8 (e >= 2), query
 // m0 + qc0 + 8 nt + 2 t + (e & 1); sLse holds the tile's lse * log2(e).
-template <int kWC, bool Is_causal>
+template <int kWC, bool Is_causal, bool Is_local>
 __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p_frag)[kWC / 8][2],
                                         const float* sLse, int qc0, int t, float scale_log2,
                                         bool need_mask, int key_g, int m0, const KeyRange& kr,
@@ -232,7 +232,7 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
       if (need_mask) {
         const int key = key_g + (e >= 2 ? 8 : 0);
         const int query = m0 + qcol + (e & 1);
-        if (!key_visible(query, key, kr, Is_causal, causal_offset, window_lower)) p = 0.f;
+        if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) p = 0.f;
       }
       acc_s[nt][e] = p;
     }
@@ -290,7 +290,8 @@ __device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
 // ---------------------------------------------------------------------------------------------
 // dK / dV (and, in atomic mode, dQ partial sums). See the file comment and
 // Flash_bwd_kernel_traits for the work split.
-template <typename Kt, bool Is_causal, bool Atomic_dq>
+// Is_local: the causal band has a lower diagonal too (a sliding window, params.window_lower).
+template <typename Kt, bool Is_causal, bool Atomic_dq, bool Is_local = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_dkdv_kernel(const Flash_bwd_params params) {
   constexpr int kD = Kt::kHeadDim;
@@ -335,7 +336,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int n0 = n_block * kBN;
 
   const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
-  const MBlockRange mr = m_block_range(n_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
+  const MBlockRange mr = m_block_range<Is_local>(n_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
                                        params.causal_offset, params.window_lower);
   const int num_m = imax(mr.m_block_max - mr.m_block_min, 0);
   const int total = num_m * ratio;  // (q head of the group, query tile) iterations
@@ -460,10 +461,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       // ---- P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked; kept in acc_s.
       // Element (nt, e): key 16 wn + g + 8 (e >= 2), query qc0 + 8 nt + 2 t + (e & 1).
       const bool need_mask =
-          !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
+          !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
                             params.window_lower);
       uint32_t p_frag[kWC / 8][2];
-      probs_t<kWC, Is_causal>(acc_s, p_frag, sLse, qc0, t, scale_log2, need_mask,
+      probs_t<kWC, Is_causal, Is_local>(acc_s, p_frag, sLse, qc0, t, scale_log2, need_mask,
                               n0 + 16 * wn + g, m0, kr, params.causal_offset,
                               params.window_lower);
 
@@ -585,7 +586,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 // streaming the K/V tiles the tile sees (the forward's loop): S = Q K^T, P, dP = dO V^T, dS,
 // dQ += dS K. With Kt::kDSplit > 1 the kDSplit warps of a row group (ws = 0 ..) each accumulate
 // dQ columns col0 = ws * kDOut .. and recompute the same S and dP.
-template <typename Kt, bool Is_causal>
+template <typename Kt, bool Is_causal, bool Is_local = false>
 __global__ void __launch_bounds__(Kt::kNThreads)
     flash_bwd_dq_kernel(const Flash_bwd_params params) {
   constexpr int kD = Kt::kHeadDim;
@@ -646,7 +647,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
                     bidh * params.dq_head_stride;
 
   const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
-  const BlockRange nb = n_block_range(m_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
+  const BlockRange nb = n_block_range<Is_local>(m_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
                                       params.causal_offset, params.window_lower);
   const int row0 = m_block * kBM;
   const float scale_log2 = params.scale_softmax_log2;
@@ -726,7 +727,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       }
       // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s).
       const bool need_mask =
-          !tile_is_unmasked(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
+          !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
                             params.window_lower);
 #pragma unroll
       for (int nt = 0; nt < kBN / 8; ++nt) {
@@ -736,7 +737,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
           if (need_mask) {
             const int row = row0 + 16 * wr + g + (e >= 2 ? 8 : 0);
             const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
-            if (!key_visible(row, col, kr, Is_causal, params.causal_offset, params.window_lower)) {
+            if (!key_visible<Is_local>(row, col, kr, Is_causal, params.causal_offset, params.window_lower)) {
               p = 0.f;
             }
           }

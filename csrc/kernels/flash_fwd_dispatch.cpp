@@ -1,5 +1,7 @@
-// run_mha_fwd: runtime (head dim, causal) -> one of the explicitly specialized instantiations in
-// instantiations/*.cu, each compiled in its own translation unit.
+// run_mha_fwd: runtime (head dim, causal, local) -> one of the explicitly specialized
+// instantiations in instantiations/*.cu, each compiled in its own translation unit. A band with
+// a lower diagonal (a sliding window's left edge) runs the local instantiation; causal alone, or
+// a window with only a right edge, the causal one.
 #include "flash.h"
 #include "static_switch.h"
 
@@ -7,7 +9,10 @@ namespace flash_sm75 {
 
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   HEADDIM_SWITCH(params.d, [&] {
-    BOOL_SWITCH(params.is_causal, Is_causal, [&] { run_mha_fwd_<kHeadDim, Is_causal>(params, stream); });
+    if (has_window_lower(params)) return run_mha_fwd_<kHeadDim, true, true>(params, stream);
+    BOOL_SWITCH(params.is_causal, Is_causal, [&] {
+      run_mha_fwd_<kHeadDim, Is_causal, false>(params, stream);
+    });
   });
 }
 

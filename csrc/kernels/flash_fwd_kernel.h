@@ -49,7 +49,7 @@ struct FwdCta {
   BlockRange nb;
 };
 
-template <typename Kt, bool Is_causal>
+template <typename Kt, bool Is_causal, bool Is_local>
 __device__ __forceinline__ FwdCta fwd_cta(const Flash_fwd_params& params) {
   FwdCta c;
   const int num_m_blocks = ceil_div(params.seqlen_q, Kt::kBlockM);
@@ -75,7 +75,7 @@ __device__ __forceinline__ FwdCta fwd_cta(const Flash_fwd_params& params) {
   c.o_base = static_cast<__half*>(params.o_ptr) + c.bidb * params.o_batch_stride +
              c.bidh * params.o_head_stride;
   c.kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, c.bidb);
-  c.nb = n_block_range(c.m_block, Kt::kBlockM, Kt::kBlockN, params.seqlen_q, c.kr, Is_causal,
+  c.nb = n_block_range<Is_local>(c.m_block, Kt::kBlockM, Kt::kBlockN, params.seqlen_q, c.kr, Is_causal,
                        params.causal_offset, params.window_lower);
   return c;
 }
@@ -133,7 +133,8 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
 }
 
 // The main forward kernel: all warps in lock-step, two barriers per K/V tile.
-template <typename Kt, bool Is_causal>
+// Is_local: the causal band has a lower diagonal too (a sliding window, params.window_lower).
+template <typename Kt, bool Is_causal, bool Is_local = false>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     flash_fwd_kernel(const Flash_fwd_params params) {
   constexpr int kD = Kt::kHeadDim;
@@ -164,7 +165,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   // Chunk pairs (16 columns) before this warp's columns: chunk_pair_addr moves any lane address
   // there, as it moves between the chunk pairs of a GEMM.
   const int kk0 = dpart * (kDCols / 16);
-  const FwdCta c = fwd_cta<Kt, Is_causal>(params);
+  const FwdCta c = fwd_cta<Kt, Is_causal, Is_local>(params);
   const int row0 = c.m_block * Kt::kBlockM;
   const float scale_log2 = params.scale_softmax_log2;
 
@@ -242,7 +243,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
           acc_s[j][2] += x.z;
           acc_s[j][3] += x.w;
         }
-        mask_scores<Is_causal, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * rw,
+        mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * rw,
                                                  params.causal_offset, params.window_lower);
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kDCols, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
-        mask_scores<Is_causal, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
+        mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
                                                    row0 + 16 * warp, params.causal_offset,
                                                    params.window_lower);
         // S_b = Q K_b^T beside the softmax of half a.
@@ -270,7 +271,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
                                                        exact_exp)) {
           rescale_o<kD>(acc_o, alpha);
         }
-        mask_scores<Is_causal, Kt::kBlockM, kHalf>(acc_sb, c.m_block, 2 * n_block + 1, c.kr,
+        mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sb, c.m_block, 2 * n_block + 1, c.kr,
                                                    row0 + 16 * warp, params.causal_offset,
                                                    params.window_lower);
         store_tile_r2s<Kt>(stage, sV, tid);
@@ -303,7 +304,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
-        mask_scores<Is_causal, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,
+        mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,
                                                  params.causal_offset, params.window_lower);
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,

@@ -1,4 +1,6 @@
-"""Generate one translation unit per kernel instantiation (head dim x causal x direction).
+"""Generate one translation unit per kernel instantiation (head dim x mask x direction).
+
+Masks: none, causal, and local (a causal band with a lower diagonal: a sliding window).
 
 Run from anywhere: ``python csrc/kernels/generate_kernels.py``. The output is committed; CI
 runs ``--check`` to make sure it is up to date.
@@ -29,8 +31,8 @@ TEMPLATES = {
 namespace flash_sm75 {{
 
 template <>
-void run_mha_fwd_<{head_dim}, {is_causal}>(Flash_fwd_params& params, cudaStream_t stream) {{
-  run_mha_fwd_hdim<{head_dim}, {is_causal}>(params, stream);
+void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}>(Flash_fwd_params& params, cudaStream_t stream) {{
+  run_mha_fwd_hdim<{head_dim}, {is_causal}, {is_local}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -41,8 +43,8 @@ void run_mha_fwd_<{head_dim}, {is_causal}>(Flash_fwd_params& params, cudaStream_
 namespace flash_sm75 {{
 
 template <>
-void run_mha_bwd_<{head_dim}, {is_causal}>(Flash_bwd_params& params, cudaStream_t stream) {{
-  run_mha_bwd_hdim<{head_dim}, {is_causal}>(params, stream);
+void run_mha_bwd_<{head_dim}, {is_causal}, {is_local}>(Flash_bwd_params& params, cudaStream_t stream) {{
+  run_mha_bwd_hdim<{head_dim}, {is_causal}, {is_local}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -61,29 +63,31 @@ void run_mha_fwd_decode_<{head_dim}>(Flash_fwd_params& params, cudaStream_t stre
 }}  // namespace flash_sm75
 """,
 }
-CAUSAL_VARIANTS = {"fwd": (False, True), "bwd": (False, True), "decode": (False,)}
+# "" (no mask), "causal", "local" (causal band with a lower diagonal). Decode applies both as a
+# key-range clamp at run time.
+MASK_VARIANTS = {"fwd": ("", "causal", "local"), "bwd": ("", "causal", "local"), "decode": ("",)}
 
 
 @dataclass(frozen=True)
 class Kernel:
     direction: str
     head_dim: int
-    is_causal: bool
+    mask: str
 
     @property
     def filename(self) -> str:
-        causal = "_causal" if self.is_causal else ""
-        return f"flash_{self.direction}_hdim{self.head_dim}_{DTYPE}{causal}_sm75.cu"
+        suffix = f"_{self.mask}" if self.mask else ""
+        return f"flash_{self.direction}_hdim{self.head_dim}_{DTYPE}{suffix}_sm75.cu"
 
     def render(self) -> str:
         return TEMPLATES[self.direction].format(
-            head_dim=self.head_dim, is_causal=str(self.is_causal).lower()
-        )
+            head_dim=self.head_dim, is_causal=str(bool(self.mask)).lower(),
+            is_local=str(self.mask == "local").lower())
 
 
 def all_kernels(directions=tuple(TEMPLATES)) -> list[Kernel]:
     return [Kernel(d, h, c) for d in directions
-            for h in (DECODE_HEAD_DIMS if d == "decode" else HEAD_DIMS) for c in CAUSAL_VARIANTS[d]]
+            for h in (DECODE_HEAD_DIMS if d == "decode" else HEAD_DIMS) for c in MASK_VARIANTS[d]]
 
 
 def main() -> int:

@@ -148,12 +148,12 @@ const char* tile_name() {
 }
 
 // The forward kernel of Kt (as fwd_kernel() in flash_fwd_launch_template.h launches it).
-template <typename Kt, bool kCausal>
+template <typename Kt, bool kCausal, bool kLocal = false>
 void fwd_kernel_body(const Flash_fwd_params& p) {
-  flash_fwd_kernel<Kt, kCausal>(p);
+  flash_fwd_kernel<Kt, kCausal, kLocal>(p);
 }
 
-template <int kD, bool kCausal>
+template <int kD, bool kCausal, bool kLocal = false>
 void run_forward(Flash_fwd_params& p) {
   if (try_decode<decode_head_dim(kD)>(p)) return;  // bucket 96 decodes on the 128 kernel
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
@@ -164,7 +164,7 @@ void run_forward(Flash_fwd_params& p) {
     if (Kt::kFullHeadDimOnly && p.d != kD) {
       const FwdLaunchPlan plan = make_fwd_plan<Ks>(p.b, p.h, p.seqlen_q);
       emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-                  [&] { fwd_kernel_body<Ks, kCausal>(p); });
+                  [&] { fwd_kernel_body<Ks, kCausal, kLocal>(p); });
       return;
     }
     // The small-grid tile (chosen on the GPU by occupancy) on the cases with an even
@@ -173,17 +173,17 @@ void run_forward(Flash_fwd_params& p) {
     if ((p.b + p.seqlen_q + p.seqlen_k) % 2 == 0) {
       const FwdLaunchPlan plan = make_fwd_plan<Ks>(p.b, p.h, p.seqlen_q);
       emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-                  [&] { fwd_kernel_body<Ks, kCausal>(p); });
+                  [&] { fwd_kernel_body<Ks, kCausal, kLocal>(p); });
       return;
     }
   }
   const FwdLaunchPlan plan = plan_fwd_launch(p.d, p.b, p.h, p.seqlen_q);
   emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-              [&] { fwd_kernel_body<Kt, kCausal>(p); });
+              [&] { fwd_kernel_body<Kt, kCausal, kLocal>(p); });
 }
 
 // As run_mha_bwd_hdim: a head dim without the atomic dQ mode runs the deterministic kernels.
-template <int kD, bool kCausal>
+template <int kD, bool kCausal, bool kLocal = false>
 void run_backward(Flash_bwd_params& p) {
   using C = Bwd_tile_config<kD>;
   using Kt = typename C::Traits;
@@ -196,7 +196,7 @@ void run_backward(Flash_bwd_params& p) {
   if constexpr (C::kAtomicDq) {
     if (plan.dq_atomic) {
       emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
-                  [&] { flash_bwd_dkdv_kernel<Kt, kCausal, true>(p); });
+                  [&] { flash_bwd_dkdv_kernel<Kt, kCausal, true, kLocal>(p); });
       emu::launch(static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads,
                   [&] { flash_bwd_convert_dq_kernel<kD>(p); });
       ran_atomic = true;
@@ -204,30 +204,30 @@ void run_backward(Flash_bwd_params& p) {
   }
   if (!ran_atomic) {
     emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
-                [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false>(p); });
+                [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal>(p); });
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
-                [&] { flash_bwd_dq_kernel<Kq, kCausal>(p); });
+                [&] { flash_bwd_dq_kernel<Kq, kCausal, kLocal>(p); });
   }
 }
 
 // As HEADDIM_SWITCH: head dim d runs on its bucket's instantiation (head_dims.h).
-template <bool kCausal>
+template <bool kCausal, bool kLocal = false>
 void dispatch_fwd(Flash_fwd_params& p) {
   switch (head_dim_bucket(p.d)) {
-    case 64: run_forward<64, kCausal>(p); break;
-    case 96: run_forward<96, kCausal>(p); break;
-    case 128: run_forward<128, kCausal>(p); break;
-    case 256: run_forward<256, kCausal>(p); break;
+    case 64: run_forward<64, kCausal, kLocal>(p); break;
+    case 96: run_forward<96, kCausal, kLocal>(p); break;
+    case 128: run_forward<128, kCausal, kLocal>(p); break;
+    case 256: run_forward<256, kCausal, kLocal>(p); break;
     default: throw_bad_head_dim(p.d);
   }
 }
-template <bool kCausal>
+template <bool kCausal, bool kLocal = false>
 void dispatch_bwd(Flash_bwd_params& p) {
   switch (head_dim_bucket(p.d)) {
-    case 64: run_backward<64, kCausal>(p); break;
-    case 96: run_backward<96, kCausal>(p); break;
-    case 128: run_backward<128, kCausal>(p); break;
-    case 256: run_backward<256, kCausal>(p); break;
+    case 64: run_backward<64, kCausal, kLocal>(p); break;
+    case 96: run_backward<96, kCausal, kLocal>(p); break;
+    case 128: run_backward<128, kCausal, kLocal>(p); break;
+    case 256: run_backward<256, kCausal, kLocal>(p); break;
     default: throw_bad_head_dim(p.d);
   }
 }
@@ -246,7 +246,7 @@ double reference_row(const HTensor& q, const HTensor& k, int b, int i, int h, in
   double mx = -INFINITY;
   std::vector<double> s(Sk, -INFINITY);
   for (int j = 0; j < Sk; ++j) {
-    if (!key_visible(i, j, kr, c.banded(), c.band().upper, c.band().lower)) continue;
+    if (!key_visible<true>(i, j, kr, c.banded(), c.band().upper, c.band().lower)) continue;
     double acc = 0;
     for (int x = 0; x < D; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
     s[j] = acc * scale;
@@ -339,7 +339,9 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   fp.is_causal = c.banded();
   fp.causal_offset = c.band().upper;
   fp.window_lower = c.band().lower;
-  if (fp.is_causal) dispatch_fwd<true>(fp);
+  // As run_mha_fwd: a band with a lower diagonal runs the local instantiation.
+  if (has_window_lower(fp)) dispatch_fwd<true, true>(fp);
+  else if (fp.is_causal) dispatch_fwd<true>(fp);
   else dispatch_fwd<false>(fp);
   if (c.fwd_only) return check_fwd_case(c, q, k, v, out, lse, lp, su, verbose);
 
@@ -361,7 +363,8 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   bp.dq_accum_ptr = c.atomic ? dq_accum.data() : nullptr;
   bp.dq_atomic = c.atomic;
   if (!c.fwd_only) {
-    if (bp.is_causal) dispatch_bwd<true>(bp);
+    if (has_window_lower(bp)) dispatch_bwd<true, true>(bp);
+    else if (bp.is_causal) dispatch_bwd<true>(bp);
     else dispatch_bwd<false>(bp);
   }
 
@@ -693,9 +696,13 @@ int check_m_block_range() {
                 const KeyRange kr{std::min(lp, sk), std::max(std::min(su, sk), std::min(lp, sk))};
                 const bool band = causal || wl >= 0 || wr >= 0;
                 const BandDiagonals bd = band_diagonals(sq, sk, br, causal, wl, wr);
-                auto vis = [&](int i, int j) { return key_visible(i, j, kr, band, bd.upper, bd.lower); };
+                auto vis = [&](int i, int j) { return key_visible<true>(i, j, kr, band, bd.upper, bd.lower); };
                 for (int nb = 0; nb * bn < sk; ++nb) {
-                  const MBlockRange r = m_block_range(nb, bm, bn, sq, kr, band, bd.upper, bd.lower);
+                  const MBlockRange r = m_block_range<true>(nb, bm, bn, sq, kr, band, bd.upper, bd.lower);
+                  if (bd.lower == kNoWindowLower) {  // the causal-only form agrees
+                    const MBlockRange r0 = m_block_range(nb, bm, bn, sq, kr, band, bd.upper);
+                    if (r0.m_block_min != r.m_block_min || r0.m_block_max != r.m_block_max) ++bad;
+                  }
                   int first = -1, last = -1;
                   for (int i = 0; i < sq; ++i)
                     for (int j = nb * bn; j < std::min(sk, (nb + 1) * bn); ++j)
@@ -716,7 +723,11 @@ int check_m_block_range() {
                   }
                 }
                 for (int mb = 0; mb * bm < sq; ++mb) {
-                  const BlockRange r = n_block_range(mb, bm, bn, sq, kr, band, bd.upper, bd.lower);
+                  const BlockRange r = n_block_range<true>(mb, bm, bn, sq, kr, band, bd.upper, bd.lower);
+                  if (bd.lower == kNoWindowLower) {  // the causal-only form agrees
+                    const BlockRange r0 = n_block_range(mb, bm, bn, sq, kr, band, bd.upper);
+                    if (r0.n_block_min != r.n_block_min || r0.n_block_max != r.n_block_max) ++bad;
+                  }
                   int first = -1, last = -1;
                   for (int i = mb * bm; i < std::min(sq, (mb + 1) * bm); ++i)
                     for (int j = 0; j < sk; ++j)
@@ -727,7 +738,7 @@ int check_m_block_range() {
                   bool ok = first < 0 ? r.n_block_max <= r.n_block_min
                                       : r.n_block_min == first && r.n_block_max == last + 1;
                   for (int nb = 0; nb * bn < sk && ok; ++nb) {
-                    if (!tile_is_unmasked(mb, nb, bm, bn, kr, band, bd.upper, bd.lower)) continue;
+                    if (!tile_is_unmasked<true>(mb, nb, bm, bn, kr, band, bd.upper, bd.lower)) continue;
                     for (int i = mb * bm; i < (mb + 1) * bm && ok; ++i)
                       for (int j = nb * bn; j < (nb + 1) * bn && ok; ++j) ok = vis(i, j);
                   }

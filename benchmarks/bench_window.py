@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Sliding-window attention: the cost follows the window, not the sequence.
+
+For causal attention with a window of W keys (flash-attn's ``window_size = (W - 1, 0)``, what
+Mistral / Gemma / Qwen2 sliding layers compute) and without one, times our forward and backward
+(the op, BSHD) and torch SDPA's memory-efficient kernel given the same band as a boolean mask
+(the only way torch's SDPA takes a window), in the same run. TFLOP/s count the visible
+(query, key) pairs only: 4 * B * H * d * pairs forward, 2.5x that backward.
+
+    python benchmarks/bench_window.py [--d 64 128] [--n 4096 8192 16384] [--window 256 1024 4096]
+
+Writes <out-dir>/<tag>.txt and .json (default bench_out/bench_window.*).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+
+def visible_pairs(n: int, window) -> int:
+    """Visible (query, key) pairs of causal attention over n tokens with a window of W keys."""
+    if window is None or window >= n:
+        return n * (n + 1) // 2
+    return n * window - window * (window - 1) // 2
+
+
+def band_mask(n: int, window, device) -> torch.Tensor:
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    vis = j <= i
+    if window is not None:
+        vis &= j > i - window
+    return vis[None, None]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--window", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--out-dir", default="bench_out")
+    ap.add_argument("--tag", default="bench_window")
+    ap.add_argument("--warmup-ms", type=float, default=10)
+    ap.add_argument("--rep-ms", type=float, default=40)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_window: needs a CUDA GPU")
+        return 2
+    C.ensure_repo_on_path()
+    import flash_attention_sm75  # noqa: F401
+    op_fwd, op_bwd = torch.ops.flash_attention_sm75.fwd, torch.ops.flash_attention_sm75.bwd
+    efficient = C.sdpa_backends()["efficient"]
+    env = C.env_info("cuda")
+    rows, records = [], []
+    for d in args.d:
+        for n in args.n:
+            g = torch.Generator().manual_seed(n + d)
+            q, k, v, do = (torch.randn(args.batch, n, args.heads, d, generator=g)
+                           .to("cuda", torch.float16) for _ in range(4))
+            scale = d ** -0.5
+            for window in [None] + [w for w in args.window if w < n]:
+                ws = (-1, -1) if window is None else (window - 1, 0)
+                pairs = visible_pairs(n, window)
+                flop = 4.0 * args.batch * args.heads * d * pairs
+                fwd = C.bench(lambda: op_fwd(q, k, v, scale, True, True, None, None, *ws), "cuda",
+                              args.warmup_ms, args.rep_ms)["ms"]
+                out, lse = op_fwd(q, k, v, scale, True, True, None, None, *ws)
+                bwd = None if args.no_backward else C.bench(
+                    lambda: op_bwd(do, q, k, v, out, lse, scale, True, True, None, None, True,
+                                   None, *ws), "cuda", args.warmup_ms, args.rep_ms)["ms"]
+                qb, kb, vb, dob = (t.transpose(1, 2) for t in (q, k, v, do))
+                mask = band_mask(n, window, "cuda")
+                eff_f = eff_b = None
+                try:
+                    with C.sdpa_context(efficient):
+                        eff_f = C.bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                            qb, kb, vb, attn_mask=mask), "cuda", args.warmup_ms,
+                            args.rep_ms)["ms"]
+                        if not args.no_backward:
+                            qg, kg, vg = (t.detach().requires_grad_() for t in (qb, kb, vb))
+                            o = torch.nn.functional.scaled_dot_product_attention(
+                                qg, kg, vg, attn_mask=mask)
+                            eff_b = C.bench(lambda: torch.autograd.grad(
+                                o, (qg, kg, vg), dob, retain_graph=True), "cuda",
+                                args.warmup_ms, args.rep_ms)["ms"]
+                            del o, qg, kg, vg
+                except RuntimeError as e:
+                    print(f"efficient SDPA failed at d={d} N={n} window={window}: {e}")
+                rec = dict(d=d, n=n, window=window, pairs=pairs, ours_fwd_ms=fwd,
+                           ours_bwd_ms=bwd, efficient_fwd_ms=eff_f, efficient_bwd_ms=eff_b,
+                           ours_fwd_tflops=C.tflops(flop, fwd),
+                           ours_bwd_tflops=C.tflops(2.5 * flop, bwd))
+                records.append(rec)
+                ratio = lambda a, b: None if a is None or b is None else b / a  # noqa: E731
+                rows.append([f"d={d}", n, "-" if window is None else window,
+                             C.fmt(fwd, ".3f"), C.fmt(rec["ours_fwd_tflops"], ".1f"),
+                             C.fmt(eff_f, ".3f"), C.fmt(ratio(fwd, eff_f), ".2f") + "x",
+                             C.fmt(bwd, ".3f"), C.fmt(rec["ours_bwd_tflops"], ".1f"),
+                             C.fmt(eff_b, ".3f"), C.fmt(ratio(bwd, eff_b), ".2f") + "x"])
+                print(rows[-1], flush=True)
+    head = (f"causal sliding window, fp16, B={args.batch}, H={args.heads}; window W = "
+            f"window_size (W - 1, 0), '-' = no window; TF = TFLOP/s over visible pairs; eff = "
+            f"SDPA mem-efficient with the band as a bool mask, same run; eff/ours = t_eff / t_ours")
+    table = C.format_table(["case", "N", "W", "fwd ms", "fwd TF", "eff fwd ms", "eff/ours",
+                            "bwd ms", "bwd TF", "eff bwd ms", "eff/ours"], rows, left=(0,))
+    gpu = (env.get("gpu") or {}).get("name")
+    text = (f"gpu={gpu} torch={env['torch']} commit={env['git'].get('commit')} (bench_window.py)"
+            f"\n\n== {head} ==\n{table}\n")
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, args.tag + ".txt"), "w") as f:
+        f.write(text)
+    C.write_json(os.path.join(args.out_dir, args.tag + ".json"), dict(env=env, results=records))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
