@@ -587,7 +587,9 @@ def flash_attn_with_kvcache(
         ``cache_seqlens[b] + i`` and to ``q`` at positions ``cache_seqlens[b] + i`` when causal
         (or windowed, as flash-attn decides), else all at ``cache_seqlens[b]``;
         ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... if True, else (i, i +
-        rotary_dim / 2).
+        rotary_dim / 2). Every position must be a row of the tables (causal: up to
+        ``cache_seqlens[b] + seqlen_q - 1``); one past them raises an index error (CUDA: a
+        device-side assertion).
     cache_seqlens : int or int32 (batch,), optional. Keys ``[cache_leftpad[b],
         cache_seqlens[b] + seqlen_new)`` are attended (None: the whole cache), clamped into the
         cache like the op's key ranges.
