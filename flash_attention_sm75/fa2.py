@@ -673,7 +673,8 @@ def flash_attn_with_kvcache(
     if k is not None:
         if cache_seqlens is None:
             raise ValueError(f"{PREFIX}cache_seqlens must be given with k and v (where to append)")
-        if k.dim() != 4 or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+        if (not isinstance(k, torch.Tensor) or k.dim() != 4 or k.shape[0] != batch
+                or k.shape[2:] != k_cache.shape[2:]):
             raise ValueError(f"{PREFIX}k must be (batch, seqlen_new, nheads_k, headdim) = "
                              f"({batch}, *, {k_cache.shape[2]}, {k_cache.shape[3]}), got "
                              f"{_shape_of(k)}")

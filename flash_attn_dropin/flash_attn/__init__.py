@@ -7,28 +7,9 @@ The code lives in ``flash_attention_sm75.fa2`` (functions) and ``flash_attention
 see their docstrings for shapes, dtypes and the errors raised for features the SM75 kernels do
 not have (:class:`UnsupportedFeatureError`: dropout, sliding windows, soft-capping, ALiBi).
 """
-from flash_attention_sm75.fa2 import (
-    UnsupportedFeatureError,
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
+from .flash_attn_interface import *  # noqa: F401,F403  (flash-attn's package layout)
+from .flash_attn_interface import __all__  # noqa: F401
 
 __version__ = "2.8.3+sm75"
 SM75_DROPIN = True
 """Marks this package as flash-attention-sm75's drop-in (a real flash-attn has no such name)."""
-
-__all__ = [
-    "UnsupportedFeatureError",
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
-]
