@@ -11,6 +11,9 @@ Public API:
   lazily, so transformers is optional).
 * :func:`deterministic_backward` / :func:`is_deterministic_backward` -- the backward's
   determinism (default: no floating-point atomics; docs/BACKWARD.md).
+* :mod:`flash_attention_sm75.fa2` / :mod:`flash_attention_sm75.bert_padding` -- flash-attn 2's
+  API (positional order, varlen, KV cache, padding helpers), the code of the optional
+  ``flash_attn`` drop-in (``flash_attn_dropin/``); imported on use, not by this package.
 
 The op itself is ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md).
 """

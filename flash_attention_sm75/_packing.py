@@ -1,0 +1,120 @@
+"""Packed (varlen) sequences <-> the op's padded BSHD batches, with device-side indices.
+
+The op (docs/CONTRACT.md) takes padded ``(batch, seqlen, heads, head_dim)`` tensors, a key range
+``[leftpad_k[b], seqused_k[b])`` per batch entry and ONE causal offset for the whole call
+(key ``j`` is visible to query row ``r`` iff ``j <= r + seqlen_k - seqlen_q``). flash-attn's
+varlen functions want bottom-right causal masking *per sequence*: query ``i`` of sequence ``b``
+sees key ``j`` iff ``j <= i + len_k[b] - len_q[b]``. Both agree when every sequence is
+**right-aligned** in its padded row: queries of sequence ``b`` at rows ``[Mq - len_q[b], Mq)``,
+keys at rows ``[Mk - len_k[b], Mk)``, ``leftpad_k[b] = Mk - len_k[b]``, ``seqused_k[b] = Mk``
+(``Mq``, ``Mk``: the padded lengths). Row ``r = Mq - len_q + i`` then sees key row
+``Mk - len_k + j`` iff ``j <= i + len_k - len_q``: flash-attn's rule, exactly.
+
+Everything here is built on the device from ``cu_seqlens`` (no ``.item()``, no host
+synchronisation); the padded lengths are the host integers the caller passes
+(``max_seqlen_q`` / ``max_seqlen_k``). Invalid ``cu_seqlens`` (a length above the declared
+maximum, decreasing offsets, offsets past the packed tensor) are caught by a device-side check
+(:func:`check_on_device`): ``ValueError`` on the CPU, a device-side assertion on CUDA, never a
+silently wrong result. Packing uses out-of-place ``index_put`` and unpacking advanced indexing,
+so autograd differentiates both (their backward passes are gathers and scatters with one source
+per destination: exact, and deterministic in value).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SeqLayout", "check_on_device", "pack", "paged_rows", "seq_layout", "unpack"]
+
+
+def check_on_device(ok: torch.Tensor, message: str) -> None:
+    """Fail unless the 0-d bool tensor ``ok`` is True, without a host synchronisation on CUDA.
+
+    CPU: ``ValueError(message)`` right away. CUDA: ``torch._assert_async``, a device-side
+    assertion that surfaces at the next synchronisation as a CUDA error (and, as every device
+    assertion, leaves the CUDA context unusable): the price of checking values that live on the
+    GPU without waiting for them.
+    """
+    if ok.device.type == "cuda":
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
+
+
+class SeqLayout(NamedTuple):
+    """Where each packed token goes in the right-aligned padded batch.
+
+    ``dst[t]`` is the row of token ``t`` in the flattened ``(batch * max_seqlen)`` padded
+    tensor, or ``batch * max_seqlen`` (a dummy row, dropped) for a token that belongs to no
+    sequence (before ``cu_seqlens[0]`` or from ``cu_seqlens[-1]`` on); ``valid[t]`` says which.
+    ``lengths[b]`` (int64) is the length of sequence ``b``."""
+
+    dst: torch.Tensor
+    valid: torch.Tensor
+    lengths: torch.Tensor
+    batch: int
+    max_seqlen: int
+
+
+def seq_layout(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name: str) -> SeqLayout:
+    """The :class:`SeqLayout` of ``total`` packed tokens split by ``cu_seqlens`` (int32,
+    ``(batch + 1,)``) into right-aligned rows of ``max_seqlen``; ``name`` is how error messages
+    call ``cu_seqlens``. Checks on the device that the offsets are non-decreasing, start at
+    >= 0, end at <= ``total``, and that no length exceeds ``max_seqlen``."""
+    batch = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    ok = (cu[0] >= 0) & (cu[-1] <= total)
+    if batch > 0:
+        ok = ok & (lengths >= 0).all() & (lengths <= max_seqlen).all()
+    check_on_device(ok, (
+        f"flash_attention_sm75: {name} must be non-decreasing offsets starting at >= 0 and "
+        f"ending at <= the number of packed tokens ({total}), with no sequence longer than "
+        f"the max_seqlen passed ({max_seqlen})"))
+    t = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu[1:].contiguous(), t, right=True)  # sequence of token t; batch: none
+    valid = (seq < batch) & (t >= cu[0])
+    end = cu[(seq + 1).clamp(max=batch)]
+    # token t of sequence s, which ends at `end`, goes to row s * M + (M - (end - t))
+    dst = torch.where(valid, (seq + 1) * max_seqlen - end + t,
+                      torch.full_like(t, batch * max_seqlen))
+    return SeqLayout(dst, valid, lengths, batch, max_seqlen)
+
+
+def pack(x: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+    """Packed ``(total, *rest)`` -> right-aligned padded ``(batch, max_seqlen, *rest)``, zeros in
+    the padding (differentiable: the gradient of ``x`` is gathered back)."""
+    rows = layout.batch * layout.max_seqlen
+    buf = x.new_zeros((rows + 1,) + tuple(x.shape[1:]))
+    buf = buf.index_put((layout.dst,), x)
+    return buf[:rows].view((layout.batch, layout.max_seqlen) + tuple(x.shape[1:]))
+
+
+def unpack(padded: torch.Tensor, layout: SeqLayout, fill: float = 0.0, dim: int = 0) -> torch.Tensor:
+    """The inverse of :func:`pack` along dimension ``dim`` of ``padded`` (which holds the
+    flattened ``batch * max_seqlen`` rows there): the packed rows, ``fill`` for tokens of no
+    sequence."""
+    rows = layout.batch * layout.max_seqlen
+    shape = list(padded.shape)
+    shape[dim] = layout.dst.shape[0]
+    if rows == 0:
+        return padded.new_full(shape, fill)
+    idx = layout.dst.clamp(max=rows - 1)
+    picked = padded[(slice(None),) * dim + (idx,)]
+    keep = layout.valid.view((-1,) + (1,) * (padded.dim() - dim - 1))
+    return torch.where(keep, picked, torch.full((), fill, dtype=picked.dtype,
+                                                device=picked.device))
+
+
+def paged_rows(block_table: torch.Tensor, page_size: int, start: torch.Tensor,
+               padded_len: int) -> tuple:
+    """(block, offset) index pairs, each ``(batch, padded_len)`` int64, that gather a paged
+    cache into padded rows: row ``r`` of batch entry ``b`` holds the sequence's logical position
+    ``r - start[b]`` (clamped to 0 for the rows before ``start[b]``, which the key range hides),
+    stored in block ``block_table[b, pos // page_size]`` at offset ``pos % page_size``."""
+    r = torch.arange(padded_len, device=block_table.device)
+    pos = (r.view(1, -1) - start.view(-1, 1)).clamp(min=0)
+    col = (pos // page_size).clamp(max=max(block_table.shape[1] - 1, 0))
+    return block_table.to(torch.int64).gather(1, col), pos % page_size
+

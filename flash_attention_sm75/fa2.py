@@ -1,0 +1,785 @@
+"""flash-attn 2.x's public functions on the SM75 kernels (the ``flash_attn`` drop-in's code).
+
+Same names, positional order, defaults and return values as flash-attn 2.8.3's
+``flash_attn.flash_attn_interface`` (``dropout_p`` is positional before ``softmax_scale``, as in
+flash-attn 2; :func:`flash_attention_sm75.flash_attn_func` keeps flash-attn 3's order). The
+optional ``flash_attn`` package in ``flash_attn_dropin/`` re-exports this module, so that
+``import flash_attn`` and transformers' ``attn_implementation="flash_attention_2"`` run these.
+
+Everything computed is exact attention (the op of docs/CONTRACT.md). What the kernels do not
+have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and a
+``ValueError``) naming the argument and the value that is accepted, before any kernel launch:
+
+* ``dropout_p > 0`` (accepted: 0.0);
+* ``window_size`` that hides a key (accepted: ``(-1, -1)``, or a window wide enough to hide no
+  key of the call, e.g. ``left >= seqlen_k - 1``);
+* ``softcap > 0`` (accepted: 0.0 or below, which flash-attn also treats as off);
+* ``alibi_slopes`` (accepted: None);
+* ``deterministic=True`` while ``FLASH_SM75_BWD_DQ=atomic`` makes the backward
+  non-deterministic (the default backward is deterministic, so ``True`` is accepted then);
+* ``flash_attn_with_kvcache`` where a gradient could flow (flash-attn has no backward there and
+  would silently give none).
+
+Invalid input (dtype, shapes, devices, head dims above 256, ...) raises ``ValueError`` naming
+the argument (the rulebook, ``_rules.py``). Differences from flash-attn, all documented in the
+functions: rows that see no key give LSE ``-inf`` (flash-attn: ``+inf``); ``S_dmask``
+(``return_attn_probs=True``) is the empty tensor flash-attn itself returns when
+``dropout_p == 0``; head dims that are not a multiple of 8 are zero-padded as flash-attn does;
+tensors on the CPU run the op's float64 reference.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from . import _ops, _packing, _rules
+
+__all__ = [
+    "UnsupportedFeatureError",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+PREFIX = _rules.PREFIX
+
+
+class UnsupportedFeatureError(NotImplementedError, ValueError):
+    """A flash-attn feature the SM75 kernels do not implement (dropout, sliding windows,
+    soft-capping, ALiBi, ...). Both a ``NotImplementedError`` (the feature is missing here) and
+    a ``ValueError`` (the value given cannot be served; what ``flash_attention_sm75``'s own APIs
+    raise for the same options), so either ``except`` catches it."""
+
+
+# ------------------------------------------------------------------------------------ options
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{PREFIX}{name} must be a real number, got "
+                         f"{_rules.type_name(value)} {value!r}")
+    return float(value)
+
+
+def _window(window_size: object) -> Tuple[int, int]:
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral)
+                   for w in window_size)):
+        raise ValueError(f"{PREFIX}window_size must be a pair of ints (left, right), got "
+                         f"{window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_options(*, causal, seqlen_q: int, seqlen_k: int, dropout_p=0.0,
+                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                   bools: Sequence[Tuple[str, object]] = ()) -> Tuple[int, int]:
+    """Validate flash-attn's options; raise :class:`UnsupportedFeatureError` naming every
+    feature asked for that the kernels do not have. ``seqlen_q`` / ``seqlen_k`` (the call's
+    lengths, or their maxima for varlen) decide whether a window hides any key. Returns the
+    window as a pair of ints."""
+    _rules.require_bool("causal", causal)
+    _rules.require_bool("deterministic", deterministic)
+    for name, value in bools:
+        _rules.require_bool(name, value)
+    dropout = _real("dropout_p", dropout_p)
+    cap = _real("softcap", softcap)
+    left, right = _window(window_size)
+    problems = []
+    if dropout != 0.0:
+        problems.append(f"dropout_p={dropout_p!r}: dropout is not implemented (accepted: 0.0; "
+                        f"transformers passes 0.0 in eval mode and config.attention_dropout "
+                        f"in training)")
+    # A window hides nothing when it reaches the first key from the last query row and, unless
+    # causal masking already bounds the right side, the last key from the first row.
+    hides_left = left >= 0 and left < seqlen_k - 1
+    hides_right = not causal and right >= 0 and right < seqlen_q - 1
+    if hides_left or hides_right:
+        problems.append(
+            f"window_size={tuple(window_size)!r}: sliding-window (local) attention is not "
+            f"implemented (accepted: (-1, -1), or a window that hides no key of this call: "
+            f"left < 0 or >= seqlen_k - 1 = {seqlen_k - 1}"
+            + ("" if causal else f", and right < 0 or >= seqlen_q - 1 = {seqlen_q - 1}") + ")")
+    if cap > 0.0:
+        problems.append(f"softcap={softcap!r}: logit soft-capping is not implemented "
+                        f"(accepted: 0.0, or any value <= 0, which flash-attn treats as off)")
+    if alibi_slopes is not None:
+        problems.append("alibi_slopes: ALiBi is not implemented (accepted: None)")
+    if deterministic and not _ops.is_deterministic_backward():
+        problems.append("deterministic=True: FLASH_SM75_BWD_DQ=atomic selects a "
+                        "non-deterministic backward (accepted: deterministic=False, or unset "
+                        "FLASH_SM75_BWD_DQ, or run the backward inside "
+                        "flash_attention_sm75.deterministic_backward())")
+    if problems:
+        raise UnsupportedFeatureError(PREFIX + "not supported by the SM75 kernels: "
+                                      + "; ".join(problems))
+    return left, right
+
+
+# ------------------------------------------------------------------------------- the kernel call
+def _pad_head_dim(q, k, v) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Zero-pad a shared head dim that is not a multiple of 8 (and below 256) up to the next one,
+    as flash-attn does: the scores are unchanged and the extra output columns are dropped.
+    Returns the tensors and the original head dim (anything else is left to the rulebook)."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
+        return q, k, v, -1
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d or d % 8 == 0 or not 0 < d < _rules.MAX_HEAD_DIM:
+        return q, k, v, d
+    pad = (0, 8 - d % 8)
+    return F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), d
+
+
+def _scale_for(softmax_scale, d_orig: int, padded: bool):
+    """The scale to pass: flash-attn's default is 1/sqrt of the caller's head dim, which the op
+    would compute from the padded one."""
+    if softmax_scale is None:
+        return d_orig ** -0.5 if padded else None
+    return softmax_scale
+
+
+def _require_valid(q, k, v, softmax_scale, names=("q", "k", "v")) -> None:
+    reason = _rules.not_supported_reason(q, k, v, softmax_scale, layout="bshd",
+                                         check_alignment=False, names=tuple(names))
+    if reason is not None:
+        raise ValueError(PREFIX + reason)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # flash-attn takes any strides with a contiguous last dim; the kernels' 16-byte loads need
+    # aligned pointers and strides, so a CUDA tensor that has neither is copied.
+    if t.device.type == "cuda" and not _rules.is_kernel_aligned(t):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _run(q, k, v, softmax_scale, causal, leftpad_k=None, seqused_k=None):
+    """The op on BSHD tensors (already validated), aligned for the kernels."""
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return _ops.call_fwd(_aligned(q), _aligned(k), _aligned(v), scale, causal, True,
+                         leftpad_k, seqused_k)
+
+
+def _attn_probs_placeholder(q: torch.Tensor) -> torch.Tensor:
+    # flash-attn returns S_dmask only when dropout_p > 0; with dropout_p == 0 (the only value
+    # accepted here) it returns this empty tensor.
+    return q.new_empty((0,))
+
+
+def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+           deterministic, return_attn_probs, names=("q", "k", "v")):
+    _ops.require_extension()
+    for name, t in zip(names, (q, k, v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            _require_valid(q, k, v, softmax_scale, names)  # names the problem
+    _check_options(causal=causal, seqlen_q=q.shape[1], seqlen_k=k.shape[1], dropout_p=dropout_p,
+                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   deterministic=deterministic, bools=(("return_attn_probs", return_attn_probs),))
+    qp, kp, vp, d = _pad_head_dim(q, k, v)
+    padded = qp is not q
+    scale = _scale_for(softmax_scale, d, padded)
+    _require_valid(qp, kp, vp, scale, names)
+    out, lse = _run(qp, kp, vp, scale, causal)
+    if padded:
+        out = out[..., :d]
+    if return_attn_probs:
+        return out, lse, _attn_probs_placeholder(q)
+    return out
+
+
+# -------------------------------------------------------------------------------- dense APIs
+_COMMON_DOC = """
+    Exact attention on the SM75 kernels, with flash-attn 2's signature, defaults and return
+    values. Grouped-query attention: ``num_heads`` must be a multiple of ``num_heads_k``; query
+    head ``i`` uses key/value head ``i // (num_heads // num_heads_k)``. ``causal=True`` aligns
+    the mask to the bottom-right corner: query ``i`` sees key ``j`` iff
+    ``j <= i + seqlen_k - seqlen_q``; a row that sees no key gives output 0 and LSE ``-inf``
+    (flash-attn writes ``+inf`` there). dtype float16 (bfloat16 raises ``ValueError``: Turing
+    has no bf16 tensor cores); head_dim up to 256 (one that is not a multiple of 8 is zero-padded
+    to the next, as flash-attn does); CUDA tensors, or CPU tensors on the op's float64 reference.
+    Gradients flow to the inputs (the deterministic backward of flash_attention_sm75).
+
+    Options the kernels do not have raise :class:`UnsupportedFeatureError` (a
+    ``NotImplementedError`` and a ``ValueError``) naming them: ``dropout_p`` other than 0.0,
+    a ``window_size`` that hides a key (``(-1, -1)`` and windows covering every key are
+    accepted), ``softcap > 0``, ``alibi_slopes`` not None, ``deterministic=True`` while
+    ``FLASH_SM75_BWD_DQ=atomic`` is set. Invalid tensors raise ``ValueError`` naming the argument.
+
+    Returns ``out``, or with ``return_attn_probs=True`` the tuple ``(out, softmax_lse,
+    S_dmask)``: ``softmax_lse`` is float32, natural log; ``S_dmask`` is an empty tensor, which
+    is what flash-attn returns when ``dropout_p == 0``.
+"""
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Attention over packed ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)``.
+
+    ``out``: ``(batch, seqlen, nheads, headdim)``; ``softmax_lse``: ``(batch, nheads, seqlen)``.
+    The gradient of ``qkv`` comes back through the unbind (one copy per backward).
+    """
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"{PREFIX}qkv must be a 5-D tensor (batch, seqlen, 3, nheads, headdim), "
+                         f"got {_shape_of(qkv)}")
+    q, k, v = qkv.unbind(2)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Attention of ``q`` ``(batch, seqlen_q, nheads, headdim)`` over packed ``kv`` of shape
+    ``(batch, seqlen_k, 2, nheads_k, headdim)``.
+
+    ``out``: ``(batch, seqlen_q, nheads, headdim)``; ``softmax_lse``: ``(batch, nheads,
+    seqlen_q)``.
+    """
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"{PREFIX}kv must be a 5-D tensor (batch, seqlen_k, 2, nheads_k, "
+                         f"headdim), got {_shape_of(kv)}")
+    k, v = kv.unbind(2)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  deterministic, return_attn_probs)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Attention of ``q`` ``(batch, seqlen_q, nheads, headdim)`` over ``k``, ``v``
+    ``(batch, seqlen_k, nheads_k, headdim)``.
+
+    ``out``: ``(batch, seqlen_q, nheads, headdim)``; ``softmax_lse``: ``(batch, nheads,
+    seqlen_q)``. Positional order is flash-attn 2's (``dropout_p`` before ``softmax_scale``),
+    unlike :func:`flash_attention_sm75.flash_attn_func` (flash-attn 3's order).
+    """
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  deterministic, return_attn_probs)
+
+
+for _f in (flash_attn_qkvpacked_func, flash_attn_kvpacked_func, flash_attn_func):
+    _f.__doc__ += _COMMON_DOC
+
+
+def _shape_of(x) -> str:
+    return (f"shape {list(x.shape)}" if isinstance(x, torch.Tensor)
+            else f"{_rules.type_name(x)}")
+
+
+# ------------------------------------------------------------------------------- varlen APIs
+def _max_seqlen(name: str, value) -> int:
+    """A host int from ``max_seqlen_*``: an int, or a 0-d integer tensor (read with one host
+    synchronisation, as transformers passes for position_ids-packed sequences)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{PREFIX}{name} must be an int >= 0 (the longest sequence), got "
+                         f"{_rules.type_name(value)} {value!r}")
+    return int(value)
+
+
+def _cu_seqlens(name: str, cu: object, q: torch.Tensor) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{PREFIX}{name} must be a 1-D int32 tensor (batch + 1,), got "
+                         f"{_shape_of(cu)}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{PREFIX}{name} must be int32, got {cu.dtype}")
+    if cu.device != q.device:
+        raise ValueError(f"{PREFIX}{name} must be on the device of q ({q.device}), got "
+                         f"{cu.device}")
+    return cu
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+            return_attn_probs, block_table=None):
+    _ops.require_extension()
+    paged = block_table is not None
+    for name, t, rank in (("q", q, 3), ("k", k, 4 if paged else 3), ("v", v, 4 if paged else 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            layout = ("(num_blocks, page_block_size, nheads_k, headdim) with block_table"
+                      if rank == 4 else "(total_tokens, nheads, headdim)")
+            raise ValueError(f"{PREFIX}{name} must be a {rank}-D tensor {layout}, got "
+                             f"{_shape_of(t)}")
+    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
+    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"{PREFIX}cu_seqlens_q and cu_seqlens_k must have the same length "
+                         f"(batch + 1), got {cu_q.shape[0]} and {cu_k.shape[0]}")
+    max_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_options(causal=causal, seqlen_q=max_q, seqlen_k=max_k, dropout_p=dropout_p,
+                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   deterministic=deterministic, bools=(("return_attn_probs", return_attn_probs),))
+    batch = cu_q.shape[0] - 1
+    if paged:
+        _check_block_table(block_table, batch, q)
+        if k.shape[0] == 0:
+            raise ValueError(f"{PREFIX}k must hold at least one block with block_table")
+        k_view, v_view = k[:1], v[:1]
+    else:
+        k_view, v_view = k.unsqueeze(0), v.unsqueeze(0)
+    qp, kp, vp, d = _pad_head_dim(q, k, v)
+    padded = qp is not q
+    scale = _scale_for(softmax_scale, d, padded)
+    if padded:
+        k_view, v_view = (kp[:1], vp[:1]) if paged else (kp.unsqueeze(0), vp.unsqueeze(0))
+    _require_valid(qp.unsqueeze(0), k_view, v_view, scale)
+
+    lay_q = _packing.seq_layout(cu_q, q.shape[0], max_q, "cu_seqlens_q")
+    q_pad = _packing.pack(qp, lay_q)
+    if paged:
+        cu = cu_k.to(torch.int64)
+        len_k = cu[1:] - cu[:-1]
+        page = k.shape[1]
+        _packing.check_on_device(
+            ((len_k >= 0) & (len_k <= max_k) & (len_k <= block_table.shape[1] * page)).all(),
+            f"flash_attention_sm75: cu_seqlens_k must give lengths in [0, max_seqlen_k = "
+            f"{max_k}] that fit the block_table's {block_table.shape[1]} pages of {page}")
+        if block_table.shape[1] == 0:  # no pages: every sequence is empty (checked above)
+            k_pad = kp.new_zeros((batch, max_k) + tuple(kp.shape[2:]))
+            v_pad = vp.new_zeros((batch, max_k) + tuple(vp.shape[2:]))
+        else:
+            blk, off = _packing.paged_rows(block_table, page, max_k - len_k, max_k)
+            k_pad, v_pad = kp[blk, off], vp[blk, off]
+    else:
+        lay_k = _packing.seq_layout(cu_k, k.shape[0], max_k, "cu_seqlens_k")
+        len_k = lay_k.lengths
+        k_pad, v_pad = _packing.pack(kp, lay_k), _packing.pack(vp, lay_k)
+    leftpad = (max_k - len_k).to(torch.int32)
+    seqused = torch.full((batch,), max_k, dtype=torch.int32, device=q.device)
+    out_pad, lse_pad = _run(q_pad, k_pad, v_pad, scale, causal, leftpad, seqused)
+    out = _packing.unpack(out_pad.flatten(0, 1), lay_q)
+    if padded:
+        out = out[..., :d]
+    if not return_attn_probs:
+        return out
+    # (batch, nheads, max_seqlen_q) -> flash-attn's packed (nheads, total_q)
+    lse = _packing.unpack(lse_pad.transpose(0, 1).flatten(1, 2), lay_q, float("-inf"), dim=1)
+    return out, lse, _attn_probs_placeholder(q)
+
+
+def _check_block_table(block_table, batch: int, q: torch.Tensor) -> None:
+    if (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2
+            or block_table.shape[0] != batch):
+        raise ValueError(f"{PREFIX}block_table must be a 2-D int32 tensor (batch, "
+                         f"max_num_blocks_per_seq) with batch = {batch}, got "
+                         f"{_shape_of(block_table)}")
+    if block_table.dtype != torch.int32 or block_table.device != q.device:
+        raise ValueError(f"{PREFIX}block_table must be int32 on the device of q ({q.device}), "
+                         f"got {block_table.dtype} on {block_table.device}")
+
+
+_VARLEN_DOC = """
+    Variable-length sequences packed along the first dimension: sequence ``b`` holds the
+    tokens ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, ``(batch + 1,)``, on q's device; tokens
+    outside every sequence get output 0). ``max_seqlen_*`` is the longest sequence, a host int
+    (a 0-d integer tensor is read with one host synchronisation). Causal masking is bottom-right
+    per sequence: query ``i`` of a sequence sees key ``j`` iff ``j <= i + len_k - len_q``; empty
+    sequences are allowed, and a row that sees no key gives output 0 and LSE ``-inf``
+    (flash-attn writes ``+inf``).
+
+    How it runs: the sequences are scattered into a right-aligned padded batch of
+    ``(batch, max_seqlen, heads, headdim)`` (indices built on the device from ``cu_seqlens``, no
+    host synchronisation) and the kernel runs that batch with per-sequence key ranges; the
+    output rows are gathered back. Cost: like a padded batch of the maximum lengths, plus a copy
+    of q, k, v and out. A sequence longer than ``max_seqlen_*`` or decreasing offsets are caught
+    on the device (``ValueError`` on the CPU, a device-side assertion on CUDA) instead of giving
+    a wrong result.
+
+    Returns ``out`` ``(total_q, nheads, headdim)``, or with ``return_attn_probs=True``
+    ``(out, softmax_lse, S_dmask)`` with ``softmax_lse`` float32 ``(nheads, total_q)``
+    (flash-attn's packed layout) and ``S_dmask`` the empty tensor flash-attn returns when
+    ``dropout_p == 0``. Gradients flow to q, k, v (and to the packed ``qkv`` / ``kv``).
+    Unsupported options raise :class:`UnsupportedFeatureError` as :func:`flash_attn_func`
+    describes; a window "hides no key" here when ``left >= max_seqlen_k - 1`` (and, unless
+    causal, ``right >= max_seqlen_q - 1``).
+"""
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Packed ``qkv`` ``(total, 3, nheads, headdim)`` with one ``cu_seqlens`` and ``max_seqlen``
+    for queries and keys."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"{PREFIX}qkv must be a 4-D tensor (total, 3, nheads, headdim), got "
+                         f"{_shape_of(qkv)}")
+    q, k, v = qkv.unbind(1)
+    return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """``q`` ``(total_q, nheads, headdim)`` over packed ``kv`` ``(total_k, 2, nheads_k,
+    headdim)``."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"{PREFIX}kv must be a 4-D tensor (total_k, 2, nheads_k, headdim), "
+                         f"got {_shape_of(kv)}")
+    k, v = kv.unbind(1)
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """``q`` ``(total_q, nheads, headdim)`` over ``k``, ``v`` ``(total_k, nheads_k, headdim)``.
+
+    ``block_table`` (int32 ``(batch, max_num_blocks_per_seq)``): paged keys, ``k`` and ``v``
+    of shape ``(num_blocks, page_block_size, nheads_k, headdim)`` (any page size), sequence
+    ``b``'s key ``j`` in block ``block_table[b, j // page_block_size]``; its length is
+    ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``. The pages are gathered into the padded batch.
+    """
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs, block_table)
+
+
+for _f in (flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func,
+           flash_attn_varlen_func):
+    _f.__doc__ += _VARLEN_DOC
+
+
+# ------------------------------------------------------------------------------------ KV cache
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the first ``2 * cos.shape[-1]`` channels of ``x`` ``(B, S, H, D)`` by the angles
+    whose cos/sin are ``(B, S, rotary_dim / 2)``, in float32, rounded back to x's dtype (as
+    flash-attn computes it): pairs ``(2i, 2i + 1)`` if ``interleaved``, else
+    ``(i, i + rotary_dim / 2)`` (GPT-NeoX style)."""
+    rd = 2 * cos.shape[-1]
+    c, s = cos.float().unsqueeze(2), sin.float().unsqueeze(2)
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _int32_per_batch(name: str, t, batch: int, q: torch.Tensor) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1
+            or t.shape[0] != batch or t.device != q.device):
+        raise ValueError(f"{PREFIX}{name} must be an int32 tensor of shape (batch,) = ({batch},) "
+                         f"on the device of q ({q.device}), got "
+                         + (f"{t.dtype} {list(t.shape)} on {t.device}"
+                            if isinstance(t, torch.Tensor) else _rules.type_name(t)))
+    return t
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[(int, torch.Tensor)]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention of ``q`` over a KV cache, appending new keys/values to it first (flash-attn 2's
+    ``flash_attn_with_kvcache``: same signature, defaults, semantics and in-place update).
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads, headdim) float16.
+    k_cache, v_cache : (batch_cache, seqlen_cache, nheads_k, headdim), or with ``block_table``
+        (num_blocks, page_block_size, nheads_k, headdim) (any page size). **Updated in place**
+        when ``k`` / ``v`` are given.
+    k, v : (batch, seqlen_new, nheads_k, headdim), optional (both or neither; need
+        ``cache_seqlens``). Written into the cache at rows ``cache_seqlens[b] + i`` (with
+        device-side index ops; a row past the cache raises an index error, on CUDA a device-side
+        assertion), after the rotary embedding when ``rotary_cos`` is given.
+    rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2), q's dtype, ``seqlen_ro >=
+        seqlen_cache``; only with ``k``. Applied (in float32) to the new keys at positions
+        ``cache_seqlens[b] + i`` and to ``q`` at positions ``cache_seqlens[b] + i`` when causal
+        (or windowed, as flash-attn decides), else all at ``cache_seqlens[b]``;
+        ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... if True, else (i, i +
+        rotary_dim / 2). Every position must be a row of the tables (causal: up to
+        ``cache_seqlens[b] + seqlen_q - 1``); one past them raises an index error (CUDA: a
+        device-side assertion).
+    cache_seqlens : int or int32 (batch,), optional. Keys ``[cache_leftpad[b],
+        cache_seqlens[b] + seqlen_new)`` are attended (None: the whole cache), clamped into the
+        cache like the op's key ranges.
+    cache_batch_idx : int32 (batch,), optional. Cache row of batch entry b (gathers a copy of
+        those cache rows for the attention).
+    cache_leftpad : int32 (batch,), optional. First valid cache row.
+    block_table : int32 (batch, max_num_blocks_per_seq), optional. Paged cache; the pages are
+        gathered into a contiguous copy for the attention. Not with ``cache_batch_idx`` or
+        ``cache_leftpad`` (as in flash-attn).
+    softmax_scale, causal : as :func:`flash_attn_func`; causal is bottom-right per sequence
+        (query ``i`` sees key row ``j`` iff ``j <= i + cache_seqlens[b] + seqlen_new -
+        seqlen_q``), and has no effect when ``seqlen_q == 1``.
+    window_size, softcap, alibi_slopes : accepted at their "off" values only (see
+        :func:`flash_attn_func`).
+    num_splits : int. flash-attn's split-KV count; a performance hint here (the kernels choose
+        their own split), any int is accepted and has no effect on the result.
+    return_softmax_lse : bool. Also return the float32 LSE ``(batch, nheads, seqlen_q)``.
+
+    Returns
+    -------
+    out : (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)``.
+
+    Costs. The plain call (no ``cache_batch_idx``, no ``block_table``, not causal or
+    ``seqlen_q == 1``) reads the cache in place. ``cache_batch_idx``, ``block_table`` and causal
+    calls with ``seqlen_q > 1`` first gather the used cache rows into a temporary copy of
+    ``(batch, seqlen_cache, nheads_k, headdim)`` (for causal calls right-aligned per sequence,
+    which is what makes the per-sequence causal mask exact on the op's single causal offset).
+    A head dim that is not a multiple of 8 copies the cache zero-padded, as flash-attn does.
+
+    Raises
+    ------
+    UnsupportedFeatureError
+        ``window_size`` hiding a key, ``softcap > 0``, ``alibi_slopes``; and when a gradient
+        could flow (grad mode on and q, k or v requiring grad): flash-attn has no backward here
+        and would silently return none; call it under ``torch.no_grad()``.
+    ValueError
+        Invalid arguments, naming them (shapes, dtypes, devices; ``k`` without ``v`` or without
+        ``cache_seqlens``; rotary without ``k``; ...).
+    """
+    _ops.require_extension()
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{PREFIX}{name} must be a 4-D tensor, got {_shape_of(t)}")
+    if (k is None) != (v is None):
+        raise ValueError(f"{PREFIX}k and v must be given together (new keys and values)")
+    paged = block_table is not None
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    if paged:
+        _check_block_table(block_table, batch, q)
+        if k_cache.shape[0] == 0:
+            raise ValueError(f"{PREFIX}k_cache must hold at least one block with block_table")
+        if cache_batch_idx is not None or cache_leftpad is not None:
+            raise ValueError(f"{PREFIX}block_table cannot be combined with cache_batch_idx or "
+                             f"cache_leftpad (as in flash-attn)")
+        page = k_cache.shape[1]
+        seqlen_cache = block_table.shape[1] * page
+    else:
+        seqlen_cache = k_cache.shape[1]
+    left, right = _check_options(causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_cache,
+                                 window_size=window_size, softcap=softcap,
+                                 alibi_slopes=alibi_slopes,
+                                 bools=(("rotary_interleaved", rotary_interleaved),
+                                        ("return_softmax_lse", return_softmax_lse)))
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise ValueError(f"{PREFIX}num_splits must be an int, got {_rules.type_name(num_splits)}")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k, v)):
+        raise UnsupportedFeatureError(
+            f"{PREFIX}flash_attn_with_kvcache has no backward (as in flash-attn, which returns "
+            f"no gradient); call it under torch.no_grad() or torch.inference_mode(), or use "
+            f"flash_attn_func for a differentiable call")
+    if batch == 0 or k_cache.shape[0] == 0:
+        raise ValueError(f"{PREFIX}q and k_cache must have a batch size >= 1 (as in "
+                         f"flash-attn), got {batch} and {k_cache.shape[0]}")
+    if not paged and k_cache.shape[0] != batch and cache_batch_idx is None:
+        raise ValueError(f"{PREFIX}k_cache must have batch size {batch} (q's) unless "
+                         f"cache_batch_idx selects its rows, got {k_cache.shape[0]}")
+    # q and the cache through the rulebook (metadata only; one batch entry of each, since the
+    # cache's first dimension may be pages or selected rows).
+    _require_valid(q[:1], k_cache[:1], v_cache[:1], softmax_scale, ("q", "k_cache", "v_cache"))
+    if k is not None:
+        if cache_seqlens is None:
+            raise ValueError(f"{PREFIX}cache_seqlens must be given with k and v (where to append)")
+        if (not isinstance(k, torch.Tensor) or k.dim() != 4 or k.shape[0] != batch
+                or k.shape[2:] != k_cache.shape[2:]):
+            raise ValueError(f"{PREFIX}k must be (batch, seqlen_new, nheads_k, headdim) = "
+                             f"({batch}, *, {k_cache.shape[2]}, {k_cache.shape[3]}), got "
+                             f"{_shape_of(k)}")
+        _require_valid(q, k, v, softmax_scale, ("q", "k", "v"))
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32,
+                                   device=q.device)
+    cache_seqlens = _int32_per_batch("cache_seqlens", cache_seqlens, batch, q)
+    cache_batch_idx = _int32_per_batch("cache_batch_idx", cache_batch_idx, batch, q)
+    cache_leftpad = _int32_per_batch("cache_leftpad", cache_leftpad, batch, q)
+    if rotary_cos is not None or rotary_sin is not None:
+        _check_rotary(rotary_cos, rotary_sin, k, q, seqlen_cache)
+
+    # flash-attn: causal has no effect on a single query row; it decides q's rotary positions
+    # together with a window it still considers local (left < seqlen_cache, right likewise).
+    is_causal = causal and seqlen_q != 1
+    if is_causal:
+        right = 0
+    local = (0 <= left < seqlen_cache) or (0 <= right < seqlen_cache)
+    seqlen_new = 0 if k is None else k.shape[1]
+
+    with torch.no_grad():
+        if k is not None:
+            pos = cache_seqlens.to(torch.int64).view(-1, 1) + torch.arange(
+                seqlen_new, device=q.device).view(1, -1)
+            if rotary_cos is not None:
+                k = _rotary(k, rotary_cos[pos], rotary_sin[pos], rotary_interleaved)
+            if paged:
+                blk = block_table.to(torch.int64).gather(1, pos // page)
+                k_cache[blk, pos % page] = k
+                v_cache[blk, pos % page] = v
+            else:
+                rows = (torch.arange(batch, device=q.device) if cache_batch_idx is None
+                        else cache_batch_idx.to(torch.int64)).view(-1, 1)
+                k_cache[rows, pos] = k
+                v_cache[rows, pos] = v
+        if rotary_cos is not None:
+            base = cache_seqlens.to(torch.int64).view(-1, 1)
+            qpos = base + torch.arange(seqlen_q, device=q.device).view(1, -1) \
+                if (is_causal or local) else base.expand(batch, seqlen_q)
+            q = _rotary(q, rotary_cos[qpos], rotary_sin[qpos], rotary_interleaved)
+
+        # The attended key rows of batch entry b: [start[b], end[b]) of its cache row.
+        end = (None if cache_seqlens is None
+               else (cache_seqlens.to(torch.int64) + seqlen_new).clamp(0, seqlen_cache))
+        start = None if cache_leftpad is None else cache_leftpad.to(torch.int64)
+        if is_causal and end is not None:
+            # Right-align each sequence (shift its rows by seqlen_cache - end[b]) so that the
+            # op's single causal offset, seqlen_cache - seqlen_q, is every sequence's own.
+            shift = seqlen_cache - end
+            kc, vc = _gather_cache(k_cache, v_cache, block_table, cache_batch_idx, shift,
+                                   seqlen_cache, batch)
+            start = shift if start is None else (start.clamp(0, seqlen_cache) + shift)
+            end = None
+        elif paged or cache_batch_idx is not None:
+            kc, vc = _gather_cache(k_cache, v_cache, block_table, cache_batch_idx,
+                                   torch.zeros(batch, dtype=torch.int64, device=q.device),
+                                   seqlen_cache, batch)
+        else:
+            kc, vc = k_cache, v_cache
+        qp, kp, vp, d = _pad_head_dim(q, kc, vc)
+        padded = qp is not q
+        scale = _scale_for(softmax_scale, d, padded)
+        _require_valid(qp, kp, vp, scale, ("q", "k_cache", "v_cache"))
+        out, lse = _run(qp, kp, vp, scale, is_causal,
+                        None if start is None else start.to(torch.int32),
+                        None if end is None else end.to(torch.int32))
+    if padded:
+        out = out[..., :d]
+    return (out, lse) if return_softmax_lse else out
+
+
+def _check_rotary(cos, sin, k, q, seqlen_cache: int) -> None:
+    if k is None:
+        raise ValueError(f"{PREFIX}rotary_cos / rotary_sin need k and v (the new keys they "
+                         f"rotate), as in flash-attn")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{PREFIX}{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2), "
+                             f"got {_shape_of(t)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{PREFIX}{name} must have q's dtype and device ({q.dtype}, "
+                             f"{q.device}), got {t.dtype} on {t.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"{PREFIX}rotary_cos and rotary_sin must have one shape, got "
+                         f"{list(cos.shape)} and {list(sin.shape)}")
+    rd = 2 * cos.shape[1]
+    if not 0 < rd <= q.shape[-1]:
+        raise ValueError(f"{PREFIX}rotary_dim = 2 * rotary_cos.shape[1] = {rd} must be in "
+                         f"[2, headdim = {q.shape[-1]}]")
+    if cos.shape[0] < seqlen_cache:
+        raise ValueError(f"{PREFIX}rotary_cos must have at least seqlen_cache = {seqlen_cache} "
+                         f"rows, got {cos.shape[0]}")
+
+
+def _gather_cache(k_cache, v_cache, block_table, cache_batch_idx, shift, seqlen_cache: int,
+                  batch: int):
+    """A (batch, seqlen_cache, nheads_k, headdim) copy of each batch entry's cache row, shifted
+    right by ``shift[b]`` rows (row r holds cache row r - shift[b]; the rows before the shift
+    repeat row 0 and lie outside the key range)."""
+    if block_table is not None:
+        blk, off = _packing.paged_rows(block_table, k_cache.shape[1], shift, seqlen_cache)
+        return k_cache[blk, off], v_cache[blk, off]
+    rows = (torch.arange(seqlen_cache, device=k_cache.device).view(1, -1)
+            - shift.view(-1, 1)).clamp(min=0)
+    b = (torch.arange(batch, device=k_cache.device) if cache_batch_idx is None
+         else cache_batch_idx.to(torch.int64)).view(-1, 1)
+    return k_cache[b, rows], v_cache[b, rows]

@@ -1,0 +1,664 @@
+"""The flash_attn drop-in (flash_attention_sm75.fa2, .bert_padding, flash_attn_dropin/) on the CPU.
+
+The op's CPU implementation computes in float64 and rounds once, so everything here is checked
+for exactness against float64 references: outputs within one float16 ulp of the reference,
+LSE within float32 rounding, ``-inf`` rows identical. Gradients (the CPU backward is float32)
+within the repository's CPU bound (1e-2 of the largest reference gradient). Shapes are small:
+the whole file takes a few seconds.
+
+* signatures: names, order, defaults of flash-attn 2.8.3's public functions (written out here
+  from its documented API);
+* every feature the kernels lack raises UnsupportedFeatureError naming it; the "off" values run;
+* dense, varlen (random cu_seqlens with empty and one-token sequences, unequal q/k lengths,
+  causal bottom-right per sequence, GQA, paged keys) and KV-cache calls (append in place,
+  leftpad, causal chunks, rotary, cache_batch_idx, block_table) against per-sequence float64;
+* bert_padding round trips, and the same results as transformers' own pad/unpad helpers;
+* the package: ``pip install`` of flash_attn_dropin/, its metadata, transformers'
+  ``is_flash_attn_2_available()`` accepting it, and a tiny Llama through
+  ``attn_implementation="flash_attention_2"`` on the CPU (CUDA availability faked: the model
+  runs on the op's CPU implementation).
+"""
+import inspect
+import math
+
+import pytest
+import torch
+
+from flash_attention_sm75 import _ops, bert_padding, fa2
+from reference import attention_ref
+
+pytestmark = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
+                                reason=f"extension not built: {_ops.EXTENSION_ERROR}")
+
+F16 = torch.float16
+
+
+# ------------------------------------------------------------------------------- signatures
+# flash-attn 2.8.3's documented public API (flash_attn/flash_attn_interface.py, bert_padding.py):
+# every parameter positional-or-keyword, in this order, with these defaults.
+_OPTS = ("dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+         "alibi_slopes=None, deterministic=False, return_attn_probs=False")
+FA2_SIGNATURES = {
+    "flash_attn_func": "q, k, v, " + _OPTS,
+    "flash_attn_qkvpacked_func": "qkv, " + _OPTS,
+    "flash_attn_kvpacked_func": "q, kv, " + _OPTS,
+    "flash_attn_varlen_func": ("q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "
+                               + _OPTS + ", block_table=None"),
+    "flash_attn_varlen_qkvpacked_func": "qkv, cu_seqlens, max_seqlen, " + _OPTS,
+    "flash_attn_varlen_kvpacked_func": ("q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
+                                        "max_seqlen_k, " + _OPTS),
+    "flash_attn_with_kvcache": (
+        "q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "
+        "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
+        "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+        "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False"),
+}
+BERT_PADDING_SIGNATURES = {
+    "pad_input": "hidden_states, indices, batch, seqlen",
+    "unpad_input": "hidden_states, attention_mask, unused_mask=None",
+    "index_first_axis": "input, indices",
+    "index_put_first_axis": "values, indices, first_axis_dim",
+    "unpad_input_for_concatenated_sequences": "hidden_states, attention_mask_in_length",
+}
+
+
+def _params(spec):
+    sig = inspect.signature(eval(f"lambda {spec}: None"))  # noqa: S307 (a literal above)
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+def _actual(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("name", sorted(FA2_SIGNATURES))
+def test_signature_is_flash_attn_2s(name):
+    assert _actual(getattr(fa2, name)) == _params(FA2_SIGNATURES[name])
+
+
+@pytest.mark.parametrize("name", sorted(BERT_PADDING_SIGNATURES))
+def test_bert_padding_signature_is_flash_attn_2s(name):
+    assert _actual(getattr(bert_padding, name)) == _params(BERT_PADDING_SIGNATURES[name])
+
+
+# ------------------------------------------------------------------------------- exactness
+def assert_out_exact(out, ref, what="out"):
+    """fp16 ``out`` within one fp16 ulp of the float64 ``ref`` (the op rounds once)."""
+    assert out.dtype == F16 and out.shape == ref.shape, (what, out.shape, ref.shape)
+    err = (out.double() - ref).abs()
+    tol = ref.abs() * 2.0**-10 + 2.0**-24
+    assert bool((err <= tol).all()), f"{what}: max err {err.max().item():.3e}"
+
+
+def assert_lse_exact(lse, ref, what="lse"):
+    assert lse.dtype == torch.float32 and lse.shape == ref.shape, (what, lse.shape, ref.shape)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)), f"{what}: -inf rows differ"
+    fin = torch.isfinite(ref)
+    err = (lse.double() - ref)[fin].abs()
+    assert bool((err <= ref[fin].abs() * 2.0**-22 + 1e-7).all()), f"{what}: {err.max():.3e}"
+
+
+def assert_grad_close(g, ref, what):
+    assert not torch.isnan(g).any(), what
+    bound = 1e-2 * max(1.0, ref.abs().max().item())
+    assert (g.double() - ref).abs().max().item() <= bound, what
+
+
+def rand(*shape, grad=False, seed=None):
+    if seed is not None:
+        torch.manual_seed(seed)
+    t = torch.randn(*shape, dtype=F16)
+    return t.requires_grad_(True) if grad else t
+
+
+# ------------------------------------------------------------------------------- options
+BAD_OPTIONS = [
+    (dict(dropout_p=0.1), "dropout_p=0.1", "accepted: 0.0"),
+    (dict(window_size=(2, 2)), "window_size=(2, 2)", "accepted: (-1, -1)"),
+    (dict(window_size=(-1, 0)), "window_size=(-1, 0)", "right < 0 or >="),
+    (dict(softcap=30.0), "softcap=30.0", "accepted: 0.0"),
+    (dict(alibi_slopes=torch.zeros(4)), "alibi_slopes", "accepted: None"),
+]
+
+
+@pytest.mark.parametrize("api,kwargs,names,accepted", [
+    (api, *case) for api in ("func", "varlen", "kvcache") for case in BAD_OPTIONS
+    if not (api == "kvcache" and "dropout_p" in case[0])])  # kvcache has no dropout_p
+def test_unsupported_feature_raises_naming_it(api, kwargs, names, accepted):
+    q, k, v = rand(1, 6, 4, 16), rand(1, 9, 2, 16), rand(1, 9, 2, 16)
+    with pytest.raises(fa2.UnsupportedFeatureError) as e:
+        if api == "func":
+            fa2.flash_attn_func(q, k, v, **kwargs)
+        elif api == "varlen":
+            cu_q, cu_k = torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
+            fa2.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 6, 9, **kwargs)
+        else:
+            with torch.no_grad():
+                fa2.flash_attn_with_kvcache(q, k, v, **kwargs)
+    msg = str(e.value)
+    assert isinstance(e.value, NotImplementedError) and isinstance(e.value, ValueError)
+    assert names in msg and accepted in msg, msg
+
+
+def test_several_unsupported_features_are_all_named():
+    q = rand(1, 4, 2, 16)
+    with pytest.raises(fa2.UnsupportedFeatureError, match="dropout_p=0.5.*softcap=1.0.*alibi"):
+        fa2.flash_attn_func(q, q, q, 0.5, softcap=1.0, alibi_slopes=torch.ones(2))
+
+
+def test_deterministic_true_refused_only_with_atomic_backward(monkeypatch):
+    q = rand(1, 4, 2, 16)
+    ref = fa2.flash_attn_func(q, q, q)
+    assert torch.equal(fa2.flash_attn_func(q, q, q, deterministic=True), ref)
+    monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
+    with pytest.raises(fa2.UnsupportedFeatureError, match="deterministic=True.*FLASH_SM75_BWD_DQ"):
+        fa2.flash_attn_func(q, q, q, deterministic=True)
+    assert torch.equal(fa2.flash_attn_func(q, q, q, deterministic=False), ref)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_off_values_run_and_change_nothing(causal):
+    q, k, v = rand(2, 5, 4, 16), rand(2, 7, 2, 16), rand(2, 7, 2, 16)
+    ref = fa2.flash_attn_func(q, k, v, causal=causal)
+    # windows that hide no key (left >= seqlen_k - 1; right >= seqlen_q - 1 or causal), softcap
+    # <= 0 (off in flash-attn), dropout 0 as an int
+    for kw in (dict(window_size=(6, 4)), dict(window_size=(100, -1)), dict(softcap=-1.0),
+               dict(dropout_p=0), dict(window_size=[-1, -1])):
+        assert torch.equal(fa2.flash_attn_func(q, k, v, causal=causal, **kw), ref), kw
+    if causal:  # flash-attn replaces the right window by 0 when causal
+        assert torch.equal(fa2.flash_attn_func(q, k, v, causal=True, window_size=(6, 0)), ref)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q: fa2.flash_attn_func(q.to(torch.bfloat16), q.to(torch.bfloat16), q.to(torch.bfloat16)),
+     "q must be float16"),
+    (lambda q: fa2.flash_attn_func(q, q, q, causal=1), "causal must be a bool"),
+    (lambda q: fa2.flash_attn_func(q, q, q, window_size=3), "window_size must be a pair"),
+    (lambda q: fa2.flash_attn_func(q, q, q, 0.0, -1.0), "softmax_scale must be"),
+    (lambda q: fa2.flash_attn_func(q[0], q[0], q[0]), "q must be 4-D"),
+    (lambda q: fa2.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4]),
+                                          torch.tensor([0, 4]), 4, 4), "cu_seqlens_q must be int32"),
+    (lambda q: fa2.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4], dtype=torch.int32),
+                                          torch.tensor([0, 4], dtype=torch.int32), 3, 4),
+     "no sequence longer than the max_seqlen passed"),
+    (lambda q: fa2.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 3, 2], dtype=torch.int32),
+                                          torch.tensor([0, 2, 4], dtype=torch.int32), 4, 4),
+     "non-decreasing"),
+    (lambda q: fa2.flash_attn_varlen_func(q, q, q, torch.tensor([0, 4], dtype=torch.int32),
+                                          torch.tensor([0, 4], dtype=torch.int32), 4, 4),
+     "q must be a 3-D tensor"),
+    (lambda q: fa2.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4], dtype=torch.int32),
+                                          torch.tensor([0, 4], dtype=torch.int32), 4.0, 4),
+     "max_seqlen_q must be an int"),
+    (lambda q: fa2.flash_attn_with_kvcache(q, q, q, k=q), "k and v must be given together"),
+    (lambda q: fa2.flash_attn_with_kvcache(q, q, q, k=q, v=q), "cache_seqlens must be given"),
+])
+def test_invalid_arguments_raise_value_error_naming_them(call, match):
+    q = rand(1, 4, 2, 16)
+    with pytest.raises(ValueError, match=match) as e:
+        with torch.no_grad():
+            call(q)
+    assert not isinstance(e.value, fa2.UnsupportedFeatureError)
+
+
+# ------------------------------------------------------------------------------- dense
+@pytest.mark.parametrize("sq,sk", [(1, 9), (5, 5), (7, 3), (12, 17)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,hk,d", [(4, 4, 64), (6, 2, 32), (3, 1, 20)])
+def test_flash_attn_func_exact(sq, sk, causal, h, hk, d):
+    q, k, v = rand(2, sq, h, d, seed=sq * 31 + sk), rand(2, sk, hk, d), rand(2, sk, hk, d)
+    out, lse, s_dmask = fa2.flash_attn_func(q, k, v, 0.0, None, causal, return_attn_probs=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse)
+    assert s_dmask.shape == (0,) and s_dmask.dtype == F16  # flash-attn's value for dropout_p=0
+    assert fa2.flash_attn_func(q, k, v, causal=causal).shape == (2, sq, h, d)
+
+
+def test_flash_attn_func_positional_order_and_scale():
+    q, k, v = rand(1, 6, 2, 24, seed=3), rand(1, 6, 2, 24), rand(1, 6, 2, 24)
+    out = fa2.flash_attn_func(q, k, v, 0.0, 0.3, True)  # dropout_p, softmax_scale, causal
+    assert_out_exact(out, attention_ref(q, k, v, causal=True, softmax_scale=0.3)[0])
+
+
+def test_packed_forms_equal_flash_attn_func_forward_and_backward():
+    qkv = rand(2, 9, 3, 4, 32, grad=True, seed=5)
+    out = fa2.flash_attn_qkvpacked_func(qkv, causal=True)
+    q, k, v = (t.detach().requires_grad_(True) for t in qkv.unbind(2))
+    ref = fa2.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(qkv.grad, torch.stack([q.grad, k.grad, v.grad], dim=2))
+
+    q2 = q.detach()
+    kv = rand(2, 11, 2, 2, 32, seed=6)
+    o_kv, lse_kv, _ = fa2.flash_attn_kvpacked_func(q2, kv, return_attn_probs=True)
+    o, lse, _ = fa2.flash_attn_func(q2, kv[:, :, 0], kv[:, :, 1], return_attn_probs=True)
+    assert torch.equal(o_kv, o) and torch.equal(lse_kv, lse)
+
+
+def test_flash_attn_func_backward_matches_float64():
+    q, k, v = rand(2, 7, 4, 20, grad=True, seed=7), rand(2, 9, 2, 20, grad=True), rand(2, 9, 2, 20, grad=True)
+    out = fa2.flash_attn_func(q, k, v, causal=True)  # head_dim 20: zero-padded to 24 and back
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, causal=True)[0]
+    refs = torch.autograd.grad(ref, (q64, k64, v64), g.double())
+    for name, a, b in zip("qkv", grads, refs):
+        assert a.shape == b.shape
+        assert_grad_close(a, b, "d" + name)
+
+
+# ------------------------------------------------------------------------------- varlen
+def _cu(lengths):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+
+
+def _varlen_case(seed, lens_q, lens_k, h, hk, d, grad=False):
+    torch.manual_seed(seed)
+    q = rand(sum(lens_q), h, d, grad=grad)
+    k = rand(sum(lens_k), hk, d, grad=grad)
+    v = rand(sum(lens_k), hk, d, grad=grad)
+    return q, k, v, _cu(lens_q), _cu(lens_k)
+
+
+def _varlen_ref(q, k, v, cu_q, cu_k, causal, scale=None):
+    """Per sequence, float64: (out (total_q, H, D), lse (H, total_q))."""
+    outs, lses = [], []
+    for b in range(cu_q.shape[0] - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].unsqueeze(0)
+        ks, vs = k[cu_k[b]:cu_k[b + 1]].unsqueeze(0), v[cu_k[b]:cu_k[b + 1]].unsqueeze(0)
+        if qs.shape[1] == 0:
+            continue
+        if ks.shape[1] == 0:  # no keys: zeros and -inf (attention_ref needs one key column)
+            outs.append(torch.zeros(qs.shape[1:], dtype=torch.float64))
+            lses.append(torch.full((qs.shape[2], qs.shape[1]), -math.inf, dtype=torch.float64))
+            continue
+        o, lse = attention_ref(qs, ks, vs, causal=causal, softmax_scale=scale)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# empty and one-token sequences, q longer and shorter than k, a batch of one
+VARLEN_LENGTHS = [
+    ([3, 0, 1, 5, 2, 4], [4, 2, 0, 5, 7, 1]),
+    ([1, 1, 1], [6, 0, 3]),
+    ([9], [4]),
+    ([0, 6, 2], [0, 6, 11]),
+]
+
+
+@pytest.mark.parametrize("lens", VARLEN_LENGTHS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,hk,d", [(4, 2, 32), (2, 2, 24)])
+def test_varlen_exact(lens, causal, h, hk, d):
+    lens_q, lens_k = lens
+    q, k, v, cu_q, cu_k = _varlen_case(len(lens_q) * 7 + d, lens_q, lens_k, h, hk, d)
+    out, lse, s_dmask = fa2.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, return_attn_probs=True)
+    ref, ref_lse = _varlen_ref(q, k, v, cu_q, cu_k, causal)
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse)  # flash-attn's packed (nheads, total_q)
+    assert s_dmask.numel() == 0
+    # larger max_seqlen than needed: more padding, the same answer
+    out2 = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q) + 3, max(lens_k) + 5,
+                                      causal=causal)
+    assert torch.equal(out2, out)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_backward_matches_float64(causal):
+    lens_q, lens_k = [3, 0, 1, 5, 2], [4, 2, 0, 5, 7]
+    q, k, v, cu_q, cu_k = _varlen_case(11, lens_q, lens_k, 4, 2, 32, grad=True)
+    out = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, causal=causal)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = _varlen_ref(q64, k64, v64, cu_q, cu_k, causal)
+    refs = torch.autograd.grad(ref, (q64, k64, v64), g.double(), allow_unused=True)
+    for name, a, b in zip("qkv", grads, refs):
+        b = torch.zeros_like(a, dtype=torch.float64) if b is None else b
+        assert_grad_close(a, b, "d" + name)
+    # keys of the empty-query sequence (sequence 1) and of nothing get exactly zero gradient
+    assert (grads[1][4:6] == 0).all() and (grads[2][4:6] == 0).all()
+
+
+def test_varlen_packed_forms_and_paged_keys_equal_varlen_func():
+    lens_q, lens_k = [3, 0, 4, 1], [5, 2, 4, 0]
+    q, k, v, cu_q, cu_k = _varlen_case(12, lens_q, lens_k, 4, 2, 16)
+    ref, ref_lse, _ = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, causal=True,
+                                                 return_attn_probs=True)
+    o, lse, _ = fa2.flash_attn_varlen_kvpacked_func(q, torch.stack((k, v), 1), cu_q, cu_k, 4, 5,
+                                                    causal=True, return_attn_probs=True)
+    assert torch.equal(o, ref) and torch.equal(lse, ref_lse)
+    # paged keys: pages of 3 rows, shuffled, sequence b's keys in block_table[b]
+    page, nblk = 3, 2
+    kp, vp = torch.zeros(9, page, 2, 16, dtype=F16), torch.zeros(9, page, 2, 16, dtype=F16)
+    table = torch.tensor([[4, 7], [0, 2], [8, 1], [5, 6]], dtype=torch.int32)
+    for b in range(4):
+        for j in range(lens_k[b]):
+            kp[table[b, j // page], j % page] = k[cu_k[b] + j]
+            vp[table[b, j // page], j % page] = v[cu_k[b] + j]
+    o, lse, _ = fa2.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 4, 5, causal=True,
+                                           return_attn_probs=True, block_table=table)
+    assert torch.equal(o, ref) and torch.equal(lse, ref_lse)
+    assert nblk * page >= max(lens_k)
+
+    qkv = rand(7, 3, 2, 16, seed=13)
+    cu = _cu([4, 3])
+    o = fa2.flash_attn_varlen_qkvpacked_func(qkv, cu, 4, causal=True)
+    assert torch.equal(o, fa2.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 4,
+                                                     4, causal=True))
+
+
+def test_varlen_tokens_outside_the_sequences_get_zero_and_tensor_max_seqlen():
+    q, k, v, _, _ = _varlen_case(14, [8], [8], 2, 2, 16)
+    cu = torch.tensor([1, 3, 6], dtype=torch.int32)  # tokens 0, 6, 7 belong to no sequence
+    out, lse, _ = fa2.flash_attn_varlen_func(q, k, v, cu, cu, torch.tensor(3), 3,
+                                             return_attn_probs=True)
+    assert (out[[0, 6, 7]] == 0).all() and torch.isneginf(lse[:, [0, 6, 7]]).all()
+    ref, ref_lse = _varlen_ref(q, k, v, cu, cu, False)
+    assert_out_exact(out[1:6], ref)
+    assert_lse_exact(lse[:, 1:6], ref_lse)
+
+
+def test_varlen_zero_sizes():
+    q = torch.zeros(0, 2, 16, dtype=F16)
+    empty = torch.zeros(1, dtype=torch.int32)
+    assert fa2.flash_attn_varlen_func(q, q, q, empty, empty, 0, 0).shape == (0, 2, 16)
+    cu = torch.tensor([0, 0, 0], dtype=torch.int32)
+    out, lse, _ = fa2.flash_attn_varlen_func(q, q, q, cu, cu, 0, 0, return_attn_probs=True)
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+
+
+# ------------------------------------------------------------------------------- KV cache
+def _cache_ref(q, kc, vc, start, end, causal, rows=None, scale=None):
+    """Per batch entry b: q[b] over cache rows [start[b], end[b]) of cache entry rows[b]."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        r = b if rows is None else int(rows[b])
+        ks = kc[r, int(start[b]):int(end[b])].unsqueeze(0)
+        vs = vc[r, int(start[b]):int(end[b])].unsqueeze(0)
+        o, lse = attention_ref(q[b:b + 1], ks, vs, causal=causal and q.shape[1] > 1,
+                               softmax_scale=scale)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("leftpad", [False, True])
+def test_kvcache_append_and_attend_exact(seqlen_q, causal, leftpad):
+    torch.manual_seed(seqlen_q * 10 + causal * 2 + leftpad)
+    B, S, h, hk, d, new = 3, 16, 4, 2, 32, 2
+    q = rand(B, seqlen_q, h, d)
+    kc, vc = rand(B, S, hk, d), rand(B, S, hk, d)
+    k, v = rand(B, new, hk, d), rand(B, new, hk, d)
+    seqlens = torch.tensor([5, 0, 14], dtype=torch.int32)
+    lp = torch.tensor([2, 0, 9], dtype=torch.int32) if leftpad else None
+    kc0, vc0 = kc.clone(), vc.clone()
+    with torch.no_grad():
+        out, lse = fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                               cache_leftpad=lp, causal=causal,
+                                               return_softmax_lse=True, num_splits=3)
+    exp_k, exp_v = kc0.clone(), vc0.clone()
+    for b in range(B):
+        exp_k[b, seqlens[b]:seqlens[b] + new] = k[b]
+        exp_v[b, seqlens[b]:seqlens[b] + new] = v[b]
+    assert torch.equal(kc, exp_k) and torch.equal(vc, exp_v)  # appended in place, nothing else
+    start = lp if leftpad else torch.zeros(B, dtype=torch.int32)
+    ref, ref_lse = _cache_ref(q, exp_k, exp_v, start, seqlens + new, causal)
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse)
+
+
+def test_kvcache_without_new_keys_and_int_seqlens():
+    q, kc, vc = rand(2, 3, 2, 16, seed=21), rand(2, 10, 2, 16), rand(2, 10, 2, 16)
+    with torch.no_grad():
+        full = fa2.flash_attn_with_kvcache(q, kc, vc, causal=True)
+        part = fa2.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=7, causal=True)
+    assert_out_exact(full, attention_ref(q, kc, vc, causal=True)[0])
+    assert_out_exact(part, attention_ref(q, kc[:, :7], vc[:, :7], causal=True)[0])
+
+
+def _rotary_ref(x, cos, sin, pos, interleaved):
+    """float64 rotation of x (B, S, H, D) at positions pos (B, S), rounded to fp16."""
+    rd = 2 * cos.shape[1]
+    c = cos.double()[pos].unsqueeze(2)
+    s = sin.double()[pos].unsqueeze(2)
+    x64 = x.double()
+    xr = x64[..., :rd]
+    if interleaved:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((a * c - b * s, a * s + b * c), -1).flatten(-2)
+    else:
+        a, b = xr[..., :rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((a * c - b * s, a * s + b * c), -1)
+    return torch.cat((rot, x64[..., rd:]), -1).to(F16)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_rotary(interleaved, causal):
+    torch.manual_seed(30 + interleaved + 2 * causal)
+    B, S, h, hk, d, new, sq = 2, 12, 2, 1, 32, 3, 3
+    q, kc, vc = rand(B, sq, h, d), rand(B, S, hk, d), rand(B, S, hk, d)
+    k, v = rand(B, new, hk, d), rand(B, new, hk, d)
+    angles = torch.arange(S).double().view(-1, 1) * torch.rand(8).double().view(1, -1)
+    cos, sin = angles.cos().to(F16), angles.sin().to(F16)  # rotary_dim 16 of head_dim 32
+    seqlens = torch.tensor([2, 7], dtype=torch.int32)
+    kc0, vc0 = kc.clone(), vc.clone()
+    with torch.no_grad():
+        out = fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, seqlens, causal=causal,
+                                          rotary_interleaved=interleaved)
+    pos_k = seqlens.long().view(-1, 1) + torch.arange(new).view(1, -1)
+    k_rot = _rotary_ref(k, cos, sin, pos_k, interleaved)
+    for b in range(B):  # the cache holds the rotated keys (fp32 vs fp64 rotation: <= 1 ulp)
+        got = kc[b, seqlens[b]:seqlens[b] + new]
+        assert_out_exact(got, k_rot[b].double(), "rotated k")
+        assert torch.equal(vc[b, seqlens[b]:seqlens[b] + new], v[b])
+    # q at cache_seqlens + i when causal, else all at cache_seqlens (flash-attn's rule)
+    pos_q = seqlens.long().view(-1, 1) + (torch.arange(sq).view(1, -1) if causal else 0)
+    q_rot = _rotary_ref(q, cos, sin, pos_q.expand(B, sq), interleaved)
+    ref, _ = _cache_ref(q_rot, kc, vc, torch.zeros(B), seqlens + new, causal)
+    assert (out.double() - ref).abs().max().item() <= 2e-3
+
+
+def test_kvcache_batch_idx_and_paged_equal_plain():
+    torch.manual_seed(40)
+    B, S, hk, d, new, page = 2, 12, 2, 16, 2, 4
+    q = rand(B, 3, 4, d)
+    kc, vc = rand(B, S, hk, d), rand(B, S, hk, d)
+    k, v = rand(B, new, hk, d), rand(B, new, hk, d)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    for causal in (False, True):
+        plain_k, plain_v = kc.clone(), vc.clone()
+        with torch.no_grad():
+            ref = fa2.flash_attn_with_kvcache(q, plain_k, plain_v, k, v, cache_seqlens=seqlens,
+                                              causal=causal)
+            # the same rows inside a larger cache, selected by cache_batch_idx
+            big_k, big_v = rand(5, S, hk, d), rand(5, S, hk, d)
+            idx = torch.tensor([3, 1], dtype=torch.int32)
+            big_k[idx.long()], big_v[idx.long()] = kc, vc
+            out = fa2.flash_attn_with_kvcache(q, big_k, big_v, k, v, cache_seqlens=seqlens,
+                                              cache_batch_idx=idx, causal=causal)
+            assert torch.equal(out, ref)
+            assert torch.equal(big_k[idx.long()], plain_k)
+            # paged: 3 pages of 4 rows per sequence, in shuffled blocks
+            table = torch.tensor([[5, 0, 2], [1, 4, 3]], dtype=torch.int32)
+            pk, pv = torch.zeros(6, page, hk, d, dtype=F16), torch.zeros(6, page, hk, d, dtype=F16)
+            pk.view(-1, hk, d)[(table.long() * page).repeat_interleave(page, 1)
+                               + torch.arange(S) % page] = kc
+            pv.view(-1, hk, d)[(table.long() * page).repeat_interleave(page, 1)
+                               + torch.arange(S) % page] = vc
+            out = fa2.flash_attn_with_kvcache(q, pk, pv, k, v, cache_seqlens=seqlens,
+                                              block_table=table, causal=causal)
+        assert torch.equal(out, ref)
+        gathered = pk[table.long()].flatten(1, 2)
+        assert torch.equal(gathered, plain_k)
+
+
+def test_kvcache_refuses_gradients():
+    q = rand(1, 1, 2, 16, grad=True)
+    kc = rand(1, 4, 2, 16)
+    with pytest.raises(fa2.UnsupportedFeatureError, match="no backward.*torch.no_grad"):
+        fa2.flash_attn_with_kvcache(q, kc, kc)
+    with torch.no_grad():
+        assert fa2.flash_attn_with_kvcache(q, kc, kc).shape == (1, 1, 2, 16)
+
+
+# ------------------------------------------------------------------------------- bert_padding
+def test_unpad_pad_round_trip_and_gradients():
+    torch.manual_seed(50)
+    x = torch.randn(3, 5, 2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 1, 1, 1]])
+    unused = torch.tensor([[0, 0, 0, 1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    packed, idx, cu, max_len, used = bert_padding.unpad_input(x, mask, unused)
+    assert packed.shape == (8, 2, 4) and max_len == 4 and isinstance(max_len, int)
+    assert cu.tolist() == [0, 4, 4, 8] and cu.dtype == torch.int32
+    assert used.tolist() == [3, 0, 4] and used.dtype == torch.int32
+    back = bert_padding.pad_input(packed, idx, 3, 5)
+    keep = (mask + unused).bool()[..., None, None]
+    assert torch.equal(back, torch.where(keep, x, torch.zeros(())))
+    back.sum().backward()
+    assert torch.equal(x.grad, keep.expand_as(x).float())
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        bert_padding.index_first_axis(torch.zeros(3), torch.tensor([0]))
+
+
+def test_padding_matches_transformers_helpers():
+    mfau = pytest.importorskip("transformers.modeling_flash_attention_utils")
+    torch.manual_seed(51)
+    x = torch.randn(4, 6, 3, 8)
+    mask = (torch.rand(4, 6) > 0.4).long()
+    ours = bert_padding.unpad_input(x, mask)
+    theirs = mfau._unpad_input(x, mask)
+    for a, b in zip(ours, theirs):
+        assert (a == b) if isinstance(a, int) else torch.equal(a, b)
+    assert torch.equal(bert_padding.pad_input(ours[0], ours[1], 4, 6),
+                       mfau._pad_input(theirs[0], theirs[1], 4, 6))
+
+
+def test_unpad_concatenated_sequences():
+    x = torch.arange(2 * 6).view(2, 6, 1).float()
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])
+    packed, idx, cu, max_len = bert_padding.unpad_input_for_concatenated_sequences(x, lengths)
+    assert cu.tolist() == [0, 2, 5, 11] and max_len == 6
+    assert idx.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11]
+    assert torch.equal(packed[:, 0], x.flatten()[idx])
+
+
+# ------------------------------------------------------------------------------- the package
+@pytest.fixture(scope="module")
+def dropin_site(tmp_path_factory):
+    from dropin_env import install_dropin
+
+    return install_dropin(str(tmp_path_factory.mktemp("flash_attn_dropin")))
+
+
+def test_dropin_installs_with_flash_attn_metadata(dropin_site, monkeypatch):
+    import importlib
+    import importlib.metadata as md
+    import os
+
+    from dropin_env import DROPIN_SRC, dropin_visible
+
+    with dropin_visible(monkeypatch, dropin_site):
+        import flash_attn
+        import flash_attn.bert_padding
+        import flash_attn.flash_attn_interface
+
+        assert flash_attn.__file__.startswith(dropin_site)
+        dist = md.distribution("flash-attn")
+        assert dist.metadata["Name"] == "flash-attn"
+        assert dist.version == flash_attn.__version__ == "2.8.3+sm75"
+        assert "flash-attn" in md.packages_distributions()["flash_attn"]
+        with open(os.path.join(DROPIN_SRC, "pyproject.toml")) as f:
+            assert f'version = "{flash_attn.__version__}"' in f.read()
+        assert dist.requires == ["flash-attention-sm75"]
+        assert flash_attn.SM75_DROPIN is True
+        for name in FA2_SIGNATURES:
+            assert getattr(flash_attn, name) is getattr(fa2, name)
+            assert getattr(flash_attn.flash_attn_interface, name) is getattr(fa2, name)
+        for name in BERT_PADDING_SIGNATURES:
+            assert getattr(flash_attn.bert_padding, name) is getattr(bert_padding, name)
+        assert importlib.util.find_spec("flash_attn.layers") is None
+
+
+def test_transformers_accepts_the_dropin(dropin_site, monkeypatch):
+    import importlib.util
+
+    pytest.importorskip("transformers")
+    from transformers.utils import import_utils
+
+    from dropin_env import dropin_visible
+
+    installed_before = importlib.util.find_spec("flash_attn") is not None
+    with monkeypatch.context() as mp, dropin_visible(mp, dropin_site, fake_cuda=True):
+        assert import_utils.is_flash_attn_2_available()
+        assert import_utils.is_flash_attn_greater_or_equal("2.3.3")
+        assert not import_utils.is_flash_attn_4_available()
+    with monkeypatch.context() as mp, dropin_visible(mp, dropin_site, fake_cuda=False):
+        # as for a real flash-attn: not available without a CUDA device
+        assert import_utils.is_flash_attn_greater_or_equal("2.3.3")
+        assert not import_utils.is_flash_attn_2_available()
+    # and nothing is left behind: flash_attn importable only if it was before, caches re-read
+    assert (importlib.util.find_spec("flash_attn") is not None) == installed_before
+    if not installed_before:
+        assert not import_utils.is_flash_attn_greater_or_equal("2.3.3")
+
+
+def test_transformers_flash_attention_2_runs_the_dropin_on_cpu(dropin_site, monkeypatch, op_calls):
+    """A tiny Llama through attn_implementation="flash_attention_2": padded prefill (unpad ->
+    varlen -> pad), greedy decoding with a cache, and a training step, against "sdpa" on the
+    same fp16 weights (CPU: the op's float64 implementation, so the two differ only by
+    transformers' own fp16 rounding around attention)."""
+    pytest.importorskip("transformers")
+    from devtools.model_configs import build_random_model, make_config
+
+    from dropin_env import dropin_visible
+
+    with dropin_visible(monkeypatch, dropin_site, fake_cuda=True):
+        cfg = make_config("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        model = build_random_model(cfg, dtype=F16, device="cpu", seed=0,
+                                   attn_implementation="flash_attention_2")
+        assert model.config._attn_implementation == "flash_attention_2"
+        ids = torch.randint(1, cfg.vocab_size, (3, 9))
+        am = torch.ones_like(ids)
+        am[1, :4] = 0
+        am[2, :8] = 0  # one real token
+        with torch.no_grad():
+            ours = model(input_ids=ids, attention_mask=am).logits.float()
+            n_calls = len(op_calls)
+            gen = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=3,
+                                 do_sample=False, pad_token_id=0)
+            model.set_attn_implementation("sdpa")
+            stock = model(input_ids=ids, attention_mask=am).logits.float()
+            gen_stock = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=3,
+                                       do_sample=False, pad_token_id=0)
+        assert n_calls == cfg.num_hidden_layers  # every layer ran the op
+        assert all(call[6] is not None for call in op_calls[:n_calls])  # varlen key ranges
+        real = am.bool()
+        assert (ours - stock)[real].abs().max().item() <= 5e-3
+        assert torch.equal(gen, gen_stock)
+
+        # one training step: the gradient reaches every parameter, close to sdpa's
+        labels = ids.masked_fill(am == 0, -100)
+        grads = {}
+        for impl in ("flash_attention_2", "sdpa"):
+            model.set_attn_implementation(impl)
+            model.train().zero_grad(set_to_none=True)
+            logits = model(input_ids=ids, attention_mask=am).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            (loss * 1024).backward()
+            grads[impl] = {n: p.grad.float() for n, p in model.named_parameters()}
+        for name, g in grads["sdpa"].items():
+            ours_g = grads["flash_attention_2"][name]
+            assert torch.isfinite(ours_g).all(), name
+            rel = ((ours_g - g).norm() / g.norm().clamp_min(1e-12)).item()
+            assert rel <= 2e-2, (name, rel)
