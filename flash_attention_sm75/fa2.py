@@ -11,8 +11,6 @@ have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and
 ``ValueError``) naming the argument and the value that is accepted, before any kernel launch:
 
 * ``dropout_p > 0`` (accepted: 0.0);
-* ``window_size`` that hides a key (accepted: ``(-1, -1)``, or a window wide enough to hide no
-  key of the call, e.g. ``left >= seqlen_k - 1``);
 * ``softcap > 0`` (accepted: 0.0 or below, which flash-attn also treats as off);
 * ``alibi_slopes`` (accepted: None);
 * ``deterministic=True`` while ``FLASH_SM75_BWD_DQ=atomic`` makes the backward
@@ -53,8 +51,8 @@ PREFIX = _rules.PREFIX
 
 
 class UnsupportedFeatureError(NotImplementedError, ValueError):
-    """A flash-attn feature the SM75 kernels do not implement (dropout, sliding windows,
-    soft-capping, ALiBi, ...). Both a ``NotImplementedError`` (the feature is missing here) and
+    """A flash-attn feature the SM75 kernels do not implement (dropout, soft-capping, ALiBi,
+    ...). Both a ``NotImplementedError`` (the feature is missing here) and
     a ``ValueError`` (the value given cannot be served; what ``flash_attention_sm75``'s own APIs
     raise for the same options), so either ``except`` catches it."""
 
@@ -68,21 +66,23 @@ def _real(name: str, value: object) -> float:
 
 
 def _window(window_size: object) -> Tuple[int, int]:
+    """flash-attn's ``window_size`` as the op's two ints: any negative side is unbounded (-1),
+    as flash-attn reads it."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral)
                    for w in window_size)):
         raise ValueError(f"{PREFIX}window_size must be a pair of ints (left, right), got "
                          f"{window_size!r}")
-    return int(window_size[0]), int(window_size[1])
+    return tuple(max(int(w), -1) for w in window_size)
 
 
 def _check_options(*, causal, seqlen_q: int, seqlen_k: int, dropout_p=0.0,
                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                    bools: Sequence[Tuple[str, object]] = ()) -> Tuple[int, int]:
     """Validate flash-attn's options; raise :class:`UnsupportedFeatureError` naming every
-    feature asked for that the kernels do not have. ``seqlen_q`` / ``seqlen_k`` (the call's
-    lengths, or their maxima for varlen) decide whether a window hides any key. Returns the
-    window as a pair of ints."""
+    feature asked for that the kernels do not have. Returns the window as the op's pair of
+    ints (the kernels run sliding windows; ``seqlen_q`` / ``seqlen_k`` are the call's lengths,
+    kept for the messages of future options)."""
     _rules.require_bool("causal", causal)
     _rules.require_bool("deterministic", deterministic)
     for name, value in bools:
@@ -95,16 +95,6 @@ def _check_options(*, causal, seqlen_q: int, seqlen_k: int, dropout_p=0.0,
         problems.append(f"dropout_p={dropout_p!r}: dropout is not implemented (accepted: 0.0; "
                         f"transformers passes 0.0 in eval mode and config.attention_dropout "
                         f"in training)")
-    # A window hides nothing when it reaches the first key from the last query row and, unless
-    # causal masking already bounds the right side, the last key from the first row.
-    hides_left = left >= 0 and left < seqlen_k - 1
-    hides_right = not causal and right >= 0 and right < seqlen_q - 1
-    if hides_left or hides_right:
-        problems.append(
-            f"window_size={tuple(window_size)!r}: sliding-window (local) attention is not "
-            f"implemented (accepted: (-1, -1), or a window that hides no key of this call: "
-            f"left < 0 or >= seqlen_k - 1 = {seqlen_k - 1}"
-            + ("" if causal else f", and right < 0 or >= seqlen_q - 1 = {seqlen_q - 1}") + ")")
     if cap > 0.0:
         problems.append(f"softcap={softcap!r}: logit soft-capping is not implemented "
                         f"(accepted: 0.0, or any value <= 0, which flash-attn treats as off)")
@@ -159,11 +149,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _run(q, k, v, softmax_scale, causal, leftpad_k=None, seqused_k=None):
+def _run(q, k, v, softmax_scale, causal, leftpad_k=None, seqused_k=None, window=(-1, -1)):
     """The op on BSHD tensors (already validated), aligned for the kernels."""
     scale = None if softmax_scale is None else float(softmax_scale)
     return _ops.call_fwd(_aligned(q), _aligned(k), _aligned(v), scale, causal, True,
-                         leftpad_k, seqused_k)
+                         leftpad_k, seqused_k, *window)
 
 
 def _attn_probs_placeholder(q: torch.Tensor) -> torch.Tensor:
@@ -178,14 +168,15 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             _require_valid(q, k, v, softmax_scale, names)  # names the problem
-    _check_options(causal=causal, seqlen_q=q.shape[1], seqlen_k=k.shape[1], dropout_p=dropout_p,
-                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                   deterministic=deterministic, bools=(("return_attn_probs", return_attn_probs),))
+    window = _check_options(causal=causal, seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                            dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+                            alibi_slopes=alibi_slopes, deterministic=deterministic,
+                            bools=(("return_attn_probs", return_attn_probs),))
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
     _require_valid(qp, kp, vp, scale, names)
-    out, lse = _run(qp, kp, vp, scale, causal)
+    out, lse = _run(qp, kp, vp, scale, causal, window=window)
     if padded:
         out = out[..., :d]
     if return_attn_probs:
@@ -205,10 +196,10 @@ _COMMON_DOC = """
     to the next, as flash-attn does); CUDA tensors, or CPU tensors on the op's float64 reference.
     Gradients flow to the inputs (the deterministic backward of flash_attention_sm75).
 
-    Options the kernels do not have raise :class:`UnsupportedFeatureError` (a
-    ``NotImplementedError`` and a ``ValueError``) naming them: ``dropout_p`` other than 0.0,
-    a ``window_size`` that hides a key (``(-1, -1)`` and windows covering every key are
-    accepted), ``softcap > 0``, ``alibi_slopes`` not None, ``deterministic=True`` while
+    ``window_size = (left, right)`` is flash-attn's sliding window (bottom-right aligned like
+    ``causal``; a negative side is unbounded), run by the kernels' local instantiations. Options
+    the kernels do not have raise :class:`UnsupportedFeatureError` (a ``NotImplementedError`` and
+    a ``ValueError``) naming them: ``dropout_p`` other than 0.0, ``softcap > 0``, ``alibi_slopes`` not None, ``deterministic=True`` while
     ``FLASH_SM75_BWD_DQ=atomic`` is set. Invalid tensors raise ``ValueError`` naming the argument.
 
     Returns ``out``, or with ``return_attn_probs=True`` the tuple ``(out, softmax_lse,
@@ -343,9 +334,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                          f"(batch + 1), got {cu_q.shape[0]} and {cu_k.shape[0]}")
     max_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
-    _check_options(causal=causal, seqlen_q=max_q, seqlen_k=max_k, dropout_p=dropout_p,
-                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                   deterministic=deterministic, bools=(("return_attn_probs", return_attn_probs),))
+    window = _check_options(causal=causal, seqlen_q=max_q, seqlen_k=max_k, dropout_p=dropout_p,
+                            window_size=window_size, softcap=softcap,
+                            alibi_slopes=alibi_slopes, deterministic=deterministic,
+                            bools=(("return_attn_probs", return_attn_probs),))
     batch = cu_q.shape[0] - 1
     if paged:
         _check_block_table(block_table, batch, q)
@@ -383,7 +375,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         k_pad, v_pad = _packing.pack(kp, lay_k), _packing.pack(vp, lay_k)
     leftpad = (max_k - len_k).to(torch.int32)
     seqused = torch.full((batch,), max_k, dtype=torch.int32, device=q.device)
-    out_pad, lse_pad = _run(q_pad, k_pad, v_pad, scale, causal, leftpad, seqused)
+    # Right-aligned rows make the op's single bottom-right offset every sequence's own, for the
+    # causal diagonal and the window's edges alike.
+    out_pad, lse_pad = _run(q_pad, k_pad, v_pad, scale, causal, leftpad, seqused, window)
     out = _packing.unpack(out_pad.flatten(0, 1), lay_q)
     if padded:
         out = out[..., :d]
@@ -426,9 +420,8 @@ _VARLEN_DOC = """
     ``(out, softmax_lse, S_dmask)`` with ``softmax_lse`` float32 ``(nheads, total_q)``
     (flash-attn's packed layout) and ``S_dmask`` the empty tensor flash-attn returns when
     ``dropout_p == 0``. Gradients flow to q, k, v (and to the packed ``qkv`` / ``kv``).
-    Unsupported options raise :class:`UnsupportedFeatureError` as :func:`flash_attn_func`
-    describes; a window "hides no key" here when ``left >= max_seqlen_k - 1`` (and, unless
-    causal, ``right >= max_seqlen_q - 1``).
+    ``window_size`` applies per sequence (bottom-right aligned). Unsupported options raise
+    :class:`UnsupportedFeatureError` as :func:`flash_attn_func` describes.
 """
 
 
@@ -602,8 +595,9 @@ def flash_attn_with_kvcache(
     softmax_scale, causal : as :func:`flash_attn_func`; causal is bottom-right per sequence
         (query ``i`` sees key row ``j`` iff ``j <= i + cache_seqlens[b] + seqlen_new -
         seqlen_q``), and has no effect when ``seqlen_q == 1``.
-    window_size, softcap, alibi_slopes : accepted at their "off" values only (see
-        :func:`flash_attn_func`).
+    window_size : (int, int). flash-attn's sliding window, per sequence, bottom-right aligned on
+        its ``cache_seqlens[b] + seqlen_new`` keys (the cache is gathered right-aligned then).
+    softcap, alibi_slopes : accepted at their "off" values only (see :func:`flash_attn_func`).
     num_splits : int. flash-attn's split-KV count; a performance hint here (the kernels choose
         their own split), any int is accepted and has no effect on the result.
     return_softmax_lse : bool. Also return the float32 LSE ``(batch, nheads, seqlen_q)``.
@@ -622,7 +616,7 @@ def flash_attn_with_kvcache(
     Raises
     ------
     UnsupportedFeatureError
-        ``window_size`` hiding a key, ``softcap > 0``, ``alibi_slopes``; and when a gradient
+        ``softcap > 0``, ``alibi_slopes``; and when a gradient
         could flow (grad mode on and q, k or v requiring grad): flash-attn has no backward here
         and would silently return none; call it under ``torch.no_grad()``.
     ValueError
@@ -721,9 +715,10 @@ def flash_attn_with_kvcache(
         end = (None if cache_seqlens is None
                else (cache_seqlens.to(torch.int64) + seqlen_new).clamp(0, seqlen_cache))
         start = None if cache_leftpad is None else cache_leftpad.to(torch.int64)
-        if is_causal and end is not None:
+        if (is_causal or local) and end is not None:
             # Right-align each sequence (shift its rows by seqlen_cache - end[b]) so that the
-            # op's single causal offset, seqlen_cache - seqlen_q, is every sequence's own.
+            # op's single bottom-right offset, seqlen_cache - seqlen_q, is every sequence's own
+            # (the causal diagonal and the window's edges).
             shift = seqlen_cache - end
             kc, vc = _gather_cache(k_cache, v_cache, block_table, cache_batch_idx, shift,
                                    seqlen_cache, batch)
@@ -741,7 +736,8 @@ def flash_attn_with_kvcache(
         _require_valid(qp, kp, vp, scale, ("q", "k_cache", "v_cache"))
         out, lse = _run(qp, kp, vp, scale, is_causal,
                         None if start is None else start.to(torch.int32),
-                        None if end is None else end.to(torch.int32))
+                        None if end is None else end.to(torch.int32),
+                        (left, right) if local else (-1, -1))
     if padded:
         out = out[..., :d]
     return (out, lse) if return_softmax_lse else out

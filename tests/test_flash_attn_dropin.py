@@ -114,8 +114,6 @@ def rand(*shape, grad=False, seed=None):
 # ------------------------------------------------------------------------------- options
 BAD_OPTIONS = [
     (dict(dropout_p=0.1), "dropout_p=0.1", "accepted: 0.0"),
-    (dict(window_size=(2, 2)), "window_size=(2, 2)", "accepted: (-1, -1)"),
-    (dict(window_size=(-1, 0)), "window_size=(-1, 0)", "right < 0 or >="),
     (dict(softcap=30.0), "softcap=30.0", "accepted: 0.0"),
     (dict(alibi_slopes=torch.zeros(4)), "alibi_slopes", "accepted: None"),
 ]
@@ -265,7 +263,7 @@ def _varlen_case(seed, lens_q, lens_k, h, hk, d, grad=False):
     return q, k, v, _cu(lens_q), _cu(lens_k)
 
 
-def _varlen_ref(q, k, v, cu_q, cu_k, causal, scale=None):
+def _varlen_ref(q, k, v, cu_q, cu_k, causal, scale=None, window=(-1, -1)):
     """Per sequence, float64: (out (total_q, H, D), lse (H, total_q))."""
     outs, lses = [], []
     for b in range(cu_q.shape[0] - 1):
@@ -277,7 +275,8 @@ def _varlen_ref(q, k, v, cu_q, cu_k, causal, scale=None):
             outs.append(torch.zeros(qs.shape[1:], dtype=torch.float64))
             lses.append(torch.full((qs.shape[2], qs.shape[1]), -math.inf, dtype=torch.float64))
             continue
-        o, lse = attention_ref(qs, ks, vs, causal=causal, softmax_scale=scale)
+        o, lse = attention_ref(qs, ks, vs, causal=causal, softmax_scale=scale,
+                               window_size=window)
         outs.append(o[0])
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
@@ -376,7 +375,7 @@ def test_varlen_zero_sizes():
 
 
 # ------------------------------------------------------------------------------- KV cache
-def _cache_ref(q, kc, vc, start, end, causal, rows=None, scale=None):
+def _cache_ref(q, kc, vc, start, end, causal, rows=None, scale=None, window=(-1, -1)):
     """Per batch entry b: q[b] over cache rows [start[b], end[b]) of cache entry rows[b]."""
     outs, lses = [], []
     for b in range(q.shape[0]):
@@ -384,7 +383,7 @@ def _cache_ref(q, kc, vc, start, end, causal, rows=None, scale=None):
         ks = kc[r, int(start[b]):int(end[b])].unsqueeze(0)
         vs = vc[r, int(start[b]):int(end[b])].unsqueeze(0)
         o, lse = attention_ref(q[b:b + 1], ks, vs, causal=causal and q.shape[1] > 1,
-                               softmax_scale=scale)
+                               softmax_scale=scale, window_size=window)
         outs.append(o[0])
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses)
@@ -413,6 +412,58 @@ def test_kvcache_append_and_attend_exact(seqlen_q, causal, leftpad):
     assert torch.equal(kc, exp_k) and torch.equal(vc, exp_v)  # appended in place, nothing else
     start = lp if leftpad else torch.zeros(B, dtype=torch.int32)
     ref, ref_lse = _cache_ref(q, exp_k, exp_v, start, seqlens + new, causal)
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse)
+
+
+# Sliding windows (flash-attn's window_size; a negative side is unbounded), per sequence and
+# bottom-right aligned, against the float64 definition (reference.visible_mask).
+WINDOWS = [(2, 2), (-1, 0), (3, -1), (0, 0), (-5, 1)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(5, 5), (7, 3), (6, 13)])
+def test_flash_attn_func_window_exact(sq, sk, causal, window):
+    q, k, v = rand(2, sq, 4, 32, seed=sq * 7 + sk), rand(2, sk, 2, 32), rand(2, sk, 2, 32)
+    out, lse, _ = fa2.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                      return_attn_probs=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal,
+                                 window_size=tuple(max(w, -1) for w in window))
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse)
+
+
+@pytest.mark.parametrize("window", WINDOWS[:4], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", VARLEN_LENGTHS[:2])
+def test_varlen_window_exact(lens, causal, window):
+    lens_q, lens_k = lens
+    q, k, v, cu_q, cu_k = _varlen_case(11, lens_q, lens_k, 4, 2, 32)
+    out, lse, _ = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             causal=causal, window_size=window,
+                                             return_attn_probs=True)
+    ref, ref_lse = _varlen_ref(q, k, v, cu_q, cu_k, causal, window=window)
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse)
+
+
+@pytest.mark.parametrize("window", [(3, -1), (2, 1), (0, 0)], ids=str)
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_window_exact(seqlen_q, causal, window):
+    torch.manual_seed(seqlen_q + 3 * causal)
+    B, S, h, hk, d, new = 3, 16, 4, 2, 32, 2
+    q = rand(B, seqlen_q, h, d)
+    kc, vc = rand(B, S, hk, d), rand(B, S, hk, d)
+    k, v = rand(B, new, hk, d), rand(B, new, hk, d)
+    seqlens = torch.tensor([5, 0, 12], dtype=torch.int32)
+    lp = torch.tensor([2, 0, 9], dtype=torch.int32)
+    with torch.no_grad():
+        out, lse = fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                               cache_leftpad=lp, causal=causal,
+                                               window_size=window, return_softmax_lse=True)
+    ref, ref_lse = _cache_ref(q, kc, vc, lp, seqlens + new, causal, window=window)
     assert_out_exact(out, ref)
     assert_lse_exact(lse, ref_lse)
 
