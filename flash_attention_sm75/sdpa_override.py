@@ -104,7 +104,7 @@ _KERNEL_DEVICE_TYPES = ("cuda",)
 _efficient_attention_forward = torch.ops.aten._efficient_attention_forward.default
 _efficient_attention_backward = torch.ops.aten._efficient_attention_backward.default
 
-# torch's CustomMaskType (aten/src/ATen/native/transformers/cuda/sdp_utils.h).
+# torch's sdp::CustomMaskType: NoCustomMask, CausalFromTopLeft (CausalFromBottomRight = 2 unused).
 _NO_CUSTOM_MASK, _CAUSAL_FROM_TOP_LEFT = 0, 1
 # Since torch 2.8 its kernels split batches above 65535 (the CUDA grid's y/z limit) into chunks.
 _MAX_BATCH_SIZE = 65535
