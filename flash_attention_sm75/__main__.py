@@ -33,8 +33,11 @@ def main(argv=None) -> None:
         raise SystemExit(2)
     from . import sdpa_override
 
+    try:
+        sdpa_override.enable_sdpa()
+    except (RuntimeError, ValueError) as e:  # no extension, a bad environment variable
+        raise SystemExit(f"python -m flash_attention_sm75 run: {e}") from None
     os.environ[sdpa_override.ENV_VAR] = "1"
-    sdpa_override.enable_sdpa()
     if argv[1] == "-m":
         module, rest = argv[2], argv[3:]
         sys.argv = [module] + rest

@@ -263,6 +263,15 @@ def test_launcher_runs_a_module(tmp_path):
     assert seen["argv"] == [str(tmp_path / "tinymod.py"), "a", "b"]
 
 
+def test_launcher_reports_a_bad_environment(tmp_path):
+    script = tmp_path / "tiny.py"
+    script.write_text("raise SystemExit('must not run')")
+    r = _python(None, args=["-m", "flash_attention_sm75", "run", str(script)],
+                env={so.DEVICES_ENV_VAR: "all"}, cwd=tmp_path)
+    assert r.returncode == 1 and "must not run" not in r.stderr
+    assert r.stderr.startswith("python -m flash_attention_sm75 run:") and so.DEVICES_ENV_VAR in r.stderr
+
+
 @pytest.mark.parametrize("args", [[], ["go", "x.py"], ["run"], ["run", "-m"]])
 def test_launcher_usage_errors(args):
     r = _python(None, args=["-m", "flash_attention_sm75", *args])
