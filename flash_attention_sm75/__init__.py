@@ -14,6 +14,10 @@ Public API:
 * :mod:`flash_attention_sm75.fa2` / :mod:`flash_attention_sm75.bert_padding` -- flash-attn 2's
   API (positional order, varlen, KV cache, padding helpers), the code of the optional
   ``flash_attn`` drop-in (``flash_attn_dropin/``); imported on use, not by this package.
+* :func:`enable_sdpa` / :func:`disable_sdpa` / :func:`sdpa_enabled` / :func:`is_sdpa_enabled` --
+  transparent acceleration: torch's own ``scaled_dot_product_attention`` runs on the kernels on
+  Turing GPUs (``sdpa_override``; also ``FLASH_ATTENTION_SM75_SDPA=1`` at import, or
+  ``python -m flash_attention_sm75 run script.py``).
 
 The op itself is ``torch.ops.flash_attention_sm75.fwd`` (see docs/CONTRACT.md).
 """
@@ -21,6 +25,7 @@ from ._ops import (EXTENSION_AVAILABLE, EXTENSION_ERROR, deterministic_backward,
                    is_deterministic_backward)
 from .interface import flash_attention_forward, flash_attn_func
 from .sdpa import is_strict, scaled_dot_product_attention, set_strict, strict, why_not_supported
+from .sdpa_override import disable_sdpa, enable_sdpa, is_sdpa_enabled, sdpa_enabled
 
 __version__ = "0.1.0"
 
@@ -30,12 +35,16 @@ __all__ = [
     "__version__",
     "apply_patch",
     "deterministic_backward",
+    "disable_sdpa",
+    "enable_sdpa",
     "flash_attention_forward",
     "flash_attn_func",
     "is_deterministic_backward",
+    "is_sdpa_enabled",
     "is_strict",
     "remove_patch",
     "scaled_dot_product_attention",
+    "sdpa_enabled",
     "set_strict",
     "strict",
     "why_not_supported",
@@ -58,3 +67,9 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
+
+
+# FLASH_ATTENTION_SM75_SDPA=1: torch's SDPA runs on the kernels from the import on.
+from . import sdpa_override as _sdpa_override  # noqa: E402
+
+_sdpa_override._enable_from_environment()
