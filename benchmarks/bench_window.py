@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         print("bench_window: needs a CUDA GPU")
         return 2
     C.ensure_repo_on_path()
-    import flash_attention_sm75  # noqa: F401
+    import flash_attention_sm75  # noqa: F401  (registers torch.ops.flash_attention_sm75)
     op_fwd, op_bwd = torch.ops.flash_attention_sm75.fwd, torch.ops.flash_attention_sm75.bwd
     efficient = C.sdpa_backends()["efficient"]
     env = C.env_info("cuda")

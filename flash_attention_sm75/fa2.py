@@ -27,7 +27,6 @@ tensors on the CPU run the op's float64 reference.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Optional, Sequence, Tuple, Union
 

@@ -598,16 +598,7 @@ def test_sliding_window_models_run_the_kernel_window_via_cpu_reference(family, w
             layer.self_attn.sliding_window = 4096
     assert (_logits(full, ids, am)[real] - ref[real]).abs().max() > 0.05
 
-    hf.reset_stats()
-    with torch.inference_mode():
-        gen = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    stats = hf.get_stats()
-    assert stats["kernel_prefill"] == 2 and stats["kernel_decode"] == 2 * 5, stats
-    assert stats["fallback"] == 0, stats
-    full_am = torch.cat([am, torch.ones(3, 6, dtype=am.dtype)], dim=1)
-    teacher = _logits(ref32, gen.sequences, full_am)[:, ids.shape[1] - 1:-1]
-    torch.testing.assert_close(torch.stack(gen.logits, 1).float(), teacher, atol=1e-2, rtol=1e-2)
+    _generate_on_kernel_matches_fp32(model, ref32, ids, am)
 
 
 @needs_op
@@ -848,6 +839,21 @@ def test_kernel_path_matches_sdpa_on_real_rows(case, heads, d):
         assert torch.all(out[~rows] == 0)
 
 
+def _generate_on_kernel_matches_fp32(model, ref32, ids, am):
+    """generate(): 6 new tokens of a 2-layer model with every prefill and decode call on the
+    kernel (no fallback); the logits equal the fp32 model's under teacher forcing."""
+    hf.reset_stats()
+    with torch.inference_mode():
+        gen = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    stats = hf.get_stats()
+    assert stats["kernel_prefill"] == 2 and stats["kernel_decode"] == 2 * 5, stats
+    assert stats["fallback"] == 0, stats
+    full_am = torch.cat([am, torch.ones(ids.shape[0], 6, dtype=am.dtype)], dim=1)
+    teacher = _logits(ref32, gen.sequences, full_am)[:, ids.shape[1] - 1:-1]
+    torch.testing.assert_close(torch.stack(gen.logits, 1).float(), teacher, atol=1e-2, rtol=1e-2)
+
+
 @needs_op
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_kernel_path_via_cpu_reference(family):
@@ -864,16 +870,7 @@ def test_model_kernel_path_via_cpu_reference(family):
     real = am.bool()
     torch.testing.assert_close(ours.float()[real], ref[real], atol=1e-2, rtol=1e-2)
 
-    hf.reset_stats()
-    with torch.inference_mode():
-        gen = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    stats = hf.get_stats()
-    assert stats["kernel_prefill"] == 2 and stats["kernel_decode"] == 2 * 5
-    assert stats["fallback"] == 0
-    full_am = torch.cat([am, torch.ones(3, 6, dtype=am.dtype)], dim=1)
-    teacher = _logits(ref32, gen.sequences, full_am)[:, ids.shape[1] - 1:-1]
-    torch.testing.assert_close(torch.stack(gen.logits, 1).float(), teacher, atol=1e-2, rtol=1e-2)
+    _generate_on_kernel_matches_fp32(model, ref32, ids, am)
 
 
 @needs_op

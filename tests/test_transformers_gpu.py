@@ -160,24 +160,31 @@ def _check(label, ours, stock, ref, max_factor=2.0, mean_factor=1.5, max_slack=0
 @pytest.mark.parametrize("name,batch", [(n, b) for n in MODELS for b in ("b1", "b4-left-padded")])
 def test_prefill_logits_match_stock_sdpa(name, batch):
     model = _model(name)
-    n_layers = model.config.num_hidden_layers
     vocab = model.config.vocab_size
     if batch == "b1":
         ids, am = _left_padded([PROMPT_LEN], vocab, seed=1)
     else:
         ids, am = _left_padded(PADDED_LENGTHS, vocab, seed=2)
+    _prefill_on_kernel_matches_stock(model, ids, am, f"{name} {batch} prefill")
 
+
+def _prefill_on_kernel_matches_stock(model, ids, am, label, keep_ref=False):
+    """Every layer's prefill runs the kernel (no fallback) and the real tokens' logits match
+    stock SDPA against the fp32 reference (_check); returns the fp32 model if asked."""
     hf.reset_stats()
     ours = _logits(model, "flash_attention_sm75", ids, am)
     stats = hf.get_stats()
-    assert stats["kernel_prefill"] == n_layers and stats["fallback"] == 0, stats
-
+    assert stats["kernel_prefill"] == model.config.num_hidden_layers, stats
+    assert stats["fallback"] == 0, stats
     stock = _logits(model, "sdpa", ids, am)
     ref = _reference(model)
     ref_logits = _ref_logits(ref, ids, am)
-    del ref
+    if not keep_ref:
+        del ref
+        ref = None
     real = am.bool()
-    _check(f"{name} {batch} prefill", ours[real], stock[real], ref_logits[real])
+    _check(label, ours[real], stock[real], ref_logits[real])
+    return ref
 
 
 @pytest.mark.parametrize("name", ["qwen2-0.5b", "gemma-3-1b", "phi-3-mini", "phi-2"])
@@ -236,15 +243,8 @@ def test_sliding_window_prefill_and_generate_run_the_kernel_window(name, window)
                                attn_implementation="flash_attention_sm75")
     n_layers = model.config.num_hidden_layers
     ids, am = _left_padded(PADDED_LENGTHS, model.config.vocab_size, seed=4)
-    hf.reset_stats()
-    ours = _logits(model, "flash_attention_sm75", ids, am)
-    stats = hf.get_stats()
-    assert stats["kernel_prefill"] == n_layers and stats["fallback"] == 0, stats
-    stock = _logits(model, "sdpa", ids, am)
-    ref = _reference(model)
-    ref_logits = _ref_logits(ref, ids, am)
-    real = am.bool()
-    _check(f"{name} window {window} prefill", ours[real], stock[real], ref_logits[real])
+    ref = _prefill_on_kernel_matches_stock(model, ids, am, f"{name} window {window} prefill",
+                                           keep_ref=True)
 
     hf.reset_stats()
     model.set_attn_implementation("flash_attention_sm75")

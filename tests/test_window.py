@@ -37,6 +37,15 @@ def _ref(q, k, v, causal, bottom_right, window, lp=None, su=None):
     return out_ref, lse_ref, out_pt
 
 
+def _check_forward(q, k, v, causal, bottom_right, window, lp=None, su=None):
+    """The op on CUDA (outputs poisoned first) against the float64 definition."""
+    with poisoned_cuda_memory():
+        out, lse = ops.fwd(q, k, v, None, causal, bottom_right, lp, su, *window)
+    out_ref, lse_ref, out_pt = _ref(q, k, v, causal, bottom_right, window, lp, su)
+    assert_close_fa(out, out_ref, out_pt)
+    assert_lse_close(lse, lse_ref)
+
+
 # ------------------------------------------------------------------------------------ CPU (CI)
 @pytest.mark.parametrize("window", WINDOWS + [(3, 2), (0, -1)])
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES, ids=["full", "causal_br", "causal_tl"])
@@ -107,11 +116,7 @@ def test_direct_apis_on_cpu_match_the_definition():
 def test_forward_and_lse(d, causal, bottom_right, seqlens, window):
     sq, sk = seqlens
     q, k, v, _ = make_case(2, sq, sk, 6, 2, d)  # rows NaN past d
-    with poisoned_cuda_memory():
-        out, lse = ops.fwd(q, k, v, None, causal, bottom_right, None, None, *window)
-    out_ref, lse_ref, out_pt = _ref(q, k, v, causal, bottom_right, window)
-    assert_close_fa(out, out_ref, out_pt)
-    assert_lse_close(lse, lse_ref)
+    _check_forward(q, k, v, causal, bottom_right, window)
 
 
 @cuda_only
@@ -136,11 +141,7 @@ def test_window_with_key_ranges_forward_and_backward(d, window):
     lp = torch.tensor([0, 37, 200], dtype=torch.int32, device="cuda")
     su = torch.tensor([400, 301, 230], dtype=torch.int32, device="cuda")
     for causal in (False, True):
-        with poisoned_cuda_memory():
-            out, lse = ops.fwd(q, k, v, None, causal, True, lp, su, *window)
-        out_ref, lse_ref, out_pt = _ref(q, k, v, causal, True, window, lp, su)
-        assert_close_fa(out, out_ref, out_pt)
-        assert_lse_close(lse, lse_ref)
+        _check_forward(q, k, v, causal, True, window, lp, su)
         check_against_reference(q, k, v, do, causal, True, lp, su, deterministic=True,
                                 window_size=window)
 
@@ -154,11 +155,7 @@ def test_decode_kernel_applies_the_window(d, window):
     q, k, v, _ = make_case(b, 1, sk, 4 * h_k, h_k, d)
     su = torch.tensor([3000, 1700], dtype=torch.int32, device="cuda")
     for causal in (False, True):
-        with poisoned_cuda_memory():
-            out, lse = ops.fwd(q, k, v, None, causal, True, None, su, *window)
-        out_ref, lse_ref, out_pt = _ref(q, k, v, causal, True, window, None, su)
-        assert_close_fa(out, out_ref, out_pt)
-        assert_lse_close(lse, lse_ref)
+        _check_forward(q, k, v, causal, True, window, None, su)
 
 
 @cuda_only
