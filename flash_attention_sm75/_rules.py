@@ -168,7 +168,10 @@ def window_size_problem(window_size: object) -> Optional[str]:
     -1 (no limit on that side) or >= 0 (key ``j`` is visible to query ``i`` iff
     ``i + off - left <= j <= i + off + right``, ``off`` the causal alignment's offset), else what
     is wrong with it. The C++ op checks the same (``check_window_size``)."""
-    if window_size is NO_WINDOW:
+    # The identity fast path only outside torch.compile: dynamo cannot trace ``is`` between a
+    # constant tuple and one holding a SymInt (an int argument made dynamic on recompilation)
+    # or a numpy integer, which broke fullgraph=True.
+    if not torch.compiler.is_compiling() and window_size is NO_WINDOW:
         return None
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         return (f"window_size must be a pair (left, right) of ints, each -1 (no limit) or >= 0, "
@@ -354,7 +357,7 @@ def not_supported_reason(
         r = scale_problem(softmax_scale, names[3] if len(names) > 3 else "softmax_scale")
         if r is not None:
             return r
-    if window_size is not NO_WINDOW:
+    if torch.compiler.is_compiling() or window_size is not NO_WINDOW:  # see window_size_problem
         r = window_size_problem(window_size)
         if r is not None:
             return r

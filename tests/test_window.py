@@ -74,6 +74,45 @@ def test_window_wider_than_the_keys_is_no_window():
         assert torch.equal(plain[0], wide[0]) and torch.equal(plain[1], wide[1])
 
 
+@pytest.mark.parametrize("big", [2**63 - 1, 2**62, 2**40, 2**31 - 1])
+@pytest.mark.parametrize("seqlens", [(5, 3), (3, 5), (4, 4)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_huge_windows_are_no_window(seqlens, big):
+    # sys.maxsize as "unbounded" (a Python caller's natural choice): the band's off - left and
+    # off + right overflowed 64 bits in band_diagonals and every key was hidden (out 0, lse -inf).
+    sq, sk = seqlens
+    g = torch.Generator().manual_seed(sq * 10 + sk)
+    q = torch.randn(2, sq, 2, 16, generator=g).half()
+    k, v = (torch.randn(2, sk, 2, 16, generator=g).half() for _ in range(2))
+    for causal in (False, True):
+        plain = ops.fwd(q, k, v, None, causal, True)
+        for window in ((big, -1), (-1, big), (big, big)):
+            out, lse = ops.fwd(q, k, v, None, causal, True, None, None, *window)
+            assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), (causal, window)
+        out = fa.flash_attn_func(q, k, v, causal=causal, window_size=(big, big))
+        assert torch.equal(out, plain[0])
+
+
+def test_window_from_an_int_argument_under_torch_compile_fullgraph():
+    # A second value of an int argument makes torch.compile retrace it as a SymInt (automatic
+    # dynamic); the rulebook's identity test `window_size is not NO_WINDOW` could not be traced
+    # then, and fullgraph=True raised on that call.
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 9, 4, 16, generator=g).half()
+    k, v = (torch.randn(1, 13, 2, 16, generator=g).half() for _ in range(2))
+
+    def attend(q, k, v, left):
+        return fa.flash_attn_func(q, k, v, causal=True, window_size=(left, 0))
+
+    def attend_bhsd(q, k, v, left):
+        return fa.flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2),
+                                          v.transpose(1, 2), window_size=[left, 1])
+
+    for fn in (attend, attend_bhsd):
+        compiled = torch.compile(fn, fullgraph=True, backend="eager")
+        for left in (1, 2, 5):
+            assert torch.equal(compiled(q, k, v, left), fn(q, k, v, left)), (fn.__name__, left)
+
+
 @pytest.mark.parametrize("window,msg", [((-2, -1), "window_size_left must be -1"),
                                         ((0, -3), "window_size_right must be -1")])
 def test_op_rejects_bad_windows_naming_the_side(window, msg):

@@ -58,6 +58,12 @@ inline BandDiagonals band_diagonals(int seqlen_q, int seqlen_k, bool bottom_righ
                                     long long window_left, long long window_right) {
   const long long off = causal_offset(seqlen_q, seqlen_k, bottom_right);
   const long long lo_clamp = kNoWindowLower;
+  // A window side beyond 2^32 keys hides nothing that 2^32 would not (|off| < 2^31); clamping
+  // first keeps off -/+ window inside 64 bits (window_size = (sys.maxsize, ...) overflowed,
+  // undefined behaviour that hid every key).
+  const long long kMaxWindow = 1LL << 32;
+  if (window_left > kMaxWindow) window_left = kMaxWindow;
+  if (window_right > kMaxWindow) window_right = kMaxWindow;
   long long upper = causal ? off : (window_right >= 0 ? off + window_right : seqlen_k);
   long long lower = window_left >= 0 ? off - window_left : lo_clamp;
   upper = upper < lo_clamp ? lo_clamp : (upper > seqlen_k ? seqlen_k : upper);

@@ -29,7 +29,9 @@ fewer heads go straight to the op, no ``repeat_kv``).
 Masks are classified (:func:`classify_attention_mask`): a mask runs on the kernel only if it is
 exactly "key range per batch row" (``leftpad_k[b] <= j < seqused_k[b]``), optionally AND a causal
 diagonal, which covers no mask, causal, left/right padding, chunked prefill and decode with a
-cache. Anything else (arbitrary 4-D masks, packed-sequence/document masks, sliding windows, float
+cache; with the layer's ``sliding_window`` also that pattern limited to the last
+``sliding_window`` keys (the kernel's window). Anything else (arbitrary 4-D masks,
+packed-sequence/document masks, windowed masks without their ``sliding_window``, float
 masks with other values), any unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256],
 dropout, ``output_attentions``, a keyword argument outside the allow-list) calls transformers'
 own ``sdpa_attention_forward`` with the original arguments, and the reason is logged at DEBUG

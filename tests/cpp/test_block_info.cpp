@@ -280,6 +280,42 @@ TEST(CausalTileOrder, BijectionHeaviestFirstWithinGroups) {
   }
 }
 
+TEST(BandDiagonals, HugeWindowsHideNothing) {
+  // A window side of any size (sys.maxsize included, as Python callers pass for "unbounded")
+  // hides nothing beyond what the keys hide: the same band as no limit on that side. Before the
+  // clamp, off - LLONG_MAX (off < 0) and off + LLONG_MAX (off > 0) overflowed and hid every key.
+  const long long huge[] = {LLONG_MAX, LLONG_MAX - 1, 1LL << 62, 1LL << 40, INT_MAX};
+  for (int sq : {1, 3, 5, 4096}) {
+    for (int sk : {1, 3, 5, 4096}) {
+      for (bool causal : {false, true}) {
+        for (bool br : {false, true}) {
+          const BandDiagonals none = band_diagonals(sq, sk, br, causal, -1, -1);
+          for (long long w : huge) {
+            const BandDiagonals left = band_diagonals(sq, sk, br, causal, w, -1);
+            const BandDiagonals right = band_diagonals(sq, sk, br, causal, -1, w);
+            const BandDiagonals both = band_diagonals(sq, sk, br, causal, w, w);
+            SCOPED_TRACE(::testing::Message() << "sq=" << sq << " sk=" << sk << " causal="
+                                              << causal << " br=" << br << " w=" << w);
+            // Lower diagonal: none, or one at or below -(sq - 1) (no row loses a key).
+            for (const BandDiagonals& b : {left, both}) {
+              EXPECT_TRUE(b.lower == kNoWindowLower || b.lower <= -sq) << b.lower;
+              EXPECT_EQ(b.upper, causal ? none.upper : (right.upper));
+            }
+            EXPECT_EQ(left.upper, none.upper);
+            EXPECT_EQ(right.lower, none.lower);
+            // Upper diagonal: the causal one, or one that lets row 0 see every key.
+            if (causal) {
+              EXPECT_EQ(right.upper, none.upper);
+            } else {
+              EXPECT_GE(right.upper, sk - 1);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(BlockInfo, CeilDivMinMax) {
   EXPECT_EQ(ceil_div(0, 64), 0);
   EXPECT_EQ(ceil_div(1, 64), 1);
