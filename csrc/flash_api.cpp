@@ -204,7 +204,10 @@ void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::T
   const BandDiagonals band = band_diagonals(params.seqlen_q, params.seqlen_k, causal_bottom_right,
                                             is_causal, window_size_left, window_size_right);
   params.is_causal = is_causal || window_size_left >= 0 || window_size_right >= 0;
-  params.causal_offset = band.upper;
+  // Without a band the offset is still the alignment's (unused by the kernels, kept readable).
+  params.causal_offset = params.is_causal
+                             ? band.upper
+                             : causal_offset(params.seqlen_q, params.seqlen_k, causal_bottom_right);
   params.window_lower = band.lower;
 
 }

@@ -204,7 +204,8 @@ TEST(FwdCpuSemantics, KeysOutsideTheRangeAreNeverRead) {
 using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, std::optional<double>, bool,
                                                   bool, const std::optional<at::Tensor>&,
-                                                  const std::optional<at::Tensor>&);
+                                                  const std::optional<at::Tensor>&, int64_t,
+                                                  int64_t);
 
 TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   auto op = c10::Dispatcher::singleton()
@@ -213,6 +214,8 @@ TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   const std::string schema = c10::toString(op.schema());
   EXPECT_NE(schema.find("float? softmax_scale=None"), std::string::npos) << schema;
   EXPECT_NE(schema.find("bool causal_bottom_right=True"), std::string::npos) << schema;
+  EXPECT_NE(schema.find("int window_size_left=-1, int window_size_right=-1"), std::string::npos)
+      << schema;
   EXPECT_NE(schema.find("-> (Tensor out, Tensor softmax_lse)"), std::string::npos) << schema;
 
   AttnCase c = mk(2, 10, 21, 4, 2, 64, true, false);
@@ -220,14 +223,22 @@ TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   c.seqused = {21, 15};
   auto in = make_inputs(c);
   auto [out, lse] = op.call(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right, in.leftpad_k,
-                            in.seqused_k);
+                            in.seqused_k, 5, -1);
   auto [want_out, want_lse] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right,
-                                          in.leftpad_k, in.seqused_k);
+                                          in.leftpad_k, in.seqused_k, 5, -1);
   EXPECT_TRUE(at::equal(out, want_out));
   EXPECT_TRUE(at::equal(lse, want_lse));
+  // The window changes the result (so the comparison above covers it).
+  auto [plain, plain_lse] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right,
+                                        in.leftpad_k, in.seqused_k);
+  EXPECT_FALSE(at::equal(lse, plain_lse));
 
-  EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, 0.0, false, true, std::nullopt, std::nullopt),
+  EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, 0.0, false, true, std::nullopt, std::nullopt, -1,
+                             -1),
                      "softmax_scale");
+  EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, std::nullopt, false, true, std::nullopt,
+                             std::nullopt, -2, -1),
+                     "window_size_left");
 }
 
 }  // namespace
