@@ -216,20 +216,25 @@ def test_flash_attn_func_window_with_autograd():
 @cuda_only
 def test_window_tiles_outside_are_skipped():
     # The cost follows the window: at 8192 keys a 256-key window must take a fraction of the
-    # causal time (tile pruning; the masked kernels would otherwise visit every key tile).
+    # causal time (tile pruning; the masked kernels would otherwise visit every key tile: 32 of
+    # ~32-64 key tiles per query tile, against 2-3). Best of several alternating trials, so that
+    # other processes sharing the GPU (pytest-xdist) do not decide the ratio.
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8192, 8, 128, generator=g).half().cuda() for _ in range(3))
 
     def timed(window):
-        for _ in range(2):
-            ops.fwd(q, k, v, None, True, True, None, None, *window)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(5):
+        for _ in range(3):
             ops.fwd(q, k, v, None, True, True, None, None, *window)
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end)
 
-    full, windowed = timed((-1, -1)), timed((255, 0))
+    for window in ((-1, -1), (255, 0)):
+        timed(window)  # warm-up
+    full, windowed = float("inf"), float("inf")
+    for _ in range(5):
+        full = min(full, timed((-1, -1)))
+        windowed = min(windowed, timed((255, 0)))
     assert windowed < 0.25 * full, (windowed, full)
