@@ -75,13 +75,12 @@ def _window(window_size: object) -> Tuple[int, int]:
     return tuple(max(int(w), -1) for w in window_size)
 
 
-def _check_options(*, causal, seqlen_q: int, seqlen_k: int, dropout_p=0.0,
+def _check_options(*, causal, dropout_p=0.0,
                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                    bools: Sequence[Tuple[str, object]] = ()) -> Tuple[int, int]:
     """Validate flash-attn's options; raise :class:`UnsupportedFeatureError` naming every
     feature asked for that the kernels do not have. Returns the window as the op's pair of
-    ints (the kernels run sliding windows; ``seqlen_q`` / ``seqlen_k`` are the call's lengths,
-    kept for the messages of future options)."""
+    ints (the kernels run sliding windows)."""
     _rules.require_bool("causal", causal)
     _rules.require_bool("deterministic", deterministic)
     for name, value in bools:
@@ -167,8 +166,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             _require_valid(q, k, v, softmax_scale, names)  # names the problem
-    window = _check_options(causal=causal, seqlen_q=q.shape[1], seqlen_k=k.shape[1],
-                            dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+    window = _check_options(causal=causal, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
                             alibi_slopes=alibi_slopes, deterministic=deterministic,
                             bools=(("return_attn_probs", return_attn_probs),))
     qp, kp, vp, d = _pad_head_dim(q, k, v)
@@ -333,7 +331,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                          f"(batch + 1), got {cu_q.shape[0]} and {cu_k.shape[0]}")
     max_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
-    window = _check_options(causal=causal, seqlen_q=max_q, seqlen_k=max_k, dropout_p=dropout_p,
+    window = _check_options(causal=causal, dropout_p=dropout_p,
                             window_size=window_size, softcap=softcap,
                             alibi_slopes=alibi_slopes, deterministic=deterministic,
                             bools=(("return_attn_probs", return_attn_probs),))
@@ -641,7 +639,7 @@ def flash_attn_with_kvcache(
         seqlen_cache = block_table.shape[1] * page
     else:
         seqlen_cache = k_cache.shape[1]
-    left, right = _check_options(causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_cache,
+    left, right = _check_options(causal=causal,
                                  window_size=window_size, softcap=softcap,
                                  alibi_slopes=alibi_slopes,
                                  bools=(("rotary_interleaved", rotary_interleaved),

@@ -245,8 +245,10 @@ double reference_row(const HTensor& q, const HTensor& k, int b, int i, int h, in
   const int Sk = c.sk, D = c.d;
   double mx = -INFINITY;
   std::vector<double> s(Sk, -INFINITY);
+  const bool banded = c.banded();
+  const BandDiagonals band = c.band();
   for (int j = 0; j < Sk; ++j) {
-    if (!key_visible<true>(i, j, kr, c.banded(), c.band().upper, c.band().lower)) continue;
+    if (!key_visible<true>(i, j, kr, banded, band.upper, band.lower)) continue;
     double acc = 0;
     for (int x = 0; x < D; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
     s[j] = acc * scale;
@@ -337,8 +339,9 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   fp.scale_softmax = float(scale);
   fp.scale_softmax_log2 = float(scale * M_LOG2E);
   fp.is_causal = c.banded();
-  fp.causal_offset = c.band().upper;
-  fp.window_lower = c.band().lower;
+  const BandDiagonals band = c.band();
+  fp.causal_offset = band.upper;
+  fp.window_lower = band.lower;
   // As run_mha_fwd: a band with a lower diagonal runs the local instantiation.
   if (has_window_lower(fp)) dispatch_fwd<true, true>(fp);
   else if (fp.is_causal) dispatch_fwd<true>(fp);
