@@ -164,11 +164,39 @@ void check_window_size(int64_t window_size_left, int64_t window_size_right) {
                     window_size_right);
 }
 
+void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                     const at::Tensor& q, const std::optional<at::Tensor>& leftpad_k,
+                     const std::optional<at::Tensor>& seqused_k) {
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
+                    "flash_attention_sm75: softcap must be a finite number >= 0 (0: no "
+                    "soft-capping), got ", softcap);
+  if (!alibi_slopes.has_value()) return;
+  const at::Tensor& a = *alibi_slopes;
+  TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat,
+                    "flash_attention_sm75: alibi_slopes must be float32, got ", a.scalar_type());
+  TORCH_CHECK_VALUE(a.device() == q.device(), "flash_attention_sm75: alibi_slopes must be on q's "
+                    "device (", q.device(), "), got ", a.device());
+  const int64_t b = q.size(0), h = q.size(2);
+  const bool shape_ok = (a.dim() == 1 && a.size(0) == h) ||
+                        (a.dim() == 2 && a.size(0) == b && a.size(1) == h);
+  TORCH_CHECK_VALUE(shape_ok, "flash_attention_sm75: alibi_slopes must have shape (num_heads,) = (",
+                    h, ",) or (batch, num_heads) = (", b, ", ", h, "), got ", a.sizes());
+  TORCH_CHECK_VALUE(a.numel() == 0 || a.stride(-1) == 1,
+                    "flash_attention_sm75: alibi_slopes must be contiguous in its last dimension, "
+                    "got strides ", a.strides());
+  TORCH_CHECK_VALUE(!leftpad_k.has_value() && !seqused_k.has_value(),
+                    "flash_attention_sm75: alibi_slopes cannot be combined with leftpad_k / "
+                    "seqused_k (the ALiBi distance of a key range is not defined here); pass "
+                    "alibi_slopes=None or no key ranges");
+}
+
 void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                       double softmax_scale, bool is_causal, bool causal_bottom_right,
                       const std::optional<at::Tensor>& leftpad_k,
-                      const std::optional<at::Tensor>& seqused_k, int64_t window_size_left, int64_t window_size_right) {
+                      const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+                      int64_t window_size_right, double softcap,
+                      const std::optional<at::Tensor>& alibi_slopes) {
   params = Flash_fwd_params{};
   const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);
@@ -209,7 +237,16 @@ void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::T
                              ? band.upper
                              : causal_offset(params.seqlen_q, params.seqlen_k, causal_bottom_right);
   params.window_lower = band.lower;
-
+  // Score modifiers (kernels/score_mod.h), in the kernels' raw score units.
+  if (softcap > 0) {
+    params.softcap_in = static_cast<float>(softmax_scale / softcap);
+    params.softcap_out = static_cast<float>(softcap / softmax_scale);
+  }
+  if (alibi_slopes.has_value()) {
+    params.alibi_slopes_ptr = alibi_slopes->data_ptr<float>();
+    params.alibi_slopes_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
+  }
+  params.alibi_offset = causal_offset(params.seqlen_q, params.seqlen_k, causal_bottom_right);
 }
 
 std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor& k,
@@ -218,9 +255,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                                            bool causal_bottom_right,
                                            const std::optional<at::Tensor>& leftpad_k,
                                            const std::optional<at::Tensor>& seqused_k,
-                                           int64_t window_size_left, int64_t window_size_right) {
+                                           int64_t window_size_left, int64_t window_size_right,
+                                           double softcap,
+                                           const std::optional<at::Tensor>& alibi_slopes) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
+  check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   check_alignment(q, "q");
   check_alignment(k, "k");
@@ -240,7 +280,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
 
   Flash_fwd_params params;
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
-                   seqused_k, window_size_left, window_size_right);
+                   seqused_k, window_size_left, window_size_right, softcap, alibi_slopes);
   params.num_sms = props->multiProcessorCount;
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
@@ -316,15 +356,44 @@ at::Tensor cpu_visibility_mask(const at::Tensor& q, const at::Tensor& k, bool is
   return visible;  // (b, 1, seqlen_q, seqlen_k) bool
 }
 
+at::Tensor cpu_mod_scores(const at::Tensor& s, double softcap,
+                          const std::optional<at::Tensor>& alibi_slopes, bool causal_bottom_right,
+                          at::Tensor* dcap) {
+  at::Tensor out = s;
+  if (softcap > 0) {
+    const at::Tensor t = at::tanh(s / softcap);
+    out = t * softcap;
+    if (dcap != nullptr) *dcap = 1 - t * t;
+  } else if (dcap != nullptr) {
+    *dcap = at::ones({}, s.options());
+  }
+  if (alibi_slopes.has_value()) {
+    const int64_t b = s.size(0), h = s.size(1), seqlen_q = s.size(2), seqlen_k = s.size(3);
+    const auto idx = s.options().dtype(at::kLong);
+    const at::Tensor i = at::arange(seqlen_q, idx).view({seqlen_q, 1});
+    const at::Tensor j = at::arange(seqlen_k, idx).view({1, seqlen_k});
+    const int64_t off = causal_offset(static_cast<int>(seqlen_q), static_cast<int>(seqlen_k),
+                                      causal_bottom_right);
+    const at::Tensor dist = (i + off - j).abs().to(s.scalar_type());  // sq, sk
+    const at::Tensor slopes = alibi_slopes->to(at::kCPU, s.scalar_type())
+                                  .reshape({alibi_slopes->dim() == 2 ? b : 1, h, 1, 1});
+    out = out - slopes * dist;
+  }
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v,
                                                std::optional<double> softmax_scale,
                                                bool is_causal, bool causal_bottom_right,
                                                const std::optional<at::Tensor>& leftpad_k,
                                                const std::optional<at::Tensor>& seqused_k,
-                                               int64_t window_size_left, int64_t window_size_right) {
+                                               int64_t window_size_left, int64_t window_size_right,
+                                               double softcap,
+                                               const std::optional<at::Tensor>& alibi_slopes) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
+  check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
   if (zero_size(q, k)) return zero_size_fwd(q);
   // The ATen ops below must compute in float64 even under torch.autocast (which would run the
   // matmuls in bfloat16 and return a bfloat16 lse).
@@ -348,7 +417,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
   }
   kf = kf.repeat_interleave(h / h_k, 1);
   vf = vf.repeat_interleave(h / h_k, 1);
-  at::Tensor s = at::matmul(qf, kf.transpose(-1, -2)) * scale;  // b, h, sq, sk
+  at::Tensor s = cpu_mod_scores(at::matmul(qf, kf.transpose(-1, -2)) * scale, softcap,
+                                alibi_slopes, causal_bottom_right);  // b, h, sq, sk
 
   const at::Tensor visible = cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k,
                                                  seqused_k, window_size_left, window_size_right);

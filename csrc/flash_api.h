@@ -36,7 +36,9 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                                            bool causal_bottom_right,
                                            const std::optional<at::Tensor>& leftpad_k,
                                            const std::optional<at::Tensor>& seqused_k,
-                                           int64_t window_size_left = -1, int64_t window_size_right = -1);
+                                           int64_t window_size_left = -1, int64_t window_size_right = -1,
+                                           double softcap = 0.0,
+                                           const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
 // The same contract computed with ATen ops in float32 on the CPU (reference and fallback).
 std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -45,7 +47,28 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                bool is_causal, bool causal_bottom_right,
                                                const std::optional<at::Tensor>& leftpad_k,
                                                const std::optional<at::Tensor>& seqused_k,
-                                               int64_t window_size_left = -1, int64_t window_size_right = -1);
+                                               int64_t window_size_left = -1, int64_t window_size_right = -1,
+                                               double softcap = 0.0,
+                                               const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
+
+// Score modifiers (flash-attn's), applied to the scaled scores s = softmax_scale * q.k before the
+// mask and the softmax (kernels/score_mod.h):
+//   softcap:      finite, >= 0; 0 = off. s -> softcap * tanh(s / softcap) (Gemma 2).
+//   alibi_slopes: optional float32 (num_heads,) or (batch, num_heads), last dim contiguous, on
+//                 q's device. s -> s - slope * |i + o - j| after the softcap, with o the causal
+//                 alignment's offset (seqlen_k - seqlen_q bottom-right, 0 top-left), also
+//                 without causal; not combinable with leftpad_k / seqused_k.
+// softmax_lse is the log-sum-exp of the modified scores. Invalid values raise ValueError naming
+// the argument (before any launch).
+void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                     const at::Tensor& q, const std::optional<at::Tensor>& leftpad_k,
+                     const std::optional<at::Tensor>& seqused_k);
+
+// The CPU reference of the score modifiers on scaled scores s (batch, num_heads, seqlen_q,
+// seqlen_k); with dcap, also the softcap's derivative 1 - tanh^2 (1 without a softcap).
+at::Tensor cpu_mod_scores(const at::Tensor& s, double softcap,
+                          const std::optional<at::Tensor>& alibi_slopes, bool causal_bottom_right,
+                          at::Tensor* dcap = nullptr);
 
 // window_size_left / window_size_right: -1 (no limit on that side) or >= 0; anything else
 // raises ValueError naming the argument (before any launch).
@@ -83,7 +106,9 @@ void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::T
                       double softmax_scale, bool is_causal, bool causal_bottom_right,
                       const std::optional<at::Tensor>& leftpad_k,
                       const std::optional<at::Tensor>& seqused_k,
-                      int64_t window_size_left = -1, int64_t window_size_right = -1);
+                      int64_t window_size_left = -1, int64_t window_size_right = -1,
+                      double softcap = 0.0,
+                      const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
 // ---- backward (csrc/flash_bwd_api.cpp) --------------------------------------------------------
 // Gradients of mha_fwd. dout and out: like q (out and softmax_lse are mha_fwd's outputs);
@@ -102,7 +127,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
-    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1);
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1,
+    double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
 // The same contract computed with ATen ops in float32 on the CPU.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
@@ -110,7 +136,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
-    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1);
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1,
+    double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
 // Output and workspace tensors of one backward call (they own the memory params points to).
 struct BwdBuffers {
@@ -130,7 +157,9 @@ BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const a
                        bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
                        const std::optional<at::Tensor>& seqused_k, bool dq_atomic,
                        const std::optional<at::Tensor>& grad_softmax_lse,
-                       int64_t window_size_left = -1, int64_t window_size_right = -1);
+                       int64_t window_size_left = -1, int64_t window_size_right = -1,
+                       double softcap = 0.0,
+                       const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
 // Backward input validation (check_fwd_inputs plus dout/out/softmax_lse/grad_softmax_lse).
 double check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,

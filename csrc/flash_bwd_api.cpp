@@ -106,7 +106,9 @@ BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const a
                        const at::Tensor& softmax_lse_, double softmax_scale, bool is_causal,
                        bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
                        const std::optional<at::Tensor>& seqused_k, bool dq_atomic,
-                       const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right) {
+                       const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left,
+                       int64_t window_size_right, double softcap,
+                       const std::optional<at::Tensor>& alibi_slopes) {
   BwdBuffers bufs;
   const at::Tensor softmax_lse = softmax_lse_.contiguous();
   if (grad_softmax_lse.has_value()) bufs.dlse = grad_softmax_lse->contiguous();
@@ -125,7 +127,8 @@ BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const a
   }
 
   set_params_fprop(params, q, k, v, out, softmax_lse, softmax_scale, is_causal,
-                   causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right);
+                   causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right,
+                   softcap, alibi_slopes);
   params.do_ptr = dout.data_ptr();
   params.do_batch_stride = dout.stride(0);
   params.do_row_stride = dout.stride(1);
@@ -168,12 +171,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const at::Tensor& out_, const at::Tensor& softmax_lse_, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
-    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right) {
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   check_window_size(window_size_left, window_size_right);
   const at::Tensor q = to_kernel_layout(q_), k = to_kernel_layout(k_), v = to_kernel_layout(v_);
   const at::Tensor dout = to_kernel_layout(dout_), out = to_kernel_layout(out_);
   const double scale = check_bwd_inputs(dout, q, k, v, out, softmax_lse_, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
+  check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto* props = at::cuda::getDeviceProperties(q.get_device());
@@ -190,7 +195,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   const bool dq_side_stream = env_selects_dq_side_stream();
   BwdBuffers bufs = prepare_bwd(params, dout, q, k, v, out, softmax_lse_, scale, is_causal,
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
-                                grad_softmax_lse, window_size_left, window_size_right);
+                                grad_softmax_lse, window_size_left, window_size_right, softcap,
+                                alibi_slopes);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   std::optional<ForkJoinEvents> events;
   if (!dq_atomic && dq_side_stream) {
@@ -229,7 +235,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool /*deterministic: always*/,
-    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right) {
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   check_window_size(window_size_left, window_size_right);
   // float32 ATen math even under torch.autocast (see mha_fwd_cpu).
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -237,6 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
                                         to_kernel_layout(k), to_kernel_layout(v),
                                         to_kernel_layout(out), softmax_lse, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
+  check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
   if (zero_size(q, k)) return zero_size_bwd(q, k);
   const int64_t b = q.size(0), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);
@@ -264,13 +272,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
 
   // P from the saved LSE (as the kernel does); rows with lse = -inf saw no key: P = 0.
   const at::Tensor lse = softmax_lse.to(at::kFloat).unsqueeze(-1);  // b, h, sq, 1
-  const at::Tensor s = at::matmul(qf, kf.transpose(-1, -2)) * scale;
+  // Modified scores (softcap, ALiBi) and the softcap's derivative, which dS carries.
+  at::Tensor dcap;
+  const at::Tensor s = cpu_mod_scores(at::matmul(qf, kf.transpose(-1, -2)) * scale, softcap,
+                                      alibi_slopes, causal_bottom_right, &dcap);
   const at::Tensor keep = visible.logical_and(at::isfinite(lse));
   const at::Tensor p = at::where(keep, at::exp(s - lse), at::zeros({}, s.options()));
   at::Tensor dsum = (dof * of).sum(-1, /*keepdim=*/true);
   if (grad_softmax_lse.has_value()) dsum = dsum - grad_softmax_lse->to(at::kFloat).unsqueeze(-1);
   const at::Tensor dp = at::matmul(dof, vf.transpose(-1, -2));
-  const at::Tensor ds = p * (dp - dsum);
+  const at::Tensor ds = p * (dp - dsum) * dcap;
   const at::Tensor dq = at::matmul(ds, kf) * scale;                     // b, h, sq, d
   at::Tensor dk = at::matmul(ds.transpose(-1, -2), qf) * scale;         // b, h, sk, d
   at::Tensor dv = at::matmul(p.transpose(-1, -2), dof);                 // b, h, sk, d

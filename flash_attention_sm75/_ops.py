@@ -175,10 +175,11 @@ def autograd_reason(q, k, v, *, any_transform: bool = False) -> Optional[str]:
 
 
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
-             seqused_k=None, window_size_left=-1, window_size_right=-1):
+             seqused_k=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
+             alibi_slopes=None):
     """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
-    causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right)``, skipping
-    the op's autograd kernel when no gradient can flow.
+    causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right, softcap,
+    alibi_slopes)``, skipping the op's autograd kernel when no gradient can flow.
 
     The autograd kernel (``torch.library.register_autograd``, below in this module) is Python and
     runs on every call: even with no input requiring grad it costs ~8 us of host time (boxing into
@@ -194,7 +195,9 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
 
     Raises ``NotImplementedError`` for inputs carrying a forward-mode AD tangent (no jvp formula;
     the tangent would otherwise be silently wrong) and inside ``torch.func.grad`` / ``vjp`` /
-    ``jacrev`` (see ``functorch_grad_active``), before the op runs.
+    ``jacrev`` (see ``functorch_grad_active``), and ``ValueError`` for ``alibi_slopes`` that
+    require grad while grad mode is on (the op has no slope gradient; flash-attn's none either,
+    and a silent zero would be wrong), before the op runs.
     """
     name = forward_ad_input(q, k, v)
     if name is not None:
@@ -211,16 +214,20 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
             "torch.library.register_autograd, which they cannot use. Use tensor.backward() or "
             "torch.autograd.grad, or flash_attention_sm75.scaled_dot_product_attention, which "
             "falls back to torch's SDPA inside torch.func transforms")
+    if (alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()):
+        raise ValueError(
+            "flash_attention_sm75: alibi_slopes must not require grad: the kernels compute no "
+            "gradient for the slopes (pass alibi_slopes.detach() to treat them as constants)")
     op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
     if (torch.compiler.is_compiling() or transforms
             or torch._C._is_torch_function_mode_enabled()
             or (torch.is_grad_enabled()
                 and (q.requires_grad or k.requires_grad or v.requires_grad))):
         return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
-                  window_size_left, window_size_right)
+                  window_size_left, window_size_right, softcap, alibi_slopes)
     with torch._C._AutoDispatchBelowAutograd():
         return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
-                  window_size_left, window_size_right)
+                  window_size_left, window_size_right, softcap, alibi_slopes)
 
 
 def _check_one_device(q, **others) -> None:
@@ -232,11 +239,13 @@ def _check_one_device(q, **others) -> None:
 
 
 def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=True,
-              leftpad_k=None, seqused_k=None, window_size_left=-1, window_size_right=-1):
+              leftpad_k=None, seqused_k=None, window_size_left=-1, window_size_right=-1,
+              softcap=0.0, alibi_slopes=None):
     # Shapes only (the rulebook validated the call): what the output shapes are derived from.
     # And one device: a meta tensor among real ones dispatches here, and the outputs would be
     # uninitialised memory on q's device.
-    _check_one_device(q, k=k, v=v, leftpad_k=leftpad_k, seqused_k=seqused_k)
+    _check_one_device(q, k=k, v=v, leftpad_k=leftpad_k, seqused_k=seqused_k,
+                      alibi_slopes=alibi_slopes)
     torch._check(q.dim() == 4 and k.dim() == 4,
                  lambda: "flash_attention_sm75: q, k and v must be 4-D")
     torch._check(k.shape == v.shape, lambda: "flash_attention_sm75: k and v must have one shape")
@@ -249,9 +258,10 @@ def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=
 
 def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_bottom_right,
               leftpad_k=None, seqused_k=None, deterministic=False, grad_softmax_lse=None,
-              window_size_left=-1, window_size_right=-1):
+              window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None):
     _check_one_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse,
-                      leftpad_k=leftpad_k, seqused_k=seqused_k, grad_softmax_lse=grad_softmax_lse)
+                      leftpad_k=leftpad_k, seqused_k=seqused_k, grad_softmax_lse=grad_softmax_lse,
+                      alibi_slopes=alibi_slopes)
     torch._check(dout.shape == q.shape, lambda: "flash_attention_sm75: dout must have the shape of q")
     torch._check(out.shape == q.shape, lambda: "flash_attention_sm75: out must have the shape of q")
     # The C++: at::empty({b, sq, h, d}, q.options()) and at::empty({b, sk, h_k, d}, ...) twice.
@@ -260,9 +270,10 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
-     window_size_left, window_size_right) = inputs
+     window_size_left, window_size_right, softcap, alibi_slopes) = inputs
     out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k)
+    ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes)
+    ctx.softcap = float(softcap)
     ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
     ctx.is_causal = bool(is_causal)
     ctx.causal_bottom_right = bool(causal_bottom_right)
@@ -272,19 +283,24 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, softmax_lse, leftpad_k, seqused_k = ctx.saved_tensors
+    q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes = ctx.saved_tensors
     # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k, window_size_left,
-    # window_size_right
-    none = (None,) * 7
+    # window_size_right, softcap
+    none = (None,) * 8
+    if len(ctx.needs_input_grad) > 11 and ctx.needs_input_grad[11]:
+        # The doors refuse slopes that require grad (call_fwd); the raw op must not return a
+        # silent zero either.
+        raise NotImplementedError(
+            "flash_attention_sm75: no gradient for alibi_slopes; pass alibi_slopes.detach()")
     if grad_out is None and grad_lse is None:
-        return (None, None, None) + none
+        return (None, None, None) + none + (None,)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
         grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
         ctx.causal_bottom_right, leftpad_k, seqused_k, _deterministic_forced(), grad_lse,
-        *ctx.window_size)
-    return (dq, dk, dv) + none
+        *ctx.window_size, ctx.softcap, alibi_slopes)
+    return (dq, dk, dv) + none + (None,)
 
 
 def _bwd_setup_context(ctx, inputs, output):

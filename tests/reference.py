@@ -66,9 +66,27 @@ def visible_mask(batch: int, seqlen_q: int, seqlen_k: int, causal: bool = False,
     return vis.unsqueeze(1)
 
 
+def apply_score_mods(scores, softcap=0.0, alibi_slopes=None, causal_bottom_right=True):
+    """flash-attn's score modifiers on scaled scores (B, H, Sq, Sk), in their dtype: ``softcap``
+    > 0 maps s to softcap * tanh(s / softcap); ``alibi_slopes`` (H,) or (B, H) then subtract
+    slope * |i + off - j| with off the causal alignment's offset (Sk - Sq bottom-right, 0
+    top-left)."""
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        b, h, s_q, s_k = scores.shape
+        off = s_k - s_q if causal_bottom_right else 0
+        i = torch.arange(s_q, device=scores.device).view(s_q, 1)
+        j = torch.arange(s_k, device=scores.device).view(1, s_k)
+        dist = (i + off - j).abs().to(scores.dtype)
+        slopes = alibi_slopes.to(device=scores.device, dtype=scores.dtype)
+        scores = scores - slopes.reshape(-1 if slopes.dim() == 2 else 1, h, 1, 1) * dist
+    return scores
+
+
 def attention_ref(q, k, v, *, causal=False, causal_bottom_right=True, softmax_scale=None,
                   leftpad_k=None, seqused_k=None, layout="bshd", upcast=True, reorder_ops=False,
-                  window_size=(-1, -1)):
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Attention by the definition. Returns ``(out, lse)``.
 
     q: (B, Sq, H, D), k/v: (B, Sk, Hk, D) for ``layout="bshd"``; (B, H, S, D) for ``"bhsd"``.
@@ -76,6 +94,7 @@ def attention_ref(q, k, v, *, causal=False, causal_bottom_right=True, softmax_sc
     lse float64. ``upcast=False``: computed in the input dtype (``reorder_ops=True`` scales q
     before the matmul, as an fp16 implementation would), out in that dtype, lse float32.
     Rows that see no key: out 0, lse -inf. ``out`` is returned in the input layout.
+    ``softcap`` / ``alibi_slopes``: :func:`apply_score_mods`.
     """
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> (B, H, S, D)
@@ -92,6 +111,7 @@ def attention_ref(q, k, v, *, causal=False, causal_bottom_right=True, softmax_sc
         scores = torch.matmul(qh * scale, kh.transpose(-1, -2))
     else:
         scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    scores = apply_score_mods(scores, softcap, alibi_slopes, causal_bottom_right)
     vis = visible_mask(b, s_q, s_k, causal, causal_bottom_right, leftpad_k, seqused_k, q.device,
                        window_size)
     scores = scores.masked_fill(~vis, float("-inf"))

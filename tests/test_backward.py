@@ -17,7 +17,8 @@ import torch
 
 ext = pytest.importorskip("flash_attention_sm75._C", reason="extension not built")
 from flash_attention_sm75 import deterministic_backward  # noqa: E402
-from reference import cuda_kernels_run, kernel_streams, visible_mask  # noqa: E402
+from reference import (apply_score_mods, cuda_kernels_run, kernel_streams,  # noqa: E402
+                       visible_mask)
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -32,7 +33,7 @@ ops = torch.ops.flash_attention_sm75
 # ---------------------------------------------------------------------------------------------
 # Reference
 def attention_ref(q, k, v, scale, causal, bottom_right, leftpad_k=None, seqused_k=None,
-                  dtype=torch.float64, window_size=(-1, -1)):
+                  dtype=torch.float64, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """BSHD attention in `dtype` (float64 reference, or float16 = the PyTorch baseline with an
     fp32 softmax). Rows that see no key output 0. Differentiable."""
     B, Sq, H, D = q.shape
@@ -41,6 +42,7 @@ def attention_ref(q, k, v, scale, causal, bottom_right, leftpad_k=None, seqused_
     kd = kd.repeat_interleave(H // Hk, 1)
     vd = vd.repeat_interleave(H // Hk, 1)
     s = (qd * scale) @ kd.transpose(-1, -2) if dtype == torch.float16 else (qd @ kd.transpose(-1, -2)) * scale
+    s = apply_score_mods(s, softcap, alibi_slopes, bottom_right)
     vis = visible_mask(B, Sq, Sk, causal, bottom_right, leftpad_k, seqused_k, q.device,
                        window_size)
     s = s.masked_fill(~vis, float("-inf"))
@@ -94,14 +96,17 @@ def dq_mode(mode):
 
 
 def check_against_reference(q, k, v, do, causal, bottom_right, lp=None, su=None,
-                            deterministic=False, atol=1e-3, window_size=(-1, -1)):
+                            deterministic=False, atol=1e-3, window_size=(-1, -1), softcap=0.0,
+                            alibi_slopes=None):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = ops.fwd(q, k, v, scale, causal, bottom_right, lp, su, *window_size)
+    mods = dict(softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = ops.fwd(q, k, v, scale, causal, bottom_right, lp, su, *window_size, softcap,
+                       alibi_slopes)
     # deterministic=False exercises the atomic-dQ kernel (opt-in via FLASH_SM75_BWD_DQ=atomic);
     # deterministic=True the separate dQ kernel, which is also the default.
     with dq_mode("separate" if deterministic else "atomic"):
         dq, dk, dv = ops.bwd(do, q, k, v, out, lse, scale, causal, bottom_right, lp, su,
-                             deterministic, None, *window_size)
+                             deterministic, None, *window_size, softcap, alibi_slopes)
     for t in (dq, dk, dv):
         assert t.dtype == torch.float16 and t.is_contiguous()
         assert not torch.isnan(t).any()
@@ -109,10 +114,10 @@ def check_against_reference(q, k, v, do, causal, bottom_right, lp=None, su=None,
 
     _, dq_ref, dk_ref, dv_ref = grads(
         lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su,
-                                      window_size=window_size), q, k, v, do)
+                                      window_size=window_size, **mods), q, k, v, do)
     _, dq_pt, dk_pt, dv_pt = grads(
         lambda a, b, c: attention_ref(a, b, c, scale, causal, bottom_right, lp, su,
-                                      dtype=torch.float16, window_size=window_size),
+                                      dtype=torch.float16, window_size=window_size, **mods),
         q, k, v, do, dtype=torch.float16)
     for name, ours, ref, pt in (("dq", dq, dq_ref, dq_pt), ("dk", dk, dk_ref, dk_pt),
                                 ("dv", dv, dv_ref, dv_pt)):

@@ -57,6 +57,14 @@ struct Flash_fwd_params {
   int window_lower = kNoWindowLower;  // ... and j >= i + window_lower (a window's left edge: offset - left);
                         // kNoWindowLower (block_info.h) without one. band_diagonals().
 
+  // ---- score modifiers (score_mod.h; run by the Has_mod instantiations) -------------------
+  float softcap_in = 0.f;    // scale / softcap; 0: no softcap
+  float softcap_out = 0.f;   // softcap / scale
+  const float* alibi_slopes_ptr = nullptr;  // fp32 (b, h) or (h,) ALiBi slopes, or nullptr
+  index_t alibi_slopes_batch_stride = 0;    // elements between batch rows; 0 for (h,)
+  int alibi_offset = 0;      // query i is at ALiBi distance |i + alibi_offset - j| from key j:
+                             // causal_offset(seqlen_q, seqlen_k, bottom_right), no window
+
   // ---- launch choice (host only) -------------------------------------------------------
   int num_sms;          // SMs of the device (0 = unknown: the default tile)
   int small_grid_tile;  // Fwd_tile_config::SmallGridTraits: 0 = when it pays
@@ -81,14 +89,20 @@ inline bool has_window_lower(const Flash_fwd_params& params) {
   return params.is_causal && params.window_lower != kNoWindowLower;
 }
 
+// A softcap or ALiBi slopes: the score-mod instantiations (Has_mod) run the call.
+inline bool has_score_mod(const Flash_fwd_params& params) {
+  return params.softcap_in != 0.f || params.alibi_slopes_ptr != nullptr;
+}
+
 // One explicit specialization per generated instantiation file (instantiations/*.cu):
-// (Is_causal, Is_local) in {(false, false), (true, false), (true, true)}.
-template <int kHeadDim, bool Is_causal, bool Is_local>
+// (Is_causal, Is_local) in {(false, false), (true, false), (true, true)}, each with and without
+// the score modifiers (Has_mod).
+template <int kHeadDim, bool Is_causal, bool Is_local, bool Has_mod>
 void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream);
 
 // Decode path (seqlen_q == 1; the host fills the decode fields from plan_decode).
 void run_mha_fwd_decode(Flash_fwd_params& params, cudaStream_t stream);
-template <int kHeadDim>
+template <int kHeadDim, bool Has_mod>
 void run_mha_fwd_decode_(Flash_fwd_params& params, cudaStream_t stream);
 
 }  // namespace flash_sm75

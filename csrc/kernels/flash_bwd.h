@@ -53,8 +53,8 @@ struct Flash_bwd_params : public Flash_fwd_params {
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
 
 // One explicit specialization per generated instantiation file (instantiations/flash_bwd_*.cu),
-// (Is_causal, Is_local) as run_mha_fwd_'s.
-template <int kHeadDim, bool Is_causal, bool Is_local>
+// (Is_causal, Is_local, Has_mod) as run_mha_fwd_'s.
+template <int kHeadDim, bool Is_causal, bool Is_local, bool Has_mod>
 void run_mha_bwd_(Flash_bwd_params& params, cudaStream_t stream);
 
 }  // namespace flash_sm75

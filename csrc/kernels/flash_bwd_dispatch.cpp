@@ -8,9 +8,11 @@ namespace flash_sm75 {
 
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
   HEADDIM_SWITCH(params.d, [&] {
-    if (has_window_lower(params)) return run_mha_bwd_<kHeadDim, true, true>(params, stream);
-    BOOL_SWITCH(params.is_causal, Is_causal, [&] {
-      run_mha_bwd_<kHeadDim, Is_causal, false>(params, stream);
+    BOOL_SWITCH(has_score_mod(params), Has_mod, [&] {
+      if (has_window_lower(params)) return run_mha_bwd_<kHeadDim, true, true, Has_mod>(params, stream);
+      BOOL_SWITCH(params.is_causal, Is_causal, [&] {
+        run_mha_bwd_<kHeadDim, Is_causal, false, Has_mod>(params, stream);
+      });
     });
   });
 }

@@ -34,6 +34,7 @@
 #include "bwd_kernel_traits.h"
 #include "flash_bwd.h"
 #include "fragment.h"
+#include "score_mod.h"
 #include "tile_io.h"
 #include "utils.h"
 
@@ -217,27 +218,64 @@ __device__ __forceinline__ float recompute_p(float s, float scale_log2, float ls
 // P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked, in place in acc_s, and packed
 // as the fp16 A fragments of dV += P^T dO. Element (nt, e): key key_g + 8 (e >= 2), query
 // m0 + qc0 + 8 nt + 2 t + (e & 1); sLse holds the tile's lse * log2(e).
-template <int kWC, bool Is_causal, bool Is_local>
+// Has_mod: acc_s holds softcapped scores (softcap_scores); ALiBi is added here, and acc_s keeps
+// P times the softcap's derivative (the factor dS needs; p_frag keeps P for dV).
+template <int kWC, bool Is_causal, bool Is_local, bool Has_mod = false>
 __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p_frag)[kWC / 8][2],
                                         const float* sLse, int qc0, int t, float scale_log2,
                                         bool need_mask, int key_g, int m0, const KeyRange& kr,
-                                        int causal_offset, int window_lower) {
+                                        int causal_offset, int window_lower,
+                                        const ScoreMod& smod = ScoreMod{}) {
+  if constexpr (Has_mod) {
+    // Masked scores -> -inf first, in a loop of their own: with the ALiBi arithmetic in the same
+    // loop the d = 256 local kernel spilled (255 registers). A masked score's derivative is
+    // clamped to 0 (1 - inf^2), so P * derivative is 0, not 0 * -inf.
+    if (need_mask) {
+#pragma unroll
+      for (int nt = 0; nt < kWC / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_g + (e >= 2 ? 8 : 0);
+          const int query = m0 + qc0 + 8 * nt + 2 * t + (e & 1);
+          if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) {
+            acc_s[nt][e] = -INFINITY;
+          }
+        }
+      }
+    }
+  }
 #pragma unroll
   for (int nt = 0; nt < kWC / 8; ++nt) {
     const int qcol = qc0 + 8 * nt + 2 * t;
     const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
+    if constexpr (Has_mod) {
+      // ALiBi distance query + offset - key of element 0 (exact in float below 2^24).
+      const float dist0 = static_cast<float>(m0 + qcol + smod.offset - key_g);
+      float p[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float p = recompute_p(acc_s[nt][e], scale_log2, (e & 1) ? lse2.y : lse2.x);
-      if (need_mask) {
-        const int key = key_g + (e >= 2 ? 8 : 0);
-        const int query = m0 + qcol + (e & 1);
-        if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) p = 0.f;
+      for (int e = 0; e < 4; ++e) {
+        float x = acc_s[nt][e];
+        const float dcap = fmaxf(
+            alibi_and_dcap(smod, x, dist0 + static_cast<float>((e & 1) - (e >= 2 ? 8 : 0))), 0.f);
+        p[e] = recompute_p(x, scale_log2, (e & 1) ? lse2.y : lse2.x);
+        acc_s[nt][e] = p[e] * dcap;
       }
-      acc_s[nt][e] = p;
+      p_frag[nt][0] = pack_half2(p[0], p[1]);
+      p_frag[nt][1] = pack_half2(p[2], p[3]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = recompute_p(acc_s[nt][e], scale_log2, (e & 1) ? lse2.y : lse2.x);
+        if (need_mask) {
+          const int key = key_g + (e >= 2 ? 8 : 0);
+          const int query = m0 + qcol + (e & 1);
+          if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) p = 0.f;
+        }
+        acc_s[nt][e] = p;
+      }
+      p_frag[nt][0] = pack_half2(acc_s[nt][0], acc_s[nt][1]);
+      p_frag[nt][1] = pack_half2(acc_s[nt][2], acc_s[nt][3]);
     }
-    p_frag[nt][0] = pack_half2(acc_s[nt][0], acc_s[nt][1]);
-    p_frag[nt][1] = pack_half2(acc_s[nt][2], acc_s[nt][3]);
   }
 }
 
@@ -291,7 +329,8 @@ __device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
 // dK / dV (and, in atomic mode, dQ partial sums). See the file comment and
 // Flash_bwd_kernel_traits for the work split.
 // Is_local: the causal band has a lower diagonal too (a sliding window, params.window_lower).
-template <typename Kt, bool Is_causal, bool Atomic_dq, bool Is_local = false>
+// Has_mod: a softcap and / or ALiBi slopes modify the scores (score_mod.h).
+template <typename Kt, bool Is_causal, bool Atomic_dq, bool Is_local = false, bool Has_mod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_dkdv_kernel(const Flash_bwd_params params) {
   constexpr int kD = Kt::kHeadDim;
@@ -463,10 +502,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       const bool need_mask =
           !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
                             params.window_lower);
+      ScoreMod smod{};
+      if constexpr (Has_mod) {
+        smod = score_mod_for(params, bidb, head);  // the head changes with it (GQA group)
+        softcap_scores<kWC>(acc_s, smod);
+      }
       uint32_t p_frag[kWC / 8][2];
-      probs_t<kWC, Is_causal, Is_local>(acc_s, p_frag, sLse, qc0, t, scale_log2, need_mask,
-                              n0 + 16 * wn + g, m0, kr, params.causal_offset,
-                              params.window_lower);
+      probs_t<kWC, Is_causal, Is_local, Has_mod>(acc_s, p_frag, sLse, qc0, t, scale_log2,
+                                                 need_mask, n0 + 16 * wn + g, m0, kr,
+                                                 params.causal_offset, params.window_lower, smod);
 
       // ---- dV += P^T dO (16 keys x d per warp; k = this warp's queries).
       gemm_rs_t<kWC, kDO, kRowB, false>(acc_dv, p_frag, q_t_addr + kDofromQ);
@@ -586,7 +630,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 // streaming the K/V tiles the tile sees (the forward's loop): S = Q K^T, P, dP = dO V^T, dS,
 // dQ += dS K. With Kt::kDSplit > 1 the kDSplit warps of a row group (ws = 0 ..) each accumulate
 // dQ columns col0 = ws * kDOut .. and recompute the same S and dP.
-template <typename Kt, bool Is_causal, bool Is_local = false>
+template <typename Kt, bool Is_causal, bool Is_local = false, bool Has_mod = false>
 __global__ void __launch_bounds__(Kt::kNThreads)
     flash_bwd_dq_kernel(const Flash_bwd_params params) {
   constexpr int kD = Kt::kHeadDim;
@@ -651,6 +695,8 @@ __global__ void __launch_bounds__(Kt::kNThreads)
                                       params.causal_offset, params.window_lower);
   const int row0 = m_block * kBM;
   const float scale_log2 = params.scale_softmax_log2;
+  ScoreMod smod{};
+  if constexpr (Has_mod) smod = score_mod_for(params, bidb, bidh);
 
   // lse (log2 units; +inf for rows without keys or past seqlen_q) and D of rows g, g + 8.
   float lse_l2[2], dsum[2];
@@ -725,23 +771,48 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       } else {
         gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
       }
-      // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s).
+      // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s; Has_mod: times the
+      // softcap's derivative, the factor dS needs).
       const bool need_mask =
           !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
                             params.window_lower);
+      if constexpr (Has_mod) {
+        softcap_scores<kBN>(acc_s, smod);
 #pragma unroll
-      for (int nt = 0; nt < kBN / 8; ++nt) {
+        for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float p = recompute_p(acc_s[nt][e], scale_log2, lse_l2[e >> 1]);
-          if (need_mask) {
+          for (int e = 0; e < 4; ++e) {
             const int row = row0 + 16 * wr + g + (e >= 2 ? 8 : 0);
             const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
-            if (!key_visible<Is_local>(row, col, kr, Is_causal, params.causal_offset, params.window_lower)) {
-              p = 0.f;
+            float x = acc_s[nt][e];
+            const float dcap =
+                alibi_and_dcap(smod, x, static_cast<float>(row + smod.offset - col));
+            float p = recompute_p(x, scale_log2, lse_l2[e >> 1]);
+            if (need_mask) {
+              if (!key_visible<Is_local>(row, col, kr, Is_causal, params.causal_offset,
+                                         params.window_lower)) {
+                p = 0.f;
+              }
             }
+            acc_s[nt][e] = p * dcap;
           }
-          acc_s[nt][e] = p;
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float p = recompute_p(acc_s[nt][e], scale_log2, lse_l2[e >> 1]);
+            if (need_mask) {
+              const int row = row0 + 16 * wr + g + (e >= 2 ? 8 : 0);
+              const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
+              if (!key_visible<Is_local>(row, col, kr, Is_causal, params.causal_offset,
+                                         params.window_lower)) {
+                p = 0.f;
+              }
+            }
+            acc_s[nt][e] = p;
+          }
         }
       }
 

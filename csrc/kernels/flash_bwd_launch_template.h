@@ -13,7 +13,7 @@ namespace flash_sm75 {
 // Atomic mode expects params.dq_accum_ptr zero-filled (the host API allocates it with zeros).
 // A head dim without the atomic mode (Bwd_tile_config::kAtomicDq) runs the deterministic
 // kernels whatever params.dq_atomic says; its atomic kernels are not even instantiated.
-template <int kHeadDim, bool Is_causal, bool Is_local>
+template <int kHeadDim, bool Is_causal, bool Is_local, bool Has_mod>
 void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   using C = Bwd_tile_config<kHeadDim>;
   using Kt = typename C::Traits;
@@ -25,7 +25,7 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
       <<<static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads, 0, stream>>>(params);
   if constexpr (C::kAtomicDq) {
     if (plan.dq_atomic) {
-      auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, true, Is_local>;
+      auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, true, Is_local, Has_mod>;
       set_max_dynamic_smem(kernel, plan.dkdv_smem);
       kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
                stream>>>(params);
@@ -35,9 +35,9 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     }
   }
   {
-    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false, Is_local>;
+    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false, Is_local, Has_mod>;
     set_max_dynamic_smem(kernel, plan.dkdv_smem);
-    auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal, Is_local>;
+    auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal, Is_local, Has_mod>;
     set_max_dynamic_smem(dq_kernel, plan.dq_smem);
     // Fork after the preprocess (both kernels read D), dK/dV launched first (launching dQ first
     // measured the same), join before returning (see Flash_bwd_params::dq_stream).

@@ -37,6 +37,7 @@
 #include "flash.h"
 #include "kernel_traits.h"
 #include "launch_plan.h"  // decode_max_heads_per_cta
+#include "score_mod.h"
 #include "softmax.h"  // clamp_to_fp16_range
 #include "state.h"
 #include "utils.h"
@@ -61,7 +62,8 @@ struct DecodeTraits {
   static constexpr int kOffP = kOffQ + kR * kD * 4;                // [warps][kR][32] fp32
   static constexpr int kOffM = kOffP + kWarps * kR * kKeys * 4;    // [warps][kR] fp32 m, l
   static constexpr int kOffCta = kOffM + 2 * kWarps * kR * 4;     // 4 ints: the CTA's coordinates
-  static constexpr int kSmemSize = kOffCta + 4 * 4;
+  static constexpr int kOffSlope = kOffCta + 4 * 4;               // [kR] fp32: ALiBi (Has_mod)
+  static constexpr int kSmemSize = kOffSlope + kR * 4;
   static_assert(kD == 64 || kD == 128 || kD == 256, "kD = 64, 128 or 256");
   static_assert(kR >= 1 && kR <= decode_max_heads_per_cta(kD), "kR over the register cap");
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
@@ -89,7 +91,8 @@ __device__ __forceinline__ KeyRange decode_key_range(const Flash_fwd_params& par
   return kr;
 }
 
-template <int kD, int kR>
+// Has_mod: a softcap and / or ALiBi slopes modify the scores (score_mod.h).
+template <int kD, int kR, bool Has_mod = false>
 __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     flash_fwd_decode_kernel(const Flash_fwd_params params) {
   using T = DecodeTraits<kD, kR>;
@@ -127,6 +130,13 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     sCta[1] = h0;
     sCta[2] = nh;
     sCta[3] = split;
+  }
+  // ALiBi: each head's slope in raw-score units (score_mod_for), 0 without slopes.
+  float* sSlope = reinterpret_cast<float*>(smem_raw + T::kOffSlope);
+  if constexpr (Has_mod) {
+    if (tid < kR) {
+      sSlope[tid] = tid < nh ? score_mod_for(params, bidb, h0 + tid).slope : 0.f;
+    }
   }
 
   // ---- q of the CTA's heads -> sQ (fp32; heads past nh are 0 and never written out).
@@ -218,6 +228,17 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
           s[h] = fmaf(qb.z, kf[6], s[h]);
           s[h] = fmaf(qb.w, kf[7], s[h]);
         }
+      }
+    }
+
+    if constexpr (Has_mod) {  // the query is row 0: ALiBi distance |alibi_offset - key|
+      const float dist = fabsf(static_cast<float>(params.alibi_offset - (base + lane)));
+#pragma unroll
+      for (int h = 0; h < kR; ++h) {
+        if (params.softcap_in != 0.f) {
+          s[h] = softcap_score<false>(s[h], params.softcap_in, params.softcap_out, nullptr);
+        }
+        s[h] = fmaf(sSlope[h], dist, s[h]);
       }
     }
 

@@ -1,4 +1,4 @@
-// run_mha_fwd: runtime (head dim, causal, local) -> one of the explicitly specialized
+// run_mha_fwd: runtime (head dim, causal, local, score mod) -> one of the explicitly specialized
 // instantiations in instantiations/*.cu, each compiled in its own translation unit. A band with
 // a lower diagonal (a sliding window's left edge) runs the local instantiation; causal alone, or
 // a window with only a right edge, the causal one.
@@ -9,16 +9,22 @@ namespace flash_sm75 {
 
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   HEADDIM_SWITCH(params.d, [&] {
-    if (has_window_lower(params)) return run_mha_fwd_<kHeadDim, true, true>(params, stream);
-    BOOL_SWITCH(params.is_causal, Is_causal, [&] {
-      run_mha_fwd_<kHeadDim, Is_causal, false>(params, stream);
+    BOOL_SWITCH(has_score_mod(params), Has_mod, [&] {
+      if (has_window_lower(params)) return run_mha_fwd_<kHeadDim, true, true, Has_mod>(params, stream);
+      BOOL_SWITCH(params.is_causal, Is_causal, [&] {
+        run_mha_fwd_<kHeadDim, Is_causal, false, Has_mod>(params, stream);
+      });
     });
   });
 }
 
 // The bucket's decode kernel (head_dims.h: bucket 96 runs the 128 one).
 void run_mha_fwd_decode(Flash_fwd_params& params, cudaStream_t stream) {
-  HEADDIM_SWITCH(params.d, [&] { run_mha_fwd_decode_<decode_head_dim(kHeadDim)>(params, stream); });
+  HEADDIM_SWITCH(params.d, [&] {
+    BOOL_SWITCH(has_score_mod(params), Has_mod, [&] {
+      run_mha_fwd_decode_<decode_head_dim(kHeadDim), Has_mod>(params, stream);
+    });
+  });
 }
 
 }  // namespace flash_sm75

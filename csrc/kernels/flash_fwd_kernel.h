@@ -31,6 +31,7 @@
 #include "fragment.h"
 #include "kernel_traits.h"
 #include "mask.h"
+#include "score_mod.h"
 #include "softmax.h"
 #include "tile_io.h"
 #include "utils.h"
@@ -134,8 +135,10 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
 
 // The main forward kernel: all warps in lock-step, two barriers per K/V tile.
 // Is_local: the causal band has a lower diagonal too (a sliding window, params.window_lower).
-template <typename Kt, bool Is_causal, bool Is_local = false>
-__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
+// Has_mod: a softcap and / or ALiBi slopes modify the scores before the mask (score_mod.h).
+template <typename Kt, bool Is_causal, bool Is_local = false, bool Has_mod = false>
+__global__ void __launch_bounds__(Kt::kNThreads,
+                                  Has_mod ? Kt::kMinBlocksPerSmMod : Kt::kMinBlocksPerSm)
     flash_fwd_kernel(const Flash_fwd_params params) {
   constexpr int kD = Kt::kHeadDim;
   constexpr int kDCols = Kt::kDCols;  // head-dim columns of this warp's Q and O
@@ -168,6 +171,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   const FwdCta c = fwd_cta<Kt, Is_causal, Is_local>(params);
   const int row0 = c.m_block * Kt::kBlockM;
   const float scale_log2 = params.scale_softmax_log2;
+  ScoreMod smod{};
+  if constexpr (Has_mod) smod = score_mod_for(params, c.bidb, c.bidh);
 
   float m_i[2] = {-INFINITY, -INFINITY};  // running max of raw scores, rows g and g + 8
   bool exact_exp = false;  // softmax_rescale: the warp's scaled max needs exact exponents
@@ -243,6 +248,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
           acc_s[j][2] += x.z;
           acc_s[j][3] += x.w;
         }
+        if constexpr (Has_mod) mod_scores<kBN>(acc_s, smod, row0 + 16 * rw, n_block * kBN);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * rw,
                                                  params.causal_offset, params.window_lower);
         uint32_t p_frag[kBN / 8][2];
@@ -262,6 +268,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
+        if constexpr (Has_mod) mod_scores<kHalf>(acc_sa, smod, row0 + 16 * warp, n_block * kBN);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
                                                    row0 + 16 * warp, params.causal_offset,
                                                    params.window_lower);
@@ -270,6 +277,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         if (softmax_step<kHalf, Kt::kRescaleThreshold>(acc_sa, m_i, l_i, scale_log2, p_a, alpha,
                                                        exact_exp)) {
           rescale_o<kD>(acc_o, alpha);
+        }
+        if constexpr (Has_mod) {
+          mod_scores<kHalf>(acc_sb, smod, row0 + 16 * warp, n_block * kBN + kHalf);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sb, c.m_block, 2 * n_block + 1, c.kr,
                                                    row0 + 16 * warp, params.causal_offset,
@@ -304,6 +314,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
+        if constexpr (Has_mod) mod_scores<kBN>(acc_s, smod, row0 + 16 * warp, n_block * kBN);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,
                                                  params.causal_offset, params.window_lower);
         uint32_t p_frag[kBN / 8][2];

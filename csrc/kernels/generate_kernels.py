@@ -1,6 +1,9 @@
-"""Generate one translation unit per kernel instantiation (head dim x mask x direction).
+"""Generate one translation unit per kernel instantiation (head dim x mask x score mod x
+direction).
 
-Masks: none, causal, and local (a causal band with a lower diagonal: a sliding window).
+Masks: none, causal, and local (a causal band with a lower diagonal: a sliding window). Score
+mod: the plain kernels, and ("_scoremod") the ones that apply a softcap and / or ALiBi slopes
+(score_mod.h), kept apart so that the plain kernels compile exactly as without them.
 
 Run from anywhere: ``python csrc/kernels/generate_kernels.py``. The output is committed; CI
 runs ``--check`` to make sure it is up to date.
@@ -31,8 +34,8 @@ TEMPLATES = {
 namespace flash_sm75 {{
 
 template <>
-void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}>(Flash_fwd_params& params, cudaStream_t stream) {{
-  run_mha_fwd_hdim<{head_dim}, {is_causal}, {is_local}>(params, stream);
+void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}, {has_mod}>(Flash_fwd_params& params, cudaStream_t stream) {{
+  run_mha_fwd_hdim<{head_dim}, {is_causal}, {is_local}, {has_mod}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -43,8 +46,8 @@ void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}>(Flash_fwd_params& params,
 namespace flash_sm75 {{
 
 template <>
-void run_mha_bwd_<{head_dim}, {is_causal}, {is_local}>(Flash_bwd_params& params, cudaStream_t stream) {{
-  run_mha_bwd_hdim<{head_dim}, {is_causal}, {is_local}>(params, stream);
+void run_mha_bwd_<{head_dim}, {is_causal}, {is_local}, {has_mod}>(Flash_bwd_params& params, cudaStream_t stream) {{
+  run_mha_bwd_hdim<{head_dim}, {is_causal}, {is_local}, {has_mod}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -56,8 +59,8 @@ void run_mha_bwd_<{head_dim}, {is_causal}, {is_local}>(Flash_bwd_params& params,
 namespace flash_sm75 {{
 
 template <>
-void run_mha_fwd_decode_<{head_dim}>(Flash_fwd_params& params, cudaStream_t stream) {{
-  run_mha_fwd_decode_hdim<{head_dim}>(params, stream);
+void run_mha_fwd_decode_<{head_dim}, {has_mod}>(Flash_fwd_params& params, cudaStream_t stream) {{
+  run_mha_fwd_decode_hdim<{head_dim}, {has_mod}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -66,6 +69,7 @@ void run_mha_fwd_decode_<{head_dim}>(Flash_fwd_params& params, cudaStream_t stre
 # "" (no mask), "causal", "local" (causal band with a lower diagonal). Decode applies both as a
 # key-range clamp at run time.
 MASK_VARIANTS = {"fwd": ("", "causal", "local"), "bwd": ("", "causal", "local"), "decode": ("",)}
+SCORE_MODS = (False, True)
 
 
 @dataclass(frozen=True)
@@ -73,21 +77,23 @@ class Kernel:
     direction: str
     head_dim: int
     mask: str
+    score_mod: bool = False
 
     @property
     def filename(self) -> str:
-        suffix = f"_{self.mask}" if self.mask else ""
+        suffix = (f"_{self.mask}" if self.mask else "") + ("_scoremod" if self.score_mod else "")
         return f"flash_{self.direction}_hdim{self.head_dim}_{DTYPE}{suffix}_sm75.cu"
 
     def render(self) -> str:
         return TEMPLATES[self.direction].format(
             head_dim=self.head_dim, is_causal=str(bool(self.mask)).lower(),
-            is_local=str(self.mask == "local").lower())
+            is_local=str(self.mask == "local").lower(), has_mod=str(self.score_mod).lower())
 
 
 def all_kernels(directions=tuple(TEMPLATES)) -> list[Kernel]:
-    return [Kernel(d, h, c) for d in directions
-            for h in (DECODE_HEAD_DIMS if d == "decode" else HEAD_DIMS) for c in MASK_VARIANTS[d]]
+    return [Kernel(d, h, c, m) for d in directions
+            for h in (DECODE_HEAD_DIMS if d == "decode" else HEAD_DIMS) for c in MASK_VARIANTS[d]
+            for m in SCORE_MODS]
 
 
 def main() -> int:

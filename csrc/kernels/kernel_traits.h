@@ -74,6 +74,9 @@ constexpr int chunks_per_thread() {
 struct FwdTileDefaults {
   static constexpr bool kQInSmem = false;
   static constexpr int kMinBlocksPerSm = 1;
+  // The same for the score-mod instantiations (softcap, ALiBi: score_mod.h), whose extra score
+  // arithmetic may not fit the plain kernel's register cap.
+  static constexpr int kMinBlocksPerSmMod = -1;  // -1: kMinBlocksPerSm
   static constexpr int kRescaleThreshold = 0;
   static constexpr int kLoadStyle = 0;
   static constexpr bool kSplitTile = false;
@@ -94,6 +97,8 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr bool kQInSmem = Tile::kQInSmem;
   static constexpr int kMinBlocksPerSm = Tile::kMinBlocksPerSm;
+  static constexpr int kMinBlocksPerSmMod =
+      Tile::kMinBlocksPerSmMod < 0 ? Tile::kMinBlocksPerSm : Tile::kMinBlocksPerSmMod;
   static constexpr int kRescaleThreshold = Tile::kRescaleThreshold;
   static_assert(kRescaleThreshold >= 0 && kRescaleThreshold <= 15, "P must fit in fp16");
   static constexpr int kLoadStyle = Tile::kLoadStyle;
@@ -162,6 +167,8 @@ struct FwdTileD64 : FwdTileDefaults {
   static constexpr int kHeadDim = 64, kBlockM = 64, kBlockN = 64, kNWarps = 4;
   // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit.
   static constexpr int kMinBlocksPerSm = 3;
+  // With ALiBi's distances the 168-register cap of 3 CTAs spilled 20 bytes: 2 CTAs per SM.
+  static constexpr int kMinBlocksPerSmMod = 2;
   static constexpr int kLoadStyle = 2;  // +3-8% at N = 4096 on the H200
   // The tail predicate (head_dim < 64) spills 12 B in the causal kernel under the 3-CTA cap;
   // FwdTileD64SmallGrid (124 registers) runs those head dims.

@@ -205,7 +205,7 @@ using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::T
                                                   const at::Tensor&, std::optional<double>, bool,
                                                   bool, const std::optional<at::Tensor>&,
                                                   const std::optional<at::Tensor>&, int64_t,
-                                                  int64_t);
+                                                  int64_t, double, const std::optional<at::Tensor>&);
 
 TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   auto op = c10::Dispatcher::singleton()
@@ -216,6 +216,8 @@ TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   EXPECT_NE(schema.find("bool causal_bottom_right=True"), std::string::npos) << schema;
   EXPECT_NE(schema.find("int window_size_left=-1, int window_size_right=-1"), std::string::npos)
       << schema;
+  EXPECT_NE(schema.find("float softcap=0., Tensor? alibi_slopes=None"), std::string::npos)
+      << schema;
   EXPECT_NE(schema.find("-> (Tensor out, Tensor softmax_lse)"), std::string::npos) << schema;
 
   AttnCase c = mk(2, 10, 21, 4, 2, 64, true, false);
@@ -223,7 +225,7 @@ TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   c.seqused = {21, 15};
   auto in = make_inputs(c);
   auto [out, lse] = op.call(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right, in.leftpad_k,
-                            in.seqused_k, 5, -1);
+                            in.seqused_k, 5, -1, 0.0, std::nullopt);
   auto [want_out, want_lse] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right,
                                           in.leftpad_k, in.seqused_k, 5, -1);
   EXPECT_TRUE(at::equal(out, want_out));
@@ -234,11 +236,60 @@ TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   EXPECT_FALSE(at::equal(lse, plain_lse));
 
   EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, 0.0, false, true, std::nullopt, std::nullopt, -1,
-                             -1),
+                             -1, 0.0, std::nullopt),
                      "softmax_scale");
   EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, std::nullopt, false, true, std::nullopt,
-                             std::nullopt, -2, -1),
+                             std::nullopt, -2, -1, 0.0, std::nullopt),
                      "window_size_left");
+  EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, std::nullopt, false, true, std::nullopt,
+                             std::nullopt, -1, -1, -1.0, std::nullopt),
+                     "softcap");
+}
+
+// Score mods (softcap, ALiBi) in the CPU reference: each changes the result as its formula says,
+// computed here from the unmodified op's scores; bad values raise ValueError naming the argument.
+TEST(FwdOp, ScoreModsOnTheCpuReference) {
+  AttnCase c = mk(2, 9, 13, 4, 2, 64, true, true);
+  auto in = make_inputs(c);
+  const double cap = 0.5;
+  const at::Tensor slopes = at::tensor({0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f, 0.8f}).view({2, 4});
+  auto [out, lse] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, true, true, std::nullopt, std::nullopt,
+                                -1, -1, cap, slopes);
+  // Reference from first principles, float64.
+  const at::Tensor q = in.q.to(at::kDouble).transpose(1, 2);
+  const at::Tensor k = in.k.to(at::kDouble).transpose(1, 2).repeat_interleave(2, 1);
+  const at::Tensor v = in.v.to(at::kDouble).transpose(1, 2).repeat_interleave(2, 1);
+  at::Tensor s = at::matmul(q, k.transpose(-1, -2)) * c.scale;
+  s = cap * at::tanh(s / cap);
+  const at::Tensor i = at::arange(9, at::kLong).view({9, 1});
+  const at::Tensor j = at::arange(13, at::kLong).view({1, 13});
+  const at::Tensor dist = (i + (13 - 9) - j).abs().to(at::kDouble);
+  s = s - slopes.to(at::kDouble).view({2, 4, 1, 1}) * dist;
+  s = s.masked_fill(j > i + (13 - 9), -INFINITY);
+  const at::Tensor want_lse = at::logsumexp(s, -1);
+  const at::Tensor want_out = at::matmul(at::softmax(s, -1), v).transpose(1, 2);
+  EXPECT_TRUE(at::allclose(lse.to(at::kDouble), want_lse, 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(out.to(at::kDouble), want_out, 2e-3, 2e-3));
+  // (h,) slopes broadcast over the batch.
+  auto [out_h, lse_h] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, true, true, std::nullopt,
+                                    std::nullopt, -1, -1, cap, slopes[1]);
+  auto [out_b, lse_b] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, true, true, std::nullopt,
+                                    std::nullopt, -1, -1, cap, slopes[1].expand({2, 4}).contiguous());
+  EXPECT_TRUE(at::equal(lse_h, lse_b));
+
+  EXPECT_VALUE_ERROR(mha_fwd_cpu(in.q, in.k, in.v, c.scale, true, true, std::nullopt,
+                                 std::nullopt, -1, -1, std::nan(""), std::nullopt),
+                     "softcap");
+  EXPECT_VALUE_ERROR(mha_fwd_cpu(in.q, in.k, in.v, c.scale, true, true, std::nullopt,
+                                 std::nullopt, -1, -1, 0.0, slopes.to(at::kDouble)),
+                     "alibi_slopes must be float32");
+  EXPECT_VALUE_ERROR(mha_fwd_cpu(in.q, in.k, in.v, c.scale, true, true, std::nullopt,
+                                 std::nullopt, -1, -1, 0.0, slopes.view({8})),
+                     "alibi_slopes must have shape");
+  EXPECT_VALUE_ERROR(mha_fwd_cpu(in.q, in.k, in.v, c.scale, true, true,
+                                 at::zeros({2}, at::TensorOptions().dtype(at::kInt)),
+                                 std::nullopt, -1, -1, 0.0, slopes),
+                     "seqused_k");
 }
 
 }  // namespace

@@ -261,3 +261,5 @@ inline float atomicAdd(float* p, float v) {
 // Round-to-nearest product that the compiler may not fuse into an FMA (-std=c++17 keeps
 // -ffp-contract=off, so a plain product is one).
 inline float __fmul_rn(float a, float b) { return a * b; }
+// div.approx.f32 computes a * (1 / b); 1 / inf = 0 as on the GPU.
+inline float __fdividef(float a, float b) { return a * (1.f / b); }

@@ -79,6 +79,9 @@ struct Case {
   uint32_t seed;
   bool fwd_only = false;  // forward (o, lse) only: no backward run, gradients not checked
   int wl = -1, wr = -1;   // sliding window (flash-attn's window_size), -1 = unbounded
+  float softcap = 0.f;    // score mods (score_mod.h): softcap > 0, ALiBi slopes per (b, h)
+  bool alibi = false;
+  bool score_mod() const { return softcap > 0 || alibi; }
   // The diagonal band the host gives the kernels (set_params_fprop): causal and / or window.
   bool banded() const { return causal || wl >= 0 || wr >= 0; }
   BandDiagonals band() const { return band_diagonals(sq, sk, bottom_right, causal, wl, wr); }
@@ -95,7 +98,7 @@ struct Errors {
 
 // The decode path (seqlen_q == 1) as mha_fwd takes it, for a GPU of 8 SMs and splits from 2
 // steps on (so that most cases split their keys and run the merge kernel).
-template <int kD, int kR>
+template <int kD, int kR, bool kMod>
 void run_decode(Flash_fwd_params& p) {
   using T = DecodeTraits<kD, kR>;
   std::vector<float> oacc, lacc;
@@ -107,7 +110,7 @@ void run_decode(Flash_fwd_params& p) {
   }
   const int parts = (p.h_h_k_ratio + kR - 1) / kR;
   emu::launch(static_cast<unsigned>(int64_t(p.b) * p.h_k * p.num_splits * parts), T::kThreads,
-              [&] { flash_fwd_decode_kernel<kD, kR>(p); });
+              [&] { flash_fwd_decode_kernel<kD, kR, kMod>(p); });
   if (p.num_splits > 1) {
     emu::launch(static_cast<unsigned>((int64_t(p.b) * p.h + 3) / 4), 128,
                 [&] { flash_fwd_decode_merge_kernel<kD>(p); });
@@ -115,26 +118,27 @@ void run_decode(Flash_fwd_params& p) {
 }
 
 // As run_mha_fwd_decode_hdim: kR buckets past the head dim's cap are not instantiated.
-template <int kD, int kR>
+template <int kD, int kR, bool kMod>
 bool run_decode_bucket(Flash_fwd_params& p) {
   if constexpr (kR <= decode_max_heads_per_cta(kD)) {
     if (p.decode_ratio_bucket == kR) {
-      run_decode<kD, kR>(p);
+      run_decode<kD, kR, kMod>(p);
       return true;
     }
   }
   return false;
 }
 
-template <int kD>
+template <int kD, bool kMod>
 bool try_decode(Flash_fwd_params& p) {
   const DecodePlan dp = plan_decode(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, kD, 8, true, 1);
   if (!dp.use) return false;
   p.decode_ratio_bucket = dp.ratio_bucket;
   p.num_splits = dp.num_splits;
   p.keys_per_split = dp.keys_per_split;
-  if (!(run_decode_bucket<kD, 1>(p) || run_decode_bucket<kD, 2>(p) || run_decode_bucket<kD, 4>(p) ||
-        run_decode_bucket<kD, 8>(p) || run_decode_bucket<kD, 16>(p))) {
+  if (!(run_decode_bucket<kD, 1, kMod>(p) || run_decode_bucket<kD, 2, kMod>(p) ||
+        run_decode_bucket<kD, 4, kMod>(p) || run_decode_bucket<kD, 8, kMod>(p) ||
+        run_decode_bucket<kD, 16, kMod>(p))) {
     std::printf("BAD decode plan: kR %d at d=%d\n", dp.ratio_bucket, kD);
     std::exit(1);
   }
@@ -148,14 +152,14 @@ const char* tile_name() {
 }
 
 // The forward kernel of Kt (as fwd_kernel() in flash_fwd_launch_template.h launches it).
-template <typename Kt, bool kCausal, bool kLocal = false>
+template <typename Kt, bool kCausal, bool kLocal = false, bool kMod = false>
 void fwd_kernel_body(const Flash_fwd_params& p) {
-  flash_fwd_kernel<Kt, kCausal, kLocal>(p);
+  flash_fwd_kernel<Kt, kCausal, kLocal, kMod>(p);
 }
 
-template <int kD, bool kCausal, bool kLocal = false>
+template <int kD, bool kCausal, bool kLocal = false, bool kMod = false>
 void run_forward(Flash_fwd_params& p) {
-  if (try_decode<decode_head_dim(kD)>(p)) return;  // bucket 96 decodes on the 128 kernel
+  if (try_decode<decode_head_dim(kD), kMod>(p)) return;  // bucket 96 decodes on the 128 kernel
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
   using Kt = typename Fwd_tile_config<kD>::Traits;
   if constexpr (!std::is_void_v<Ks>) {
@@ -164,7 +168,7 @@ void run_forward(Flash_fwd_params& p) {
     if (Kt::kFullHeadDimOnly && p.d != kD) {
       const FwdLaunchPlan plan = make_fwd_plan<Ks>(p.b, p.h, p.seqlen_q);
       emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-                  [&] { fwd_kernel_body<Ks, kCausal, kLocal>(p); });
+                  [&] { fwd_kernel_body<Ks, kCausal, kLocal, kMod>(p); });
       return;
     }
     // The small-grid tile (chosen on the GPU by occupancy) on the cases with an even
@@ -173,17 +177,17 @@ void run_forward(Flash_fwd_params& p) {
     if ((p.b + p.seqlen_q + p.seqlen_k) % 2 == 0) {
       const FwdLaunchPlan plan = make_fwd_plan<Ks>(p.b, p.h, p.seqlen_q);
       emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-                  [&] { fwd_kernel_body<Ks, kCausal, kLocal>(p); });
+                  [&] { fwd_kernel_body<Ks, kCausal, kLocal, kMod>(p); });
       return;
     }
   }
   const FwdLaunchPlan plan = plan_fwd_launch(p.d, p.b, p.h, p.seqlen_q);
   emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-              [&] { fwd_kernel_body<Kt, kCausal, kLocal>(p); });
+              [&] { fwd_kernel_body<Kt, kCausal, kLocal, kMod>(p); });
 }
 
 // As run_mha_bwd_hdim: a head dim without the atomic dQ mode runs the deterministic kernels.
-template <int kD, bool kCausal, bool kLocal = false>
+template <int kD, bool kCausal, bool kLocal = false, bool kMod = false>
 void run_backward(Flash_bwd_params& p) {
   using C = Bwd_tile_config<kD>;
   using Kt = typename C::Traits;
@@ -196,7 +200,7 @@ void run_backward(Flash_bwd_params& p) {
   if constexpr (C::kAtomicDq) {
     if (plan.dq_atomic) {
       emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
-                  [&] { flash_bwd_dkdv_kernel<Kt, kCausal, true, kLocal>(p); });
+                  [&] { flash_bwd_dkdv_kernel<Kt, kCausal, true, kLocal, kMod>(p); });
       emu::launch(static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads,
                   [&] { flash_bwd_convert_dq_kernel<kD>(p); });
       ran_atomic = true;
@@ -204,32 +208,66 @@ void run_backward(Flash_bwd_params& p) {
   }
   if (!ran_atomic) {
     emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
-                [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal>(p); });
+                [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal, kMod>(p); });
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
-                [&] { flash_bwd_dq_kernel<Kq, kCausal, kLocal>(p); });
+                [&] { flash_bwd_dq_kernel<Kq, kCausal, kLocal, kMod>(p); });
   }
 }
 
 // As HEADDIM_SWITCH: head dim d runs on its bucket's instantiation (head_dims.h).
-template <bool kCausal, bool kLocal = false>
+template <bool kCausal, bool kLocal = false, bool kMod = false>
 void dispatch_fwd(Flash_fwd_params& p) {
   switch (head_dim_bucket(p.d)) {
-    case 64: run_forward<64, kCausal, kLocal>(p); break;
-    case 96: run_forward<96, kCausal, kLocal>(p); break;
-    case 128: run_forward<128, kCausal, kLocal>(p); break;
-    case 256: run_forward<256, kCausal, kLocal>(p); break;
+    case 64: run_forward<64, kCausal, kLocal, kMod>(p); break;
+    case 96: run_forward<96, kCausal, kLocal, kMod>(p); break;
+    case 128: run_forward<128, kCausal, kLocal, kMod>(p); break;
+    case 256: run_forward<256, kCausal, kLocal, kMod>(p); break;
     default: throw_bad_head_dim(p.d);
   }
 }
-template <bool kCausal, bool kLocal = false>
+template <bool kCausal, bool kLocal = false, bool kMod = false>
 void dispatch_bwd(Flash_bwd_params& p) {
   switch (head_dim_bucket(p.d)) {
-    case 64: run_backward<64, kCausal, kLocal>(p); break;
-    case 96: run_backward<96, kCausal, kLocal>(p); break;
-    case 128: run_backward<128, kCausal, kLocal>(p); break;
-    case 256: run_backward<256, kCausal, kLocal>(p); break;
+    case 64: run_backward<64, kCausal, kLocal, kMod>(p); break;
+    case 96: run_backward<96, kCausal, kLocal, kMod>(p); break;
+    case 128: run_backward<128, kCausal, kLocal, kMod>(p); break;
+    case 256: run_backward<256, kCausal, kLocal, kMod>(p); break;
     default: throw_bad_head_dim(p.d);
   }
+}
+
+// As run_mha_fwd / run_mha_bwd: score mods, then the band.
+template <bool kMod, typename P, typename Fn>
+void dispatch_band(P& p, Fn&& fn) {
+  if (has_window_lower(p)) fn(std::integral_constant<bool, true>{}, std::integral_constant<bool, true>{});
+  else if (p.is_causal) fn(std::integral_constant<bool, true>{}, std::integral_constant<bool, false>{});
+  else fn(std::integral_constant<bool, false>{}, std::integral_constant<bool, false>{});
+}
+void dispatch_fwd_all(Flash_fwd_params& p) {
+  auto go = [&](auto mod) {
+    dispatch_band<decltype(mod)::value>(p, [&](auto causal, auto local) {
+      dispatch_fwd<decltype(causal)::value, decltype(local)::value, decltype(mod)::value>(p);
+    });
+  };
+  if (has_score_mod(p)) go(std::integral_constant<bool, true>{});
+  else go(std::integral_constant<bool, false>{});
+}
+void dispatch_bwd_all(Flash_bwd_params& p) {
+  auto go = [&](auto mod) {
+    dispatch_band<decltype(mod)::value>(p, [&](auto causal, auto local) {
+      dispatch_bwd<decltype(causal)::value, decltype(local)::value, decltype(mod)::value>(p);
+    });
+  };
+  if (has_score_mod(p)) go(std::integral_constant<bool, true>{});
+  else go(std::integral_constant<bool, false>{});
+}
+
+// ALiBi slopes of a case, (b, h) row-major: distinct per batch entry and head.
+std::vector<float> alibi_slopes_of(const Case& c) {
+  std::vector<float> a(size_t(c.b) * c.h, 0.f);
+  for (int b = 0; b < c.b; ++b)
+    for (int h = 0; h < c.h; ++h) a[size_t(b) * c.h + h] = 0.03f + 0.11f * h + 0.05f * b;
+  return a;
 }
 
 struct Result {
@@ -239,19 +277,29 @@ struct Result {
 
 // Row i of (batch b, head h) in float64: p[j] = softmax probability of key j (0 where the key
 // is not visible, and for a row that sees none); returns the row's LSE (-inf if it sees none).
+// Score mods (softcap, then ALiBi with distance |i + off - j|, off the alignment's causal
+// offset): dcap[j] = the softcap's derivative 1 - tanh^2 (1 without).
 double reference_row(const HTensor& q, const HTensor& k, int b, int i, int h, int hk,
-                     const KeyRange& kr, const Case& c, int /*off: c.band()*/, double scale,
-                     std::vector<double>& p) {
+                     const KeyRange& kr, const Case& c, int off, double scale,
+                     std::vector<double>& p, std::vector<double>* dcap = nullptr) {
   const int Sk = c.sk, D = c.d;
   double mx = -INFINITY;
   std::vector<double> s(Sk, -INFINITY);
+  if (dcap) dcap->assign(Sk, 1.0);
   const bool banded = c.banded();
   const BandDiagonals band = c.band();
+  const double slope = c.alibi ? alibi_slopes_of(c)[size_t(b) * c.h + h] : 0.0;
   for (int j = 0; j < Sk; ++j) {
     if (!key_visible<true>(i, j, kr, banded, band.upper, band.lower)) continue;
     double acc = 0;
     for (int x = 0; x < D; ++x) acc += double(q.get(b, i, h, x)) * k.get(b, j, hk, x);
     s[j] = acc * scale;
+    if (c.softcap > 0) {
+      const double t = std::tanh(s[j] / c.softcap);
+      s[j] = c.softcap * t;
+      if (dcap) (*dcap)[j] = 1 - t * t;
+    }
+    s[j] -= slope * std::fabs(double(i + off - j));
     mx = std::max(mx, s[j]);
   }
   double l = 0;
@@ -292,9 +340,9 @@ Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const H
   const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && lse_inf_ok;
   if (verbose || !ok) {
     std::printf(
-        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d fwd only | "
+        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d fwd only | "
         "o %.2e/%.2e lse %.2e inf_ok=%d\n",
-        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
+        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
         c.layout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok);
     std::fflush(stdout);
   }
@@ -342,10 +390,19 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   const BandDiagonals band = c.band();
   fp.causal_offset = band.upper;
   fp.window_lower = band.lower;
-  // As run_mha_fwd: a band with a lower diagonal runs the local instantiation.
-  if (has_window_lower(fp)) dispatch_fwd<true, true>(fp);
-  else if (fp.is_causal) dispatch_fwd<true>(fp);
-  else dispatch_fwd<false>(fp);
+  // Score mods as set_params_fprop fills them.
+  const std::vector<float> slopes = alibi_slopes_of(c);
+  if (c.softcap > 0) {
+    fp.softcap_in = float(scale / c.softcap);
+    fp.softcap_out = float(c.softcap / scale);
+  }
+  if (c.alibi) {
+    fp.alibi_slopes_ptr = slopes.data();
+    fp.alibi_slopes_batch_stride = H;
+  }
+  fp.alibi_offset = causal_offset(Sq, Sk, c.bottom_right);
+  // As run_mha_fwd: score mods, then a band with a lower diagonal runs the local instantiation.
+  dispatch_fwd_all(fp);
   if (c.fwd_only) return check_fwd_case(c, q, k, v, out, lse, lp, su, verbose);
 
   // ---- backward on the emulator
@@ -366,9 +423,7 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   bp.dq_accum_ptr = c.atomic ? dq_accum.data() : nullptr;
   bp.dq_atomic = c.atomic;
   if (!c.fwd_only) {
-    if (has_window_lower(bp)) dispatch_bwd<true, true>(bp);
-    else if (bp.is_causal) dispatch_bwd<true>(bp);
-    else dispatch_bwd<false>(bp);
+    dispatch_bwd_all(bp);
   }
 
   // ---- float64 reference
@@ -381,9 +436,9 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
     for (int h = 0; h < H; ++h) {
       const int hk = h / (H / Hk);
       std::vector<double> P(size_t(Sq) * Sk, 0.0), dP(size_t(Sq) * Sk, 0.0);
-      std::vector<double> prob;
+      std::vector<double> prob, dcap;
       for (int i = 0; i < Sq; ++i) {
-        const double lse_ref = reference_row(q, k, b, i, h, hk, kr, c, off, scale, prob);
+        const double lse_ref = reference_row(q, k, b, i, h, hk, kr, c, off, scale, prob, &dcap);
         const float lse_got = lse[(size_t(b) * H + h) * Sq + i];
         if (std::isinf(lse_ref)) {
           lse_inf_ok = lse_inf_ok && std::isinf(lse_got) && lse_got < 0;
@@ -401,7 +456,7 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
         for (int j = 0; j < Sk; ++j) {
           double acc = 0;
           for (int x = 0; x < D; ++x) acc += double(dout.get(b, i, h, x)) * v.get(b, j, hk, x);
-          dP[size_t(i) * Sk + j] = P[size_t(i) * Sk + j] * (acc - dsum_i);  // dS
+          dP[size_t(i) * Sk + j] = P[size_t(i) * Sk + j] * (acc - dsum_i) * dcap[j];  // dS
         }
       }
       // dq = scale dS K; dk += scale dS^T Q; dv += P^T dO
@@ -435,16 +490,16 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   const bool ok = fwd_ok && (c.fwd_only || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) &&
                                             e_dv.ok(1e-2, 2e-3) && masked_zero_ok));
   if ((verbose || !ok) && c.fwd_only) {
-    std::printf("%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d | "
+    std::printf("%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d | "
                 "o %.2e/%.2e lse %.2e inf_ok=%d | forward only\n",
-                ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.wl, c.wr, c.bottom_right, c.use_lp,
+                ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.wl, c.wr, c.bottom_right, c.use_lp,
                 c.use_su, c.layout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok);
     std::fflush(stdout);
   } else if (verbose || !ok) {
     std::printf(
-        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d atomic=%d | "
+        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d atomic=%d | "
         "o %.2e/%.2e lse %.2e inf_ok=%d | dq %.2e/%.2e dk %.2e/%.2e dv %.2e/%.2e masked0=%d\n",
-        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
+        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
         c.layout, c.atomic, e_o.err, e_o.ref, e_lse.err, lse_inf_ok, e_dq.err, e_dq.ref, e_dk.err,
         e_dk.ref, e_dv.err, e_dv.ref, masked_zero_ok);
     std::fflush(stdout);
@@ -653,7 +708,7 @@ int check_decode_split_merge(float a, bool nan_key) {
   const double scale = 1.0 / std::sqrt(double(kD));
   p.scale_softmax = float(scale);
   p.scale_softmax_log2 = float(scale * M_LOG2E);
-  const bool ran = try_decode<kD>(p);
+  const bool ran = try_decode<kD, false>(p);
   const double lse_ref = double(kD) * a * a * scale + std::log(129.0);
   double err = 0;
   bool ok = ran && p.num_splits == 2;
@@ -759,7 +814,7 @@ int check_m_block_range() {
 }
 
 int main(int argc, char** argv) {
-  // Usage: test_bwd_emu [quick|full|tails|decode|fwd|window|blockinfo]  (tails: only the head dims
+  // Usage: test_bwd_emu [quick|full|tails|decode|fwd|window|scoremod|blockinfo]  (tails: only the head dims
   // below a bucket; decode: only the seqlen_q == 1 cases of all modes, forward only, and the
   // split merges; fwd: only the forward-only cases and the forward's huge-score checks)
   const std::string mode = argc > 1 ? argv[1] : "quick";
@@ -959,19 +1014,49 @@ int main(int argc, char** argv) {
     }
     seed = seed_after;
   }
+  // Score mods (softcap, ALiBi, both), alone and with causal masks, windows, GQA, key ranges
+  // (softcap only: the host refuses ALiBi with key ranges), decode: forward and both backward
+  // modes on every bucket. scoremod: only these.
+  if (mode == "scoremod") cases.clear();
+  if (mode == "quick" || mode == "full" || mode == "scoremod") {
+    const uint32_t seed_after = seed;
+    seed = 5000;
+    auto addm = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, bool br, bool lp,
+                    bool su, int layout, bool atomic, float cap, bool alibi, int wl = -1,
+                    int wr = -1) {
+      add(b, sq, sk, h, hk, d, causal, br, lp, su, layout, atomic);
+      cases.back().softcap = cap, cases.back().alibi = alibi;
+      cases.back().wl = wl, cases.back().wr = wr;
+    };
+    const std::vector<int> dims = mode == "quick" ? std::vector<int>{64, 256}
+                                                  : std::vector<int>{64, 96, 128, 256, 40, 200};
+    for (int d : dims) {
+      addm(2, 150, 170, 4, 2, d, false, true, false, false, 1, d == 64, 0.7f, false);  // capped
+      addm(1, 130, 90, 2, 1, d, true, true, false, false, 0, d != 64, 0.f, true);      // ALiBi
+      addm(2, 90, 130, 4, 2, d, true, false, false, false, 2, false, 2.f, true);       // both, top-left
+      addm(1, 200, 200, 2, 2, d, true, true, true, true, 2, d == 64, 1.5f, false);     // key ranges
+      addm(1, 160, 160, 2, 1, d, true, true, false, false, 0, false, 1.f, true, 40, -1);  // window
+      addm(2, 1, 600, 6, 2, d, true, true, false, false, 2, false, 0.9f, true);        // decode, splits
+      addm(1, 1, 300, 4, 4, d, false, true, true, false, 0, false, 3.f, false);       // decode
+    }
+    seed = seed_after;
+  }
   for (const Case& c : cases) fails += run_case(c, true).ok ? 0 : 1;
-  if (mode != "tails" && mode != "decode" && mode != "window") {
+  if (mode != "tails" && mode != "decode" && mode != "window" && mode != "scoremod") {
     fails += check_huge_scores();
     fails += check_large_spread_scores();
   }
-  if (mode != "tails" && mode != "fwd" && mode != "window") fails += check_decode_split_merges();
+  if (mode != "tails" && mode != "fwd" && mode != "window" && mode != "scoremod") {
+    fails += check_decode_split_merges();
+  }
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
   // thread interleaving are reshuffled by the seed).
   // full: also the d = 256 kernels (column splits), at a tail head dim.
   std::vector<int> rerun_dims = {64, 96};
   if (mode == "full") rerun_dims.push_back(200);
-  const bool rerun = mode != "tails" && mode != "decode" && mode != "fwd" && mode != "window";
+  const bool rerun = mode != "tails" && mode != "decode" && mode != "fwd" && mode != "window" &&
+                     mode != "scoremod";
   for (int d : rerun ? rerun_dims : std::vector<int>{}) {
     Case c{2, 90, 77, 4, 2, d, true, true, true, true, 0, false, 99};
     Result r1 = run_case(c, false, 1001);

@@ -4,8 +4,8 @@
 namespace flash_sm75 {
 
 template <>
-void run_mha_fwd_decode_<256>(Flash_fwd_params& params, cudaStream_t stream) {
-  run_mha_fwd_decode_hdim<256>(params, stream);
+void run_mha_fwd_decode_<256, false>(Flash_fwd_params& params, cudaStream_t stream) {
+  run_mha_fwd_decode_hdim<256, false>(params, stream);
 }
 
 }  // namespace flash_sm75

@@ -1,0 +1,103 @@
+// Score modifiers applied to S = Q K^T before masking and the softmax: flash-attn's logit
+// soft-capping (Gemma 2) and ALiBi (BLOOM, MPT). With s = softmax_scale * q.k:
+//   softcap > 0:   s -> softcap * tanh(s / softcap)
+//   alibi_slopes:  s -> s - slope[b, h] * |i + alibi_offset - j|   (after the softcap)
+// and the softmax, LSE and backward then see the modified s. Only the score-mod instantiations
+// (Has_mod) contain this code; the others compile exactly as without it.
+//
+// The kernels keep S in raw units (q.k, the scale folded into exp2 later), so the modifiers are
+// applied in raw units too: x -> (softcap / scale) * tanh(x * scale / softcap) and
+// x -> x - (slope / scale) * |distance|; multiplied by the scale they are the formulas above.
+//
+// tanh(y), y = x * scale / softcap: 1 - r with r = 2 / (exp(2 y) + 1) (one ex2, one fast
+// reciprocal; exact to ~1 ulp of 1 and free of cancellation in 1 - tanh^2 = r (2 - r)), and
+// y (1 - y^2 / 3) below |y| = 2^-6, where 1 - r would lose t's relative precision (a large
+// softcap). The relative error of the capped score stays ~1e-6 (tanh.approx.f32's 2^-11 would
+// be ~0.02 in a capped logit of 50).
+#pragma once
+
+#include <cmath>
+
+#include "flash.h"
+
+namespace flash_sm75 {
+
+// Per (batch, head) constants of the modifiers. cap_in = 0: no softcap; slope = 0: no ALiBi.
+struct ScoreMod {
+  float cap_in;   // scale / softcap: y = cap_in * x
+  float cap_out;  // softcap / scale
+  float slope;    // -alibi_slope / scale: raw-score change per key of distance
+  int offset;     // ALiBi's diagonal: query i is at distance |i + offset - j| from key j
+};
+
+__device__ __forceinline__ ScoreMod score_mod_for(const Flash_fwd_params& p, int bidb, int bidh) {
+  ScoreMod m;
+  m.cap_in = p.softcap_in;
+  m.cap_out = p.softcap_out;
+  m.slope = p.alibi_slopes_ptr == nullptr
+                ? 0.f
+                : -__ldg(p.alibi_slopes_ptr + bidb * p.alibi_slopes_batch_stride + bidh) /
+                      p.scale_softmax;
+  m.offset = p.alibi_offset;
+  return m;
+}
+
+constexpr float kTwoLog2e = 2.8853900817779268f;  // 2 log2(e): exp(2 y) = exp2(kTwoLog2e y)
+
+// cap_out * tanh(cap_in * x); with Grad, *g = 1 - tanh^2 (the derivative over cap_in * cap_out
+// = 1). exp2 -> inf gives tanh = 1, -> 0 gives -1; a NaN score stays NaN.
+template <bool Grad>
+__device__ __forceinline__ float softcap_score(float x, float cap_in, float cap_out, float* g) {
+  const float y = x * cap_in;
+  const float r = __fdividef(2.f, exp2f(y * kTwoLog2e) + 1.f);
+  const bool small = fabsf(y) < 0.015625f;
+  const float t = small ? y * fmaf(y * y, -0.333333343f, 1.f) : 1.f - r;
+  if constexpr (Grad) *g = small ? fmaf(-t, t, 1.f) : r * (2.f - r);
+  return cap_out * t;
+}
+
+// softcap_score over one warp's accumulator fragments (any layout), in place.
+template <int kBN>
+__device__ __forceinline__ void softcap_scores(float (&acc_s)[kBN / 8][4], const ScoreMod& m) {
+  if (m.cap_in == 0.f) return;  // uniform: once per fragment, not per element
+#pragma unroll
+  for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc_s[nt][e] = softcap_score<false>(acc_s[nt][e], m.cap_in, m.cap_out, nullptr);
+    }
+  }
+}
+
+// Both modifiers over one warp's m16 x kBN fragments in the forward's layout: rows row_w +
+// lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1).
+template <int kBN>
+__device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const ScoreMod& m,
+                                           int row_w, int col0) {
+  softcap_scores<kBN>(acc_s, m);
+  if (m.slope == 0.f) return;
+  const int lane = threadIdx.x % 32;
+  // Distances in float: exact below 2^24, and constant offsets from dist0 per element.
+  const float dist0 = static_cast<float>(row_w + lane / 4 + m.offset - col0 - 2 * (lane % 4));
+#pragma unroll
+  for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float dist = dist0 + static_cast<float>((e >= 2 ? 8 : 0) - 8 * nt - (e & 1));
+      acc_s[nt][e] = fmaf(m.slope, fabsf(dist), acc_s[nt][e]);
+    }
+  }
+}
+
+// The backward's per-score step on a score x that softcap_scores already capped: ALiBi is
+// added to x (dist: query + offset - key, as a float), and the softcap's derivative 1 - tanh^2
+// returned (1 without a softcap: cap_in = 0). tanh is read back from the capped score (x *
+// cap_in = tanh), so the backward keeps no second array of derivatives; near |tanh| = 1 that
+// costs a few ulp of 1 in the derivative, below the fp16 rounding of dS.
+__device__ __forceinline__ float alibi_and_dcap(const ScoreMod& m, float& x, float dist) {
+  const float t = x * m.cap_in;
+  x = fmaf(m.slope, fabsf(dist), x);
+  return fmaf(-t, t, 1.f);
+}
+
+}  // namespace flash_sm75
