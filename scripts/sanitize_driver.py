@@ -12,7 +12,11 @@ implementations.
     compute-sanitizer --tool racecheck python3 scripts/sanitize_driver.py
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_driver.py --window 20 7
 
-``--window LEFT RIGHT`` runs every launch with that sliding window (flash-attn's window_size).
+``--window LEFT RIGHT`` runs every launch with that sliding window (flash-attn's window_size);
+``--softcap X`` and ``--alibi`` with those score modifiers (the score-mod instantiations; ALiBi
+skips the key-range cases, which the op refuses with it).
+
+    compute-sanitizer --tool racecheck python3 scripts/sanitize_driver.py --softcap 2 --alibi
 
 Exit status: 0 if every launch ran and matched, 1 on a mismatch, 2 if the op/GPU is missing.
 Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so memcheck sees each tensor as its own allocation
@@ -92,14 +96,14 @@ def with_env(name, value, fn):
 
 
 def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode,
-            window=(-1, -1)):
+            window=(-1, -1), softcap=0.0, slopes=None):
     """The backward op in one dQ mode (the mode is read from the environment at each call)."""
     s = scale if scale is not None else q.shape[-1] ** -0.5
     return with_env("FLASH_SM75_BWD_DQ", "atomic" if mode == "atomic" else "separate",
                     lambda: torch.ops.flash_attention_sm75.bwd(dout, q, k, v, out, lse, s, causal,
                                                                bottom_right, lpt, sut,
                                                                mode == "deterministic", None,
-                                                               *window))
+                                                               *window, softcap, slopes))
 
 
 def grad_error(g, r):
@@ -122,6 +126,9 @@ def main(argv=None):
     ap.add_argument("--no-bwd", action="store_true", help="forward kernels only")
     ap.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
                     help="sliding window (window_size) of every launch; default -1 -1 (none)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="softcap of every launch (0: none)")
+    ap.add_argument("--alibi", action="store_true",
+                    help="ALiBi slopes (batch, heads) on every launch without key ranges")
     args = ap.parse_args(argv)
     window = tuple(args.window)
 
@@ -143,14 +150,18 @@ def main(argv=None):
                 tile_name = "small-grid tile"
                 tiles = ("never", "always") if d == 64 else ("never",)
                 for (name, b, sq, sk, h, hk, lp, su, bhsd), tile in [
-                        (c, t) for c in CASES for t in tiles]:
+                        (c, t) for c in CASES for t in tiles
+                        if not (args.alibi and (c[6] is not None or c[7] is not None))]:
                     q = make(b, sq, h, d, dev, gen, bhsd)
                     k = make(b, sk, hk, d, dev, gen, bhsd)
                     v = make(b, sk, hk, d, dev, gen, bhsd)
                     lpt = None if lp is None else torch.tensor(lp, dtype=torch.int32, device=dev)
                     sut = None if su is None else torch.tensor(su, dtype=torch.int32, device=dev)
                     scale = 0.5 / (d ** 0.5) if name == "odd_gqa" else None
-                    tag = (f"d={d} causal={causal} bottom_right={bottom_right} window={window} {name} "
+                    slopes = (torch.rand(b, h, generator=gen).to(dev) if args.alibi else None)
+                    mods = dict(softcap=args.softcap, alibi_slopes=slopes)
+                    tag = (f"d={d} causal={causal} bottom_right={bottom_right} window={window} "
+                           f"softcap={args.softcap:g} alibi={args.alibi} {name} "
                            f"B={b} Sq={sq} Sk={sk} H={h} Hk={hk}"
                            + (f" {tile_name}" if tile == "always" and sq > 1 else "")
                            + (" (decode kernel either way)" if tile == "always" and sq == 1 else ""))
@@ -158,7 +169,7 @@ def main(argv=None):
                         tile_env, tile, lambda: op(
                             q, k, v, softmax_scale=scale, is_causal=causal,
                             causal_bottom_right=bottom_right, leftpad_k=lpt, seqused_k=sut,
-                            window_size_left=window[0], window_size_right=window[1])))
+                            window_size_left=window[0], window_size_right=window[1], **mods)))
                     if res is None:
                         continue
                     out, lse = res
@@ -168,7 +179,7 @@ def main(argv=None):
                         for mode in ("deterministic", "atomic"):
                             grads = launch(f"{tag} bwd {mode}", failures, dev, lambda: run_bwd(
                                 dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut,
-                                mode, window))
+                                mode, window, args.softcap, slopes))
                             if grads is None:
                                 continue
                             launches += 1
@@ -178,7 +189,8 @@ def main(argv=None):
                                           lse.cpu(), scale, causal, bottom_right,
                                           None if lpt is None else lpt.cpu(),
                                           None if sut is None else sut.cpu(), "deterministic",
-                                          window)
+                                          window, args.softcap,
+                                          None if slopes is None else slopes.cpu())
                             errs = [grad_error(g, r) for g, r in zip(grads, ref)]
                             ok = all(e <= 2e-2 for e in errs)
                             print(("ok  " if ok else "FAIL"), tag, f"bwd {mode}",
@@ -193,7 +205,9 @@ def main(argv=None):
                                 is_causal=causal, causal_bottom_right=bottom_right,
                                 leftpad_k=None if lpt is None else lpt.cpu(),
                                 seqused_k=None if sut is None else sut.cpu(),
-                                window_size_left=window[0], window_size_right=window[1])
+                                window_size_left=window[0], window_size_right=window[1],
+                                softcap=args.softcap,
+                                alibi_slopes=None if slopes is None else slopes.cpu())
                     o_err = (out.cpu().float() - ro.float()).abs().max().item()
                     lc, rlc = lse.cpu(), rl
                     same_inf = bool(torch.equal(torch.isinf(lc), torch.isinf(rlc)))

@@ -75,11 +75,11 @@ def test_valid_input_reaches_the_op(calls):
     q, k, v = bshd()
     out = fa.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True)
     assert len(calls) == 1 and out.shape == q.shape
-    # (q, k, v, softmax_scale, is_causal, causal_bottom_right) + leftpad_k, seqused_k and the
-    # window (none)
-    assert calls[0][3:] == (0.1, True, True, None, None, -1, -1)
+    # (q, k, v, softmax_scale, is_causal, causal_bottom_right) + leftpad_k, seqused_k, the
+    # window (none) and the score mods (none)
+    assert calls[0][3:] == (0.1, True, True, None, None, -1, -1, 0.0, None)
     out_b = fa.flash_attention_forward(*to_bhsd(q, k, v), causal=True, softmax_scale=0.1)
-    assert len(calls) == 2 and calls[1][3:] == (0.1, True, True, None, None, -1, -1)
+    assert len(calls) == 2 and calls[1][3:] == (0.1, True, True, None, None, -1, -1, 0.0, None)
     assert calls[1][0].data_ptr() == q.data_ptr()  # a view, not a copy
     assert torch.equal(out_b.transpose(1, 2), out)
 
@@ -103,7 +103,7 @@ def test_fa2_options_at_their_off_values_run_as_without_them(calls):
     out = fa.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=0.1, causal=True,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     assert torch.equal(out, fa.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True))
-    assert [c[3:] for c in calls] == [(0.1, True, True, None, None, -1, -1)] * 2
+    assert [c[3:] for c in calls] == [(0.1, True, True, None, None, -1, -1, 0.0, None)] * 2
 
 
 @pytest.mark.parametrize("ret", [False, True])
