@@ -342,7 +342,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Default ``None``. Boolean (True = attend) or additive mask as in torch. Key-padding,
         all-True / all-zero and bottom-right causal masks run on the kernel (per-row key ranges;
         see :func:`why_not_supported`); any other mask uses the fallback. A query row that sees
-        no key gives 0.
+        no key (all False, or all ``-inf``) gives 0 and zero gradients on both paths (torch's
+        math backend gives NaN there); a finite "dtype minimum" mask row is not empty and gives
+        torch's finite result.
     dropout_p : float, optional
         Default ``0.0``. Dropout probability, applied as torch does (whenever > 0, also in eval
         mode); any nonzero value uses the fallback.
@@ -425,6 +427,34 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return _zero_size_attention(query, key, value, attn_mask, enable_gqa)
     if not torch.compiler.is_compiling():
         logger.debug("scaled_dot_product_attention falls back to torch: %s", reason)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
-                                          dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                          enable_gqa=enable_gqa)
+    return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _empty_rows(attn_mask):
+    """Query rows of a dense bool or float mask that see no key, as a bool tensor shaped like the
+    mask with a last dimension of 1; None for anything else (torch decides)."""
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested or attn_mask.dim() == 0 \
+            or attn_mask.layout != torch.strided or attn_mask.shape[-1] == 0:
+        return None
+    if attn_mask.dtype == torch.bool:
+        return ~attn_mask.any(dim=-1, keepdim=True)
+    if attn_mask.is_floating_point():
+        return (attn_mask == float("-inf")).all(dim=-1, keepdim=True)
+    return None
+
+
+def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """torch's SDPA with the call's arguments, except that a query row whose keys are all masked
+    gives 0 (the kernel's answer, and the definition's limit) instead of what torch's backend
+    makes of it (NaN from the math backend; and NaN in every key's gradient through such a
+    row): those rows are run unmasked, then zeroed, so their gradients are 0. Every other row is
+    torch's result bit for bit (the mask's other rows are unchanged)."""
+    empty = _empty_rows(attn_mask) if isinstance(query, torch.Tensor) else None
+    if empty is None or empty.dim() > query.dim():
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                              dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    safe = attn_mask | empty if attn_mask.dtype == torch.bool else attn_mask.masked_fill(empty, 0.0)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=safe, dropout_p=dropout_p,
+                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return out.masked_fill(empty, 0.0)

@@ -288,6 +288,81 @@ def test_cpu_fallback_equals_torch(name, spec):
     assert assert_same_as_torch(args, kwargs) is not None
 
 
+def _mask_with_empty_rows(kind, s_q, s_k, dtype, device="cpu"):
+    """A mask whose rows 1 and s_q - 1 see no key (4-D, per batch entry: batch 1 only)."""
+    g = torch.Generator().manual_seed(s_q * 100 + s_k)
+    vis = torch.rand(2, 1, s_q, s_k, generator=g) > 0.4
+    vis[..., 0] = True
+    vis[:, :, 1] = False
+    vis[1, :, s_q - 1] = False
+    vis = vis.to(device)
+    if kind == "bool":
+        return vis
+    if kind == "-inf":
+        return torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill(~vis, float("-inf"))
+    return torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill(
+        ~vis, torch.finfo(dtype).min)  # "dtype minimum": rows are not empty
+
+
+@pytest.mark.parametrize("kind", ["bool", "-inf", "finite_min"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fallback_rows_without_keys_give_zero_and_zero_gradients(kind, dtype):
+    # Issue 20: a query row whose keys are all masked comes back as 0 on every path, also where
+    # the wrapper falls back to torch (whose backends may give NaN there, and NaN gradients to
+    # every key through such a row); the other rows stay torch's result bit for bit.
+    q, k, v = bhsd(dtype=dtype, s_q=6, s_k=9, d=16, seed=3)
+    mask = _mask_with_empty_rows(kind, 6, 9, dtype)
+    assert fa.why_not_supported(q, k, v, attn_mask=mask) is not None  # the fallback path
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fa.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    out.float().sum().backward()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    empty = torch.zeros(2, 1, 6, 1, dtype=torch.bool)
+    if kind != "finite_min":
+        empty[:, :, 1] = True
+        empty[1, :, 5] = True
+    keep = ~empty.expand(2, 4, 6, 1)[..., 0]
+    assert torch.equal(out.detach()[keep], ref[keep])
+    assert torch.isfinite(out).all()
+    assert (out.detach()[~keep] == 0).all()
+    for t in leaves:
+        assert torch.isfinite(t.grad).all()
+    if kind != "finite_min":
+        assert (leaves[0].grad[~keep] == 0).all()  # no gradient through an empty row
+
+
+def test_fallback_empty_rows_with_broadcast_masks():
+    q, k, v = bhsd(dtype=torch.float32, s_q=5, s_k=7, d=16, seed=4)
+    m2 = torch.ones(5, 7, dtype=torch.bool)
+    m2[3] = False
+    out = fa.scaled_dot_product_attention(q, k, v, attn_mask=m2)
+    assert (out[:, :, 3] == 0).all() and torch.isfinite(out).all()
+    m3 = torch.ones(4, 5, 7, dtype=torch.bool)  # 3-D (heads, rows, keys): head 2 row 0 empty
+    m3[2, 0] = False
+    out3 = fa.scaled_dot_product_attention(q, k, v, attn_mask=m3)
+    assert (out3[:, 2, 0] == 0).all() and (out3[:, :2, 0] != 0).any() and torch.isfinite(out3).all()
+    m1 = torch.zeros(7, dtype=torch.bool)  # 1-D: torch raises (its IndexError), so do we
+    assert_same_as_torch((q, k, v), dict(attn_mask=m1))
+    compiled = torch.compile(lambda a, b, c: fa.scaled_dot_product_attention(a, b, c, attn_mask=m2),
+                             fullgraph=True, backend="eager")
+    assert torch.equal(compiled(q, k, v), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["bool", "-inf"])
+def test_gpu_fallback_rows_without_keys_give_zero(kind):
+    # On the GPU, torch's efficient / math backends for a mask the kernels do not take.
+    q, k, v = bhsd(dtype=torch.float16, s_q=70, s_k=90, d=64, seed=5, device="cuda")
+    mask = _mask_with_empty_rows(kind, 70, 90, torch.float16, "cuda")
+    assert fa.why_not_supported(q, k, v, attn_mask=mask) is not None
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fa.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    out.float().sum().backward()
+    assert (out[:, :, 1] == 0).all() and (out[1, :, 69] == 0).all()
+    assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in leaves)
+
+
 def test_cpu_fallback_dropout_with_fixed_seed():
     args = bhsd(dtype=torch.float32)
     torch.manual_seed(123)
