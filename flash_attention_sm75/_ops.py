@@ -13,13 +13,18 @@ define ``torch.ops.flash_attention_sm75.fwd`` and ``bwd`` with CUDA and CPU impl
   ``return_lse=True``) is passed on as ``grad_softmax_lse`` and handled exactly. ``bwd`` itself
   has no formula: double backward raises;
 * :func:`call_fwd`, how the direct APIs, the SDPA wrapper and the HF integration call the op;
-* the backward's determinism switch (:func:`deterministic_backward`).
+* the backward's determinism switch (:func:`deterministic_backward`), and
+  ``flash_attention_sm75::fwd_deterministic_bwd``, a Python-defined twin of ``fwd`` (same
+  schema, same results) whose autograd formula always asks ``bwd`` for the deterministic
+  backward: how a call that requests determinism at forward time (flash-attn's
+  ``deterministic=True``) carries the request to its backward (``call_fwd(deterministic=True)``).
 
 Determinism: by default dQ is computed by a separate kernel with no floating-point atomics, so
 the backward is bitwise reproducible (docs/BACKWARD.md). ``FLASH_SM75_BWD_DQ=atomic`` selects
 an fp32 atomic dQ accumulator (not reproducible bit for bit); it is ignored when
 ``torch.use_deterministic_algorithms(True)`` is in effect or inside
-:func:`deterministic_backward`.
+:func:`deterministic_backward` when the backward runs, and for the backward of a forward called
+with ``call_fwd(deterministic=True)``.
 """
 from __future__ import annotations
 
@@ -176,10 +181,19 @@ def autograd_reason(q, k, v, *, any_transform: bool = False) -> Optional[str]:
 
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
              seqused_k=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
-             alibi_slopes=None):
+             alibi_slopes=None, *, deterministic: bool = False):
     """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
     causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right, softcap,
     alibi_slopes)``, skipping the op's autograd kernel when no gradient can flow.
+
+    ``deterministic=True`` (flash-attn's per-call flag) makes this call's backward
+    deterministic whatever the global setting is when it runs: where autograd records the call,
+    it goes through the twin op ``fwd_deterministic_bwd`` (same schema and results), whose
+    saved context asks ``bwd`` for ``deterministic=True``. (The op's schema has no such argument,
+    and a flag read from Python state in ``setup_context`` would be frozen into compiled graphs
+    unguarded; an op of its own is what torch.compile traces and keeps.) Without it, the backward
+    follows :func:`deterministic_backward` / ``torch.use_deterministic_algorithms`` as read when
+    it runs.
 
     The autograd kernel (``torch.library.register_autograd``, below in this module) is Python and
     runs on every call: even with no input requiring grad it costs ~8 us of host time (boxing into
@@ -223,8 +237,11 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
             or torch._C._is_torch_function_mode_enabled()
             or (torch.is_grad_enabled()
                 and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        if deterministic:
+            op = torch.ops.flash_attention_sm75.fwd_deterministic_bwd
         return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
                   window_size_left, window_size_right, softcap, alibi_slopes)
+    # No gradient can flow, so there is no backward for `deterministic` to reach.
     with torch._C._AutoDispatchBelowAutograd():
         return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
                   window_size_left, window_size_right, softcap, alibi_slopes)
@@ -268,9 +285,11 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_
     return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
 
 
-def _fwd_setup_context(ctx, inputs, output):
+def _fwd_setup_context(ctx, inputs, output, deterministic=False):
     (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
      window_size_left, window_size_right, softcap, alibi_slopes) = inputs
+    # True for the twin op fwd_deterministic_bwd: the forward's request, kept for the backward.
+    ctx.deterministic = deterministic
     out, softmax_lse = output
     ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes)
     ctx.softcap = float(softcap)
@@ -298,9 +317,35 @@ def _fwd_backward(ctx, grad_out, grad_lse):
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
         grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
-        ctx.causal_bottom_right, leftpad_k, seqused_k, _deterministic_forced(), grad_lse,
-        *ctx.window_size, ctx.softcap, alibi_slopes)
+        ctx.causal_bottom_right, leftpad_k, seqused_k,
+        ctx.deterministic or _deterministic_forced(), grad_lse, *ctx.window_size, ctx.softcap,
+        alibi_slopes)
     return (dq, dk, dv) + none + (None,)
+
+
+def _fwd_det_setup_context(ctx, inputs, output):
+    _fwd_setup_context(ctx, inputs, output, deterministic=True)
+
+
+def _define_fwd_deterministic_bwd() -> None:
+    """Define ``flash_attention_sm75::fwd_deterministic_bwd``: ``fwd``'s schema under another
+    name (read from the registered ``fwd``, so the twin follows any change of it), computing
+    with ``fwd`` itself; only its autograd formula differs (see :func:`call_fwd`). A
+    CompositeExplicitAutograd kernel serves every backend that ``fwd`` has and keeps the twin one
+    node in traced graphs (inductor calls it at run time)."""
+    fwd = torch.ops.flash_attention_sm75.fwd.default
+    schema = str(fwd._schema)
+    name = fwd._schema.name  # "flash_attention_sm75::fwd"
+    assert schema.startswith(name + "("), schema
+    lib = torch.library.Library("flash_attention_sm75", "FRAGMENT")
+    lib.define("fwd_deterministic_bwd" + schema[len(name):])
+
+    def impl(*args):
+        # Below autograd here (the twin's own formula runs above): the plain op computes.
+        return torch.ops.flash_attention_sm75.fwd(*args)
+
+    lib.impl("fwd_deterministic_bwd", impl, "CompositeExplicitAutograd")
+    _libraries.append(lib)  # a Library's registrations live as long as the object
 
 
 def _bwd_setup_context(ctx, inputs, output):
@@ -315,10 +360,16 @@ def _bwd_backward(ctx, *grads):
         "through the attention backward) is not implemented")
 
 
+_libraries = []
+
 if EXTENSION_AVAILABLE:
+    _define_fwd_deterministic_bwd()
     torch.library.register_fake("flash_attention_sm75::fwd")(_fwd_fake)
+    torch.library.register_fake("flash_attention_sm75::fwd_deterministic_bwd")(_fwd_fake)
     torch.library.register_fake("flash_attention_sm75::bwd")(_bwd_fake)
     torch.library.register_autograd("flash_attention_sm75::fwd", _fwd_backward,
                                     setup_context=_fwd_setup_context)
+    torch.library.register_autograd("flash_attention_sm75::fwd_deterministic_bwd", _fwd_backward,
+                                    setup_context=_fwd_det_setup_context)
     torch.library.register_autograd("flash_attention_sm75::bwd", _bwd_backward,
                                     setup_context=_bwd_setup_context)

@@ -13,8 +13,6 @@ have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and
 * ``dropout_p > 0`` (accepted: 0.0);
 * ``softcap > 0`` (accepted: 0.0 or below, which flash-attn also treats as off);
 * ``alibi_slopes`` (accepted: None);
-* ``deterministic=True`` while ``FLASH_SM75_BWD_DQ=atomic`` makes the backward
-  non-deterministic (the default backward is deterministic, so ``True`` is accepted then);
 * ``flash_attn_with_kvcache`` where a gradient could flow (flash-attn has no backward there and
   would silently give none).
 
@@ -24,6 +22,12 @@ functions: rows that see no key give LSE ``-inf`` (flash-attn: ``+inf``); ``S_dm
 (``return_attn_probs=True``) is the empty tensor flash-attn itself returns when
 ``dropout_p == 0``; head dims that are not a multiple of 8 are zero-padded as flash-attn does;
 tensors on the CPU run the op's float64 reference.
+
+``deterministic=True`` makes that call's backward deterministic (no floating-point atomics),
+as in flash-attn, whatever ``FLASH_SM75_BWD_DQ`` and
+:func:`~flash_attention_sm75.deterministic_backward` say when the backward runs; with ``False``
+(the default) the package's rule (:func:`~flash_attention_sm75.is_deterministic_backward`)
+applies when the backward runs.
 """
 from __future__ import annotations
 
@@ -82,7 +86,7 @@ def _check_options(*, causal, dropout_p=0.0,
     feature asked for that the kernels do not have. Returns the window as the op's pair of
     ints (the kernels run sliding windows)."""
     _rules.require_bool("causal", causal)
-    _rules.require_bool("deterministic", deterministic)
+    _rules.require_bool("deterministic", deterministic)  # served by the backward (_run)
     for name, value in bools:
         _rules.require_bool(name, value)
     dropout = _real("dropout_p", dropout_p)
@@ -98,11 +102,6 @@ def _check_options(*, causal, dropout_p=0.0,
                         f"(accepted: 0.0, or any value <= 0, which flash-attn treats as off)")
     if alibi_slopes is not None:
         problems.append("alibi_slopes: ALiBi is not implemented (accepted: None)")
-    if deterministic and not _ops.is_deterministic_backward():
-        problems.append("deterministic=True: FLASH_SM75_BWD_DQ=atomic selects a "
-                        "non-deterministic backward (accepted: deterministic=False, or unset "
-                        "FLASH_SM75_BWD_DQ, or run the backward inside "
-                        "flash_attention_sm75.deterministic_backward())")
     if problems:
         raise UnsupportedFeatureError(PREFIX + "not supported by the SM75 kernels: "
                                       + "; ".join(problems))
@@ -147,11 +146,13 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _run(q, k, v, softmax_scale, causal, leftpad_k=None, seqused_k=None, window=(-1, -1)):
-    """The op on BSHD tensors (already validated), aligned for the kernels."""
+def _run(q, k, v, softmax_scale, causal, leftpad_k=None, seqused_k=None, window=(-1, -1),
+         deterministic=False):
+    """The op on BSHD tensors (already validated), aligned for the kernels; ``deterministic``:
+    flash-attn's flag, kept by autograd for this call's backward (``_ops.call_fwd``)."""
     scale = None if softmax_scale is None else float(softmax_scale)
     return _ops.call_fwd(_aligned(q), _aligned(k), _aligned(v), scale, causal, True,
-                         leftpad_k, seqused_k, *window)
+                         leftpad_k, seqused_k, *window, deterministic=deterministic)
 
 
 def _attn_probs_placeholder(q: torch.Tensor) -> torch.Tensor:
@@ -173,7 +174,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
     _require_valid(qp, kp, vp, scale, names)
-    out, lse = _run(qp, kp, vp, scale, causal, window=window)
+    out, lse = _run(qp, kp, vp, scale, causal, window=window, deterministic=deterministic)
     if padded:
         out = out[..., :d]
     if return_attn_probs:
@@ -191,13 +192,15 @@ _COMMON_DOC = """
     (flash-attn writes ``+inf`` there). dtype float16 (bfloat16 raises ``ValueError``: Turing
     has no bf16 tensor cores); head_dim up to 256 (one that is not a multiple of 8 is zero-padded
     to the next, as flash-attn does); CUDA tensors, or CPU tensors on the op's float64 reference.
-    Gradients flow to the inputs (the deterministic backward of flash_attention_sm75).
+    Gradients flow to the inputs. ``deterministic=True`` makes this call's backward
+    deterministic (as flash-attn); with ``False`` it is deterministic too unless
+    ``FLASH_SM75_BWD_DQ=atomic`` (read when the backward runs) selects fp32 atomics for dQ.
 
     ``window_size = (left, right)`` is flash-attn's sliding window (bottom-right aligned like
     ``causal``; a negative side is unbounded), run by the kernels' local instantiations. Options
     the kernels do not have raise :class:`UnsupportedFeatureError` (a ``NotImplementedError`` and
-    a ``ValueError``) naming them: ``dropout_p`` other than 0.0, ``softcap > 0``, ``alibi_slopes`` not None, ``deterministic=True`` while
-    ``FLASH_SM75_BWD_DQ=atomic`` is set. Invalid tensors raise ``ValueError`` naming the argument.
+    a ``ValueError``) naming them: ``dropout_p`` other than 0.0, ``softcap > 0``,
+    ``alibi_slopes`` not None. Invalid tensors raise ``ValueError`` naming the argument.
 
     Returns ``out``, or with ``return_attn_probs=True`` the tuple ``(out, softmax_lse,
     S_dmask)``: ``softmax_lse`` is float32, natural log; ``S_dmask`` is an empty tensor, which
@@ -374,7 +377,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     seqused = torch.full((batch,), max_k, dtype=torch.int32, device=q.device)
     # Right-aligned rows make the op's single bottom-right offset every sequence's own, for the
     # causal diagonal and the window's edges alike.
-    out_pad, lse_pad = _run(q_pad, k_pad, v_pad, scale, causal, leftpad, seqused, window)
+    out_pad, lse_pad = _run(q_pad, k_pad, v_pad, scale, causal, leftpad, seqused, window,
+                            deterministic)
     out = _packing.unpack(out_pad.flatten(0, 1), lay_q)
     if padded:
         out = out[..., :d]

@@ -144,14 +144,71 @@ def test_several_unsupported_features_are_all_named():
         fa2.flash_attn_func(q, q, q, 0.5, softcap=1.0, alibi_slopes=torch.ones(2))
 
 
-def test_deterministic_true_refused_only_with_atomic_backward(monkeypatch):
-    q = rand(1, 4, 2, 16)
-    ref = fa2.flash_attn_func(q, q, q)
-    assert torch.equal(fa2.flash_attn_func(q, q, q, deterministic=True), ref)
+@pytest.fixture
+def bwd_flags(monkeypatch):
+    """The ``deterministic`` argument of every call of ``torch.ops.flash_attention_sm75.bwd``."""
+    flags = []
+    real = torch.ops.flash_attention_sm75.bwd
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, "bwd",
+                        lambda *a: flags.append(a[11]) or real(*a), raising=False)
+    return flags
+
+
+def _dense_and_varlen(deterministic):
+    """flash_attn_func and flash_attn_varlen_func on the same tensors, outputs summed."""
+    q = rand(1, 4, 2, 16, grad=True, seed=3)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    return (fa2.flash_attn_func(q, q, q, deterministic=deterministic).float().sum()
+            + fa2.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 3, 3,
+                                         deterministic=deterministic).float().sum())
+
+
+def test_deterministic_true_makes_its_own_backward_deterministic(monkeypatch, bwd_flags):
+    # flash-attn's deterministic=True is a request for that call's backward: it holds whatever
+    # the global setting is when the backward runs (the atomic dQ mode here).
     monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
-    with pytest.raises(fa2.UnsupportedFeatureError, match="deterministic=True.*FLASH_SM75_BWD_DQ"):
-        fa2.flash_attn_func(q, q, q, deterministic=True)
-    assert torch.equal(fa2.flash_attn_func(q, q, q, deterministic=False), ref)
+    from flash_attention_sm75 import deterministic_backward
+
+    with deterministic_backward():  # deterministic at forward time only
+        det = _dense_and_varlen(True)
+        plain = _dense_and_varlen(False)
+    assert torch.equal(det, plain)  # the same forward
+    det.backward()
+    plain.backward()
+    assert bwd_flags == [True, True, False, False]
+    bwd_flags.clear()
+    loss = _dense_and_varlen(True)
+    with deterministic_backward(False):
+        loss.backward()
+    assert bwd_flags == [True, True]
+    bwd_flags.clear()
+    loss = _dense_and_varlen(False)
+    with deterministic_backward():  # without the flag the setting at backward time decides
+        loss.backward()
+    assert bwd_flags == [True, True]
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        fa2.flash_attn_func(rand(1, 4, 2, 16), rand(1, 4, 2, 16), rand(1, 4, 2, 16),
+                            deterministic=1)
+
+
+def test_deterministic_true_survives_torch_compile(monkeypatch):
+    from torch._dynamo.backends.common import aot_autograd
+
+    monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
+    graphs = []
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm,
+                           bw_compiler=lambda gm, _: graphs.append(gm) or gm)
+    flags = {}
+    for det in (True, False):
+        torch._dynamo.reset()
+        q = rand(1, 4, 2, 16, grad=True)
+        fn = torch.compile(lambda q: fa2.flash_attn_func(q, q, q, deterministic=det),
+                           fullgraph=True, backend=backend)
+        fn(q).float().sum().backward()
+        [node] = [n for n in graphs[-1].graph.nodes
+                  if n.target is torch.ops.flash_attention_sm75.bwd.default]
+        flags[det] = node.args[11] if len(node.args) > 11 else False
+    assert flags == {True: True, False: False}
 
 
 @pytest.mark.parametrize("causal", [False, True])
