@@ -19,7 +19,8 @@ Ways to turn it on:
 * ``flash_attention_sm75.enable_sdpa()`` / ``disable_sdpa()``, or ``with
   flash_attention_sm75.sdpa_enabled(): ...`` (restores the previous state on exit);
 * ``FLASH_ATTENTION_SM75_SDPA=1`` in the environment, honoured when ``flash_attention_sm75``
-  is imported;
+  is imported (a value that is not understood warns and leaves torch alone: the import never
+  fails because of it);
 * ``python -m flash_attention_sm75 run script.py args...`` (or ``run -m module args...``) for a
   script that never imports this package.
 
@@ -119,10 +120,11 @@ _treat_as_sm75 = False
 
 # ----------------------------------------------------------------------------- switches
 def _env_choice(name: str, choices: dict) -> object:
-    value = os.environ.get(name, "").strip().lower()
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
     if value not in choices:
         shown = sorted(c for c in choices if c)
-        raise ValueError(f"flash_attention_sm75: environment variable {name}={value!r} is not "
+        raise ValueError(f"flash_attention_sm75: environment variable {name}={raw!r} is not "
                          f"understood; use one of {shown} or leave it unset")
     return choices[value]
 
@@ -200,6 +202,7 @@ def sdpa_enabled(enabled: bool = True, *, treat_as_sm75: Optional[bool] = None
     >>> with flash_attention_sm75.sdpa_enabled():
     ...     image = pipe(prompt).images[0]
     """
+    global _treat_as_sm75
     _rules.require_bool("sdpa_enabled(enabled)", enabled)
     with _lock:
         previous = (_library is not None, _treat_as_sm75)
@@ -215,20 +218,38 @@ def sdpa_enabled(enabled: bool = True, *, treat_as_sm75: Optional[bool] = None
                 enable_sdpa(treat_as_sm75=previous[1])
             else:
                 disable_sdpa()
+                # treat_as_sm75 outlives disable_sdpa() (a later enable_sdpa(treat_as_sm75=None)
+                # sets it again, but why_not_overridden reads it meanwhile): restore it too.
+                _treat_as_sm75 = previous[1]
 
 
 def _enable_from_environment() -> None:
     """``import flash_attention_sm75`` calls this: enable when ``FLASH_ATTENTION_SM75_SDPA``
-    asks for it (a missing extension warns instead of failing the import)."""
-    if not _env_choice(ENV_VAR, {**{s: True for s in _TRUE_STRINGS},
-                                 **{s: False for s in _FALSE_STRINGS}}):
+    asks for it. Nothing here fails the import (``import flash_attn`` of the drop-in runs it too,
+    and an opt-in speed-up must not break a program): a value of ``FLASH_ATTENTION_SM75_SDPA``
+    or ``FLASH_ATTENTION_SM75_SDPA_DEVICES`` that is not understood, a missing extension or a
+    failed registration warns (``RuntimeWarning``, naming the variable and the values
+    accepted) and leaves torch's SDPA unchanged. :func:`enable_sdpa` called explicitly still
+    raises."""
+    try:
+        wanted = _env_choice(ENV_VAR, {**{s: True for s in _TRUE_STRINGS},
+                                       **{s: False for s in _FALSE_STRINGS}})
+        treat = _devices_from_environment() if wanted else False
+    except ValueError as e:
+        warnings.warn(f"{e}; torch's SDPA is left unchanged", RuntimeWarning, stacklevel=3)
+        return
+    if not wanted:
         return
     if not _ops.EXTENSION_AVAILABLE:
         warnings.warn(f"flash_attention_sm75: {ENV_VAR} is set but the compiled extension is not "
                       f"available ({_ops.EXTENSION_ERROR}); torch's SDPA is left unchanged",
                       RuntimeWarning, stacklevel=3)
         return
-    enable_sdpa()
+    try:
+        enable_sdpa(treat_as_sm75=treat)
+    except RuntimeError as e:  # another library overrides the ops' CUDA kernels
+        warnings.warn(f"{e}; {ENV_VAR} is ignored, torch's SDPA is left unchanged",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _register() -> torch.library.Library:
