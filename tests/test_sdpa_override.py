@@ -305,6 +305,41 @@ def test_launcher_usage_errors(args):
     assert _python(None, args=["-m", "flash_attention_sm75", "--help"]).stdout.startswith("usage:")
 
 
+def test_launcher_help_of_run_and_of_the_script():
+    r = _python(None, args=["-m", "flash_attention_sm75", "run", "--help"])
+    assert r.returncode == 0 and r.stdout.startswith(
+        "usage: python -m flash_attention_sm75 run [-h] (script.py | -m module)"), r.stdout
+    assert "-m" in r.stdout and "script.py" in r.stdout and not r.stderr
+    # after the module (or script), every option is its own: json.tool answers --help
+    r = _python(None, args=["-m", "flash_attention_sm75", "run", "-m", "json.tool", "--help"])
+    assert r.returncode == 0 and "python -m json.tool" in r.stdout, r.stderr
+
+
+def test_launcher_script_sees_the_file_and_path_python_gives(tmp_path):
+    # Relative, unnormalised and symlinked paths: __file__ and sys.path[0] as `python path`.
+    (tmp_path / "real").mkdir()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "real" / "s.py").write_text(
+        "import json, sys; print(json.dumps([__file__, sys.path[0], sys.argv[1:]]))")
+    (tmp_path / "sub" / "s.py").symlink_to(tmp_path / "real" / "s.py")
+    for path in ("real/s.py", "./real/../real/s.py", "sub/s.py", str(tmp_path / "sub/s.py")):
+        plain = _python(None, args=[path, "-m", "x"], cwd=tmp_path)
+        ours = _python(None, args=["-m", "flash_attention_sm75", "run", path, "-m", "x"],
+                       cwd=tmp_path)
+        assert plain.returncode == ours.returncode == 0, (plain.stderr, ours.stderr)
+        assert (json.loads(ours.stdout.splitlines()[-1])
+                == json.loads(plain.stdout.splitlines()[-1])), path
+
+
+def test_launcher_missing_script_is_one_line_and_status_2_like_python(tmp_path):
+    plain = _python(None, args=["nope.py"], cwd=tmp_path)
+    r = _python(None, args=["-m", "flash_attention_sm75", "run", "nope.py", "a"], cwd=tmp_path)
+    assert plain.returncode == r.returncode == 2
+    assert r.stderr == (f"python -m flash_attention_sm75 run: can't open file "
+                        f"{str(tmp_path / 'nope.py')!r}: [Errno 2] No such file or directory\n")
+    assert plain.stderr.endswith(r.stderr.split(" run: ", 1)[1])
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"is_causal": True}, {"attn_mask": "bool"},
                                     {"dtype": torch.float32, "scale": 0.3}])
 def test_cpu_sdpa_is_unaffected(kwargs):
