@@ -14,8 +14,8 @@ Everything here is built on the device from ``cu_seqlens`` (no ``.item()``, no h
 synchronisation); the padded lengths are the host integers the caller passes
 (``max_seqlen_q`` / ``max_seqlen_k``). Invalid ``cu_seqlens`` (a length above the declared
 maximum, decreasing offsets, offsets past the packed tensor) are caught by a device-side check
-(:func:`check_on_device`): ``ValueError`` on the CPU, a device-side assertion on CUDA, never a
-silently wrong result. Packing uses out-of-place ``index_put`` and unpacking advanced indexing,
+(:func:`check_on_device`): ``ValueError`` on the CPU, a device-side assertion on CUDA
+(``RuntimeError`` on the CPU in compiled graphs), never a silently wrong result. Packing uses out-of-place ``index_put`` and unpacking advanced indexing,
 so autograd differentiates both (their backward passes are gathers and scatters with one source
 per destination: exact, and deterministic in value).
 """
@@ -25,18 +25,26 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SeqLayout", "check_on_device", "pack", "paged_rows", "seq_layout", "unpack"]
+__all__ = ["SeqLayout", "check_block_table", "check_on_device", "pack", "paged_rows", "seq_layout",
+           "unpack"]
 
 
 def check_on_device(ok: torch.Tensor, message: str) -> None:
     """Fail unless the 0-d bool tensor ``ok`` is True, without a host synchronisation on CUDA.
 
-    CPU: ``ValueError(message)`` right away. CUDA: ``torch._assert_async``, a device-side
-    assertion that surfaces at the next synchronisation as a CUDA error (and, as every device
-    assertion, leaves the CUDA context unusable): the price of checking values that live on the
-    GPU without waiting for them.
+    CPU: ``ValueError(message)`` right away. CUDA (and any other device): ``torch._assert_async``,
+    a device-side assertion that surfaces at the next synchronisation as a CUDA error (and, as
+    every device assertion, leaves the CUDA context unusable): the price of checking values that
+    live on the GPU without waiting for them. It is ordered on the stream before the work
+    enqueued after it, so writes enqueued after the check do not run when it fails (also in a
+    captured CUDA graph, where it is one more node).
+
+    While torch.compile traces (also on the CPU), ``bool(ok)`` would be a data-dependent branch
+    (a graph break, an error under ``fullgraph=True``): the traced graph keeps
+    ``torch._assert_async`` instead, which fails at run time with ``RuntimeError(message)`` on
+    the CPU (inductor and the eager backends alike) and a device-side assertion on CUDA.
     """
-    if ok.device.type == "cuda":
+    if ok.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(ok, message)
     elif not bool(ok):
         raise ValueError(message)
@@ -107,14 +115,33 @@ def unpack(padded: torch.Tensor, layout: SeqLayout, fill: float = 0.0, dim: int 
                                                 device=picked.device))
 
 
+def check_block_table(block_table: torch.Tensor, lengths: torch.Tensor, page_size: int,
+                      num_blocks: int) -> None:
+    """Check on the device (:func:`check_on_device`) that every page holding keys is a block of
+    the cache: ``0 <= block_table[b, c] < num_blocks`` for ``c * page_size < lengths[b]``. The
+    other entries are not read for keys (flash-attn lets callers leave them unset, e.g. -1):
+    :func:`paged_rows` clamps them."""
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    used = cols.view(1, -1) * page_size < lengths.view(-1, 1)
+    ok = (((block_table >= 0) & (block_table < num_blocks)) | ~used).all()
+    check_on_device(ok, (
+        f"flash_attention_sm75: block_table must hold block indices in [0, num_blocks = "
+        f"{num_blocks}) for every page that holds keys (the first ceil(length / "
+        f"page_block_size = {page_size}) entries of each row), got one outside"))
+
+
 def paged_rows(block_table: torch.Tensor, page_size: int, start: torch.Tensor,
-               padded_len: int) -> tuple:
+               padded_len: int, num_blocks: int) -> tuple:
     """(block, offset) index pairs, each ``(batch, padded_len)`` int64, that gather a paged
     cache into padded rows: row ``r`` of batch entry ``b`` holds the sequence's logical position
     ``r - start[b]`` (clamped to 0 for the rows before ``start[b]``, which the key range hides),
-    stored in block ``block_table[b, pos // page_size]`` at offset ``pos % page_size``."""
+    stored in block ``block_table[b, pos // page_size]`` at offset ``pos % page_size``.
+    Block indices are clamped into ``[0, num_blocks)``: the rows of pages that hold no keys (whose
+    entries :func:`check_block_table` does not require to be valid) are hidden by the key range,
+    and must not index out of bounds."""
     r = torch.arange(padded_len, device=block_table.device)
     pos = (r.view(1, -1) - start.view(-1, 1)).clamp(min=0)
     col = (pos // page_size).clamp(max=max(block_table.shape[1] - 1, 0))
-    return block_table.to(torch.int64).gather(1, col), pos % page_size
+    blk = block_table.to(torch.int64).gather(1, col).clamp(0, max(num_blocks - 1, 0))
+    return blk, pos % page_size
 

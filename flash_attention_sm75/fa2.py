@@ -367,7 +367,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             k_pad = kp.new_zeros((batch, max_k) + tuple(kp.shape[2:]))
             v_pad = vp.new_zeros((batch, max_k) + tuple(vp.shape[2:]))
         else:
-            blk, off = _packing.paged_rows(block_table, page, max_k - len_k, max_k)
+            _packing.check_block_table(block_table, len_k, page, k.shape[0])
+            blk, off = _packing.paged_rows(block_table, page, max_k - len_k, max_k, k.shape[0])
             k_pad, v_pad = kp[blk, off], vp[blk, off]
     else:
         lay_k = _packing.seq_layout(cu_k, k.shape[0], max_k, "cu_seqlens_k")
@@ -414,8 +415,8 @@ _VARLEN_DOC = """
     host synchronisation) and the kernel runs that batch with per-sequence key ranges; the
     output rows are gathered back. Cost: like a padded batch of the maximum lengths, plus a copy
     of q, k, v and out. A sequence longer than ``max_seqlen_*`` or decreasing offsets are caught
-    on the device (``ValueError`` on the CPU, a device-side assertion on CUDA) instead of giving
-    a wrong result.
+    on the device (``ValueError`` on the CPU, ``RuntimeError`` on the CPU in a torch.compile'd
+    graph, a device-side assertion on CUDA) instead of giving a wrong result.
 
     Returns ``out`` ``(total_q, nheads, headdim)``, or with ``return_attn_probs=True``
     ``(out, softmax_lse, S_dmask)`` with ``softmax_lse`` float32 ``(nheads, total_q)``
@@ -501,6 +502,8 @@ def flash_attn_varlen_func(
     of shape ``(num_blocks, page_block_size, nheads_k, headdim)`` (any page size), sequence
     ``b``'s key ``j`` in block ``block_table[b, j // page_block_size]``; its length is
     ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``. The pages are gathered into the padded batch.
+    The entries of pages that hold keys must be in ``[0, num_blocks)`` (checked on the device
+    like ``cu_seqlens``); the others are not read for keys and may hold anything.
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -574,25 +577,28 @@ def flash_attn_with_kvcache(
         when ``k`` / ``v`` are given.
     k, v : (batch, seqlen_new, nheads_k, headdim), optional (both or neither; need
         ``cache_seqlens``). Written into the cache at rows ``cache_seqlens[b] + i`` (with
-        device-side index ops; a row past the cache raises an index error, on CUDA a device-side
-        assertion), after the rotary embedding when ``rotary_cos`` is given.
+        device-side index ops, after every index is checked: see Raises), after the rotary
+        embedding when ``rotary_cos`` is given.
     rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2), q's dtype, ``seqlen_ro >=
         seqlen_cache``; only with ``k``. Applied (in float32) to the new keys at positions
         ``cache_seqlens[b] + i`` and to ``q`` at positions ``cache_seqlens[b] + i`` when causal
         (or windowed, as flash-attn decides), else all at ``cache_seqlens[b]``;
         ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... if True, else (i, i +
         rotary_dim / 2). Every position must be a row of the tables (causal: up to
-        ``cache_seqlens[b] + seqlen_q - 1``); one past them raises an index error (CUDA: a
-        device-side assertion).
+        ``cache_seqlens[b] + seqlen_q - 1``).
     cache_seqlens : int or int32 (batch,), optional. Keys ``[cache_leftpad[b],
-        cache_seqlens[b] + seqlen_new)`` are attended (None: the whole cache), clamped into the
-        cache like the op's key ranges.
-    cache_batch_idx : int32 (batch,), optional. Cache row of batch entry b (gathers a copy of
-        those cache rows for the attention).
+        cache_seqlens[b] + seqlen_new)`` are attended (None: the whole cache); each must be in
+        ``[0, seqlen_cache - seqlen_new]`` (the new keys must fit in the cache).
+        ``cache_leftpad`` is clamped into the cache like the op's key ranges.
+    cache_batch_idx : int32 (batch,), optional. Cache row of batch entry b, in ``[0,
+        k_cache.shape[0])`` (gathers a copy of those cache rows for the attention).
     cache_leftpad : int32 (batch,), optional. First valid cache row.
     block_table : int32 (batch, max_num_blocks_per_seq), optional. Paged cache; the pages are
-        gathered into a contiguous copy for the attention. Not with ``cache_batch_idx`` or
-        ``cache_leftpad`` (as in flash-attn).
+        gathered into a contiguous copy for the attention. The entries of pages that hold keys
+        (the first ``ceil((cache_seqlens[b] + seqlen_new) / page_block_size)`` of row b; all
+        without ``cache_seqlens``) must be in ``[0, num_blocks)``; the others are not read for
+        keys and may hold anything (e.g. -1). Not with ``cache_batch_idx`` or ``cache_leftpad``
+        (as in flash-attn).
     softmax_scale, causal : as :func:`flash_attn_func`; causal is bottom-right per sequence
         (query ``i`` sees key row ``j`` iff ``j <= i + cache_seqlens[b] + seqlen_new -
         seqlen_q``), and has no effect when ``seqlen_q == 1``.
@@ -622,7 +628,13 @@ def flash_attn_with_kvcache(
         and would silently return none; call it under ``torch.no_grad()``.
     ValueError
         Invalid arguments, naming them (shapes, dtypes, devices; ``k`` without ``v`` or without
-        ``cache_seqlens``; rotary without ``k``; ...).
+        ``cache_seqlens``; rotary without ``k``; ...), before anything is written. The values of
+        ``cache_seqlens``, ``cache_batch_idx``, ``block_table`` and the rotary positions are
+        checked too, before the cache is written: on the CPU a ``ValueError`` naming the
+        argument; on CUDA, where reading them would cost a host synchronisation per call (and
+        break CUDA-graph capture), a device-side assertion ordered before the writes (a CUDA
+        error at the next synchronisation, which leaves the CUDA context unusable, as for
+        invalid ``cu_seqlens``); under torch.compile on the CPU a ``RuntimeError`` at run time.
     """
     _ops.require_extension()
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -674,7 +686,14 @@ def flash_attn_with_kvcache(
                              f"({batch}, *, {k_cache.shape[2]}, {k_cache.shape[3]}), got "
                              f"{_shape_of(k)}")
         _require_valid(q, k, v, softmax_scale, ("q", "k", "v"))
+    seqlen_new = 0 if k is None else k.shape[1]
+    if seqlen_new > seqlen_cache:
+        raise ValueError(f"{PREFIX}k has {seqlen_new} new keys, more than the cache holds "
+                         f"(seqlen_cache = {seqlen_cache})")
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= seqlen_cache - seqlen_new:
+            raise ValueError(f"{PREFIX}cache_seqlens must be in [0, seqlen_cache - seqlen_new] "
+                             f"= [0, {seqlen_cache - seqlen_new}], got {cache_seqlens}")
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32,
                                    device=q.device)
     cache_seqlens = _int32_per_batch("cache_seqlens", cache_seqlens, batch, q)
@@ -689,8 +708,10 @@ def flash_attn_with_kvcache(
     if is_causal:
         right = 0
     local = (0 <= left < seqlen_cache) or (0 <= right < seqlen_cache)
-    seqlen_new = 0 if k is None else k.shape[1]
+    _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos, k_cache,
+                         seqlen_new, seqlen_cache, seqlen_q if (is_causal or local) else 1)
 
+    # Every index below is valid now: the writes into k_cache and v_cache cannot stop halfway.
     with torch.no_grad():
         if k is not None:
             pos = cache_seqlens.to(torch.int64).view(-1, 1) + torch.arange(
@@ -713,8 +734,7 @@ def flash_attn_with_kvcache(
             q = _rotary(q, rotary_cos[qpos], rotary_sin[qpos], rotary_interleaved)
 
         # The attended key rows of batch entry b: [start[b], end[b]) of its cache row.
-        end = (None if cache_seqlens is None
-               else (cache_seqlens.to(torch.int64) + seqlen_new).clamp(0, seqlen_cache))
+        end = None if cache_seqlens is None else cache_seqlens.to(torch.int64) + seqlen_new
         start = None if cache_leftpad is None else cache_leftpad.to(torch.int64)
         if (is_causal or local) and end is not None:
             # Right-align each sequence (shift its rows by seqlen_cache - end[b]) so that the
@@ -742,6 +762,40 @@ def flash_attn_with_kvcache(
     if padded:
         out = out[..., :d]
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos, k_cache,
+                         seqlen_new: int, seqlen_cache: int, q_positions: int) -> None:
+    """The values of flash_attn_with_kvcache's index tensors, before anything is written:
+    ``ValueError`` naming the argument on the CPU; on CUDA a device-side assertion
+    (:func:`_packing.check_on_device`: the values live on the GPU, and reading them would cost a
+    host synchronisation per call and break CUDA-graph capture), enqueued before the writes so
+    that they do not run when it fails. ``q_positions``: how many rotary positions q takes from
+    ``cache_seqlens[b]`` on."""
+    if cache_seqlens is not None:
+        lens = cache_seqlens.to(torch.int64)
+        _packing.check_on_device(
+            ((lens >= 0) & (lens + seqlen_new <= seqlen_cache)).all(),
+            f"{PREFIX}cache_seqlens must be in [0, seqlen_cache - seqlen_new] = [0, "
+            f"{seqlen_cache - seqlen_new}] (seqlen_cache = {seqlen_cache} rows, seqlen_new = "
+            f"{seqlen_new} new keys written at rows cache_seqlens[b] + i), got a value outside")
+        end = lens + seqlen_new
+        if rotary_cos is not None:
+            _packing.check_on_device(
+                (lens + q_positions <= rotary_cos.shape[0]).all(),
+                f"{PREFIX}rotary_cos / rotary_sin must have a row for every position of q, "
+                f"cache_seqlens[b] + i for i < {q_positions}; they have {rotary_cos.shape[0]} "
+                f"rows")
+    else:
+        end = torch.full((k_cache.shape[0] if block_table is None else block_table.shape[0],),
+                         seqlen_cache, dtype=torch.int64, device=k_cache.device)
+    if cache_batch_idx is not None:
+        _packing.check_on_device(
+            ((cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0])).all(),
+            f"{PREFIX}cache_batch_idx must hold cache rows in [0, k_cache.shape[0] = "
+            f"{k_cache.shape[0]}), got a value outside")
+    if block_table is not None:
+        _packing.check_block_table(block_table, end, k_cache.shape[1], k_cache.shape[0])
 
 
 def _check_rotary(cos, sin, k, q, seqlen_cache: int) -> None:
@@ -773,7 +827,8 @@ def _gather_cache(k_cache, v_cache, block_table, cache_batch_idx, shift, seqlen_
     right by ``shift[b]`` rows (row r holds cache row r - shift[b]; the rows before the shift
     repeat row 0 and lie outside the key range)."""
     if block_table is not None:
-        blk, off = _packing.paged_rows(block_table, k_cache.shape[1], shift, seqlen_cache)
+        blk, off = _packing.paged_rows(block_table, k_cache.shape[1], shift, seqlen_cache,
+                                       k_cache.shape[0])
         return k_cache[blk, off], v_cache[blk, off]
     rows = (torch.arange(seqlen_cache, device=k_cache.device).view(1, -1)
             - shift.view(-1, 1)).clamp(min=0)

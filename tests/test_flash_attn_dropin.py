@@ -20,6 +20,7 @@ the whole file takes a few seconds.
 """
 import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -609,6 +610,117 @@ def test_kvcache_batch_idx_and_paged_equal_plain():
         assert torch.equal(out, ref)
         gathered = pk[table.long()].flatten(1, 2)
         assert torch.equal(gathered, plain_k)
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# (keyword arguments, the argument the error must name): indices out of range, checked before
+# the cache is written (8 cache rows, 3 new keys; paged: 2 pages of 4 rows per sequence)
+BAD_CACHE_INDICES = [
+    (dict(cache_seqlens=_i32(2, 6)), "cache_seqlens must be in [0, seqlen_cache - seqlen_new] = [0, 5]"),
+    (dict(cache_seqlens=_i32(-1, 2)), "cache_seqlens must be in"),
+    (dict(cache_seqlens=6), "cache_seqlens must be in [0, seqlen_cache - seqlen_new] = [0, 5], got 6"),
+    (dict(cache_seqlens=-1), "cache_seqlens must be in"),
+    (dict(cache_seqlens=_i32(0, 9), k=None, v=None), "cache_seqlens must be in"),
+    (dict(cache_seqlens=_i32(9, 0), k=None, v=None, causal=True), "cache_seqlens must be in"),
+    (dict(cache_batch_idx=_i32(0, 2)), "cache_batch_idx must hold cache rows in [0, k_cache.shape[0] = 2)"),
+    (dict(cache_batch_idx=_i32(-1, 0)), "cache_batch_idx must hold"),
+    (dict(block_table=_i32(0, 1, 2, 4).view(2, 2)), "block_table must hold block indices in [0, num_blocks = 4)"),
+    (dict(block_table=_i32(0, -1, 2, 3).view(2, 2)), "block_table must hold"),  # page 1 holds keys
+    (dict(block_table=_i32(0, 1, 2, 3).view(2, 2), k=None, v=None, cache_seqlens=None,
+          block_table_bad=(0, 1, 7)), "block_table must hold"),  # all pages are keys then
+    (dict(rotary=True, causal=True, q_rows=4), "rotary_cos / rotary_sin must have a row"),
+    (dict(k_rows=9), "k has 9 new keys, more than the cache holds (seqlen_cache = 8)"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_CACHE_INDICES,
+                         ids=[f"{i}-{m.split()[0]}" for i, (_, m) in enumerate(BAD_CACHE_INDICES)])
+def test_kvcache_bad_indices_raise_before_writing(kwargs, match):
+    # Previously: a raw IndexError naming no argument with k_cache written and v_cache not, or
+    # (negative cache_seqlens) keys silently written at the end of the cache and clamped away.
+    kwargs = dict(kwargs)
+    paged = "block_table" in kwargs
+    bad_entry = kwargs.pop("block_table_bad", None)
+    if bad_entry is not None:
+        kwargs["block_table"][bad_entry[:2]] = bad_entry[2]
+    rotary = kwargs.pop("rotary", False)
+    q = rand(2, kwargs.pop("q_rows", 1), 4, 16, seed=5)
+    kc, vc = (rand(4, 4, 2, 16), rand(4, 4, 2, 16)) if paged else (rand(2, 8, 2, 16), rand(2, 8, 2, 16))
+    new = kwargs.pop("k_rows", 3)
+    args = dict(k=rand(2, new, 2, 16), v=rand(2, new, 2, 16), cache_seqlens=_i32(2, 5))
+    if rotary:
+        args.update(rotary_cos=rand(8, 4), rotary_sin=rand(8, 4), cache_seqlens=_i32(5, 0))
+    args.update(kwargs)
+    before_k, before_v = kc.clone(), vc.clone()
+    with pytest.raises(ValueError, match=re.escape(match)), torch.no_grad():
+        fa2.flash_attn_with_kvcache(q, kc, vc, **args)
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)  # nothing written
+    # the same call with valid values runs (and writes both caches when it appends)
+    args.update(cache_seqlens=_i32(2, 5) if args.get("k") is not None and new <= 3 else None)
+    args.pop("cache_batch_idx", None)
+    if paged:
+        args["block_table"] = _i32(0, 1, 2, 3).view(2, 2)
+    if rotary:
+        args.update(causal=False)
+    if new > 3:
+        args.update(k=None, v=None)
+    with torch.no_grad():
+        fa2.flash_attn_with_kvcache(q, kc, vc, **args)
+    if args.get("k") is not None:
+        assert not torch.equal(kc, before_k) and not torch.equal(vc, before_v)
+
+
+def test_kvcache_and_varlen_ignore_block_table_entries_of_pages_without_keys():
+    # flash-attn reads only the pages that hold keys; callers may leave the others unset (-1).
+    q, k, v = rand(2, 1, 4, 16, seed=6), rand(2, 2, 2, 16), rand(2, 2, 2, 16)
+    kc, vc = rand(5, 4, 2, 16), rand(5, 4, 2, 16)
+    full, holes = _i32(3, 1, 0, 4).view(2, 2), _i32(3, -1, 0, 99).view(2, 2)
+    with torch.no_grad():
+        for causal in (False, True):
+            kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+            ref = fa2.flash_attn_with_kvcache(q, kc1, vc1, k, v, cache_seqlens=_i32(1, 2),
+                                              block_table=full, causal=causal)
+            out = fa2.flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=_i32(1, 2),
+                                              block_table=holes, causal=causal)
+            assert torch.equal(out, ref) and torch.equal(kc2, kc1) and torch.equal(vc2, vc1)
+    cu_q, cu_k = _cu([1, 1]), _cu([3, 4])
+    ref = fa2.flash_attn_varlen_func(q.flatten(0, 1), kc, vc, cu_q, cu_k, 1, 4, block_table=full)
+    out = fa2.flash_attn_varlen_func(q.flatten(0, 1), kc, vc, cu_q, cu_k, 1, 4, block_table=holes)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match=re.escape("block_table must hold block indices in [0, "
+                                                   "num_blocks = 5)")):
+        fa2.flash_attn_varlen_func(q.flatten(0, 1), kc, vc, cu_q, _cu([5, 4]), 1, 5,
+                                   block_table=holes)
+
+
+def test_varlen_and_kvcache_compile_fullgraph_on_cpu():
+    # The device-side checks of cu_seqlens and the cache indices stay in the graph
+    # (torch._assert_async) instead of a data-dependent bool() that fullgraph=True refuses.
+    torch._dynamo.reset()
+    q, k, v, cu_q, cu_k = _varlen_case(21, [3, 0, 4], [5, 2, 4], 4, 2, 16, grad=True)
+    varlen = torch.compile(fa2.flash_attn_varlen_func, fullgraph=True)
+    ref = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, causal=True)
+    out = varlen(q, k, v, cu_q, cu_k, 4, 5, causal=True)
+    assert torch.equal(out, ref)
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with pytest.raises(RuntimeError, match="no sequence longer than the max_seqlen passed"):
+        varlen(q, k, v, cu_q, cu_k, 3, 5, causal=True)
+
+    kvcache = torch.compile(fa2.flash_attn_with_kvcache, fullgraph=True)
+    qd, kn, vn = rand(2, 1, 4, 16), rand(2, 2, 2, 16), rand(2, 2, 2, 16)
+    kc, vc = rand(2, 8, 2, 16), rand(2, 8, 2, 16)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    with torch.no_grad():
+        ref = fa2.flash_attn_with_kvcache(qd, kc_ref, vc_ref, kn, vn, cache_seqlens=_i32(3, 6))
+        out = kvcache(qd, kc, vc, kn, vn, cache_seqlens=_i32(3, 6))
+        assert torch.equal(out, ref) and torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+        with pytest.raises(RuntimeError, match="cache_seqlens must be in"):
+            kvcache(qd, kc, vc, kn, vn, cache_seqlens=_i32(3, 7))
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
 def test_kvcache_refuses_gradients():
