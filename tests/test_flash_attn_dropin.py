@@ -20,7 +20,9 @@ the whole file takes a few seconds.
 """
 import inspect
 import math
+import os
 import re
+import sys
 
 import pytest
 import torch
@@ -800,7 +802,9 @@ def test_dropin_installs_with_flash_attn_metadata(dropin_site, monkeypatch):
         assert "flash-attn" in md.packages_distributions()["flash_attn"]
         with open(os.path.join(DROPIN_SRC, "pyproject.toml")) as f:
             assert f'version = "{flash_attn.__version__}"' in f.read()
-        assert dist.requires == ["flash-attention-sm75"]
+        # no install-time dependency: flash-attention-sm75 is not on PyPI (a requirement of
+        # that name could be met by someone else's upload); flash_attn checks it at import
+        assert not dist.requires
         assert flash_attn.SM75_DROPIN is True
         for name in FA2_SIGNATURES:
             assert getattr(flash_attn, name) is getattr(fa2, name)
@@ -882,3 +886,98 @@ def test_transformers_flash_attention_2_runs_the_dropin_on_cpu(dropin_site, monk
             assert torch.isfinite(ours_g).all(), name
             rel = ((ours_g - g).norm() / g.norm().clamp_min(1e-12)).item()
             assert rel <= 2e-2, (name, rel)
+
+
+def test_dropin_import_without_flash_attention_sm75_says_how_to_install(dropin_site, monkeypatch):
+    import types
+
+    from dropin_env import dropin_visible
+
+    with dropin_visible(monkeypatch, dropin_site):
+        with monkeypatch.context() as mp:
+            mp.setitem(sys.modules, "flash_attention_sm75", None)  # not installed
+            with pytest.raises(ImportError, match=r"needs the flash_attention_sm75 package.*"
+                                                  r"not on PyPI.*pip install --no-build-isolation"):
+                import flash_attn  # noqa: F401
+        with monkeypatch.context() as mp:
+            old = types.ModuleType("flash_attention_sm75")
+            old.__version__ = "0.0.9"
+            mp.setitem(sys.modules, "flash_attention_sm75", old)
+            with pytest.raises(ImportError, match=r"needs flash-attention-sm75 >= 0\.1\.0, "
+                                                  r"found 0\.0\.9.*pip install --no-build-isolation"):
+                import flash_attn  # noqa: F401,F811
+        import flash_attn  # noqa: F401,F811  (with the real package: imports)
+
+        import flash_attention_sm75
+
+        assert (flash_attn._release(flash_attention_sm75.__version__)
+                >= flash_attn._release(flash_attn.MIN_FLASH_ATTENTION_SM75))
+
+
+def _fake_flash_attn(site_dir, version):
+    """A flash-attn distribution's metadata, as pip leaves it, in ``site_dir``."""
+    info = os.path.join(site_dir, f"flash_attn-{version}.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: flash_attn\nVersion: {version}\n")
+
+
+def _pip_install_dropin(tmp_path, env):
+    import shutil
+    import subprocess
+
+    from dropin_env import DROPIN_SRC
+
+    src, site = tmp_path / "src", tmp_path / "site"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(DROPIN_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info",
+                                                                   "__pycache__"))
+    return subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps",
+                           "--no-build-isolation", "--no-compile", "--target", str(site),
+                           str(src)], capture_output=True, text=True,
+                          env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **env})
+
+
+def test_dropin_build_refuses_to_replace_a_real_flash_attn(tmp_path):
+    # pip would uninstall a real flash-attn (same distribution name) without a word.
+    fake = tmp_path / "env"
+    _fake_flash_attn(str(fake), "2.8.3")
+    env = {"PYTHONPATH": str(fake) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = _pip_install_dropin(tmp_path, env)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and not (tmp_path / "site" / "flash_attn").exists()
+    assert f"a real flash-attn is installed (flash-attn 2.8.3 in {fake})" in out, out
+    assert "pip uninstall flash-attn" in out and "FLASH_ATTN_SM75_DROPIN_REPLACE=1" in out
+    r = _pip_install_dropin(tmp_path, {**env, "FLASH_ATTN_SM75_DROPIN_REPLACE": "1"})
+    assert r.returncode == 0, r.stderr  # on purpose
+    assert (tmp_path / "site" / "flash_attn" / "__init__.py").exists()
+    # an installed drop-in (2.8.3+sm75) is no real flash-attn: reinstalling it is fine
+    ours = tmp_path / "env_dropin"
+    _fake_flash_attn(str(ours), "2.8.3+sm75")
+    r = _pip_install_dropin(tmp_path, {"PYTHONPATH": str(ours)})
+    assert r.returncode == 0, r.stderr
+
+
+def test_dropin_build_check_sees_past_pip_build_isolation(tmp_path, monkeypatch):
+    # pip's isolated build hides the target environment (PYTHONNOUSERSITE, PYTHONPATH overlay);
+    # the backend also asks the interpreter started with -E. A real flash-attn in the user site
+    # of a temporary HOME stands for the target environment here.
+    import importlib.util
+
+    from dropin_env import DROPIN_SRC
+
+    spec = importlib.util.spec_from_file_location(
+        "flash_attn_dropin_backend", os.path.join(DROPIN_SRC, "_build", "flash_attn_dropin_backend.py"))
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
+    user_site = tmp_path / ".local" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    _fake_flash_attn(str(user_site), "2.6.3")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("PYTHONNOUSERSITE", "1")
+    monkeypatch.delenv("FLASH_ATTN_SM75_DROPIN_REPLACE", raising=False)
+    assert backend._real_flash_attn_here() == []  # not on this process's path
+    assert backend.real_flash_attn_installs() == [["2.6.3", str(user_site)]]
+    with pytest.raises(SystemExit, match="flash-attn 2.6.3"):
+        backend.check_no_real_flash_attn()
+    monkeypatch.setenv("FLASH_ATTN_SM75_DROPIN_REPLACE", "1")
+    backend.check_no_real_flash_attn()
