@@ -29,6 +29,7 @@ with ``call_fwd(deterministic=True)``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 import threading
@@ -60,12 +61,25 @@ def _built_for_other_torch() -> Optional[str]:
     return None if built == torch.__version__ else built
 
 
+BUILD_HINT = ("build it with `pip install --no-build-isolation .` at the repository root "
+              "(README: Set-up)")
+
+_C_NAME = __name__.rpartition(".")[0] + "._C"
 try:
-    from . import _C  # noqa: F401  (registers torch.ops.flash_attention_sm75.*)
+    # import_module, not `from . import _C`: this runs while the package itself is still being
+    # imported, and Python words a missing _C there as "cannot import name '_C' from partially
+    # initialized module ... (most likely due to a circular import)", which misleads.
+    importlib.import_module(_C_NAME)  # registers torch.ops.flash_attention_sm75.*
 
     EXTENSION_AVAILABLE: bool = True
     EXTENSION_ERROR: Optional[str] = None
-except ImportError as e:  # not built, or built against another torch/CUDA
+except ModuleNotFoundError as e:
+    if e.name != _C_NAME:  # a module that _C needs: not ours to word
+        raise
+    EXTENSION_AVAILABLE = False
+    EXTENSION_ERROR = (f"the extension is not built: no compiled library {_C_NAME} in "
+                       f"{os.path.dirname(os.path.abspath(__file__))}")
+except ImportError as e:  # built against another torch/CUDA, a missing shared library, ...
     EXTENSION_AVAILABLE = False
     EXTENSION_ERROR = f"{type(e).__name__}: {e}"
 _built = _built_for_other_torch()
@@ -84,8 +98,7 @@ def require_extension() -> None:
     if not EXTENSION_AVAILABLE:
         raise RuntimeError(
             "flash_attention_sm75: the compiled extension flash_attention_sm75._C could not be "
-            f"imported ({EXTENSION_ERROR}); build it with `pip install --no-build-isolation .` "
-            "(README: Set-up)")
+            f"imported ({EXTENSION_ERROR}); {BUILD_HINT}")
 
 
 # Set by deterministic_backward(), process-wide: PyTorch runs the backward of CUDA tensors on its

@@ -242,8 +242,8 @@ def _enable_from_environment() -> None:
         return
     if not _ops.EXTENSION_AVAILABLE:
         warnings.warn(f"flash_attention_sm75: {ENV_VAR} is set but the compiled extension is not "
-                      f"available ({_ops.EXTENSION_ERROR}); torch's SDPA is left unchanged",
-                      RuntimeWarning, stacklevel=3)
+                      f"available ({_ops.EXTENSION_ERROR}; {_ops.BUILD_HINT}); torch's SDPA is "
+                      f"left unchanged", RuntimeWarning, stacklevel=3)
         return
     try:
         enable_sdpa(treat_as_sm75=treat)

@@ -213,6 +213,30 @@ def test_enable_without_extension_raises(monkeypatch):
     assert not fa.is_sdpa_enabled()
 
 
+def test_missing_extension_message_points_to_the_build(tmp_path):
+    # Python words a failed `from . import _C` during the package's own import as "cannot
+    # import name '_C' from partially initialized module ... (most likely due to a circular
+    # import)": the message must say that the extension is not built and how to build it.
+    import os
+    import shutil
+
+    shutil.copytree(os.path.join(ROOT, "flash_attention_sm75"), tmp_path / "flash_attention_sm75",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "_build_info.py", "__pycache__"))
+    code = ("import torch, flash_attention_sm75 as fa\n"
+            "print(fa.EXTENSION_AVAILABLE, fa.EXTENSION_ERROR)\n"
+            "q = torch.zeros(1, 1, 1, 8, dtype=torch.float16)\n"
+            "fa.flash_attn_func(q, q, q)\n")
+    env = {k: v for k, v in os.environ.items() if k not in (so.ENV_VAR, so.DEVICES_ENV_VAR)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env={**env, "PYTHONPATH": str(tmp_path)})
+    assert r.stdout.startswith("False the extension is not built: no compiled library "
+                               "flash_attention_sm75._C in "), r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: flash_attention_sm75:"), r.stderr
+    assert "pip install --no-build-isolation ." in last
+    assert "circular" not in r.stdout + r.stderr and "partially initialized" not in r.stderr
+
+
 def _python(code, env=None, args=(), cwd=ROOT):
     import os
     full = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
