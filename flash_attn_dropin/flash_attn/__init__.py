@@ -5,7 +5,8 @@ repository): the distribution is named ``flash-attn``, so it replaces a real fla
 environment, and transformers' ``attn_implementation="flash_attention_2"`` runs these functions.
 The code lives in ``flash_attention_sm75.fa2`` (functions) and ``flash_attention_sm75.bert_padding``;
 see their docstrings for shapes, dtypes and the errors raised for features the SM75 kernels do
-not have (:class:`UnsupportedFeatureError`: dropout, soft-capping, ALiBi; sliding windows run).
+not have (:class:`UnsupportedFeatureError`: dropout; sliding windows, soft-capping and ALiBi
+run).
 """
 from .flash_attn_interface import *  # noqa: F401,F403  (flash-attn's package layout)
 from .flash_attn_interface import __all__  # noqa: F401
