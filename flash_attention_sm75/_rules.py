@@ -199,7 +199,7 @@ def softcap_problem(softcap: object) -> Optional[str]:
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         return (f"softcap must be a real number (float or int), finite and >= 0 (0: no "
                 f"soft-capping), got {type_name(softcap)} {softcap!r}")
-    if not (math.isfinite(float(softcap)) and softcap >= 0):
+    if not 0 <= softcap < math.inf:  # NaN fails too; comparisons trace under torch.compile
         return f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap!r}"
     return None
 

@@ -87,7 +87,7 @@ def _softcap(softcap: object) -> float:
     (0.0), as flash-attn reads it; NaN and infinities raise (flash-attn would silently read NaN
     as off and +inf as a cap that overflows)."""
     cap = _real("softcap", softcap)
-    if not math.isfinite(cap):
+    if not -math.inf < cap < math.inf:  # not math.isfinite: torch.compile traces comparisons
         raise ValueError(f"{PREFIX}softcap must be a finite number (> 0: soft-capping, as "
                          f"softcap * tanh(score / softcap); 0 or below: off, as in flash-attn), "
                          f"got {softcap!r}")

@@ -361,6 +361,19 @@ def test_flash_attn_func_with_mods_under_torch_compile_fullgraph():
 
 
 # ---------------------------------------------------------------- flash-attn drop-in (CPU)
+def test_fa2_dense_with_mods_under_torch_compile_fullgraph():
+    # a second softcap value is traced symbolically: the drop-in's checks must trace it
+    q, k, v = _qkv(2, 6, 9, 4, 2, 16, seed=14)
+
+    def attend(q, k, v, cap, slopes):
+        return fa2.flash_attn_func(q, k, v, causal=True, softcap=cap, alibi_slopes=slopes)
+
+    compiled = torch.compile(attend, fullgraph=True, backend="eager")
+    for cap, per_batch in ((1.0, False), (2.5, True), (-1.0, False), (7.0, True)):
+        slopes = slopes_for(2, 4, per_batch, "cpu")
+        assert torch.equal(compiled(q, k, v, cap, slopes), attend(q, k, v, cap, slopes)), cap
+
+
 def _out_exact(out, ref, what="out"):
     """fp16 ``out`` within one fp16 ulp of the float64 ``ref`` (the CPU reference rounds once)."""
     assert out.dtype == torch.float16 and out.shape == ref.shape, (what, out.shape, ref.shape)

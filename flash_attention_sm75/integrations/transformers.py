@@ -270,7 +270,7 @@ def _softcap_kwarg(kwargs: dict) -> float:
     if cap is None:
         return 0.0
     if (isinstance(cap, bool) or not isinstance(cap, numbers.Real)
-            or not (math.isfinite(cap) and cap > 0)):
+            or not 0 < cap < math.inf):
         shown = (f"a tensor of shape {list(cap.shape)}" if isinstance(cap, torch.Tensor)
                  else repr(cap))
         raise ValueError(f"flash_attention_sm75: softcap must be None (off) or a finite number "
