@@ -68,8 +68,11 @@ def test_cpu_reference_op_applies_the_mods(seqlens, causal, bottom_right, softca
                    for s, h in ((sq, 4), (sk, 2), (sk, 2), (sq, 4)))
     slopes = slopes_for(2, 4, True, "cpu") if alibi else None
     _check_forward(q, k, v, causal, bottom_right, softcap, slopes)
+    # atol 2e-3, not 1e-3: the backward's D = rowsum(dO * O) reads the fp16 output (as the
+    # kernels do), and at 12x5 causal cap50 that rounding alone puts dK 1.24e-2 from the float64
+    # gradient against a bound of 1.16e-2 (with the float64 O the same formula is exact to 1e-14).
     check_against_reference(q, k, v, do, causal, bottom_right, deterministic=True,
-                            softcap=softcap, alibi_slopes=slopes)
+                            softcap=softcap, alibi_slopes=slopes, atol=2e-3)
 
 
 def test_mods_change_the_result_and_zero_means_off():
