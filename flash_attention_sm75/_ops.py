@@ -39,7 +39,7 @@ from typing import Iterator, Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from ._rules import require_bool
+from ._rules import _SLOPES_GRAD, require_bool
 
 __all__ = [
     "EXTENSION_AVAILABLE",
@@ -242,9 +242,7 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
             "torch.autograd.grad, or flash_attention_sm75.scaled_dot_product_attention, which "
             "falls back to torch's SDPA inside torch.func transforms")
     if (alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()):
-        raise ValueError(
-            "flash_attention_sm75: alibi_slopes must not require grad: the kernels compute no "
-            "gradient for the slopes (pass alibi_slopes.detach() to treat them as constants)")
+        raise ValueError("flash_attention_sm75: " + _SLOPES_GRAD)
     op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
     if (torch.compiler.is_compiling() or transforms
             or torch._C._is_torch_function_mode_enabled()

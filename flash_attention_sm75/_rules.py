@@ -34,8 +34,10 @@ __all__ = [
     "RULES",
     "SOFTMAX_SCALE_MAX",
     "SOFTMAX_SCALE_MIN",
+    "alibi_slopes_problem",
     "check_inputs",
     "NO_WINDOW",
+    "softcap_problem",
     "window_size_problem",
     "is_kernel_aligned",
     "not_supported_reason",
@@ -121,6 +123,9 @@ RULES: Tuple[str, ...] = (
     "key_range",       # leftpad_k / seqused_k: KEY_RANGE_DTYPE, (batch,), device, contiguous
     "softmax_scale",   # finite, [SOFTMAX_SCALE_MIN, SOFTMAX_SCALE_MAX]
     "window_size",     # (left, right) ints, each -1 (no limit) or >= 0
+    "softcap",         # a real number, finite, >= 0 (0: off)
+    "alibi_slopes",    # None or float32 (num_heads,) / (batch, num_heads), last dim contiguous,
+                       # q's device, no key ranges, not requiring grad (under grad mode)
     "alignment",       # VECTOR_BYTES data pointer, strides of STRIDE_MULTIPLE
     "capability",      # MIN_COMPUTE_CAPABILITY
 )
@@ -182,6 +187,58 @@ def window_size_problem(window_size: object) -> Optional[str]:
                     f"{type_name(w)} {w!r}")
         if w < -1:
             return f"window_size_{side} must be -1 (no limit) or >= 0, got {int(w)}"
+    return None
+
+
+def softcap_problem(softcap: object) -> Optional[str]:
+    """None if ``softcap`` is a usable logit soft-cap: a real number (Python or numpy scalar),
+    finite and >= 0, where 0 is off and ``c > 0`` maps each scaled score ``s`` to
+    ``c * tanh(s / c)`` (flash-attn's / Gemma 2's), else what is wrong with it. The C++ op checks
+    the same (``check_score_mod``). flash-attn's own door also takes negative values as "off";
+    ``fa2.py`` maps them to 0 before asking."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        return (f"softcap must be a real number (float or int), finite and >= 0 (0: no "
+                f"soft-capping), got {type_name(softcap)} {softcap!r}")
+    if not 0 <= softcap < math.inf:  # NaN fails too; comparisons trace under torch.compile
+        return f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap!r}"
+    return None
+
+
+_SLOPES_GRAD = ("alibi_slopes must not require grad: the kernels compute no gradient for the "
+                "slopes (pass alibi_slopes.detach() to treat them as constants)")
+
+
+def alibi_slopes_problem(alibi_slopes: object, device: torch.device, batch: int,
+                         num_heads: int, key_ranges: bool = False) -> Optional[str]:
+    """None if ``alibi_slopes`` (not None) are usable ALiBi slopes for a call on ``device`` with
+    ``batch`` entries and ``num_heads`` query heads, else what is wrong with them: a float32
+    tensor of shape ``(num_heads,)`` or ``(batch, num_heads)``, last dimension contiguous, on
+    ``device``, in a call without key ranges (``key_ranges``: leftpad_k / seqused_k given), and
+    not requiring grad while grad mode is on (no slope gradient). Query ``i`` and key ``j`` then
+    get ``- slope * |i + off - j|`` added to their (soft-capped) score, ``off`` the causal
+    alignment's offset, also without causal. The C++ op checks the same (``check_score_mod``),
+    except the gradient rule (``_ops.call_fwd`` states it)."""
+    a = alibi_slopes
+    if not isinstance(a, torch.Tensor):
+        return f"alibi_slopes must be a torch.Tensor or None, got {type_name(a)}"
+    if a.layout != torch.strided:
+        return f"alibi_slopes must be a strided (dense) tensor, got {a.layout}"
+    if a.dtype != torch.float32:
+        return f"alibi_slopes must be float32, got {a.dtype}"
+    if a.device != device:
+        return f"alibi_slopes must be on q's device ({device}), got {a.device}"
+    if not ((a.dim() == 1 and a.shape[0] == num_heads)
+            or (a.dim() == 2 and a.shape[0] == batch and a.shape[1] == num_heads)):
+        return (f"alibi_slopes must have shape (num_heads,) = ({num_heads},) or (batch, "
+                f"num_heads) = ({batch}, {num_heads}), got {list(a.shape)}")
+    if a.numel() != 0 and a.stride(-1) != 1:
+        return (f"alibi_slopes must be contiguous in its last dimension, got strides "
+                f"{list(a.stride())}")
+    if key_ranges:
+        return ("alibi_slopes cannot be combined with leftpad_k / seqused_k (the ALiBi distance "
+                "of a key range is not defined here); pass alibi_slopes=None or no key ranges")
+    if a.requires_grad and torch.is_grad_enabled():
+        return _SLOPES_GRAD
     return None
 
 
@@ -270,6 +327,8 @@ def not_supported_reason(
     check_alignment: bool = True,
     names: Sequence[str] = _QKV,
     window_size: Sequence[int] = NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> Optional[str]:
     """None if the kernels accept these inputs, else the first rule they break, as a sentence
     that names the argument and the accepted values.
@@ -300,6 +359,11 @@ def not_supported_reason(
     window_size : pair of int
         flash-attn's sliding window ``(left, right)``, each -1 (no limit) or >= 0
         (:func:`window_size_problem`).
+    softcap : float
+        flash-attn's logit soft-cap, finite and >= 0 (0: off) (:func:`softcap_problem`).
+    alibi_slopes : torch.Tensor, optional
+        flash-attn's ALiBi slopes, float32 ``(num_heads,)`` or ``(batch, num_heads)``, not with
+        key ranges (:func:`alibi_slopes_problem`).
     """
     bhsd = layout == "bhsd"
     if not (isinstance(q, torch.Tensor) and not q.is_nested and q.layout is _STRIDED):
@@ -361,6 +425,17 @@ def not_supported_reason(
         r = window_size_problem(window_size)
         if r is not None:
             return r
+    # A float 0.0 <= softcap < inf passes without the call (the common, valid case); a numpy
+    # scalar, an int or a SymFloat under torch.compile takes the full check, which traces.
+    if type(softcap) is not float or not 0.0 <= softcap < math.inf:
+        r = softcap_problem(softcap)
+        if r is not None:
+            return r
+    if alibi_slopes is not None:
+        r = alibi_slopes_problem(alibi_slopes, dev, qs[0], h,
+                                 leftpad_k is not None or seqused_k is not None)
+        if r is not None:
+            return r
 
     if dev_type == "cuda":
         if check_alignment:
@@ -377,13 +452,15 @@ def not_supported_reason(
 
 
 def check_inputs(q, k, v, softmax_scale=None, leftpad_k=None, seqused_k=None, *,
-                 layout: str = "bshd", window_size: Sequence[int] = NO_WINDOW) -> None:
+                 layout: str = "bshd", window_size: Sequence[int] = NO_WINDOW,
+                 softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None) -> None:
     """Raise ``ValueError("flash_attention_sm75: <reason>")`` for inputs the kernels do not accept
     (:func:`not_supported_reason` with the op's devices: CUDA, CPU reference, meta), before any
     launch. ``layout`` is ``"bshd"`` (the op's own) or ``"bhsd"``."""
     if layout not in ("bshd", "bhsd"):
         raise ValueError(f"{PREFIX}layout must be 'bshd' or 'bhsd', got {layout!r}")
     reason = not_supported_reason(q, k, v, softmax_scale, leftpad_k, seqused_k, layout=layout,
-                                  window_size=window_size)
+                                  window_size=window_size, softcap=softcap,
+                                  alibi_slopes=alibi_slopes)
     if reason is not None:
         raise ValueError(PREFIX + reason)

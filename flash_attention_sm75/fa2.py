@@ -11,14 +11,20 @@ have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and
 ``ValueError``) naming the argument and the value that is accepted, before any kernel launch:
 
 * ``dropout_p > 0`` (accepted: 0.0);
-* ``softcap > 0`` (accepted: 0.0 or below, which flash-attn also treats as off);
-* ``alibi_slopes`` (accepted: None);
 * ``flash_attn_with_kvcache`` where a gradient could flow (flash-attn has no backward there and
   would silently give none).
 
+``softcap`` (logit soft-capping, Gemma 2) and ``alibi_slopes`` (ALiBi) run on the kernels in
+every function, with flash-attn's semantics (``softcap <= 0`` is off; NaN or infinite raises
+``ValueError``); with the varlen functions and key-ranged ``flash_attn_with_kvcache`` calls,
+ALiBi runs one kernel call per sequence after one host read of the lengths (see
+:func:`flash_attn_varlen_func`).
+
 Invalid input (dtype, shapes, devices, head dims above 256, ...) raises ``ValueError`` naming
 the argument (the rulebook, ``_rules.py``). Differences from flash-attn, all documented in the
-functions: rows that see no key give LSE ``-inf`` (flash-attn: ``+inf``); ``S_dmask``
+functions: rows that see no key give LSE ``-inf`` (flash-attn: ``+inf``); with ALiBi and causal
+masking the LSE is that of flash-attn's documented scores, not of its causal kernels' shifted
+ones (the ALiBi note in the functions' docstrings); ``S_dmask``
 (``return_attn_probs=True``) is the empty tensor flash-attn itself returns when
 ``dropout_p == 0``; head dims that are not a multiple of 8 are zero-padded as flash-attn does;
 tensors on the CPU run the op's float64 reference.
@@ -31,6 +37,7 @@ applies when the backward runs.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional, Sequence, Tuple, Union
 
@@ -54,9 +61,9 @@ PREFIX = _rules.PREFIX
 
 
 class UnsupportedFeatureError(NotImplementedError, ValueError):
-    """A flash-attn feature the SM75 kernels do not implement (dropout, soft-capping, ALiBi,
-    ...). Both a ``NotImplementedError`` (the feature is missing here) and
-    a ``ValueError`` (the value given cannot be served; what ``flash_attention_sm75``'s own APIs
+    """A flash-attn feature the SM75 kernels do not implement (dropout, a gradient through
+    ``flash_attn_with_kvcache``, ...). Both a ``NotImplementedError`` (the feature is missing
+    here) and a ``ValueError`` (the value given cannot be served; what ``flash_attention_sm75``'s own APIs
     raise for the same options), so either ``except`` catches it."""
 
 
@@ -79,33 +86,50 @@ def _window(window_size: object) -> Tuple[int, int]:
     return tuple(max(int(w), -1) for w in window_size)
 
 
+def _softcap(softcap: object) -> float:
+    """flash-attn's ``softcap`` as the op's: a finite real number, where any value <= 0 is off
+    (0.0), as flash-attn reads it; NaN and infinities raise (flash-attn would silently read NaN
+    as off and +inf as a cap that overflows)."""
+    cap = _real("softcap", softcap)
+    if not -math.inf < cap < math.inf:  # not math.isfinite: torch.compile traces comparisons
+        raise ValueError(f"{PREFIX}softcap must be a finite number (> 0: soft-capping, as "
+                         f"softcap * tanh(score / softcap); 0 or below: off, as in flash-attn), "
+                         f"got {softcap!r}")
+    return cap if cap > 0.0 else 0.0
+
+
+def _check_slopes(alibi_slopes, q: torch.Tensor, batch: int, num_heads: int) -> None:
+    """The rulebook's ALiBi rule for a call of ``batch`` sequences and ``num_heads`` query
+    heads (flash-attn's ``(nheads,)`` or ``(batch, nheads)`` float32)."""
+    if alibi_slopes is not None:
+        reason = _rules.alibi_slopes_problem(alibi_slopes, q.device, batch, num_heads)
+        if reason is not None:
+            raise ValueError(PREFIX + reason)
+
+
 def _check_options(*, causal, dropout_p=0.0,
-                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                   bools: Sequence[Tuple[str, object]] = ()) -> Tuple[int, int]:
+                   window_size=(-1, -1), softcap=0.0, deterministic=False,
+                   bools: Sequence[Tuple[str, object]] = ()) -> Tuple[Tuple[int, int], float]:
     """Validate flash-attn's options; raise :class:`UnsupportedFeatureError` naming every
     feature asked for that the kernels do not have. Returns the window as the op's pair of
-    ints (the kernels run sliding windows)."""
+    ints (the kernels run sliding windows) and the softcap as the op's float (:func:`_softcap`);
+    ``alibi_slopes`` are the rulebook's (:func:`_check_slopes`)."""
     _rules.require_bool("causal", causal)
     _rules.require_bool("deterministic", deterministic)  # served by the backward (_run)
     for name, value in bools:
         _rules.require_bool(name, value)
     dropout = _real("dropout_p", dropout_p)
-    cap = _real("softcap", softcap)
+    cap = _softcap(softcap)
     left, right = _window(window_size)
     problems = []
     if dropout != 0.0:
         problems.append(f"dropout_p={dropout_p!r}: dropout is not implemented (accepted: 0.0; "
                         f"transformers passes 0.0 in eval mode and config.attention_dropout "
                         f"in training)")
-    if cap > 0.0:
-        problems.append(f"softcap={softcap!r}: logit soft-capping is not implemented "
-                        f"(accepted: 0.0, or any value <= 0, which flash-attn treats as off)")
-    if alibi_slopes is not None:
-        problems.append("alibi_slopes: ALiBi is not implemented (accepted: None)")
     if problems:
         raise UnsupportedFeatureError(PREFIX + "not supported by the SM75 kernels: "
                                       + "; ".join(problems))
-    return left, right
+    return (left, right), cap
 
 
 # ------------------------------------------------------------------------------- the kernel call
@@ -131,9 +155,10 @@ def _scale_for(softmax_scale, d_orig: int, padded: bool):
     return softmax_scale
 
 
-def _require_valid(q, k, v, softmax_scale, names=("q", "k", "v")) -> None:
+def _require_valid(q, k, v, softmax_scale, names=("q", "k", "v"), alibi_slopes=None) -> None:
     reason = _rules.not_supported_reason(q, k, v, softmax_scale, layout="bshd",
-                                         check_alignment=False, names=tuple(names))
+                                         check_alignment=False, names=tuple(names),
+                                         alibi_slopes=alibi_slopes)
     if reason is not None:
         raise ValueError(PREFIX + reason)
 
@@ -147,12 +172,43 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run(q, k, v, softmax_scale, causal, leftpad_k=None, seqused_k=None, window=(-1, -1),
-         deterministic=False):
+         softcap=0.0, alibi_slopes=None, deterministic=False):
     """The op on BSHD tensors (already validated), aligned for the kernels; ``deterministic``:
     flash-attn's flag, kept by autograd for this call's backward (``_ops.call_fwd``)."""
     scale = None if softmax_scale is None else float(softmax_scale)
     return _ops.call_fwd(_aligned(q), _aligned(k), _aligned(v), scale, causal, True,
-                         leftpad_k, seqused_k, *window, deterministic=deterministic)
+                         leftpad_k, seqused_k, *window, softcap, alibi_slopes,
+                         deterministic=deterministic)
+
+
+def _run_per_sequence(q, k, v, softmax_scale, causal, len_q, start, end, window, softcap,
+                      alibi_slopes, deterministic=False):
+    """ALiBi where sequences have key ranges, which the op refuses with ALiBi: one op call per
+    batch entry, each on its own rows, so that the op's bottom-right offset is the sequence's
+    own ``len_k - len_q`` for the causal diagonal, the window and the ALiBi distance alike
+    (flash-attn's per-sequence definition).
+
+    ``q`` ``(batch, Mq, ...)`` holds sequence b's queries in its last ``len_q[b]`` rows, ``k``,
+    ``v`` its keys in rows ``[start[b], end[b])`` (int tensors, read on the host: one
+    synchronisation). Returns the op's ``(out, lse)`` for the whole padded batch: 0 and ``-inf``
+    in the rows before each sequence's queries."""
+    batch, rows_q = q.shape[0], q.shape[1]
+    if batch == 0:
+        return _run(q, k, v, softmax_scale, causal, window=window, softcap=softcap,
+                    deterministic=deterministic)
+    bounds = torch.stack([len_q.to(torch.int64), start.to(torch.int64),
+                          end.to(torch.int64)]).tolist()
+    outs, lses = [], []
+    for b, (n_q, lo, hi) in enumerate(zip(*bounds)):
+        lo = min(max(lo, 0), k.shape[1])
+        hi = min(max(hi, lo), k.shape[1])  # clamped into the rows, as the op's key ranges
+        slopes = alibi_slopes[b:b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+        out, lse = _run(q[b:b + 1, rows_q - n_q:], k[b:b + 1, lo:hi], v[b:b + 1, lo:hi],
+                        softmax_scale, causal, window=window, softcap=softcap,
+                        alibi_slopes=slopes, deterministic=deterministic)
+        outs.append(F.pad(out, (0, 0, 0, 0, rows_q - n_q, 0)))
+        lses.append(F.pad(lse, (rows_q - n_q, 0), value=float("-inf")))
+    return torch.cat(outs), torch.cat(lses)
 
 
 def _attn_probs_placeholder(q: torch.Tensor) -> torch.Tensor:
@@ -167,14 +223,15 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             _require_valid(q, k, v, softmax_scale, names)  # names the problem
-    window = _check_options(causal=causal, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                            alibi_slopes=alibi_slopes, deterministic=deterministic,
-                            bools=(("return_attn_probs", return_attn_probs),))
+    window, cap = _check_options(causal=causal, dropout_p=dropout_p, window_size=window_size,
+                                 softcap=softcap, deterministic=deterministic,
+                                 bools=(("return_attn_probs", return_attn_probs),))
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
-    _require_valid(qp, kp, vp, scale, names)
-    out, lse = _run(qp, kp, vp, scale, causal, window=window, deterministic=deterministic)
+    _require_valid(qp, kp, vp, scale, names, alibi_slopes)
+    out, lse = _run(qp, kp, vp, scale, causal, window=window, softcap=cap,
+                    alibi_slopes=alibi_slopes, deterministic=deterministic)
     if padded:
         out = out[..., :d]
     if return_attn_probs:
@@ -197,14 +254,28 @@ _COMMON_DOC = """
     ``FLASH_SM75_BWD_DQ=atomic`` (read when the backward runs) selects fp32 atomics for dQ.
 
     ``window_size = (left, right)`` is flash-attn's sliding window (bottom-right aligned like
-    ``causal``; a negative side is unbounded), run by the kernels' local instantiations. Options
-    the kernels do not have raise :class:`UnsupportedFeatureError` (a ``NotImplementedError`` and
-    a ``ValueError``) naming them: ``dropout_p`` other than 0.0, ``softcap > 0``,
-    ``alibi_slopes`` not None. Invalid tensors raise ``ValueError`` naming the argument.
+    ``causal``; a negative side is unbounded), run by the kernels' local instantiations.
+    ``softcap > 0`` maps each scaled score ``s`` to ``softcap * tanh(s / softcap)`` (Gemma 2's
+    logit soft-capping; ``softcap <= 0`` is off, as in flash-attn; NaN or infinite raises
+    ``ValueError``). ``alibi_slopes``: see ALiBi below. Options the kernels do not have raise
+    :class:`UnsupportedFeatureError` (a ``NotImplementedError`` and a ``ValueError``) naming
+    them: ``dropout_p`` other than 0.0. Invalid tensors raise ``ValueError`` naming the argument.
 
     Returns ``out``, or with ``return_attn_probs=True`` the tuple ``(out, softmax_lse,
     S_dmask)``: ``softmax_lse`` is float32, natural log; ``S_dmask`` is an empty tensor, which
     is what flash-attn returns when ``dropout_p == 0``.
+"""
+
+_ALIBI_DOC = """
+    ALiBi: ``alibi_slopes`` float32 ``(nheads,)`` or ``(batch, nheads)`` (last dimension
+    contiguous, on q's device), as in flash-attn: the score of query ``i`` and key ``j`` in head
+    ``h`` gets ``-slope[h] * |i + seqlen_k - seqlen_q - j|`` (per sequence: its own lengths),
+    after the soft-cap, with or without ``causal``. No gradient flows to the slopes (as in
+    flash-attn); slopes that require grad raise ``ValueError`` while grad mode is on instead of
+    being silently ignored (pass ``alibi_slopes.detach()``). The output and the gradients are
+    flash-attn's; the LSE is that of the scores just defined. (flash-attn's causal kernels add
+    ``slope * j`` instead, which gives the same output but shifts their LSE by
+    ``slope * (i + seqlen_k - seqlen_q)``.)
 """
 
 
@@ -283,7 +354,7 @@ def flash_attn_func(
 
 
 for _f in (flash_attn_qkvpacked_func, flash_attn_kvpacked_func, flash_attn_func):
-    _f.__doc__ += _COMMON_DOC
+    _f.__doc__ += _COMMON_DOC + _ALIBI_DOC
 
 
 def _shape_of(x) -> str:
@@ -334,11 +405,12 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                          f"(batch + 1), got {cu_q.shape[0]} and {cu_k.shape[0]}")
     max_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
-    window = _check_options(causal=causal, dropout_p=dropout_p,
-                            window_size=window_size, softcap=softcap,
-                            alibi_slopes=alibi_slopes, deterministic=deterministic,
-                            bools=(("return_attn_probs", return_attn_probs),))
+    window, cap = _check_options(causal=causal, dropout_p=dropout_p,
+                                 window_size=window_size, softcap=softcap,
+                                 deterministic=deterministic,
+                                 bools=(("return_attn_probs", return_attn_probs),))
     batch = cu_q.shape[0] - 1
+    _check_slopes(alibi_slopes, q, batch, q.shape[1])
     if paged:
         _check_block_table(block_table, batch, q)
         if k.shape[0] == 0:
@@ -377,9 +449,15 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     leftpad = (max_k - len_k).to(torch.int32)
     seqused = torch.full((batch,), max_k, dtype=torch.int32, device=q.device)
     # Right-aligned rows make the op's single bottom-right offset every sequence's own, for the
-    # causal diagonal and the window's edges alike.
-    out_pad, lse_pad = _run(q_pad, k_pad, v_pad, scale, causal, leftpad, seqused, window,
-                            deterministic)
+    # causal diagonal and the window's edges alike. ALiBi is refused with key ranges by the op:
+    # one call per sequence then.
+    if alibi_slopes is None:
+        out_pad, lse_pad = _run(q_pad, k_pad, v_pad, scale, causal, leftpad, seqused, window,
+                                cap, deterministic=deterministic)
+    else:
+        out_pad, lse_pad = _run_per_sequence(q_pad, k_pad, v_pad, scale, causal, lay_q.lengths,
+                                             leftpad, seqused, window, cap, alibi_slopes,
+                                             deterministic)
     out = _packing.unpack(out_pad.flatten(0, 1), lay_q)
     if padded:
         out = out[..., :d]
@@ -422,7 +500,13 @@ _VARLEN_DOC = """
     ``(out, softmax_lse, S_dmask)`` with ``softmax_lse`` float32 ``(nheads, total_q)``
     (flash-attn's packed layout) and ``S_dmask`` the empty tensor flash-attn returns when
     ``dropout_p == 0``. Gradients flow to q, k, v (and to the packed ``qkv`` / ``kv``).
-    ``window_size`` applies per sequence (bottom-right aligned). Unsupported options raise
+    ``window_size`` applies per sequence (bottom-right aligned), and so do ``softcap`` and
+    ``alibi_slopes`` (``(nheads,)`` or ``(batch, nheads)``, ``batch`` the number of sequences:
+    the distance of query ``i`` and key ``j`` of a sequence is ``|i + len_k - len_q - j|``).
+    With ``alibi_slopes`` the sequences run as one kernel call each (the op refuses ALiBi with
+    the per-sequence key ranges of the padded batch): the lengths are read on the host (one
+    synchronisation, so no ``torch.compile(fullgraph=True)`` and no CUDA-graph capture of such a
+    call) and the cost grows with the number of sequences. Unsupported options raise
     :class:`UnsupportedFeatureError` as :func:`flash_attn_func` describes.
 """
 
@@ -512,7 +596,7 @@ def flash_attn_varlen_func(
 
 for _f in (flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func,
            flash_attn_varlen_func):
-    _f.__doc__ += _VARLEN_DOC
+    _f.__doc__ += _VARLEN_DOC + _ALIBI_DOC
 
 
 # ------------------------------------------------------------------------------------ KV cache
@@ -604,7 +688,16 @@ def flash_attn_with_kvcache(
         seqlen_q``), and has no effect when ``seqlen_q == 1``.
     window_size : (int, int). flash-attn's sliding window, per sequence, bottom-right aligned on
         its ``cache_seqlens[b] + seqlen_new`` keys (the cache is gathered right-aligned then).
-    softcap, alibi_slopes : accepted at their "off" values only (see :func:`flash_attn_func`).
+    softcap : float. flash-attn's logit soft-capping, ``softcap * tanh(score / softcap)``;
+        ``<= 0`` is off (NaN or infinite raises ``ValueError``).
+    alibi_slopes : float32 (nheads,) or (batch, nheads), optional. flash-attn's ALiBi, per
+        sequence: query ``i`` and key row ``j`` get ``-slope * |i + L_b - seqlen_q - j'|``,
+        ``L_b`` the sequence's attended keys (``cache_seqlens[b] + seqlen_new`` less
+        ``cache_leftpad[b]``) and ``j'`` the key's position among them. The output is
+        flash-attn's; the LSE is that of these scores (flash-attn's causal kernels shift it by
+        ``slope * (i + L_b - seqlen_q)``). With ``cache_seqlens`` or ``cache_leftpad`` (key
+        ranges, which the op refuses with ALiBi) the batch runs as one kernel call per sequence,
+        after one host read of the lengths; without them, as one call.
     num_splits : int. flash-attn's split-KV count; a performance hint here (the kernels choose
         their own split), any int is accepted and has no effect on the result.
     return_softmax_lse : bool. Also return the float32 LSE ``(batch, nheads, seqlen_q)``.
@@ -623,8 +716,7 @@ def flash_attn_with_kvcache(
     Raises
     ------
     UnsupportedFeatureError
-        ``softcap > 0``, ``alibi_slopes``; and when a gradient
-        could flow (grad mode on and q, k or v requiring grad): flash-attn has no backward here
+        When a gradient could flow (grad mode on and q, k or v requiring grad): flash-attn has no backward here
         and would silently return none; call it under ``torch.no_grad()``.
     ValueError
         Invalid arguments, naming them (shapes, dtypes, devices; ``k`` without ``v`` or without
@@ -655,11 +747,10 @@ def flash_attn_with_kvcache(
         seqlen_cache = block_table.shape[1] * page
     else:
         seqlen_cache = k_cache.shape[1]
-    left, right = _check_options(causal=causal,
-                                 window_size=window_size, softcap=softcap,
-                                 alibi_slopes=alibi_slopes,
-                                 bools=(("rotary_interleaved", rotary_interleaved),
-                                        ("return_softmax_lse", return_softmax_lse)))
+    (left, right), cap = _check_options(causal=causal, window_size=window_size,
+                                        softcap=softcap,
+                                        bools=(("rotary_interleaved", rotary_interleaved),
+                                               ("return_softmax_lse", return_softmax_lse)))
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
         raise ValueError(f"{PREFIX}num_splits must be an int, got {_rules.type_name(num_splits)}")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
@@ -677,6 +768,7 @@ def flash_attn_with_kvcache(
     # q and the cache through the rulebook (metadata only; one batch entry of each, since the
     # cache's first dimension may be pages or selected rows).
     _require_valid(q[:1], k_cache[:1], v_cache[:1], softmax_scale, ("q", "k_cache", "v_cache"))
+    _check_slopes(alibi_slopes, q, batch, q.shape[2])
     if k is not None:
         if cache_seqlens is None:
             raise ValueError(f"{PREFIX}cache_seqlens must be given with k and v (where to append)")
@@ -755,10 +847,20 @@ def flash_attn_with_kvcache(
         padded = qp is not q
         scale = _scale_for(softmax_scale, d, padded)
         _require_valid(qp, kp, vp, scale, ("q", "k_cache", "v_cache"))
-        out, lse = _run(qp, kp, vp, scale, is_causal,
-                        None if start is None else start.to(torch.int32),
-                        None if end is None else end.to(torch.int32),
-                        (left, right) if local else (-1, -1))
+        window = (left, right) if local else (-1, -1)
+        if alibi_slopes is None or (start is None and end is None):
+            out, lse = _run(qp, kp, vp, scale, is_causal,
+                            None if start is None else start.to(torch.int32),
+                            None if end is None else end.to(torch.int32),
+                            window, cap, alibi_slopes)
+        else:  # ALiBi with key ranges: one call per sequence (see _run_per_sequence)
+            rows = kp.shape[1]
+            out, lse = _run_per_sequence(
+                qp, kp, vp, scale, is_causal,
+                torch.full((batch,), seqlen_q, dtype=torch.int64, device=q.device),
+                torch.zeros(batch, dtype=torch.int64, device=q.device) if start is None
+                else start, torch.full((batch,), rows, dtype=torch.int64, device=q.device)
+                if end is None else end, window, cap, alibi_slopes)
     if padded:
         out = out[..., :d]
     return (out, lse) if return_softmax_lse else out

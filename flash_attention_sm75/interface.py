@@ -22,24 +22,22 @@ def _as_float(softmax_scale: object) -> Optional[float]:
     return None if softmax_scale is None else float(softmax_scale)
 
 
-def _reject_fa2_options(dropout_p, softcap, alibi_slopes) -> None:
-    """ValueError unless FlashAttention-2's dropout_p / softcap / alibi_slopes are at their "off"
-    values (what this kernel computes)."""
-    problems = []
+def _reject_dropout(dropout_p) -> None:
+    """ValueError unless FlashAttention-2's dropout_p is at its "off" value, 0 (dropout is not
+    implemented)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
-        problems.append(f"dropout_p={dropout_p!r} (only 0.0: dropout is not implemented)")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap != 0:
-        problems.append(f"softcap={softcap!r} (only 0.0: no logit soft-capping)")
-    if alibi_slopes is not None:
-        problems.append("alibi_slopes is not None (only None: no ALiBi)")
-    if problems:
-        raise ValueError("flash_attention_sm75: unsupported FlashAttention-2 option: "
-                         + "; ".join(problems))
+        raise ValueError(f"flash_attention_sm75: unsupported FlashAttention-2 option: "
+                         f"dropout_p={dropout_p!r} (only 0.0: dropout is not implemented)")
 
 
 def _window_args(window_size) -> Tuple[int, int]:
     # A validated window (the rulebook) as the op's two ints (numpy integers included).
     return int(window_size[0]), int(window_size[1])
+
+
+def _softcap_arg(softcap) -> float:
+    # A validated softcap (the rulebook) as the op's float (numpy scalars and ints included).
+    return softcap if type(softcap) is float else float(softcap)
 
 
 def flash_attn_func(
@@ -63,10 +61,10 @@ def flash_attn_func(
     ``flash_attn.flash_attn_func(q, k, v, softmax_scale=..., causal=...)`` can switch by
     changing the import. FlashAttention-2's order has ``dropout_p`` before ``softmax_scale``:
     pass ``softmax_scale`` and ``causal`` by keyword when porting such calls. ``window_size``
-    (a sliding window) is computed as in FlashAttention-2. ``dropout_p``, ``softcap`` and
-    ``alibi_slopes`` are accepted as keywords at their FlashAttention-2 "off" values only (so
-    ``flash_attn_func(q, k, v, dropout_p=0.0, causal=True)`` runs unchanged); any other value
-    raises ``ValueError``.
+    (a sliding window), ``softcap`` (logit soft-capping) and ``alibi_slopes`` (ALiBi) are
+    computed as in FlashAttention-2. ``dropout_p`` is accepted as a keyword at its "off" value
+    only (so ``flash_attn_func(q, k, v, dropout_p=0.0, causal=True)`` runs unchanged); any other
+    value raises ``ValueError``.
 
     Parameters
     ----------
@@ -106,11 +104,19 @@ def flash_attn_func(
         ``(-1, -1)``: no window. Key tiles outside every row's window are skipped, so the cost
         follows the window, not ``seqlen_k``.
     softcap : float, optional, keyword-only
-        FlashAttention-2's logit soft-capping, accepted at its default only: 0 (off). Any other
-        value raises ``ValueError``.
+        Logit soft-capping (FlashAttention-2's, Gemma 2's ``attn_logit_softcapping``): with
+        ``softcap > 0`` each scaled score ``s = softmax_scale * q_i . k_j`` becomes
+        ``softcap * tanh(s / softcap)`` before the mask and the softmax (and the backward
+        carries the tanh's derivative). A real number, finite and ``>= 0``; default ``0.0``:
+        off. (FlashAttention-2 also reads negative values as off; here they raise.)
     alibi_slopes : torch.Tensor, optional, keyword-only
-        FlashAttention-2's ALiBi slopes, accepted at its default only: ``None``. A tensor raises
-        ``ValueError``.
+        ALiBi (FlashAttention-2's): ``float32`` of shape ``(num_heads,)`` or
+        ``(batch_size, num_heads)``, last dimension contiguous, on ``q``'s device. Adds
+        ``-slope[h] * |i + seqlen_k - seqlen_q - j|`` to the (soft-capped) score of query ``i``
+        and key ``j`` in head ``h`` (bottom-right aligned like ``causal``, with or without
+        ``causal``). No gradient flows to the slopes: slopes that require grad raise
+        ``ValueError`` while grad mode is on (pass ``alibi_slopes.detach()``). Default
+        ``None``: no ALiBi.
 
     Returns
     -------
@@ -120,7 +126,8 @@ def flash_attn_func(
     (out, softmax_lse) : tuple of torch.Tensor
         When ``return_lse`` is ``True``. ``softmax_lse`` has shape
         ``(batch_size, num_heads, seqlen_q)``, ``torch.float32``, contiguous: the natural log of
-        ``sum_j exp(softmax_scale * q_i . k_j)`` over the keys row ``i`` sees.
+        ``sum_j exp(score_ij)`` over the keys row ``i`` sees (``score_ij``: the scaled score
+        after ``softcap`` and ``alibi_slopes``).
 
         Zero sizes are valid (``batch_size``, ``seqlen_q``, ``seqlen_k`` or ``num_heads`` with
         ``num_heads_k`` of 0): the result has the shapes above, empty, or with
@@ -137,9 +144,11 @@ def flash_attn_func(
         ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
         ``softmax_scale`` not a real number in ``[1.18e-38, 1.07e26]``, or
         ``causal`` /
-        ``return_lse`` not a bool, ``window_size`` not a pair of ints each -1 or >= 0, or a
-        FlashAttention-2 option (``dropout_p``, ``softcap``, ``alibi_slopes``) not at its "off"
-        value. The message
+        ``return_lse`` not a bool, ``window_size`` not a pair of ints each -1 or >= 0,
+        ``softcap`` not a finite real number >= 0, ``alibi_slopes`` not a float32 tensor of
+        shape ``(num_heads,)`` / ``(batch_size, num_heads)`` with a contiguous last dimension
+        on ``q``'s device (or requiring grad under grad mode), or ``dropout_p`` not 0. The
+        message
         names the argument. Also for a CUDA GPU of compute capability < 7.5. The rules are
         ``flash_attention_sm75._rules`` (one rulebook for every API); raised before any kernel
         launch.
@@ -192,10 +201,12 @@ def flash_attn_func(
     _ops.require_extension()
     _rules.require_bool("causal", causal)
     _rules.require_bool("return_lse", return_lse)
-    _reject_fa2_options(dropout_p, softcap, alibi_slopes)
-    _rules.check_inputs(q, k, v, softmax_scale, layout="bshd", window_size=window_size)
+    _reject_dropout(dropout_p)
+    _rules.check_inputs(q, k, v, softmax_scale, layout="bshd", window_size=window_size,
+                        softcap=softcap, alibi_slopes=alibi_slopes)
     out, softmax_lse = _ops.call_fwd(q, k, v, _as_float(softmax_scale), causal, True,
-                                     None, None, *_window_args(window_size))
+                                     None, None, *_window_args(window_size),
+                                     _softcap_arg(softcap), alibi_slopes)
     if return_lse:
         return out, softmax_lse
     return out
@@ -210,6 +221,8 @@ def flash_attention_forward(
     return_lse: bool = False,
     *,
     window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention with the FlashAttention-2 algorithm, BHSD layout.
 
@@ -247,6 +260,16 @@ def flash_attention_forward(
     window_size : tuple of int, optional, keyword-only
         Sliding window ``(left, right)``, bottom-right aligned, as in :func:`flash_attn_func`.
         Default ``(-1, -1)``: none.
+    softcap : float, optional, keyword-only
+        Logit soft-capping as in :func:`flash_attn_func`: ``softcap > 0`` maps each scaled
+        score ``s`` to ``softcap * tanh(s / softcap)``; finite and ``>= 0``; default ``0.0``:
+        off.
+    alibi_slopes : torch.Tensor, optional, keyword-only
+        ALiBi slopes as in :func:`flash_attn_func`: ``float32`` ``(num_heads,)`` or
+        ``(batch_size, num_heads)``, last dimension contiguous, on ``q``'s device; the score of
+        query ``i`` and key ``j`` in head ``h`` gets ``-slope[h] * |i + seqlen_k - seqlen_q -
+        j|``. Not differentiated (slopes requiring grad raise under grad mode). Default
+        ``None``.
 
     Returns
     -------
@@ -258,7 +281,8 @@ def flash_attention_forward(
     (out, softmax_lse) : tuple of torch.Tensor
         When ``return_lse`` is ``True``. ``softmax_lse`` has shape
         ``(batch_size, num_heads, seqlen_q)``, ``torch.float32``, contiguous: the natural log of
-        ``sum_j exp(softmax_scale * q_i . k_j)`` over the keys row ``i`` sees.
+        ``sum_j exp(score_ij)`` over the keys row ``i`` sees (``score_ij``: the scaled score
+        after ``softcap`` and ``alibi_slopes``).
 
         Zero sizes are valid (``batch_size``, ``seqlen_q``, ``seqlen_k`` or ``num_heads`` with
         ``num_heads_k`` of 0): the result has the shapes above, empty, or with
@@ -275,7 +299,10 @@ def flash_attention_forward(
         ``num_heads_k`` (``num_heads_k == 0`` with ``num_heads >= 1`` included),
         ``softmax_scale`` not a real number in ``[1.18e-38, 1.07e26]``, or
         ``causal`` /
-        ``return_lse`` not a bool, ``window_size`` not a pair of ints each -1 or >= 0; also for
+        ``return_lse`` not a bool, ``window_size`` not a pair of ints each -1 or >= 0,
+        ``softcap`` not a finite real number >= 0, ``alibi_slopes`` not a float32 tensor of
+        shape ``(num_heads,)`` / ``(batch_size, num_heads)`` with a contiguous last dimension
+        on ``q``'s device (or requiring grad under grad mode); also for
         a CUDA GPU of compute capability < 7.5. The message
         names the argument. The rules are ``flash_attention_sm75._rules`` (one rulebook for every
         API); raised before any kernel launch.
@@ -327,10 +354,12 @@ def flash_attention_forward(
     _ops.require_extension()
     _rules.require_bool("causal", causal)
     _rules.require_bool("return_lse", return_lse)
-    _rules.check_inputs(q, k, v, softmax_scale, layout="bhsd", window_size=window_size)
+    _rules.check_inputs(q, k, v, softmax_scale, layout="bhsd", window_size=window_size,
+                        softcap=softcap, alibi_slopes=alibi_slopes)
     out, softmax_lse = _ops.call_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                      _as_float(softmax_scale), causal, True, None, None,
-                                     *_window_args(window_size))
+                                     *_window_args(window_size), _softcap_arg(softcap),
+                                     alibi_slopes)
     out = out.transpose(1, 2)
     if return_lse:
         return out, softmax_lse

@@ -195,6 +195,52 @@ ROWS = [
         r"got tuple \(3,\)", cpp=False),
     Row("window_size", "window_float", _with(lambda *t: t, window_size=(3.0, 0)),
         r"window_size_left must be an int, -1 \(no limit\) or >= 0, got float 3\.0", cpp=False),
+    Row("softcap", "softcap_negative", _with(lambda *t: t, softcap=-1.0),
+        r"softcap must be a finite number >= 0 \(0: no soft-capping\), got -1\.0"),
+    Row("softcap", "softcap_nan", _with(lambda *t: t, softcap=float("nan")),
+        r"softcap must be a finite number >= 0 \(0: no soft-capping\), got nan"),
+    Row("softcap", "softcap_inf", _with(lambda *t: t, softcap=float("inf")),
+        r"softcap must be a finite number >= 0 \(0: no soft-capping\), got inf"),
+    Row("softcap", "softcap_str", _with(lambda *t: t, softcap="30"),
+        r"softcap must be a real number \(float or int\), finite and >= 0 \(0: no "
+        r"soft-capping\), got str '30'", cpp=False),
+    Row("softcap", "softcap_bool", _with(lambda *t: t, softcap=True),
+        r"softcap must be a real number .* got bool True", cpp=False),
+    Row("softcap", "softcap_tensor", _with(lambda *t: t, softcap=torch.tensor(30.0)),
+        r"softcap must be a real number .* got torch\.Tensor", cpp=False),
+    Row("alibi_slopes", "alibi_float64", _with(lambda *t: t, alibi_slopes=torch.ones(4).double()),
+        r"alibi_slopes must be float32, got torch\.float64"),
+    Row("alibi_slopes", "alibi_fp16", _with(lambda *t: t, alibi_slopes=torch.ones(4).half()),
+        r"alibi_slopes must be float32, got torch\.float16"),
+    Row("alibi_slopes", "alibi_shape_kv_heads", _with(lambda *t: t, alibi_slopes=torch.ones(2)),
+        r"alibi_slopes must have shape \(num_heads,\) = \(4,\) or \(batch, num_heads\) = "
+        r"\(2, 4\), got \[2\]"),
+    Row("alibi_slopes", "alibi_shape_batch", _with(lambda *t: t, alibi_slopes=torch.ones(3, 4)),
+        r"alibi_slopes must have shape \(num_heads,\) = \(4,\) or \(batch, num_heads\) = "
+        r"\(2, 4\), got \[3, 4\]"),
+    Row("alibi_slopes", "alibi_shape_3d", _with(lambda *t: t, alibi_slopes=torch.ones(2, 4, 1)),
+        r"alibi_slopes must have shape .* got \[2, 4, 1\]"),
+    Row("alibi_slopes", "alibi_strided", _with(lambda *t: t, alibi_slopes=torch.ones(2, 8)[:, ::2]),
+        r"alibi_slopes must be contiguous in its last dimension, got strides \[8, 2\]"),
+    Row("alibi_slopes", "alibi_with_key_range",
+        _with(lambda *t: t, alibi_slopes=torch.ones(4),
+              seqused_k=torch.full((2,), 7, dtype=torch.int32)),
+        r"alibi_slopes cannot be combined with leftpad_k / seqused_k \(the ALiBi distance of a "
+        r"key range is not defined here\); pass alibi_slopes=None or no key ranges"),
+    Row("alibi_slopes", "alibi_meta", _with(lambda *t: t, alibi_slopes=torch.ones(4, device="meta")),
+        r"alibi_slopes must be on q's device \(cpu\), got meta", cpp=False),
+    Row("alibi_slopes", "alibi_cpu_on_cuda_q",
+        _with(lambda *t: t, alibi_slopes=torch.ones(4)),
+        r"alibi_slopes must be on q's device \(cuda:0\), got cpu", device="cuda"),
+    Row("alibi_slopes", "alibi_list", _with(lambda *t: t, alibi_slopes=[1.0] * 4),
+        r"alibi_slopes must be a torch\.Tensor or None, got list", cpp=False),
+    Row("alibi_slopes", "alibi_sparse", _with(lambda *t: t, alibi_slopes=torch.ones(4).to_sparse()),
+        r"alibi_slopes must be a strided \(dense\) tensor, got torch\.sparse_coo", cpp=False),
+    # The op has no slope gradient; call_fwd and the rulebook refuse (the C++ op cannot know).
+    Row("alibi_slopes", "alibi_requires_grad",
+        _with(lambda *t: t, alibi_slopes=torch.ones(4, requires_grad=True)),
+        r"alibi_slopes must not require grad: the kernels compute no gradient for the slopes "
+        r"\(pass alibi_slopes\.detach\(\) to treat them as constants\)", cpp=False),
     # CPU tensors reach the op's CPU reference (the dispatcher's choice), never the C++ device
     # rule of the CUDA kernel; doors that run CUDA only ask the rulebook with devices=("cuda",).
     Row("device", "cpu_where_cuda_only", _base(), r"q must be a CUDA tensor, got device cpu",
@@ -245,12 +291,14 @@ def test_cpp_check_gives_the_rulebook_message(row):
     with pytest.raises(ValueError, match="^flash_attention_sm75: ") as cpp:
         torch.ops.flash_attention_sm75.fwd(q, k, v, kwargs.get("softmax_scale"), False, True,
                                            kwargs.get("leftpad_k"), kwargs.get("seqused_k"),
-                                           *kwargs.get("window_size", (-1, -1)))
+                                           *kwargs.get("window_size", (-1, -1)),
+                                           kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"))
     assert _head(str(cpp.value)) == _head("flash_attention_sm75: " + reason)
 
 
 # The direct APIs take no key ranges (the op and the HF integration pass them).
-_API_ROWS = [r for r in ROWS if r.rule != "key_range" and not r.check]
+_API_ROWS = [r for r in ROWS if r.rule != "key_range" and not r.check
+             and r.id != "alibi_with_key_range"]
 
 
 @pytest.mark.parametrize("row", _params(_API_ROWS))
@@ -268,9 +316,12 @@ def test_direct_apis_raise_the_rulebook_reason_before_the_op(row, op_calls):
 # float scale) or that it never sees in this form.
 _SDPA_OWN = {"scale_tensor", "scale_str", "scale_bool", "cpu_where_cuda_only",
              "window_left_minus_2", "window_right_minus_5", "window_not_pair", "window_float"}
+# torch's SDPA has no soft-capping or ALiBi argument.
+_NOT_IN_SDPA = {"softcap", "alibi_slopes"}
 
 
-@pytest.mark.parametrize("row", _params([r for r in _API_ROWS if r.id not in _SDPA_OWN]))
+@pytest.mark.parametrize("row", _params([r for r in _API_ROWS if r.id not in _SDPA_OWN
+                                         and r.rule not in _NOT_IN_SDPA]))
 def test_sdpa_wrapper_falls_back_with_the_rulebook_reason(row, monkeypatch):
     (q, k, v), kwargs = _build(row)
     monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", row.device)

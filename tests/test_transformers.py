@@ -10,6 +10,10 @@
   which run on the kernel with which ``leftpad_k``/``seqused_k``, which fall back;
 * the kernel path end to end through the op's CPU reference implementation
   (``configure(allow_cpu_reference=True)``), compared with torch SDPA on real tokens;
+* Gemma 2's ``softcap``: on the kernel on every mask path (classified masks, windows, no mask)
+  against transformers' Gemma 2 eager attention; the fallbacks (CPU, fp32, packed sequences,
+  decode off) apply it; a tiny Gemma-2-shaped model's prefill and generate on the kernel match
+  the fp32 eager model;
 * training: ``loss.backward()`` through the kernel path (the op's CPU reference forward and
   backward), registered name and patch, full and left-padded batches: every parameter's
   gradient against stock SDPA's.
@@ -748,31 +752,6 @@ def test_fallback_reasons_and_exact_stock_output(name, expected, caplog):
     assert any(expected in rec.getMessage() for rec in caplog.records)
 
 
-def test_softcap_raises_on_the_registered_function_and_falls_back_under_the_patch():
-    # Gemma 2 passes softcap=attn_logit_softcapping. Neither the kernel nor transformers' SDPA
-    # (the fallback) implements it, so the registered implementation must refuse it rather than
-    # return uncapped attention; the patched "sdpa" entry keeps stock SDPA's behaviour, whichever
-    # it is: transformers 5.24 raises ValueError for softcap, earlier 5.x ignored it.
-    if not _ops.EXTENSION_AVAILABLE:
-        pytest.skip("extension not built")
-    hf.configure(allow_cpu_reference=True)  # otherwise CPU tensors fall back for that reason
-    mod, q, k, v, mask, _ = _fallback_case("cpu")
-    with pytest.raises(ValueError, match=r"softcap=50\.0 .*attn_implementation='eager'"):
-        hf.flash_attention_sm75_forward(mod, q, k, v, mask, softcap=50.0)
-    try:
-        ref, _ = sdpa_attention_forward(mod, q, k, v, mask, softcap=50.0)
-    except ValueError as stock_error:
-        with pytest.raises(ValueError, match=re.escape(str(stock_error))):
-            hf._attention(sdpa_attention_forward, mod, q, k, v, mask, (), {"softcap": 50.0})
-    else:
-        out, _ = hf._attention(sdpa_attention_forward, mod, q, k, v, mask, (), {"softcap": 50.0})
-        assert torch.equal(out, ref)
-    stats = hf.get_stats()
-    assert stats["kernel"] == 0 and any("softcap" in r for r in stats["reasons"])
-    out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, mask, softcap=None)  # not capped
-    assert hf.get_stats()["kernel"] == 1
-
-
 def test_strict_mode_raises_instead_of_falling_back():
     sdpa_mod = pytest.importorskip("flash_attention_sm75.sdpa")
     if not hasattr(sdpa_mod, "strict"):
@@ -887,6 +866,156 @@ def test_patched_sdpa_model_runs_kernel_path_via_cpu_reference():
     hf.reset_stats()
     assert torch.equal(_logits(model, ids, am), stock)
     assert hf.get_stats()["kernel"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 2's softcap: on the kernel on every path; the fallback applies it
+# ---------------------------------------------------------------------------------------------
+
+
+def _gemma2_eager(mod, q, k, v, mask, softcap, scaling=None, is_causal=True):
+    """transformers' own Gemma 2 eager attention (softcap, then the additive mask) in float32;
+    a missing mask is SDPA's: causal, top-left, when q_len > 1."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    b, _, sq, d = q.shape
+    sk = k.shape[2]
+    if mask is None:
+        mask = _hf_mask(b, sq, sk) if (is_causal and sq > 1) else None
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    mod.head_dim = d
+    out, _ = eager_attention_forward(mod, q.float(), k.float(), v.float(),
+                                     None if mask is None else mask.float(), scaling=scaling,
+                                     softcap=softcap)
+    return out
+
+
+@needs_op
+@pytest.mark.parametrize("case", sorted(_kernel_cases()))
+def test_softcap_runs_on_the_kernel_on_every_mask_path(case):
+    # Gemma 2 passes softcap=attn_logit_softcapping with every call: classified masks (causal,
+    # padding, chunked prefill, decode, static cache) and no mask run on the kernel with it.
+    hf.configure(allow_cpu_reference=True)
+    sq, sk, mask, kind = _kernel_cases()[case]
+    q, k, v = _qkv(3, 4, 2, sq, sk, 64, seed=sum(map(ord, case)) + 1)
+    q, k = q * 3, k * 3  # scores of a few units, which a cap of 2 bends
+    mod = _Attn(4, 2)
+    with torch.inference_mode():
+        out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, mask, scaling=0.125, softcap=2.0)
+        plain, _ = hf.flash_attention_sm75_forward(mod, q, k, v, mask, scaling=0.125)
+    stats = hf.get_stats()
+    assert stats["kernel"] == 2 and stats["fallback"] == 0, stats
+    ref = _gemma2_eager(mod, q, k, v, mask, 2.0, scaling=0.125)
+    rows = _real_rows(mask, 3, sq)
+    torch.testing.assert_close(out.float()[rows], ref[rows], atol=2e-3, rtol=2e-3)
+    assert (plain.float()[rows] - ref[rows]).abs().max() > 1e-2  # the cap changes the result
+
+
+@needs_op
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_softcap_with_sliding_windows_runs_on_the_kernel(with_mask):
+    hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(2, 4, 2, 11, 11, 64, seed=9)
+    q, k = q * 3, k * 3
+    mod = _Attn(4, 2)
+    window_mask = _hf_mask(2, 11, 11, mask_function=sliding_window_causal_mask_function(4))
+    with torch.inference_mode():
+        out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, window_mask if with_mask else None,
+                                                 sliding_window=4, softcap=3.0)
+    assert hf.get_stats()["kernel"] == 1 and hf.get_stats()["fallback"] == 0
+    ref = _gemma2_eager(mod, q, k, v, window_mask, 3.0)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["cpu", "fp32", "packed", "cu_seq_lens", "decode_off"])
+def test_softcap_fallbacks_apply_the_cap(name):
+    # Where the kernel cannot run, the fallback is transformers' SDPA semantics with the cap
+    # applied (torch SDPA has none: transformers 5.24 raises for softcap, earlier 5.x ignored it).
+    if name != "cpu":
+        if not _ops.EXTENSION_AVAILABLE:
+            pytest.skip("extension not built")
+        hf.configure(allow_cpu_reference=True)
+    kwargs = {"softcap": 2.0}
+    if name == "cu_seq_lens":
+        q, k, v = _qkv(1, 4, 2, 7, 7, 64, seed=3)
+        mod, mask = _Attn(4, 2), None
+        kwargs.update(cu_seq_lens_q=torch.tensor([0, 3, 7]), cu_seq_lens_k=torch.tensor([0, 3, 7]))
+        doc = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+        ref_mask = (doc[:, None] == doc[None, :]) & torch.ones(7, 7, dtype=torch.bool).tril()
+        ref_mask = ref_mask[None, None]
+    else:
+        mod, q, k, v, mask, _ = _fallback_case(name)
+        ref_mask = mask
+    q, k = q * 3, k * 3
+    with torch.inference_mode():
+        out, weights = hf.flash_attention_sm75_forward(mod, q, k, v, mask, **kwargs)
+    assert weights is None and out.dtype == q.dtype
+    stats = hf.get_stats()
+    assert stats["kernel"] == 0 and stats["fallback"] == 1, stats
+    ref = _gemma2_eager(mod, q, k, v, ref_mask, 2.0)
+    rows = _real_rows(ref_mask, q.shape[0], q.shape[2])
+    torch.testing.assert_close(out.float()[rows], ref[rows], atol=2e-3, rtol=2e-3)
+
+
+@needs_op
+def test_softcap_under_the_patched_sdpa_entry_runs_on_the_kernel():
+    hf.configure(allow_cpu_reference=True)
+    mod, q, k, v, mask, _ = _fallback_case("cpu")
+    with torch.inference_mode():
+        out, _ = hf._attention(sdpa_attention_forward, mod, q, k, v, mask, (), {"softcap": 5.0})
+    assert hf.get_stats()["kernel"] == 1
+    torch.testing.assert_close(out.float(), _gemma2_eager(mod, q, k, v, mask, 5.0), atol=2e-3,
+                               rtol=2e-3)
+
+
+@pytest.mark.parametrize("bad", [0.0, 0, -30.0, float("nan"), float("inf"), "50", True,
+                                 torch.tensor(50.0)])
+def test_bad_softcap_values_raise(bad):
+    mod, q, k, v, mask, _ = _fallback_case("cpu")
+    with pytest.raises(ValueError, match="softcap must be None .* or a finite number > 0"):
+        hf.flash_attention_sm75_forward(mod, q, k, v, mask, softcap=bad)
+
+
+def _gemma2_config(softcap, window=6):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "gemma2", hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, intermediate_size=256, vocab_size=128,
+        max_position_embeddings=512, query_pre_attn_scalar=64, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=softcap,
+        final_logit_softcapping=None, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+@needs_op
+def test_gemma2_softcap_model_runs_on_the_kernel_via_cpu_reference():
+    """A tiny Gemma-2-shaped model (soft-capped attention, a sliding layer with a window shorter
+    than the prompts, a full layer): padded prefill and generate run every attention call on the
+    kernel and match stock eager attention in float32."""
+    hf.configure(allow_cpu_reference=True)
+    model = build_random_model(_gemma2_config(softcap=2.0), dtype=torch.float16, seed=23,
+                               attn_implementation="sm75_attention")
+    with torch.no_grad():  # random weights give scores of ~0.05: scale them to a few units
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    ref32 = copy.deepcopy(model).float()
+    ref32.set_attn_implementation("eager")
+    ids, am = _padded_batch([20, 9, 14], seed=24)
+    ours = _logits(model, ids, am)
+    stats = hf.get_stats()
+    assert stats["kernel_prefill"] == 2 and stats["fallback"] == 0, stats
+    ref = _logits(ref32, ids, am)
+    real = am.bool()
+    torch.testing.assert_close(ours.float()[real], ref[real], atol=1e-2, rtol=1e-2)
+    # the cap changes the result (so the comparison above tests it)
+    uncapped = copy.deepcopy(ref32)
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert (_logits(uncapped, ids, am)[real] - ref[real]).abs().max() > 0.05
+
+    _generate_on_kernel_matches_fp32(model, ref32, ids, am)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -264,6 +264,58 @@ def test_sliding_window_prefill_and_generate_run_the_kernel_window(name, window)
            max_slack=0.03, mean_slack=2e-3)
 
 
+def test_gemma2_softcap_prefill_and_generate_run_on_the_kernel():
+    # Gemma 2's attention (softcap=attn_logit_softcapping on every call, a sliding layer with a
+    # window shorter than the prompts, a full layer, head_dim 256) runs on the kernel, prefill
+    # and decode, and matches stock fp16 eager attention (Gemma 2 has no SDPA path) against the
+    # fp32 eager model. The q/k projections are scaled so that random-weight scores reach a few
+    # units, where a cap of 5 bends them.
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "gemma2", hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, intermediate_size=2048, vocab_size=4096,
+        max_position_embeddings=1024, query_pre_attn_scalar=256, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = build_random_model(config, dtype=torch.float16, device=DEVICE, seed=0,
+                               attn_implementation="flash_attention_sm75")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    ids, am = _left_padded(PADDED_LENGTHS, config.vocab_size, seed=6)
+    hf.reset_stats()
+    ours = _logits(model, "flash_attention_sm75", ids, am)
+    stats = hf.get_stats()
+    assert stats["kernel_prefill"] == 2 and stats["fallback"] == 0, stats
+    stock = _logits(model, "eager", ids, am)
+    ref = copy.deepcopy(model).float()
+    ref.set_attn_implementation("eager")
+    with torch.inference_mode():
+        ref_logits = ref(input_ids=ids, attention_mask=am).logits.float()
+    real = am.bool()
+    _check("gemma2 softcap prefill", ours[real], stock[real], ref_logits[real])
+
+    hf.reset_stats()
+    with torch.inference_mode():
+        gen = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=16,
+                             do_sample=False, use_cache=True, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    stats = hf.get_stats()
+    assert stats["fallback"] == 0 and stats["kernel_decode"] == 2 * 15, stats
+    prompt_len = ids.shape[1]
+    full_am = torch.cat([am, torch.ones(am.shape[0], 16, dtype=am.dtype, device=am.device)], 1)
+    with torch.inference_mode():
+        teacher = ref(input_ids=gen.sequences, attention_mask=full_am).logits.float()
+    teacher = teacher[:, prompt_len - 1:-1]
+    stock_tf = _logits(model, "eager", gen.sequences, full_am)[:, prompt_len - 1:-1]
+    del ref
+    _check("gemma2 softcap generate", torch.stack(gen.logits, 1).float().flatten(0, 1),
+           stock_tf.flatten(0, 1), teacher.flatten(0, 1), max_factor=3.0, mean_factor=2.0,
+           max_slack=0.03, mean_slack=2e-3)
+
+
 def test_patched_sdpa_model_runs_kernel():
     name = "llama-3.2-1b"
     model = _model(name)

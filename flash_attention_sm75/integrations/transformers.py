@@ -34,7 +34,9 @@ cache; with the layer's ``sliding_window`` also that pattern limited to the last
 packed-sequence/document masks, windowed masks without their ``sliding_window``, float
 masks with other values), any unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256],
 dropout, ``output_attentions``, a keyword argument outside the allow-list) calls transformers'
-own ``sdpa_attention_forward`` with the original arguments, and the reason is logged at DEBUG
+own ``sdpa_attention_forward`` with the original arguments (calls with Gemma 2's ``softcap``,
+which runs on the kernel, fall back to that function with the soft-cap applied, since torch
+SDPA has none), and the reason is logged at DEBUG
 on the ``"flash_attention_sm75"`` logger and counted in :func:`get_stats`. Packed sequences
 (``cu_seq_lens_q/k`` or restarting ``position_ids``, as transformers' FlashAttention path reads
 them) run there with a per-document mask. While ``torch.compile`` traces or a CUDA graph
@@ -47,6 +49,8 @@ from __future__ import annotations
 import collections.abc
 import functools
 import logging
+import math
+import numbers
 import threading
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
@@ -215,7 +219,7 @@ _SDPA_POSITIONAL = ("dropout", "scaling", "is_causal", "position_bias")
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # Change the result, and neither the kernel nor torch SDPA (the fallback) applies them: the
 # registered implementation raises for them rather than return the unmodified attention.
-_REFUSED_KWARGS = ("softcap", "s_aux", "sinks")
+_REFUSED_KWARGS = ("s_aux", "sinks")
 # Model-level arguments that reach attention functions through **kwargs without entering the
 # attention itself (transformers 5.x call sites).
 _INERT_KWARGS = frozenset({
@@ -228,7 +232,8 @@ _INERT_KWARGS = frozenset({
 })
 _HANDLED_KWARGS = (frozenset(_SDPA_POSITIONAL) | frozenset(_PACKED_KWARGS)
                    | frozenset(_REFUSED_KWARGS) | _INERT_KWARGS
-                   | {"output_attentions", "sliding_window", "position_ids", "deterministic"})
+                   | {"output_attentions", "sliding_window", "position_ids", "deterministic",
+                      "softcap"})
 
 
 def _bind_sdpa_args(args: tuple, kwargs: dict) -> Dict[str, Any]:
@@ -256,7 +261,62 @@ def _position_bias_is_zero(position_bias: torch.Tensor, query: torch.Tensor) -> 
     return not bool(position_bias.any())  # one host read
 
 
-def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs) -> Optional[str]:
+def _softcap_kwarg(kwargs: dict) -> float:
+    """transformers' ``softcap`` (Gemma 2 passes ``config.attn_logit_softcapping``) as the op's
+    float: ``None`` is off (0.0); otherwise a finite number > 0 (transformers' eager attention
+    divides by it, and reads a negative value as its absolute value while flash-attn reads it
+    as off: both that and 0 are refused rather than guessed)."""
+    cap = kwargs.get("softcap")
+    if cap is None:
+        return 0.0
+    if (isinstance(cap, bool) or not isinstance(cap, numbers.Real)
+            or not 0 < cap < math.inf):
+        shown = (f"a tensor of shape {list(cap.shape)}" if isinstance(cap, torch.Tensor)
+                 else repr(cap))
+        raise ValueError(f"flash_attention_sm75: softcap must be None (off) or a finite number "
+                         f"> 0 (attention logit soft-capping), got {shown}")
+    return float(cap)
+
+
+def _softcap_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                          is_causal=None, position_bias=None, softcap=None, **kwargs):
+    """The fallback of calls with ``softcap``, which torch SDPA cannot apply: transformers'
+    ``sdpa_attention_forward`` (the same arguments, mask conventions and ``(B, q_len, H, D)``
+    result) with the scaled scores soft-capped, ``softcap * tanh(s / softcap)``, before the mask,
+    as Gemma 2's eager attention does. Computed in float32 with the ``(q_len, kv_len)`` scores
+    materialized; rows that see no key give 0. Other keyword arguments are ignored, as
+    ``sdpa_attention_forward`` ignores them."""
+    b, h, q_len, d = query.shape
+    kv_len = key.shape[2]
+    groups = h // key.shape[1] if key.shape[1] else 1
+    k = key.float().repeat_interleave(groups, dim=1)
+    v = value.float().repeat_interleave(groups, dim=1)
+    scale = d ** -0.5 if scaling is None else float(scaling)
+    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if position_bias is not None:
+        scores = scores + position_bias.float()
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if attention_mask is None:
+        if is_causal and q_len > 1:  # torch SDPA's is_causal: top-left aligned
+            visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+            scores = scores.masked_fill(~visible, float("-inf"))
+    elif attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask.float()
+    probs = torch.softmax(scores, dim=-1)
+    probs = probs.masked_fill(torch.isnan(probs), 0.0)  # rows that see no key
+    if dropout:
+        probs = torch.nn.functional.dropout(probs, p=dropout)
+    out = torch.matmul(probs, v).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
+                        softcap: float = 0.0) -> Optional[str]:
     """The integration's own rules (transformers' arguments, an allow-list), then the rulebook
     (``_rules``), then the module's head grouping and the autograd mode. None: the kernel can
     run the call once the mask is planned (:func:`_plan`)."""
@@ -286,7 +346,8 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
     devices = ("cuda", "cpu") if _SETTINGS["allow_cpu_reference"] else ("cuda",)
     reason = _rules.not_supported_reason(query, key, value, bound["scaling"], layout="bhsd",
                                          devices=devices, check_alignment=False,
-                                         names=("query", "key", "value", "scaling"))
+                                         names=("query", "key", "value", "scaling"),
+                                         softcap=softcap)
     if reason is not None:
         return reason
     if bound["position_bias"] is not None and not _position_bias_is_zero(bound["position_bias"],
@@ -510,7 +571,7 @@ def _bshd_for_kernel(x: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _run_kernel(query, key, value, scaling, info: MaskInfo) -> torch.Tensor:
+def _run_kernel(query, key, value, scaling, info: MaskInfo, softcap: float = 0.0) -> torch.Tensor:
     kv_len = info.kv_len
     if kv_len != key.shape[2]:
         key = key[:, :, :kv_len]
@@ -520,7 +581,7 @@ def _run_kernel(query, key, value, scaling, info: MaskInfo) -> torch.Tensor:
     v = _bshd_for_kernel(value)
     scale = None if scaling is None else float(scaling)
     out, _ = _ops.call_fwd(q, k, v, scale, info.causal, True, info.leftpad_k, info.seqused_k,
-                           *info.window_size)
+                           *info.window_size, softcap)
     return out
 
 
@@ -544,14 +605,21 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
     without a mask are honoured as transformers' FlashAttention path honours them (through an
     explicit mask on ``fallback``). Without it (the patched ``"sdpa"`` entry) the call means
     what it means to stock SDPA, which reads neither.
+
+    ``softcap`` (Gemma 2) runs on the kernel; a call with it that cannot (or packed sequences)
+    falls back to :func:`_softcap_sdpa_forward`, never to ``fallback``, which cannot apply it.
     """
     bound = _bind_sdpa_args(args, kwargs)
+    softcap = _softcap_kwarg(kwargs)
+    if softcap:
+        fallback = _softcap_sdpa_forward
     if flash_semantics:
         mask, reason = _explicit_mask(module, query, key, attention_mask, bound, kwargs)
         if mask is not None:
             _fall_back(reason)
             return _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs)
-    reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs)
+    reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
+                                 softcap)
     info = None
     if reason is None:
         info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
@@ -559,9 +627,9 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
     if reason is None:
         if torch.compiler.is_compiling():  # no try/except on a traced path; the op checks
             _count_kernel(query.shape[2])
-            return _run_kernel(query, key, value, bound["scaling"], info), None
+            return _run_kernel(query, key, value, bound["scaling"], info, softcap), None
         try:
-            out = _run_kernel(query, key, value, bound["scaling"], info)
+            out = _run_kernel(query, key, value, bound["scaling"], info, softcap)
         except ValueError as e:  # the op's input validation (contract: ValueError)
             reason = f"kernel rejected the inputs: {e}"
         else:
@@ -619,7 +687,13 @@ def flash_attention_sm75_forward(
         * ``output_attentions=True`` falls back (torch SDPA returns no weights either);
           ``deterministic=True`` falls back only when ``FLASH_SM75_BWD_DQ=atomic`` makes our
           backward non-deterministic;
-        * ``softcap``, ``s_aux`` / ``sinks``: raise ``ValueError`` (see Raises);
+        * ``softcap`` (Gemma 2's ``attn_logit_softcapping``): ``None`` or a finite number > 0;
+          runs on the kernel (each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``),
+          on every path above (classified masks, windows, no mask); where the kernel cannot
+          run (a fallback reason, packed sequences), the fallback is
+          :func:`_softcap_sdpa_forward`, ``sdpa_attention_forward`` with the soft-cap applied
+          (torch SDPA has none);
+        * ``s_aux`` / ``sinks``: raise ``ValueError`` (see Raises);
         * model-level arguments that do not enter the attention (``use_cache``,
           ``cache_position``, ``past_key_values``, ``position_embeddings``,
           ``output_hidden_states``, ``return_dict``, ``layer_idx``, ``output_router_logits``,
@@ -647,15 +721,14 @@ def flash_attention_sm75_forward(
     ValueError
         In strict mode, for a call that would fall back (the message gives the reason); when a
         call falls back and ``FLASH_ATTENTION_SM75_STRICT`` holds an unrecognised value; for
-        ``softcap`` (Gemma 2's logit soft-capping) and ``s_aux`` / ``sinks`` (learned attention
-        sinks, gpt-oss), which neither the kernel nor the SDPA fallback implements; for
-        malformed ``cu_seq_lens_q/k`` or ``sliding_window``.
+        ``s_aux`` / ``sinks`` (learned attention sinks, gpt-oss), which neither the kernel nor
+        the SDPA fallback implements; for a ``softcap`` that is not ``None`` or a finite number
+        > 0; for malformed ``cu_seq_lens_q/k`` or ``sliding_window``.
     """
-    for name, what in (("softcap", "attention logit soft-capping"),
-                       ("s_aux", "learned attention sinks"), ("sinks", "learned attention sinks")):
+    for name, what in (("s_aux", "learned attention sinks"), ("sinks", "learned attention sinks")):
         if kwargs.get(name) is not None:
-            # transformers' SDPA function ignores sinks and ignored softcap before 5.24 (falling
-            # back to it would silently compute the unmodified attention).
+            # transformers' SDPA function ignores sinks (falling back to it would silently
+            # compute the unmodified attention).
             shown = kwargs[name]
             shown = f"a tensor of shape {list(shown.shape)}" if isinstance(shown, torch.Tensor) \
                 else repr(shown)
