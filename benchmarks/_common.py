@@ -987,3 +987,42 @@ def exit_status(script, runner, cases, wanted, key, what):
         print(f"{script}: {what} produced no timing", file=sys.stderr)
         return 1
     return 2 if runner.context_broken else 0
+
+
+# ------------------------------------------------------------ one-table benchmark scripts
+def add_table_bench_args(ap, d, n, tag):
+    """The arguments every one-table benchmark (bench_window.py, bench_scoremod.py) takes."""
+    ap.add_argument("--d", type=int, nargs="+", default=d)
+    ap.add_argument("--n", type=int, nargs="+", default=n)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--out-dir", default="bench_out")
+    ap.add_argument("--tag", default=tag)
+    ap.add_argument("--warmup-ms", type=float, default=10)
+    ap.add_argument("--rep-ms", type=float, default=40)
+
+
+def table_bench_setup(script):
+    """The GPU check, the op and torch's efficient backend of a one-table benchmark: ``(fwd op,
+    bwd op, efficient backend, env_info)``, or None (message printed) without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script}: needs a CUDA GPU")
+        return None
+    ensure_repo_on_path()
+    import flash_attention_sm75  # noqa: F401  (registers torch.ops.flash_attention_sm75)
+    ops = torch.ops.flash_attention_sm75
+    return ops.fwd, ops.bwd, sdpa_backends()["efficient"], env_info("cuda")
+
+
+def write_table_bench(args, env, script, head, headers, rows, records, left=(0,)):
+    """<out-dir>/<tag>.txt (the GPU, torch, commit and the table) and .json; prints the text."""
+    table = format_table(headers, rows, left=left)
+    gpu = (env.get("gpu") or {}).get("name")
+    text = (f"gpu={gpu} torch={env['torch']} commit={env['git'].get('commit')} ({script})"
+            f"\n\n== {head} ==\n{table}\n")
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, args.tag + ".txt"), "w") as f:
+        f.write(text)
+    write_json(os.path.join(args.out_dir, args.tag + ".json"), dict(env=env, results=records))
+    print(text)

@@ -52,25 +52,13 @@ def eager_softcap(q, k, v, scale, softcap):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--d", type=int, nargs="+", default=[128, 256])
-    ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192])
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--no-backward", action="store_true")
+    C.add_table_bench_args(ap, d=[128, 256], n=[1024, 4096, 8192], tag="bench_scoremod")
     ap.add_argument("--no-baselines", action="store_true")
-    ap.add_argument("--out-dir", default="bench_out")
-    ap.add_argument("--tag", default="bench_scoremod")
-    ap.add_argument("--warmup-ms", type=float, default=10)
-    ap.add_argument("--rep-ms", type=float, default=40)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_scoremod: needs a CUDA GPU")
+    setup = C.table_bench_setup("bench_scoremod")
+    if setup is None:
         return 2
-    C.ensure_repo_on_path()
-    import flash_attention_sm75  # noqa: F401  (registers torch.ops.flash_attention_sm75)
-    op_fwd, op_bwd = torch.ops.flash_attention_sm75.fwd, torch.ops.flash_attention_sm75.bwd
-    efficient = C.sdpa_backends()["efficient"]
-    env = C.env_info("cuda")
+    op_fwd, op_bwd, efficient, env = setup
     slopes = alibi_slopes(args.heads).cuda()
     bench = lambda fn: C.bench(fn, "cuda", args.warmup_ms, args.rep_ms)["ms"]  # noqa: E731
     rows, records = [], []
@@ -130,17 +118,10 @@ def main(argv=None) -> int:
             f"(Gemma 2), alibi = BLOOM's slopes; TF = TFLOP/s; baseline: 'eager' = transformers' "
             f"eager attention (what Gemma 2 runs with a softcap), 'eff+bias' = SDPA mem-efficient "
             f"with the ALiBi bias as a float mask; base/ours = t_base / t_ours, same run")
-    table = C.format_table(["case", "N", "mod", "fwd ms", "fwd TF", "bwd ms", "bwd TF",
-                            "baseline", "base fwd ms", "base/ours", "base bwd ms", "base/ours"],
-                           rows, left=(0, 2, 7))
-    gpu = (env.get("gpu") or {}).get("name")
-    text = (f"gpu={gpu} torch={env['torch']} commit={env['git'].get('commit')} "
-            f"(bench_scoremod.py)\n\n== {head} ==\n{table}\n")
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, args.tag + ".txt"), "w") as f:
-        f.write(text)
-    C.write_json(os.path.join(args.out_dir, args.tag + ".json"), dict(env=env, results=records))
-    print(text)
+    C.write_table_bench(args, env, "bench_scoremod.py", head,
+                        ["case", "N", "mod", "fwd ms", "fwd TF", "bwd ms", "bwd TF", "baseline",
+                         "base fwd ms", "base/ours", "base bwd ms", "base/ours"], rows, records,
+                        left=(0, 2, 7))
     return 0
 
 

@@ -41,25 +41,13 @@ def band_mask(n: int, window, device) -> torch.Tensor:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
+    C.add_table_bench_args(ap, d=[64, 128], n=[4096, 8192, 16384], tag="bench_window")
     ap.add_argument("--window", type=int, nargs="+", default=[256, 1024, 4096])
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--no-backward", action="store_true")
-    ap.add_argument("--out-dir", default="bench_out")
-    ap.add_argument("--tag", default="bench_window")
-    ap.add_argument("--warmup-ms", type=float, default=10)
-    ap.add_argument("--rep-ms", type=float, default=40)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_window: needs a CUDA GPU")
+    setup = C.table_bench_setup("bench_window")
+    if setup is None:
         return 2
-    C.ensure_repo_on_path()
-    import flash_attention_sm75  # noqa: F401  (registers torch.ops.flash_attention_sm75)
-    op_fwd, op_bwd = torch.ops.flash_attention_sm75.fwd, torch.ops.flash_attention_sm75.bwd
-    efficient = C.sdpa_backends()["efficient"]
-    env = C.env_info("cuda")
+    op_fwd, op_bwd, efficient, env = setup
     rows, records = [], []
     for d in args.d:
         for n in args.n:
@@ -110,16 +98,9 @@ def main(argv=None) -> int:
     head = (f"causal sliding window, fp16, B={args.batch}, H={args.heads}; window W = "
             f"window_size (W - 1, 0), '-' = no window; TF = TFLOP/s over visible pairs; eff = "
             f"SDPA mem-efficient with the band as a bool mask, same run; eff/ours = t_eff / t_ours")
-    table = C.format_table(["case", "N", "W", "fwd ms", "fwd TF", "eff fwd ms", "eff/ours",
-                            "bwd ms", "bwd TF", "eff bwd ms", "eff/ours"], rows, left=(0,))
-    gpu = (env.get("gpu") or {}).get("name")
-    text = (f"gpu={gpu} torch={env['torch']} commit={env['git'].get('commit')} (bench_window.py)"
-            f"\n\n== {head} ==\n{table}\n")
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, args.tag + ".txt"), "w") as f:
-        f.write(text)
-    C.write_json(os.path.join(args.out_dir, args.tag + ".json"), dict(env=env, results=records))
-    print(text)
+    C.write_table_bench(args, env, "bench_window.py", head,
+                        ["case", "N", "W", "fwd ms", "fwd TF", "eff fwd ms", "eff/ours",
+                         "bwd ms", "bwd TF", "eff bwd ms", "eff/ours"], rows, records)
     return 0
 
 

@@ -128,6 +128,51 @@ def attention_ref(q, k, v, *, causal=False, causal_bottom_right=True, softmax_sc
     return out, lse
 
 
+def assert_out_exact(out, ref, what="out"):
+    """fp16 ``out`` within one fp16 ulp of the float64 ``ref``: the op's CPU reference computes
+    in float64 and rounds once, so its results (through any door) meet this."""
+    assert out.dtype == torch.float16 and out.shape == ref.shape, (what, out.shape, ref.shape)
+    err = (out.double() - ref).abs()
+    tol = ref.abs() * 2.0**-10 + 2.0**-24
+    assert bool((err <= tol).all()), f"{what}: max err {err.max().item():.3e}"
+
+
+def assert_lse_exact(lse, ref, what="lse", atol=1e-7):
+    """float32 ``lse`` within a float32 rounding (+ atol) of the float64 ``ref``, with the same
+    ``-inf`` rows (rows that see no key)."""
+    assert lse.dtype == torch.float32 and lse.shape == ref.shape, (what, lse.shape, ref.shape)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)), f"{what}: -inf rows differ"
+    fin = torch.isfinite(ref)
+    err = (lse.double() - ref)[fin].abs()
+    assert bool((err <= ref[fin].abs() * 2.0**-22 + atol).all()), f"{what}: {err.max():.3e}"
+
+
+def varlen_attention_ref(q, k, v, cu_q, cu_k, causal, *, softmax_scale=None, window=(-1, -1),
+                         softcap=0.0, alibi_slopes=None):
+    """Packed (varlen) attention per sequence in float64, flash-attn's per-sequence definition
+    (bottom-right causal, window and ALiBi distances within each sequence): ``(out (total_q, H,
+    D), lse (H, total_q))``; a sequence without keys gives 0 and ``-inf``. ``alibi_slopes``:
+    (H,) or (batch, H)."""
+    outs, lses = [], []
+    for b in range(cu_q.shape[0] - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].unsqueeze(0)
+        ks, vs = k[cu_k[b]:cu_k[b + 1]].unsqueeze(0), v[cu_k[b]:cu_k[b + 1]].unsqueeze(0)
+        if qs.shape[1] == 0:
+            continue
+        if ks.shape[1] == 0:  # no keys: zeros and -inf (attention_ref needs one key column)
+            outs.append(torch.zeros(qs.shape[1:], dtype=torch.float64))
+            lses.append(torch.full((qs.shape[2], qs.shape[1]), -math.inf, dtype=torch.float64))
+            continue
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
+        o, lse = attention_ref(qs, ks, vs, causal=causal, softmax_scale=softmax_scale,
+                               window_size=window, softcap=softcap, alibi_slopes=slopes)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
 def fa_atol(ref: torch.Tensor) -> float:
     """FA3's absolute floor: twice the fp16 rounding error of numbers of the reference's size."""
     ref16 = ref.detach().to(torch.float16)

@@ -19,7 +19,6 @@ the whole file takes a few seconds.
   runs on the op's CPU implementation).
 """
 import inspect
-import math
 import os
 import re
 import sys
@@ -28,7 +27,7 @@ import pytest
 import torch
 
 from flash_attention_sm75 import _ops, bert_padding, fa2
-from reference import attention_ref
+from reference import assert_lse_exact, assert_out_exact, attention_ref, varlen_attention_ref
 
 pytestmark = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
                                 reason=f"extension not built: {_ops.EXTENSION_ERROR}")
@@ -85,22 +84,6 @@ def test_bert_padding_signature_is_flash_attn_2s(name):
 
 
 # ------------------------------------------------------------------------------- exactness
-def assert_out_exact(out, ref, what="out"):
-    """fp16 ``out`` within one fp16 ulp of the float64 ``ref`` (the op rounds once)."""
-    assert out.dtype == F16 and out.shape == ref.shape, (what, out.shape, ref.shape)
-    err = (out.double() - ref).abs()
-    tol = ref.abs() * 2.0**-10 + 2.0**-24
-    assert bool((err <= tol).all()), f"{what}: max err {err.max().item():.3e}"
-
-
-def assert_lse_exact(lse, ref, what="lse"):
-    assert lse.dtype == torch.float32 and lse.shape == ref.shape, (what, lse.shape, ref.shape)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)), f"{what}: -inf rows differ"
-    fin = torch.isfinite(ref)
-    err = (lse.double() - ref)[fin].abs()
-    assert bool((err <= ref[fin].abs() * 2.0**-22 + 1e-7).all()), f"{what}: {err.max():.3e}"
-
-
 def assert_grad_close(g, ref, what):
     assert not torch.isnan(g).any(), what
     bound = 1e-2 * max(1.0, ref.abs().max().item())
@@ -331,22 +314,7 @@ def _varlen_case(seed, lens_q, lens_k, h, hk, d, grad=False):
 
 
 def _varlen_ref(q, k, v, cu_q, cu_k, causal, scale=None, window=(-1, -1)):
-    """Per sequence, float64: (out (total_q, H, D), lse (H, total_q))."""
-    outs, lses = [], []
-    for b in range(cu_q.shape[0] - 1):
-        qs = q[cu_q[b]:cu_q[b + 1]].unsqueeze(0)
-        ks, vs = k[cu_k[b]:cu_k[b + 1]].unsqueeze(0), v[cu_k[b]:cu_k[b + 1]].unsqueeze(0)
-        if qs.shape[1] == 0:
-            continue
-        if ks.shape[1] == 0:  # no keys: zeros and -inf (attention_ref needs one key column)
-            outs.append(torch.zeros(qs.shape[1:], dtype=torch.float64))
-            lses.append(torch.full((qs.shape[2], qs.shape[1]), -math.inf, dtype=torch.float64))
-            continue
-        o, lse = attention_ref(qs, ks, vs, causal=causal, softmax_scale=scale,
-                               window_size=window)
-        outs.append(o[0])
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
+    return varlen_attention_ref(q, k, v, cu_q, cu_k, causal, softmax_scale=scale, window=window)
 
 
 # empty and one-token sequences, q longer and shorter than k, a batch of one

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import flash_attention_sm75 as fa
-from reference import assert_close_fa, assert_lse_close, attention_ref, poisoned_cuda_memory, seed_from
+from reference import (assert_close_fa, assert_lse_close, assert_lse_exact, assert_out_exact,
+                       attention_ref, poisoned_cuda_memory, seed_from, varlen_attention_ref)
 from test_backward import check_against_reference, cuda_only, make_inputs
 
 pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
@@ -210,7 +211,6 @@ def test_saturated_and_huge_scores_stay_finite():
 # flash_attn_func / flash_attention_forward (the rulebook's softcap and alibi_slopes rules) and
 # the flash-attn drop-in (fa2.py: flash-attn's semantics, per sequence for varlen / KV cache).
 # CPU tests run the op's float64 reference (CI); the GPU tests run the kernels.
-import math  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -372,21 +372,6 @@ def test_fa2_dense_with_mods_under_torch_compile_fullgraph():
         assert torch.equal(compiled(q, k, v, cap, slopes), attend(q, k, v, cap, slopes)), cap
 
 
-def _out_exact(out, ref, what="out"):
-    """fp16 ``out`` within one fp16 ulp of the float64 ``ref`` (the CPU reference rounds once)."""
-    assert out.dtype == torch.float16 and out.shape == ref.shape, (what, out.shape, ref.shape)
-    err = (out.double() - ref).abs()
-    assert bool((err <= ref.abs() * 2.0**-10 + 2.0**-24).all()), f"{what}: {err.max():.3e}"
-
-
-def _lse_exact(lse, ref, what="lse"):
-    assert lse.dtype == torch.float32 and lse.shape == ref.shape, (what, lse.shape, ref.shape)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)), f"{what}: -inf rows differ"
-    fin = torch.isfinite(ref)
-    err = (lse.double() - ref)[fin].abs()
-    assert bool((err <= ref[fin].abs() * 2.0**-22 + 1e-6).all()), f"{what}: {err.max():.3e}"
-
-
 @pytest.mark.parametrize("softcap,alibi", DOOR_MODS[1:], ids=DOOR_IDS[1:])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(5, 5), (3, 8), (8, 3)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -397,8 +382,8 @@ def test_fa2_dense_functions_apply_the_mods(seqlens, causal, softcap, alibi):
     out, lse, _ = fa2.flash_attn_func(q, k, v, 0.0, None, causal, softcap=softcap,
                                       alibi_slopes=slopes, return_attn_probs=True)
     ref, ref_lse = attention_ref(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes)
-    _out_exact(out, ref)  # head_dim 24: zero-padded to 32, as flash-attn does
-    _lse_exact(lse, ref_lse)
+    assert_out_exact(out, ref)  # head_dim 24: zero-padded to 32, as flash-attn does
+    assert_lse_exact(lse, ref_lse, atol=1e-6)
     o2 = fa2.flash_attn_kvpacked_func(q, torch.stack((k, v), 2), causal=causal, softcap=softcap,
                                       alibi_slopes=slopes)
     assert torch.equal(o2, out)
@@ -408,7 +393,7 @@ def test_fa2_dense_functions_apply_the_mods(seqlens, causal, softcap, alibi):
                                            alibi_slopes=slopes)
         ref3, _ = attention_ref(*qkv.unbind(2), causal=causal, softcap=softcap,
                                 alibi_slopes=slopes)
-        _out_exact(o3, ref3)
+        assert_out_exact(o3, ref3)
 
 
 def test_fa2_softcap_follows_flash_attn():
@@ -454,23 +439,8 @@ def _cu(lengths):
 
 
 def _varlen_ref(q, k, v, cu_q, cu_k, causal, softcap, slopes, window=(-1, -1)):
-    """Per sequence, float64, flash-attn's per-sequence definition: (out, lse (H, total_q))."""
-    outs, lses = [], []
-    for b in range(cu_q.shape[0] - 1):
-        qs = q[cu_q[b]:cu_q[b + 1]].unsqueeze(0)
-        ks, vs = k[cu_k[b]:cu_k[b + 1]].unsqueeze(0), v[cu_k[b]:cu_k[b + 1]].unsqueeze(0)
-        if qs.shape[1] == 0:
-            continue
-        if ks.shape[1] == 0:
-            outs.append(torch.zeros(qs.shape[1:], dtype=torch.float64))
-            lses.append(torch.full((qs.shape[2], qs.shape[1]), -math.inf, dtype=torch.float64))
-            continue
-        s = None if slopes is None else (slopes[b] if slopes.dim() == 2 else slopes)
-        o, lse = attention_ref(qs, ks, vs, causal=causal, window_size=window, softcap=softcap,
-                               alibi_slopes=s)
-        outs.append(o[0])
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
+    return varlen_attention_ref(q, k, v, cu_q, cu_k, causal, window=window, softcap=softcap,
+                                alibi_slopes=slopes)
 
 
 VARLEN_LENGTHS = [([3, 0, 1, 5, 2, 4], [4, 2, 0, 5, 7, 1]), ([6], [3]), ([2, 6], [9, 6])]
@@ -496,8 +466,8 @@ def test_fa2_varlen_applies_the_mods_per_sequence(lens, causal, softcap, alibi):
                                              causal=causal, softcap=softcap,
                                              alibi_slopes=slopes, return_attn_probs=True)
     ref, ref_lse = _varlen_ref(q, k, v, cu_q, cu_k, causal, softcap, slopes)
-    _out_exact(out, ref)
-    _lse_exact(lse, ref_lse)
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse, atol=1e-6)
     # more padding than needed (ALiBi's distances must not see it), and a window
     out2 = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q) + 3, max(lens_k) + 2,
                                       causal=causal, softcap=softcap, alibi_slopes=slopes)
@@ -506,7 +476,7 @@ def test_fa2_varlen_applies_the_mods_per_sequence(lens, causal, softcap, alibi):
                                        causal=causal, softcap=softcap, alibi_slopes=slopes,
                                        window_size=(2, 1))
     ref_w, _ = _varlen_ref(q, k, v, cu_q, cu_k, causal, softcap, slopes, window=(2, 1))
-    _out_exact(out_w, ref_w, "windowed")
+    assert_out_exact(out_w, ref_w, "windowed")
 
 
 def test_fa2_varlen_packed_forms_paged_keys_and_backward_with_the_mods():
@@ -541,7 +511,7 @@ def test_fa2_varlen_packed_forms_paged_keys_and_backward_with_the_mods():
     cu = _cu([4, 3])
     o = fa2.flash_attn_varlen_qkvpacked_func(qkv, cu, 4, causal=True, alibi_slopes=slopes[:2, :2])
     ref, _ = _varlen_ref(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, True, 0.0, slopes[:2, :2])
-    _out_exact(o, ref)
+    assert_out_exact(o, ref)
 
 
 def _cache_ref(q, kc, vc, start, end, causal, softcap, slopes, window=(-1, -1)):
@@ -577,8 +547,8 @@ def test_fa2_kvcache_applies_the_mods_per_sequence(leftpad, seqlen_q, causal, so
     start = lp if leftpad else torch.zeros(B, dtype=torch.int32)
     ref, ref_lse = _cache_ref(q, kc, vc, start, seqlens + new, causal and seqlen_q > 1, softcap,
                               slopes)
-    _out_exact(out, ref)
-    _lse_exact(lse, ref_lse)
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse, atol=1e-6)
 
 
 def test_fa2_kvcache_mods_without_key_ranges_paged_and_windowed():
@@ -590,12 +560,12 @@ def test_fa2_kvcache_mods_without_key_ranges_paged_and_windowed():
         out = fa2.flash_attn_with_kvcache(q, kc, vc, causal=True, softcap=5.0,
                                           alibi_slopes=slopes)
         ref, _ = attention_ref(q, kc, vc, causal=True, softcap=5.0, alibi_slopes=slopes)
-        _out_exact(out, ref)
+        assert_out_exact(out, ref)
         # a window with an int cache_seqlens (gathered right-aligned, then per sequence)
         out = fa2.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=9, causal=True,
                                           window_size=(3, 0), softcap=5.0, alibi_slopes=slopes)
         ref, _ = _cache_ref(q, kc, vc, [0, 0], [9, 9], True, 5.0, slopes, window=(3, 0))
-        _out_exact(out, ref)
+        assert_out_exact(out, ref)
         # a paged cache gives the plain cache's answer
         page = 4
         table = torch.tensor([[2, 0, 5], [1, 4, 3]], dtype=torch.int32)
@@ -612,7 +582,7 @@ def test_fa2_kvcache_mods_without_key_ranges_paged_and_windowed():
                                             causal=True, softcap=5.0, alibi_slopes=slopes)
         assert torch.equal(paged, plain)
         ref, _ = _cache_ref(q, kc, vc, [0, 0], seqlens, True, 5.0, slopes)
-        _out_exact(plain, ref)
+        assert_out_exact(plain, ref)
 
 
 def test_fa2_causal_alibi_output_is_flash_attn_s():
@@ -627,7 +597,7 @@ def test_fa2_causal_alibi_output_is_flash_attn_s():
     i = torch.arange(4).view(4, 1)
     scores = scores.masked_fill(j.view(1, 7) > i + 3, float("-inf"))
     ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.double())
-    _out_exact(out, ref)
+    assert_out_exact(out, ref)
 
 
 # ---------------------------------------------------------------------------------- GPU doors

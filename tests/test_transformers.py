@@ -574,6 +574,22 @@ def test_classify_sliding_window_with_the_hint_runs_with_the_window(case):
     assert info is None and "sliding-window" in reason
 
 
+def _prefill_on_kernel_matches_fp32(model, ref_impl, lengths, seed):
+    """A padded prefill of ``model`` (fp16, our attention) runs both layers on the kernel and
+    matches a float32 copy with transformers' ``ref_impl`` attention on the real tokens.
+    Returns (ref32, ids, attention_mask, reference logits, real-token mask)."""
+    ref32 = copy.deepcopy(model).float()
+    ref32.set_attn_implementation(ref_impl)
+    ids, am = _padded_batch(lengths, seed=seed)
+    ours = _logits(model, ids, am)
+    stats = hf.get_stats()
+    assert stats["kernel_prefill"] == 2 and stats["fallback"] == 0, stats
+    ref = _logits(ref32, ids, am)
+    real = am.bool()
+    torch.testing.assert_close(ours.float()[real], ref[real], atol=1e-2, rtol=1e-2)
+    return ref32, ids, am, ref, real
+
+
 @needs_op
 @pytest.mark.parametrize("family,window", [("mistral", 5), ("gemma3", 6), ("qwen2", 4)])
 def test_sliding_window_models_run_the_kernel_window_via_cpu_reference(family, window):
@@ -585,15 +601,7 @@ def test_sliding_window_models_run_the_kernel_window_via_cpu_reference(family, w
         over.update(use_sliding_window=True, max_window_layers=0)
     model = build_random_model(make_config(family, **over), dtype=torch.float16, seed=21,
                                attn_implementation="flash_attention_sm75")
-    ref32 = copy.deepcopy(model).float()
-    ref32.set_attn_implementation("sdpa")
-    ids, am = _padded_batch([24, 9, 17], seed=22)
-    ours = _logits(model, ids, am)
-    stats = hf.get_stats()
-    assert stats["kernel_prefill"] == 2 and stats["fallback"] == 0, stats
-    ref = _logits(ref32, ids, am)
-    real = am.bool()
-    torch.testing.assert_close(ours.float()[real], ref[real], atol=1e-2, rtol=1e-2)
+    ref32, ids, am, ref, real = _prefill_on_kernel_matches_fp32(model, "sdpa", [24, 9, 17], 22)
     # The window changes the result (so the comparison above tests it).
     full = copy.deepcopy(ref32)
     full.config.sliding_window = 4096
@@ -1000,15 +1008,7 @@ def test_gemma2_softcap_model_runs_on_the_kernel_via_cpu_reference():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(8.0)
             layer.self_attn.k_proj.weight.mul_(8.0)
-    ref32 = copy.deepcopy(model).float()
-    ref32.set_attn_implementation("eager")
-    ids, am = _padded_batch([20, 9, 14], seed=24)
-    ours = _logits(model, ids, am)
-    stats = hf.get_stats()
-    assert stats["kernel_prefill"] == 2 and stats["fallback"] == 0, stats
-    ref = _logits(ref32, ids, am)
-    real = am.bool()
-    torch.testing.assert_close(ours.float()[real], ref[real], atol=1e-2, rtol=1e-2)
+    ref32, ids, am, ref, real = _prefill_on_kernel_matches_fp32(model, "eager", [20, 9, 14], 24)
     # the cap changes the result (so the comparison above tests it)
     uncapped = copy.deepcopy(ref32)
     for layer in uncapped.model.layers:
