@@ -766,8 +766,12 @@ def flash_attn_with_kvcache(
         raise ValueError(f"{PREFIX}k_cache must have batch size {batch} (q's) unless "
                          f"cache_batch_idx selects its rows, got {k_cache.shape[0]}")
     # q and the cache through the rulebook (metadata only; one batch entry of each, since the
-    # cache's first dimension may be pages or selected rows).
+    # cache's first dimension may be pages or selected rows), and v_cache's first dimension
+    # against k_cache's: both are written at the same indices, before anything is written.
     _require_valid(q[:1], k_cache[:1], v_cache[:1], softmax_scale, ("q", "k_cache", "v_cache"))
+    if isinstance(v_cache, torch.Tensor) and v_cache.shape != k_cache.shape:
+        raise ValueError(f"{PREFIX}v_cache must have k_cache's shape {tuple(k_cache.shape)}, got "
+                         f"{tuple(v_cache.shape)}")
     _check_slopes(alibi_slopes, q, batch, q.shape[2])
     if k is not None:
         if cache_seqlens is None:

@@ -956,3 +956,24 @@ def test_dropin_build_check_sees_past_pip_build_isolation(tmp_path, monkeypatch)
         backend.check_no_real_flash_attn()
     monkeypatch.setenv("FLASH_ATTN_SM75_DROPIN_REPLACE", "1")
     backend.check_no_real_flash_attn()
+
+
+@pytest.mark.parametrize("mode", ["plain", "cache_batch_idx", "paged"])
+@pytest.mark.parametrize("v_rows", [1, 3])
+def test_kvcache_v_cache_of_another_size_raises_before_writing(mode, v_rows):
+    # v_cache is written at k_cache's indices: a v_cache with fewer (or more) rows or pages must
+    # be refused from the shapes alone, with both caches untouched (an out-of-range index on
+    # CUDA is a device-side assert that poisons the context).
+    q = rand(2, 1, 2, 16)
+    kc = torch.zeros(2, 8 if mode != "paged" else 256, 2, 16, dtype=F16)
+    vc = torch.zeros(v_rows, kc.shape[1], 2, 16, dtype=F16)
+    k, v = rand(2, 2, 2, 16), rand(2, 2, 2, 16)
+    kw = dict(cache_seqlens=torch.tensor([1, 1], dtype=torch.int32))
+    if mode == "cache_batch_idx":
+        kw["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32)
+    if mode == "paged":
+        kw["block_table"] = torch.tensor([[0], [1]], dtype=torch.int32)
+    kc0, vc0 = kc.clone(), vc.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="v_cache must have k_cache's shape"):
+        fa2.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
