@@ -1028,7 +1028,8 @@ int main(int argc, char** argv) {
       cases.back().softcap = cap, cases.back().alibi = alibi;
       cases.back().wl = wl, cases.back().wr = wr;
     };
-    const std::vector<int> dims = mode == "quick" ? std::vector<int>{64, 256}
+    // quick (CI, 2 cores): d = 64 only; the emulator's d = 256 cases take minutes.
+    const std::vector<int> dims = mode == "quick" ? std::vector<int>{64}
                                                   : std::vector<int>{64, 96, 128, 256, 40, 200};
     for (int d : dims) {
       addm(2, 150, 170, 4, 2, d, false, true, false, false, 1, d == 64, 0.7f, false);  // capped
