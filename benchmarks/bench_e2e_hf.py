@@ -16,6 +16,10 @@ For each batch size and prompt length:
 
 * ``prefill ms``: median latency of one forward over the prompt (``use_cache=False``,
   ``logits_to_keep=1`` as in ``generate``, so the vocabulary projection does not dominate);
+  ``gen spread %``: (max - min) / median of the generate repetitions. Each implementation is
+  warmed up (a prefill and a whole generate) and the timed repetitions of the two alternate
+  (ours, stock, stock, ours, ...), so that clock or load drift falls on both alike (one run of
+  each in sequence gave 0.93x in one process and 1.58x in another on the same day);
 * ``gen tok/s``: ``batch * new_tokens / time`` of ``generate(max_new_tokens=N, greedy)``,
   prefill included; ``decode tok/s``: the same without the prefill time;
 * ``peak GiB``: ``torch.cuda.max_memory_allocated`` during generate (weights included) and
@@ -66,14 +70,16 @@ def parse_args(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5, help="timed prefill repetitions (median)")
-    p.add_argument("--gen-repeats", type=int, default=2, help="timed generate repetitions")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="timed prefill repetitions per implementation, interleaved (median)")
+    p.add_argument("--gen-repeats", type=int, default=5,
+                   help="timed generate repetitions per implementation, interleaved (median)")
     p.add_argument("--left-pad", action="store_true", help="left-padded rows of varying length")
     p.add_argument("--decode-on-sdpa", action="store_true",
                    help="ours: run decode steps (q_len == 1) on torch SDPA, only prefill on ours")
     p.add_argument("--impls", default="ours,stock", help="comma list of ours,stock")
     p.add_argument("--quick", action="store_true",
-                   help="lengths 512 2048, repeats 2/1, 16 new tokens")
+                   help="lengths 512 2048, repeats 5/3, 16 new tokens")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write results as JSON here")
@@ -81,7 +87,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.lengths = [512, 2048]
-        args.repeats, args.gen_repeats, args.new_tokens = 2, 1, 16
+        args.repeats, args.gen_repeats, args.new_tokens = 5, 3, 16
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     for s in args.impls:
         if s not in IMPLS:
@@ -161,12 +167,26 @@ def make_inputs(batch, length, vocab, left_pad, device, seed):
     return ids.to(device), am.to(device)
 
 
-def run_case(model, impl, batch, length, args, device, hf, stock_gqa) -> Dict[str, Any]:
+def spread_pct(times: List[float]) -> Optional[float]:
+    """(max - min) / median of repeated timings, in percent (None for fewer than two)."""
+    if len(times) < 2:
+        return None
+    return 100.0 * (max(times) - min(times)) / statistics.median(times)
+
+
+def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str, Any]]:
+    """Every implementation of args.impls on one (batch, prompt length), interleaved: each is
+    warmed up (a prefill and a whole generate, which also give its attention counts and peak
+    memory), then the timed repetitions alternate between them (ours, stock, stock, ours, ...), so
+    that a drift of the GPU's clocks or of other load falls on both alike. Medians, with the
+    spread (max - min over the median) and every raw time kept."""
     vocab = model.config.vocab_size
     ids, am = make_inputs(batch, length, vocab, args.left_pad, device, args.seed + length + batch)
-    model.set_attn_implementation("flash_attention_sm75" if impl == "ours" else "sdpa")
-    ctx = (lambda: stock_context(device, stock_gqa)) if impl == "stock" else contextlib.nullcontext
-    res: Dict[str, Any] = {"impl": impl, "batch": batch, "length": length}
+    results = {impl: {"impl": impl, "batch": batch, "length": length} for impl in args.impls}
+
+    def ctx(impl):
+        model.set_attn_implementation("flash_attention_sm75" if impl == "ours" else "sdpa")
+        return stock_context(device, stock_gqa) if impl == "stock" else contextlib.nullcontext()
 
     def prefill():
         return model(input_ids=ids, attention_mask=am, use_cache=False, logits_to_keep=1)
@@ -175,51 +195,64 @@ def run_case(model, impl, batch, length, args, device, hf, stock_gqa) -> Dict[st
         return model.generate(input_ids=ids, attention_mask=am, max_new_tokens=args.new_tokens,
                               do_sample=False, use_cache=True, pad_token_id=0)
 
-    try:
-        with torch.inference_mode(), ctx():
-            hf.reset_stats()
-            reset_peak(device)
-            timed(prefill, device)  # warm-up (and the kernel/fallback counts of one forward)
-            res["prefill_peak_gib"] = peak_gib(device)
-            stats = hf.get_stats()
-            res["prefill_attention"] = {"kernel": stats["kernel"], "fallback": stats["fallback"],
-                                        "reasons": stats["reasons"]}
-            times = [timed(prefill, device)[0] for _ in range(max(1, args.repeats))]
-            res["prefill_ms"] = statistics.median(times) * 1e3
+    def guarded(impl, fn):
+        """fn() for impl; an exception (OOM, a backend refusing the shape) is recorded as the
+        impl's error and the impl leaves the comparison."""
+        res = results[impl]
+        try:
+            with torch.inference_mode(), ctx(impl):
+                return fn(res)
+        except Exception as e:  # noqa: BLE001 - recorded, the other impl goes on
+            res["error"] = "OOM" if C.is_oom(e) else f"{type(e).__name__}: {e}"[:300]
+            if device.type == "cuda" and not C.cuda_context_ok():
+                raise
+            return None
+        finally:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
-            timed(lambda: model.generate(input_ids=ids, attention_mask=am, max_new_tokens=2,
-                                         do_sample=False, pad_token_id=0), device)
-            hf.reset_stats()
-            reset_peak(device)
-            gtimes = []
-            for _ in range(max(1, args.gen_repeats)):
-                t, out = timed(generate, device)
-                gtimes.append(t)
-            res["gen_peak_gib"] = peak_gib(device)
-            new = out.shape[1] - ids.shape[1]
-            stats = hf.get_stats()
-            res["generate_attention"] = {"kernel_prefill": stats["kernel_prefill"],
-                                         "kernel_decode": stats["kernel_decode"],
-                                         "fallback": stats["fallback"],
-                                         "reasons": stats["reasons"]}
-            t_gen = statistics.median(gtimes)
-            res["new_tokens"] = new
-            res["gen_s"] = t_gen
-            res["gen_tok_s"] = batch * new / t_gen
-            t_dec = t_gen - res["prefill_ms"] / 1e3
-            res["decode_tok_s"] = batch * max(new - 1, 0) / t_dec if t_dec > 0 else None
-    except Exception as e:  # OOM or a backend refusing the shape: record and go on
-        if C.is_oom(e):
-            res["error"] = "OOM"
-        else:
-            res["error"] = f"{type(e).__name__}: {e}"[:300]
-        if device.type == "cuda" and not C.cuda_context_ok():
-            raise
-    finally:
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return res
+    def warm_up(res):
+        hf.reset_stats()
+        reset_peak(device)
+        timed(prefill, device)
+        res["prefill_peak_gib"] = peak_gib(device)
+        stats = hf.get_stats()
+        res["prefill_attention"] = {"kernel": stats["kernel"], "fallback": stats["fallback"],
+                                    "reasons": stats["reasons"]}
+        hf.reset_stats()
+        reset_peak(device)
+        _, out = timed(generate, device)
+        res["gen_peak_gib"] = peak_gib(device)
+        res["new_tokens"] = out.shape[1] - ids.shape[1]
+        stats = hf.get_stats()
+        res["generate_attention"] = {"kernel_prefill": stats["kernel_prefill"],
+                                     "kernel_decode": stats["kernel_decode"],
+                                     "fallback": stats["fallback"], "reasons": stats["reasons"]}
+        res["prefill_times_s"], res["gen_times_s"] = [], []
+
+    for impl in args.impls:
+        guarded(impl, warm_up)
+    for key, fn, reps in (("prefill_times_s", prefill, args.repeats),
+                          ("gen_times_s", generate, args.gen_repeats)):
+        for r in range(max(1, reps)):
+            order = args.impls if r % 2 == 0 else list(reversed(args.impls))
+            for impl in order:
+                if "error" not in results[impl]:
+                    guarded(impl, lambda res: res[key].append(timed(fn, device)[0]))
+    for res in results.values():
+        if "error" in res:
+            continue
+        res["prefill_ms"] = statistics.median(res["prefill_times_s"]) * 1e3
+        res["prefill_spread_pct"] = spread_pct(res["prefill_times_s"])
+        t_gen = statistics.median(res["gen_times_s"])
+        res["gen_s"] = t_gen
+        res["gen_tok_s"] = batch * res["new_tokens"] / t_gen
+        res["gen_spread_pct"] = spread_pct(res["gen_times_s"])
+        t_dec = t_gen - res["prefill_ms"] / 1e3
+        res["decode_tok_s"] = (batch * max(res["new_tokens"] - 1, 0) / t_dec if t_dec > 0
+                               else None)
+    return [results[impl] for impl in args.impls]
 
 
 def main(argv=None) -> int:
@@ -256,15 +289,17 @@ def main(argv=None) -> int:
     results: List[Dict[str, Any]] = []
     for batch in args.batches:
         for length in args.lengths:
-            for impl in args.impls:
-                r = run_case(model, impl, batch, length, args, device, hf, stock_gqa)
+            for r in run_pair(model, batch, length, args, device, hf, stock_gqa):
                 results.append(r)
+                impl = r["impl"]
                 if "error" in r:
                     print(f"  B={batch} N={length} {impl}: {r['error']}")
                 else:
-                    print(f"  B={batch} N={length} {impl}: prefill {r['prefill_ms']:.2f} ms, "
-                          f"generate {r['gen_tok_s']:.1f} tok/s, peak {C.fmt(r['gen_peak_gib'])}"
-                          f" GiB; attention prefill {r['prefill_attention']['kernel']} kernel / "
+                    print(f"  B={batch} N={length} {impl}: prefill {r['prefill_ms']:.2f} ms "
+                          f"(spread {C.fmt(r['prefill_spread_pct'], '.1f')}%), generate "
+                          f"{r['gen_tok_s']:.1f} tok/s (spread {C.fmt(r['gen_spread_pct'], '.1f')}"
+                          f"%), peak {C.fmt(r['gen_peak_gib'])} GiB; attention prefill "
+                          f"{r['prefill_attention']['kernel']} kernel / "
                           f"{r['prefill_attention']['fallback']} fallback")
 
     def get(impl, batch, length, key):
@@ -286,6 +321,8 @@ def main(argv=None) -> int:
                 batch, length,
                 C.fmt(po), C.fmt(ps), C.fmt(ps / po if po and ps else None, ".2f"),
                 C.fmt(go, ".1f"), C.fmt(gs, ".1f"), C.fmt(go / gs if go and gs else None, ".2f"),
+                C.fmt(get("ours", batch, length, "gen_spread_pct"), ".1f"),
+                C.fmt(get("stock", batch, length, "gen_spread_pct"), ".1f"),
                 C.fmt(do, ".1f"), C.fmt(ds, ".1f"),
                 C.fmt(get("ours", batch, length, "prefill_peak_gib"), ".2f"),
                 C.fmt(get("stock", batch, length, "prefill_peak_gib"), ".2f"),
@@ -293,8 +330,8 @@ def main(argv=None) -> int:
                 C.fmt(get("stock", batch, length, "gen_peak_gib"), ".2f"),
             ])
     headers = ["B", "N", "prefill ms ours", "stock", "speedup", "gen tok/s ours", "stock",
-               "speedup", "decode tok/s ours", "stock", "prefill peak GiB ours", "stock",
-               "gen peak GiB ours", "stock"]
+               "speedup", "gen spread % ours", "stock", "decode tok/s ours", "stock",
+               "prefill peak GiB ours", "stock", "gen peak GiB ours", "stock"]
     print()
     print(C.format_table(headers, rows, left=()))
 

@@ -103,3 +103,23 @@ def test_sweep_rejects_sizes_below_one_with_a_usage_error(script, args, tmp_path
     assert f"argument {args[0]}: must be an integer >= 1" in r.stderr, r.stderr[-1000:]
     assert not (tmp_path / "o").exists()
 
+
+
+@pytest.mark.skipif(not fa.EXTENSION_AVAILABLE, reason="extension not built")
+def test_e2e_hf_interleaves_the_implementations_and_reports_the_spread(tmp_path):
+    # bench_e2e_hf's timing (issue 23): each implementation warmed up, then its timed
+    # repetitions alternate with the other's; every raw time and the spread are kept.
+    out = tmp_path / "e2e.json"
+    r = run("benchmarks/bench_e2e_hf.py", "--device", "cpu", "--config", "qwen2", "--lengths",
+            "16", "--batches", "1", "--new-tokens", "2", "--repeats", "3", "--gen-repeats", "2",
+            "--out", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [res["impl"] for res in results] == ["ours", "stock"]
+    for res in results:
+        assert "error" not in res, res
+        assert len(res["prefill_times_s"]) == 3 and len(res["gen_times_s"]) == 2
+        assert res["gen_spread_pct"] >= 0 and res["prefill_spread_pct"] >= 0
+        assert res["new_tokens"] == 2 and res["gen_tok_s"] > 0
+    assert results[0]["prefill_attention"]["kernel"] > 0  # ours ran the kernel path
+    assert "gen spread % ours" in r.stdout
