@@ -222,7 +222,12 @@ def test_missing_extension_message_points_to_the_build(tmp_path):
 
     shutil.copytree(os.path.join(ROOT, "flash_attention_sm75"), tmp_path / "flash_attention_sm75",
                     ignore=shutil.ignore_patterns("*.so", "*.pyd", "_build_info.py", "__pycache__"))
-    code = ("import torch, flash_attention_sm75 as fa\n"
+    # An editable install (CI's) maps the package to the checkout through a meta-path finder
+    # that wins over PYTHONPATH: drop it so that the copy without the library is imported.
+    code = ("import sys\n"
+            "sys.meta_path = [f for f in sys.meta_path\n"
+            "                 if '__editable__' not in getattr(f, '__module__', '')]\n"
+            "import torch, flash_attention_sm75 as fa\n"
             "print(fa.EXTENSION_AVAILABLE, fa.EXTENSION_ERROR)\n"
             "q = torch.zeros(1, 1, 1, 8, dtype=torch.float16)\n"
             "fa.flash_attn_func(q, q, q)\n")

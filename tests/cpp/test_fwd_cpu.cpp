@@ -259,7 +259,7 @@ TEST(FwdOp, ScoreModsOnTheCpuReference) {
   const at::Tensor q = in.q.to(at::kDouble).transpose(1, 2);
   const at::Tensor k = in.k.to(at::kDouble).transpose(1, 2).repeat_interleave(2, 1);
   const at::Tensor v = in.v.to(at::kDouble).transpose(1, 2).repeat_interleave(2, 1);
-  at::Tensor s = at::matmul(q, k.transpose(-1, -2)) * c.scale;
+  at::Tensor s = at::matmul(q, k.transpose(-1, -2)) * c.scale.value_or(0.125);
   s = cap * at::tanh(s / cap);
   const at::Tensor i = at::arange(9, at::kLong).view({9, 1});
   const at::Tensor j = at::arange(13, at::kLong).view({1, 13});
