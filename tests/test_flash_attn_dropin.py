@@ -21,6 +21,7 @@ the whole file takes a few seconds.
 import inspect
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -940,6 +941,12 @@ def test_dropin_build_check_sees_past_pip_build_isolation(tmp_path, monkeypatch)
     import importlib.util
 
     from dropin_env import DROPIN_SRC
+
+    probe = subprocess.run([sys.executable, "-E", "-c", "import site; print(site.ENABLE_USER_SITE)"],
+                           capture_output=True, text=True, timeout=60)
+    if probe.stdout.strip() != "True":
+        pytest.skip("this interpreter has no user site (a venv): pip's target environment has "
+                    "no hidden part to look past")
 
     spec = importlib.util.spec_from_file_location(
         "flash_attn_dropin_backend", os.path.join(DROPIN_SRC, "_build", "flash_attn_dropin_backend.py"))

@@ -220,7 +220,8 @@ def test_missing_extension_message_points_to_the_build(tmp_path):
     import os
     import shutil
 
-    shutil.copytree(os.path.join(ROOT, "flash_attention_sm75"), tmp_path / "flash_attention_sm75",
+    # The package as imported (the checkout, or site-packages when installed), without _C.
+    shutil.copytree(os.path.dirname(fa.__file__), tmp_path / "flash_attention_sm75",
                     ignore=shutil.ignore_patterns("*.so", "*.pyd", "_build_info.py", "__pycache__"))
     # An editable install (CI's) maps the package to the checkout through a meta-path finder
     # that wins over PYTHONPATH: drop it so that the copy without the library is imported.
