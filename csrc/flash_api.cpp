@@ -37,6 +37,8 @@ void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& q) {
                     t.strides());
 }
 
+}  // namespace
+
 void check_alignment(const at::Tensor& t, const char* name) {
   // The kernel moves 16-byte vectors: 8 fp16 elements.
   bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
@@ -46,6 +48,8 @@ void check_alignment(const at::Tensor& t, const char* name) {
                     "elements, got strides ",
                     t.strides());
 }
+
+namespace {
 
 void check_key_bound(const std::optional<at::Tensor>& t, const char* name, const at::Tensor& q) {
   if (!t.has_value()) return;
@@ -167,6 +171,16 @@ void check_window_size(int64_t window_size_left, int64_t window_size_right) {
 void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes,
                      const at::Tensor& q, const std::optional<at::Tensor>& leftpad_k,
                      const std::optional<at::Tensor>& seqused_k) {
+  check_score_mod(softcap, alibi_slopes, q.device(), q.size(0), q.size(2));
+  if (!alibi_slopes.has_value()) return;
+  TORCH_CHECK_VALUE(!leftpad_k.has_value() && !seqused_k.has_value(),
+                    "flash_attention_sm75: alibi_slopes cannot be combined with leftpad_k / "
+                    "seqused_k (the ALiBi distance of a key range is not defined here); pass "
+                    "alibi_slopes=None or no key ranges");
+}
+
+void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                     const c10::Device& device, int64_t b, int64_t h) {
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
                     "flash_attention_sm75: softcap must be a finite number >= 0 (0: no "
                     "soft-capping), got ", softcap);
@@ -174,9 +188,8 @@ void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slop
   const at::Tensor& a = *alibi_slopes;
   TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat,
                     "flash_attention_sm75: alibi_slopes must be float32, got ", a.scalar_type());
-  TORCH_CHECK_VALUE(a.device() == q.device(), "flash_attention_sm75: alibi_slopes must be on q's "
-                    "device (", q.device(), "), got ", a.device());
-  const int64_t b = q.size(0), h = q.size(2);
+  TORCH_CHECK_VALUE(a.device() == device, "flash_attention_sm75: alibi_slopes must be on q's "
+                    "device (", device, "), got ", a.device());
   const bool shape_ok = (a.dim() == 1 && a.size(0) == h) ||
                         (a.dim() == 2 && a.size(0) == b && a.size(1) == h);
   TORCH_CHECK_VALUE(shape_ok, "flash_attention_sm75: alibi_slopes must have shape (num_heads,) = (",
@@ -184,10 +197,6 @@ void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slop
   TORCH_CHECK_VALUE(a.numel() == 0 || a.stride(-1) == 1,
                     "flash_attention_sm75: alibi_slopes must be contiguous in its last dimension, "
                     "got strides ", a.strides());
-  TORCH_CHECK_VALUE(!leftpad_k.has_value() && !seqused_k.has_value(),
-                    "flash_attention_sm75: alibi_slopes cannot be combined with leftpad_k / "
-                    "seqused_k (the ALiBi distance of a key range is not defined here); pass "
-                    "alibi_slopes=None or no key ranges");
 }
 
 void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,

@@ -70,6 +70,15 @@ at::Tensor cpu_mod_scores(const at::Tensor& s, double softcap,
                           const std::optional<at::Tensor>& alibi_slopes, bool causal_bottom_right,
                           at::Tensor* dcap = nullptr);
 
+// The same checks for a batch of b entries with h query heads on `device`, without the key-range
+// rule (packed sequences define ALiBi's distance per sequence, so key ranges are allowed there).
+void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                     const c10::Device& device, int64_t b, int64_t h);
+
+// The kernels' layout rule for a 4-D BSHD tensor: 16-byte aligned data, batch / seq / head
+// strides divisible by 8 elements (or of size 1). ValueError naming the argument otherwise.
+void check_alignment(const at::Tensor& t, const char* name);
+
 // window_size_left / window_size_right: -1 (no limit on that side) or >= 0; anything else
 // raises ValueError naming the argument (before any launch).
 void check_window_size(int64_t window_size_left, int64_t window_size_right);
@@ -139,12 +148,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1,
     double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
+// ---- packed sequences (csrc/flash_varlen_api.cpp) ----------------------------------------------
+// flash-attn's varlen attention. q: (total_q, num_heads, head_dim), k, v: (total_k, num_heads_k,
+// head_dim), float16, last dim contiguous; sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b +
+// 1] - 1 of q (cu_seqlens_k likewise for k, v), int32 (batch + 1,) on q's device; every length
+// <= max_seqlen_q / max_seqlen_k (<= 2^30). The values are not checked on the GPU path (that
+// would cost a host synchronisation): callers check them on the device (the Python door does);
+// out-of-range values are clamped in the kernels, so they can never read or write outside the
+// tensors. seqused_k: optional int32 (batch,): only the first seqused_k[b] keys of sequence b are
+// attended. Causal, the window and ALiBi are per sequence, bottom-right aligned (query i of
+// sequence b sees key j iff j <= i + len_k[b] - len_q[b]). Returns out (total_q, num_heads,
+// head_dim) float16 and softmax_lse (num_heads, total_q) float32, flash-attn's packed layout;
+// tokens of no sequence and rows that see no key get 0 and -inf. ValueError naming the argument
+// for invalid metadata, before any launch.
+std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    std::optional<double> softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes);
+// The same contract on the CPU: mha_fwd_cpu per sequence (float64), offsets checked on the host.
+std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    std::optional<double> softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes);
+// Gradients of mha_varlen_fwd: dq (total_q, num_heads, head_dim), dk, dv (total_k, num_heads_k,
+// head_dim) float16, 0 for tokens of no sequence. softmax_lse / grad_softmax_lse: (num_heads,
+// total_q) float32. Other layouts of dout / out / q / k / v are copied, not rejected.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
+    bool deterministic, const std::optional<at::Tensor>& grad_softmax_lse,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
+    bool deterministic, const std::optional<at::Tensor>& grad_softmax_lse,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes);
+
 // Output and workspace tensors of one backward call (they own the memory params points to).
 struct BwdBuffers {
   at::Tensor dq, dk, dv;  // float16 BSHD outputs
   at::Tensor dsoftmax_sum;  // D, float32 (batch, h, seqlen_q)
   at::Tensor dq_accum;  // float32 (batch, h, seqlen_q, d), zeroed; atomic dQ mode only
   at::Tensor dlse;  // contiguous grad_softmax_lse, if given
+  at::Tensor lse;   // contiguous softmax_lse
 };
 
 // Allocates the outputs and workspaces of mha_bwd and fills params from inputs that
@@ -160,6 +216,14 @@ BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const a
                        int64_t window_size_left = -1, int64_t window_size_right = -1,
                        double softcap = 0.0,
                        const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
+
+// The dQ mode of a backward call: fp32 atomics (FLASH_SM75_BWD_DQ=atomic, not deterministic,
+// a head dim that has them) or the separate dQ kernel.
+bool bwd_uses_atomic_dq(bool deterministic, int64_t head_dim);
+
+// Queues the backward kernels of filled params on the current stream of `device` (the
+// deterministic mode's dQ kernel on a side stream, joined before returning).
+void launch_bwd(Flash_bwd_params& params, bool dq_atomic, int device);
 
 // Backward input validation (check_fwd_inputs plus dout/out/softmax_lse/grad_softmax_lse).
 double check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,

@@ -110,7 +110,9 @@ BwdBuffers prepare_bwd(Flash_bwd_params& params, const at::Tensor& dout, const a
                        int64_t window_size_right, double softcap,
                        const std::optional<at::Tensor>& alibi_slopes) {
   BwdBuffers bufs;
-  const at::Tensor softmax_lse = softmax_lse_.contiguous();
+  // Kept in bufs: params points into it (a non-contiguous lse is copied).
+  bufs.lse = softmax_lse_.contiguous();
+  const at::Tensor& softmax_lse = bufs.lse;
   if (grad_softmax_lse.has_value()) bufs.dlse = grad_softmax_lse->contiguous();
 
   const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
@@ -189,21 +191,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   if (zero_size(q, k)) return zero_size_bwd(q, k);
 
   Flash_bwd_params params{};
-  // Head dims without the atomic dQ mode (d > 128) run the deterministic kernels.
-  const bool dq_atomic = !deterministic && env_selects_atomic_dq() &&
-                         bwd_atomic_dq_supported(static_cast<int>(q.size(3)));
-  const bool dq_side_stream = env_selects_dq_side_stream();
+  const bool dq_atomic = bwd_uses_atomic_dq(deterministic, q.size(3));
   BwdBuffers bufs = prepare_bwd(params, dout, q, k, v, out, softmax_lse_, scale, is_causal,
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
                                 grad_softmax_lse, window_size_left, window_size_right, softcap,
                                 alibi_slopes);
+  launch_bwd(params, dq_atomic, q.get_device());
+  return {bufs.dq, bufs.dk, bufs.dv};
+}
+
+bool bwd_uses_atomic_dq(bool deterministic, int64_t head_dim) {
+  // Head dims without the atomic dQ mode (d > 128) run the deterministic kernels.
+  return !deterministic && env_selects_atomic_dq() &&
+         bwd_atomic_dq_supported(static_cast<int>(head_dim));
+}
+
+void launch_bwd(Flash_bwd_params& params, bool dq_atomic, int device) {
+  const bool dq_side_stream = env_selects_dq_side_stream();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   std::optional<ForkJoinEvents> events;
   if (!dq_atomic && dq_side_stream) {
     // The pool hands out its streams round-robin and can return the caller's own one: then
     // there is nothing to fork.
     const cudaStream_t side =
-        at::cuda::getStreamFromPool(/*isHighPriority=*/false, q.get_device()).stream();
+        at::cuda::getStreamFromPool(/*isHighPriority=*/false, device).stream();
     if (side != stream) {
       events.emplace();
       params.dq_stream = side;
@@ -227,7 +238,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     throw;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {bufs.dq, bufs.dk, bufs.dv};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(

@@ -35,3 +35,31 @@ TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) { m.impl("bwd", &flash_sm75::mha_bwd); }
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) { m.impl("bwd", &flash_sm75::mha_bwd_cpu); }
+
+// ---- packed sequences (varlen) -----------------------------------------------------------------
+// flash-attn's varlen layout and semantics (mha_varlen_fwd / mha_varlen_bwd in flash_api.h):
+// q (total_q, h, d), k / v (total_k, h_k, d), int32 cu_seqlens (batch + 1,), per-sequence
+// bottom-right causal / window / ALiBi; out (total_q, h, d), softmax_lse (h, total_q).
+TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float? softmax_scale=None, bool is_causal=False, "
+      "Tensor? seqused_k=None, int window_size_left=-1, int window_size_right=-1, "
+      "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+      "float softmax_scale, bool is_causal, Tensor? seqused_k=None, bool deterministic=False, "
+      "Tensor? grad_softmax_lse=None, int window_size_left=-1, int window_size_right=-1, "
+      "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) {
+  m.impl("varlen_fwd", &flash_sm75::mha_varlen_fwd);
+  m.impl("varlen_bwd", &flash_sm75::mha_varlen_bwd);
+}
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) {
+  m.impl("varlen_fwd", &flash_sm75::mha_varlen_fwd_cpu);
+  m.impl("varlen_bwd", &flash_sm75::mha_varlen_bwd_cpu);
+}

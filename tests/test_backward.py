@@ -177,7 +177,7 @@ def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, deter
     names = cuda_kernels_run(lambda: check_against_reference(q, k, v, do, causal, bottom_right,
                                                              deterministic=deterministic), "dkdv")
     assert len(names) == 1, names
-    # Template arguments: <traits, Is_causal, Atomic_dq, Is_local, Has_mod>.
+    # Template arguments: <traits, Is_causal, Atomic_dq, Is_local, Is_ext>.
     found = re.search(r"flash_bwd_dkdv_kernel<(?:flash_sm75::)?Flash_bwd_kernel_traits<128, 32, 64, "
                       r"8(?:, 1)?>, (true|false), (true|false), (true|false), (true|false)>",
                       next(iter(names)))

@@ -123,3 +123,13 @@ def test_e2e_hf_interleaves_the_implementations_and_reports_the_spread(tmp_path)
         assert res["new_tokens"] == 2 and res["gen_tok_s"] > 0
     assert results[0]["prefill_attention"]["kernel"] > 0  # ours ran the kernel path
     assert "gen spread % ours" in r.stdout
+
+
+@pytest.mark.parametrize("total,lo,hi,seed", [(16384, 128, 4096, 0), (16384, 128, 4096, 1),
+                                              (1000, 128, 4096, 2), (300, 128, 256, 3)])
+def test_varlen_documents_total_the_tokens_within_the_length_bounds(total, lo, hi, seed):
+    lens = load_script("benchmarks/bench_varlen.py").doc_lengths(total, lo, hi, seed)
+    assert sum(lens) == total
+    assert all(x <= hi + lo for x in lens)  # a folded remainder adds < lo to one document
+    assert all(x >= lo for x in lens) or len(lens) == 1
+    assert lens == load_script("benchmarks/bench_varlen.py").doc_lengths(total, lo, hi, seed)

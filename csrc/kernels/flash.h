@@ -30,6 +30,22 @@ struct Flash_fwd_params {
   const int* leftpad_k;   // first valid key index per batch
   const int* seqused_k;   // one past the last valid key index per batch
 
+  // ---- optional packed (varlen) sequences, int32 (b + 1,) offsets, or nullptr ------------
+  // Batch entry b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of a packed q / o (and the
+  // same for k / v with cu_seqlens_k): its row 0 is there and its length is the difference;
+  // seqlen_q / seqlen_k are then the maxima (the grid's extent) and the batch strides 0. With
+  // cu_seqlens_q the LSE is packed too: (h, total_q), flash-attn's varlen layout. Only the
+  // extended instantiations (Is_ext, needs_ext) read these.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int total_q;  // rows of the packed q / o (cu_seqlens_q), for clamping and the LSE's head stride
+  int total_k;  // rows of the packed k / v (cu_seqlens_k), for clamping
+  // The band's diagonals and ALiBi's offset are per batch entry, relative to its bottom-right
+  // corner (flash-attn's varlen and KV-cache semantics): the kernels add key_end[b] -
+  // seqlen_q[b] to causal_offset, window_lower (when set) and alibi_offset, which the host then
+  // sets relative to that corner (right, -left, 0). Is_ext only.
+  bool per_seq_offset;
+
   // ---- strides, in elements ------------------------------------------------------------
   index_t q_batch_stride, q_row_stride, q_head_stride;
   index_t k_batch_stride, k_row_stride, k_head_stride;
@@ -57,7 +73,7 @@ struct Flash_fwd_params {
   int window_lower = kNoWindowLower;  // ... and j >= i + window_lower (a window's left edge: offset - left);
                         // kNoWindowLower (block_info.h) without one. band_diagonals().
 
-  // ---- score modifiers (score_mod.h; run by the Has_mod instantiations) -------------------
+  // ---- score modifiers (score_mod.h; run by the Is_ext instantiations) -------------------
   float softcap_in = 0.f;    // scale / softcap; 0: no softcap
   float softcap_out = 0.f;   // softcap / scale
   const float* alibi_slopes_ptr = nullptr;  // fp32 (b, h) or (h,) ALiBi slopes, or nullptr
@@ -89,20 +105,23 @@ inline bool has_window_lower(const Flash_fwd_params& params) {
   return params.is_causal && params.window_lower != kNoWindowLower;
 }
 
-// A softcap or ALiBi slopes: the score-mod instantiations (Has_mod) run the call.
-inline bool has_score_mod(const Flash_fwd_params& params) {
-  return params.softcap_in != 0.f || params.alibi_slopes_ptr != nullptr;
+// The extended instantiations (Is_ext) run the call: a softcap, ALiBi slopes, packed (varlen)
+// sequences or per-sequence diagonals. The plain ones compile exactly as without these.
+inline bool needs_ext(const Flash_fwd_params& params) {
+  return params.softcap_in != 0.f || params.alibi_slopes_ptr != nullptr ||
+         params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
+         params.per_seq_offset;
 }
 
 // One explicit specialization per generated instantiation file (instantiations/*.cu):
-// (Is_causal, Is_local) in {(false, false), (true, false), (true, true)}, each with and without
-// the score modifiers (Has_mod).
-template <int kHeadDim, bool Is_causal, bool Is_local, bool Has_mod>
+// (Is_causal, Is_local) in {(false, false), (true, false), (true, true)}, each plain and
+// extended (Is_ext: score modifiers, packed sequences, per-sequence diagonals; seq_info.h).
+template <int kHeadDim, bool Is_causal, bool Is_local, bool Is_ext>
 void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream);
 
 // Decode path (seqlen_q == 1; the host fills the decode fields from plan_decode).
 void run_mha_fwd_decode(Flash_fwd_params& params, cudaStream_t stream);
-template <int kHeadDim, bool Has_mod>
+template <int kHeadDim, bool Is_ext>
 void run_mha_fwd_decode_(Flash_fwd_params& params, cudaStream_t stream);
 
 }  // namespace flash_sm75

@@ -49,12 +49,16 @@ struct Flash_bwd_params : public Flash_fwd_params {
   cudaEvent_t dq_join;
 };
 
+// The largest head-dim bucket whose backward kernels take packed sequences and per-sequence
+// diagonals (kernels/seq_info.h); above it packed calls run on a padded copy.
+constexpr int kMaxBwdSeqHeadDim = 128;
+
 // Host entry: dispatches on head dim and causal flag (flash_bwd_dispatch.cpp).
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
 
 // One explicit specialization per generated instantiation file (instantiations/flash_bwd_*.cu),
-// (Is_causal, Is_local, Has_mod) as run_mha_fwd_'s.
-template <int kHeadDim, bool Is_causal, bool Is_local, bool Has_mod>
+// (Is_causal, Is_local, Is_ext) as run_mha_fwd_'s.
+template <int kHeadDim, bool Is_causal, bool Is_local, bool Is_ext>
 void run_mha_bwd_(Flash_bwd_params& params, cudaStream_t stream);
 
 }  // namespace flash_sm75

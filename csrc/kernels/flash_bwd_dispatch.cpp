@@ -1,17 +1,29 @@
 // run_mha_bwd: runtime (head dim, causal, local: as run_mha_fwd) -> one of the explicitly
 // specialized instantiations in
 // instantiations/flash_bwd_*.cu, each compiled in its own translation unit.
+#include <stdexcept>
+
 #include "flash_bwd.h"
+#include "head_dims.h"
 #include "static_switch.h"
 
 namespace flash_sm75 {
 
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
+  // The d = 256 backward kernels take no packed sequences or per-sequence diagonals (no register
+  // to spare, kernels/seq_info.h): mha_varlen_bwd runs those on a padded copy. Never silently.
+  if (head_dim_bucket(params.d) > kMaxBwdSeqHeadDim &&
+      (params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
+       params.per_seq_offset)) {
+    throw std::invalid_argument(
+        "flash_attention_sm75: the backward kernels above head_dim 128 take no packed "
+        "sequences (internal error: the caller must pad them)");
+  }
   HEADDIM_SWITCH(params.d, [&] {
-    BOOL_SWITCH(has_score_mod(params), Has_mod, [&] {
-      if (has_window_lower(params)) return run_mha_bwd_<kHeadDim, true, true, Has_mod>(params, stream);
+    BOOL_SWITCH(needs_ext(params), Is_ext, [&] {
+      if (has_window_lower(params)) return run_mha_bwd_<kHeadDim, true, true, Is_ext>(params, stream);
       BOOL_SWITCH(params.is_causal, Is_causal, [&] {
-        run_mha_bwd_<kHeadDim, Is_causal, false, Has_mod>(params, stream);
+        run_mha_bwd_<kHeadDim, Is_causal, false, Is_ext>(params, stream);
       });
     });
   });

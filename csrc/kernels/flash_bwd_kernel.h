@@ -35,6 +35,7 @@
 #include "flash_bwd.h"
 #include "fragment.h"
 #include "score_mod.h"
+#include "seq_info.h"
 #include "tile_io.h"
 #include "utils.h"
 
@@ -218,15 +219,15 @@ __device__ __forceinline__ float recompute_p(float s, float scale_log2, float ls
 // P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked, in place in acc_s, and packed
 // as the fp16 A fragments of dV += P^T dO. Element (nt, e): key key_g + 8 (e >= 2), query
 // m0 + qc0 + 8 nt + 2 t + (e & 1); sLse holds the tile's lse * log2(e).
-// Has_mod: acc_s holds softcapped scores (softcap_scores); ALiBi is added here, and acc_s keeps
+// Is_ext: acc_s holds softcapped scores (softcap_scores); ALiBi is added here, and acc_s keeps
 // P times the softcap's derivative (the factor dS needs; p_frag keeps P for dV).
-template <int kWC, bool Is_causal, bool Is_local, bool Has_mod = false>
+template <int kWC, bool Is_causal, bool Is_local, bool Is_ext = false>
 __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p_frag)[kWC / 8][2],
                                         const float* sLse, int qc0, int t, float scale_log2,
                                         bool need_mask, int key_g, int m0, const KeyRange& kr,
                                         int causal_offset, int window_lower,
                                         const ScoreMod& smod = ScoreMod{}) {
-  if constexpr (Has_mod) {
+  if constexpr (Is_ext) {
     // Masked scores -> -inf first, in a loop of their own: with the ALiBi arithmetic in the same
     // loop the d = 256 local kernel spilled (255 registers). A masked score's derivative is
     // clamped to 0 (1 - inf^2), so P * derivative is 0, not 0 * -inf.
@@ -248,7 +249,7 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
   for (int nt = 0; nt < kWC / 8; ++nt) {
     const int qcol = qc0 + 8 * nt + 2 * t;
     const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
-    if constexpr (Has_mod) {
+    if constexpr (Is_ext) {
       // ALiBi distance query + offset - key of element 0 (exact in float below 2^24).
       const float dist0 = static_cast<float>(m0 + qcol + smod.offset - key_g);
       float p[4];
@@ -298,20 +299,22 @@ __device__ __forceinline__ void dsoftmax_t(const float (&acc_s)[kWC / 8][4],
 // Epilogue: dK * scale and dV of the warp's 16 keys key0 .. key0 + 15 (rows g, g + 8 of the
 // accumulators) and kDO columns col0 .., fp16, rows past seqlen_k and columns past the head dim
 // d skipped.
-template <int kDO>
+template <int kDO, typename Si>
 __device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
                                            const float (&acc_dk)[kDO / 8][4],
                                            const float (&acc_dv)[kDO / 8][4], int bidb, int bidh_k,
-                                           int key0, int col0, int g, int t) {
-  __half* dk_base = static_cast<__half*>(params.dk_ptr) + bidb * params.dk_batch_stride +
+                                           int key0, int col0, int g, int t, const Si& si) {
+  __half* dk_base = static_cast<__half*>(params.dk_ptr) +
+                    si.k_offset(bidb, params.dk_batch_stride, params.dk_row_stride) +
                     bidh_k * params.dk_head_stride;
-  __half* dv_base = static_cast<__half*>(params.dv_ptr) + bidb * params.dv_batch_stride +
+  __half* dv_base = static_cast<__half*>(params.dv_ptr) +
+                    si.k_offset(bidb, params.dv_batch_stride, params.dv_row_stride) +
                     bidh_k * params.dv_head_stride;
   const float scale = params.scale_softmax;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + g + 8 * r;
-    if (key < params.seqlen_k) {
+    if (key < si.seqlen_k()) {
 #pragma unroll
       for (int dt = 0; dt < kDO / 8; ++dt) {
         if (col0 + 8 * dt >= params.d) break;
@@ -329,8 +332,8 @@ __device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
 // dK / dV (and, in atomic mode, dQ partial sums). See the file comment and
 // Flash_bwd_kernel_traits for the work split.
 // Is_local: the causal band has a lower diagonal too (a sliding window, params.window_lower).
-// Has_mod: a softcap and / or ALiBi slopes modify the scores (score_mod.h).
-template <typename Kt, bool Is_causal, bool Atomic_dq, bool Is_local = false, bool Has_mod = false>
+// Is_ext: a softcap and / or ALiBi slopes modify the scores (score_mod.h).
+template <typename Kt, bool Is_causal, bool Atomic_dq, bool Is_local = false, bool Is_ext = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_dkdv_kernel(const Flash_bwd_params params) {
   constexpr int kD = Kt::kHeadDim;
@@ -374,9 +377,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int ratio = params.h_h_k_ratio;
   const int n0 = n_block * kBN;
 
-  const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
-  const MBlockRange mr = m_block_range<Is_local>(n_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
-                                       params.causal_offset, params.window_lower);
+  // Packed sequences up to kMaxBwdSeqHeadDim (seq_info.h: d = 256 has no register to spare).
+  constexpr bool kSeq = Is_ext && kD <= kMaxBwdSeqHeadDim;
+  const SeqInfo<kSeq> si(params, bidb);
+  // A packed entry shorter than the grid's longest: blocks past its keys hold none of its keys
+  // (their rows belong to other entries); uniform over the CTA, before any barrier.
+  if constexpr (kSeq) {
+    if (n0 >= si.seqlen_k()) return;
+  }
+  const KeyRange kr = si.keys(bidb);
+  const MBlockRange mr = m_block_range<Is_local>(n_block, kBM, kBN, si.seqlen_q(), kr, Is_causal,
+                                                 si.causal_off(), si.window_lower());
   const int num_m = imax(mr.m_block_max - mr.m_block_min, 0);
   const int total = num_m * ratio;  // (q head of the group, query tile) iterations
   const float scale_log2 = params.scale_softmax_log2;
@@ -396,9 +407,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // ---- K and V of the block -> shared memory, rows outside the key range zero-filled.
     {
       const __half* k_base = static_cast<const __half*>(params.k_ptr) +
-                             bidb * params.k_batch_stride + bidh_k * params.k_head_stride;
+                             si.k_offset(bidb, params.k_batch_stride, params.k_row_stride) +
+                             bidh_k * params.k_head_stride;
       const __half* v_base = static_cast<const __half*>(params.v_ptr) +
-                             bidb * params.v_batch_stride + bidh_k * params.v_head_stride;
+                             si.k_offset(bidb, params.v_batch_stride, params.v_row_stride) +
+                             bidh_k * params.v_head_stride;
       uint4 kv[Kt::kKVChunksPerThread];
       load_tile_g2r<Kt>(kv, k_base, params.k_row_stride, n0, kr.key_start, kr.key_end, tid,
                         params.d / 8);
@@ -428,20 +441,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       const int head = bidh_k * ratio + it / num_m;
       const int m0 = tile_m_block(it) * kBM;
       const __half* q_base = static_cast<const __half*>(params.q_ptr) +
-                             bidb * params.q_batch_stride + head * params.q_head_stride;
+                             si.q_offset(bidb, params.q_batch_stride, params.q_row_stride) +
+                             head * params.q_head_stride;
       const __half* do_base = static_cast<const __half*>(params.do_ptr) +
-                              bidb * params.do_batch_stride + head * params.do_head_stride;
-      load_tile_g2r<Kt>(q_stage, q_base, params.q_row_stride, m0, 0, params.seqlen_q, tid,
+                              si.q_offset(bidb, params.do_batch_stride, params.do_row_stride) +
+                              head * params.do_head_stride;
+      load_tile_g2r<Kt>(q_stage, q_base, params.q_row_stride, m0, 0, si.seqlen_q(), tid,
                         params.d / 8);
-      load_tile_g2r<Kt>(do_stage, do_base, params.do_row_stride, m0, 0, params.seqlen_q, tid,
+      load_tile_g2r<Kt>(do_stage, do_base, params.do_row_stride, m0, 0, si.seqlen_q(), tid,
                         params.d / 8);
       if (tid < kBM) {
         const int row = m0 + tid;
-        const int64_t off = (static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + row;
+        const int64_t off = si.lse_index(bidb, head, row);
         // Converted right after the load: converting in store_tile instead measured 1.6-1.9%
         // slower for this kernel (d = 64).
-        lse_stage = lse_log2(row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY);
-        dsum_stage = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
+        lse_stage = lse_log2(row < si.seqlen_q() ? params.softmax_lse_ptr[off] : -INFINITY);
+        dsum_stage = row < si.seqlen_q() ? params.dsoftmax_sum[off] : 0.f;
       }
     };
     auto store_tile = [&]() {
@@ -500,17 +515,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       // ---- P^T = exp2(S^T * scale_log2 - lse_log2[query]), 0 where masked; kept in acc_s.
       // Element (nt, e): key 16 wn + g + 8 (e >= 2), query qc0 + 8 nt + 2 t + (e & 1).
       const bool need_mask =
-          !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
-                            params.window_lower);
+          !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, si.causal_off(),
+                                      si.window_lower());
       ScoreMod smod{};
-      if constexpr (Has_mod) {
-        smod = score_mod_for(params, bidb, head);  // the head changes with it (GQA group)
+      if constexpr (Is_ext) {
+        // The head changes with it (GQA group).
+        smod = score_mod_for(params, bidb, head, si.alibi_off());
         softcap_scores<kWC>(acc_s, smod);
       }
       uint32_t p_frag[kWC / 8][2];
-      probs_t<kWC, Is_causal, Is_local, Has_mod>(acc_s, p_frag, sLse, qc0, t, scale_log2,
+      probs_t<kWC, Is_causal, Is_local, Is_ext>(acc_s, p_frag, sLse, qc0, t, scale_log2,
                                                  need_mask, n0 + 16 * wn + g, m0, kr,
-                                                 params.causal_offset, params.window_lower, smod);
+                                                 si.causal_off(), si.window_lower(), smod);
 
       // ---- dV += P^T dO (16 keys x d per warp; k = this warp's queries).
       gemm_rs_t<kWC, kDO, kRowB, false>(acc_dv, p_frag, q_t_addr + kDofromQ);
@@ -590,15 +606,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // constant offset (immediates, no per-step address registers). Columns past d hold 0
         // (zero K columns) and are skipped. When kD does not divide the threads (d = 96: 2 rows
         // of 96 per 256 threads), the threads past kRowsPerStep rows idle.
-        float* dq_acc = params.dq_accum_ptr +
-                        ((static_cast<int64_t>(bidb) * params.h + head) * params.seqlen_q + m0) * kD +
-                        tid;
+        float* dq_acc = params.dq_accum_ptr + si.lse_index(bidb, head, m0) * kD + tid;
         constexpr int kRowsPerStep = Kt::kNThreads / kD;
         static_assert(kRowsPerStep >= 1 && kBM % kRowsPerStep == 0, "dQ atomics: whole rows");
         const int my_row = tid / kD;
         const float* src = sdQ + fp32_tile_offset<kD>(my_row, tid % kD);
         const bool active = Kt::kNThreads % kD == 0 || my_row < kRowsPerStep;
-        const int rows_left = active && tid % kD < params.d ? params.seqlen_q - m0 - my_row : 0;
+        const int rows_left = active && tid % kD < params.d ? si.seqlen_q() - m0 - my_row : 0;
 #pragma unroll
         for (int i = 0; i < kBM / kRowsPerStep; ++i) {
           if (i * kRowsPerStep < rows_left) {
@@ -622,7 +636,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     reduce_over_query_splits<Kt>(acc_dk, sRed, wn, wm, col0, g, t);
     reduce_over_query_splits<Kt>(acc_dv, sRed, wn, wm, col0, g, t);
   }
-  if (wm == 0) store_dkdv<kDO>(params, acc_dk, acc_dv, bidb, bidh_k, n0 + 16 * wn, col0, g, t);
+  if (wm == 0) {
+    store_dkdv<kDO>(params, acc_dk, acc_dv, bidb, bidh_k, n0 + 16 * wn, col0, g, t, si);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -630,7 +646,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 // streaming the K/V tiles the tile sees (the forward's loop): S = Q K^T, P, dP = dO V^T, dS,
 // dQ += dS K. With Kt::kDSplit > 1 the kDSplit warps of a row group (ws = 0 ..) each accumulate
 // dQ columns col0 = ws * kDOut .. and recompute the same S and dP.
-template <typename Kt, bool Is_causal, bool Is_local = false, bool Has_mod = false>
+template <typename Kt, bool Is_causal, bool Is_local = false, bool Is_ext = false>
 __global__ void __launch_bounds__(Kt::kNThreads)
     flash_bwd_dq_kernel(const Flash_bwd_params params) {
   constexpr int kD = Kt::kHeadDim;
@@ -679,33 +695,50 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   const int bidh = static_cast<int>(bh % params.h);
   const int bidh_k = bidh / params.h_h_k_ratio;
 
-  const __half* q_base = static_cast<const __half*>(params.q_ptr) + bidb * params.q_batch_stride +
+  constexpr bool kSeq = Is_ext && kD <= kMaxBwdSeqHeadDim;  // as the dK/dV kernel
+  const SeqInfo<kSeq> si(params, bidb);
+  // A packed entry shorter than the grid's longest: its tiles past its rows have nothing to do
+  // (uniform over the CTA, before any barrier).
+  if constexpr (kSeq) {
+    if (m_block * kBM >= si.seqlen_q()) return;
+  }
+  const __half* q_base = static_cast<const __half*>(params.q_ptr) +
+                         si.q_offset(bidb, params.q_batch_stride, params.q_row_stride) +
                          bidh * params.q_head_stride;
   const __half* do_base = static_cast<const __half*>(params.do_ptr) +
-                          bidb * params.do_batch_stride + bidh * params.do_head_stride;
-  const __half* k_base = static_cast<const __half*>(params.k_ptr) + bidb * params.k_batch_stride +
+                          si.q_offset(bidb, params.do_batch_stride, params.do_row_stride) +
+                          bidh * params.do_head_stride;
+  const __half* k_base = static_cast<const __half*>(params.k_ptr) +
+                         si.k_offset(bidb, params.k_batch_stride, params.k_row_stride) +
                          bidh_k * params.k_head_stride;
-  const __half* v_base = static_cast<const __half*>(params.v_ptr) + bidb * params.v_batch_stride +
+  const __half* v_base = static_cast<const __half*>(params.v_ptr) +
+                         si.k_offset(bidb, params.v_batch_stride, params.v_row_stride) +
                          bidh_k * params.v_head_stride;
-  __half* dq_base = static_cast<__half*>(params.dq_ptr) + bidb * params.dq_batch_stride +
+  __half* dq_base = static_cast<__half*>(params.dq_ptr) +
+                    si.q_offset(bidb, params.dq_batch_stride, params.dq_row_stride) +
                     bidh * params.dq_head_stride;
 
-  const KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
-  const BlockRange nb = n_block_range<Is_local>(m_block, kBM, kBN, params.seqlen_q, kr, Is_causal,
-                                      params.causal_offset, params.window_lower);
+  const KeyRange kr = si.keys(bidb);
+  const BlockRange nb = n_block_range<Is_local>(m_block, kBM, kBN, si.seqlen_q(), kr, Is_causal,
+                                                si.causal_off(), si.window_lower());
   const int row0 = m_block * kBM;
   const float scale_log2 = params.scale_softmax_log2;
   ScoreMod smod{};
-  if constexpr (Has_mod) smod = score_mod_for(params, bidb, bidh);
+  if constexpr (Is_ext) smod = score_mod_for(params, bidb, bidh, si.alibi_off());
 
   // lse (log2 units; +inf for rows without keys or past seqlen_q) and D of rows g, g + 8.
   float lse_l2[2], dsum[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 16 * wr + g + 8 * r;
-    const int64_t off = bh * params.seqlen_q + row;
-    lse_l2[r] = lse_log2(row < params.seqlen_q ? params.softmax_lse_ptr[off] : -INFINITY);
-    dsum[r] = row < params.seqlen_q ? params.dsoftmax_sum[off] : 0.f;
+    int64_t off;
+    if constexpr (kSeq) {
+      off = si.lse_index(bidb, bidh, row);
+    } else {
+      off = bh * params.seqlen_q + row;
+    }
+    lse_l2[r] = lse_log2(row < si.seqlen_q() ? params.softmax_lse_ptr[off] : -INFINITY);
+    dsum[r] = row < si.seqlen_q() ? params.dsoftmax_sum[off] : 0.f;
   }
 
   float acc_dq[kDO / 8][4];
@@ -722,13 +755,13 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     {
       uint4 qstage[Kt::kQChunksPerThread];
       if constexpr (kQS) {
-        load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid, dc);
+        load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, si.seqlen_q(), tid, dc);
         store_tile_r2s<Kt>(qstage, sQ, tid);
-        load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, params.seqlen_q, tid,
+        load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, si.seqlen_q(), tid,
                           dc);
         store_tile_r2s<Kt>(qstage, sdO, tid);
       } else {
-        load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid, dc);
+        load_tile_g2r<Kt>(qstage, q_base, params.q_row_stride, row0, 0, si.seqlen_q(), tid, dc);
         store_tile_r2s<Kt>(qstage, sK, tid);
         __syncthreads();
 #pragma unroll
@@ -736,7 +769,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
           ldmatrix_x4(q_frag[kk], chunk_pair_addr<kPad>(q_a_addr, kk));
         }
         __syncthreads();
-        load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, params.seqlen_q, tid,
+        load_tile_g2r<Kt>(qstage, do_base, params.do_row_stride, row0, 0, si.seqlen_q(), tid,
                           dc);
         store_tile_r2s<Kt>(qstage, sK, tid);
         __syncthreads();
@@ -771,12 +804,12 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       } else {
         gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
       }
-      // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s; Has_mod: times the
+      // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s; Is_ext: times the
       // softcap's derivative, the factor dS needs).
       const bool need_mask =
-          !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, params.causal_offset,
-                            params.window_lower);
-      if constexpr (Has_mod) {
+          !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, si.causal_off(),
+                                      si.window_lower());
+      if constexpr (Is_ext) {
         softcap_scores<kBN>(acc_s, smod);
 #pragma unroll
         for (int nt = 0; nt < kBN / 8; ++nt) {
@@ -789,8 +822,8 @@ __global__ void __launch_bounds__(Kt::kNThreads)
                 alibi_and_dcap(smod, x, static_cast<float>(row + smod.offset - col));
             float p = recompute_p(x, scale_log2, lse_l2[e >> 1]);
             if (need_mask) {
-              if (!key_visible<Is_local>(row, col, kr, Is_causal, params.causal_offset,
-                                         params.window_lower)) {
+              if (!key_visible<Is_local>(row, col, kr, Is_causal, si.causal_off(),
+                                         si.window_lower())) {
                 p = 0.f;
               }
             }
@@ -806,8 +839,8 @@ __global__ void __launch_bounds__(Kt::kNThreads)
             if (need_mask) {
               const int row = row0 + 16 * wr + g + (e >= 2 ? 8 : 0);
               const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
-              if (!key_visible<Is_local>(row, col, kr, Is_causal, params.causal_offset,
-                                         params.window_lower)) {
+              if (!key_visible<Is_local>(row, col, kr, Is_causal, si.causal_off(),
+                                         si.window_lower())) {
                 p = 0.f;
               }
             }
@@ -880,7 +913,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     const int r = idx / kCPR;
     const int c = idx % kCPR;
     const int grow = row0 + r;
-    if (grow < params.seqlen_q && c < dc) {
+    if (grow < si.seqlen_q() && c < dc) {
       *reinterpret_cast<uint4*>(dq_base + grow * params.dq_row_stride + c * 8) =
           *reinterpret_cast<const uint4*>(sO + L::offset(r, c));
     }

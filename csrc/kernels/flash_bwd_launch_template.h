@@ -13,7 +13,7 @@ namespace flash_sm75 {
 // Atomic mode expects params.dq_accum_ptr zero-filled (the host API allocates it with zeros).
 // A head dim without the atomic mode (Bwd_tile_config::kAtomicDq) runs the deterministic
 // kernels whatever params.dq_atomic says; its atomic kernels are not even instantiated.
-template <int kHeadDim, bool Is_causal, bool Is_local, bool Has_mod>
+template <int kHeadDim, bool Is_causal, bool Is_local, bool Is_ext>
 void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   using C = Bwd_tile_config<kHeadDim>;
   using Kt = typename C::Traits;
@@ -21,23 +21,34 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq>(params.b, params.h, params.h_k,
                                                    params.seqlen_q, params.seqlen_k,
                                                    params.dq_atomic && C::kAtomicDq);
+  // The row-wise kernels (D, the dQ conversion) address (batch, head, row) rows. Packed q: one
+  // entry of total_q rows (batch strides are 0), which is exactly the packed (h, total_q)
+  // layout of the LSE, D and dq_accum that the main kernels use (SeqInfo::lse_index).
+  Flash_bwd_params rows = params;
+  BwdLaunchPlan rows_plan = plan;
+  if (params.cu_seqlens_q != nullptr) {
+    rows.b = 1;
+    rows.seqlen_q = params.total_q;
+    rows_plan = make_bwd_plan<Kt, Kq>(1, params.h, params.h_k, params.total_q, params.seqlen_k,
+                                      params.dq_atomic && C::kAtomicDq);
+  }
   flash_bwd_preprocess_kernel<kHeadDim>
-      <<<static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads, 0, stream>>>(params);
+      <<<static_cast<unsigned>(rows_plan.preprocess_blocks), kBwdAuxThreads, 0, stream>>>(rows);
   if constexpr (C::kAtomicDq) {
     if (plan.dq_atomic) {
-      auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, true, Is_local, Has_mod>;
+      auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, true, Is_local, Is_ext>;
       set_max_dynamic_smem(kernel, plan.dkdv_smem);
       kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
                stream>>>(params);
       flash_bwd_convert_dq_kernel<kHeadDim>
-          <<<static_cast<unsigned>(plan.convert_blocks), kBwdAuxThreads, 0, stream>>>(params);
+          <<<static_cast<unsigned>(rows_plan.convert_blocks), kBwdAuxThreads, 0, stream>>>(rows);
       return;
     }
   }
   {
-    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false, Is_local, Has_mod>;
+    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false, Is_local, Is_ext>;
     set_max_dynamic_smem(kernel, plan.dkdv_smem);
-    auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal, Is_local, Has_mod>;
+    auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal, Is_local, Is_ext>;
     set_max_dynamic_smem(dq_kernel, plan.dq_smem);
     // Fork after the preprocess (both kernels read D), dK/dV launched first (launching dQ first
     // measured the same), join before returning (see Flash_bwd_params::dq_stream).

@@ -12,10 +12,10 @@
 
 namespace flash_sm75 {
 
-template <int kD, int kR, bool Has_mod>
+template <int kD, int kR, bool Is_ext>
 void run_decode_kernels(Flash_fwd_params& params, cudaStream_t stream) {
   using T = DecodeTraits<kD, kR>;
-  auto kernel = &flash_fwd_decode_kernel<kD, kR, Has_mod>;
+  auto kernel = &flash_fwd_decode_kernel<kD, kR, Is_ext>;
   set_max_dynamic_smem(kernel, T::kSmemSize);
   const int parts = (params.h_h_k_ratio + kR - 1) / kR;  // DecodePlan::head_parts
   const int64_t ctas = static_cast<int64_t>(params.b) * params.h_k * params.num_splits * parts;
@@ -29,24 +29,24 @@ void run_decode_kernels(Flash_fwd_params& params, cudaStream_t stream) {
 
 // kR buckets past the head dim's register cap are not instantiated (plan_decode never picks
 // them).
-template <int kD, int kR, bool Has_mod>
+template <int kD, int kR, bool Is_ext>
 bool run_decode_bucket(Flash_fwd_params& params, cudaStream_t stream) {
   if constexpr (kR <= decode_max_heads_per_cta(kD)) {
     if (params.decode_ratio_bucket == kR) {
-      run_decode_kernels<kD, kR, Has_mod>(params, stream);
+      run_decode_kernels<kD, kR, Is_ext>(params, stream);
       return true;
     }
   }
   return false;
 }
 
-template <int kD, bool Has_mod>
+template <int kD, bool Is_ext>
 void run_mha_fwd_decode_hdim(Flash_fwd_params& params, cudaStream_t stream) {
-  if (run_decode_bucket<kD, 1, Has_mod>(params, stream) ||
-      run_decode_bucket<kD, 2, Has_mod>(params, stream) ||
-      run_decode_bucket<kD, 4, Has_mod>(params, stream) ||
-      run_decode_bucket<kD, 8, Has_mod>(params, stream) ||
-      run_decode_bucket<kD, 16, Has_mod>(params, stream)) {
+  if (run_decode_bucket<kD, 1, Is_ext>(params, stream) ||
+      run_decode_bucket<kD, 2, Is_ext>(params, stream) ||
+      run_decode_bucket<kD, 4, Is_ext>(params, stream) ||
+      run_decode_bucket<kD, 8, Is_ext>(params, stream) ||
+      run_decode_bucket<kD, 16, Is_ext>(params, stream)) {
     return;
   }
   throw std::invalid_argument("flash_attention_sm75: decode head bucket must be a power of two "

@@ -9,10 +9,10 @@ namespace flash_sm75 {
 
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   HEADDIM_SWITCH(params.d, [&] {
-    BOOL_SWITCH(has_score_mod(params), Has_mod, [&] {
-      if (has_window_lower(params)) return run_mha_fwd_<kHeadDim, true, true, Has_mod>(params, stream);
+    BOOL_SWITCH(needs_ext(params), Is_ext, [&] {
+      if (has_window_lower(params)) return run_mha_fwd_<kHeadDim, true, true, Is_ext>(params, stream);
       BOOL_SWITCH(params.is_causal, Is_causal, [&] {
-        run_mha_fwd_<kHeadDim, Is_causal, false, Has_mod>(params, stream);
+        run_mha_fwd_<kHeadDim, Is_causal, false, Is_ext>(params, stream);
       });
     });
   });
@@ -21,8 +21,8 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
 // The bucket's decode kernel (head_dims.h: bucket 96 runs the 128 one).
 void run_mha_fwd_decode(Flash_fwd_params& params, cudaStream_t stream) {
   HEADDIM_SWITCH(params.d, [&] {
-    BOOL_SWITCH(has_score_mod(params), Has_mod, [&] {
-      run_mha_fwd_decode_<decode_head_dim(kHeadDim), Has_mod>(params, stream);
+    BOOL_SWITCH(needs_ext(params), Is_ext, [&] {
+      run_mha_fwd_decode_<decode_head_dim(kHeadDim), Is_ext>(params, stream);
     });
   });
 }

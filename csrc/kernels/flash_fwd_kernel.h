@@ -32,6 +32,7 @@
 #include "kernel_traits.h"
 #include "mask.h"
 #include "score_mod.h"
+#include "seq_info.h"
 #include "softmax.h"
 #include "tile_io.h"
 #include "utils.h"
@@ -40,54 +41,71 @@ namespace flash_sm75 {
 
 // Which (batch, head, query tile) a CTA owns and where its tensors start. A 1-D grid, so
 // batch x heads is not limited by gridDim.y/z. Causal: the heaviest query tiles (last rows) are
-// scheduled first.
+// scheduled first. Packed sequences (Is_ext): the grid covers the longest one; a CTA whose
+// tile lies past its own entry's length has nothing to do (fwd_cta_idle).
+template <bool Is_ext>
 struct FwdCta {
   int m_block, bidb, bidh;
   int64_t bh;
   const __half *q_base, *k_base, *v_base;
   __half* o_base;
+  SeqInfo<Is_ext> si;
   KeyRange kr;
   BlockRange nb;
 };
 
-template <typename Kt, bool Is_causal, bool Is_local>
-__device__ __forceinline__ FwdCta fwd_cta(const Flash_fwd_params& params) {
-  FwdCta c;
+template <typename Kt, bool Is_causal, bool Is_local, bool Is_ext>
+__device__ __forceinline__ FwdCta<Is_ext> fwd_cta(const Flash_fwd_params& params) {
   const int num_m_blocks = ceil_div(params.seqlen_q, Kt::kBlockM);
   const int64_t num_bh = static_cast<int64_t>(params.b) * params.h;
   const int64_t linear = blockIdx.x;
+  int m_block;
+  int64_t bh;
   if (Is_causal) {
     const TileOrder o = causal_tile_order(linear, num_m_blocks, num_bh);
-    c.bh = o.bh;
-    c.m_block = num_m_blocks - 1 - o.rank;
+    bh = o.bh;
+    m_block = num_m_blocks - 1 - o.rank;
   } else {
-    c.m_block = static_cast<int>(linear % num_m_blocks);
-    c.bh = linear / num_m_blocks;
+    m_block = static_cast<int>(linear % num_m_blocks);
+    bh = linear / num_m_blocks;
   }
-  c.bidb = static_cast<int>(c.bh / params.h);
-  c.bidh = static_cast<int>(c.bh % params.h);
+  const int bidb = static_cast<int>(bh / params.h);
+  FwdCta<Is_ext> c{m_block, bidb, static_cast<int>(bh % params.h), bh, nullptr, nullptr, nullptr,
+                   nullptr, SeqInfo<Is_ext>(params, bidb), KeyRange{}, BlockRange{}};
   const int bidh_k = c.bidh / params.h_h_k_ratio;  // GQA: no K/V copy, just index the shared head
-  c.q_base = static_cast<const __half*>(params.q_ptr) + c.bidb * params.q_batch_stride +
+  c.q_base = static_cast<const __half*>(params.q_ptr) +
+             c.si.q_offset(c.bidb, params.q_batch_stride, params.q_row_stride) +
              c.bidh * params.q_head_stride;
-  c.k_base = static_cast<const __half*>(params.k_ptr) + c.bidb * params.k_batch_stride +
+  c.k_base = static_cast<const __half*>(params.k_ptr) +
+             c.si.k_offset(c.bidb, params.k_batch_stride, params.k_row_stride) +
              bidh_k * params.k_head_stride;
-  c.v_base = static_cast<const __half*>(params.v_ptr) + c.bidb * params.v_batch_stride +
+  c.v_base = static_cast<const __half*>(params.v_ptr) +
+             c.si.k_offset(c.bidb, params.v_batch_stride, params.v_row_stride) +
              bidh_k * params.v_head_stride;
-  c.o_base = static_cast<__half*>(params.o_ptr) + c.bidb * params.o_batch_stride +
+  c.o_base = static_cast<__half*>(params.o_ptr) +
+             c.si.q_offset(c.bidb, params.o_batch_stride, params.o_row_stride) +
              c.bidh * params.o_head_stride;
-  c.kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, c.bidb);
-  c.nb = n_block_range<Is_local>(c.m_block, Kt::kBlockM, Kt::kBlockN, params.seqlen_q, c.kr, Is_causal,
-                       params.causal_offset, params.window_lower);
+  c.kr = c.si.keys(bidb);
+  c.nb = n_block_range<Is_local>(c.m_block, Kt::kBlockM, Kt::kBlockN, c.si.seqlen_q(), c.kr,
+                                 Is_causal, c.si.causal_off(), c.si.window_lower());
   return c;
+}
+
+// A packed entry shorter than the grid's longest: tiles past its rows write nothing (their rows
+// belong to no query of this entry).
+template <typename Kt, bool Is_ext>
+__device__ __forceinline__ bool fwd_cta_idle(const FwdCta<Is_ext>& c) {
+  if constexpr (!Is_ext) return false;
+  return c.m_block * Kt::kBlockM >= c.si.seqlen_q();
 }
 
 // Epilogue: O = acc_o / l, LSE = m * scale + log(l); rows that saw no key get O = 0 and
 // LSE = -inf (never NaN). The fp16 O tile is staged through shared memory sO (Br x d, free for
 // this warp's rows when called) so the global stores are 16-byte, row-contiguous, coalesced.
-template <typename Kt>
+template <typename Kt, bool Is_ext>
 __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
                                              const float (&m_i)[2], const float (&l_i)[2],
-                                             const Flash_fwd_params& params, const FwdCta& c,
+                                             const Flash_fwd_params& params, const FwdCta<Is_ext>& c,
                                              __half* sO) {
   constexpr int kDCols = Kt::kDCols;
   constexpr int kCPR = Kt::kChunksPerRow;
@@ -118,27 +136,32 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
     const int ch = idx % kCPR;
     const int grow = row0 + r;
     // No column past head_dim d (head_dims.h).
-    if (grow < params.seqlen_q && (Kt::kFullHeadDimOnly || ch < params.d / 8)) {
+    if (grow < c.si.seqlen_q() && (Kt::kFullHeadDimOnly || ch < params.d / 8)) {
       *reinterpret_cast<uint4*>(c.o_base + grow * params.o_row_stride + ch * 8) =
           *reinterpret_cast<const uint4*>(sO + L::offset(r, ch));
     }
   }
   if (t == 0 && ch0 == 0) {  // kDSplit: the pair holds the same LSE; one warp writes it
-    float* lse_base = params.softmax_lse_ptr + c.bh * params.seqlen_q;
+    float* lse_base = params.softmax_lse_ptr;
+    if constexpr (Is_ext) {
+      lse_base += c.si.lse_index(c.bidb, c.bidh, 0);
+    } else {
+      lse_base += c.bh * params.seqlen_q;
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row0 + 16 * rw + g + 8 * r;
-      if (row < params.seqlen_q) lse_base[row] = lse[0][r];
+      if (row < c.si.seqlen_q()) lse_base[row] = lse[0][r];
     }
   }
 }
 
 // The main forward kernel: all warps in lock-step, two barriers per K/V tile.
 // Is_local: the causal band has a lower diagonal too (a sliding window, params.window_lower).
-// Has_mod: a softcap and / or ALiBi slopes modify the scores before the mask (score_mod.h).
-template <typename Kt, bool Is_causal, bool Is_local = false, bool Has_mod = false>
+// Is_ext: a softcap and / or ALiBi slopes modify the scores before the mask (score_mod.h).
+template <typename Kt, bool Is_causal, bool Is_local = false, bool Is_ext = false>
 __global__ void __launch_bounds__(Kt::kNThreads,
-                                  Has_mod ? Kt::kMinBlocksPerSmMod : Kt::kMinBlocksPerSm)
+                                  Is_ext ? Kt::kMinBlocksPerSmMod : Kt::kMinBlocksPerSm)
     flash_fwd_kernel(const Flash_fwd_params params) {
   constexpr int kD = Kt::kHeadDim;
   constexpr int kDCols = Kt::kDCols;  // head-dim columns of this warp's Q and O
@@ -168,11 +191,12 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   // Chunk pairs (16 columns) before this warp's columns: chunk_pair_addr moves any lane address
   // there, as it moves between the chunk pairs of a GEMM.
   const int kk0 = dpart * (kDCols / 16);
-  const FwdCta c = fwd_cta<Kt, Is_causal, Is_local>(params);
+  const FwdCta<Is_ext> c = fwd_cta<Kt, Is_causal, Is_local, Is_ext>(params);
+  if (fwd_cta_idle<Kt>(c)) return;  // uniform over the CTA, before any barrier
   const int row0 = c.m_block * Kt::kBlockM;
   const float scale_log2 = params.scale_softmax_log2;
   ScoreMod smod{};
-  if constexpr (Has_mod) smod = score_mod_for(params, c.bidb, c.bidh);
+  if constexpr (Is_ext) smod = score_mod_for(params, c.bidb, c.bidh, c.si.alibi_off());
 
   float m_i[2] = {-INFINITY, -INFINITY};  // running max of raw scores, rows g and g + 8
   bool exact_exp = false;  // softmax_rescale: the warp's scaled max needs exact exponents
@@ -188,7 +212,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         chunk_pair_addr<kPad>(lane_addr_a<kCPR, kPad>(sQ, 16 * rw, lane), kk0);
     {
       uint4 qstage[Kt::kQChunksPerThread];
-      load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, params.seqlen_q, tid,
+      load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, c.si.seqlen_q(), tid,
                              dc);
       load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, c.nb.n_block_min * kBN,
                              c.kr.key_start, c.kr.key_end, tid, dc);
@@ -248,9 +272,9 @@ __global__ void __launch_bounds__(Kt::kNThreads,
           acc_s[j][2] += x.z;
           acc_s[j][3] += x.w;
         }
-        if constexpr (Has_mod) mod_scores<kBN>(acc_s, smod, row0 + 16 * rw, n_block * kBN);
+        if constexpr (Is_ext) mod_scores<kBN>(acc_s, smod, row0 + 16 * rw, n_block * kBN);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * rw,
-                                                 params.causal_offset, params.window_lower);
+                                                 c.si.causal_off(), c.si.window_lower());
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kDCols, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
                                                             p_frag, exact_exp);
@@ -268,22 +292,22 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
-        if constexpr (Has_mod) mod_scores<kHalf>(acc_sa, smod, row0 + 16 * warp, n_block * kBN);
+        if constexpr (Is_ext) mod_scores<kHalf>(acc_sa, smod, row0 + 16 * warp, n_block * kBN);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
-                                                   row0 + 16 * warp, params.causal_offset,
-                                                   params.window_lower);
+                                                   row0 + 16 * warp, c.si.causal_off(),
+                                                   c.si.window_lower());
         // S_b = Q K_b^T beside the softmax of half a.
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sb, q_frag, k_lane_addr + kHalfBytes);
         if (softmax_step<kHalf, Kt::kRescaleThreshold>(acc_sa, m_i, l_i, scale_log2, p_a, alpha,
                                                        exact_exp)) {
           rescale_o<kD>(acc_o, alpha);
         }
-        if constexpr (Has_mod) {
+        if constexpr (Is_ext) {
           mod_scores<kHalf>(acc_sb, smod, row0 + 16 * warp, n_block * kBN + kHalf);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sb, c.m_block, 2 * n_block + 1, c.kr,
-                                                   row0 + 16 * warp, params.causal_offset,
-                                                   params.window_lower);
+                                                   row0 + 16 * warp, c.si.causal_off(),
+                                                   c.si.window_lower());
         store_tile_r2s<Kt>(stage, sV, tid);
         __syncthreads();  // V_j visible; every warp is done with K_j
         const bool has_next = n_block + 1 < c.nb.n_block_max;
@@ -314,9 +338,9 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
-        if constexpr (Has_mod) mod_scores<kBN>(acc_s, smod, row0 + 16 * warp, n_block * kBN);
+        if constexpr (Is_ext) mod_scores<kBN>(acc_s, smod, row0 + 16 * warp, n_block * kBN);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,
-                                                 params.causal_offset, params.window_lower);
+                                                 c.si.causal_off(), c.si.window_lower());
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
                                                         p_frag, exact_exp);
@@ -341,7 +365,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   // O staged through sQ (each warp only ever read its own 16 rows there) or the K+V space (free
   // after the loop's last barrier).
   if (Kt::kQInSmem) __syncwarp();
-  store_output<Kt>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK);
+  store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK);
 }
 
 }  // namespace flash_sm75

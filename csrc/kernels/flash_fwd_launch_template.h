@@ -13,24 +13,24 @@
 
 namespace flash_sm75 {
 
-template <typename Kt, bool Is_causal, bool Is_local, bool Has_mod>
+template <typename Kt, bool Is_causal, bool Is_local, bool Is_ext>
 auto fwd_kernel() {
-  auto kernel = &flash_fwd_kernel<Kt, Is_causal, Is_local, Has_mod>;
+  auto kernel = &flash_fwd_kernel<Kt, Is_causal, Is_local, Is_ext>;
   set_max_dynamic_smem(kernel, Kt::kSmemSize);
   return kernel;
 }
 
-template <typename Kt, bool Is_causal, bool Is_local, bool Has_mod>
+template <typename Kt, bool Is_causal, bool Is_local, bool Is_ext>
 void run_flash_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const FwdLaunchPlan plan = make_fwd_plan<Kt>(params.b, params.h, params.seqlen_q);
-  auto kernel = fwd_kernel<Kt, Is_causal, Is_local, Has_mod>();
+  auto kernel = fwd_kernel<Kt, Is_causal, Is_local, Is_ext>();
   kernel<<<dim3(static_cast<unsigned>(plan.num_blocks)), plan.num_threads, plan.smem_bytes,
            stream>>>(params);
 }
 
 // Resident CTAs per SM of the forward kernel of Kt on the current device (occupancy API, cached
 // per device); 0 if unknown.
-template <typename Kt, bool Is_causal, bool Is_local, bool Has_mod>
+template <typename Kt, bool Is_causal, bool Is_local, bool Is_ext>
 int fwd_ctas_per_sm() {
   constexpr int kMaxCachedDevices = 64;
   static std::atomic<int> cache[kMaxCachedDevices];
@@ -41,7 +41,7 @@ int fwd_ctas_per_sm() {
     if (const int v = cache[device].load(std::memory_order_relaxed)) return v;
   }
   int ctas = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fwd_kernel<Kt, Is_causal, Is_local, Has_mod>(),
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fwd_kernel<Kt, Is_causal, Is_local, Is_ext>(),
                                                     Kt::kNThreads, Kt::kSmemSize) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky: clear it so the launch check does not report it
     return 0;
@@ -50,7 +50,7 @@ int fwd_ctas_per_sm() {
   return ctas;
 }
 
-template <int kHeadDim, bool Is_causal, bool Is_local, bool Has_mod>
+template <int kHeadDim, bool Is_causal, bool Is_local, bool Is_ext>
 void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
   using Config = Fwd_tile_config<kHeadDim>;
   using Kt = typename Config::Traits;
@@ -58,7 +58,7 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
   if constexpr (Kt::kFullHeadDimOnly) {
     static_assert(!std::is_void_v<Ks>, "a full-head-dim-only tile needs a tile for the tail");
     static_assert(!Ks::kFullHeadDimOnly, "the small-grid tile runs head dims below kHeadDim");
-    if (params.d != kHeadDim) return run_flash_fwd<Ks, Is_causal, Is_local, Has_mod>(params, stream);
+    if (params.d != kHeadDim) return run_flash_fwd<Ks, Is_causal, Is_local, Is_ext>(params, stream);
   }
   if constexpr (!std::is_void_v<Ks>) {
     bool small = params.small_grid_tile > 0;
@@ -68,13 +68,13 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
       // A grid of at most one CTA per SM is one wave on any GPU: no occupancy queries.
       if (pd.num_blocks > params.num_sms) {
         small = prefer_small_grid_tile(
-            pd.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Kt, Is_causal, Is_local, Has_mod>()) * params.num_sms,
-            ps.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Ks, Is_causal, Is_local, Has_mod>()) * params.num_sms);
+            pd.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Kt, Is_causal, Is_local, Is_ext>()) * params.num_sms,
+            ps.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Ks, Is_causal, Is_local, Is_ext>()) * params.num_sms);
       }
     }
-    if (small) return run_flash_fwd<Ks, Is_causal, Is_local, Has_mod>(params, stream);
+    if (small) return run_flash_fwd<Ks, Is_causal, Is_local, Is_ext>(params, stream);
   }
-  run_flash_fwd<Kt, Is_causal, Is_local, Has_mod>(params, stream);
+  run_flash_fwd<Kt, Is_causal, Is_local, Is_ext>(params, stream);
 }
 
 }  // namespace flash_sm75

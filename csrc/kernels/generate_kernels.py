@@ -1,9 +1,10 @@
-"""Generate one translation unit per kernel instantiation (head dim x mask x score mod x
+"""Generate one translation unit per kernel instantiation (head dim x mask x plain / extended x
 direction).
 
-Masks: none, causal, and local (a causal band with a lower diagonal: a sliding window). Score
-mod: the plain kernels, and ("_scoremod") the ones that apply a softcap and / or ALiBi slopes
-(score_mod.h), kept apart so that the plain kernels compile exactly as without them.
+Masks: none, causal, and local (a causal band with a lower diagonal: a sliding window).
+Extended ("_ext", Is_ext): the kernels that also run a softcap and / or ALiBi slopes
+(score_mod.h), packed (varlen) sequences and per-sequence diagonals (seq_info.h), kept apart so
+that the plain kernels compile exactly as without them.
 
 Run from anywhere: ``python csrc/kernels/generate_kernels.py``. The output is committed; CI
 runs ``--check`` to make sure it is up to date.
@@ -34,8 +35,8 @@ TEMPLATES = {
 namespace flash_sm75 {{
 
 template <>
-void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}, {has_mod}>(Flash_fwd_params& params, cudaStream_t stream) {{
-  run_mha_fwd_hdim<{head_dim}, {is_causal}, {is_local}, {has_mod}>(params, stream);
+void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}, {is_ext}>(Flash_fwd_params& params, cudaStream_t stream) {{
+  run_mha_fwd_hdim<{head_dim}, {is_causal}, {is_local}, {is_ext}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -46,8 +47,8 @@ void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}, {has_mod}>(Flash_fwd_para
 namespace flash_sm75 {{
 
 template <>
-void run_mha_bwd_<{head_dim}, {is_causal}, {is_local}, {has_mod}>(Flash_bwd_params& params, cudaStream_t stream) {{
-  run_mha_bwd_hdim<{head_dim}, {is_causal}, {is_local}, {has_mod}>(params, stream);
+void run_mha_bwd_<{head_dim}, {is_causal}, {is_local}, {is_ext}>(Flash_bwd_params& params, cudaStream_t stream) {{
+  run_mha_bwd_hdim<{head_dim}, {is_causal}, {is_local}, {is_ext}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -59,8 +60,8 @@ void run_mha_bwd_<{head_dim}, {is_causal}, {is_local}, {has_mod}>(Flash_bwd_para
 namespace flash_sm75 {{
 
 template <>
-void run_mha_fwd_decode_<{head_dim}, {has_mod}>(Flash_fwd_params& params, cudaStream_t stream) {{
-  run_mha_fwd_decode_hdim<{head_dim}, {has_mod}>(params, stream);
+void run_mha_fwd_decode_<{head_dim}, {is_ext}>(Flash_fwd_params& params, cudaStream_t stream) {{
+  run_mha_fwd_decode_hdim<{head_dim}, {is_ext}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -69,7 +70,7 @@ void run_mha_fwd_decode_<{head_dim}, {has_mod}>(Flash_fwd_params& params, cudaSt
 # "" (no mask), "causal", "local" (causal band with a lower diagonal). Decode applies both as a
 # key-range clamp at run time.
 MASK_VARIANTS = {"fwd": ("", "causal", "local"), "bwd": ("", "causal", "local"), "decode": ("",)}
-SCORE_MODS = (False, True)
+EXT = (False, True)
 
 
 @dataclass(frozen=True)
@@ -77,23 +78,23 @@ class Kernel:
     direction: str
     head_dim: int
     mask: str
-    score_mod: bool = False
+    ext: bool = False
 
     @property
     def filename(self) -> str:
-        suffix = (f"_{self.mask}" if self.mask else "") + ("_scoremod" if self.score_mod else "")
+        suffix = (f"_{self.mask}" if self.mask else "") + ("_ext" if self.ext else "")
         return f"flash_{self.direction}_hdim{self.head_dim}_{DTYPE}{suffix}_sm75.cu"
 
     def render(self) -> str:
         return TEMPLATES[self.direction].format(
             head_dim=self.head_dim, is_causal=str(bool(self.mask)).lower(),
-            is_local=str(self.mask == "local").lower(), has_mod=str(self.score_mod).lower())
+            is_local=str(self.mask == "local").lower(), is_ext=str(self.ext).lower())
 
 
 def all_kernels(directions=tuple(TEMPLATES)) -> list[Kernel]:
     return [Kernel(d, h, c, m) for d in directions
             for h in (DECODE_HEAD_DIMS if d == "decode" else HEAD_DIMS) for c in MASK_VARIANTS[d]
-            for m in SCORE_MODS]
+            for m in EXT]
 
 
 def main() -> int:

@@ -2,8 +2,8 @@
 // soft-capping (Gemma 2) and ALiBi (BLOOM, MPT). With s = softmax_scale * q.k:
 //   softcap > 0:   s -> softcap * tanh(s / softcap)
 //   alibi_slopes:  s -> s - slope[b, h] * |i + alibi_offset - j|   (after the softcap)
-// and the softmax, LSE and backward then see the modified s. Only the score-mod instantiations
-// (Has_mod) contain this code; the others compile exactly as without it.
+// and the softmax, LSE and backward then see the modified s. Only the extended instantiations
+// (Is_ext) contain this code; the others compile exactly as without it.
 //
 // The kernels keep S in raw units (q.k, the scale folded into exp2 later), so the modifiers are
 // applied in raw units too: x -> (softcap / scale) * tanh(x * scale / softcap) and
@@ -30,7 +30,10 @@ struct ScoreMod {
   int offset;     // ALiBi's diagonal: query i is at distance |i + offset - j| from key j
 };
 
-__device__ __forceinline__ ScoreMod score_mod_for(const Flash_fwd_params& p, int bidb, int bidh) {
+// alibi_offset: the entry's ALiBi diagonal (SeqInfo::alibi_off: params.alibi_offset, or per
+// sequence relative to its bottom-right corner).
+__device__ __forceinline__ ScoreMod score_mod_for(const Flash_fwd_params& p, int bidb, int bidh,
+                                                  int alibi_offset) {
   ScoreMod m;
   m.cap_in = p.softcap_in;
   m.cap_out = p.softcap_out;
@@ -38,7 +41,7 @@ __device__ __forceinline__ ScoreMod score_mod_for(const Flash_fwd_params& p, int
                 ? 0.f
                 : -__ldg(p.alibi_slopes_ptr + bidb * p.alibi_slopes_batch_stride + bidh) /
                       p.scale_softmax;
-  m.offset = p.alibi_offset;
+  m.offset = alibi_offset;
   return m;
 }
 

@@ -1,6 +1,6 @@
 """Build and run the SM75 kernels on the CPU SIMT emulator (no GPU needed).
 
-    python tests/emu/run_emu.py [quick|full|tails|decode|fwd|window|scoremod|blockinfo]
+    python tests/emu/run_emu.py [quick|full|tails|decode|fwd|window|scoremod|varlen|blockinfo]
 
 Copies csrc/kernels/*.h into a temporary directory, replaces utils.h (inline PTX) with
 tests/emu/emu_utils.h (the same functions as warp collectives on cooperative fibers, see
@@ -72,6 +72,6 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", nargs="?", default="quick",
-                    choices=["quick", "full", "tails", "decode", "fwd", "window", "scoremod",
+                    choices=["quick", "full", "tails", "decode", "fwd", "window", "scoremod", "varlen",
                              "blockinfo"])
     sys.exit(run(ap.parse_args().mode))

@@ -249,7 +249,7 @@ void dispatch_fwd_all(Flash_fwd_params& p) {
       dispatch_fwd<decltype(causal)::value, decltype(local)::value, decltype(mod)::value>(p);
     });
   };
-  if (has_score_mod(p)) go(std::integral_constant<bool, true>{});
+  if (needs_ext(p)) go(std::integral_constant<bool, true>{});
   else go(std::integral_constant<bool, false>{});
 }
 void dispatch_bwd_all(Flash_bwd_params& p) {
@@ -258,7 +258,7 @@ void dispatch_bwd_all(Flash_bwd_params& p) {
       dispatch_bwd<decltype(causal)::value, decltype(local)::value, decltype(mod)::value>(p);
     });
   };
-  if (has_score_mod(p)) go(std::integral_constant<bool, true>{});
+  if (needs_ext(p)) go(std::integral_constant<bool, true>{});
   else go(std::integral_constant<bool, false>{});
 }
 
@@ -505,6 +505,236 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
     std::fflush(stdout);
   }
   return {dq.data, dk.data, dv.data, ok};
+}
+
+// ---- packed (varlen) sequences -------------------------------------------------------------
+// flash-attn's varlen layout through the extended kernels, as mha_varlen_fwd / mha_varlen_bwd
+// fill the parameters: packed q (total_q, h, d) and k / v, int32 offsets with a gap before the
+// first sequence and after the last (those rows must stay untouched: 0 in out / dq / dk / dv,
+// -inf in the LSE), empty and one-token sequences, per-sequence bottom-right diagonals and
+// ALiBi, the packed (h, total_q) LSE. Checked per sequence against reference_row.
+struct VarlenCase {
+  std::vector<int> len_q, len_k, used_k;  // used_k: seqused_k (-1: not passed)
+  int h, hk, d;
+  bool causal;
+  int wl, wr;
+  float softcap;
+  bool alibi, atomic;
+  uint32_t seed;
+};
+
+bool run_varlen_case(const VarlenCase& vc) {
+  std::mt19937 rng(vc.seed);
+  emu::machine().rng.seed(vc.seed * 3 + 7);
+  const int B = int(vc.len_q.size()), H = vc.h, Hk = vc.hk, D = vc.d;
+  std::vector<int> cu_q(B + 1), cu_k(B + 1);
+  cu_q[0] = 3, cu_k[0] = 5;  // rows before the first sequence: no sequence's
+  int max_q = 0, max_k = 0;
+  for (int b = 0; b < B; ++b) {
+    cu_q[b + 1] = cu_q[b] + vc.len_q[b];
+    cu_k[b + 1] = cu_k[b] + vc.len_k[b];
+    max_q = std::max(max_q, vc.len_q[b]);
+    max_k = std::max(max_k, vc.len_k[b]);
+  }
+  const int total_q = cu_q[B] + 2, total_k = cu_k[B] + 4;  // and rows after the last
+  const bool use_su = !vc.used_k.empty() && vc.used_k[0] >= 0;
+  // Packed tensors as (1, total, h, d) with padded rows / heads (layout 2: gaps are NaN).
+  HTensor q = make_tensor(1, total_q, H, D, 2), k = make_tensor(1, total_k, Hk, D, 2);
+  HTensor v = make_tensor(1, total_k, Hk, D, 2), dout = make_tensor(1, total_q, H, D, 2);
+  fill_random(q, rng, 1.f);
+  fill_random(k, rng, 1.f);
+  fill_random(v, rng, 1.f);
+  fill_random(dout, rng, 1.f);
+  HTensor out = make_tensor(1, total_q, H, D, 0);
+  for (auto& x : out.data) x = f2h(0.f);
+  std::vector<float> lse(size_t(H) * total_q, -INFINITY);
+  const double scale = 1.0 / std::sqrt(double(D));
+  Case cb{B, max_q, max_k, H, Hk, D, vc.causal, true, false, use_su, 2, vc.atomic, vc.seed};
+  cb.softcap = vc.softcap, cb.alibi = vc.alibi, cb.wl = vc.wl, cb.wr = vc.wr;
+  const std::vector<float> slopes = alibi_slopes_of(cb);
+
+  Flash_fwd_params fp{};
+  fp.q_ptr = q.data.data(), fp.k_ptr = k.data.data(), fp.v_ptr = v.data.data();
+  fp.o_ptr = out.data.data(), fp.softmax_lse_ptr = lse.data();
+  fp.q_row_stride = q.strides[1], fp.q_head_stride = q.strides[2];
+  fp.k_row_stride = k.strides[1], fp.k_head_stride = k.strides[2];
+  fp.v_row_stride = v.strides[1], fp.v_head_stride = v.strides[2];
+  fp.o_row_stride = out.strides[1], fp.o_head_stride = out.strides[2];
+  fp.cu_seqlens_q = cu_q.data(), fp.cu_seqlens_k = cu_k.data();
+  fp.total_q = total_q, fp.total_k = total_k;
+  fp.seqused_k = use_su ? vc.used_k.data() : nullptr;
+  fp.per_seq_offset = true;
+  fp.b = B, fp.seqlen_q = max_q, fp.seqlen_k = max_k, fp.h = H, fp.h_k = Hk;
+  fp.h_h_k_ratio = H / Hk, fp.d = D;
+  fp.scale_softmax = float(scale), fp.scale_softmax_log2 = float(scale * M_LOG2E);
+  // Diagonals relative to each sequence's bottom-right corner (set_varlen_params).
+  const int lim = max_q + max_k + 1;
+  fp.is_causal = vc.causal || vc.wl >= 0 || vc.wr >= 0;
+  fp.causal_offset = vc.causal ? 0 : (vc.wr >= 0 ? std::min(vc.wr, lim) : lim);
+  fp.window_lower = vc.wl >= 0 ? -std::min(vc.wl, lim) : kNoWindowLower;
+  fp.alibi_offset = 0;
+  if (vc.softcap > 0) {
+    fp.softcap_in = float(scale / vc.softcap);
+    fp.softcap_out = float(vc.softcap / scale);
+  }
+  if (vc.alibi) fp.alibi_slopes_ptr = slopes.data(), fp.alibi_slopes_batch_stride = H;
+  fp.small_grid_tile = -1;
+  dispatch_fwd_all(fp);  // max_q > 1: never the decode kernel, as mha_varlen_fwd
+
+  HTensor dq = make_tensor(1, total_q, H, D, 0), dk = make_tensor(1, total_k, Hk, D, 0),
+          dv = make_tensor(1, total_k, Hk, D, 0);
+  for (HTensor* t : {&dq, &dk, &dv}) for (auto& x : t->data) x = f2h(0.f);  // as the host zeroes them
+  // Above kMaxBwdSeqHeadDim the host runs packed backward calls on a padded copy with the dense
+  // kernels (flash_varlen_api.cpp; tested on the GPU): forward only here.
+  const bool bwd = head_dim_bucket(D) <= kMaxBwdSeqHeadDim;
+  std::vector<float> dsum(size_t(H) * total_q, NAN);
+  std::vector<float> dq_accum(vc.atomic ? size_t(H) * total_q * head_dim_bucket(D) : 0, 0.f);
+  Flash_bwd_params bp{};
+  static_cast<Flash_fwd_params&>(bp) = fp;
+  bp.do_ptr = dout.data.data();
+  bp.do_row_stride = dout.strides[1], bp.do_head_stride = dout.strides[2];
+  bp.dq_ptr = dq.data.data(), bp.dk_ptr = dk.data.data(), bp.dv_ptr = dv.data.data();
+  bp.dq_row_stride = dq.strides[1], bp.dq_head_stride = dq.strides[2];
+  bp.dk_row_stride = dk.strides[1], bp.dk_head_stride = dk.strides[2];
+  bp.dv_row_stride = dv.strides[1], bp.dv_head_stride = dv.strides[2];
+  bp.dsoftmax_sum = dsum.data();
+  bp.dq_accum_ptr = vc.atomic ? dq_accum.data() : nullptr;
+  bp.dq_atomic = vc.atomic;
+  if (bwd) {
+    // As run_mha_bwd_hdim: the row-wise kernels see one entry of total_q rows.
+    Flash_bwd_params rows = bp;
+    rows.b = 1, rows.seqlen_q = total_q;
+    const int kD = head_dim_bucket(D);
+    auto with_rows = [&](auto kd) {
+      constexpr int KD = decltype(kd)::value;
+      using C = Bwd_tile_config<KD>;
+      const BwdLaunchPlan rp = make_bwd_plan<typename C::Traits, typename C::DqTraits>(
+          1, H, Hk, total_q, max_k, vc.atomic && C::kAtomicDq);
+      emu::launch(unsigned(rp.preprocess_blocks), kBwdAuxThreads,
+                  [&] { flash_bwd_preprocess_kernel<KD>(rows); });
+      const BwdLaunchPlan plan = make_bwd_plan<typename C::Traits, typename C::DqTraits>(
+          B, H, Hk, max_q, max_k, vc.atomic && C::kAtomicDq);
+      dispatch_band<true>(bp, [&](auto causal, auto local) {
+        constexpr bool kC = decltype(causal)::value, kL = decltype(local)::value;
+        if constexpr (C::kAtomicDq) {
+          if (plan.dq_atomic) {
+            emu::launch(unsigned(plan.dkdv_blocks), plan.dkdv_threads, [&] {
+              flash_bwd_dkdv_kernel<typename C::Traits, kC, true, kL, true>(bp);
+            });
+            emu::launch(unsigned(rp.convert_blocks), kBwdAuxThreads,
+                        [&] { flash_bwd_convert_dq_kernel<KD>(rows); });
+            return;
+          }
+        }
+        emu::launch(unsigned(plan.dkdv_blocks), plan.dkdv_threads,
+                    [&] { flash_bwd_dkdv_kernel<typename C::Traits, kC, false, kL, true>(bp); });
+        emu::launch(unsigned(plan.dq_blocks), plan.dq_threads,
+                    [&] { flash_bwd_dq_kernel<typename C::DqTraits, kC, kL, true>(bp); });
+      });
+    };
+    switch (kD) {
+      case 64: with_rows(std::integral_constant<int, 64>{}); break;
+      case 96: with_rows(std::integral_constant<int, 96>{}); break;
+      case 128: with_rows(std::integral_constant<int, 128>{}); break;
+      default: throw_bad_head_dim(D);
+    }
+  }
+
+  // ---- reference per sequence (padded copies of its rows; reference_row's band and ALiBi
+  // with the sequence's own lengths, bottom-right).
+  Errors e_o, e_lse, e_dq, e_dk, e_dv;
+  bool inf_ok = true, untouched_ok = true;
+  std::vector<char> q_row_used(total_q, 0), k_row_used(total_k, 0);
+  for (int b = 0; b < B; ++b) {
+    const int lq = vc.len_q[b], lk_all = vc.len_k[b];
+    const int lk = use_su ? std::min(std::max(vc.used_k[b], 0), lk_all) : lk_all;
+    for (int i = 0; i < lq; ++i) q_row_used[cu_q[b] + i] = 1;
+    for (int j = 0; j < lk_all; ++j) k_row_used[cu_k[b] + j] = 1;
+    Case c = cb;
+    c.sq = lq, c.sk = lk;
+    const int off = lk - lq;
+    const KeyRange kr{0, lk};
+    std::vector<double> dk_ref(size_t(std::max(lk, 1)) * Hk * D, 0.0), dv_ref(dk_ref.size(), 0.0);
+    for (int h = 0; h < H; ++h) {
+      const int hk = h / (H / Hk);
+      // Views of this sequence's rows as batch entry b of (B, len, h, d) tensors.
+      HTensor qs = make_tensor(B, std::max(lq, 1), H, D, 0), ks = make_tensor(B, std::max(lk, 1), Hk, D, 0);
+      for (int i = 0; i < lq; ++i) for (int x = 0; x < D; ++x) qs.at(b, i, h, x) = q.at(0, cu_q[b] + i, h, x);
+      for (int j = 0; j < lk; ++j) for (int x = 0; x < D; ++x) ks.at(b, j, hk, x) = k.at(0, cu_k[b] + j, hk, x);
+      std::vector<double> P(size_t(lq) * lk), dS(size_t(lq) * lk), prob, dcap;
+      for (int i = 0; i < lq; ++i) {
+        const double lse_ref = lk > 0 ? reference_row(qs, ks, b, i, h, hk, kr, c, off, scale, prob, &dcap)
+                                      : -INFINITY;
+        const float lse_got = lse[size_t(h) * total_q + cu_q[b] + i];
+        if (std::isinf(lse_ref)) inf_ok = inf_ok && std::isinf(lse_got) && lse_got < 0;
+        else e_lse.add(lse_got, lse_ref);
+        double dsum_i = 0;
+        for (int x = 0; x < D; ++x) {
+          double o = 0;
+          for (int j = 0; j < lk; ++j) o += prob[j] * v.get(0, cu_k[b] + j, hk, x);
+          e_o.add(out.get(0, cu_q[b] + i, h, x), o);
+          dsum_i += o * dout.get(0, cu_q[b] + i, h, x);
+        }
+        for (int j = 0; j < lk; ++j) {
+          double acc = 0;
+          for (int x = 0; x < D; ++x) acc += double(dout.get(0, cu_q[b] + i, h, x)) * v.get(0, cu_k[b] + j, hk, x);
+          P[size_t(i) * lk + j] = prob[j];
+          dS[size_t(i) * lk + j] = prob[j] * (acc - dsum_i) * dcap[j];
+        }
+      }
+      for (int i = 0; i < lq; ++i)
+        for (int x = 0; x < D; ++x) {
+          double acc = 0;
+          for (int j = 0; j < lk; ++j) acc += dS[size_t(i) * lk + j] * k.get(0, cu_k[b] + j, hk, x);
+          e_dq.add(dq.get(0, cu_q[b] + i, h, x), acc * scale);
+        }
+      for (int j = 0; j < lk; ++j)
+        for (int x = 0; x < D; ++x) {
+          double a = 0, bb = 0;
+          for (int i = 0; i < lq; ++i) {
+            a += dS[size_t(i) * lk + j] * q.get(0, cu_q[b] + i, h, x);
+            bb += P[size_t(i) * lk + j] * dout.get(0, cu_q[b] + i, h, x);
+          }
+          dk_ref[(size_t(j) * Hk + hk) * D + x] += a * scale;
+          dv_ref[(size_t(j) * Hk + hk) * D + x] += bb;
+        }
+    }
+    for (int j = 0; j < lk_all; ++j)
+      for (int hk = 0; hk < Hk; ++hk)
+        for (int x = 0; x < D; ++x) {
+          const double rk = j < lk ? dk_ref[(size_t(j) * Hk + hk) * D + x] : 0.0;
+          const double rv = j < lk ? dv_ref[(size_t(j) * Hk + hk) * D + x] : 0.0;
+          e_dk.add(dk.get(0, cu_k[b] + j, hk, x), rk);
+          e_dv.add(dv.get(0, cu_k[b] + j, hk, x), rv);
+        }
+  }
+  // Rows of no sequence: untouched (the host's zeros and -inf).
+  for (int t = 0; t < total_q; ++t) {
+    if (q_row_used[t]) continue;
+    for (int h = 0; h < H; ++h) {
+      untouched_ok = untouched_ok && std::isinf(lse[size_t(h) * total_q + t]);
+      for (int x = 0; x < D; ++x) {
+        untouched_ok = untouched_ok && out.get(0, t, h, x) == 0.f && dq.get(0, t, h, x) == 0.f;
+      }
+    }
+  }
+  for (int t = 0; t < total_k; ++t) {
+    if (k_row_used[t]) continue;
+    for (int h = 0; h < Hk; ++h)
+      for (int x = 0; x < D; ++x)
+        untouched_ok = untouched_ok && dk.get(0, t, h, x) == 0.f && dv.get(0, t, h, x) == 0.f;
+  }
+  const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && inf_ok && untouched_ok &&
+                  (!bwd || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) && e_dv.ok(1e-2, 2e-3)));
+  std::printf("%s varlen b=%d max_q=%d max_k=%d h=%d hk=%d d=%d causal=%d w=(%d,%d) cap=%g alibi=%d su=%d "
+              "atomic=%d | o %.2e/%.2e lse %.2e inf_ok=%d untouched=%d | dq %.2e/%.2e dk %.2e/%.2e "
+              "dv %.2e/%.2e%s\n",
+              ok ? "OK " : "BAD", B, max_q, max_k, H, Hk, D, vc.causal, vc.wl, vc.wr, vc.softcap,
+              vc.alibi, use_su, vc.atomic, e_o.err, e_o.ref, e_lse.err, inf_ok, untouched_ok,
+              e_dq.err, e_dq.ref, e_dk.err, e_dk.ref, e_dv.err, e_dv.ref,
+              bwd ? "" : " (forward only: padded backward)");
+  std::fflush(stdout);
+  return ok;
 }
 
 }  // namespace
@@ -814,7 +1044,7 @@ int check_m_block_range() {
 }
 
 int main(int argc, char** argv) {
-  // Usage: test_bwd_emu [quick|full|tails|decode|fwd|window|scoremod|blockinfo]  (tails: only the head dims
+  // Usage: test_bwd_emu [quick|full|tails|decode|fwd|window|scoremod|varlen|blockinfo]  (tails: only the head dims
   // below a bucket; decode: only the seqlen_q == 1 cases of all modes, forward only, and the
   // split merges; fwd: only the forward-only cases and the forward's huge-score checks)
   const std::string mode = argc > 1 ? argv[1] : "quick";
@@ -1017,7 +1247,7 @@ int main(int argc, char** argv) {
   // Score mods (softcap, ALiBi, both), alone and with causal masks, windows, GQA, key ranges
   // (softcap only: the host refuses ALiBi with key ranges), decode: forward and both backward
   // modes on every bucket. scoremod: only these.
-  if (mode == "scoremod") cases.clear();
+  if (mode == "scoremod" || mode == "varlen") cases.clear();
   if (mode == "quick" || mode == "full" || mode == "scoremod") {
     const uint32_t seed_after = seed;
     seed = 5000;
@@ -1043,11 +1273,30 @@ int main(int argc, char** argv) {
     seed = seed_after;
   }
   for (const Case& c : cases) fails += run_case(c, true).ok ? 0 : 1;
-  if (mode != "tails" && mode != "decode" && mode != "window" && mode != "scoremod") {
+  // Packed sequences (varlen): quick d = 64 (both dQ modes); varlen and full: every bucket.
+  if (mode == "quick" || mode == "full" || mode == "varlen") {
+    const std::vector<int> dims = mode == "quick" ? std::vector<int>{64}
+                                                  : std::vector<int>{64, 96, 128, 256, 40};
+    uint32_t vseed = 9000;
+    for (int d : dims) {
+      // lengths: empty, one token, unequal q / k, longer than a tile
+      fails += run_varlen_case({{70, 0, 1, 33}, {50, 3, 0, 90}, {}, 4, 2, d, true, -1, -1, 0.f,
+                                false, d == 64, vseed++}) ? 0 : 1;
+      fails += run_varlen_case({{17, 100, 5}, {80, 100, 9}, {}, 2, 2, d, false, -1, -1, 0.f,
+                                false, false, vseed++}) ? 0 : 1;
+      fails += run_varlen_case({{40, 1, 75}, {40, 60, 75}, {30, -5, 200}, 4, 1, d, true, 16, -1,
+                                1.5f, true, false, vseed++}) ? 0 : 1;
+      fails += run_varlen_case({{66, 90}, {120, 40}, {}, 2, 1, d, false, 20, 7, 0.f, true,
+                                d == 64, vseed++}) ? 0 : 1;
+    }
+  }
+  if (mode != "tails" && mode != "decode" && mode != "window" && mode != "scoremod" &&
+      mode != "varlen") {
     fails += check_huge_scores();
     fails += check_large_spread_scores();
   }
-  if (mode != "tails" && mode != "fwd" && mode != "window" && mode != "scoremod") {
+  if (mode != "tails" && mode != "fwd" && mode != "window" && mode != "scoremod" &&
+      mode != "varlen") {
     fails += check_decode_split_merges();
   }
 
@@ -1057,7 +1306,7 @@ int main(int argc, char** argv) {
   std::vector<int> rerun_dims = {64, 96};
   if (mode == "full") rerun_dims.push_back(200);
   const bool rerun = mode != "tails" && mode != "decode" && mode != "fwd" && mode != "window" &&
-                     mode != "scoremod";
+                     mode != "scoremod" && mode != "varlen";
   for (int d : rerun ? rerun_dims : std::vector<int>{}) {
     Case c{2, 90, 77, 4, 2, d, true, true, true, true, 0, false, 99};
     Result r1 = run_case(c, false, 1001);
