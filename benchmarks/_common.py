@@ -28,6 +28,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+# The headline of every benchmark is the plan a Turing GPU runs: launch decisions (the forward's
+# tile choice, the decode kernel's key splits) made as on a T4 (csrc/kernels/launch_plan.h,
+# DeviceProfile), whatever GPU executes them. FLASH_SM75_DEVICE_PROFILE=native in the
+# environment plans for the GPU itself instead; env_info records which one ran.
+os.environ.setdefault("FLASH_SM75_DEVICE_PROFILE", "t4")
+
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
 MMA_PEAK_SRC = os.path.join(BENCH_DIR, "mma_peak.cu")
@@ -404,6 +410,7 @@ def env_info(device: str) -> Dict[str, Any]:
         "cudnn": (torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None),
         "device": device,
         "git": git_info(),
+        "plan_profile": os.environ.get("FLASH_SM75_DEVICE_PROFILE") or "native",
     }
     try:
         import triton

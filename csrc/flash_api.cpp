@@ -153,6 +153,21 @@ static int env_tile_choice(const char* name) {
   return kChoice[env_choice(name, {"auto", "always", "never"})];
 }
 
+// kDeviceProfiles index of FLASH_SM75_DEVICE_PROFILE's value.
+static int planning_profile_index() {
+  static constexpr int kIndex[] = {0, 1, 1, 2};  // native, t4, turing (= t4), rtx2080ti
+  return kIndex[env_choice("FLASH_SM75_DEVICE_PROFILE", {"native", "t4", "turing", "rtx2080ti"})];
+}
+
+const DeviceProfile* planning_profile() { return kDeviceProfiles[planning_profile_index()]; }
+
+void set_plan_device(Flash_fwd_params& params, int device) {
+  params.plan_profile = planning_profile_index();
+  const DeviceProfile* profile = kDeviceProfiles[params.plan_profile];
+  params.num_sms = profile != nullptr ? profile->num_sms
+                                      : at::cuda::getDeviceProperties(device)->multiProcessorCount;
+}
+
 // FLASH_SM75_DECODE: 'auto' (or unset) runs seqlen_q == 1 calls on the split-KV decode kernel
 // (plan_decode), 'never' on the prefill kernel (tests, comparisons).
 static bool env_decode_enabled() {
@@ -290,7 +305,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   Flash_fwd_params params;
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
                    seqused_k, window_size_left, window_size_right, softcap, alibi_slopes);
-  params.num_sms = props->multiProcessorCount;
+  set_plan_device(params, q.get_device());
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {

@@ -87,6 +87,16 @@ void check_window_size(int64_t window_size_left, int64_t window_size_right);
 // default); any other value raises ValueError naming the variable and the accepted values.
 int env_choice(const char* name, std::initializer_list<const char*> accepted);
 
+// The GPU whose launch decisions the kernels plan for (kernels/launch_plan.h, DeviceProfile):
+// FLASH_SM75_DEVICE_PROFILE = 'native' (or unset: the device itself, its SM count and the
+// occupancy API), 't4' (alias 'turing') or 'rtx2080ti' (that GPU's SM count and compute
+// capability 7.5's occupancy rules); any other value raises ValueError naming the variable.
+// Returns nullptr for native.
+struct DeviceProfile;
+const DeviceProfile* planning_profile();
+// params.plan_profile and params.num_sms for a call on CUDA device `device`.
+void set_plan_device(Flash_fwd_params& params, int device);
+
 // Input validation shared by both implementations (exposed for the C++ tests). Returns the
 // softmax scale to use.
 double check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

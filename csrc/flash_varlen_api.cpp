@@ -252,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd(
                    window_size_right, softcap, alibi_slopes);
   set_varlen_params(params, vs.batch, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
                     seqused_k, is_causal, window_size_left, window_size_right);
-  params.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  set_plan_device(params, q.get_device());
   params.small_grid_tile = 0;
   try {
     run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());

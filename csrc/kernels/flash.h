@@ -15,6 +15,7 @@ namespace flash_sm75 {
 
 using index_t = int64_t;
 
+
 struct Flash_fwd_params {
   // ---- inputs (fp16) -------------------------------------------------------------------
   const void* q_ptr;   // batch x seqlen_q x h   x d
@@ -45,6 +46,11 @@ struct Flash_fwd_params {
   // seqlen_q[b] to causal_offset, window_lower (when set) and alibi_offset, which the host then
   // sets relative to that corner (right, -left, 0). Is_ext only.
   bool per_seq_offset;
+  // Host only (the launch plan): kDeviceProfiles[plan_profile] (launch_plan.h), 0 = the device
+  // itself (occupancy API). Declared here, in the padding after per_seq_offset, so that the
+  // kernels' parameter offsets stay those they were built and measured with (moving every later
+  // field by 8 bytes changed one decode kernel's register allocation: an 8-byte spill).
+  int plan_profile = 0;
 
   // ---- strides, in elements ------------------------------------------------------------
   index_t q_batch_stride, q_row_stride, q_head_stride;
@@ -82,7 +88,8 @@ struct Flash_fwd_params {
                              // causal_offset(seqlen_q, seqlen_k, bottom_right), no window
 
   // ---- launch choice (host only) -------------------------------------------------------
-  int num_sms;          // SMs of the device (0 = unknown: the default tile)
+  int num_sms;          // SMs to plan for (0 = unknown: the default tile): the device's, or the
+                        // profile's (FLASH_SM75_DEVICE_PROFILE; plan_profile below)
   int small_grid_tile;  // Fwd_tile_config::SmallGridTraits: 0 = when it pays
                         // (prefer_small_grid_tile), 1 = always, -1 = never
 

@@ -81,26 +81,12 @@ __device__ __forceinline__ float warp_allreduce_sum(float x) {
 }
 
 // Keys of this (batch) row that query 0 sees: [key_start, key_end) and, with a band (causal,
-// window), window_lower <= j <= causal_offset. Is_ext with per_seq_offset: the diagonals (and
-// *alibi_off, ALiBi's) are relative to the row's last key, key_end - 1 (seq_info.h). Packed
-// (varlen) calls do not come here (the host runs them on the main kernel).
-template <bool Is_ext>
-__device__ __forceinline__ KeyRange decode_key_range(const Flash_fwd_params& params, int bidb,
-                                                     int* alibi_off) {
+// window), window_lower <= j <= causal_offset.
+__device__ __forceinline__ KeyRange decode_key_range(const Flash_fwd_params& params, int bidb) {
   KeyRange kr = key_range(params.seqlen_k, params.leftpad_k, params.seqused_k, bidb);
-  int upper = params.causal_offset, lower = params.window_lower;
-  *alibi_off = params.alibi_offset;
-  if constexpr (Is_ext) {
-    if (params.per_seq_offset) {
-      const int off = kr.key_end - 1;
-      upper += off;
-      if (lower != kNoWindowLower) lower += off;
-      *alibi_off += off;
-    }
-  }
   if (params.is_causal) {
-    kr.key_start = imin(imax(kr.key_start, lower), kr.key_end);
-    kr.key_end = imax(kr.key_start, imin(kr.key_end, upper + 1));
+    kr.key_start = imin(imax(kr.key_start, params.window_lower), kr.key_end);
+    kr.key_end = imax(kr.key_start, imin(kr.key_end, params.causal_offset + 1));
   }
   return kr;
 }
@@ -129,8 +115,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   const int bidb = bhk / params.h_k, hk = bhk % params.h_k;
   const int h0 = hk * ratio + part * kR;  // first q-head of the CTA
   const int nh = imin(kR, ratio - part * kR);  // q-heads of the CTA
-  int alibi_off;
-  const KeyRange kr = decode_key_range<Is_ext>(params, bidb, &alibi_off);
+  const KeyRange kr = decode_key_range(params, bidb);
   // In 64 bits: (split + 1) * keys_per_split passes 2^31 - 1 for seqlen_k near it.
   const int64_t split_lo = static_cast<int64_t>(split) * params.keys_per_split;
   const int begin = static_cast<int>(split_lo > kr.key_start ? split_lo : kr.key_start);
@@ -150,7 +135,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   float* sSlope = reinterpret_cast<float*>(smem_raw + T::kOffSlope);
   if constexpr (Is_ext) {
     if (tid < kR) {
-      sSlope[tid] = tid < nh ? score_mod_for(params, bidb, h0 + tid, alibi_off).slope : 0.f;
+      sSlope[tid] = tid < nh ? score_mod_for(params, bidb, h0 + tid, params.alibi_offset).slope : 0.f;
     }
   }
 
@@ -247,7 +232,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     }
 
     if constexpr (Is_ext) {  // the query is row 0: ALiBi distance |alibi_offset - key|
-      const float dist = fabsf(static_cast<float>(alibi_off - (base + lane)));
+      const float dist = fabsf(static_cast<float>(params.alibi_offset - (base + lane)));
 #pragma unroll
       for (int h = 0; h < kR; ++h) {
         if (params.softcap_in != 0.f) {

@@ -2,6 +2,8 @@
 // instantiations in instantiations/*.cu, each compiled in its own translation unit. A band with
 // a lower diagonal (a sliding window's left edge) runs the local instantiation; causal alone, or
 // a window with only a right edge, the causal one.
+#include <stdexcept>
+
 #include "flash.h"
 #include "static_switch.h"
 
@@ -18,8 +20,15 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   });
 }
 
-// The bucket's decode kernel (head_dims.h: bucket 96 runs the 128 one).
+// The bucket's decode kernel (head_dims.h: bucket 96 runs the 128 one). It takes no packed
+// sequences or per-sequence diagonals (its kR = 16 extended kernel has no register to spare
+// for them); never silently.
 void run_mha_fwd_decode(Flash_fwd_params& params, cudaStream_t stream) {
+  if (params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
+      params.per_seq_offset) {
+    throw std::invalid_argument(
+        "flash_attention_sm75: the decode kernel takes no packed sequences (internal error)");
+  }
   HEADDIM_SWITCH(params.d, [&] {
     BOOL_SWITCH(needs_ext(params), Is_ext, [&] {
       run_mha_fwd_decode_<decode_head_dim(kHeadDim), Is_ext>(params, stream);

@@ -29,9 +29,20 @@ void run_flash_fwd(Flash_fwd_params& params, cudaStream_t stream) {
 }
 
 // Resident CTAs per SM of the forward kernel of Kt on the current device (occupancy API, cached
-// per device); 0 if unknown.
+// per device), or on the planning profile (ctas_per_sm from the kernel's registers); 0 if
+// unknown.
 template <typename Kt, bool Is_causal, bool Is_local, bool Is_ext>
-int fwd_ctas_per_sm() {
+int fwd_ctas_per_sm(const DeviceProfile* profile) {
+  if (profile != nullptr) {
+    cudaFuncAttributes attr;
+    if (cudaFuncGetAttributes(&attr, fwd_kernel<Kt, Is_causal, Is_local, Is_ext>()) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return ctas_per_sm(*profile, Kt::kNThreads, attr.numRegs,
+                       Kt::kSmemSize + static_cast<int>(attr.sharedSizeBytes));
+  }
   constexpr int kMaxCachedDevices = 64;
   static std::atomic<int> cache[kMaxCachedDevices];
   int device = -1;
@@ -68,8 +79,8 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
       // A grid of at most one CTA per SM is one wave on any GPU: no occupancy queries.
       if (pd.num_blocks > params.num_sms) {
         small = prefer_small_grid_tile(
-            pd.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Kt, Is_causal, Is_local, Is_ext>()) * params.num_sms,
-            ps.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Ks, Is_causal, Is_local, Is_ext>()) * params.num_sms);
+            pd.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Kt, Is_causal, Is_local, Is_ext>(kDeviceProfiles[params.plan_profile])) * params.num_sms,
+            ps.num_blocks, static_cast<int64_t>(fwd_ctas_per_sm<Ks, Is_causal, Is_local, Is_ext>(kDeviceProfiles[params.plan_profile])) * params.num_sms);
       }
     }
     if (small) return run_flash_fwd<Ks, Is_causal, Is_local, Is_ext>(params, stream);

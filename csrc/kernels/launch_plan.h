@@ -10,6 +10,47 @@
 
 namespace flash_sm75 {
 
+// A GPU the launch decisions are planned for (FLASH_SM75_DEVICE_PROFILE, flash_api.cpp): the
+// forward's tile choice (prefer_small_grid_tile) and the decode kernel's key splits
+// (plan_decode) depend on the SM count and on how many CTAs of a kernel an SM holds. A Turing
+// profile makes them as that GPU would on any GPU (the benchmarks' headline on the H200 runs
+// exactly the launches a T4 runs, apart from how many SMs execute the grid).
+struct DeviceProfile {
+  const char* name;
+  int num_sms;
+  int smem_per_sm;       // bytes of shared memory an SM gives its CTAs (Turing: 64 KiB)
+  int threads_per_sm;
+  int regs_per_sm;
+  int max_ctas_per_sm;
+};
+// Compute capability 7.5 (CUDA occupancy data): 64 KiB shared memory per SM with the opt-in,
+// 1024 threads, 64K registers, 16 CTAs per SM. T4: 40 SMs; RTX 2080 Ti: 68.
+constexpr DeviceProfile kProfileT4{"t4", 40, 64 * 1024, 1024, 64 * 1024, 16};
+constexpr DeviceProfile kProfileRtx2080Ti{"rtx2080ti", 68, 64 * 1024, 1024, 64 * 1024, 16};
+// Flash_fwd_params::plan_profile indexes this: 0 = the device itself (no profile).
+constexpr const DeviceProfile* kDeviceProfiles[] = {nullptr, &kProfileT4, &kProfileRtx2080Ti};
+
+// Resident CTAs per SM of a kernel (threads per CTA, registers per thread, shared memory per
+// CTA in bytes, static + dynamic) on `dev`, by compute capability 7.5's allocation rules:
+// registers in units of 256 per warp, shared memory in units of 256 bytes, no reserved shared
+// memory per CTA. 0 when the CTA does not fit at all.
+inline int ctas_per_sm(const DeviceProfile& dev, int threads, int regs_per_thread,
+                       int smem_per_cta) {
+  if (threads <= 0) return 0;
+  const int warps = (threads + 31) / 32;
+  const int regs_per_warp = ((regs_per_thread > 0 ? regs_per_thread : 1) * 32 + 255) / 256 * 256;
+  int n = dev.max_ctas_per_sm;
+  const int by_threads = dev.threads_per_sm / (warps * 32);
+  const int by_regs = dev.regs_per_sm / regs_per_warp / warps;
+  n = n < by_threads ? n : by_threads;
+  n = n < by_regs ? n : by_regs;
+  if (smem_per_cta > 0) {
+    const int by_smem = dev.smem_per_sm / ((smem_per_cta + 255) / 256 * 256);
+    n = n < by_smem ? n : by_smem;
+  }
+  return n;
+}
+
 struct FwdLaunchPlan {
   int block_m;          // query rows per CTA
   int block_n;          // keys per K/V tile

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "flash_api.h"
+#include "kernels/launch_plan.h"
 #include "reference.h"
 
 namespace flash_sm75 {
@@ -204,6 +205,27 @@ TEST(EnvChoice, DefaultIndexAndError) {
   ::setenv(kName, "atomic ", 1);
   EXPECT_VALUE_ERROR(env_choice(kName, {"separate", "atomic"}),
                      "must be 'separate' or 'atomic' (or unset), got 'atomic '");
+  ::unsetenv(kName);
+}
+
+// FLASH_SM75_DEVICE_PROFILE picks the GPU the launches are planned for: the device itself by
+// default, a Turing profile by name (launch_plan.h), a clear error for anything else.
+TEST(EnvChoice, DeviceProfile) {
+  constexpr const char* kName = "FLASH_SM75_DEVICE_PROFILE";
+  ::unsetenv(kName);
+  EXPECT_EQ(planning_profile(), nullptr);
+  ::setenv(kName, "native", 1);
+  EXPECT_EQ(planning_profile(), nullptr);
+  ::setenv(kName, "t4", 1);
+  EXPECT_EQ(planning_profile(), &kProfileT4);
+  ::setenv(kName, "turing", 1);
+  EXPECT_EQ(planning_profile(), &kProfileT4);
+  ::setenv(kName, "rtx2080ti", 1);
+  EXPECT_EQ(planning_profile(), &kProfileRtx2080Ti);
+  ::setenv(kName, "T4", 1);
+  EXPECT_VALUE_ERROR(planning_profile(),
+                     "FLASH_SM75_DEVICE_PROFILE must be 'native', 't4', 'turing' or 'rtx2080ti' "
+                     "(or unset), got 'T4'");
   ::unsetenv(kName);
 }
 

@@ -177,5 +177,31 @@ TEST(LaunchPlan, UnsupportedHeadDim) {
   }
 }
 
+// Compute capability 7.5's occupancy rules (CUDA occupancy calculator data): the forward kernels'
+// measured resource use gives the CTAs per SM DESIGN.md states for a T4.
+TEST(DeviceProfile, TuringOccupancy) {
+  const DeviceProfile& t4 = kProfileT4;
+  EXPECT_EQ(t4.num_sms, 40);
+  EXPECT_EQ(kProfileRtx2080Ti.num_sms, 68);
+  EXPECT_EQ(ctas_per_sm(t4, 128, 168, 16 * 1024), 3);   // d = 64 forward: registers
+  EXPECT_EQ(ctas_per_sm(t4, 128, 250, 26 * 1024), 2);   // d = 128 forward
+  EXPECT_EQ(ctas_per_sm(t4, 256, 238, 48 * 1024), 1);   // d = 256 forward: 8 warps
+  EXPECT_EQ(ctas_per_sm(t4, 128, 64, 40 * 1024), 1);    // shared memory bound
+  EXPECT_EQ(ctas_per_sm(t4, 128, 64, 32 * 1024), 2);
+  EXPECT_EQ(ctas_per_sm(t4, 128, 64, 32 * 1024 + 1), 1);  // 256-byte allocation units
+  EXPECT_EQ(ctas_per_sm(t4, 1024, 32, 0), 1);           // threads bound
+  EXPECT_EQ(ctas_per_sm(t4, 32, 16, 0), 16);            // the CTA cap
+  EXPECT_EQ(ctas_per_sm(t4, 128, 255, 0), 2);           // 255 -> 256 per thread per warp unit
+  EXPECT_EQ(ctas_per_sm(t4, 128, 64, 65 * 1024), 0);    // does not fit
+}
+
+// The decode plan of a T4 profile: splits sized for 40 SMs, not the executing GPU's.
+TEST(DeviceProfile, DecodeSplitsFollowTheProfileSms) {
+  const DecodePlan t4 = plan_decode(1, 8, 8, 1, 4096, 128, kProfileT4.num_sms, true);
+  const DecodePlan big = plan_decode(1, 8, 8, 1, 4096, 128, 132, true);
+  EXPECT_EQ(t4.num_splits, 16);   // ~4 * 40 / 8 wanted: 2 of the 32 steps each
+  EXPECT_EQ(big.num_splits, 32);  // capped by the 32 steps of 128 keys
+}
+
 }  // namespace
 }  // namespace flash_sm75
