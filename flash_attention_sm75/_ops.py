@@ -2,22 +2,27 @@
 the one entry every door calls the op through.
 
 ``import flash_attention_sm75._C`` runs the C++ static registrars (``TORCH_LIBRARY``), which
-define ``torch.ops.flash_attention_sm75.fwd`` and ``bwd`` with CUDA and CPU implementations
-(docs/CONTRACT.md). This module registers, side by side:
+define ``torch.ops.flash_attention_sm75.fwd`` and ``bwd`` (padded BSHD batches) and
+``varlen_fwd`` and ``varlen_bwd`` (flash-attn's packed varlen layout: ``(total, heads,
+head_dim)`` tokens split by ``cu_seqlens``) with CUDA and CPU implementations
+(docs/CONTRACT.md). This module registers, side by side for both pairs:
 
-* the fakes of ``fwd`` and ``bwd`` (``torch.compile`` / ``torch.export`` / FakeTensorMode):
-  shape checks only (``torch._check``) and exactly the allocations of the C++; what the kernels
-  accept is the rulebook's business (``_rules.py``), asked by every door before the op is called;
-* the autograd formula of ``fwd``: saves ``q, k, v, out, softmax_lse`` (O(N) memory, no
-  attention matrix) and calls ``bwd``; a gradient flowing into ``softmax_lse`` (returned with
-  ``return_lse=True``) is passed on as ``grad_softmax_lse`` and handled exactly. ``bwd`` itself
-  has no formula: double backward raises;
-* :func:`call_fwd`, how the direct APIs, the SDPA wrapper and the HF integration call the op;
+* the fakes of ``fwd`` / ``bwd`` / ``varlen_fwd`` / ``varlen_bwd`` (``torch.compile`` /
+  ``torch.export`` / FakeTensorMode): shape checks only (``torch._check``) and exactly the
+  allocations of the C++; what the kernels accept is the rulebook's business (``_rules.py``),
+  asked by every door before the op is called;
+* the autograd formulas of ``fwd`` and ``varlen_fwd``: they save ``q, k, v, out, softmax_lse``
+  (and the varlen metadata; O(N) memory, no attention matrix) and call ``bwd`` /
+  ``varlen_bwd``; a gradient flowing into ``softmax_lse`` (returned with ``return_lse=True``,
+  ``return_attn_probs=True``) is passed on as ``grad_softmax_lse`` and handled exactly. The
+  backward ops themselves have no formula: double backward raises;
+* :func:`call_fwd` and :func:`call_varlen_fwd`, how the doors call the ops;
 * the backward's determinism switch (:func:`deterministic_backward`), and
-  ``flash_attention_sm75::fwd_deterministic_bwd``, a Python-defined twin of ``fwd`` (same
-  schema, same results) whose autograd formula always asks ``bwd`` for the deterministic
-  backward: how a call that requests determinism at forward time (flash-attn's
-  ``deterministic=True``) carries the request to its backward (``call_fwd(deterministic=True)``).
+  ``flash_attention_sm75::fwd_deterministic_bwd`` / ``varlen_fwd_deterministic_bwd``,
+  Python-defined twins of ``fwd`` / ``varlen_fwd`` (same schema, same results) whose autograd
+  formula always asks for the deterministic backward: how a call that requests determinism at
+  forward time (flash-attn's ``deterministic=True``) carries the request to its backward
+  (``call_fwd(deterministic=True)``).
 
 Determinism: by default dQ is computed by a separate kernel with no floating-point atomics, so
 the backward is bitwise reproducible (docs/BACKWARD.md). ``FLASH_SM75_BWD_DQ=atomic`` selects
@@ -44,8 +49,10 @@ from ._rules import _SLOPES_GRAD, require_bool
 __all__ = [
     "EXTENSION_AVAILABLE",
     "EXTENSION_ERROR",
+    "VARLEN_AVAILABLE",
     "autograd_reason",
     "call_fwd",
+    "call_varlen_fwd",
     "deterministic_backward",
     "is_deterministic_backward",
 ]
@@ -226,6 +233,48 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
     require grad while grad mode is on (the op has no slope gradient; flash-attn's none either,
     and a silent zero would be wrong), before the op runs.
     """
+    op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
+    args = (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
+            window_size_left, window_size_right, softcap, alibi_slopes)
+    if _autograd_must_run(q, k, v, alibi_slopes):
+        if deterministic:
+            op = torch.ops.flash_attention_sm75.fwd_deterministic_bwd
+        return op(*args)
+    # No gradient can flow, so there is no backward for `deterministic` to reach.
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def call_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale=None, is_causal=False, seqused_k=None, window_size_left=-1,
+                    window_size_right=-1, softcap=0.0, alibi_slopes=None, *,
+                    deterministic: bool = False):
+    """``torch.ops.flash_attention_sm75.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, softmax_scale, is_causal, seqused_k, window_size_left,
+    window_size_right, softcap, alibi_slopes)`` (packed sequences, flash-attn's varlen layout:
+    q ``(total_q, h, d)``, k/v ``(total_k, h_k, d)``; returns out ``(total_q, h, d)`` and the
+    float32 LSE ``(h, total_q)``), exactly as :func:`call_fwd` calls ``fwd``: below autograd
+    when no gradient can flow, through the twin ``varlen_fwd_deterministic_bwd`` when
+    ``deterministic=True`` and autograd records the call, and the same errors before the op
+    runs (forward-mode AD, torch.func reverse-mode transforms, slopes that require grad).
+
+    The op does not read ``cu_seqlens_*`` against ``max_seqlen_*`` (a longer sequence is
+    undefined behaviour): callers check them first (``_packing.check_cu_seqlens``)."""
+    require_varlen()
+    op = torch.ops.flash_attention_sm75.varlen_fwd  # per call, like call_fwd (spied on)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            is_causal, seqused_k, window_size_left, window_size_right, softcap, alibi_slopes)
+    if _autograd_must_run(q, k, v, alibi_slopes):
+        if deterministic:
+            op = torch.ops.flash_attention_sm75.varlen_fwd_deterministic_bwd
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _autograd_must_run(q, k, v, alibi_slopes) -> bool:
+    """The checks of :func:`call_fwd` / :func:`call_varlen_fwd` before the op (they raise), then
+    whether the op must be called through its autograd kernel (see :func:`call_fwd`)."""
     name = forward_ad_input(q, k, v)
     if name is not None:
         raise NotImplementedError(
@@ -243,19 +292,10 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
             "falls back to torch's SDPA inside torch.func transforms")
     if (alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()):
         raise ValueError("flash_attention_sm75: " + _SLOPES_GRAD)
-    op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
-    if (torch.compiler.is_compiling() or transforms
-            or torch._C._is_torch_function_mode_enabled()
-            or (torch.is_grad_enabled()
-                and (q.requires_grad or k.requires_grad or v.requires_grad))):
-        if deterministic:
-            op = torch.ops.flash_attention_sm75.fwd_deterministic_bwd
-        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
-                  window_size_left, window_size_right, softcap, alibi_slopes)
-    # No gradient can flow, so there is no backward for `deterministic` to reach.
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
-                  window_size_left, window_size_right, softcap, alibi_slopes)
+    return bool(torch.compiler.is_compiling() or transforms
+                or torch._C._is_torch_function_mode_enabled()
+                or (torch.is_grad_enabled()
+                    and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
 def _check_one_device(q, **others) -> None:
@@ -293,6 +333,38 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_
     torch._check(dout.shape == q.shape, lambda: "flash_attention_sm75: dout must have the shape of q")
     torch._check(out.shape == q.shape, lambda: "flash_attention_sm75: out must have the shape of q")
     # The C++: at::empty({b, sq, h, d}, q.options()) and at::empty({b, sk, h_k, d}, ...) twice.
+    return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
+
+
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale=None, is_causal=False, seqused_k=None, window_size_left=-1,
+                     window_size_right=-1, softcap=0.0, alibi_slopes=None):
+    # As _fwd_fake, for flash-attn's packed layout.
+    _check_one_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      seqused_k=seqused_k, alibi_slopes=alibi_slopes)
+    torch._check(q.dim() == 3 and k.dim() == 3,
+                 lambda: "flash_attention_sm75: q, k and v must be 3-D (total, heads, head_dim)")
+    torch._check(k.shape == v.shape, lambda: "flash_attention_sm75: k and v must have one shape")
+    torch._check(k.shape[2] == q.shape[2],
+                 lambda: "flash_attention_sm75: q and k must share head_dim")
+    torch._check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape == cu_seqlens_k.shape,
+                 lambda: "flash_attention_sm75: cu_seqlens_q and cu_seqlens_k must be 1-D, of "
+                         "one length (batch + 1)")
+    total_q, h, d = q.shape
+    # The C++: at::empty({total_q, h, d}, q.options()) and a float32 (h, total_q).
+    return q.new_empty((total_q, h, d)), q.new_empty((h, total_q), dtype=torch.float32)
+
+
+def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, is_causal, seqused_k=None, deterministic=False,
+                     grad_softmax_lse=None, window_size_left=-1, window_size_right=-1,
+                     softcap=0.0, alibi_slopes=None):
+    _check_one_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse,
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                      grad_softmax_lse=grad_softmax_lse, alibi_slopes=alibi_slopes)
+    torch._check(dout.shape == q.shape, lambda: "flash_attention_sm75: dout must have the shape of q")
+    torch._check(out.shape == q.shape, lambda: "flash_attention_sm75: out must have the shape of q")
+    # The C++: at::empty({total_q, h, d}, q.options()) and at::empty({total_k, h_k, d}, ...) twice.
     return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
 
 
@@ -338,24 +410,65 @@ def _fwd_det_setup_context(ctx, inputs, output):
     _fwd_setup_context(ctx, inputs, output, deterministic=True)
 
 
-def _define_fwd_deterministic_bwd() -> None:
-    """Define ``flash_attention_sm75::fwd_deterministic_bwd``: ``fwd``'s schema under another
-    name (read from the registered ``fwd``, so the twin follows any change of it), computing
-    with ``fwd`` itself; only its autograd formula differs (see :func:`call_fwd`). A
-    CompositeExplicitAutograd kernel serves every backend that ``fwd`` has and keeps the twin one
-    node in traced graphs (inductor calls it at run time)."""
-    fwd = torch.ops.flash_attention_sm75.fwd.default
-    schema = str(fwd._schema)
-    name = fwd._schema.name  # "flash_attention_sm75::fwd"
+def _varlen_fwd_setup_context(ctx, inputs, output, deterministic=False):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
+     seqused_k, window_size_left, window_size_right, softcap, alibi_slopes) = inputs
+    ctx.deterministic = deterministic  # as _fwd_setup_context
+    out, softmax_lse = output
+    ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                          alibi_slopes)
+    ctx.max_seqlen = (int(max_seqlen_q), int(max_seqlen_k))
+    ctx.softcap = float(softcap)
+    ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
+    ctx.is_causal = bool(is_causal)
+    ctx.window_size = (int(window_size_left), int(window_size_right))
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_fwd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, softmax_lse, cu_q, cu_k, seqused_k, alibi_slopes = ctx.saved_tensors
+    # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
+    # seqused_k, window_size_left, window_size_right, softcap, alibi_slopes
+    none = (None,) * 11
+    if len(ctx.needs_input_grad) > 13 and ctx.needs_input_grad[13]:
+        raise NotImplementedError(
+            "flash_attention_sm75: no gradient for alibi_slopes; pass alibi_slopes.detach()")
+    if grad_out is None and grad_lse is None:
+        return (None, None, None) + none
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.flash_attention_sm75.varlen_bwd(
+        grad_out, q, k, v, out, softmax_lse, cu_q, cu_k, *ctx.max_seqlen, ctx.softmax_scale,
+        ctx.is_causal, seqused_k, ctx.deterministic or _deterministic_forced(), grad_lse,
+        *ctx.window_size, ctx.softcap, alibi_slopes)
+    return (dq, dk, dv) + none
+
+
+def _varlen_fwd_det_setup_context(ctx, inputs, output):
+    _varlen_fwd_setup_context(ctx, inputs, output, deterministic=True)
+
+
+def _define_deterministic_twin(base: str) -> None:
+    """Define ``flash_attention_sm75::<base>_deterministic_bwd``: the schema of ``<base>``
+    (``fwd`` or ``varlen_fwd``) under another name (read from the registered op, so the twin
+    follows any change of it), computing with ``<base>`` itself; only its autograd formula
+    differs (see :func:`call_fwd`). A CompositeExplicitAutograd kernel serves every backend that
+    ``<base>`` has and keeps the twin one node in traced graphs (inductor calls it at run
+    time)."""
+    op = getattr(torch.ops.flash_attention_sm75, base)
+    schema = str(op.default._schema)
+    name = op.default._schema.name  # "flash_attention_sm75::<base>"
     assert schema.startswith(name + "("), schema
+    twin = base + "_deterministic_bwd"
     lib = torch.library.Library("flash_attention_sm75", "FRAGMENT")
-    lib.define("fwd_deterministic_bwd" + schema[len(name):])
+    lib.define(twin + schema[len(name):])
 
     def impl(*args):
-        # Below autograd here (the twin's own formula runs above): the plain op computes.
-        return torch.ops.flash_attention_sm75.fwd(*args)
+        # Below autograd here (the twin's own formula runs above): the plain op computes
+        # (looked up per call, as the doors do).
+        return getattr(torch.ops.flash_attention_sm75, base)(*args)
 
-    lib.impl("fwd_deterministic_bwd", impl, "CompositeExplicitAutograd")
+    lib.impl(twin, impl, "CompositeExplicitAutograd")
     _libraries.append(lib)  # a Library's registrations live as long as the object
 
 
@@ -373,8 +486,31 @@ def _bwd_backward(ctx, *grads):
 
 _libraries = []
 
+
+def _has_op(name: str) -> bool:
+    try:
+        getattr(torch.ops.flash_attention_sm75, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+VARLEN_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("varlen_fwd") and _has_op("varlen_bwd")
+"""Whether the compiled extension has the varlen ops (``varlen_fwd`` / ``varlen_bwd``); False for
+an extension built from sources older than them (rebuild it)."""
+
+
+def require_varlen() -> None:
+    require_extension()
+    if not VARLEN_AVAILABLE:
+        raise RuntimeError(
+            "flash_attention_sm75: the compiled extension has no varlen op "
+            "(torch.ops.flash_attention_sm75.varlen_fwd): it was built from older sources; "
+            + BUILD_HINT)
+
+
 if EXTENSION_AVAILABLE:
-    _define_fwd_deterministic_bwd()
+    _define_deterministic_twin("fwd")
     torch.library.register_fake("flash_attention_sm75::fwd")(_fwd_fake)
     torch.library.register_fake("flash_attention_sm75::fwd_deterministic_bwd")(_fwd_fake)
     torch.library.register_fake("flash_attention_sm75::bwd")(_bwd_fake)
@@ -383,4 +519,16 @@ if EXTENSION_AVAILABLE:
     torch.library.register_autograd("flash_attention_sm75::fwd_deterministic_bwd", _fwd_backward,
                                     setup_context=_fwd_det_setup_context)
     torch.library.register_autograd("flash_attention_sm75::bwd", _bwd_backward,
+                                    setup_context=_bwd_setup_context)
+if VARLEN_AVAILABLE:
+    _define_deterministic_twin("varlen_fwd")
+    for _name in ("varlen_fwd", "varlen_fwd_deterministic_bwd"):
+        torch.library.register_fake("flash_attention_sm75::" + _name)(_varlen_fwd_fake)
+    torch.library.register_fake("flash_attention_sm75::varlen_bwd")(_varlen_bwd_fake)
+    torch.library.register_autograd("flash_attention_sm75::varlen_fwd", _varlen_fwd_backward,
+                                    setup_context=_varlen_fwd_setup_context)
+    torch.library.register_autograd("flash_attention_sm75::varlen_fwd_deterministic_bwd",
+                                    _varlen_fwd_backward,
+                                    setup_context=_varlen_fwd_det_setup_context)
+    torch.library.register_autograd("flash_attention_sm75::varlen_bwd", _bwd_backward,
                                     setup_context=_bwd_setup_context)

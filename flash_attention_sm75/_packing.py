@@ -1,6 +1,10 @@
-"""Packed (varlen) sequences <-> the op's padded BSHD batches, with device-side indices.
+"""Packed (varlen) sequences: the device-side check of ``cu_seqlens`` that every varlen call
+makes (:func:`check_cu_seqlens`), and packed <-> the op's padded BSHD batches, with device-side
+indices, for the calls the varlen op does not serve (paged ``block_table`` keys).
 
-The op (docs/CONTRACT.md) takes padded ``(batch, seqlen, heads, head_dim)`` tensors, a key range
+The varlen op (``torch.ops.flash_attention_sm75.varlen_fwd``) takes the packed tokens as they
+are; the rest of this module is for the padded op. The padded op (docs/CONTRACT.md) takes
+padded ``(batch, seqlen, heads, head_dim)`` tensors, a key range
 ``[leftpad_k[b], seqused_k[b])`` per batch entry and ONE causal offset for the whole call
 (key ``j`` is visible to query row ``r`` iff ``j <= r + seqlen_k - seqlen_q``). flash-attn's
 varlen functions want bottom-right causal masking *per sequence*: query ``i`` of sequence ``b``
@@ -15,8 +19,8 @@ synchronisation); the padded lengths are the host integers the caller passes
 (``max_seqlen_q`` / ``max_seqlen_k``). Invalid ``cu_seqlens`` (a length above the declared
 maximum, decreasing offsets, offsets past the packed tensor) are caught by a device-side check
 (:func:`check_on_device`): ``ValueError`` on the CPU, a device-side assertion on CUDA
-(``RuntimeError`` on the CPU in compiled graphs), never a silently wrong result. Packing uses out-of-place ``index_put`` and unpacking advanced indexing,
-so autograd differentiates both (their backward passes are gathers and scatters with one source
+(``RuntimeError`` on the CPU in compiled graphs), never a silently wrong result. Packing uses
+out-of-place ``index_put`` and unpacking advanced indexing, so autograd differentiates both (their backward passes are gathers and scatters with one source
 per destination: exact, and deterministic in value).
 """
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SeqLayout", "check_block_table", "check_on_device", "pack", "paged_rows", "seq_layout",
+__all__ = ["SeqLayout", "check_block_table", "check_cu_seqlens", "check_on_device", "pack", "paged_rows", "seq_layout",
            "unpack"]
 
 
@@ -65,21 +69,32 @@ class SeqLayout(NamedTuple):
     max_seqlen: int
 
 
-def seq_layout(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name: str) -> SeqLayout:
-    """The :class:`SeqLayout` of ``total`` packed tokens split by ``cu_seqlens`` (int32,
-    ``(batch + 1,)``) into right-aligned rows of ``max_seqlen``; ``name`` is how error messages
-    call ``cu_seqlens``. Checks on the device that the offsets are non-decreasing, start at
-    >= 0, end at <= ``total``, and that no length exceeds ``max_seqlen``."""
-    batch = cu_seqlens.shape[0] - 1
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int,
+                     name: str) -> torch.Tensor:
+    """Check on the device (:func:`check_on_device`) that ``cu_seqlens`` (int, ``(batch + 1,)``)
+    splits ``total`` packed tokens into sequences of at most ``max_seqlen``: offsets
+    non-decreasing, starting at >= 0 and ending at <= ``total``. ``name`` is how the message
+    calls ``cu_seqlens``. Returns the lengths (int64, ``(batch,)``). What the varlen op needs
+    before it runs (a sequence longer than its ``max_seqlen`` is undefined there)."""
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     ok = (cu[0] >= 0) & (cu[-1] <= total)
-    if batch > 0:
+    if cu_seqlens.shape[0] > 1:
         ok = ok & (lengths >= 0).all() & (lengths <= max_seqlen).all()
     check_on_device(ok, (
         f"flash_attention_sm75: {name} must be non-decreasing offsets starting at >= 0 and "
         f"ending at <= the number of packed tokens ({total}), with no sequence longer than "
         f"the max_seqlen passed ({max_seqlen})"))
+    return lengths
+
+
+def seq_layout(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name: str) -> SeqLayout:
+    """The :class:`SeqLayout` of ``total`` packed tokens split by ``cu_seqlens`` (int32,
+    ``(batch + 1,)``) into right-aligned rows of ``max_seqlen``; ``name`` is how error messages
+    call ``cu_seqlens``. Checks them on the device first (:func:`check_cu_seqlens`)."""
+    batch = cu_seqlens.shape[0] - 1
+    lengths = check_cu_seqlens(cu_seqlens, total, max_seqlen, name)
+    cu = cu_seqlens.to(torch.int64)
     t = torch.arange(total, device=cu.device)
     seq = torch.searchsorted(cu[1:].contiguous(), t, right=True)  # sequence of token t; batch: none
     valid = (seq < batch) & (t >= cu[0])

@@ -165,8 +165,10 @@ def _require_valid(q, k, v, softmax_scale, names=("q", "k", "v"), alibi_slopes=N
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     # flash-attn takes any strides with a contiguous last dim; the kernels' 16-byte loads need
-    # aligned pointers and strides, so a CUDA tensor that has neither is copied.
-    if t.device.type == "cuda" and not _rules.is_kernel_aligned(t):
+    # aligned pointers and strides, so a CUDA tensor that has neither is copied. (4-D BSHD, or
+    # 3-D packed varlen tokens.)
+    if t.device.type == "cuda" and not _rules.is_kernel_aligned(
+            t if t.dim() == 4 else t.unsqueeze(0)):
         return t.clone(memory_format=torch.contiguous_format)
     return t
 
@@ -415,39 +417,56 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         _check_block_table(block_table, batch, q)
         if k.shape[0] == 0:
             raise ValueError(f"{PREFIX}k must hold at least one block with block_table")
-        k_view, v_view = k[:1], v[:1]
     else:
-        k_view, v_view = k.unsqueeze(0), v.unsqueeze(0)
+        _ops.require_varlen()
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
-    if padded:
-        k_view, v_view = (kp[:1], vp[:1]) if paged else (kp.unsqueeze(0), vp.unsqueeze(0))
-    _require_valid(qp.unsqueeze(0), k_view, v_view, scale)
-
-    lay_q = _packing.seq_layout(cu_q, q.shape[0], max_q, "cu_seqlens_q")
-    q_pad = _packing.pack(qp, lay_q)
     if paged:
-        cu = cu_k.to(torch.int64)
-        len_k = cu[1:] - cu[:-1]
-        page = k.shape[1]
-        _packing.check_on_device(
-            ((len_k >= 0) & (len_k <= max_k) & (len_k <= block_table.shape[1] * page)).all(),
-            f"flash_attention_sm75: cu_seqlens_k must give lengths in [0, max_seqlen_k = "
-            f"{max_k}] that fit the block_table's {block_table.shape[1]} pages of {page}")
-        if block_table.shape[1] == 0:  # no pages: every sequence is empty (checked above)
-            k_pad = kp.new_zeros((batch, max_k) + tuple(kp.shape[2:]))
-            v_pad = vp.new_zeros((batch, max_k) + tuple(vp.shape[2:]))
-        else:
-            _packing.check_block_table(block_table, len_k, page, k.shape[0])
-            blk, off = _packing.paged_rows(block_table, page, max_k - len_k, max_k, k.shape[0])
-            k_pad, v_pad = kp[blk, off], vp[blk, off]
+        _require_valid(qp.unsqueeze(0), kp[:1], vp[:1], scale)
+        out, lse = _varlen_paged(qp, kp, vp, cu_q, cu_k, max_q, max_k, scale, causal, window,
+                                 cap, alibi_slopes, deterministic, block_table, k.shape[1])
     else:
-        lay_k = _packing.seq_layout(cu_k, k.shape[0], max_k, "cu_seqlens_k")
-        len_k = lay_k.lengths
-        k_pad, v_pad = _packing.pack(kp, lay_k), _packing.pack(vp, lay_k)
+        _require_valid(qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), scale)
+        # The op reads cu_seqlens as given: a sequence longer than max_seqlen_* must be caught
+        # before it runs, on the device (no host synchronisation).
+        _packing.check_cu_seqlens(cu_q, q.shape[0], max_q, "cu_seqlens_q")
+        _packing.check_cu_seqlens(cu_k, k.shape[0], max_k, "cu_seqlens_k")
+        out, lse = _ops.call_varlen_fwd(
+            _aligned(qp), _aligned(kp), _aligned(vp), cu_q, cu_k, max_q, max_k,
+            None if scale is None else float(scale), causal, None, *window, cap, alibi_slopes,
+            deterministic=deterministic)
+    if padded:
+        out = out[..., :d]
+    if not return_attn_probs:
+        return out
+    return out, lse, _attn_probs_placeholder(q)
+
+
+def _varlen_paged(qp, kp, vp, cu_q, cu_k, max_q: int, max_k: int, scale, causal, window, cap,
+                  alibi_slopes, deterministic, block_table, page: int):
+    """Varlen with paged keys (``block_table``), which the varlen op does not take: the
+    sequences are scattered into right-aligned padded batches (``_packing``) for the padded op,
+    with per-sequence key ranges (one op call per sequence with ALiBi, see
+    :func:`_run_per_sequence`). Returns flash-attn's packed ``(out, lse (nheads, total_q))``."""
+    batch = cu_q.shape[0] - 1
+    lay_q = _packing.seq_layout(cu_q, qp.shape[0], max_q, "cu_seqlens_q")
+    q_pad = _packing.pack(qp, lay_q)
+    cu = cu_k.to(torch.int64)
+    len_k = cu[1:] - cu[:-1]
+    _packing.check_on_device(
+        ((len_k >= 0) & (len_k <= max_k) & (len_k <= block_table.shape[1] * page)).all(),
+        f"flash_attention_sm75: cu_seqlens_k must give lengths in [0, max_seqlen_k = "
+        f"{max_k}] that fit the block_table's {block_table.shape[1]} pages of {page}")
+    if block_table.shape[1] == 0:  # no pages: every sequence is empty (checked above)
+        k_pad = kp.new_zeros((batch, max_k) + tuple(kp.shape[2:]))
+        v_pad = vp.new_zeros((batch, max_k) + tuple(vp.shape[2:]))
+    else:
+        _packing.check_block_table(block_table, len_k, page, kp.shape[0])
+        blk, off = _packing.paged_rows(block_table, page, max_k - len_k, max_k, kp.shape[0])
+        k_pad, v_pad = kp[blk, off], vp[blk, off]
     leftpad = (max_k - len_k).to(torch.int32)
-    seqused = torch.full((batch,), max_k, dtype=torch.int32, device=q.device)
+    seqused = torch.full((batch,), max_k, dtype=torch.int32, device=qp.device)
     # Right-aligned rows make the op's single bottom-right offset every sequence's own, for the
     # causal diagonal and the window's edges alike. ALiBi is refused with key ranges by the op:
     # one call per sequence then.
@@ -459,13 +478,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                                              leftpad, seqused, window, cap, alibi_slopes,
                                              deterministic)
     out = _packing.unpack(out_pad.flatten(0, 1), lay_q)
-    if padded:
-        out = out[..., :d]
-    if not return_attn_probs:
-        return out
     # (batch, nheads, max_seqlen_q) -> flash-attn's packed (nheads, total_q)
     lse = _packing.unpack(lse_pad.transpose(0, 1).flatten(1, 2), lay_q, float("-inf"), dim=1)
-    return out, lse, _attn_probs_placeholder(q)
+    return out, lse
 
 
 def _check_block_table(block_table, batch: int, q: torch.Tensor) -> None:

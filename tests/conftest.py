@@ -4,7 +4,8 @@
   (the kernel's minimum), so the CPU part of the suite runs anywhere (CI).
 * Every test starts from the same RNG state (tests that need their own seed set it).
 * ``op_calls``: the argument tuples of every call that reaches ``torch.ops.flash_attention_sm75.fwd``
-  (callers look the op up per call, so the spy sees every door's call).
+  (callers look the op up per call, so the spy sees every door's call); ``varlen_op_calls`` the
+  same for ``varlen_fwd``.
 """
 import pytest
 import torch
@@ -45,5 +46,15 @@ def op_calls(monkeypatch):
     calls = []
     real = torch.ops.flash_attention_sm75.fwd
     monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
+                        lambda *a, **kw: calls.append(a) or real(*a, **kw), raising=False)
+    return calls
+
+
+@pytest.fixture
+def varlen_op_calls(monkeypatch):
+    """Argument tuples of every call of ``torch.ops.flash_attention_sm75.varlen_fwd`` in the test."""
+    calls = []
+    real = torch.ops.flash_attention_sm75.varlen_fwd
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, "varlen_fwd",
                         lambda *a, **kw: calls.append(a) or real(*a, **kw), raising=False)
     return calls

@@ -140,11 +140,14 @@ def test_dropout_is_the_one_unsupported_feature_and_is_named(monkeypatch):
 
 @pytest.fixture
 def bwd_flags(monkeypatch):
-    """The ``deterministic`` argument of every call of ``torch.ops.flash_attention_sm75.bwd``."""
+    """The ``deterministic`` argument of every call of ``torch.ops.flash_attention_sm75.bwd``
+    and ``varlen_bwd``, in call order."""
     flags = []
-    real = torch.ops.flash_attention_sm75.bwd
-    monkeypatch.setattr(torch.ops.flash_attention_sm75, "bwd",
-                        lambda *a: flags.append(a[11]) or real(*a), raising=False)
+    for name, index in (("bwd", 11), ("varlen_bwd", 13)):
+        real = getattr(torch.ops.flash_attention_sm75, name)
+        monkeypatch.setattr(torch.ops.flash_attention_sm75, name,
+                            lambda *a, real=real, index=index: flags.append(a[index]) or real(*a),
+                            raising=False)
     return flags
 
 
@@ -813,9 +816,10 @@ def test_transformers_accepts_the_dropin(dropin_site, monkeypatch):
         assert not import_utils.is_flash_attn_greater_or_equal("2.3.3")
 
 
-def test_transformers_flash_attention_2_runs_the_dropin_on_cpu(dropin_site, monkeypatch, op_calls):
+def test_transformers_flash_attention_2_runs_the_dropin_on_cpu(dropin_site, monkeypatch,
+                                                               varlen_op_calls):
     """A tiny Llama through attn_implementation="flash_attention_2": padded prefill (unpad ->
-    varlen -> pad), greedy decoding with a cache, and a training step, against "sdpa" on the
+    the varlen op -> pad), greedy decoding with a cache, and a training step, against "sdpa" on the
     same fp16 weights (CPU: the op's float64 implementation, so the two differ only by
     transformers' own fp16 rounding around attention)."""
     pytest.importorskip("transformers")
@@ -834,15 +838,16 @@ def test_transformers_flash_attention_2_runs_the_dropin_on_cpu(dropin_site, monk
         am[2, :8] = 0  # one real token
         with torch.no_grad():
             ours = model(input_ids=ids, attention_mask=am).logits.float()
-            n_calls = len(op_calls)
+            n_calls = len(varlen_op_calls)
             gen = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=3,
                                  do_sample=False, pad_token_id=0)
             model.set_attn_implementation("sdpa")
             stock = model(input_ids=ids, attention_mask=am).logits.float()
             gen_stock = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=3,
                                        do_sample=False, pad_token_id=0)
-        assert n_calls == cfg.num_hidden_layers  # every layer ran the op
-        assert all(call[6] is not None for call in op_calls[:n_calls])  # varlen key ranges
+        assert n_calls == cfg.num_hidden_layers  # every layer ran the varlen op, on the
+        for call in varlen_op_calls[:n_calls]:    # unpadded tokens of the three rows
+            assert call[0].shape[0] == 15 and call[3].tolist() == [0, 9, 14, 15]
         real = am.bool()
         assert (ours - stock)[real].abs().max().item() <= 5e-3
         assert torch.equal(gen, gen_stock)
