@@ -285,16 +285,19 @@ def _check(label, ours, stock, ref, max_factor=2.0, max_slack=0.02, mean_factor=
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("batch", ["b1", "b4-left-padded"])
-def test_transformers_prefill(fa2_env, op_calls, name, batch):
+def test_transformers_prefill(fa2_env, op_calls, varlen_op_calls, name, batch):
     model = _model(name)
     assert model.config._attn_implementation == "flash_attention_2"
     lengths = [257] if batch == "b1" else LENGTHS
     ids, am = _batch(lengths, model.config.vocab_size, seed=1)
     ours = _logits(model, "flash_attention_2", ids, am)
     n = model.config.num_hidden_layers
-    assert len(op_calls) == n, "every layer runs the op"
-    # b1: flash_attn_func (no key ranges); padded: unpad -> flash_attn_varlen_func -> pad
-    assert all((c[6] is None) == (batch == "b1") for c in op_calls)
+    # b1: flash_attn_func (the padded op, no key ranges); padded: unpad ->
+    # flash_attn_varlen_func (the varlen op on the real tokens only) -> pad
+    calls, other = (op_calls, varlen_op_calls) if batch == "b1" else (varlen_op_calls, op_calls)
+    assert len(calls) == n and not other, "every layer runs the op"
+    assert all(c[6] is None for c in op_calls)
+    assert all(c[0].shape[0] == sum(lengths) for c in varlen_op_calls)
     stock = _logits(model, "sdpa", ids, am)
     real = am.bool()
     _check(f"{name} {batch} prefill", ours[real], stock[real], _ref_logits(model, ids, am)[real])

@@ -39,8 +39,11 @@ which runs on the kernel, fall back to that function with the soft-cap applied, 
 SDPA has none), and the reason is logged at DEBUG
 on the ``"flash_attention_sm75"`` logger and counted in :func:`get_stats`. Packed sequences
 (``cu_seq_lens_q/k`` or restarting ``position_ids``, as transformers' FlashAttention path reads
-them) run there with a per-document mask. While ``torch.compile`` traces or a CUDA graph
-captures, nothing is read on the host: a mask goes to torch SDPA, which reads it at replay.
+them) run on the varlen op, each document attending to itself, in one call; where the kernel
+cannot run them (the reasons above, an ``attention_mask`` given with them, packed
+``position_ids`` while tracing or capturing) they run on that fallback with a per-document mask.
+While ``torch.compile`` traces or a CUDA graph captures, nothing is read on the host: a mask
+goes to torch SDPA, which reads it at replay.
 Inputs that require grad (training) run on the kernel, whose backward is registered with
 autograd.
 """
@@ -52,11 +55,11 @@ import logging
 import math
 import numbers
 import threading
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import _masks, _ops, _rules
+from .. import _masks, _ops, _packing, _rules
 from ..sdpa import is_strict
 
 __all__ = [
@@ -381,7 +384,7 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
         return None, "decode (q_len == 1) is configured to use torch SDPA"
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
             or sliding_window < 1:
-        sliding_window = None  # not a window (the flash path rejects it in _explicit_mask)
+        sliding_window = None  # not a window (the flash path rejects it: _window_kwarg)
     if attention_mask is None and flash_semantics and sliding_window is not None \
             and kv_len > sliding_window:
         if is_causal is None:
@@ -415,31 +418,78 @@ def _is_causal(module, is_causal) -> bool:
     return bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
 
 
-def _cu_seq_lens(kwargs: dict, query, key) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(cu_q, cu_k)`` int64 on the query's device, or ``(None, None)`` when not packed."""
+def _window_kwarg(kwargs: dict) -> Optional[int]:
+    """transformers' ``sliding_window``: a positive int or None (anything else raises)."""
+    window = kwargs.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"flash_attention_sm75: sliding_window must be a positive int or None, "
+                         f"got {window!r}")
+    return window
+
+
+class _Packing(NamedTuple):
+    """How a call packs documents into its (flattened) tokens.
+
+    ``cu_q`` / ``cu_k``: int64 offsets on the query's device (``cu_seq_lens_q/k``, the batch
+    rows concatenated), or ``pos``: the 1-D positions of one row (restarting ``position_ids``).
+    ``max_q`` / ``max_k``: the longest document, a host int, where known without a host read
+    (transformers' ``max_length_q/k``; for ``position_ids``, from the one cached host read),
+    else None. ``cu_varlen``: the int32 offsets the varlen op takes, where known (position_ids:
+    built on the device from the same read), else None (``cu_seq_lens``: converted when used).
+    """
+
+    source: str
+    cu_q: Optional[torch.Tensor] = None
+    cu_k: Optional[torch.Tensor] = None
+    pos: Optional[torch.Tensor] = None
+    max_q: Optional[int] = None
+    max_k: Optional[int] = None
+    cu_varlen: Optional[torch.Tensor] = None
+
+
+def _max_length(value) -> Optional[int]:
+    """transformers' ``max_length_q/k`` as a host int, or None (a tensor or a SymInt is not read:
+    that would be a host synchronisation)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def _cu_seq_lens(kwargs: dict, query, key) -> Optional[_Packing]:
+    """The packing given by ``cu_seq_lens_q/k`` (offsets converted to int64 on the query's
+    device), or None when neither is given. Raises ``ValueError`` for malformed ones."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
-        return None, None
+        return None
     for name, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
         if cu is not None and not (isinstance(cu, torch.Tensor) and cu.dim() == 1
                                    and not cu.dtype.is_floating_point and cu.numel() >= 1):
             raise ValueError(f"flash_attention_sm75: {name} must be a 1-D integer tensor of "
                              f"cumulative sequence lengths starting at 0, got {cu!r}")
+    max_q, max_k = (_max_length(kwargs.get("max_length_q")),
+                    _max_length(kwargs.get("max_length_k")))
     # One of the two alone describes both (self-attention over the same packed tokens).
-    cu_q = cu_k if cu_q is None else cu_q
-    cu_k = cu_q if cu_k is None else cu_k
+    if cu_q is None:
+        cu_q, max_q = cu_k, max_k
+    if cu_k is None:
+        cu_k, max_k = cu_q, max_q
     dev = query.device
-    return cu_q.to(device=dev, dtype=torch.int64), cu_k.to(device=dev, dtype=torch.int64)
+    return _Packing("cu_seq_lens_q/k", cu_q=cu_q.to(device=dev, dtype=torch.int64),
+                    cu_k=cu_k.to(device=dev, dtype=torch.int64), max_q=max_q, max_k=max_k)
 
 
-def _packed_position_ids(kwargs: dict, query, key, attention_mask) -> Optional[torch.Tensor]:
-    """``position_ids`` (1-D, on the query's device) when they pack several sequences in a row.
+def _packed_position_ids(kwargs: dict, query, key) -> Optional[_Packing]:
+    """The packing given by ``position_ids`` of one batch row that restart, or None.
 
     transformers' FlashAttention rule (``_is_packed_sequence``): one batch row, more than one
     query, and positions that restart: a new sequence begins wherever the position equals the
-    row's minimum. Read on the host once per ``position_ids`` object (transformers passes one
-    tensor to every layer); while tracing or capturing, where nothing may be read, any such
-    row is treated as packed (the documents mask then equals the plain one if it is not).
+    row's minimum (tokens before the first such position form a document of their own). Read
+    on the host once per ``position_ids`` object (transformers passes one tensor to every
+    layer): whether it packs, and the number and longest length of its documents, with which
+    the varlen op's offsets are built on the device (cached with the answer). While tracing or
+    capturing, where nothing may be read, any such row is treated as packed, without offsets
+    (the documents mask then equals the plain one if it is not).
     """
     pos = kwargs.get("position_ids")
     b, _, q_len, _ = query.shape
@@ -447,15 +497,29 @@ def _packed_position_ids(kwargs: dict, query, key, attention_mask) -> Optional[t
             and pos.dim() in (1, 2) and pos.shape[-1] == q_len and pos.numel() == q_len
             and not pos.dtype.is_floating_point):
         return None
+    source = "position_ids restart within a row"
     pos = pos.reshape(-1).to(query.device)
     if not _host_reads_allowed(pos):
-        return pos
-    hit = _POSITION_IDS_CACHE.get(kwargs["position_ids"], ())
+        return _Packing(source, pos=pos)
+    extra = (query.device,)
+    hit = _POSITION_IDS_CACHE.get(kwargs["position_ids"], extra)
     if hit is None:
-        starts = pos == pos.min()
-        hit = (bool((starts[1:].any() | ~starts[0]).item()),)
-        _POSITION_IDS_CACHE.put(kwargs["position_ids"], (), hit)
-    return pos if hit[0] else None
+        idx = torch.arange(q_len, device=pos.device)
+        restarts = pos == pos.min()
+        starts = restarts | (idx == 0)  # the first token begins a document in any case
+        first = torch.cummax(torch.where(starts, idx, 0), 0).values
+        packed, n_docs, longest = torch.stack([
+            restarts[1:].any() | ~restarts[0], starts.sum(), (idx - first).max() + 1]).tolist()
+        cu = None
+        if packed:  # the starts in order, then q_len: no host read (n_docs is known)
+            begin = torch.sort(torch.where(starts, idx, q_len)).values[:n_docs]
+            cu = torch.cat([begin, idx.new_full((1,), q_len)]).to(torch.int32)
+        hit = (bool(packed), cu, int(longest))
+        _POSITION_IDS_CACHE.put(kwargs["position_ids"], extra, hit)
+    packed, cu, longest = hit
+    if not packed:
+        return None
+    return _Packing(source, pos=pos, max_q=longest, max_k=longest, cu_varlen=cu)
 
 
 def _documents_mask(doc_q, doc_k, rel_q, rel_k, offset, causal: bool,
@@ -473,36 +537,17 @@ def _documents_mask(doc_q, doc_k, rel_q, rel_k, offset, causal: bool,
     return visible[None, None]
 
 
-def _explicit_mask(module, query, key, attention_mask, bound, kwargs) -> Tuple[
-        Optional[torch.Tensor], Optional[str]]:
-    """A mask stating what transformers' FlashAttention path computes but no mask says.
-
-    Returns ``(mask, reason)`` for calls whose result depends on arguments that the SDPA-style
-    mask does not carry: packed sequences (``cu_seq_lens_q/k``, or ``position_ids`` that
-    restart in one row) and a sliding window that the missing mask would not apply. ``mask``
-    is boolean, on the device, built without host reads (capture and compile safe), in the
-    flattened token layout for ``cu_seq_lens`` (batch rows concatenated), AND-ed with
-    ``attention_mask``. ``(None, None)`` for every other call.
-    """
+def _explicit_mask(packing: _Packing, query, key, attention_mask, causal: bool,
+                   window: Optional[int]) -> torch.Tensor:
+    """The mask stating what transformers' FlashAttention path computes for a packed call, for
+    torch SDPA (the fallback): boolean, on the device, built without host reads (capture and
+    compile safe), in the flattened token layout for ``cu_seq_lens`` (batch rows concatenated),
+    AND-ed with ``attention_mask``."""
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    window = kwargs.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
-        raise ValueError(f"flash_attention_sm75: sliding_window must be a positive int or None, "
-                         f"got {window!r}")
-    # The mask transformers builds carries causality and the window; without one, they come
-    # from is_causal / module.is_causal and sliding_window, as in transformers' FlashAttention.
-    no_mask = attention_mask is None
-    causal = no_mask and _is_causal(module, bound["is_causal"]) and q_len > 1
-    window = window if no_mask else None
     dev = query.device
-
-    cu_q, cu_k = _cu_seq_lens(kwargs, query, key)
-    if cu_q is not None:
-        if b > 1 and not no_mask:
-            raise ValueError("flash_attention_sm75: cu_seq_lens_q/k with a batch of more than one "
-                             "row and an attention_mask: pass the packed tokens as one row")
+    if packing.cu_q is not None:
+        cu_q, cu_k = packing.cu_q, packing.cu_k
         t_q, t_k = b * q_len, b * kv_len
         iq = torch.arange(t_q, device=dev)
         ik = torch.arange(t_k, device=dev)
@@ -523,28 +568,126 @@ def _explicit_mask(module, query, key, attention_mask, bound, kwargs) -> Tuple[
         else:
             offset = torch.zeros_like(rel_q)
         mask = _documents_mask(doc_q, doc_k, rel_q, rel_k, offset, causal, window)
-        reason = "packed sequences (cu_seq_lens_q/k): no varlen kernel yet, per-document mask"
     else:
-        pos = _packed_position_ids(kwargs, query, key, attention_mask)
-        if pos is not None:
-            starts = pos == pos.min()
-            doc = torch.cumsum(starts.to(torch.int64), 0)
-            idx = torch.arange(q_len, device=dev)
-            # Index of the first token of each token's document (0 before the first start).
-            first = torch.cummax(torch.where(starts, idx, 0), 0).values
-            rel = idx - first
-            mask = _documents_mask(doc, doc, rel, rel, torch.zeros_like(rel), causal, window)
-            reason = ("packed sequences (position_ids restart within a row): no varlen kernel "
-                      "yet, per-document mask")
-        else:  # a window without a mask runs on the kernel (_plan)
-            return None, None
-    if not no_mask:
+        pos = packing.pos
+        starts = pos == pos.min()
+        doc = torch.cumsum(starts.to(torch.int64), 0)
+        idx = torch.arange(q_len, device=dev)
+        # Index of the first token of each token's document (0 before the first start).
+        first = torch.cummax(torch.where(starts, idx, 0), 0).values
+        rel = idx - first
+        mask = _documents_mask(doc, doc, rel, rel, torch.zeros_like(rel), causal, window)
+    if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             mask = mask & attention_mask
         else:
             mask = torch.where(mask, attention_mask,
                                torch.finfo(attention_mask.dtype).min).to(attention_mask.dtype)
-    return mask, reason
+    return mask
+
+
+class _VarlenPlan(NamedTuple):
+    """The varlen op's arguments for a packed call (flattened tokens)."""
+
+    cu_q: torch.Tensor  # int32 on the query's device
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+    window_size: Tuple[int, int]
+
+
+def _plan_varlen(packing: _Packing, query, key, attention_mask, causal: bool,
+                 window: Optional[int]) -> "Tuple[Optional[_VarlenPlan], Optional[str]]":
+    """Map a packed call onto the varlen op, or return the reason it cannot run there. Checks
+    ``cu_seq_lens_q/k`` on the device (``ValueError`` on the CPU, a device-side assertion on
+    CUDA) against the tokens and the longest document (``max_length_q/k`` when transformers
+    passes them as ints, else the number of tokens, which bounds every document)."""
+    if attention_mask is not None:
+        return None, "an attention_mask with packed sequences (applied on torch SDPA)"
+    if not _ops.VARLEN_AVAILABLE:
+        return None, ("the compiled extension has no varlen op (built from older sources; "
+                      "rebuild it)")
+    b, _, q_len, _ = query.shape
+    t_q, t_k = b * q_len, b * key.shape[2]
+    if packing.cu_q is not None:
+        if packing.cu_q.shape != packing.cu_k.shape:
+            return None, (f"cu_seq_lens_q and cu_seq_lens_k hold different numbers of documents "
+                          f"({packing.cu_q.numel() - 1} and {packing.cu_k.numel() - 1})")
+        max_q = t_q if packing.max_q is None else packing.max_q
+        max_k = t_k if packing.max_k is None else packing.max_k
+        _packing.check_cu_seqlens(packing.cu_q, t_q, max_q, "cu_seq_lens_q")
+        _packing.check_cu_seqlens(packing.cu_k, t_k, max_k, "cu_seq_lens_k")
+        cu_q = packing.cu_q.to(torch.int32)
+        cu_k = cu_q if packing.cu_k is packing.cu_q else packing.cu_k.to(torch.int32)
+    else:
+        if packing.cu_varlen is None:
+            return None, ("packed position_ids while torch.compile traces or a CUDA graph "
+                          "captures (the documents are read on the host)")
+        cu_q = cu_k = packing.cu_varlen
+        max_q = max_k = packing.max_q
+    # transformers' FlashAttention window: (sliding_window - 1) keys on each side (causal: the
+    # right side is the diagonal), per document.
+    w = (-1, -1) if window is None else (window - 1, window - 1)
+    return _VarlenPlan(cu_q, cu_k, max_q, max_k, causal, w), None
+
+
+def _run_varlen(query, key, value, scaling, plan: _VarlenPlan, softcap: float = 0.0):
+    """The varlen op on the flattened tokens of BHSD ``query``, ``key``, ``value``; returns
+    ``(B, q_len, H, D)``."""
+    b, h, q_len, d = query.shape
+    kv_len, h_k = key.shape[2], key.shape[1]
+    q = _bshd_for_kernel(query).reshape(b * q_len, h, d)
+    k = _bshd_for_kernel(key).reshape(b * kv_len, h_k, d)
+    v = _bshd_for_kernel(value).reshape(b * kv_len, h_k, d)
+    scale = None if scaling is None else float(scaling)
+    out, _ = _ops.call_varlen_fwd(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale,
+                                  plan.causal, None, *plan.window_size, softcap)
+    return out.view(b, q_len, h, d)
+
+
+def _packed_attention(fallback, module, query, key, value, attention_mask, bound, kwargs,
+                      softcap: float):
+    """A packed call (``cu_seq_lens_q/k``, or restarting ``position_ids``) with transformers'
+    FlashAttention semantics: each document attends to itself (bottom-right causal and the
+    window within it). On the varlen op when the call allows it, else on ``fallback`` with the
+    per-document mask (:func:`_explicit_mask`). None when the call is not packed."""
+    window = _window_kwarg(kwargs)
+    b = query.shape[0]
+    packing = _cu_seq_lens(kwargs, query, key)
+    if packing is not None:
+        if b > 1 and attention_mask is not None:
+            raise ValueError("flash_attention_sm75: cu_seq_lens_q/k with a batch of more than one "
+                             "row and an attention_mask: pass the packed tokens as one row")
+    else:
+        packing = _packed_position_ids(kwargs, query, key)
+        if packing is None:
+            return None
+    # The mask transformers builds carries causality and the window; without one, they come
+    # from is_causal / module.is_causal and sliding_window, as in transformers' FlashAttention.
+    no_mask = attention_mask is None
+    causal = no_mask and _is_causal(module, bound["is_causal"]) and query.shape[2] > 1
+    window = window if no_mask else None
+    reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
+                                 softcap)
+    plan = None
+    if reason is None:
+        plan, reason = _plan_varlen(packing, query, key, attention_mask, causal, window)
+    if reason is None:
+        if torch.compiler.is_compiling():  # no try/except on a traced path; the op checks
+            _count_kernel(query.shape[2])
+            return _run_varlen(query, key, value, bound["scaling"], plan, softcap), None
+        try:
+            out = _run_varlen(query, key, value, bound["scaling"], plan, softcap)
+        except ValueError as e:  # the op's input validation (contract: ValueError)
+            reason = f"kernel rejected the inputs: {e}"
+        else:
+            _count_kernel(query.shape[2])
+            return out, None
+    mask = _explicit_mask(packing, query, key, attention_mask, causal, window)
+    _fall_back(f"packed sequences ({packing.source}) on torch SDPA with a per-document mask: "
+               f"{reason}")
+    return _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs)
 
 
 def _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs):
@@ -614,10 +757,10 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
     if softcap:
         fallback = _softcap_sdpa_forward
     if flash_semantics:
-        mask, reason = _explicit_mask(module, query, key, attention_mask, bound, kwargs)
-        if mask is not None:
-            _fall_back(reason)
-            return _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs)
+        packed = _packed_attention(fallback, module, query, key, value, attention_mask, bound,
+                                   kwargs, softcap)
+        if packed is not None:
+            return packed
     reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
                                  softcap)
     info = None
@@ -677,8 +820,18 @@ def flash_attention_sm75_forward(
           size hints): packed sequences, as transformers' FlashAttention path reads them; and
           ``position_ids`` of one batch row that restart (a new sequence wherever the position
           equals the row's minimum). Each sequence attends only to itself (bottom-right causal
-          within it when causal). Until a varlen kernel exists these run on torch SDPA with a
-          per-document mask built on the device;
+          within it when causal, and the ``sliding_window`` within it without a mask). These run
+          on the varlen op over the flattened tokens, one call: ``cu_seq_lens`` as given
+          (checked on the device against the tokens and ``max_length_q/k`` when those are ints:
+          a ``ValueError`` on the CPU, a device-side assertion on CUDA; without them the number
+          of tokens bounds the documents, at some cost in idle thread blocks), restarting
+          ``position_ids`` through offsets built on the device after one host read per
+          ``position_ids`` object (shared by the layers). They run on the fallback with a
+          per-document mask built on the device when the kernel cannot run the call (any reason
+          of this list), with an ``attention_mask`` (AND-ed into the documents mask), with
+          ``cu_seq_lens_q`` and ``cu_seq_lens_k`` of different lengths, and for packed
+          ``position_ids`` while torch.compile traces or a CUDA graph captures (nothing is read
+          on the host there);
         * ``sliding_window``: carried by transformers' mask (a causal, padded or static-cache
           mask whose rows see only the last ``sliding_window`` keys runs on the kernel's
           window); without a mask, a window shorter than the keys runs on the kernel with
@@ -713,8 +866,9 @@ def flash_attention_sm75_forward(
     reason at DEBUG on the ``"flash_attention_sm75"`` logger and counting it in
     :func:`get_stats`. In strict mode (:func:`flash_attention_sm75.set_strict`) they raise
     ``ValueError`` instead. Rows of queries that see no key (left padding) are 0 on the kernel
-    path. While ``torch.compile`` traces or a CUDA graph captures, nothing is read on the host:
-    masks and packed ``position_ids`` go to torch SDPA, which reads them at every replay.
+    path, as are tokens in no document of ``cu_seq_lens``. While ``torch.compile`` traces or a
+    CUDA graph captures, nothing is read on the host: masks and packed ``position_ids`` go to
+    torch SDPA, which reads them at every replay (``cu_seq_lens`` run on the varlen op there).
 
     Raises
     ------
@@ -723,7 +877,9 @@ def flash_attention_sm75_forward(
         call falls back and ``FLASH_ATTENTION_SM75_STRICT`` holds an unrecognised value; for
         ``s_aux`` / ``sinks`` (learned attention sinks, gpt-oss), which neither the kernel nor
         the SDPA fallback implements; for a ``softcap`` that is not ``None`` or a finite number
-        > 0; for malformed ``cu_seq_lens_q/k`` or ``sliding_window``.
+        > 0; for malformed ``cu_seq_lens_q/k`` or ``sliding_window`` (on the varlen op's path,
+        ``cu_seq_lens`` whose offsets decrease, leave the tokens or exceed ``max_length_q/k``:
+        on the CPU; on CUDA a device-side assertion).
     """
     for name, what in (("s_aux", "learned attention sinks"), ("sinks", "learned attention sinks")):
         if kwargs.get(name) is not None:
