@@ -148,28 +148,42 @@ def assert_lse_exact(lse, ref, what="lse", atol=1e-7):
 
 
 def varlen_attention_ref(q, k, v, cu_q, cu_k, causal, *, softmax_scale=None, window=(-1, -1),
-                         softcap=0.0, alibi_slopes=None):
-    """Packed (varlen) attention per sequence in float64, flash-attn's per-sequence definition
-    (bottom-right causal, window and ALiBi distances within each sequence): ``(out (total_q, H,
-    D), lse (H, total_q))``; a sequence without keys gives 0 and ``-inf``. ``alibi_slopes``:
-    (H,) or (batch, H)."""
+                         softcap=0.0, alibi_slopes=None, seqused_k=None, upcast=True,
+                         reorder_ops=False):
+    """Packed (varlen) attention per sequence, flash-attn's per-sequence definition (bottom-right
+    causal, window and ALiBi distances within each sequence): ``(out (total_q, H, D), lse (H,
+    total_q))`` for the tokens ``cu_q[0]:cu_q[-1]``; a sequence without keys gives 0 and
+    ``-inf``. ``alibi_slopes``: (H,) or (batch, H). ``seqused_k`` (batch,): only the first
+    ``seqused_k[b]`` keys of sequence b exist (its length for the alignment too), as in
+    flash-attn. ``upcast`` / ``reorder_ops``: as :func:`attention_ref` (float64 by default; the
+    "PyTorch fp16" baseline with ``upcast=False, reorder_ops=True``)."""
+    out_dtype = torch.float64 if upcast else q.dtype
+    lse_dtype = torch.float64 if upcast else torch.float32
     outs, lses = [], []
     for b in range(cu_q.shape[0] - 1):
         qs = q[cu_q[b]:cu_q[b + 1]].unsqueeze(0)
-        ks, vs = k[cu_k[b]:cu_k[b + 1]].unsqueeze(0), v[cu_k[b]:cu_k[b + 1]].unsqueeze(0)
+        k_end = int(cu_k[b + 1])
+        if seqused_k is not None:
+            k_end = min(k_end, int(cu_k[b]) + int(seqused_k[b]))
+        ks, vs = k[cu_k[b]:k_end].unsqueeze(0), v[cu_k[b]:k_end].unsqueeze(0)
         if qs.shape[1] == 0:
             continue
         if ks.shape[1] == 0:  # no keys: zeros and -inf (attention_ref needs one key column)
-            outs.append(torch.zeros(qs.shape[1:], dtype=torch.float64))
-            lses.append(torch.full((qs.shape[2], qs.shape[1]), -math.inf, dtype=torch.float64))
+            outs.append(torch.zeros(qs.shape[1:], dtype=out_dtype, device=q.device))
+            lses.append(torch.full((qs.shape[2], qs.shape[1]), -math.inf, dtype=lse_dtype,
+                                   device=q.device))
             continue
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]
         o, lse = attention_ref(qs, ks, vs, causal=causal, softmax_scale=softmax_scale,
-                               window_size=window, softcap=softcap, alibi_slopes=slopes)
+                               window_size=window, softcap=softcap, alibi_slopes=slopes,
+                               upcast=upcast, reorder_ops=reorder_ops)
         outs.append(o[0])
         lses.append(lse[0])
+    if not outs:
+        return (torch.zeros((0,) + tuple(q.shape[1:]), dtype=out_dtype, device=q.device),
+                torch.zeros((q.shape[1], 0), dtype=lse_dtype, device=q.device))
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
