@@ -1,36 +1,27 @@
-"""Packed (varlen) sequences: the device-side check of ``cu_seqlens`` that every varlen call
-makes (:func:`check_cu_seqlens`), and packed <-> the op's padded BSHD batches, with device-side
-indices, for the calls the varlen op does not serve (paged ``block_table`` keys).
+"""Device-side helpers of the varlen and KV-cache doors (``fa2.py``): checks of packed-sequence
+metadata and page tables, and the rows that gather a paged cache.
 
-The varlen op (``torch.ops.flash_attention_sm75.varlen_fwd``) takes the packed tokens as they
-are; the rest of this module is for the padded op. The padded op (docs/CONTRACT.md) takes
-padded ``(batch, seqlen, heads, head_dim)`` tensors, a key range
-``[leftpad_k[b], seqused_k[b])`` per batch entry and ONE causal offset for the whole call
-(key ``j`` is visible to query row ``r`` iff ``j <= r + seqlen_k - seqlen_q``). flash-attn's
-varlen functions want bottom-right causal masking *per sequence*: query ``i`` of sequence ``b``
-sees key ``j`` iff ``j <= i + len_k[b] - len_q[b]``. Both agree when every sequence is
-**right-aligned** in its padded row: queries of sequence ``b`` at rows ``[Mq - len_q[b], Mq)``,
-keys at rows ``[Mk - len_k[b], Mk)``, ``leftpad_k[b] = Mk - len_k[b]``, ``seqused_k[b] = Mk``
-(``Mq``, ``Mk``: the padded lengths). Row ``r = Mq - len_q + i`` then sees key row
-``Mk - len_k + j`` iff ``j <= i + len_k - len_q``: flash-attn's rule, exactly.
+* :func:`check_cu_seqlens`: the check every varlen call makes before the varlen op
+  (``torch.ops.flash_attention_sm75.varlen_fwd``, which takes the packed tokens as they are and
+  reads ``cu_seqlens`` without checking them against ``max_seqlen``): offsets non-decreasing,
+  inside the packed tensor, no sequence longer than the ``max_seqlen`` passed;
+* :func:`check_block_table` / :func:`paged_rows`: paged keys (``block_table``), gathered into
+  rows for the varlen op (``flash_attn_varlen_func``: one stretch of ``max_seqlen_k`` rows per
+  sequence, its length as ``seqused_k``) and into (right-aligned) padded rows for the padded op
+  (``flash_attn_with_kvcache``).
 
-Everything here is built on the device from ``cu_seqlens`` (no ``.item()``, no host
-synchronisation); the padded lengths are the host integers the caller passes
-(``max_seqlen_q`` / ``max_seqlen_k``). Invalid ``cu_seqlens`` (a length above the declared
-maximum, decreasing offsets, offsets past the packed tensor) are caught by a device-side check
-(:func:`check_on_device`): ``ValueError`` on the CPU, a device-side assertion on CUDA
-(``RuntimeError`` on the CPU in compiled graphs), never a silently wrong result. Packing uses
-out-of-place ``index_put`` and unpacking advanced indexing, so autograd differentiates both (their backward passes are gathers and scatters with one source
-per destination: exact, and deterministic in value).
+Everything here is built on the device (no ``.item()``, no host synchronisation); the sizes are
+the host integers the caller passes. Invalid values (a length above the declared maximum,
+decreasing offsets, offsets past the packed tensor, a block index outside the cache) are caught
+by a device-side check (:func:`check_on_device`): ``ValueError`` on the CPU, a device-side
+assertion on CUDA (``RuntimeError`` on the CPU in compiled graphs), never a silently wrong
+result.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-__all__ = ["SeqLayout", "check_block_table", "check_cu_seqlens", "check_on_device", "pack", "paged_rows", "seq_layout",
-           "unpack"]
+__all__ = ["check_block_table", "check_cu_seqlens", "check_on_device", "paged_rows"]
 
 
 def check_on_device(ok: torch.Tensor, message: str) -> None:
@@ -54,21 +45,6 @@ def check_on_device(ok: torch.Tensor, message: str) -> None:
         raise ValueError(message)
 
 
-class SeqLayout(NamedTuple):
-    """Where each packed token goes in the right-aligned padded batch.
-
-    ``dst[t]`` is the row of token ``t`` in the flattened ``(batch * max_seqlen)`` padded
-    tensor, or ``batch * max_seqlen`` (a dummy row, dropped) for a token that belongs to no
-    sequence (before ``cu_seqlens[0]`` or from ``cu_seqlens[-1]`` on); ``valid[t]`` says which.
-    ``lengths[b]`` (int64) is the length of sequence ``b``."""
-
-    dst: torch.Tensor
-    valid: torch.Tensor
-    lengths: torch.Tensor
-    batch: int
-    max_seqlen: int
-
-
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int,
                      name: str) -> torch.Tensor:
     """Check on the device (:func:`check_on_device`) that ``cu_seqlens`` (int, ``(batch + 1,)``)
@@ -86,48 +62,6 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int,
         f"ending at <= the number of packed tokens ({total}), with no sequence longer than "
         f"the max_seqlen passed ({max_seqlen})"))
     return lengths
-
-
-def seq_layout(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name: str) -> SeqLayout:
-    """The :class:`SeqLayout` of ``total`` packed tokens split by ``cu_seqlens`` (int32,
-    ``(batch + 1,)``) into right-aligned rows of ``max_seqlen``; ``name`` is how error messages
-    call ``cu_seqlens``. Checks them on the device first (:func:`check_cu_seqlens`)."""
-    batch = cu_seqlens.shape[0] - 1
-    lengths = check_cu_seqlens(cu_seqlens, total, max_seqlen, name)
-    cu = cu_seqlens.to(torch.int64)
-    t = torch.arange(total, device=cu.device)
-    seq = torch.searchsorted(cu[1:].contiguous(), t, right=True)  # sequence of token t; batch: none
-    valid = (seq < batch) & (t >= cu[0])
-    end = cu[(seq + 1).clamp(max=batch)]
-    # token t of sequence s, which ends at `end`, goes to row s * M + (M - (end - t))
-    dst = torch.where(valid, (seq + 1) * max_seqlen - end + t,
-                      torch.full_like(t, batch * max_seqlen))
-    return SeqLayout(dst, valid, lengths, batch, max_seqlen)
-
-
-def pack(x: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-    """Packed ``(total, *rest)`` -> right-aligned padded ``(batch, max_seqlen, *rest)``, zeros in
-    the padding (differentiable: the gradient of ``x`` is gathered back)."""
-    rows = layout.batch * layout.max_seqlen
-    buf = x.new_zeros((rows + 1,) + tuple(x.shape[1:]))
-    buf = buf.index_put((layout.dst,), x)
-    return buf[:rows].view((layout.batch, layout.max_seqlen) + tuple(x.shape[1:]))
-
-
-def unpack(padded: torch.Tensor, layout: SeqLayout, fill: float = 0.0, dim: int = 0) -> torch.Tensor:
-    """The inverse of :func:`pack` along dimension ``dim`` of ``padded`` (which holds the
-    flattened ``batch * max_seqlen`` rows there): the packed rows, ``fill`` for tokens of no
-    sequence."""
-    rows = layout.batch * layout.max_seqlen
-    shape = list(padded.shape)
-    shape[dim] = layout.dst.shape[0]
-    if rows == 0:
-        return padded.new_full(shape, fill)
-    idx = layout.dst.clamp(max=rows - 1)
-    picked = padded[(slice(None),) * dim + (idx,)]
-    keep = layout.valid.view((-1,) + (1,) * (padded.dim() - dim - 1))
-    return torch.where(keep, picked, torch.full((), fill, dtype=picked.dtype,
-                                                device=picked.device))
 
 
 def check_block_table(block_table: torch.Tensor, lengths: torch.Tensor, page_size: int,

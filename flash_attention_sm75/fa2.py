@@ -417,25 +417,24 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         _check_block_table(block_table, batch, q)
         if k.shape[0] == 0:
             raise ValueError(f"{PREFIX}k must hold at least one block with block_table")
-    else:
-        _ops.require_varlen()
+    _ops.require_varlen()
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
+    k4, v4 = (kp[:1], vp[:1]) if paged else (kp.unsqueeze(0), vp.unsqueeze(0))
+    _require_valid(qp.unsqueeze(0), k4, v4, scale)
+    # The op reads cu_seqlens as given: a sequence longer than max_seqlen_* must be caught
+    # before it runs, on the device (no host synchronisation).
+    _packing.check_cu_seqlens(cu_q, q.shape[0], max_q, "cu_seqlens_q")
+    seqused = None
     if paged:
-        _require_valid(qp.unsqueeze(0), kp[:1], vp[:1], scale)
-        out, lse = _varlen_paged(qp, kp, vp, cu_q, cu_k, max_q, max_k, scale, causal, window,
-                                 cap, alibi_slopes, deterministic, block_table, k.shape[1])
+        kp, vp, cu_k, seqused = _gather_pages(kp, vp, cu_k, max_k, block_table)
     else:
-        _require_valid(qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), scale)
-        # The op reads cu_seqlens as given: a sequence longer than max_seqlen_* must be caught
-        # before it runs, on the device (no host synchronisation).
-        _packing.check_cu_seqlens(cu_q, q.shape[0], max_q, "cu_seqlens_q")
         _packing.check_cu_seqlens(cu_k, k.shape[0], max_k, "cu_seqlens_k")
-        out, lse = _ops.call_varlen_fwd(
-            _aligned(qp), _aligned(kp), _aligned(vp), cu_q, cu_k, max_q, max_k,
-            None if scale is None else float(scale), causal, None, *window, cap, alibi_slopes,
-            deterministic=deterministic)
+    out, lse = _ops.call_varlen_fwd(
+        _aligned(qp), _aligned(kp), _aligned(vp), cu_q, cu_k, max_q, max_k,
+        None if scale is None else float(scale), causal, seqused, *window, cap, alibi_slopes,
+        deterministic=deterministic)
     if padded:
         out = out[..., :d]
     if not return_attn_probs:
@@ -443,44 +442,30 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     return out, lse, _attn_probs_placeholder(q)
 
 
-def _varlen_paged(qp, kp, vp, cu_q, cu_k, max_q: int, max_k: int, scale, causal, window, cap,
-                  alibi_slopes, deterministic, block_table, page: int):
-    """Varlen with paged keys (``block_table``), which the varlen op does not take: the
-    sequences are scattered into right-aligned padded batches (``_packing``) for the padded op,
-    with per-sequence key ranges (one op call per sequence with ALiBi, see
-    :func:`_run_per_sequence`). Returns flash-attn's packed ``(out, lse (nheads, total_q))``."""
-    batch = cu_q.shape[0] - 1
-    lay_q = _packing.seq_layout(cu_q, qp.shape[0], max_q, "cu_seqlens_q")
-    q_pad = _packing.pack(qp, lay_q)
+def _gather_pages(k, v, cu_k, max_k: int, block_table):
+    """Paged keys (``block_table``) as the varlen op's packed keys: sequence ``b``'s pages
+    gathered into rows ``[b * max_k, (b + 1) * max_k)`` of a ``(batch * max_k, nheads_k,
+    headdim)`` copy, of which ``seqused_k[b]`` (its length from ``cu_seqlens_k``) are attended.
+    Returns ``(k, v, cu_seqlens_k, seqused_k)`` for the op. The lengths and the used pages'
+    entries are checked on the device first."""
+    batch = block_table.shape[0]
+    page = k.shape[1]
     cu = cu_k.to(torch.int64)
     len_k = cu[1:] - cu[:-1]
     _packing.check_on_device(
         ((len_k >= 0) & (len_k <= max_k) & (len_k <= block_table.shape[1] * page)).all(),
         f"flash_attention_sm75: cu_seqlens_k must give lengths in [0, max_seqlen_k = "
         f"{max_k}] that fit the block_table's {block_table.shape[1]} pages of {page}")
+    rows = (batch * max_k,) + tuple(k.shape[2:])
     if block_table.shape[1] == 0:  # no pages: every sequence is empty (checked above)
-        k_pad = kp.new_zeros((batch, max_k) + tuple(kp.shape[2:]))
-        v_pad = vp.new_zeros((batch, max_k) + tuple(vp.shape[2:]))
+        kg, vg = k.new_zeros(rows), v.new_zeros(rows)
     else:
-        _packing.check_block_table(block_table, len_k, page, kp.shape[0])
-        blk, off = _packing.paged_rows(block_table, page, max_k - len_k, max_k, kp.shape[0])
-        k_pad, v_pad = kp[blk, off], vp[blk, off]
-    leftpad = (max_k - len_k).to(torch.int32)
-    seqused = torch.full((batch,), max_k, dtype=torch.int32, device=qp.device)
-    # Right-aligned rows make the op's single bottom-right offset every sequence's own, for the
-    # causal diagonal and the window's edges alike. ALiBi is refused with key ranges by the op:
-    # one call per sequence then.
-    if alibi_slopes is None:
-        out_pad, lse_pad = _run(q_pad, k_pad, v_pad, scale, causal, leftpad, seqused, window,
-                                cap, deterministic=deterministic)
-    else:
-        out_pad, lse_pad = _run_per_sequence(q_pad, k_pad, v_pad, scale, causal, lay_q.lengths,
-                                             leftpad, seqused, window, cap, alibi_slopes,
-                                             deterministic)
-    out = _packing.unpack(out_pad.flatten(0, 1), lay_q)
-    # (batch, nheads, max_seqlen_q) -> flash-attn's packed (nheads, total_q)
-    lse = _packing.unpack(lse_pad.transpose(0, 1).flatten(1, 2), lay_q, float("-inf"), dim=1)
-    return out, lse
+        _packing.check_block_table(block_table, len_k, page, k.shape[0])
+        blk, off = _packing.paged_rows(block_table, page, torch.zeros_like(len_k), max_k,
+                                       k.shape[0])
+        kg, vg = k[blk, off].reshape(rows), v[blk, off].reshape(rows)
+    cu_kg = torch.arange(batch + 1, dtype=torch.int32, device=cu_k.device) * max_k
+    return kg, vg, cu_kg, len_k.to(torch.int32)
 
 
 def _check_block_table(block_table, batch: int, q: torch.Tensor) -> None:

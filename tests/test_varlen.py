@@ -261,18 +261,25 @@ def test_head_dims_not_a_multiple_of_8_are_padded_by_the_door():
         assert_grad_close(a, b, "d" + name)
 
 
-def test_alibi_runs_as_one_call_of_the_varlen_op(varlen_op_calls, op_calls):
+def test_alibi_and_paged_keys_run_as_one_call_of_the_varlen_op(varlen_op_calls, op_calls):
     # Before the varlen op: one padded-op call per sequence after a host read of the lengths.
     lens_q, lens_k = [3, 0, 4, 2], [5, 2, 4, 6]
     q, k, v, cu_q, cu_k = _case(lens_q, lens_k, 4, 2, 16, 46)
     slopes = _slopes("batch", 4, 4)
     fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 6, causal=True, alibi_slopes=slopes)
     assert len(varlen_op_calls) == 1 and op_calls == []
-    # paged keys (block_table) are the one varlen call still on the padded op
-    kp = k.new_zeros(4, 8, 2, 16)
-    table = torch.arange(4, dtype=I32).view(4, 1)
-    fa2.flash_attn_varlen_func(q, kp, kp, cu_q, cu_k, 4, 6, block_table=table)
-    assert len(varlen_op_calls) == 1 and len(op_calls) == 1
+    # paged keys (block_table) too: pages gathered, each sequence's length as seqused_k
+    kp, vp = k.new_zeros(4, 8, 2, 16), v.new_zeros(4, 8, 2, 16)
+    table = torch.tensor([[2], [0], [3], [1]], dtype=I32)
+    for b in range(4):
+        n = lens_k[b]
+        kp[table[b, 0], :n], vp[table[b, 0], :n] = k[cu_k[b]:cu_k[b] + n], v[cu_k[b]:cu_k[b] + n]
+    out = fa2.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 4, 6, causal=True,
+                                     alibi_slopes=slopes, block_table=table)
+    assert len(varlen_op_calls) == 2 and op_calls == []
+    assert varlen_op_calls[1][9].tolist() == lens_k  # seqused_k
+    ref, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, True, alibi_slopes=slopes)
+    assert_out_exact(out, ref)
 
 
 # ------------------------------------------------------------------------------- autograd
