@@ -16,9 +16,9 @@ have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and
 
 ``softcap`` (logit soft-capping, Gemma 2) and ``alibi_slopes`` (ALiBi) run on the kernels in
 every function, with flash-attn's semantics (``softcap <= 0`` is off; NaN or infinite raises
-``ValueError``); with the varlen functions and key-ranged ``flash_attn_with_kvcache`` calls,
-ALiBi runs one kernel call per sequence after one host read of the lengths (see
-:func:`flash_attn_varlen_func`).
+``ValueError``); the varlen functions run on the varlen op (one call, every option included);
+key-ranged ``flash_attn_with_kvcache`` calls with ALiBi run one kernel call per sequence after
+one host read of the lengths (see :func:`flash_attn_with_kvcache`).
 
 Invalid input (dtype, shapes, devices, head dims above 256, ...) raises ``ValueError`` naming
 the argument (the rulebook, ``_rules.py``). Differences from flash-attn, all documented in the
@@ -482,32 +482,33 @@ def _check_block_table(block_table, batch: int, q: torch.Tensor) -> None:
 _VARLEN_DOC = """
     Variable-length sequences packed along the first dimension: sequence ``b`` holds the
     tokens ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, ``(batch + 1,)``, on q's device; tokens
-    outside every sequence get output 0). ``max_seqlen_*`` is the longest sequence, a host int
-    (a 0-d integer tensor is read with one host synchronisation). Causal masking is bottom-right
-    per sequence: query ``i`` of a sequence sees key ``j`` iff ``j <= i + len_k - len_q``; empty
+    outside every sequence, before ``cu_seqlens[0]`` or from ``cu_seqlens[-1]`` on, get output 0,
+    LSE ``-inf`` and zero gradients). ``max_seqlen_*`` is the longest sequence, a host int (a 0-d
+    integer tensor is read with one host synchronisation). Causal masking is bottom-right per
+    sequence: query ``i`` of a sequence sees key ``j`` iff ``j <= i + len_k - len_q``; empty
     sequences are allowed, and a row that sees no key gives output 0 and LSE ``-inf``
     (flash-attn writes ``+inf``).
 
-    How it runs: the sequences are scattered into a right-aligned padded batch of
-    ``(batch, max_seqlen, heads, headdim)`` (indices built on the device from ``cu_seqlens``, no
-    host synchronisation) and the kernel runs that batch with per-sequence key ranges; the
-    output rows are gathered back. Cost: like a padded batch of the maximum lengths, plus a copy
-    of q, k, v and out. A sequence longer than ``max_seqlen_*`` or decreasing offsets are caught
-    on the device (``ValueError`` on the CPU, ``RuntimeError`` on the CPU in a torch.compile'd
-    graph, a device-side assertion on CUDA) instead of giving a wrong result.
+    How it runs: one call of the varlen op (``torch.ops.flash_attention_sm75.varlen_fwd``) on
+    the packed tokens as they are (any strides with a contiguous last dimension; a CUDA tensor
+    that the kernels' 16-byte loads cannot read is copied), with every option below; its
+    backward (``varlen_bwd``) gives the gradients of q, k, v in the same layout. No host
+    synchronisation, so ``torch.compile(fullgraph=True)`` and CUDA-graph capture work. A sequence
+    longer than ``max_seqlen_*``, decreasing offsets or offsets outside the packed tensor are
+    caught on the device before the op runs (``ValueError`` on the CPU, ``RuntimeError`` on the
+    CPU in a torch.compile'd graph, a device-side assertion on CUDA) instead of giving a wrong
+    result.
 
-    Returns ``out`` ``(total_q, nheads, headdim)``, or with ``return_attn_probs=True``
+    Returns ``out`` ``(total_q, nheads, headdim)`` float16, or with ``return_attn_probs=True``
     ``(out, softmax_lse, S_dmask)`` with ``softmax_lse`` float32 ``(nheads, total_q)``
-    (flash-attn's packed layout) and ``S_dmask`` the empty tensor flash-attn returns when
-    ``dropout_p == 0``. Gradients flow to q, k, v (and to the packed ``qkv`` / ``kv``).
-    ``window_size`` applies per sequence (bottom-right aligned), and so do ``softcap`` and
-    ``alibi_slopes`` (``(nheads,)`` or ``(batch, nheads)``, ``batch`` the number of sequences:
-    the distance of query ``i`` and key ``j`` of a sequence is ``|i + len_k - len_q - j|``).
-    With ``alibi_slopes`` the sequences run as one kernel call each (the op refuses ALiBi with
-    the per-sequence key ranges of the padded batch): the lengths are read on the host (one
-    synchronisation, so no ``torch.compile(fullgraph=True)`` and no CUDA-graph capture of such a
-    call) and the cost grows with the number of sequences. Unsupported options raise
-    :class:`UnsupportedFeatureError` as :func:`flash_attn_func` describes.
+    (flash-attn's packed layout; differentiable) and ``S_dmask`` the empty tensor flash-attn
+    returns when ``dropout_p == 0``. Gradients flow to q, k, v (and to the packed ``qkv`` /
+    ``kv``). ``window_size`` applies per sequence (bottom-right aligned), and so do ``softcap``
+    and ``alibi_slopes`` (``(nheads,)`` or ``(batch, nheads)``, ``batch`` the number of
+    sequences: the distance of query ``i`` and key ``j`` of a sequence is
+    ``|i + len_k - len_q - j|``). Invalid arguments (dtypes, shapes, devices, ``cu_seqlens``
+    not int32 or of different lengths, ...) raise ``ValueError`` naming them; unsupported
+    options raise :class:`UnsupportedFeatureError` as :func:`flash_attn_func` describes.
 """
 
 
@@ -585,9 +586,11 @@ def flash_attn_varlen_func(
     ``block_table`` (int32 ``(batch, max_num_blocks_per_seq)``): paged keys, ``k`` and ``v``
     of shape ``(num_blocks, page_block_size, nheads_k, headdim)`` (any page size), sequence
     ``b``'s key ``j`` in block ``block_table[b, j // page_block_size]``; its length is
-    ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``. The pages are gathered into the padded batch.
-    The entries of pages that hold keys must be in ``[0, num_blocks)`` (checked on the device
-    like ``cu_seqlens``); the others are not read for keys and may hold anything.
+    ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` (at most ``max_seqlen_k``). The pages are gathered
+    into a ``(batch * max_seqlen_k, nheads_k, headdim)`` copy for the varlen op (sequence ``b``
+    in rows ``[b * max_seqlen_k, (b + 1) * max_seqlen_k)``, its length passed as the op's
+    ``seqused_k``). The entries of pages that hold keys must be in ``[0, num_blocks)`` (checked
+    on the device like ``cu_seqlens``); the others are not read for keys and may hold anything.
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
