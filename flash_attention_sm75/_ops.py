@@ -233,16 +233,9 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
     require grad while grad mode is on (the op has no slope gradient; flash-attn's none either,
     and a silent zero would be wrong), before the op runs.
     """
-    op = torch.ops.flash_attention_sm75.fwd  # looked up per call: tests spy on this attribute
-    args = (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
-            window_size_left, window_size_right, softcap, alibi_slopes)
-    if _autograd_must_run(q, k, v, alibi_slopes):
-        if deterministic:
-            op = torch.ops.flash_attention_sm75.fwd_deterministic_bwd
-        return op(*args)
-    # No gradient can flow, so there is no backward for `deterministic` to reach.
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
+    return _call("fwd", (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
+                         seqused_k, window_size_left, window_size_right, softcap, alibi_slopes),
+                 deterministic)
 
 
 def call_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -261,15 +254,23 @@ def call_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     The op does not read ``cu_seqlens_*`` against ``max_seqlen_*`` (a longer sequence is
     undefined behaviour): callers check them first (``_packing.check_cu_seqlens``)."""
     require_varlen()
-    op = torch.ops.flash_attention_sm75.varlen_fwd  # per call, like call_fwd (spied on)
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            is_causal, seqused_k, window_size_left, window_size_right, softcap, alibi_slopes)
+    return _call("varlen_fwd", (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, is_causal, seqused_k, window_size_left,
+                                window_size_right, softcap, alibi_slopes), deterministic)
+
+
+def _call(name: str, args: tuple, deterministic: bool):
+    """``torch.ops.flash_attention_sm75.<name>(*args)`` (``fwd`` or ``varlen_fwd``; q, k, v
+    first, the slopes last) as :func:`call_fwd` describes: the checks first, then through the
+    autograd kernel (the twin ``<name>_deterministic_bwd`` for ``deterministic``) or below it.
+    The op is looked up per call: tests spy on the attribute."""
+    q, k, v, alibi_slopes = args[0], args[1], args[2], args[-1]
+    ns = torch.ops.flash_attention_sm75
     if _autograd_must_run(q, k, v, alibi_slopes):
-        if deterministic:
-            op = torch.ops.flash_attention_sm75.varlen_fwd_deterministic_bwd
-        return op(*args)
+        return getattr(ns, name + "_deterministic_bwd" if deterministic else name)(*args)
+    # No gradient can flow, so there is no backward for `deterministic` to reach.
     with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
+        return getattr(ns, name)(*args)
 
 
 def _autograd_must_run(q, k, v, alibi_slopes) -> bool:

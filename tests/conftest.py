@@ -5,7 +5,7 @@
 * Every test starts from the same RNG state (tests that need their own seed set it).
 * ``op_calls``: the argument tuples of every call that reaches ``torch.ops.flash_attention_sm75.fwd``
   (callers look the op up per call, so the spy sees every door's call); ``varlen_op_calls`` the
-  same for ``varlen_fwd``.
+  same for ``varlen_fwd``; ``hf_state``: the HF integration's state restored after the test.
 """
 import pytest
 import torch
@@ -40,21 +40,36 @@ def _fixed_seed():
     yield
 
 
+def _spy(monkeypatch, name):
+    calls = []
+    real = getattr(torch.ops.flash_attention_sm75, name)
+    monkeypatch.setattr(torch.ops.flash_attention_sm75, name,
+                        lambda *a, **kw: calls.append(a) or real(*a, **kw), raising=False)
+    return calls
+
+
 @pytest.fixture
 def op_calls(monkeypatch):
     """Argument tuples of every call of ``torch.ops.flash_attention_sm75.fwd`` in the test."""
-    calls = []
-    real = torch.ops.flash_attention_sm75.fwd
-    monkeypatch.setattr(torch.ops.flash_attention_sm75, "fwd",
-                        lambda *a, **kw: calls.append(a) or real(*a, **kw), raising=False)
-    return calls
+    return _spy(monkeypatch, "fwd")
 
 
 @pytest.fixture
 def varlen_op_calls(monkeypatch):
     """Argument tuples of every call of ``torch.ops.flash_attention_sm75.varlen_fwd`` in the test."""
-    calls = []
-    real = torch.ops.flash_attention_sm75.varlen_fwd
-    monkeypatch.setattr(torch.ops.flash_attention_sm75, "varlen_fwd",
-                        lambda *a, **kw: calls.append(a) or real(*a, **kw), raising=False)
-    return calls
+    return _spy(monkeypatch, "varlen_fwd")
+
+
+@pytest.fixture
+def hf_state():
+    """The HF integration's settings, statistics and caches, restored after the test (skips
+    without transformers)."""
+    pytest.importorskip("transformers")
+    from flash_attention_sm75.integrations import transformers as hf
+
+    settings = hf.configure()
+    hf.reset_stats()
+    hf._clear_classification_cache()
+    yield
+    hf.configure(**settings)
+    hf._clear_classification_cache()

@@ -188,23 +188,29 @@ def test_deterministic_true_makes_its_own_backward_deterministic(monkeypatch, bw
                             deterministic=1)
 
 
-def test_deterministic_true_survives_torch_compile(monkeypatch):
+@pytest.mark.parametrize("api", ["flash_attn_func", "flash_attn_varlen_func"])
+def test_deterministic_true_survives_torch_compile(monkeypatch, api):
     from torch._dynamo.backends.common import aot_autograd
 
     monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
     graphs = []
     backend = aot_autograd(fw_compiler=lambda gm, _: gm,
                            bw_compiler=lambda gm, _: graphs.append(gm) or gm)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    call, bwd, index = {
+        "flash_attn_func": (lambda q, det: fa2.flash_attn_func(q, q, q, deterministic=det),
+                            torch.ops.flash_attention_sm75.bwd.default, 11),
+        "flash_attn_varlen_func": (lambda q, det: fa2.flash_attn_varlen_func(
+            q[0], q[0], q[0], cu, cu, 3, 3, deterministic=det),
+            torch.ops.flash_attention_sm75.varlen_bwd.default, 13)}[api]
     flags = {}
     for det in (True, False):
         torch._dynamo.reset()
         q = rand(1, 4, 2, 16, grad=True)
-        fn = torch.compile(lambda q: fa2.flash_attn_func(q, q, q, deterministic=det),
-                           fullgraph=True, backend=backend)
+        fn = torch.compile(lambda q: call(q, det), fullgraph=True, backend=backend)
         fn(q).float().sum().backward()
-        [node] = [n for n in graphs[-1].graph.nodes
-                  if n.target is torch.ops.flash_attention_sm75.bwd.default]
-        flags[det] = node.args[11] if len(node.args) > 11 else False
+        [node] = [n for n in graphs[-1].graph.nodes if n.target is bwd]
+        flags[det] = node.args[index] if len(node.args) > index else False
     assert flags == {True: True, False: False}
 
 

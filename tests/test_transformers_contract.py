@@ -31,13 +31,8 @@ needs_op = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
 
 
 @pytest.fixture(autouse=True)
-def _clean_state():
-    settings = hf.configure()
-    hf.reset_stats()
-    hf._clear_classification_cache()
+def _clean_state(hf_state):
     yield
-    hf.configure(**settings)
-    hf._clear_classification_cache()
 
 
 def _per_document(q, k, v, cu_q, cu_k, causal, window=None):

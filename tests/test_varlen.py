@@ -12,8 +12,8 @@ rounding, ``-inf`` rows identical):
   (batch, h)) and all of them together, MHA/GQA/MQA; ``seqused_k``; tokens in no sequence;
   the packed LSE against the padded op's per sequence; zero sizes;
 * the fakes (shapes, dtypes, strides, devices; ``opcheck``), ``torch.compile(fullgraph=True)``
-  of ``flash_attn_varlen_func`` with every score modifier, forward and backward, and the
-  ``deterministic`` request surviving compilation;
+  of ``flash_attn_varlen_func`` with every score modifier, forward and backward (the
+  ``deterministic`` request surviving compilation: tests/test_flash_attn_dropin.py);
 * autograd: dq, dk, dv and the gradient through the LSE against float64; the fast path below
   autograd; errors before the op (forward-mode AD, slopes that require grad);
 * validation: the op's ``ValueError`` naming the argument, the door's device-side checks;
@@ -29,8 +29,8 @@ PyTorch's fp16 error + a tiny atol, tests/reference.py); a deterministic backwar
 reproducible; the HF training step on the GPU.
 """
 import copy
-import math
 import re
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
@@ -542,28 +542,6 @@ def test_compile_fullgraph_backends(backend):
         assert torch.equal(a, b)
 
 
-def test_deterministic_request_survives_torch_compile(monkeypatch):
-    from torch._dynamo.backends.common import aot_autograd
-
-    monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
-    graphs = []
-    backend = aot_autograd(fw_compiler=lambda gm, _: gm,
-                           bw_compiler=lambda gm, _: graphs.append(gm) or gm)
-    flags = {}
-    for det in (True, False):
-        torch._dynamo.reset()
-        q, k, v, cu_q, cu_k = _case([3, 4], [3, 4], 2, 2, 16, 56, grad=True)
-        fn = torch.compile(lambda q: fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 4,
-                                                                deterministic=det),
-                           fullgraph=True, backend=backend)
-        fn(q).float().sum().backward()
-        [node] = [n for n in graphs[-1].graph.nodes
-                  if n.target is torch.ops.flash_attention_sm75.varlen_bwd.default]
-        flags[det] = node.args[13] if len(node.args) > 13 else node.kwargs.get(
-            "deterministic", False)
-    assert flags == {True: True, False: False}
-
-
 # ------------------------------------------------------------------------------- validation
 def _bad_op_call(name):
     q, k, v, cu_q, cu_k = _case([3, 4], [3, 4], 4, 2, 64, 57)
@@ -637,17 +615,6 @@ else:
     from test_transformers import _Attn, _qkv
 
 
-
-@pytest.fixture
-def hf_state():
-    if hf is None:
-        pytest.skip("transformers is not installed")
-    settings = hf.configure()
-    hf.reset_stats()
-    hf._clear_classification_cache()
-    yield
-    hf.configure(**settings)
-    hf._clear_classification_cache()
 
 
 def _packed_ref(q, k, v, cu_q, cu_k, causal, **kw):
@@ -867,6 +834,11 @@ def test_hf_flattened_training_step_on_the_cpu_op(family, flash_kwargs, hf_state
 gpu = pytest.mark.gpu
 
 
+def _wide(window, left, right):
+    """MODS' window scaled to tens of keys (an unbounded side stays -1)."""
+    return tuple(w * f if w >= 0 else -1 for w, f in zip(window, (left, right)))
+
+
 def _random_lengths(n, hi, g, specials=(0, 1)):
     lens = torch.randint(0, hi, (n,), generator=g).tolist()
     return lens + list(specials)
@@ -901,16 +873,35 @@ def _gpu_fwd_check(q, k, v, cu_q, cu_k, lens_q, lens_k, causal, window=(-1, -1),
 @pytest.mark.parametrize("d", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
 def test_gpu_forward(heads, d, causal, mods):
-    h, h_k = heads
-    window, cap, alibi = MODS[mods]
-    if window != (-1, -1):
-        window = (window[0] * 37, window[1] * 29)  # windows of tens of keys
-    g = torch.Generator().manual_seed(seed_from("gpu-fwd", heads, d, causal, mods))
-    lens_q = _random_lengths(9, 300, g, (0, 1, 257))
-    lens_k = _random_lengths(9, 300, g, (5, 0, 257))
-    q, k, v, cu_q, cu_k = _case(lens_q, lens_k, h, h_k, d, seed_from("gpu-data", d), "cuda")
-    slopes = _slopes(alibi, len(lens_q), h, "cuda")
-    _gpu_fwd_check(q, k, v, cu_q, cu_k, lens_q, lens_k, causal, window, cap, slopes)
+    c = _gpu_case("gpu-fwd", heads, d, causal, mods, 9, 300, 257, (37, 29))
+    _gpu_fwd_check(c.q, c.k, c.v, c.cu_q, c.cu_k, c.lens_q, c.lens_k, causal, c.window, c.cap,
+                   c.slopes)
+
+
+class _GpuCase(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    lens_q: list
+    lens_k: list
+    window: tuple
+    cap: float
+    slopes: Optional[torch.Tensor]
+
+
+def _gpu_case(tag, heads, d, causal, mods, n, hi, long, widen, grad=False) -> _GpuCase:
+    """``n`` random lengths below ``hi`` for q and k, plus an empty, a one-token and a
+    ``long`` sequence; MODS' window widened by ``widen``; CUDA tensors."""
+    (h, h_k), (window, cap, alibi) = heads, MODS[mods]
+    g = torch.Generator().manual_seed(seed_from(tag, heads, d, causal, mods))
+    lens_q = _random_lengths(n, hi, g, (0, 1, long))
+    lens_k = _random_lengths(n, hi, g, (5, 0, long))
+    q, k, v, cu_q, cu_k = _case(lens_q, lens_k, h, h_k, d, seed_from(tag, "data", d), "cuda",
+                                grad=grad)
+    return _GpuCase(q, k, v, cu_q, cu_k, lens_q, lens_k, _wide(window, *widen), cap,
+                    _slopes(alibi, len(lens_q), h, "cuda"))
 
 
 @gpu
@@ -959,16 +950,8 @@ def _gpu_backward(q, k, v, cu_q, cu_k, lens_q, lens_k, causal, window, cap, slop
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 def test_gpu_backward_against_float64(heads, d, causal, mods):
-    h, h_k = heads
-    window, cap, alibi = MODS[mods]
-    if window != (-1, -1):
-        window = (window[0] * 23, window[1] * 17)
-    g = torch.Generator().manual_seed(seed_from("gpu-bwd", heads, d, causal, mods))
-    lens_q = _random_lengths(7, 200, g, (0, 1, 129))
-    lens_k = _random_lengths(7, 200, g, (3, 0, 129))
-    q, k, v, cu_q, cu_k = _case(lens_q, lens_k, h, h_k, d, seed_from("gpu-bwd-data", d), "cuda",
-                                grad=True)
-    slopes = _slopes(alibi, len(lens_q), h, "cuda")
+    q, k, v, cu_q, cu_k, lens_q, lens_k, window, cap, slopes = _gpu_case(
+        "gpu-bwd", heads, d, causal, mods, 7, 200, 129, (23, 17), grad=True)
     out, lse = _gpu_backward(q, k, v, cu_q, cu_k, lens_q, lens_k, causal, window, cap, slopes)
     kw = dict(window=window, softcap=cap, alibi_slopes=slopes)
     cu_q, cu_k = cu_q.cpu(), cu_k.cpu()  # the reference slices on the host
@@ -1020,3 +1003,30 @@ def test_gpu_deterministic_backward_is_bitwise_reproducible(env, monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_gpu_hf_flattened_training_step(family, flash_kwargs, hf_state):
     _training_step_matches_per_document(family, flash_kwargs, "cuda")
+
+
+@gpu
+def test_gpu_varlen_is_captured_by_a_cuda_graph():
+    # No host synchronisation on the way to the op (the cu_seqlens check is a device-side
+    # assertion): the call captures, and replays on new data give the eager results.
+    lens_q, lens_k = [100, 0, 1, 37], [120, 5, 0, 37]
+    kw = dict(causal=True, window_size=(50, 0), softcap=3.0,
+              alibi_slopes=_slopes("batch", 4, 8, "cuda"))
+    q, k, v, cu_q, cu_k = _case(lens_q, lens_k, 8, 2, 64, 80, "cuda")
+    static = [t.clone() for t in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch recommends
+        fa2.flash_attn_varlen_func(*static, cu_q, cu_k, 100, 120, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fa2.flash_attn_varlen_func(*static, cu_q, cu_k, 100, 120, **kw)
+    for seed in (81, 82):
+        new = _case(lens_q, lens_k, 8, 2, 64, seed, "cuda")[:3]
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        graph.replay()
+        want = fa2.flash_attn_varlen_func(*new, cu_q, cu_k, 100, 120, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), seed

@@ -674,15 +674,10 @@ def _packed_attention(fallback, module, query, key, value, attention_mask, bound
     if reason is None:
         plan, reason = _plan_varlen(packing, query, key, attention_mask, causal, window)
     if reason is None:
-        if torch.compiler.is_compiling():  # no try/except on a traced path; the op checks
-            _count_kernel(query.shape[2])
-            return _run_varlen(query, key, value, bound["scaling"], plan, softcap), None
-        try:
-            out = _run_varlen(query, key, value, bound["scaling"], plan, softcap)
-        except ValueError as e:  # the op's input validation (contract: ValueError)
-            reason = f"kernel rejected the inputs: {e}"
-        else:
-            _count_kernel(query.shape[2])
+        out, reason = _try_kernel(
+            lambda: _run_varlen(query, key, value, bound["scaling"], plan, softcap),
+            query.shape[2])
+        if out is not None:
             return out, None
     mask = _explicit_mask(packing, query, key, attention_mask, causal, window)
     _fall_back(f"packed sequences ({packing.source}) on torch SDPA with a per-document mask: "
@@ -728,6 +723,22 @@ def _run_kernel(query, key, value, scaling, info: MaskInfo, softcap: float = 0.0
     return out
 
 
+def _try_kernel(run: Callable[[], torch.Tensor], q_len: int) -> Tuple[
+        Optional[torch.Tensor], Optional[str]]:
+    """``(run(), None)``, counted as a kernel call, or ``(None, reason)`` when the op rejects
+    the inputs (its validation raises ``ValueError``, the contract). While torch.compile traces
+    there is no try/except on the traced path: the op checks at run time."""
+    if torch.compiler.is_compiling():
+        out = run()
+    else:
+        try:
+            out = run()
+        except ValueError as e:
+            return None, f"kernel rejected the inputs: {e}"
+    _count_kernel(q_len)
+    return out, None
+
+
 def _stock_sdpa_forward() -> Callable:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -768,15 +779,10 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
         info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
                              kwargs.get("sliding_window"), flash_semantics)
     if reason is None:
-        if torch.compiler.is_compiling():  # no try/except on a traced path; the op checks
-            _count_kernel(query.shape[2])
-            return _run_kernel(query, key, value, bound["scaling"], info, softcap), None
-        try:
-            out = _run_kernel(query, key, value, bound["scaling"], info, softcap)
-        except ValueError as e:  # the op's input validation (contract: ValueError)
-            reason = f"kernel rejected the inputs: {e}"
-        else:
-            _count_kernel(query.shape[2])
+        out, reason = _try_kernel(
+            lambda: _run_kernel(query, key, value, bound["scaling"], info, softcap),
+            query.shape[2])
+        if out is not None:
             return out, None
     _fall_back(reason)
     return fallback(module, query, key, value, attention_mask, *args, **kwargs)
