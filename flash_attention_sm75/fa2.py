@@ -17,8 +17,9 @@ have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and
 ``softcap`` (logit soft-capping, Gemma 2) and ``alibi_slopes`` (ALiBi) run on the kernels in
 every function, with flash-attn's semantics (``softcap <= 0`` is off; NaN or infinite raises
 ``ValueError``); the varlen functions run on the varlen op (one call, every option included);
-key-ranged ``flash_attn_with_kvcache`` calls with ALiBi run one kernel call per sequence after
-one host read of the lengths (see :func:`flash_attn_with_kvcache`).
+``flash_attn_with_kvcache`` calls with ALiBi and ``cache_leftpad`` (or ``cache_seqlens`` with
+``cache_batch_idx`` / ``block_table``) run one kernel call per sequence after one host read of
+the lengths (see :func:`flash_attn_with_kvcache`).
 
 Invalid input (dtype, shapes, devices, head dims above 256, ...) raises ``ValueError`` naming
 the argument (the rulebook, ``_rules.py``). Differences from flash-attn, all documented in the
@@ -698,9 +699,10 @@ def flash_attn_with_kvcache(
         ``L_b`` the sequence's attended keys (``cache_seqlens[b] + seqlen_new`` less
         ``cache_leftpad[b]``) and ``j'`` the key's position among them. The output is
         flash-attn's; the LSE is that of these scores (flash-attn's causal kernels shift it by
-        ``slope * (i + L_b - seqlen_q)``). With ``cache_seqlens`` or ``cache_leftpad`` (key
-        ranges, which the op refuses with ALiBi) the batch runs as one kernel call per sequence,
-        after one host read of the lengths; without them, as one call.
+        ``slope * (i + L_b - seqlen_q)``). One kernel call in general; ``cache_leftpad``, or
+        ``cache_seqlens`` with ``cache_batch_idx`` / ``block_table`` (key ranges, which the dense
+        op refuses with ALiBi), run one kernel call per sequence after one host read of the
+        lengths.
     num_splits : int. flash-attn's split-KV count; a performance hint here (the kernels choose
         their own split), any int is accepted and has no effect on the result.
     return_softmax_lse : bool. Also return the float32 LSE ``(batch, nheads, seqlen_q)``.
@@ -710,10 +712,14 @@ def flash_attn_with_kvcache(
     out : (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)``.
 
     Costs. The plain call (no ``cache_batch_idx``, no ``block_table``, not causal or
-    ``seqlen_q == 1``) reads the cache in place. ``cache_batch_idx``, ``block_table`` and causal
-    calls with ``seqlen_q > 1`` first gather the used cache rows into a temporary copy of
-    ``(batch, seqlen_cache, nheads_k, headdim)`` (for causal calls right-aligned per sequence,
-    which is what makes the per-sequence causal mask exact on the op's single causal offset).
+    ``seqlen_q == 1``) reads the cache in place. So do causal, windowed and ALiBi calls with
+    ``cache_seqlens`` and without ``cache_leftpad`` / ``cache_batch_idx`` / ``block_table`` on a
+    cache whose batch rows are contiguous (the usual layout): the varlen kernels align each
+    sequence bottom-right themselves (one call; the lengths stay on the device).
+    ``cache_batch_idx``, ``block_table`` and the other causal calls with ``seqlen_q > 1`` first
+    gather the used cache rows into a temporary copy of ``(batch, seqlen_cache, nheads_k,
+    headdim)`` (for causal calls right-aligned per sequence, which is what makes the
+    per-sequence causal mask exact on the op's single causal offset).
     A head dim that is not a multiple of 8 copies the cache zero-padded, as flash-attn does.
 
     Raises
@@ -835,6 +841,16 @@ def flash_attn_with_kvcache(
         # The attended key rows of batch entry b: [start[b], end[b]) of its cache row.
         end = None if cache_seqlens is None else cache_seqlens.to(torch.int64) + seqlen_new
         start = None if cache_leftpad is None else cache_leftpad.to(torch.int64)
+        if (end is not None and start is None and not paged and cache_batch_idx is None
+                and (is_causal or local or alibi_slopes is not None) and _ops.VARLEN_AVAILABLE
+                and _batch_contiguous(k_cache) and _batch_contiguous(v_cache)):
+            # Per-sequence bottom-right alignment (causal, window, ALiBi distance) is the varlen
+            # kernels' own: the cache rows as packed sequences of seqlen_cache keys, of which the
+            # first end[b] are attended (seqused_k). One call, no copy of the cache, no host read.
+            out, lse = _kvcache_on_varlen(q, k_cache, v_cache, end, softmax_scale, is_causal,
+                                          (left, right) if local else (-1, -1), cap,
+                                          alibi_slopes)
+            return (out, lse) if return_softmax_lse else out
         if (is_causal or local) and end is not None:
             # Right-align each sequence (shift its rows by seqlen_cache - end[b]) so that the
             # op's single bottom-right offset, seqlen_cache - seqlen_q, is every sequence's own
@@ -871,6 +887,36 @@ def flash_attn_with_kvcache(
     if padded:
         out = out[..., :d]
     return (out, lse) if return_softmax_lse else out
+
+
+def _batch_contiguous(cache: torch.Tensor) -> bool:
+    """The (batch, seqlen_cache, heads, d) cache's rows are one packed (batch * seqlen_cache, heads,
+    d) tensor: batch b's row 0 follows batch b - 1's last row."""
+    return cache.shape[0] == 1 or cache.stride(0) == cache.shape[1] * cache.stride(1)
+
+
+def _kvcache_on_varlen(q, k_cache, v_cache, end, softmax_scale, causal, window, cap,
+                       alibi_slopes):
+    """flash_attn_with_kvcache's attention on the varlen op: batch entry b's queries against the
+    first ``end[b]`` rows of its cache row, bottom-right aligned per entry. ``(out (batch,
+    seqlen_q, nheads, d), lse (batch, nheads, seqlen_q))``."""
+    batch, seqlen_q, nheads = q.shape[0], q.shape[1], q.shape[2]
+    seqlen_cache = k_cache.shape[1]
+    qp, kp, vp, d = _pad_head_dim(q, k_cache, v_cache)
+    padded = qp is not q
+    scale = _scale_for(softmax_scale, d, padded)
+    _require_valid(qp, kp, vp, scale, ("q", "k_cache", "v_cache"))
+    steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    out, lse = _ops.call_varlen_fwd(
+        qp.reshape((batch * seqlen_q,) + tuple(qp.shape[2:])),
+        kp.flatten(0, 1) if _batch_contiguous(kp) else kp.reshape((-1,) + tuple(kp.shape[2:])),
+        vp.flatten(0, 1) if _batch_contiguous(vp) else vp.reshape((-1,) + tuple(vp.shape[2:])),
+        steps * seqlen_q, steps * seqlen_cache, seqlen_q, seqlen_cache, scale, causal,
+        end.to(torch.int32), window[0], window[1], cap, alibi_slopes)
+    out = out.view(batch, seqlen_q, nheads, -1)
+    if padded:
+        out = out[..., :d]
+    return out, lse.view(nheads, batch, seqlen_q).permute(1, 0, 2)
 
 
 def _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos, k_cache,

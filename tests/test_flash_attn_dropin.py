@@ -420,15 +420,18 @@ def test_varlen_zero_sizes():
 
 
 # ------------------------------------------------------------------------------- KV cache
-def _cache_ref(q, kc, vc, start, end, causal, rows=None, scale=None, window=(-1, -1)):
+def _cache_ref(q, kc, vc, start, end, causal, rows=None, scale=None, window=(-1, -1),
+               alibi_slopes=None):
     """Per batch entry b: q[b] over cache rows [start[b], end[b]) of cache entry rows[b]."""
     outs, lses = [], []
     for b in range(q.shape[0]):
         r = b if rows is None else int(rows[b])
         ks = kc[r, int(start[b]):int(end[b])].unsqueeze(0)
         vs = vc[r, int(start[b]):int(end[b])].unsqueeze(0)
+        slopes = None if alibi_slopes is None else (
+            alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes)
         o, lse = attention_ref(q[b:b + 1], ks, vs, causal=causal and q.shape[1] > 1,
-                               softmax_scale=scale, window_size=window)
+                               softmax_scale=scale, window_size=window, alibi_slopes=slopes)
         outs.append(o[0])
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses)
@@ -457,6 +460,33 @@ def test_kvcache_append_and_attend_exact(seqlen_q, causal, leftpad):
     assert torch.equal(kc, exp_k) and torch.equal(vc, exp_v)  # appended in place, nothing else
     start = lp if leftpad else torch.zeros(B, dtype=torch.int32)
     ref, ref_lse = _cache_ref(q, exp_k, exp_v, start, seqlens + new, causal)
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse)
+
+
+# Causal chunks (seqlen_q > 1), windows and ALiBi against cache_seqlens: per-sequence bottom-right
+# alignment is the varlen kernels' own, so these run as ONE varlen op call on the cache in place
+# (no gathered copy, no host read of the lengths, no per-sequence loop).
+@pytest.mark.parametrize("case", ["causal_chunk", "window", "alibi_decode", "alibi_causal"])
+def test_kvcache_per_sequence_alignment_runs_on_the_varlen_op(case, op_calls, varlen_op_calls):
+    torch.manual_seed(len(case))
+    B, S, h, hk, d, new = 3, 16, 4, 2, 32, 2
+    seqlen_q = 1 if case == "alibi_decode" else 3
+    causal = case in ("causal_chunk", "alibi_causal")
+    window = (3, 1) if case == "window" else (-1, -1)
+    slopes = torch.rand(B, h) if case.startswith("alibi") else None
+    q = rand(B, seqlen_q, h, d)
+    kc, vc = rand(B, S, hk, d), rand(B, S, hk, d)
+    k, v = rand(B, new, hk, d), rand(B, new, hk, d)
+    seqlens = torch.tensor([5, 0, 14], dtype=torch.int32)
+    with torch.no_grad():
+        out, lse = fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                               causal=causal, window_size=window,
+                                               alibi_slopes=slopes, return_softmax_lse=True)
+    assert len(varlen_op_calls) == 1 and not op_calls
+    ref, ref_lse = _cache_ref(q, kc, vc, torch.zeros(B, dtype=torch.int32), seqlens + new,
+                              causal, window=window, alibi_slopes=slopes)
+    assert out.shape == q.shape and lse.shape == (B, h, seqlen_q)
     assert_out_exact(out, ref)
     assert_lse_exact(lse, ref_lse)
 
