@@ -17,9 +17,8 @@ have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and
 ``softcap`` (logit soft-capping, Gemma 2) and ``alibi_slopes`` (ALiBi) run on the kernels in
 every function, with flash-attn's semantics (``softcap <= 0`` is off; NaN or infinite raises
 ``ValueError``); the varlen functions run on the varlen op (one call, every option included);
-``flash_attn_with_kvcache`` calls with ALiBi and ``cache_leftpad`` (or ``cache_seqlens`` with
-``cache_batch_idx`` / ``block_table``) run one kernel call per sequence after one host read of
-the lengths (see :func:`flash_attn_with_kvcache`).
+``flash_attn_with_kvcache`` calls with ALiBi and ``cache_leftpad`` run one kernel call per
+sequence after one host read of the lengths (see :func:`flash_attn_with_kvcache`).
 
 Invalid input (dtype, shapes, devices, head dims above 256, ...) raises ``ValueError`` naming
 the argument (the rulebook, ``_rules.py``). Differences from flash-attn, all documented in the
@@ -699,10 +698,8 @@ def flash_attn_with_kvcache(
         ``L_b`` the sequence's attended keys (``cache_seqlens[b] + seqlen_new`` less
         ``cache_leftpad[b]``) and ``j'`` the key's position among them. The output is
         flash-attn's; the LSE is that of these scores (flash-attn's causal kernels shift it by
-        ``slope * (i + L_b - seqlen_q)``). One kernel call in general; ``cache_leftpad``, or
-        ``cache_seqlens`` with ``cache_batch_idx`` / ``block_table`` (key ranges, which the dense
-        op refuses with ALiBi), run one kernel call per sequence after one host read of the
-        lengths.
+        ``slope * (i + L_b - seqlen_q)``). One kernel call, except with ``cache_leftpad``: one
+        per sequence after one host read of the lengths.
     num_splits : int. flash-attn's split-KV count; a performance hint here (the kernels choose
         their own split), any int is accepted and has no effect on the result.
     return_softmax_lse : bool. Also return the float32 LSE ``(batch, nheads, seqlen_q)``.
@@ -716,10 +713,10 @@ def flash_attn_with_kvcache(
     ``cache_seqlens`` and without ``cache_leftpad`` / ``cache_batch_idx`` / ``block_table`` on a
     cache whose batch rows are contiguous (the usual layout): the varlen kernels align each
     sequence bottom-right themselves (one call; the lengths stay on the device).
-    ``cache_batch_idx``, ``block_table`` and the other causal calls with ``seqlen_q > 1`` first
+    ``cache_batch_idx``, ``block_table`` and the causal calls with ``cache_leftpad`` first
     gather the used cache rows into a temporary copy of ``(batch, seqlen_cache, nheads_k,
-    headdim)`` (for causal calls right-aligned per sequence, which is what makes the
-    per-sequence causal mask exact on the op's single causal offset).
+    headdim)`` (for causal calls with ``cache_leftpad`` right-aligned per sequence, which is
+    what makes the per-sequence causal mask exact on the op's single causal offset).
     A head dim that is not a multiple of 8 copies the cache zero-padded, as flash-attn does.
 
     Raises
@@ -841,16 +838,24 @@ def flash_attn_with_kvcache(
         # The attended key rows of batch entry b: [start[b], end[b]) of its cache row.
         end = None if cache_seqlens is None else cache_seqlens.to(torch.int64) + seqlen_new
         start = None if cache_leftpad is None else cache_leftpad.to(torch.int64)
-        if (end is not None and start is None and not paged and cache_batch_idx is None
-                and (is_causal or local or alibi_slopes is not None) and _ops.VARLEN_AVAILABLE
-                and _batch_contiguous(k_cache) and _batch_contiguous(v_cache)):
+        if (end is not None and start is None and _ops.VARLEN_AVAILABLE
+                and (is_causal or local or alibi_slopes is not None)):
             # Per-sequence bottom-right alignment (causal, window, ALiBi distance) is the varlen
             # kernels' own: the cache rows as packed sequences of seqlen_cache keys, of which the
-            # first end[b] are attended (seqused_k). One call, no copy of the cache, no host read.
-            out, lse = _kvcache_on_varlen(q, k_cache, v_cache, end, softmax_scale, is_causal,
-                                          (left, right) if local else (-1, -1), cap,
-                                          alibi_slopes)
-            return (out, lse) if return_softmax_lse else out
+            # first end[b] are attended (seqused_k). One call, no host read; no copy of a plain
+            # cache (pages and selected rows are gathered in order first, so that every layout
+            # of the same cache gives bitwise the same result).
+            if paged or cache_batch_idx is not None:
+                kc, vc = _gather_cache(k_cache, v_cache, block_table, cache_batch_idx,
+                                       torch.zeros(batch, dtype=torch.int64, device=q.device),
+                                       seqlen_cache, batch)
+            else:
+                kc, vc = k_cache, v_cache
+            if _batch_contiguous(kc) and _batch_contiguous(vc):
+                out, lse = _kvcache_on_varlen(q, kc, vc, end, softmax_scale, is_causal,
+                                              (left, right) if local else (-1, -1), cap,
+                                              alibi_slopes)
+                return (out, lse) if return_softmax_lse else out
         if (is_causal or local) and end is not None:
             # Right-align each sequence (shift its rows by seqlen_cache - end[b]) so that the
             # op's single bottom-right offset, seqlen_cache - seqlen_q, is every sequence's own

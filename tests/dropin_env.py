@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DROPIN_SRC = os.path.join(ROOT, "flash_attn_dropin")
@@ -59,15 +60,17 @@ def _drop_flash_attn_modules() -> None:
 
 
 @contextlib.contextmanager
-def dropin_visible(monkeypatch, site: str, fake_cuda: bool = False):
+def dropin_visible(monkeypatch, site: str, fake_cuda: Optional[bool] = None):
     """Within the block, ``import flash_attn`` gives the drop-in installed in ``site`` and
-    transformers' availability checks re-read the environment."""
+    transformers' availability checks re-read the environment. ``fake_cuda``: True / False make
+    ``torch.cuda.is_available()`` say so (a CUDA device present or not, whatever this machine
+    has); None leaves it alone."""
     import torch
 
     _drop_flash_attn_modules()
     monkeypatch.syspath_prepend(site)
-    if fake_cuda:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if fake_cuda is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: fake_cuda)
     try:
         import transformers.modeling_flash_attention_utils as mfau
         from transformers.utils import import_utils

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""flash_attn_with_kvcache with per-sequence cache lengths: chunked prefill / speculative
+verification (seqlen_q > 1, causal) and ALiBi decode, the calls whose per-sequence bottom-right
+alignment runs on the varlen kernels in place.
+
+For each shape, times flash_attn_with_kvcache (the flash_attn drop-in, fa2.py) with
+``cache_seqlens`` (lengths uniform in [cache/2, cache - seqlen_q], seeded) in the same run:
+  * ours: the call as users make it (one varlen op call on the cache in place);
+  * gather: the same call with ``cache_leftpad = 0`` (identical result), which takes the path
+    that copies the used cache rows right-aligned first (what every such call did before);
+  * eff: torch SDPA mem-efficient on the cache with K/V expanded to the q-heads beforehand
+    (untimed) and a bool mask of each sequence's visible keys (its causal band).
+Appends nothing to the cache (k = v = None), so repetitions are identical.
+
+    python benchmarks/bench_kvcache.py [--batch 4] [--cache 4096 16384] [--q 1 16 64]
+
+Writes <out-dir>/<tag>.txt and .json (default bench_out/bench_kvcache.*).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    C.add_table_bench_args(ap, d=[128], n=[4096, 16384], tag="bench_kvcache")
+    ap.add_argument("--q", type=int, nargs="+", default=[1, 16, 64], help="query tokens per call")
+    ap.add_argument("--heads-k", type=int, default=4)
+    args = ap.parse_args(argv)
+    setup = C.table_bench_setup("bench_kvcache")
+    if setup is None:
+        return 2
+    _, _, efficient, env = setup
+    from flash_attention_sm75 import fa2
+    rows, records = [], []
+    b, h, hk = args.batch, args.heads, args.heads_k
+    for d in args.d:
+        for cache in args.n:
+            g = torch.Generator().manual_seed(cache + d)
+            kc, vc = (torch.randn(b, cache, hk, d, generator=g).to("cuda", torch.float16)
+                      for _ in range(2))
+            for sq in args.q:
+                for mode in ("causal", "alibi"):
+                    if mode == "causal" and sq == 1:
+                        continue  # causal has no effect on one query row
+                    q = torch.randn(b, sq, h, d, generator=g).to("cuda", torch.float16)
+                    lens = torch.randint(cache // 2, cache - sq + 1, (b,), generator=g)
+                    seqlens = lens.to(torch.int32).cuda()
+                    slopes = (torch.rand(h, generator=g).cuda() if mode == "alibi" else None)
+                    kw = dict(cache_seqlens=seqlens, causal=mode == "causal",
+                              alibi_slopes=slopes)
+                    zeros = torch.zeros(b, dtype=torch.int32, device="cuda")
+                    with torch.no_grad():
+                        ours = C.bench(lambda: fa2.flash_attn_with_kvcache(q, kc, vc, **kw),
+                                       "cuda", args.warmup_ms, args.rep_ms)["ms"]
+                        gather = C.bench(lambda: fa2.flash_attn_with_kvcache(
+                            q, kc, vc, cache_leftpad=zeros, **kw), "cuda", args.warmup_ms,
+                            args.rep_ms)["ms"]
+                        # mem-efficient: expanded K/V, the per-sequence band as a bool mask
+                        kx, vx = (t.repeat_interleave(h // hk, 2).transpose(1, 2)
+                                  for t in (kc, vc))
+                        i = torch.arange(sq, device="cuda").view(1, sq, 1)
+                        j = torch.arange(cache, device="cuda").view(1, 1, cache)
+                        end = seqlens.view(b, 1, 1).long()
+                        vis = j < end
+                        if mode == "causal":
+                            vis = vis & (j <= i + end - sq)
+                        mask = vis.unsqueeze(1)
+                        if slopes is not None:
+                            dist = (i + end - sq - j).abs().unsqueeze(1).float()
+                            bias = (-slopes.view(1, h, 1, 1) * dist).masked_fill(~mask, -1e4)
+                            mask = bias.to(torch.float16)
+                        eff = None
+                        try:
+                            with C.sdpa_context(efficient):
+                                eff = C.bench(
+                                    lambda: torch.nn.functional.scaled_dot_product_attention(
+                                        q.transpose(1, 2), kx, vx, attn_mask=mask), "cuda",
+                                    args.warmup_ms, args.rep_ms)["ms"]
+                        except RuntimeError as e:
+                            print(f"efficient SDPA failed: {e}")
+                        del kx, vx, mask
+                    ratio = lambda a, c: None if a is None or c is None else c / a  # noqa: E731
+                    rec = dict(d=d, cache=cache, seqlen_q=sq, mode=mode, batch=b, heads=h,
+                               heads_k=hk, lengths=lens.tolist(), ours_ms=ours,
+                               gather_ms=gather, efficient_ms=eff)
+                    records.append(rec)
+                    rows.append([f"d={d}", cache, sq, mode, C.fmt(ours, ".3f"),
+                                 C.fmt(gather, ".3f"), C.fmt(ratio(ours, gather), ".2f") + "x",
+                                 C.fmt(eff, ".3f"), C.fmt(ratio(ours, eff), ".2f") + "x"])
+                    print(rows[-1], flush=True)
+    head = (f"flash_attn_with_kvcache with cache_seqlens, fp16, B={b}, H={h}, H_k={hk}, no "
+            f"append; ours = one varlen call in place; gather = the same call via the "
+            f"right-aligned copy (cache_leftpad=0); eff = SDPA mem-efficient, K/V expanded "
+            f"(untimed), per-sequence mask; ratios = t_other / t_ours; host time included")
+    C.write_table_bench(args, env, "bench_kvcache.py", head,
+                        ["case", "cache", "q", "mode", "ours ms", "gather ms", "gather/ours",
+                         "eff ms", "eff/ours"], rows, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
