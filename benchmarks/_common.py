@@ -997,6 +997,36 @@ def exit_status(script, runner, cases, wanted, key, what):
 
 
 # ------------------------------------------------------------ one-table benchmark scripts
+def speedup(ours, other):
+    """``other / ours`` (how many times faster ours is), None if either time is missing."""
+    return None if ours is None or other is None else other / ours
+
+
+def fmt_speedup(ours, other) -> str:
+    return fmt(speedup(ours, other), ".2f") + "x"
+
+
+def sdpa_fwd_bwd(backend, q, k, v, do, warmup_ms, rep_ms, backward=True, **sdpa_kwargs):
+    """Milliseconds of torch SDPA's forward and (with ``backward``) backward on ``backend`` for
+    BHSD ``q, k, v`` (``do``: the output gradient), timed as :func:`bench` times; ``(None,
+    None)`` where torch raises (out of memory, no kernel: printed)."""
+    fwd = bwd = None
+    F = torch.nn.functional
+    try:
+        with sdpa_context(backend):
+            fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs), "cuda",
+                        warmup_ms, rep_ms)["ms"]
+            if backward:
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qg, kg, vg, **sdpa_kwargs)
+                bwd = bench(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True),
+                            "cuda", warmup_ms, rep_ms)["ms"]
+                del o, qg, kg, vg
+    except RuntimeError as e:
+        print(f"SDPA ({backend}) failed: {str(e)[:200]}")
+    return fwd, bwd
+
+
 def add_table_bench_args(ap, d, n, tag):
     """The arguments every one-table benchmark (bench_window.py, bench_scoremod.py) takes."""
     ap.add_argument("--d", type=int, nargs="+", default=d)

@@ -84,22 +84,9 @@ def main(argv=None) -> int:
                     lambda: op_bwd(dop, qp, kp, vp, po, plse, scale, True, True, None, None,
                                    True), "cuda", args.warmup_ms, args.rep_ms)["ms"]
                 qb, kb, vb, dob = (t.transpose(1, 2) for t in pad)
-                eff_f = eff_b = None
-                try:
-                    with C.sdpa_context(efficient):
-                        eff_f = C.bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-                            qb, kb, vb, is_causal=True), "cuda", args.warmup_ms,
-                            args.rep_ms)["ms"]
-                        if not args.no_backward:
-                            qg, kg, vg = (t.detach().requires_grad_() for t in (qb, kb, vb))
-                            o = torch.nn.functional.scaled_dot_product_attention(
-                                qg, kg, vg, is_causal=True)
-                            eff_b = C.bench(lambda: torch.autograd.grad(
-                                o, (qg, kg, vg), dob, retain_graph=True), "cuda",
-                                args.warmup_ms, args.rep_ms)["ms"]
-                            del o, qg, kg, vg
-                except RuntimeError as e:
-                    print(f"efficient SDPA failed at d={d} total={total} seed={seed}: {e}")
+                eff_f, eff_b = C.sdpa_fwd_bwd(efficient, qb, kb, vb, dob, args.warmup_ms,
+                                              args.rep_ms, backward=not args.no_backward,
+                                              is_causal=True)
                 del pad, qp, kp, vp, dop, qb, kb, vb, dob, po, plse
 
                 def both(f, bw):
@@ -107,19 +94,17 @@ def main(argv=None) -> int:
 
                 ours, padded, eff = both(fwd, bwd), both(pfwd, pbwd), both(eff_f, eff_b)
                 tps = lambda ms: None if ms is None else total / (ms * 1e-3)  # noqa: E731
-                ratio = lambda a, b: None if a is None or b is None else b / a  # noqa: E731
                 rec = dict(d=d, total=total, seed=seed, docs=b, longest=longest, lengths=lens,
                            ours_fwd_ms=fwd, ours_bwd_ms=bwd, padded_fwd_ms=pfwd,
                            padded_bwd_ms=pbwd, efficient_fwd_ms=eff_f, efficient_bwd_ms=eff_b,
                            ours_tokens_per_s=tps(ours), efficient_tokens_per_s=tps(eff),
-                           fwd_bwd_ratio_vs_efficient=ratio(ours, eff))
+                           fwd_bwd_ratio_vs_efficient=C.speedup(ours, eff))
                 records.append(rec)
                 rows.append([f"d={d}", total, seed, b, longest, C.fmt(fwd, ".3f"),
                              C.fmt(bwd, ".3f"), C.fmt(padded, ".3f"), C.fmt(eff, ".3f"),
                              C.fmt(None if tps(ours) is None else tps(ours) / 1e6, ".2f"),
                              C.fmt(None if tps(eff) is None else tps(eff) / 1e6, ".2f"),
-                             C.fmt(ratio(ours, eff), ".2f") + "x",
-                             C.fmt(ratio(ours, padded), ".2f") + "x"])
+                             C.fmt_speedup(ours, eff), C.fmt_speedup(ours, padded)])
                 print(rows[-1], flush=True)
     head = (f"packed causal documents of {args.min_len}-{args.max_len} tokens, fp16, H={h}; "
             f"ours = varlen fwd + bwd (deterministic dQ) on the packed tokens; padded = our dense "

@@ -66,34 +66,19 @@ def main(argv=None) -> int:
                     lambda: op_bwd(do, q, k, v, out, lse, scale, True, True, None, None, True,
                                    None, *ws), "cuda", args.warmup_ms, args.rep_ms)["ms"]
                 qb, kb, vb, dob = (t.transpose(1, 2) for t in (q, k, v, do))
-                mask = band_mask(n, window, "cuda")
-                eff_f = eff_b = None
-                try:
-                    with C.sdpa_context(efficient):
-                        eff_f = C.bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-                            qb, kb, vb, attn_mask=mask), "cuda", args.warmup_ms,
-                            args.rep_ms)["ms"]
-                        if not args.no_backward:
-                            qg, kg, vg = (t.detach().requires_grad_() for t in (qb, kb, vb))
-                            o = torch.nn.functional.scaled_dot_product_attention(
-                                qg, kg, vg, attn_mask=mask)
-                            eff_b = C.bench(lambda: torch.autograd.grad(
-                                o, (qg, kg, vg), dob, retain_graph=True), "cuda",
-                                args.warmup_ms, args.rep_ms)["ms"]
-                            del o, qg, kg, vg
-                except RuntimeError as e:
-                    print(f"efficient SDPA failed at d={d} N={n} window={window}: {e}")
+                eff_f, eff_b = C.sdpa_fwd_bwd(efficient, qb, kb, vb, dob, args.warmup_ms,
+                                              args.rep_ms, backward=not args.no_backward,
+                                              attn_mask=band_mask(n, window, "cuda"))
                 rec = dict(d=d, n=n, window=window, pairs=pairs, ours_fwd_ms=fwd,
                            ours_bwd_ms=bwd, efficient_fwd_ms=eff_f, efficient_bwd_ms=eff_b,
                            ours_fwd_tflops=C.tflops(flop, fwd),
                            ours_bwd_tflops=C.tflops(2.5 * flop, bwd))
                 records.append(rec)
-                ratio = lambda a, b: None if a is None or b is None else b / a  # noqa: E731
                 rows.append([f"d={d}", n, "-" if window is None else window,
                              C.fmt(fwd, ".3f"), C.fmt(rec["ours_fwd_tflops"], ".1f"),
-                             C.fmt(eff_f, ".3f"), C.fmt(ratio(fwd, eff_f), ".2f") + "x",
+                             C.fmt(eff_f, ".3f"), C.fmt_speedup(fwd, eff_f),
                              C.fmt(bwd, ".3f"), C.fmt(rec["ours_bwd_tflops"], ".1f"),
-                             C.fmt(eff_b, ".3f"), C.fmt(ratio(bwd, eff_b), ".2f") + "x"])
+                             C.fmt(eff_b, ".3f"), C.fmt_speedup(bwd, eff_b)])
                 print(rows[-1], flush=True)
     head = (f"causal sliding window, fp16, B={args.batch}, H={args.heads}; window W = "
             f"window_size (W - 1, 0), '-' = no window; TF = TFLOP/s over visible pairs; eff = "

@@ -145,6 +145,28 @@ void check_like_packed_q(const at::Tensor& t, const char* name, const at::Tensor
                     " must be on the same device as q (", q.device(), "), got ", t.device());
 }
 
+// The backward's arguments: check_varlen's, dout / out like q, the packed-LSE-shaped ones.
+VarlenShape check_varlen_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, const at::Tensor& out,
+                             const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                             int64_t max_seqlen_k, double softmax_scale,
+                             const std::optional<at::Tensor>& seqused_k,
+                             const std::optional<at::Tensor>& grad_softmax_lse,
+                             int64_t window_size_left, int64_t window_size_right, double softcap,
+                             const std::optional<at::Tensor>& alibi_slopes) {
+  check_packed(dout, "dout", "num_heads");
+  check_packed(out, "out", "num_heads");
+  const VarlenShape vs = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, softmax_scale, seqused_k, window_size_left,
+                                      window_size_right, softcap, alibi_slopes);
+  check_like_packed_q(dout, "dout", q);
+  check_like_packed_q(out, "out", q);
+  check_packed_lse(softmax_lse, "softmax_lse", q);
+  if (grad_softmax_lse.has_value()) check_packed_lse(*grad_softmax_lse, "grad_softmax_lse", q);
+  return vs;
+}
+
 // A 3-D packed tensor as the kernels want it (last dim contiguous, 16-byte aligned, strides
 // multiples of 8 elements); the backward copies other layouts, as the dense op's does.
 at::Tensor packed_kernel_layout(const at::Tensor& t) {
@@ -271,21 +293,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
     bool deterministic, const std::optional<at::Tensor>& grad_softmax_lse,
     int64_t window_size_left, int64_t window_size_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes) {
+  // 3-D first (packed_kernel_layout reads two strides); everything else after the copies.
   check_packed(q_, "q", "num_heads");
-  check_packed(k_, "k", "num_heads_k");
-  check_packed(v_, "v", "num_heads_k");
   check_packed(dout_, "dout", "num_heads");
   check_packed(out_, "out", "num_heads");
+  check_packed(k_, "k", "num_heads_k");
+  check_packed(v_, "v", "num_heads_k");
   const at::Tensor q = packed_kernel_layout(q_), k = packed_kernel_layout(k_),
                    v = packed_kernel_layout(v_);
   const at::Tensor dout = packed_kernel_layout(dout_), out = packed_kernel_layout(out_);
-  const VarlenShape vs = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, softmax_scale, seqused_k, window_size_left,
-                                      window_size_right, softcap, alibi_slopes);
-  check_like_packed_q(dout, "dout", q);
-  check_like_packed_q(out, "out", q);
-  check_packed_lse(softmax_lse, "softmax_lse", q);
-  if (grad_softmax_lse.has_value()) check_packed_lse(*grad_softmax_lse, "grad_softmax_lse", q);
+  const VarlenShape vs = check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q,
+                                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                          seqused_k, grad_softmax_lse, window_size_left,
+                                          window_size_right, softcap, alibi_slopes);
   check_gpu(q);
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto f16 = q.options();
@@ -415,15 +435,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
     bool deterministic, const std::optional<at::Tensor>& grad_softmax_lse,
     int64_t window_size_left, int64_t window_size_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes) {
-  check_packed(dout, "dout", "num_heads");
-  check_packed(out, "out", "num_heads");
-  const VarlenShape vs = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, softmax_scale, seqused_k, window_size_left,
-                                      window_size_right, softcap, alibi_slopes);
-  check_like_packed_q(dout, "dout", q);
-  check_like_packed_q(out, "out", q);
-  check_packed_lse(softmax_lse, "softmax_lse", q);
-  if (grad_softmax_lse.has_value()) check_packed_lse(*grad_softmax_lse, "grad_softmax_lse", q);
+  const VarlenShape vs = check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q,
+                                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                          seqused_k, grad_softmax_lse, window_size_left,
+                                          window_size_right, softcap, alibi_slopes);
   at::Tensor dq = at::zeros(q.sizes(), q.options());
   at::Tensor dk = at::zeros(k.sizes(), q.options());
   at::Tensor dv = at::zeros(k.sizes(), q.options());
