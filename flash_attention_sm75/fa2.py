@@ -147,6 +147,20 @@ def _pad_head_dim(q, k, v) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
     return F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), d
 
 
+def _require_valid_padded(q, k, v, softmax_scale, names) -> None:
+    """:func:`_require_valid` on what the op will see: a head dim that :func:`_pad_head_dim`
+    pads is checked on padded one-row stand-ins (the padded tensors are contiguous copies, so
+    the rest of the rules see their layout; no copy of a whole cache just to check it)."""
+    d = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    if (d is not None and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (k, v))
+            and k.shape[-1] == d and v.shape[-1] == d and d % 8 and 0 < d < _rules.MAX_HEAD_DIM
+            and all(t.shape[0] and t.shape[1] for t in (q, k, v))):
+        qp, kp, vp, _ = _pad_head_dim(q[:1, :1], k[:1, :1], v[:1, :1])
+        _require_valid(qp, kp, vp, _scale_for(softmax_scale, d, True), names)
+    else:
+        _require_valid(q, k, v, softmax_scale, names)
+
+
 def _scale_for(softmax_scale, d_orig: int, padded: bool):
     """The scale to pass: flash-attn's default is 1/sqrt of the caller's head dim, which the op
     would compute from the padded one."""
@@ -661,7 +675,8 @@ def flash_attn_with_kvcache(
     q : (batch, seqlen_q, nheads, headdim) float16.
     k_cache, v_cache : (batch_cache, seqlen_cache, nheads_k, headdim), or with ``block_table``
         (num_blocks, page_block_size, nheads_k, headdim) (any page size). **Updated in place**
-        when ``k`` / ``v`` are given.
+        when ``k`` / ``v`` are given. Without ``cache_batch_idx`` batch entry b uses cache row
+        b (``batch_cache >= batch``, as flash-attn). Must not require grad under grad mode.
     k, v : (batch, seqlen_new, nheads_k, headdim), optional (both or neither; need
         ``cache_seqlens``). Written into the cache at rows ``cache_seqlens[b] + i`` (with
         device-side index ops, after every index is checked: see Raises), after the rotary
@@ -760,7 +775,7 @@ def flash_attn_with_kvcache(
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
         raise ValueError(f"{PREFIX}num_splits must be an int, got {_rules.type_name(num_splits)}")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (q, k, v)):
+                                       for t in (q, k, v, k_cache, v_cache)):
         raise UnsupportedFeatureError(
             f"{PREFIX}flash_attn_with_kvcache has no backward (as in flash-attn, which returns "
             f"no gradient); call it under torch.no_grad() or torch.inference_mode(), or use "
@@ -768,16 +783,21 @@ def flash_attn_with_kvcache(
     if batch == 0 or k_cache.shape[0] == 0:
         raise ValueError(f"{PREFIX}q and k_cache must have a batch size >= 1 (as in "
                          f"flash-attn), got {batch} and {k_cache.shape[0]}")
-    if not paged and k_cache.shape[0] != batch and cache_batch_idx is None:
-        raise ValueError(f"{PREFIX}k_cache must have batch size {batch} (q's) unless "
-                         f"cache_batch_idx selects its rows, got {k_cache.shape[0]}")
     # q and the cache through the rulebook (metadata only; one batch entry of each, since the
     # cache's first dimension may be pages or selected rows), and v_cache's first dimension
     # against k_cache's: both are written at the same indices, before anything is written.
-    _require_valid(q[:1], k_cache[:1], v_cache[:1], softmax_scale, ("q", "k_cache", "v_cache"))
+    _require_valid_padded(q[:1], k_cache[:1], v_cache[:1], softmax_scale,
+                          ("q", "k_cache", "v_cache"))
     if isinstance(v_cache, torch.Tensor) and v_cache.shape != k_cache.shape:
         raise ValueError(f"{PREFIX}v_cache must have k_cache's shape {tuple(k_cache.shape)}, got "
                          f"{tuple(v_cache.shape)}")
+    if not paged and k_cache.shape[0] != batch and cache_batch_idx is None:
+        if k_cache.shape[0] < batch:
+            raise ValueError(f"{PREFIX}k_cache must have at least batch = {batch} rows (q's) "
+                             f"unless cache_batch_idx selects its rows, got {k_cache.shape[0]}")
+        # flash-attn: without cache_batch_idx, batch entry b uses cache row b (a cache
+        # allocated for a larger batch); views, so the appends land in the caller's cache.
+        k_cache, v_cache = k_cache[:batch], v_cache[:batch]
     _check_slopes(alibi_slopes, q, batch, q.shape[2])
     if k is not None:
         if cache_seqlens is None:
@@ -787,7 +807,7 @@ def flash_attn_with_kvcache(
             raise ValueError(f"{PREFIX}k must be (batch, seqlen_new, nheads_k, headdim) = "
                              f"({batch}, *, {k_cache.shape[2]}, {k_cache.shape[3]}), got "
                              f"{_shape_of(k)}")
-        _require_valid(q, k, v, softmax_scale, ("q", "k", "v"))
+        _require_valid_padded(q, k, v, softmax_scale, ("q", "k", "v"))
     seqlen_new = 0 if k is None else k.shape[1]
     if seqlen_new > seqlen_cache:
         raise ValueError(f"{PREFIX}k has {seqlen_new} new keys, more than the cache holds "

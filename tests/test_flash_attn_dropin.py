@@ -1025,3 +1025,44 @@ def test_kvcache_v_cache_of_another_size_raises_before_writing(mode, v_rows):
     with torch.no_grad(), pytest.raises(ValueError, match="v_cache must have k_cache's shape"):
         fa2.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
     assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_pads_a_head_dim_that_is_not_a_multiple_of_8(causal):
+    # flash-attn pads such head dims (as flash_attn_func and the varlen functions here do); the
+    # cache must not be refused before the padding.
+    B, S, h, hk, d, new = 2, 12, 4, 2, 20, 2
+    q = rand(B, 3, h, d, seed=5)
+    kc, vc, k, v = rand(B, S, hk, d), rand(B, S, hk, d), rand(B, new, hk, d), rand(B, new, hk, d)
+    seqlens = torch.tensor([4, 9], dtype=torch.int32)
+    with torch.no_grad():
+        out, lse = fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                               causal=causal, return_softmax_lse=True)
+    ref, ref_lse = _cache_ref(q, kc, vc, torch.zeros(B, dtype=torch.int32), seqlens + new, causal)
+    assert out.shape == q.shape
+    assert_out_exact(out, ref)
+    assert_lse_exact(lse, ref_lse)
+
+
+def test_kvcache_with_more_cache_rows_than_the_batch_uses_the_first_rows():
+    # flash-attn: without cache_batch_idx, batch entry b reads and appends cache row b.
+    B, rows, S, h, hk, d = 2, 5, 16, 4, 2, 32
+    q = rand(B, 1, h, d, seed=7)
+    kc, vc, k, v = rand(rows, S, hk, d), rand(rows, S, hk, d), rand(B, 1, hk, d), rand(B, 1, hk, d)
+    seqlens = torch.tensor([3, 11], dtype=torch.int32)
+    kc0 = kc.clone()
+    with torch.no_grad():
+        out = fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens)
+    assert torch.equal(kc[B:], kc0[B:])  # the rows past the batch untouched
+    assert torch.equal(kc[0, 3], k[0, 0]) and torch.equal(kc[1, 11], k[1, 0])
+    ref, _ = _cache_ref(q, kc, vc, torch.zeros(B, dtype=torch.int32), seqlens + 1, False)
+    assert_out_exact(out, ref)
+    with pytest.raises(ValueError, match="at least batch = 2 rows"):
+        fa2.flash_attn_with_kvcache(q, kc[:1], vc[:1])
+
+
+def test_kvcache_refuses_a_cache_that_requires_grad():
+    q = rand(1, 1, 2, 32, seed=1)
+    kc = rand(1, 8, 2, 32).requires_grad_()
+    with pytest.raises(fa2.UnsupportedFeatureError, match="no backward"):
+        fa2.flash_attn_with_kvcache(q, kc, kc.detach().clone())
