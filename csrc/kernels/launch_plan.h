@@ -24,11 +24,12 @@ struct DeviceProfile {
   int max_ctas_per_sm;
 };
 // Compute capability 7.5 (CUDA occupancy data): 64 KiB shared memory per SM with the opt-in,
-// 1024 threads, 64K registers, 16 CTAs per SM. T4: 40 SMs; RTX 2080 Ti: 68.
-constexpr DeviceProfile kProfileT4{"t4", 40, 64 * 1024, 1024, 64 * 1024, 16};
-constexpr DeviceProfile kProfileRtx2080Ti{"rtx2080ti", 68, 64 * 1024, 1024, 64 * 1024, 16};
+// 1024 threads, 64K registers, 16 CTAs per SM. T4: 40 SMs; RTX 2080 Ti: 68. Inline: one object
+// in the whole program (planning_profile() returns their addresses).
+inline constexpr DeviceProfile kProfileT4{"t4", 40, 64 * 1024, 1024, 64 * 1024, 16};
+inline constexpr DeviceProfile kProfileRtx2080Ti{"rtx2080ti", 68, 64 * 1024, 1024, 64 * 1024, 16};
 // Flash_fwd_params::plan_profile indexes this: 0 = the device itself (no profile).
-constexpr const DeviceProfile* kDeviceProfiles[] = {nullptr, &kProfileT4, &kProfileRtx2080Ti};
+inline constexpr const DeviceProfile* kDeviceProfiles[] = {nullptr, &kProfileT4, &kProfileRtx2080Ti};
 
 // Resident CTAs per SM of a kernel (threads per CTA, registers per thread, shared memory per
 // CTA in bytes, static + dynamic) on `dev`, by compute capability 7.5's allocation rules:
