@@ -9,11 +9,31 @@ two outputs (~6 us, the same for every case). Differences between rows are then 
 
     python3 benchmarks/host_overhead.py                  # table, best of --repeats runs
     python3 benchmarks/host_overhead.py --profile NAME   # cProfile of one case (e.g. flash_attn_func)
+    python3 benchmarks/host_overhead.py --hf             # the transformers integration, per stage
+    python3 benchmarks/host_overhead.py --hf --profile decode-padded   # cProfile of one HF call
 
 The SDPA wrapper falls back to torch for CPU tensors. Its kernel path is measured as
 ``sdpa (kernel path)`` by letting the wrapper take CPU tensors (``sdpa._KERNEL_DEVICE_TYPE`` set to
 "cpu" and the compute-capability query patched out for that case only, so the number misses the
 cost of ``torch.cuda.get_device_capability``).
+
+``--hf`` measures the transformers integration (``integrations/transformers.py``) instead: a tiny
+random Qwen2 model (Qwen2-0.5B's attention shapes: 14 heads, 2 KV heads, head_dim 64; see
+``--hf-model``) runs ``generate()`` with a spy attention function, which captures the exact
+arguments transformers passes to layer 0 at the prefill and at a decode step (DynamicCache), for
+three mask forms: no padding (transformers passes ``None``), a left-padded batch (the boolean
+``(B, 1, q_len, kv_len)`` mask of the mask builder registered for our names) and the eager
+builder's additive float mask. Each captured call is then timed through our attention function
+(with ``configure(allow_cpu_reference=True)``, so that CPU fp16 tensors take the kernel path,
+and the op stubbed as above) and through transformers' ``sdpa_attention_forward`` with
+``torch.nn.functional.scaled_dot_product_attention`` stubbed the same way (an allocation), so
+both columns are Python + dispatcher time. Our call is split into its stages. "first layer" is a
+call whose mask (and ``position_ids``) no earlier layer of the forward has seen (the caches are
+cleared before each call); "other layers" repeats the call on the same objects, as layers 1..L-1
+do. "host reads" counts the calls that read tensor values on the host (``.item()``,
+``.tolist()``, ``bool()``, ...; a device synchronisation each on a GPU) in one call of ours.
+By default the capture and the timing run under ``torch.inference_mode()`` as
+``benchmarks/bench_e2e_hf.py`` does (``--hf-grad-mode no_grad`` for ``generate()``'s own mode).
 """
 from __future__ import annotations
 
@@ -102,6 +122,187 @@ def kernel_path_sdpa(requires_grad: bool):
     return lambda: fa.scaled_dot_product_attention(qh, kh, vh)
 
 
+# ---------------------------------------------------------------------------------------------
+# The transformers integration (--hf)
+# ---------------------------------------------------------------------------------------------
+
+_HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__",
+                         "cpu", "numpy", "nonzero", "equal", "allclose", "unique"})
+
+
+class HostReadCounter(torch.overrides.TorchFunctionMode):
+    """Counts the tensor functions that read values on the host (each a device synchronisation
+    on a GPU; on the CPU they cost nothing, so the timings miss them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in _HOST_READS:
+            self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _sdpa_stub(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    return query.new_empty(query.shape[:-1] + (value.shape[-1],))
+
+
+def hf_capture(args, grad_ctx):
+    """{(form, phase): (module, q, k, v, mask, args, kwargs)} of layer 0, as transformers passes
+    them in generate(); phase "prefill" or "decode" (the second decode step)."""
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+    from devtools.model_configs import build_random_model, make_config
+    from flash_attention_sm75.integrations import transformers as hf
+
+    captured = {}
+    current = {}
+
+    def spy(module, query, key, value, attention_mask, *a, **kw):
+        if module.layer_idx == 0:
+            phase = "prefill" if query.shape[2] > 1 else "decode"
+            captured[(current["form"], phase)] = (module, query, key, value, attention_mask, a,
+                                                  dict(kw))
+        return hf.flash_attention_sm75_forward(module, query, key, value, attention_mask, *a,
+                                               **kw)
+
+    ours_mask = ALL_MASK_ATTENTION_FUNCTIONS[hf.ATTENTION_NAME_PLAIN]
+    AttentionInterface.register("hostprobe", spy)
+    AttentionMaskInterface.register("hostprobe", ours_mask)
+    AttentionInterface.register("hostprobe_eager", spy)
+    AttentionMaskInterface.register("hostprobe_eager", eager_mask)
+    cfg = make_config(args.hf_model, num_hidden_layers=2, vocab_size=512)
+    model = build_random_model(cfg, dtype=torch.float16, attn_implementation="hostprobe")
+    s, b = args.hf_prompt, args.hf_batch
+    g = torch.Generator().manual_seed(0)
+    forms = {"none": (1, "hostprobe", False), "padded": (b, "hostprobe", True),
+             "eager-float": (b, "hostprobe_eager", True)}
+    for form, (batch, impl, pad) in forms.items():
+        ids = torch.randint(1, 512, (batch, s), generator=g)
+        am = torch.ones(batch, s, dtype=torch.long)
+        if pad:
+            for i in range(batch):
+                am[i, :(s * i) // (2 * batch)] = 0  # row 0 full, later rows padded more
+        model.set_attn_implementation(impl)
+        current["form"] = form
+        with grad_ctx():
+            model.generate(ids, attention_mask=am, max_new_tokens=3, do_sample=False,
+                           pad_token_id=0)
+    return captured, model, transformers.__version__
+
+
+def hf_stages(call):
+    """name -> zero-argument function for each stage of our attention function on one call."""
+    from flash_attention_sm75.integrations import transformers as hf
+
+    module, q, k, v, mask, a, kw = call
+    fwd = hf.flash_attention_sm75_forward
+    bound = hf._bind_sdpa_args(a, kw)
+    softcap = hf._softcap_kwarg(kw)
+    info, reason = hf._plan(module, q, k, mask, bound["is_causal"], kw.get("sliding_window"),
+                            True)
+    assert reason is None, reason
+    clear = hf._clear_classification_cache
+
+    def first_layer():
+        clear()
+        return fwd(module, q, k, v, mask, *a, **kw)
+
+    def plan_first():
+        clear()
+        return hf._plan(module, q, k, mask, bound["is_causal"], kw.get("sliding_window"), True)
+
+    qb = q.transpose(1, 2)
+    kb = k.transpose(1, 2)
+    vb = v.transpose(1, 2)
+    return {
+        "ours, first layer": first_layer,
+        "ours, other layers": lambda: fwd(module, q, k, v, mask, *a, **kw),
+        "  argument binding": lambda: (hf._bind_sdpa_args(a, kw), hf._softcap_kwarg(kw)),
+        "  packed/window check": lambda: hf._explicit_mask(module, q, k, mask, bound, kw),
+        "  allow-list + rules": lambda: hf._unsupported_reason(module, q, k, v, mask, bound, kw,
+                                                               softcap),
+        "  plan, first layer": plan_first,
+        "  plan, other layers": lambda: hf._plan(module, q, k, mask, bound["is_causal"],
+                                                 kw.get("sliding_window"), True),
+        "  kernel call wrapper": lambda: hf._run_kernel(q, k, v, bound["scaling"], info, softcap),
+        "  (op alone, stubbed)": lambda: torch.ops.flash_attention_sm75.fwd(
+            qb, kb, vb, None, info.causal, True, info.leftpad_k, info.seqused_k),
+        "  (cache clear)": clear,
+    }
+
+
+def hf_host_reads(call) -> list:
+    from flash_attention_sm75.integrations import transformers as hf
+
+    module, q, k, v, mask, a, kw = call
+    hf._clear_classification_cache()
+    with HostReadCounter() as first:
+        hf.flash_attention_sm75_forward(module, q, k, v, mask, *a, **kw)
+    with HostReadCounter() as other:
+        hf.flash_attention_sm75_forward(module, q, k, v, mask, *a, **kw)
+    return [len(first.names), len(other.names)]
+
+
+def hf_main(args) -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from flash_attention_sm75.integrations import transformers as hf
+
+    grad_ctx = torch.inference_mode if args.hf_grad_mode == "inference" else torch.no_grad
+    hf.configure(allow_cpu_reference=True)
+    captured, model, tf_version = hf_capture(args, grad_ctx)
+    names = [f"{form}-{phase}" for form, phase in captured]
+
+    if args.profile:
+        form, phase = args.profile.rsplit("-", 1)
+        module, q, k, v, mask, a, kw = captured[(form, phase)]
+        fn = lambda: hf.flash_attention_sm75_forward(module, q, k, v, mask, *a, **kw)  # noqa
+        with grad_ctx():
+            for _ in range(200):
+                fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.n):
+                fn()
+            prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return
+
+    print(f"torch {torch.__version__}, transformers {tf_version}, {args.hf_model} attention "
+          f"shapes, B={args.hf_batch} (1 without padding), prompt {args.hf_prompt}, "
+          f"{args.hf_grad_mode} mode; us per call, best of {args.repeats} x {args.n} calls; "
+          f"op and F.sdpa stubbed")
+    cols = []
+    table = {}
+    with grad_ctx():
+        for (form, phase), call in captured.items():
+            module, q, k, v, mask, a, kw = call
+            mshape = "None" if mask is None else f"{str(mask.dtype)[6:]} {list(mask.shape)}"
+            cols.append(f"{form} {phase}: q {list(q.shape)}, k {list(k.shape)}, mask {mshape}")
+            col = {}
+            with mock.patch.object(F, "scaled_dot_product_attention", _sdpa_stub):
+                col["stock sdpa_attention_forward"] = time_per_call(
+                    lambda: sdpa_attention_forward(module, q, k, v, mask, *a, **kw),
+                    args.n, args.repeats)
+            for name, fn in hf_stages(call).items():
+                col[name] = time_per_call(fn, args.n, args.repeats)
+            first, other = hf_host_reads(call)
+            col["host reads, first layer / other layers"] = f"{first} / {other}"
+            table[f"{form}-{phase}"] = col
+    for c in cols:
+        print("  " + c)
+    print("| stage | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for row in next(iter(table.values())):
+        cells = [table[n][row] for n in names]
+        cells = [c if isinstance(c, str) else f"{c:.1f}" for c in cells]
+        print(f"| {row} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=2000, help="calls per timed run")
@@ -109,10 +310,23 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="cProfile this case (name from the table)")
     p.add_argument("--grad", action="store_true", help="with --profile: inputs require grad")
     p.add_argument("--real-op", action="store_true", help="keep the C++ CPU kernel (no stub)")
+    p.add_argument("--hf", action="store_true",
+                   help="time the transformers integration's stages instead (see the docstring)")
+    p.add_argument("--hf-model", default="qwen2-0.5b",
+                   help="devtools.model_configs name whose attention shapes --hf uses (2 layers, "
+                        "vocabulary 512)")
+    p.add_argument("--hf-batch", type=int, default=4, help="--hf: batch of the padded forms")
+    p.add_argument("--hf-prompt", type=int, default=32, help="--hf: prompt length")
+    p.add_argument("--hf-grad-mode", choices=("inference", "no_grad"), default="inference",
+                   help="--hf: torch.inference_mode() (as bench_e2e_hf) or torch.no_grad() "
+                        "(generate()'s own)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not args.real_op:
         install_stub()
+    if args.hf:
+        hf_main(args)
+        return
 
     if args.profile:
         fns = cases(args.grad)
