@@ -30,7 +30,8 @@ and the op stubbed as above) and through transformers' ``sdpa_attention_forward`
 both columns are Python + dispatcher time. Our call is split into its stages. "first layer" is a
 call whose mask (and ``position_ids``) no earlier layer of the forward has seen (the caches are
 cleared before each call); "other layers" repeats the call on the same objects, as layers 1..L-1
-do. "host reads" counts the calls that read tensor values on the host (``.item()``,
+do; "forward of L layers" adds them up as one forward does (``--hf-layers``, in us), against
+L stock calls. "host reads" counts the calls that read tensor values on the host (``.item()``,
 ``.tolist()``, ``bool()``, ...; a device synchronisation each on a GPU) in one call of ours.
 By default the capture and the timing run under ``torch.inference_mode()`` as
 ``benchmarks/bench_e2e_hf.py`` does (``--hf-grad-mode no_grad`` for ``generate()``'s own mode).
@@ -290,6 +291,11 @@ def hf_main(args) -> None:
                     args.n, args.repeats)
             for name, fn in hf_stages(call).items():
                 col[name] = time_per_call(fn, args.n, args.repeats)
+            n_layers = args.hf_layers
+            col[f"ours, forward of {n_layers} layers"] = (col["ours, first layer"] + (n_layers - 1)
+                                                         * col["ours, other layers"])
+            col[f"stock, forward of {n_layers} layers"] = (n_layers
+                                                          * col["stock sdpa_attention_forward"])
             first, other = hf_host_reads(call)
             col["host reads, first layer / other layers"] = f"{first} / {other}"
             table[f"{form}-{phase}"] = col
@@ -317,6 +323,9 @@ def main() -> None:
                         "vocabulary 512)")
     p.add_argument("--hf-batch", type=int, default=4, help="--hf: batch of the padded forms")
     p.add_argument("--hf-prompt", type=int, default=32, help="--hf: prompt length")
+    p.add_argument("--hf-layers", type=int, default=24,
+                   help="--hf: layers of the forward whose total is reported (first layer + "
+                        "the others; Qwen2-0.5B has 24)")
     p.add_argument("--hf-grad-mode", choices=("inference", "no_grad"), default="inference",
                    help="--hf: torch.inference_mode() (as bench_e2e_hf) or torch.no_grad() "
                         "(generate()'s own)")
