@@ -10,7 +10,7 @@ two outputs (~6 us, the same for every case). Differences between rows are then 
     python3 benchmarks/host_overhead.py                  # table, best of --repeats runs
     python3 benchmarks/host_overhead.py --profile NAME   # cProfile of one case (e.g. flash_attn_func)
     python3 benchmarks/host_overhead.py --hf             # the transformers integration, per stage
-    python3 benchmarks/host_overhead.py --hf --profile decode-padded   # cProfile of one HF call
+    python3 benchmarks/host_overhead.py --hf --profile padded-decode   # cProfile of one HF call
 
 The SDPA wrapper falls back to torch for CPU tensors. Its kernel path is measured as
 ``sdpa (kernel path)`` by letting the wrapper take CPU tensors (``sdpa._KERNEL_DEVICE_TYPE`` set to
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flash_attention_sm75 as fa  # noqa: E402
+from devtools.host_reads import HostReadCounter  # noqa: E402
 from flash_attention_sm75 import sdpa as _sdpa  # noqa: E402
 
 
@@ -130,24 +131,6 @@ def kernel_path_sdpa(requires_grad: bool):
 # ---------------------------------------------------------------------------------------------
 # The transformers integration (--hf)
 # ---------------------------------------------------------------------------------------------
-
-_HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__",
-                         "cpu", "numpy", "nonzero", "equal", "allclose", "unique"})
-
-
-class HostReadCounter(torch.overrides.TorchFunctionMode):
-    """Counts the tensor functions that read values on the host (each a device synchronisation
-    on a GPU; on the CPU they cost nothing, so the timings miss them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in _HOST_READS:
-            self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
 
 def _sdpa_stub(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):

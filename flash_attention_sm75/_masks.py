@@ -79,8 +79,10 @@ class PerTensorCache:
     transformers passes the same mask (and ``position_ids``) tensor to each layer of a forward,
     so deciding once per object saves a host synchronisation per layer. An entry is used only
     for the same object (weak reference) with the same data pointer, shape, strides, dtype,
-    device, version counter and ``extra`` key; tensors without a version counter (inference
-    tensors, which can change in place unseen) are never cached. Callers use it only where
+    device, version counter and ``extra`` key (one entry per object and ``extra``); tensors
+    without a version counter (inference tensors, which can change in place unseen) are never
+    cached. Writes that bypass the version counter (through ``t.data`` or a NumPy view) are not
+    seen either, as autograd does not see them. Callers use it only where
     :func:`host_reads_allowed` holds, so no entry is consulted or made under tracing or
     capture.
     """
@@ -88,13 +90,17 @@ class PerTensorCache:
     def __init__(self, size: int = 8) -> None:
         self._size = size
         self._lock = threading.Lock()
-        self._entries: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+        self._entries: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
     @staticmethod
     def _signature(t: torch.Tensor, extra: tuple) -> Optional[tuple]:
+        # Inference tensors have no version counter. Asked first: reading their _version raises
+        # a C++ error whose backtrace costs ~50 us, twice per call (get and put).
+        if t.is_inference():
+            return None
         try:
             version = t._version
-        except Exception:  # inference tensors have no version counter
+        except RuntimeError:  # any other tensor without one
             return None
         return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
                 version) + extra
@@ -103,10 +109,11 @@ class PerTensorCache:
         signature = self._signature(t, extra)
         if signature is None:
             return None
+        key = (id(t), extra)
         with self._lock:
-            hit = self._entries.get(id(t))
+            hit = self._entries.get(key)
             if hit is not None and hit[0]() is t and hit[1] == signature:
-                self._entries.move_to_end(id(t))
+                self._entries.move_to_end(key)
                 return hit[2]
         return None
 
@@ -118,11 +125,12 @@ class PerTensorCache:
             ref = weakref.ref(t)
         except TypeError:  # pragma: no cover
             return
+        key = (id(t), extra)
         with self._lock:
             for k in [k for k, v in self._entries.items() if v[0]() is None]:
                 del self._entries[k]
-            self._entries[id(t)] = (ref, signature, value)
-            self._entries.move_to_end(id(t))
+            self._entries[key] = (ref, signature, value)
+            self._entries.move_to_end(key)
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)
 
