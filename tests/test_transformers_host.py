@@ -207,6 +207,98 @@ def test_other_call_sizes_get_their_own_entry(classifications):
 
 
 # ---------------------------------------------------------------------------------------------
+# One query row (decode): the lean classification agrees with the definition
+# ---------------------------------------------------------------------------------------------
+
+
+def _single_row_oracle(mask, batch_size, query_dtype):
+    """What a (bm, hm, 1, kv_len) mask must classify as, element by element: fallback for
+    values other than 0/-inf/minimum, heads that differ, every key hidden, or a row whose
+    visible keys are not one run; else a key range per row."""
+    if mask.dtype.is_floating_point:
+        allowed = mask == 0
+        mins = [torch.finfo(mask.dtype).min]
+        if query_dtype is not None and torch.finfo(query_dtype).min >= mins[0]:
+            mins.append(torch.finfo(query_dtype).min)
+        blocked = torch.isneginf(mask) | sum(mask == m for m in mins).bool()
+        if not bool((allowed | blocked).all()):
+            return "values other than"
+    else:
+        allowed = mask
+    if mask.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
+        return "differs between heads"
+    if not bool(allowed.any()):
+        return "hides every key"
+    lo, hi = [], []
+    for row in allowed[:, 0, 0]:
+        keys = row.nonzero().flatten().tolist()
+        if keys and keys != list(range(keys[0], keys[-1] + 1)):
+            return "non-contiguous"
+        lo.append(keys[0] if keys else 0)
+        hi.append(keys[-1] + 1 if keys else 0)
+    if len(lo) == 1:
+        lo, hi = lo * batch_size, hi * batch_size
+    return lo, hi
+
+
+def test_single_row_masks_classify_as_their_definition():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(600):
+        b, kv = [(1, 1), (2, 1), (3, 5), (4, 9), (2, 16)][trial % 5]
+        bm, hm = (1 if trial % 7 == 0 else b), (2 if trial % 5 == 3 else 1)
+        lo = torch.randint(0, kv + 1, (bm, 1, 1, 1), generator=g)
+        hi = torch.maximum(lo, torch.randint(0, kv + 1, (bm, 1, 1, 1), generator=g))
+        mask = (torch.arange(kv) >= lo) & (torch.arange(kv) < hi)
+        mask = mask.expand(bm, hm, 1, kv).clone()
+        if trial % 3 == 0:  # a flipped key: a hole, a stray key, a difference between heads
+            mask[torch.randint(0, bm, ()), torch.randint(0, hm, ()), 0,
+                 torch.randint(0, kv, ())] ^= True
+        query_dtype = torch.float16
+        if trial % 4 == 1:  # additive float forms
+            dtype = torch.float32 if trial % 8 == 1 else torch.float16
+            hidden = [float("-inf"), torch.finfo(dtype).min,
+                      torch.finfo(torch.float16).min][trial % 3]
+            mask = torch.where(mask, torch.zeros((), dtype=dtype), torch.tensor(hidden, dtype=dtype))
+            if trial % 16 == 5:
+                mask[0, 0, 0, 0] = 0.5
+        expected = _single_row_oracle(mask, b, query_dtype)
+        q_len = 1 if trial % 2 else 6  # decode, or a mask broadcast over 6 queries
+        info, reason = hf.classify_attention_mask(mask, b, q_len, kv, query_dtype)
+        if isinstance(expected, str):
+            assert info is None and expected in reason, (trial, expected, reason)
+        else:
+            assert reason is None and info.kind == "key-range" and not info.causal, (trial, reason)
+            assert info.kv_len == kv and info.leftpad_k.is_contiguous()
+            assert info.leftpad_k.tolist() == expected[0], trial
+            assert info.seqused_k.tolist() == expected[1], trial
+
+
+class _TensorCalls(torch.overrides.TorchFunctionMode):
+    """The tensor functions called (views, shape and attribute reads left out): on a GPU each
+    is a kernel launch, a few microseconds of host time."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name not in ("__get__", "__getitem__", "dim", "size", "stride", "is_inference",
+                        "data_ptr"):
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_mask_is_classified_with_few_tensor_calls():
+    mask = _decode_mask([34, 29, 34, 10], 34).clone()
+    with _TensorCalls() as calls:
+        info, _ = hf.classify_attention_mask(mask, 4, 1, 34, torch.float16)
+    assert info.leftpad_k.tolist() == [0, 5, 0, 24]
+    # 27 before the single-row path (the general one's causal, range and window passes)
+    assert len(calls.names) <= 14 and calls.names.count("tolist") == 1, calls.names
+
+
+# ---------------------------------------------------------------------------------------------
 # The mask builders: sdpa_mask's values, with a version counter
 # ---------------------------------------------------------------------------------------------
 
