@@ -102,8 +102,8 @@ class PerTensorCache:
             version = t._version
         except RuntimeError:  # any other tensor without one
             return None
-        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
-                version) + extra
+        # t.shape (a torch.Size) and t.stride() are tuples already.
+        return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version) + extra
 
     def get(self, t: torch.Tensor, extra: tuple) -> Optional[Any]:
         signature = self._signature(t, extra)

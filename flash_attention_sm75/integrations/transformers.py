@@ -252,6 +252,8 @@ def _bind_sdpa_args(args: tuple, kwargs: dict) -> Dict[str, Any]:
 
 def _unknown_kwargs(kwargs: dict) -> list:
     """Keyword arguments outside the allow-list that are set (``None`` means "not used")."""
+    if _HANDLED_KWARGS.issuperset(kwargs):  # the usual call, one set operation
+        return []
     return sorted(name for name, value in kwargs.items()
                   if name not in _HANDLED_KWARGS and value is not None)
 
@@ -704,7 +706,7 @@ def _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs):
 def _bshd_for_kernel(x: torch.Tensor) -> torch.Tensor:
     """BHSD tensor -> BSHD view the kernel accepts (a copy only if strides/alignment demand)."""
     t = x.transpose(1, 2)
-    if t.device.type == "cuda" and not _rules.is_kernel_aligned(t):
+    if t.is_cuda and not _rules.is_kernel_aligned(t):  # is_cuda: no device object per call
         t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
     return t
 
@@ -739,10 +741,17 @@ def _try_kernel(run: Callable[[], torch.Tensor], q_len: int) -> Tuple[
     return out, None
 
 
-def _stock_sdpa_forward() -> Callable:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+_SDPA_ATTENTION_MODULE: list = []
 
-    return sdpa_attention_forward
+
+def _stock_sdpa_forward() -> Callable:
+    """transformers' ``sdpa_attention_forward``, read from its module at every call (a patched
+    attribute is followed), without an import statement per call."""
+    if not _SDPA_ATTENTION_MODULE:
+        from transformers.integrations import sdpa_attention
+
+        _SDPA_ATTENTION_MODULE.append(sdpa_attention)
+    return _SDPA_ATTENTION_MODULE[0].sdpa_attention_forward
 
 
 def _fall_back(reason: str) -> None:
