@@ -4,8 +4,8 @@ Measures the Python + dispatcher time that also precedes every GPU launch. The C
 reference kernel of the op costs ~180 us even at (B=1, H=1, seqlen 1, d=64) (two dozen ATen
 ops) and varies by tens of us between runs, which hides differences of a few us; so by default
 the op's CPU kernel is replaced, in this process only, by a Python stub that just allocates the
-two outputs (~6 us, the same for every case). Differences between rows are then host overhead.
-``--real-op`` keeps the C++ kernel. Runs anywhere:
+two outputs, zero-filled (~6 us, the same for every case). Differences between rows are then
+host overhead. ``--real-op`` keeps the C++ kernel. Runs anywhere:
 
     python3 benchmarks/host_overhead.py                  # table, best of --repeats runs
     python3 benchmarks/host_overhead.py --profile NAME   # cProfile of one case (e.g. flash_attn_func)
@@ -24,15 +24,24 @@ arguments transformers passes to layer 0 at the prefill and at a decode step (Dy
 three mask forms: no padding (transformers passes ``None``), a left-padded batch (the boolean
 ``(B, 1, q_len, kv_len)`` mask of the mask builder registered for our names) and the eager
 builder's additive float mask. Each captured call is then timed through our attention function
-(with ``configure(allow_cpu_reference=True)``, so that CPU fp16 tensors take the kernel path,
-and the op stubbed as above) and through transformers' ``sdpa_attention_forward`` with
-``torch.nn.functional.scaled_dot_product_attention`` stubbed the same way (an allocation), so
-both columns are Python + dispatcher time. Our call is split into its stages. "first layer" is a
-call whose mask (and ``position_ids``) no earlier layer of the forward has seen (the caches are
-cleared before each call); "other layers" repeats the call on the same objects, as layers 1..L-1
-do; "forward of L layers" adds them up as one forward does (``--hf-layers``, in us), against
-L stock calls. "host reads" counts the calls that read tensor values on the host (``.item()``,
-``.tolist()``, ``bool()``, ...; a device synchronisation each on a GPU) in one call of ours.
+(with ``configure(allow_cpu_reference=True)``, so that CPU fp16 tensors take the kernel path)
+and through transformers' ``sdpa_attention_forward``, with both computes replaced by the same
+kind of stub at their Python names (``torch.ops.flash_attention_sm75.fwd``, which
+``_ops.call_fwd`` looks up per call, and ``torch.nn.functional.scaled_dot_product_attention``):
+both columns are Python time, without the C++ (the op's checks and launch, SDPA's backend
+choice and launch) that each side adds on a GPU. Our call is split into its stages. "first
+layer" is a call whose mask (and ``position_ids``) no earlier layer of the forward has seen (the
+caches are cleared before each call); "other layers" repeats the call on the same objects, as
+layers 1..L-1 do; "forward of L layers" adds them up as one forward does (``--hf-layers``, in
+us), against L stock calls. "host reads" counts the calls that read tensor values on the host
+(``.item()``, ``.tolist()``, ``bool()``, ...; a device synchronisation each on a GPU) in one
+call of ours.
+
+These calls repeat in a tight loop, with the interpreter's and the CPU's caches warm. A second
+table times whole forwards of a model with ``--hf-layers`` layers of tiny width, ours against
+stock (prefill and decode steps), the attention calls timed inside them (where the rest of each
+layer runs between two calls, as on a GPU host: about 3x the loop's time for both sides), with
+the host reads of one forward, transformers' own included.
 By default the capture and the timing run under ``torch.inference_mode()`` as
 ``benchmarks/bench_e2e_hf.py`` does (``--hf-grad-mode no_grad`` for ``generate()``'s own mode).
 """
@@ -41,8 +50,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import inspect
 import os
 import pstats
+import statistics
 import sys
 import time
 import warnings
@@ -68,9 +79,11 @@ def _sdpa_kernel_path_on_cpu():
 
 
 def _stub_cpu_kernel(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=True,
-                     leftpad_k=None, seqused_k=None):
+                     leftpad_k=None, seqused_k=None, *rest):
+    # Zeros, not empty memory: in a whole model the next layers compute on the output, and
+    # garbage (denormals, NaN) would change their CPU time.
     b, s, h, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
+    return torch.zeros_like(q), q.new_zeros((b, h, s), dtype=torch.float32)
 
 
 def install_stub() -> None:
@@ -109,9 +122,9 @@ def cases(requires_grad: bool):
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def time_per_call(fn, n: int, repeats: int, clock: str = "wall") -> float:
+def time_per_call(fn, n: int, repeats: int, clock: str = "wall", warmup: int = 200) -> float:
     now = CLOCKS[clock]
-    for _ in range(200):
+    for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(repeats):
@@ -132,9 +145,21 @@ def kernel_path_sdpa(requires_grad: bool):
 # The transformers integration (--hf)
 # ---------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _op_stubbed_at_its_python_name():
+    """``torch.ops.flash_attention_sm75.fwd`` (looked up by ``_ops.call_fwd`` at every call)
+    replaced by :func:`_stub_cpu_kernel` itself, as ``F.scaled_dot_product_attention`` is for
+    stock: neither side then pays a dispatcher call into a Python kernel, which on a GPU is C++
+    on both sides (the op's checks and launch; SDPA's backend choice and launch)."""
+    namespace = torch.ops.flash_attention_sm75
+    namespace.fwd  # resolved (and cached on the namespace) before it is replaced
+    with mock.patch.object(namespace, "fwd", _stub_cpu_kernel):
+        yield
+
+
 def _sdpa_stub(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
-    return query.new_empty(query.shape[:-1] + (value.shape[-1],))
+    return query.new_zeros(query.shape[:-1] + (value.shape[-1],))  # as _stub_cpu_kernel
 
 
 def hf_capture(args, grad_ctx):
@@ -218,8 +243,8 @@ def hf_stages(call):
         "  plan, other layers": lambda: hf._plan(module, q, k, mask, bound["is_causal"],
                                                  kw.get("sliding_window"), True),
         "  kernel call wrapper": lambda: hf._run_kernel(q, k, v, bound["scaling"], info, softcap),
-        "  (op alone, stubbed)": lambda: torch.ops.flash_attention_sm75.fwd(
-            qb, kb, vb, None, info.causal, True, info.leftpad_k, info.seqused_k),
+        "  (op stub alone)": lambda: _stub_cpu_kernel(qb, kb, vb, None, info.causal, True,
+                                                      info.leftpad_k, info.seqused_k),
         "  (cache clear)": clear,
     }
 
@@ -236,6 +261,103 @@ def hf_host_reads(call) -> list:
     return [len(first.names), len(other.names)]
 
 
+def _linear_stub(input, weight, bias=None):
+    return input.new_zeros(input.shape[:-1] + (weight.shape[0],))
+
+
+def hf_model_forwards(args, grad_ctx, clock: str):
+    """Whole forwards of a model with --hf-layers layers and tiny widths (TINY_CONFIGS' qwen2:
+    hidden 128, 2 heads, 1 KV head, head_dim 64), ours ("sm75_attention") against stock
+    ("sdpa"), both attention computes stubbed, and ``F.linear`` too (fp16 matrix products on a
+    CPU take ~300 us each even at these widths and would drown the difference; what is left is
+    the host work of a forward, as on a GPU when the run is host-bound): a B=1 prefill without
+    padding (``use_cache=False``, as bench_e2e_hf times it) and a decode step (DynamicCache, one
+    new token; cropped back after each call) for B=1 and a left-padded batch. Returns
+    {case: {column: value}}: ms per forward, the difference per layer in us, and the host reads
+    of one forward (ours / stock), which include transformers' own."""
+    from transformers import AttentionInterface
+    from devtools.model_configs import build_random_model
+
+    layers, s, b = args.hf_layers, args.hf_prompt, args.hf_batch
+    models = {impl: build_random_model("qwen2", dtype=torch.float16, seed=0,
+                                       num_hidden_layers=layers, attn_implementation=impl)
+              for impl in ("sdpa", "sm75_attention")}
+    g = torch.Generator().manual_seed(1)
+    rows = {}
+
+    def patches():
+        return (mock.patch.object(F, "scaled_dot_product_attention", _sdpa_stub),
+                mock.patch.object(F, "linear", _linear_stub), _op_stubbed_at_its_python_name())
+
+    # The attention calls themselves, timed inside the forwards (one more pass each).
+    inside = {}
+
+    def timing(impl, fn):
+        def timed(*a, **kw):
+            t0 = CLOCKS[clock]()
+            try:
+                return fn(*a, **kw)
+            finally:
+                inside[impl].append(CLOCKS[clock]() - t0)
+        return timed
+
+    for case, batch, pad, decode in (("prefill, B=1, no padding", 1, False, False),
+                                     ("decode step, B=1", 1, False, True),
+                                     (f"decode step, B={b} left-padded", b, True, True)):
+        ids = torch.randint(1, 128, (batch, s), generator=g)
+        am = torch.ones(batch, s, dtype=torch.long)
+        if pad:
+            for i in range(batch):
+                am[i, :(s * i) // (2 * batch)] = 0
+        fns, reads = {}, {}
+        with grad_ctx(), contextlib.ExitStack() as stack:
+            for patch in patches():
+                stack.enter_context(patch)
+            for impl, model in models.items():
+                if decode:
+                    out = model(input_ids=ids, attention_mask=am, use_cache=True)
+                    cache = out["cache"] if "cache" in out else out.past_key_values  # < 5.24
+                    step = dict(input_ids=ids[:, -1:], attention_mask=torch.cat(
+                        [am, am.new_ones(batch, 1)], dim=1), use_cache=True)
+
+                    # transformers 5.24 renamed past_key_values to cache
+                    name = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                            else "past_key_values")
+                    step[name] = cache
+
+                    def fn(model=model, step=step, cache=cache):
+                        model(**step)
+                        cache.crop(-1)  # back to the prompt: every call is the same step
+                else:
+                    def fn(model=model, ids=ids, am=am):
+                        model(input_ids=ids, attention_mask=am, use_cache=False)
+                fn()
+                with HostReadCounter() as counter:
+                    fn()
+                fns[impl], reads[impl] = fn, len(counter.names)
+            # Interleaved (stock, ours, stock, ...), each the best of its runs: a drift of the
+            # machine's speed falls on both alike.
+            best = {impl: float("inf") for impl in fns}
+            for _ in range(args.repeats):
+                for impl, fn in fns.items():
+                    best[impl] = min(best[impl], time_per_call(fn, max(1, args.n // 50), 1,
+                                                               clock, warmup=1) / 1e3)
+            for impl, fn in fns.items():
+                inside[impl] = []
+                mapping = AttentionInterface._global_mapping
+                with mock.patch.dict(mapping, {impl: timing(impl, mapping[impl])}):
+                    for _ in range(max(1, args.n // 50)):
+                        fn()
+        rows[case] = {"stock ms": best["sdpa"], "ours ms": best["sm75_attention"],
+                      "ours - stock per layer (us)":
+                          (best["sm75_attention"] - best["sdpa"]) * 1e3 / layers,
+                      "attention call stock (us)": statistics.median(inside["sdpa"]) * 1e6,
+                      "attention call ours (us)":
+                          statistics.median(inside["sm75_attention"]) * 1e6,
+                      "host reads ours / stock": f"{reads['sm75_attention']} / {reads['sdpa']}"}
+    return rows
+
+
 def hf_main(args) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from flash_attention_sm75.integrations import transformers as hf
@@ -249,7 +371,7 @@ def hf_main(args) -> None:
         form, phase = args.profile.rsplit("-", 1)
         module, q, k, v, mask, a, kw = captured[(form, phase)]
         fn = lambda: hf.flash_attention_sm75_forward(module, q, k, v, mask, *a, **kw)  # noqa
-        with grad_ctx():
+        with grad_ctx(), _op_stubbed_at_its_python_name():
             for _ in range(200):
                 fn()
             prof = cProfile.Profile()
@@ -267,7 +389,7 @@ def hf_main(args) -> None:
           f"{args.n} calls; op and F.sdpa stubbed")
     cols = []
     table = {}
-    with grad_ctx():
+    with grad_ctx(), _op_stubbed_at_its_python_name():
         for (form, phase), call in captured.items():
             module, q, k, v, mask, a, kw = call
             mshape = "None" if mask is None else f"{str(mask.dtype)[6:]} {list(mask.shape)}"
@@ -295,6 +417,18 @@ def hf_main(args) -> None:
         cells = [table[n][row] for n in names]
         cells = [c if isinstance(c, str) else f"{c:.1f}" for c in cells]
         print(f"| {row} | " + " | ".join(cells) + " |")
+
+    forwards = hf_model_forwards(args, grad_ctx, clock)
+    print(f"\nWhole forwards, {args.hf_layers} layers of tiny width (qwen2 TINY_CONFIGS), "
+          f"best of {args.repeats} x {max(1, args.n // 50)} ({clock} clock); op, F.sdpa and "
+          f"F.linear stubbed; attention calls timed inside the forwards (median)")
+    heads = list(next(iter(forwards.values())))
+    print("| forward | " + " | ".join(heads) + " |")
+    print("|---|" + "---|" * len(heads))
+    for case, cols in forwards.items():
+        cells = [c if isinstance(c, str) else f"{c:.2f}" if "ms" in h else f"{c:.1f}"
+                 for h, c in cols.items()]
+        print(f"| {case} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:

@@ -258,7 +258,8 @@ def test_single_row_masks_classify_as_their_definition():
             dtype = torch.float32 if trial % 8 == 1 else torch.float16
             hidden = [float("-inf"), torch.finfo(dtype).min,
                       torch.finfo(torch.float16).min][trial % 3]
-            mask = torch.where(mask, torch.zeros((), dtype=dtype), torch.tensor(hidden, dtype=dtype))
+            mask = torch.where(mask, torch.zeros((), dtype=dtype),
+                               torch.tensor(hidden, dtype=dtype))
             if trial % 16 == 5:
                 mask[0, 0, 0, 0] = 0.5
         expected = _single_row_oracle(mask, b, query_dtype)
