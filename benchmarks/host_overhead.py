@@ -135,6 +135,18 @@ def time_per_call(fn, n: int, repeats: int, clock: str = "wall", warmup: int = 2
     return best  # the least disturbed run (2-core machine, other processes)
 
 
+def profile(fn, n: int) -> None:
+    """cProfile of n calls after 200 warm-up calls, the 25 functions with the most own time."""
+    for _ in range(200):
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def kernel_path_sdpa(requires_grad: bool):
     qh, kh, vh = [torch.randn(1, 1, 1, 64, dtype=torch.float16, requires_grad=requires_grad)
                   for _ in range(3)]
@@ -370,16 +382,9 @@ def hf_main(args) -> None:
     if args.profile:
         form, phase = args.profile.rsplit("-", 1)
         module, q, k, v, mask, a, kw = captured[(form, phase)]
-        fn = lambda: hf.flash_attention_sm75_forward(module, q, k, v, mask, *a, **kw)  # noqa
         with grad_ctx(), _op_stubbed_at_its_python_name():
-            for _ in range(200):
-                fn()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.n):
-                fn()
-            prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            profile(lambda: hf.flash_attention_sm75_forward(module, q, k, v, mask, *a, **kw),
+                    args.n)
         return
 
     clock = args.clock or "cpu"
@@ -469,14 +474,7 @@ def main() -> None:
         fns["sdpa (kernel path)"] = kernel_path_sdpa(args.grad)
         fn = fns[args.profile]
         with _sdpa_kernel_path_on_cpu() if "kernel" in args.profile else contextlib.nullcontext():
-            for _ in range(200):
-                fn()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.n):
-                fn()
-            prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            profile(fn, args.n)
         return
 
     clock = args.clock or "wall"

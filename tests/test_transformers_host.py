@@ -34,28 +34,22 @@ from flash_attention_sm75 import _masks, _ops  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
 from devtools.host_reads import HostReadCounter  # noqa: E402
 from devtools.model_configs import build_random_model, make_config  # noqa: E402
-from test_transformers import _hf_mask, _padded_batch  # noqa: E402
+# _clean_state (autouse): settings, patch, statistics and caches reset around each test
+from test_transformers import _clean_state, _hf_mask, _padded_batch  # noqa: E402,F401
 
 needs_op = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
                               reason=f"extension not built: {_ops.EXTENSION_ERROR}")
 
 
 @pytest.fixture(autouse=True)
-def _clean_state():
-    attention = dict(AttentionInterface._global_mapping)
-    masks = dict(AttentionMaskInterface._global_mapping)
-    settings = hf.configure()
-    hf.remove_patch()
-    hf.reset_stats()
-    hf._clear_classification_cache()
+def _registries():
+    """transformers' attention and mask-builder registries as they were before the test."""
+    saved = [(m, dict(m)) for m in (AttentionInterface._global_mapping,
+                                    AttentionMaskInterface._global_mapping)]
     yield
-    hf.remove_patch()
-    hf.configure(**settings)
-    hf._clear_classification_cache()
-    AttentionInterface._global_mapping.clear()
-    AttentionInterface._global_mapping.update(attention)
-    AttentionMaskInterface._global_mapping.clear()
-    AttentionMaskInterface._global_mapping.update(masks)
+    for mapping, entries in saved:
+        mapping.clear()
+        mapping.update(entries)
 
 
 @pytest.fixture
