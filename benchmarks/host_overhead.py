@@ -248,7 +248,9 @@ def hf_stages(call):
         "ours, first layer": first_layer,
         "ours, other layers": lambda: fwd(module, q, k, v, mask, *a, **kw),
         "  argument binding": lambda: (hf._bind_sdpa_args(a, kw), hf._softcap_kwarg(kw)),
-        "  packed/window check": lambda: hf._explicit_mask(module, q, k, mask, bound, kw),
+        # None for these calls (not packed): the test whether they are
+        "  packed-sequence check": lambda: hf._packed_attention(
+            hf._stock_sdpa_forward(), module, q, k, v, mask, bound, kw, softcap),
         "  allow-list + rules": lambda: hf._unsupported_reason(module, q, k, v, mask, bound, kw,
                                                                softcap),
         "  plan, first layer": plan_first,
