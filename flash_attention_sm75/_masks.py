@@ -79,8 +79,10 @@ class PerTensorCache:
     transformers passes the same mask (and ``position_ids``) tensor to each layer of a forward,
     so deciding once per object saves a host synchronisation per layer. An entry is used only
     for the same object (weak reference) with the same data pointer, shape, strides, dtype,
-    device, version counter and ``extra`` key; tensors without a version counter (inference
-    tensors, which can change in place unseen) are never cached. Callers use it only where
+    device, version counter and ``extra`` key (one entry per object and ``extra``); tensors
+    without a version counter (inference tensors, which can change in place unseen) are never
+    cached. Writes that bypass the version counter (through ``t.data`` or a NumPy view) are not
+    seen either, as autograd does not see them. Callers use it only where
     :func:`host_reads_allowed` holds, so no entry is consulted or made under tracing or
     capture.
     """
@@ -88,25 +90,30 @@ class PerTensorCache:
     def __init__(self, size: int = 8) -> None:
         self._size = size
         self._lock = threading.Lock()
-        self._entries: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+        self._entries: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
     @staticmethod
     def _signature(t: torch.Tensor, extra: tuple) -> Optional[tuple]:
+        # Inference tensors have no version counter. Asked first: reading their _version raises
+        # a C++ error whose backtrace costs ~50 us, twice per call (get and put).
+        if t.is_inference():
+            return None
         try:
             version = t._version
-        except Exception:  # inference tensors have no version counter
+        except RuntimeError:  # any other tensor without one
             return None
-        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
-                version) + extra
+        # t.shape (a torch.Size) and t.stride() are tuples already.
+        return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version) + extra
 
     def get(self, t: torch.Tensor, extra: tuple) -> Optional[Any]:
         signature = self._signature(t, extra)
         if signature is None:
             return None
+        key = (id(t), extra)
         with self._lock:
-            hit = self._entries.get(id(t))
+            hit = self._entries.get(key)
             if hit is not None and hit[0]() is t and hit[1] == signature:
-                self._entries.move_to_end(id(t))
+                self._entries.move_to_end(key)
                 return hit[2]
         return None
 
@@ -118,11 +125,12 @@ class PerTensorCache:
             ref = weakref.ref(t)
         except TypeError:  # pragma: no cover
             return
+        key = (id(t), extra)
         with self._lock:
             for k in [k for k, v in self._entries.items() if v[0]() is None]:
                 del self._entries[k]
-            self._entries[id(t)] = (ref, signature, value)
-            self._entries.move_to_end(id(t))
+            self._entries[key] = (ref, signature, value)
+            self._entries.move_to_end(key)
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)
 
@@ -169,6 +177,50 @@ def _describe_mismatch(allowed: torch.Tensor) -> str:
     return "mask is not causal AND a per-row key range (arbitrary mask)"
 
 
+def _invalid_reason(mask: torch.Tensor, invalid: list) -> Optional[str]:
+    """Why the mask's values cannot run at all, from the flags gathered by
+    :func:`_classify_uncached` (float masks: other values, empty rows hidden by a finite
+    minimum; masks with heads: a difference between heads), or None."""
+    if mask.dtype != torch.bool and invalid[0]:
+        return "float attention_mask has values other than 0 and -inf/min-dtype"
+    if mask.dtype != torch.bool and invalid[1]:
+        return ("a query row sees no key but is hidden by the dtype's finite minimum, not "
+                "-inf (torch averages V over such a row; the kernel gives 0)")
+    if mask.shape[1] > 1 and invalid[-1]:
+        return "attention_mask differs between heads"
+    return None
+
+
+def _classify_single_row(mask: torch.Tensor, row: torch.Tensor, flags: list, batch_size: int,
+                         kv_len: int) -> "_Classification":
+    """A mask with one query row, ``row`` its (bm, kv_len) boolean "visible" values: decode
+    (q_len == 1), or a mask the same for every query. Its only pattern is a key range (one row
+    has no causal diagonal to speak of; the same keys for every query are not causal), so the
+    general passes are not needed: the visible keys of a row are a range iff they form at most
+    one run. About half the device work of the general case (ten small kernels for a boolean
+    mask), and the same single host read: ``flags`` (:func:`_classify_uncached`'s) with the
+    largest run count and visible-key count."""
+    r = row.to(torch.int32)
+    count = r.sum(-1, dtype=torch.int32)  # visible keys per row
+    lo = r.argmax(-1).to(torch.int32)  # the first (0 in an empty row)
+    hi = lo + count  # one past the last when they are one run (0 in an empty row)
+    runs = (r[:, 1:] > r[:, :-1]).sum(-1, dtype=torch.int32) + r[:, 0]  # runs of visible keys
+    values = torch.stack([f.to(torch.int32) for f in flags]
+                         + [runs.amax(), count.amax()]).tolist()
+    max_runs, max_count = values[-2:]
+    reason = _invalid_reason(mask, values[:-2])
+    if reason is not None:
+        return None, reason
+    if max_count == 0:
+        return None, "attention_mask hides every key"
+    if max_runs > 1:
+        return None, _describe_mismatch(row[:, None, :])
+    if row.shape[0] != batch_size:
+        lo = lo.expand(batch_size).contiguous()
+        hi = hi.expand(batch_size).contiguous()
+    return MaskInfo(False, kv_len, lo, hi, "key-range"), None
+
+
 def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: int,
                        query_dtype: Optional[torch.dtype],
                        exact_empty_rows: bool = False,
@@ -206,6 +258,8 @@ def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: 
         flags.append((allowed != allowed[:, :1]).any())
     allowed = allowed[:, 0]  # (bm, sqm, kv_len)
     n_invalid = len(flags)
+    if sqm == 1:
+        return _classify_single_row(mask, allowed[:, 0], flags, batch_size, kv_len)
 
     dev = allowed.device
     col_any = allowed.any(dim=1)  # (bm, kv_len): key j visible to some query of row b
@@ -225,17 +279,13 @@ def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: 
     # rows also see only the window's last `sliding_window` keys up to the diagonal (the op's
     # window (sliding_window - 1, 0)). A mask matching both A and A' (no row reaches past its
     # window) runs as A.
-    causal_possible = sqm == q_len and q_len > 1
-    windowed = causal_possible and sliding_window is not None
+    # Here sqm == q_len > 1 (one query row went to _classify_single_row).
+    windowed = sliding_window is not None
     i = torch.arange(q_len, device=dev)[:, None]
-    yes = torch.ones((), dtype=torch.bool, device=dev)
-    if causal_possible:
-        for off in (kv_len - q_len, max_hi - q_len):
-            expected = in_range[:, None, :] & (j[None, :] <= i + off)[None]
-            flags.append(expected.bitwise_xor_(allowed).any())
-            del expected
-    else:
-        flags.extend([yes] * 2)
+    for off in (kv_len - q_len, max_hi - q_len):
+        expected = in_range[:, None, :] & (j[None, :] <= i + off)[None]
+        flags.append(expected.bitwise_xor_(allowed).any())
+        del expected
     flags.append((allowed ^ in_range[:, None, :]).any())
     if windowed:
         for off in (kv_len - q_len, max_hi - q_len):
@@ -244,19 +294,15 @@ def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: 
             flags.append(expected.bitwise_xor_(allowed).any())
             del expected, dist
     else:
-        flags.extend([yes] * 2)
+        flags.extend([torch.ones((), dtype=torch.bool, device=dev)] * 2)
 
     values = torch.stack([f.to(torch.int64) for f in flags] + [max_hi.to(torch.int64)]).tolist()
     invalid = values[:n_invalid]
     mis_a, mis_b, mis_c, mis_aw, mis_bw, max_hi_val = values[n_invalid:]
 
-    if mask.dtype != torch.bool and invalid[0]:
-        return None, "float attention_mask has values other than 0 and -inf/min-dtype"
-    if mask.dtype != torch.bool and invalid[1]:
-        return None, ("a query row sees no key but is hidden by the dtype's finite minimum, not "
-                      "-inf (torch averages V over such a row; the kernel gives 0)")
-    if hm > 1 and invalid[-1]:
-        return None, "attention_mask differs between heads"
+    reason = _invalid_reason(mask, invalid)
+    if reason is not None:
+        return None, reason
 
     if bm != batch_size:
         lo = lo.expand(batch_size)
@@ -266,24 +312,19 @@ def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: 
 
     if max_hi_val == 0:
         return None, "attention_mask hides every key"
-    if q_len == 1:
-        # A single query row: the causal diagonal (bottom-right) hides nothing, so A == C.
-        if not mis_c:
-            return MaskInfo(False, kv_len, leftpad, seqused, "key-range"), None
-    else:
-        if not mis_a:
-            return MaskInfo(True, kv_len, leftpad, seqused, "causal+key-range"), None
-        if not mis_b:
-            return MaskInfo(True, int(max_hi_val), leftpad, seqused,
-                            "causal+key-range (truncated keys)"), None
-        if not mis_c:
-            return MaskInfo(False, kv_len, leftpad, seqused, "key-range"), None
-        window = (sliding_window - 1, 0) if windowed else (-1, -1)
-        if not mis_aw:
-            return MaskInfo(True, kv_len, leftpad, seqused, "causal+key-range+window", window), None
-        if not mis_bw:
-            return MaskInfo(True, int(max_hi_val), leftpad, seqused,
-                            "causal+key-range+window (truncated keys)", window), None
+    if not mis_a:
+        return MaskInfo(True, kv_len, leftpad, seqused, "causal+key-range"), None
+    if not mis_b:
+        return MaskInfo(True, int(max_hi_val), leftpad, seqused,
+                        "causal+key-range (truncated keys)"), None
+    if not mis_c:
+        return MaskInfo(False, kv_len, leftpad, seqused, "key-range"), None
+    window = (sliding_window - 1, 0) if windowed else (-1, -1)
+    if not mis_aw:
+        return MaskInfo(True, kv_len, leftpad, seqused, "causal+key-range+window", window), None
+    if not mis_bw:
+        return MaskInfo(True, int(max_hi_val), leftpad, seqused,
+                        "causal+key-range+window (truncated keys)", window), None
     return None, _describe_mismatch(allowed)
 
 

@@ -99,7 +99,7 @@ def test_registered_with_transformers():
     hf.register()  # idempotent
     assert "flash_attention_sm75" in ALL_ATTENTION_FUNCTIONS.valid_keys()
     assert ALL_ATTENTION_FUNCTIONS["flash_attention_sm75"] is hf.flash_attention_sm75_forward
-    assert ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_sm75"] is sdpa_mask
+    assert ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_sm75"].__wrapped__ is sdpa_mask
     import flash_attention_sm75
     assert flash_attention_sm75.apply_patch is hf.apply_patch
     assert flash_attention_sm75.remove_patch is hf.remove_patch

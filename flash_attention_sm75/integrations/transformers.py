@@ -252,6 +252,8 @@ def _bind_sdpa_args(args: tuple, kwargs: dict) -> Dict[str, Any]:
 
 def _unknown_kwargs(kwargs: dict) -> list:
     """Keyword arguments outside the allow-list that are set (``None`` means "not used")."""
+    if _HANDLED_KWARGS.issuperset(kwargs):  # the usual call, one set operation
+        return []
     return sorted(name for name, value in kwargs.items()
                   if name not in _HANDLED_KWARGS and value is not None)
 
@@ -704,7 +706,7 @@ def _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs):
 def _bshd_for_kernel(x: torch.Tensor) -> torch.Tensor:
     """BHSD tensor -> BSHD view the kernel accepts (a copy only if strides/alignment demand)."""
     t = x.transpose(1, 2)
-    if t.device.type == "cuda" and not _rules.is_kernel_aligned(t):
+    if t.is_cuda and not _rules.is_kernel_aligned(t):  # is_cuda: no device object per call
         t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
     return t
 
@@ -739,10 +741,17 @@ def _try_kernel(run: Callable[[], torch.Tensor], q_len: int) -> Tuple[
     return out, None
 
 
-def _stock_sdpa_forward() -> Callable:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+_SDPA_ATTENTION_MODULE: list = []
 
-    return sdpa_attention_forward
+
+def _stock_sdpa_forward() -> Callable:
+    """transformers' ``sdpa_attention_forward``, read from its module at every call (a patched
+    attribute is followed), without an import statement per call."""
+    if not _SDPA_ATTENTION_MODULE:
+        from transformers.integrations import sdpa_attention
+
+        _SDPA_ATTENTION_MODULE.append(sdpa_attention)
+    return _SDPA_ATTENTION_MODULE[0].sdpa_attention_forward
 
 
 def _fall_back(reason: str) -> None:
@@ -909,6 +918,48 @@ def flash_attention_sm75_forward(
 _REGISTER_LOCK = threading.RLock()
 
 
+def _version_counted(builder: Callable) -> Callable:
+    """``builder`` (a transformers mask builder such as ``sdpa_mask``) whose masks have a version
+    counter.
+
+    Under ``torch.inference_mode()`` (where ``generate()`` is often called) every tensor is an
+    inference tensor, which has no version counter, so the classification cache
+    (``_masks.PerTensorCache``) cannot tell the mask from one mutated in place and never keeps
+    it: every layer of a forward would classify the same mask again, with a host read each.
+    The builder runs with inference mode off instead; the mask (the builder's own values) is an
+    ordinary tensor, classified once per forward. Not while torch.compile or torch.jit trace
+    (nothing is cached there), and a builder that cannot run outside inference mode (a mask
+    function updating an inference tensor in place) runs as given.
+    """
+
+    @functools.wraps(builder)
+    def build(*args, **kwargs):
+        # is_compiling() first: dynamo cannot trace is_inference_mode_enabled().
+        if (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+                and torch.is_inference_mode_enabled()):
+            try:
+                with torch.inference_mode(False):
+                    return builder(*args, **kwargs)
+            except RuntimeError as e:
+                if "inference" not in str(e).lower():
+                    raise
+        return builder(*args, **kwargs)
+
+    build._flash_attention_sm75_version_counted = True
+    return build
+
+
+_MASK_BUILDERS: Dict[Callable, Callable] = {}
+
+
+def _kernel_mask_builder(builder: Callable) -> Callable:
+    """The one :func:`_version_counted` wrapper of ``builder`` (registration is idempotent)."""
+    wrapper = _MASK_BUILDERS.get(builder)
+    if wrapper is None:
+        wrapper = _MASK_BUILDERS[builder] = _version_counted(builder)
+    return wrapper
+
+
 def _install_flash_name_guard() -> None:
     """Stop transformers from trying to import a FlashAttention package for our name.
 
@@ -955,7 +1006,10 @@ def register() -> None:
 
     Registers :func:`flash_attention_sm75_forward` with ``transformers.AttentionInterface`` and
     transformers' SDPA mask builder (``masking_utils.sdpa_mask``) with ``AttentionMaskInterface``
-    under two names (without a mask builder transformers would pass no padding mask):
+    under two names (without a mask builder transformers would pass no padding mask); the builder
+    is wrapped so that its masks have a version counter under ``torch.inference_mode()`` too,
+    which lets the integration classify a mask once per forward rather than once per layer
+    (the values are ``sdpa_mask``'s):
 
     * ``"sm75_attention"`` (:data:`ATTENTION_NAME_PLAIN`), recommended: transformers treats it
       like any custom implementation, so every model calls it as it calls ``"sdpa"`` (vision
@@ -976,7 +1030,7 @@ def register() -> None:
     with _REGISTER_LOCK:
         for name in ATTENTION_NAMES:
             AttentionInterface.register(name, flash_attention_sm75_forward)
-            AttentionMaskInterface.register(name, sdpa_mask)
+            AttentionMaskInterface.register(name, _kernel_mask_builder(sdpa_mask))
         _install_flash_name_guard()
 
 
@@ -997,9 +1051,9 @@ class _PatchLayer:
 class _PatchState:
     def __init__(self) -> None:
         self.active = False
-        # The model_types of the newest layer (what the wrapper reads on every call).
+        # The model_types of the newest layer (what the wrappers read on every call).
         self.model_types: Optional[frozenset] = None
-        # (mapping dict, key, previous function, wrapper, alive-flag list)
+        # (mapping dict, key, previous function, wrapper, alive-flag list, what the entry is)
         self.entries: list = []
         # The apply_patch() calls in effect, oldest first. The wrapper is installed iff this is
         # non-empty, and model_types is the newest layer's.
@@ -1026,15 +1080,34 @@ def _make_sdpa_wrapper(previous: Callable) -> Tuple[Callable, list]:
     return sdpa_attention_forward, alive
 
 
+def _make_sdpa_mask_wrapper(previous: Callable) -> Tuple[Callable, list]:
+    """The ``"sdpa"`` mask builder for the routed model types: ``previous``'s masks, with a
+    version counter (:func:`_version_counted`), so that the patched attention classifies a mask
+    once per forward under ``torch.inference_mode()`` too. Other models get ``previous``'s."""
+    alive = [True]
+    counted = _version_counted(previous)
+
+    @functools.wraps(previous)
+    def sdpa_mask(*args, **kwargs):
+        if alive[0] and _PATCH.active:
+            types = _PATCH.model_types
+            if types is None or getattr(kwargs.get("config"), "model_type", None) in types:
+                return counted(*args, **kwargs)
+        return previous(*args, **kwargs)
+
+    sdpa_mask._flash_attention_sm75_patch = True
+    return sdpa_mask, alive
+
+
 def _uninstall() -> None:
     """Put the previous ``"sdpa"`` functions back and forget every layer (lock held)."""
-    for mapping, key, previous, wrapper, alive in _PATCH.entries:
+    for mapping, key, previous, wrapper, alive, what in _PATCH.entries:
         alive[0] = False
         if mapping.get(key) is wrapper:
             mapping[key] = previous
         else:
-            logger.warning("the 'sdpa' attention entry was replaced after apply_patch(); "
-                           "leaving it in place (our wrapper inside it is now inactive)")
+            logger.warning("the 'sdpa' %s entry was replaced after apply_patch(); leaving it in "
+                           "place (our wrapper inside it is now inactive)", what)
     _PATCH.entries = []
     _PATCH.layers = []
     _PATCH.active = False
@@ -1116,7 +1189,10 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
     Models look the function up at every forward, so models loaded before and after the patch
     are affected. Attention layers whose ``config.model_type`` is not in ``model_types``, and
     calls after :func:`remove_patch`, go to the previous function unchanged. Unsupported calls
-    fall back to the previous function too (see :func:`flash_attention_sm75_forward`).
+    fall back to the previous function too (see :func:`flash_attention_sm75_forward`). The
+    ``"sdpa"`` entry of ``AttentionMaskInterface`` is wrapped alongside: for the routed model
+    types it builds the same masks with a version counter under ``torch.inference_mode()``
+    (see :func:`register`), and both entries are restored together.
 
     Parameters
     ----------
@@ -1147,6 +1223,7 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
     when it was the only one. Removal in any order is supported (:class:`PatchHandle`).
     :func:`remove_patch` removes the patch whatever the number of calls in effect.
     """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     if isinstance(model_types, str):
@@ -1164,15 +1241,21 @@ def apply_patch(model_types: Optional[Iterable[str]] = DEFAULT_PATCH_MODEL_TYPES
         installed = not _PATCH.active
         if installed:
             entries = []
-            maps = [AttentionInterface._global_mapping]
-            local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", None)
-            if isinstance(local, dict) and "sdpa" in local:
-                maps.append(local)
-            for mapping in maps:
-                previous = mapping["sdpa"]
-                wrapper, alive = _make_sdpa_wrapper(previous)
-                mapping["sdpa"] = wrapper
-                entries.append((mapping, "sdpa", previous, wrapper, alive))
+            for interface, registry, make, what in (
+                    (AttentionInterface, ALL_ATTENTION_FUNCTIONS, _make_sdpa_wrapper, "attention"),
+                    (AttentionMaskInterface, ALL_MASK_ATTENTION_FUNCTIONS,
+                     _make_sdpa_mask_wrapper, "mask builder")):
+                maps = [interface._global_mapping]
+                local = getattr(registry, "_local_mapping", None)
+                if isinstance(local, dict) and "sdpa" in local:
+                    maps.append(local)
+                for mapping in maps:
+                    if "sdpa" not in mapping:  # pragma: no cover - no such builder to wrap
+                        continue
+                    previous = mapping["sdpa"]
+                    wrapper, alive = make(previous)
+                    mapping["sdpa"] = wrapper
+                    entries.append((mapping, "sdpa", previous, wrapper, alive, what))
             _PATCH.entries = entries
             _PATCH.layers = []
             _PATCH.active = True
