@@ -80,24 +80,32 @@ class PerTensorCache:
     so deciding once per object saves a host synchronisation per layer. An entry is used only
     for the same object (weak reference) with the same data pointer, shape, strides, dtype,
     device, version counter and ``extra`` key (one entry per object and ``extra``); tensors
-    without a version counter (inference tensors, which can change in place unseen) are never
-    cached. Writes that bypass the version counter (through ``t.data`` or a NumPy view) are not
+    without a version counter (inference tensors, which can change in place unseen) are not
+    cached, unless ``verify_inference`` (then each hit checks their values against a copy, on
+    the device, failing loudly on a change). Writes that bypass the version counter (through ``t.data`` or a NumPy view) are not
     seen either, as autograd does not see them. Callers use it only where
     :func:`host_reads_allowed` holds, so no entry is consulted or made under tracing or
     capture.
     """
 
-    def __init__(self, size: int = 8) -> None:
+    def __init__(self, size: int = 8, verify_inference: bool = False) -> None:
         self._size = size
+        # verify_inference: inference tensors are cached too, with a copy of their values; a hit
+        # enqueues a comparison with the copy that fails loudly (torch._assert_async: an error
+        # on the CPU, a device-side assertion on CUDA) if they changed in place. For small
+        # tensors read on every layer (position_ids under inference_mode, as generate() runs):
+        # one small kernel per layer instead of a host synchronisation per layer.
+        self._verify_inference = verify_inference
         self._lock = threading.Lock()
         self._entries: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
-    @staticmethod
-    def _signature(t: torch.Tensor, extra: tuple) -> Optional[tuple]:
+    def _signature(self, t: torch.Tensor, extra: tuple) -> Optional[tuple]:
         # Inference tensors have no version counter. Asked first: reading their _version raises
         # a C++ error whose backtrace costs ~50 us, twice per call (get and put).
         if t.is_inference():
-            return None
+            if not self._verify_inference:
+                return None
+            return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, "inference") + extra
         try:
             version = t._version
         except RuntimeError:  # any other tensor without one
@@ -112,10 +120,15 @@ class PerTensorCache:
         key = (id(t), extra)
         with self._lock:
             hit = self._entries.get(key)
-            if hit is not None and hit[0]() is t and hit[1] == signature:
-                self._entries.move_to_end(key)
-                return hit[2]
-        return None
+            if hit is None or hit[0]() is not t or hit[1] != signature:
+                return None
+            self._entries.move_to_end(key)
+        if hit[3] is not None:  # an inference tensor: its values must be the ones cached
+            torch._assert_async((t == hit[3]).all(),
+                                "flash_attention_sm75: a tensor whose values were cached "
+                                "(position_ids) was changed in place under inference_mode; "
+                                "pass a new tensor instead")
+        return hit[2]
 
     def put(self, t: torch.Tensor, extra: tuple, value: Any) -> None:
         signature = self._signature(t, extra)
@@ -125,11 +138,12 @@ class PerTensorCache:
             ref = weakref.ref(t)
         except TypeError:  # pragma: no cover
             return
+        snapshot = t.detach().clone() if t.is_inference() else None
         key = (id(t), extra)
         with self._lock:
             for k in [k for k, v in self._entries.items() if v[0]() is None]:
                 del self._entries[k]
-            self._entries[key] = (ref, signature, value)
+            self._entries[key] = (ref, signature, value, snapshot)
             self._entries.move_to_end(key)
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)
@@ -141,7 +155,7 @@ class PerTensorCache:
 
 _MASK_CACHE = PerTensorCache()
 # Packed-sequence detection from position_ids (the transformers integration).
-POSITION_IDS_CACHE = PerTensorCache()
+POSITION_IDS_CACHE = PerTensorCache(verify_inference=True)
 
 
 def _blocked_values(mask: torch.Tensor, query_dtype: Optional[torch.dtype]) -> torch.Tensor:

@@ -383,3 +383,24 @@ def test_results_equal_those_with_sdpa_mask_itself(family):
     for x, y in zip(ours.logits, stock.logits):
         assert torch.equal(x, y)
     assert hf.get_stats()["fallback"] == 0
+
+
+def test_inference_mode_position_ids_are_read_once_and_verified_on_the_device():
+    # generate() runs under inference_mode, where position_ids are inference tensors (no version
+    # counter): they are cached with a copy of their values, so the packing decision is read on
+    # the host once per tensor, not once per layer; a change in place fails loudly on the next
+    # layer (torch._assert_async), never a stale answer.
+    q = torch.zeros(1, 2, 8, 16)
+    with torch.inference_mode():
+        pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
+        with HostReadCounter() as first:
+            a = hf._packed_position_ids({"position_ids": pos}, q, q)
+        with HostReadCounter() as again:
+            b = hf._packed_position_ids({"position_ids": pos}, q, q)
+        assert len(first) == 1 and len(again) == 0
+        assert a is not None and b is not None and a.max_q == b.max_q == 4
+        assert torch.equal(a.cu_varlen, b.cu_varlen)
+        assert a.cu_varlen.tolist() == [0, 3, 7, 8]
+        pos[0, 3] = 3  # one document less, in place
+        with pytest.raises(RuntimeError, match="changed in place"):
+            hf._packed_position_ids({"position_ids": pos}, q, q)
