@@ -265,6 +265,14 @@ def _call(name: str, args: tuple, deterministic: bool):
     autograd kernel (the twin ``<name>_deterministic_bwd`` for ``deterministic``) or below it.
     The op is looked up per call: tests spy on the attribute."""
     q, k, v, alibi_slopes = args[0], args[1], args[2], args[-1]
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.numel():
+        # A NaN or infinite slope would give NaN outputs; its values live on the device, so
+        # the check is a device-side assertion there (ValueError on the CPU), never silent.
+        from . import _packing
+
+        _packing.check_on_device(torch.isfinite(alibi_slopes).all(),
+                                 "flash_attention_sm75: alibi_slopes must be finite, got a NaN "
+                                 "or infinite slope")
     ns = torch.ops.flash_attention_sm75
     if _autograd_must_run(q, k, v, alibi_slopes):
         return getattr(ns, name + "_deterministic_bwd" if deterministic else name)(*args)

@@ -648,3 +648,18 @@ def test_fa2_functions_on_the_kernels(softcap, alibi):
     ref, _ = _cache_ref(q[:, :1].cpu(), k.cpu(), v.cpu(), [0, 0], seqlens.cpu(), False, softcap,
                         None if slopes is None else slopes.cpu())
     assert (out.cpu().double() - ref).abs().max() <= 4e-3 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_alibi_slopes_are_refused_not_a_silent_nan(bad):
+    # Every door goes through _ops.call_fwd / call_varlen_fwd, which check the slopes' values
+    # (on the CPU a ValueError; on CUDA a device-side assertion, the values live there).
+    from flash_attention_sm75 import fa2
+
+    q = torch.randn(1, 5, 2, 32).half()
+    slopes = torch.tensor([0.5, bad], dtype=torch.float32)
+    with pytest.raises(ValueError, match="alibi_slopes must be finite"):
+        fa2.flash_attn_func(q, q, q, alibi_slopes=slopes)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="alibi_slopes must be finite"):
+        fa2.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 5, 5, alibi_slopes=slopes)
