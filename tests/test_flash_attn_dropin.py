@@ -1066,3 +1066,22 @@ def test_kvcache_refuses_a_cache_that_requires_grad():
     kc = rand(1, 8, 2, 32).requires_grad_()
     with pytest.raises(fa2.UnsupportedFeatureError, match="no backward"):
         fa2.flash_attn_with_kvcache(q, kc, kc.detach().clone())
+
+
+def test_kvcache_on_the_varlen_op_compiles_fullgraph_on_cpu():
+    # The per-sequence-aligned KV-cache route (causal chunk, ALiBi, cache_seqlens; the varlen op,
+    # test_kvcache_per_sequence_alignment_runs_on_the_varlen_op) under
+    # torch.compile(fullgraph=True): the same results and cache writes as eager.
+    torch._dynamo.reset()
+    kvcache = torch.compile(fa2.flash_attn_with_kvcache, fullgraph=True)
+    q, kn, vn = rand(2, 3, 4, 16, seed=4), rand(2, 2, 2, 16), rand(2, 2, 2, 16)
+    kc, vc = rand(2, 8, 2, 16), rand(2, 8, 2, 16)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    slopes = torch.rand(4)
+    kw = dict(causal=True, alibi_slopes=slopes, return_softmax_lse=True)
+    with torch.no_grad():
+        ref, ref_lse = fa2.flash_attn_with_kvcache(q, kc_ref, vc_ref, kn, vn,
+                                                   cache_seqlens=_i32(3, 5), **kw)
+        out, lse = kvcache(q, kc, vc, kn, vn, cache_seqlens=_i32(3, 5), **kw)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
