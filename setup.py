@@ -158,7 +158,8 @@ def build_ext_class(cpp_extension, torch, nvcc):
 def sources():
     files = ["csrc/flash_api.cpp", "csrc/torch_bindings.cpp", "csrc/python_module.cpp",
              "csrc/kernels/flash_fwd_dispatch.cpp", "csrc/flash_bwd_api.cpp",
-             "csrc/kernels/flash_bwd_dispatch.cpp", "csrc/flash_varlen_api.cpp"]
+             "csrc/kernels/flash_bwd_dispatch.cpp", "csrc/flash_varlen_api.cpp",
+             "csrc/flash_kvcache_api.cpp", "csrc/kernels/kvcache_append.cu"]
     files += sorted(glob.glob("csrc/kernels/instantiations/*.cu"))
     return files
 

@@ -273,6 +273,20 @@ void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::T
   params.alibi_offset = causal_offset(params.seqlen_q, params.seqlen_k, causal_bottom_right);
 }
 
+void set_per_seq_diagonals(Flash_fwd_params& params, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                           bool is_causal, int64_t window_size_left, int64_t window_size_right) {
+  params.per_seq_offset = true;
+  // A side beyond `lim` keys hides nothing in any entry (|key_end - seqlen_q| <= 2^30).
+  const int64_t lim = std::min<int64_t>(max_seqlen_q + max_seqlen_k + 1, int64_t{1} << 30);
+  params.is_causal = is_causal || window_size_left >= 0 || window_size_right >= 0;
+  params.causal_offset = static_cast<int>(
+      is_causal ? 0 : (window_size_right >= 0 ? std::min(window_size_right, lim) : lim));
+  params.window_lower = window_size_left >= 0
+                            ? static_cast<int>(-std::min(window_size_left, lim))
+                            : kNoWindowLower;
+  params.alibi_offset = 0;
+}
+
 std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v,
                                            std::optional<double> softmax_scale, bool is_causal,
@@ -307,20 +321,27 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                    seqused_k, window_size_left, window_size_right, softcap, alibi_slopes);
   set_plan_device(params, q.get_device());
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
+  run_fwd_planned(params, q, /*decode_allowed=*/true);
+  return {out, lse};
+}
+
+void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_allowed) {
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {
-    const DecodePlan dp = plan_decode(params.b, params.h, params.h_k, params.seqlen_q,
-                                      params.seqlen_k,
-                                      flash_sm75::decode_head_dim(flash_sm75::head_dim_bucket(d)),
-                                      params.num_sms, env_decode_enabled());
+    const DecodePlan dp =
+        plan_decode(params.b, params.h, params.h_k, params.seqlen_q, params.seqlen_k,
+                    flash_sm75::decode_head_dim(flash_sm75::head_dim_bucket(params.d)),
+                    params.num_sms, decode_allowed && env_decode_enabled());
     if (dp.use) {
       params.decode_ratio_bucket = dp.ratio_bucket;
       params.num_splits = dp.num_splits;
       params.keys_per_split = dp.keys_per_split;
       if (dp.num_splits > 1) {
         const auto f32 = q.options().dtype(at::kFloat);
-        oaccum = at::empty({dp.num_splits, b, h, d}, f32);  // indexed with d, not the bucket
-        lseaccum = at::empty({2, dp.num_splits, b, h}, f32);  // each split's max m, then sum l
+        // indexed with d, not the bucket
+        oaccum = at::empty({dp.num_splits, params.b, params.h, params.d}, f32);
+        // each split's max m, then sum l
+        lseaccum = at::empty({2, dp.num_splits, params.b, params.h}, f32);
         params.oaccum_ptr = oaccum.data_ptr<float>();
         params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();
       }
@@ -332,7 +353,6 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
     TORCH_CHECK_VALUE(false, e.what());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {out, lse};
 }
 
 namespace {

@@ -158,6 +158,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1,
     double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
+// Launches the forward for filled params on q's stream: the decode kernel when plan_decode takes
+// the call (seqlen_q == 1, decode_allowed, FLASH_SM75_DECODE not off), with its split workspace,
+// else run_mha_fwd. Kernel errors raise ValueError / CUDA errors.
+void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_allowed);
+
+// The band's diagonals and ALiBi's offset relative to each batch entry's bottom-right corner
+// (params.per_seq_offset: flash-attn's varlen and KV-cache semantics), for entries of at most
+// max_seqlen_q queries and max_seqlen_k keys.
+void set_per_seq_diagonals(Flash_fwd_params& params, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                           bool is_causal, int64_t window_size_left, int64_t window_size_right);
+
 // ---- packed sequences (csrc/flash_varlen_api.cpp) ----------------------------------------------
 // flash-attn's varlen attention. q: (total_q, num_heads, head_dim), k, v: (total_k, num_heads_k,
 // head_dim), float16, last dim contiguous; sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b +
@@ -203,6 +214,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
     bool deterministic, const std::optional<at::Tensor>& grad_softmax_lse,
     int64_t window_size_left, int64_t window_size_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes);
+
+// ---- KV cache (csrc/flash_kvcache_api.cpp) -----------------------------------------------------
+// flash-attn's flash_attn_with_kvcache after its rotary embedding. q: (batch, seqlen_q, num_heads,
+// head_dim) float16; k_cache, v_cache: (batch_cache >= batch, seqlen_cache, num_heads_k,
+// head_dim) (entry b uses row b), or with block_table (batch, max_num_blocks_per_seq) int32
+// pages (num_pages, page_block_size, num_heads_k, head_dim) with page_block_size a multiple of
+// kPageBlockMultiple (kernels/flash.h), or any size when the table has one column (one page per
+// sequence: cache_batch_idx). k, v: optional (batch, seqlen_new, num_heads_k, head_dim), written
+// into the caches in place at rows cache_seqlens[b] + i. cache_seqlens: int32 (batch,);
+// cache_leftpad: optional int32 (batch,), first attended row (not with a multi-column table).
+// Entry b attends to rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new), causal / window /
+// ALiBi bottom-right aligned on that end (causal has no effect when seqlen_q == 1). Returns out
+// (batch, seqlen_q, num_heads, head_dim) float16 and softmax_lse (batch, num_heads, seqlen_q)
+// float32. The values of cache_seqlens / block_table are not checked here on the GPU path (a
+// host synchronisation): callers check them on the device first; writes outside the cache are
+// skipped and table entries clamped, so nothing outside the tensors is read or written.
+// ValueError naming the argument for invalid metadata, before any write or launch.
+std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
+    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    std::optional<double> softmax_scale, bool is_causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes);
+// The same contract on the CPU (values checked on the host, ValueError naming the argument):
+// the appends, then mha_fwd_cpu per sequence on its attended rows.
+std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd_cpu(
+    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    std::optional<double> softmax_scale, bool is_causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes);
 
 // Output and workspace tensors of one backward call (they own the memory params points to).
 struct BwdBuffers {

@@ -99,16 +99,8 @@ void set_varlen_params(Flash_fwd_params& params, int64_t batch, int64_t max_seql
   params.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
   params.leftpad_k = nullptr;
   params.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
-  params.per_seq_offset = true;
-  // A side beyond `lim` keys hides nothing in any entry (|key_end - seqlen_q| <= 2^30).
-  const int64_t lim = std::min<int64_t>(max_seqlen_q + max_seqlen_k + 1, kMaxVarlenSeqlen);
-  params.is_causal = is_causal || window_size_left >= 0 || window_size_right >= 0;
-  params.causal_offset = static_cast<int>(
-      is_causal ? 0 : (window_size_right >= 0 ? std::min(window_size_right, lim) : lim));
-  params.window_lower = window_size_left >= 0
-                            ? static_cast<int>(-std::min(window_size_left, lim))
-                            : kNoWindowLower;
-  params.alibi_offset = 0;
+  set_per_seq_diagonals(params, max_seqlen_q, max_seqlen_k, is_causal, window_size_left,
+                        window_size_right);
 }
 
 bool nothing_to_do(int64_t batch, const at::Tensor& q, const at::Tensor& k, int64_t max_seqlen_q,

@@ -63,3 +63,24 @@ TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) {
   m.impl("varlen_fwd", &flash_sm75::mha_varlen_fwd_cpu);
   m.impl("varlen_bwd", &flash_sm75::mha_varlen_bwd_cpu);
 }
+
+// ---- KV cache ----------------------------------------------------------------------------------
+// flash_attn_with_kvcache's core (mha_kvcache_fwd in flash_api.h): k / v appended into k_cache /
+// v_cache in place (declared mutations, so functionalization and torch.compile see the writes),
+// then attention over each sequence's cache rows. No autograd (flash-attn has none either).
+TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
+  m.def(
+      "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+      "Tensor? k=None, Tensor? v=None, Tensor? cache_leftpad=None, Tensor? block_table=None, "
+      "float? softmax_scale=None, bool is_causal=False, int window_size_left=-1, "
+      "int window_size_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> "
+      "(Tensor out, Tensor softmax_lse)");
+}
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) {
+  m.impl("kvcache_fwd", &flash_sm75::mha_kvcache_fwd);
+}
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) {
+  m.impl("kvcache_fwd", &flash_sm75::mha_kvcache_fwd_cpu);
+}

@@ -49,9 +49,12 @@ from ._rules import _SLOPES_GRAD, require_bool
 __all__ = [
     "EXTENSION_AVAILABLE",
     "EXTENSION_ERROR",
+    "KVCACHE_AVAILABLE",
+    "PAGE_BLOCK_MULTIPLE",
     "VARLEN_AVAILABLE",
     "autograd_reason",
     "call_fwd",
+    "call_kvcache_fwd",
     "call_varlen_fwd",
     "deterministic_backward",
     "is_deterministic_backward",
@@ -259,6 +262,36 @@ def call_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                 window_size_right, softcap, alibi_slopes), deterministic)
 
 
+def call_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_leftpad=None,
+                     block_table=None, softmax_scale=None, is_causal=False, window_size_left=-1,
+                     window_size_right=-1, softcap=0.0, alibi_slopes=None):
+    """``torch.ops.flash_attention_sm75.kvcache_fwd(...)``: ``k`` / ``v`` appended into
+    ``k_cache`` / ``v_cache`` in place at rows ``cache_seqlens[b] + i`` (a mutation the op's
+    schema declares), then each sequence's queries attend to its cache rows ``[cache_leftpad[b],
+    cache_seqlens[b] + seqlen_new)``, bottom-right aligned per sequence; plain caches
+    ``(batch_cache >= batch, seqlen_cache, h_k, d)`` or pages through ``block_table`` (page
+    size a multiple of ``PAGE_BLOCK_MULTIPLE``, or a one-column table). Returns ``(out (b,
+    seqlen_q, h, d), softmax_lse (b, h, seqlen_q) float32)``. No autograd (flash-attn's
+    kvcache has none): callers refuse inputs that require grad. The index values are not
+    checked by the op on the GPU (a host synchronisation): callers check them on the device
+    first (``fa2._check_cache_indices``)."""
+    require_kvcache()
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.numel():
+        from . import _packing
+
+        _packing.check_on_device(torch.isfinite(alibi_slopes).all(),
+                                 "flash_attention_sm75: alibi_slopes must be finite, got a NaN "
+                                 "or infinite slope")
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, cache_leftpad, block_table, softmax_scale,
+            is_causal, window_size_left, window_size_right, softcap, alibi_slopes)
+    if torch.compiler.is_compiling():  # the graph gets the plain op
+        return torch.ops.flash_attention_sm75.kvcache_fwd(*args)
+    # Below autograd: the op has no autograd kernel, and nothing can need one (the callers
+    # refuse inputs that require grad); this skips the fallthrough's cost.
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.flash_attention_sm75.kvcache_fwd(*args)
+
+
 def _call(name: str, args: tuple, deterministic: bool):
     """``torch.ops.flash_attention_sm75.<name>(*args)`` (``fwd`` or ``varlen_fwd``; q, k, v
     first, the slopes last) as :func:`call_fwd` describes: the checks first, then through the
@@ -375,6 +408,21 @@ def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
     torch._check(out.shape == q.shape, lambda: "flash_attention_sm75: out must have the shape of q")
     # The C++: at::empty({total_q, h, d}, q.options()) and at::empty({total_k, h_k, d}, ...) twice.
     return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
+
+
+def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_leftpad=None,
+                      block_table=None, softmax_scale=None, is_causal=False, window_size_left=-1,
+                      window_size_right=-1, softcap=0.0, alibi_slopes=None):
+    _check_one_device(q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
+                      cache_leftpad=cache_leftpad, block_table=block_table,
+                      alibi_slopes=alibi_slopes)
+    torch._check(q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+                 lambda: "flash_attention_sm75: q, k_cache and v_cache must be 4-D, the caches "
+                         "of one shape")
+    b, seqlen_q, h, d = q.shape
+    # The C++: at::empty({b, sq, h, d}, q.options()) and a float32 (b, h, sq); the caches are
+    # written in place (the schema's Tensor(a!) / Tensor(b!)).
+    return q.new_empty((b, seqlen_q, h, d)), q.new_empty((b, h, seqlen_q), dtype=torch.float32)
 
 
 def _fwd_setup_context(ctx, inputs, output, deterministic=False):
@@ -518,6 +566,24 @@ def require_varlen() -> None:
             + BUILD_HINT)
 
 
+KVCACHE_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("kvcache_fwd")
+"""Whether the compiled extension has the KV-cache op (``kvcache_fwd``); False for an extension
+built from sources older than it (the KV-cache door then runs on the varlen / dense ops)."""
+
+PAGE_BLOCK_MULTIPLE = 64
+"""Page sizes the paged kernels take: multiples of this (``kPageBlockMultiple`` in
+csrc/kernels/flash.h); other sizes are gathered into a contiguous copy first."""
+
+
+def require_kvcache() -> None:
+    require_extension()
+    if not KVCACHE_AVAILABLE:
+        raise RuntimeError(
+            "flash_attention_sm75: the compiled extension has no KV-cache op "
+            "(torch.ops.flash_attention_sm75.kvcache_fwd): it was built from older sources; "
+            + BUILD_HINT)
+
+
 if EXTENSION_AVAILABLE:
     _define_deterministic_twin("fwd")
     torch.library.register_fake("flash_attention_sm75::fwd")(_fwd_fake)
@@ -541,3 +607,5 @@ if VARLEN_AVAILABLE:
                                     setup_context=_varlen_fwd_det_setup_context)
     torch.library.register_autograd("flash_attention_sm75::varlen_bwd", _bwd_backward,
                                     setup_context=_bwd_setup_context)
+if KVCACHE_AVAILABLE:
+    torch.library.register_fake("flash_attention_sm75::kvcache_fwd")(_kvcache_fwd_fake)

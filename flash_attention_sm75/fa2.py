@@ -693,10 +693,11 @@ def flash_attn_with_kvcache(
         ``[0, seqlen_cache - seqlen_new]`` (the new keys must fit in the cache).
         ``cache_leftpad`` is clamped into the cache like the op's key ranges.
     cache_batch_idx : int32 (batch,), optional. Cache row of batch entry b, in ``[0,
-        k_cache.shape[0])`` (gathers a copy of those cache rows for the attention).
+        k_cache.shape[0])`` (read in place, as a one-page-per-sequence table).
     cache_leftpad : int32 (batch,), optional. First valid cache row.
-    block_table : int32 (batch, max_num_blocks_per_seq), optional. Paged cache; the pages are
-        gathered into a contiguous copy for the attention. The entries of pages that hold keys
+    block_table : int32 (batch, max_num_blocks_per_seq), optional. Paged cache, read in place by
+        the kernels when ``page_block_size`` is a multiple of 64 (flash-attn 2 requires 256);
+        other page sizes are gathered into a contiguous copy first. The entries of pages that hold keys
         (the first ``ceil((cache_seqlens[b] + seqlen_new) / page_block_size)`` of row b; all
         without ``cache_seqlens``) must be in ``[0, num_blocks)``; the others are not read for
         keys and may hold anything (e.g. -1). Not with ``cache_batch_idx`` or ``cache_leftpad``
@@ -713,8 +714,8 @@ def flash_attn_with_kvcache(
         ``L_b`` the sequence's attended keys (``cache_seqlens[b] + seqlen_new`` less
         ``cache_leftpad[b]``) and ``j'`` the key's position among them. The output is
         flash-attn's; the LSE is that of these scores (flash-attn's causal kernels shift it by
-        ``slope * (i + L_b - seqlen_q)``). One kernel call, except with ``cache_leftpad``: one
-        per sequence after one host read of the lengths.
+        ``slope * (i + L_b - seqlen_q)``). One kernel call (on the copies of the Costs below
+        with ``cache_leftpad``: one per sequence after one host read of the lengths).
     num_splits : int. flash-attn's split-KV count; a performance hint here (the kernels choose
         their own split), any int is accepted and has no effect on the result.
     return_softmax_lse : bool. Also return the float32 LSE ``(batch, nheads, seqlen_q)``.
@@ -723,16 +724,15 @@ def flash_attn_with_kvcache(
     -------
     out : (batch, seqlen_q, nheads, headdim), or ``(out, softmax_lse)``.
 
-    Costs. The plain call (no ``cache_batch_idx``, no ``block_table``, not causal or
-    ``seqlen_q == 1``) reads the cache in place. So do causal, windowed and ALiBi calls with
-    ``cache_seqlens`` and without ``cache_leftpad`` / ``cache_batch_idx`` / ``block_table`` on a
-    cache whose batch rows are contiguous (the usual layout): the varlen kernels align each
-    sequence bottom-right themselves (one call; the lengths stay on the device).
-    ``cache_batch_idx``, ``block_table`` and the causal calls with ``cache_leftpad`` first
-    gather the used cache rows into a temporary copy of ``(batch, seqlen_cache, nheads_k,
-    headdim)`` (for causal calls with ``cache_leftpad`` right-aligned per sequence, which is
-    what makes the per-sequence causal mask exact on the op's single causal offset).
-    A head dim that is not a multiple of 8 copies the cache zero-padded, as flash-attn does.
+    Costs. One call of the KV-cache op (``torch.ops.flash_attention_sm75.kvcache_fwd``) appends
+    the new keys / values and attends in place on the cache, plain, paged or selected by
+    ``cache_batch_idx``, with the lengths on the device only (no host synchronisation, CUDA-graph
+    capturable): ``seqlen_q == 1`` without a window or ALiBi on the split-KV decode kernel,
+    everything else on the prefill kernels, which align each sequence bottom-right themselves.
+    The rotary embedding and the index checks are a few small device ops before it. Two cases
+    copy the cache first: a page size that is not a multiple of 64 (the pages are gathered into
+    a contiguous copy) and a head dim that is not a multiple of 8 (zero-padded, as flash-attn
+    does).
 
     Raises
     ------
@@ -835,11 +835,30 @@ def flash_attn_with_kvcache(
 
     # Every index below is valid now: the writes into k_cache and v_cache cannot stop halfway.
     with torch.no_grad():
+        if rotary_cos is not None:
+            base = cache_seqlens.to(torch.int64).view(-1, 1)
+            pos = base + torch.arange(seqlen_new, device=q.device).view(1, -1)
+            k = _rotary(k, rotary_cos[pos], rotary_sin[pos], rotary_interleaved)
+            qpos = base + torch.arange(seqlen_q, device=q.device).view(1, -1) \
+                if (is_causal or local) else base.expand(batch, seqlen_q)
+            q = _rotary(q, rotary_cos[qpos], rotary_sin[qpos], rotary_interleaved)
+        if (_ops.KVCACHE_AVAILABLE and q.shape[-1] % _rules.HEAD_DIM_MULTIPLE == 0
+                and (not paged or page % _ops.PAGE_BLOCK_MULTIPLE == 0
+                     or block_table.shape[1] == 1)):
+            # The KV-cache op: the appends and the attention in place on the cache (plain,
+            # paged, or rows selected by cache_batch_idx as a one-page-per-sequence table), per
+            # sequence bottom-right, lengths on the device only.
+            table = cache_batch_idx.view(batch, 1) if cache_batch_idx is not None else block_table
+            if cache_seqlens is None:
+                cache_seqlens = torch.full((batch,), seqlen_cache, dtype=torch.int32,
+                                           device=q.device)
+            out, lse = _ops.call_kvcache_fwd(
+                q, k_cache, v_cache, cache_seqlens, k, v, cache_leftpad, table, softmax_scale,
+                is_causal, *((left, right) if local else (-1, -1)), cap, alibi_slopes)
+            return (out, lse) if return_softmax_lse else out
         if k is not None:
             pos = cache_seqlens.to(torch.int64).view(-1, 1) + torch.arange(
                 seqlen_new, device=q.device).view(1, -1)
-            if rotary_cos is not None:
-                k = _rotary(k, rotary_cos[pos], rotary_sin[pos], rotary_interleaved)
             if paged:
                 blk = block_table.to(torch.int64).gather(1, pos // page)
                 k_cache[blk, pos % page] = k
@@ -849,11 +868,6 @@ def flash_attn_with_kvcache(
                         else cache_batch_idx.to(torch.int64)).view(-1, 1)
                 k_cache[rows, pos] = k
                 v_cache[rows, pos] = v
-        if rotary_cos is not None:
-            base = cache_seqlens.to(torch.int64).view(-1, 1)
-            qpos = base + torch.arange(seqlen_q, device=q.device).view(1, -1) \
-                if (is_causal or local) else base.expand(batch, seqlen_q)
-            q = _rotary(q, rotary_cos[qpos], rotary_sin[qpos], rotary_interleaved)
 
         # The attended key rows of batch entry b: [start[b], end[b]) of its cache row.
         end = None if cache_seqlens is None else cache_seqlens.to(torch.int64) + seqlen_new

@@ -12,7 +12,9 @@ implementations.
     compute-sanitizer --tool racecheck python3 scripts/sanitize_driver.py
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_driver.py --window 20 7
 
-``--varlen`` runs packed sequences (the varlen ops) instead of the dense cases.
+``--varlen`` runs packed sequences (the varlen ops) instead of the dense cases; ``--kvcache``
+the KV-cache op (appends, decode and prefill kernels on plain and paged caches: every slot past
+a sequence's length NaN, unused pages too).
 ``--window LEFT RIGHT`` runs every launch with that sliding window (flash-attn's window_size);
 ``--softcap X`` and ``--alibi`` with those score modifiers (the score-mod instantiations; ALiBi
 skips the key-range cases, which the op refuses with it).
@@ -133,6 +135,9 @@ def main(argv=None):
     ap.add_argument("--varlen", action="store_true",
                     help="packed sequences (varlen_fwd / varlen_bwd) instead of the dense cases: "
                          "empty and one-token sequences, rows outside every sequence, seqused_k")
+    ap.add_argument("--kvcache", action="store_true",
+                    help="the KV-cache op (kvcache_fwd) instead of the dense cases: plain and "
+                         "paged caches, q_len 1 and 5, empty and full sequences")
     args = ap.parse_args(argv)
     window = tuple(args.window)
 
@@ -147,7 +152,9 @@ def main(argv=None):
     launches, failures = 0, []
     if args.varlen:
         launches = run_varlen(args, dev, gen, failures)
-    for d in ([] if args.varlen else args.d):
+    if args.kvcache:
+        launches = run_kvcache(args, dev, gen, failures)
+    for d in ([] if args.varlen or args.kvcache else args.d):
         for causal in (False, True):
             for bottom_right in ((True, False) if causal else (True,)):
                 # d = 64's second forward tile (small grids), forced off and on; d = 128 has
@@ -304,6 +311,65 @@ def run_varlen(args, dev, gen, failures):
                           "rel err dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs), flush=True)
                     if not ok:
                         failures.append(f"{tag} bwd {mode}")
+    return launches
+
+
+def run_kvcache(args, dev, gen, failures):
+    """The KV-cache op on the device against its CPU implementation (the same inputs, each with
+    its own copy of the caches): the appended caches equal, the outputs close."""
+    ops = torch.ops.flash_attention_sm75
+    launches = 0
+    page, b, s, h, hk, new = 64, 3, 256, 4, 2, 2
+    for d in args.d:
+        for sq in (1, 5):
+            for causal in (False, True):
+                for paged in (False, True):
+                    q = torch.randn(b, sq, h, d, generator=gen).half()
+                    kc = torch.randn(b, s, hk, d, generator=gen).half()
+                    vc = torch.randn(b, s, hk, d, generator=gen).half()
+                    k = torch.randn(b, new, hk, d, generator=gen).half()
+                    v = torch.randn(b, new, hk, d, generator=gen).half()
+                    lens = torch.tensor([0, 77, s - new], dtype=torch.int32)
+                    for i in range(b):
+                        kc[i, int(lens[i]) + new:] = float("nan")
+                        vc[i, int(lens[i]) + new:] = float("nan")
+                    table = None
+                    if paged:
+                        n = b * s // page
+                        perm = torch.randperm(n + 2, generator=gen)[:n]
+                        pk = torch.full((n + 2, page, hk, d), float("nan")).half()
+                        pv = pk.clone()
+                        pk[perm], pv[perm] = (c.reshape(n, page, hk, d) for c in (kc, vc))
+                        kc, vc, table = pk, pv, perm.view(b, s // page).to(torch.int32)
+                    slopes = torch.rand(b, h, generator=gen) if args.alibi else None
+                    tag = (f"kvcache d={d} sq={sq} causal={causal} paged={paged} "
+                           f"window={tuple(args.window)} softcap={args.softcap:g} "
+                           f"alibi={args.alibi}")
+
+                    def fwd(t, kc_t, vc_t):
+                        return ops.kvcache_fwd(
+                            q.to(t), kc_t, vc_t, lens.to(t), k.to(t), v.to(t), None,
+                            None if table is None else table.to(t), None, causal, *args.window,
+                            args.softcap, None if slopes is None else slopes.to(t))
+                    kd, vd = kc.to(dev), vc.to(dev)
+                    res = launch(tag, failures, dev, lambda: fwd(dev, kd, vd))
+                    if res is None:
+                        continue
+                    launches += 1
+                    kr, vr = kc.clone(), vc.clone()
+                    ro, rl = fwd("cpu", kr, vr)
+                    out, lse = res
+                    same_cache = (torch.equal(kd.cpu().nan_to_num(), kr.nan_to_num())
+                                  and torch.equal(vd.cpu().nan_to_num(), vr.nan_to_num()))
+                    o_err = (out.cpu().float() - ro.float()).abs().max().item()
+                    same_inf = bool(torch.equal(torch.isinf(lse.cpu()), torch.isinf(rl)))
+                    fin = torch.isfinite(rl)
+                    l_err = (lse.cpu()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+                    ok = same_cache and o_err <= 2e-2 and l_err <= 1e-2 and same_inf
+                    print(("ok  " if ok else "FAIL"), tag, f"cache={'same' if same_cache else 'DIFF'}"
+                          f" max|out-ref|={o_err:.2e} max|lse-ref|={l_err:.2e}", flush=True)
+                    if not ok:
+                        failures.append(tag)
     return launches
 
 

@@ -4,8 +4,8 @@
   (the kernel's minimum), so the CPU part of the suite runs anywhere (CI).
 * Every test starts from the same RNG state (tests that need their own seed set it).
 * ``op_calls``: the argument tuples of every call that reaches ``torch.ops.flash_attention_sm75.fwd``
-  (callers look the op up per call, so the spy sees every door's call); ``varlen_op_calls`` the
-  same for ``varlen_fwd``; ``hf_state``: the HF integration's state restored after the test.
+  (callers look the op up per call, so the spy sees every door's call); ``varlen_op_calls`` and
+  ``kvcache_op_calls`` the same for ``varlen_fwd`` and ``kvcache_fwd``; ``hf_state``: the HF integration's state restored after the test.
 """
 import pytest
 import torch
@@ -58,6 +58,12 @@ def op_calls(monkeypatch):
 def varlen_op_calls(monkeypatch):
     """Argument tuples of every call of ``torch.ops.flash_attention_sm75.varlen_fwd`` in the test."""
     return _spy(monkeypatch, "varlen_fwd")
+
+
+@pytest.fixture
+def kvcache_op_calls(monkeypatch):
+    """Argument tuples of every call of ``torch.ops.flash_attention_sm75.kvcache_fwd`` in the test."""
+    return _spy(monkeypatch, "kvcache_fwd")
 
 
 @pytest.fixture

@@ -465,10 +465,11 @@ def test_kvcache_append_and_attend_exact(seqlen_q, causal, leftpad):
 
 
 # Causal chunks (seqlen_q > 1), windows and ALiBi against cache_seqlens: per-sequence bottom-right
-# alignment is the varlen kernels' own, so these run as ONE varlen op call on the cache in place
+# alignment is the kernels' own, so these run as ONE KV-cache op call on the cache in place
 # (no gathered copy, no host read of the lengths, no per-sequence loop).
 @pytest.mark.parametrize("case", ["causal_chunk", "window", "alibi_decode", "alibi_causal"])
-def test_kvcache_per_sequence_alignment_runs_on_the_varlen_op(case, op_calls, varlen_op_calls):
+def test_kvcache_per_sequence_alignment_is_one_kvcache_op_call(case, op_calls, varlen_op_calls,
+                                                               kvcache_op_calls):
     torch.manual_seed(len(case))
     B, S, h, hk, d, new = 3, 16, 4, 2, 32, 2
     seqlen_q = 1 if case == "alibi_decode" else 3
@@ -483,7 +484,7 @@ def test_kvcache_per_sequence_alignment_runs_on_the_varlen_op(case, op_calls, va
         out, lse = fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
                                                causal=causal, window_size=window,
                                                alibi_slopes=slopes, return_softmax_lse=True)
-    assert len(varlen_op_calls) == 1 and not op_calls
+    assert len(kvcache_op_calls) == 1 and not op_calls and not varlen_op_calls
     ref, ref_lse = _cache_ref(q, kc, vc, torch.zeros(B, dtype=torch.int32), seqlens + new,
                               causal, window=window, alibi_slopes=slopes)
     assert out.shape == q.shape and lse.shape == (B, h, seqlen_q)

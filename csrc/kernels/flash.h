@@ -100,7 +100,23 @@ struct Flash_fwd_params {
   float* oaccum_ptr;         // num_splits x batch x h x d fp32 (num_splits > 1), O of each split
   float* softmax_lseaccum_ptr;  // 2 x num_splits x batch x h fp32: each split's raw max score m,
                                 // then its sum l = sum exp2((s - m) * scale_softmax_log2)
+
+  // ---- paged K/V (KV cache; the extended instantiations, forward and decode) -------------
+  // With block_table, k / v are pages (num_pages, page_block_size, h_k, d) and batch entry b's
+  // key row j lives in page block_table[b * block_table_batch_stride + j / page_block_size],
+  // row j % page_block_size; k_batch_stride / v_batch_stride are the page strides. A kernel's
+  // tile or a decode warp's 32 keys never straddle a page: page_block_size is a multiple of 64,
+  // or one page holds every row (cache_batch_idx as a one-column table). Entries are clamped
+  // into [0, num_pages). Declared last: the fields above keep the offsets the kernels were
+  // built and measured with.
+  const int* block_table = nullptr;
+  index_t block_table_batch_stride = 0;
+  int page_block_size = 0;
+  int num_pages = 0;
 };
+
+// Paged K/V needs a tile of kBlockN keys (and a decode warp's 32) inside one page.
+constexpr int kPageBlockMultiple = 64;
 
 // Host entry: dispatches on head dim, causal flag and lower diagonal. Defined in
 // flash_fwd_dispatch.cpp.
@@ -113,11 +129,11 @@ inline bool has_window_lower(const Flash_fwd_params& params) {
 }
 
 // The extended instantiations (Is_ext) run the call: a softcap, ALiBi slopes, packed (varlen)
-// sequences or per-sequence diagonals. The plain ones compile exactly as without these.
+// sequences, per-sequence diagonals or paged K/V. The plain ones compile exactly as without these.
 inline bool needs_ext(const Flash_fwd_params& params) {
   return params.softcap_in != 0.f || params.alibi_slopes_ptr != nullptr ||
          params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
-         params.per_seq_offset;
+         params.per_seq_offset || params.block_table != nullptr;
 }
 
 // One explicit specialization per generated instantiation file (instantiations/*.cu):

@@ -156,13 +156,15 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     for (int e = 0; e < kDPL; ++e) o[h][e] = 0.f;
   }
 
+  // Paged K/V (Is_ext, block_table): the batch term is the page's, taken per step below.
+  const bool paged = Is_ext && params.block_table != nullptr;
   const __half* k_base = static_cast<const __half*>(params.k_ptr) +
-                         bidb * params.k_batch_stride + hk * params.k_head_stride;
+                         (paged ? 0 : bidb * params.k_batch_stride) + hk * params.k_head_stride;
   // A lane whose V dims lie past d (all of them: d % 8 == 0 and kDPL divides 8) reads dims
   // 0 .. kDPL - 1 of the row instead, memory lane 0 reads anyway: its O dims are never stored,
   // and the loop keeps the single key bound of d = kD.
   const __half* v_base = static_cast<const __half*>(params.v_ptr) +
-                         bidb * params.v_batch_stride + hk * params.v_head_stride +
+                         (paged ? 0 : bidb * params.v_batch_stride) + hk * params.v_head_stride +
                          (lane * kDPL < params.d ? lane * kDPL : 0);
   // K chunks past d: zero-filled by one bool per lane and column part (within a part, a lane's
   // chunk column is the same in every row it loads: 32 % kCPR == 0). A bool stays in a predicate
@@ -178,6 +180,19 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   // Steps of 128 keys; key indices in 64 bits (base + 128 can pass 2^31 - 1).
   for (int64_t base = begin + static_cast<int64_t>(warp) * T::kKeys; base < end;
        base += T::kWarps * T::kKeys) {
+    // The warp's 32 keys lie in one page (flash.h, kPageBlockMultiple; the host sends paged
+    // calls whose key ranges and splits start at multiples of 32, or one page for all rows):
+    // k_step / v_step + key * row_stride address them there.
+    const __half* k_step = k_base;
+    const __half* v_step = v_base;
+    if (paged) {
+      const int page = static_cast<int>(base / params.page_block_size);
+      const int blk = imin(imax(params.block_table[bidb * params.block_table_batch_stride + page],
+                                0), params.num_pages - 1);
+      const int64_t first = static_cast<int64_t>(page) * params.page_block_size;
+      k_step = k_base + blk * params.k_batch_stride - first * params.k_row_stride;
+      v_step = v_base + blk * params.v_batch_stride - first * params.v_row_stride;
+    }
     float s[kR];
 #pragma unroll
     for (int kp = 0; kp < T::kKParts; ++kp) {
@@ -189,7 +204,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
         const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
         uint4 val = make_uint4(0u, 0u, 0u, 0u);
         if (k_ok[kp] && base + r < end) {
-          val = __ldg(reinterpret_cast<const uint4*>(k_base + (base + r) * params.k_row_stride +
+          val = __ldg(reinterpret_cast<const uint4*>(k_step + (base + r) * params.k_row_stride +
                                                      kp * T::kKCols + cc * 8));
         }
         *reinterpret_cast<uint4*>(sK + r * T::kRowH + cc * 8) = val;
@@ -269,7 +284,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
         const int64_t key = base + j + jj;
         if constexpr (kDPL == 8) {
           uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-          if (key < end) raw = __ldg(reinterpret_cast<const uint4*>(v_base + key * params.v_row_stride));
+          if (key < end) raw = __ldg(reinterpret_cast<const uint4*>(v_step + key * params.v_row_stride));
           const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -279,7 +294,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
           }
         } else if constexpr (kDPL == 4) {
           uint2 raw = make_uint2(0u, 0u);
-          if (key < end) raw = __ldg(reinterpret_cast<const uint2*>(v_base + key * params.v_row_stride));
+          if (key < end) raw = __ldg(reinterpret_cast<const uint2*>(v_step + key * params.v_row_stride));
           const float2 a = unpack_half2(raw.x), b = unpack_half2(raw.y);
           vf[jj][0] = a.x;
           vf[jj][1] = a.y;
@@ -287,7 +302,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
           vf[jj][3] = b.y;
         } else {
           uint32_t raw = 0u;
-          if (key < end) raw = __ldg(reinterpret_cast<const unsigned int*>(v_base + key * params.v_row_stride));
+          if (key < end) raw = __ldg(reinterpret_cast<const unsigned int*>(v_step + key * params.v_row_stride));
           const float2 a = unpack_half2(raw);
           vf[jj][0] = a.x;
           vf[jj][1] = a.y;

@@ -204,6 +204,14 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   float acc_o[kDCols / 8][4];             // unnormalised O, 16 x d (d / kDSplit) per warp
   zero_acc(acc_o);
 
+  // K / V tile bases: the page holding the tile's first key when K/V are paged (seq_info.h).
+  auto k_tile = [&](int row) {
+    return c.si.paged_base(c.k_base, row, params.k_batch_stride, params.k_row_stride);
+  };
+  auto v_tile = [&](int row) {
+    return c.si.paged_base(c.v_base, row, params.v_batch_stride, params.v_row_stride);
+  };
+
   if (c.nb.n_block_max > c.nb.n_block_min) {
     uint4 stage[Kt::kChunksPerThread];
     // ---- prologue: the Q tile and the first K tile are fetched together (one global-memory
@@ -214,8 +222,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
       uint4 qstage[Kt::kQChunksPerThread];
       load_tile_g2r<Kt, kLs>(qstage, c.q_base, params.q_row_stride, row0, 0, c.si.seqlen_q(), tid,
                              dc);
-      load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, c.nb.n_block_min * kBN,
-                             c.kr.key_start, c.kr.key_end, tid, dc);
+      load_tile_g2r<Kt, kLs>(stage, k_tile(c.nb.n_block_min * kBN), params.k_row_stride,
+                             c.nb.n_block_min * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
       store_tile_r2s<Kt>(qstage, sQ, tid);
     }
     // Without kQInSmem, Q stays in registers for the whole loop: q_frag[kk] holds the A
@@ -244,8 +252,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
       float4* x_own = sX + warp * (kBN / 8) * 32 + lane;
       const float4* x_other = sX + (warp + Kt::kRowWarps) % Kt::kNWarps * (kBN / 8) * 32 + lane;
       for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
-        load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
-                               c.kr.key_end, tid, dc);
+        load_tile_g2r<Kt, kLs>(stage, v_tile(n_block * kBN), params.v_row_stride,
+                               n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         // Partial S over this warp's columns; the slot was read by the partner before the
         // previous tile's last barrier.
         float acc_s[kBN / 8][4];
@@ -259,8 +267,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
 
         const bool has_next = n_block + 1 < c.nb.n_block_max;
         if (has_next) {  // K_{j+1}: global loads in flight during the softmax and O += P V_j
-          load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
-                                 c.kr.key_start, c.kr.key_end, tid, dc);
+          load_tile_g2r<Kt, kLs>(stage, k_tile((n_block + 1) * kBN), params.k_row_stride,
+                                 (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         }
         // S = own + partner's partial: the pair computes the same sums (fp32 addition
         // commutes), so both run the same softmax on bitwise equal scores.
@@ -287,8 +295,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         // The split tile: halves a (keys 0 .. Bc/2 - 1) and b of K_j / V_j.
         constexpr int kHalf = kBN / 2;
         constexpr uint32_t kHalfBytes = kHalf * kRowBytes;
-        load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
-                               c.kr.key_end, tid, dc);
+        load_tile_g2r<Kt, kLs>(stage, v_tile(n_block * kBN), params.v_row_stride,
+                               n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
@@ -312,8 +320,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         __syncthreads();  // V_j visible; every warp is done with K_j
         const bool has_next = n_block + 1 < c.nb.n_block_max;
         if (has_next) {
-          load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
-                                 c.kr.key_start, c.kr.key_end, tid, dc);
+          load_tile_g2r<Kt, kLs>(stage, k_tile((n_block + 1) * kBN), params.k_row_stride,
+                                 (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         }
         // O += P_a V_a beside the softmax of half b; O is rescaled for b's max only after it.
         gemm_rs_t<kHalf, kD, kRowBytes, !kPad>(acc_o, p_a, v_lane_addr);
@@ -328,8 +336,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
     } else {
       for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
         // V_j: global loads in flight while S_j and its softmax are computed.
-        load_tile_g2r<Kt, kLs>(stage, c.v_base, params.v_row_stride, n_block * kBN, c.kr.key_start,
-                               c.kr.key_end, tid, dc);
+        load_tile_g2r<Kt, kLs>(stage, v_tile(n_block * kBN), params.v_row_stride,
+                               n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
 
         // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax.
         float acc_s[kBN / 8][4];
@@ -352,8 +360,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
 
         const bool has_next = n_block + 1 < c.nb.n_block_max;
         if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
-          load_tile_g2r<Kt, kLs>(stage, c.k_base, params.k_row_stride, (n_block + 1) * kBN,
-                                 c.kr.key_start, c.kr.key_end, tid, dc);
+          load_tile_g2r<Kt, kLs>(stage, k_tile((n_block + 1) * kBN), params.k_row_stride,
+                                 (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         }
         gemm_rs_t<kBN, kD, kRowBytes, !kPad>(acc_o, p_frag, v_lane_addr);  // O += P V
         if (has_next) store_tile_r2s<Kt>(stage, sK, tid);

@@ -15,6 +15,8 @@
 // before the launch.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include "block_info.h"
 #include "flash.h"
 
@@ -120,8 +122,31 @@ struct SeqInfo {
   }
   __device__ __forceinline__ int64_t k_offset(int bidb, int64_t batch_stride,
                                               int64_t row_stride) const {
-    if constexpr (!Is_ext) return bidb * batch_stride;
-    else return bidb * batch_stride + static_cast<int64_t>(k_row0()) * row_stride;
+    if constexpr (!Is_ext) {
+      return bidb * batch_stride;
+    } else {
+      if (p.block_table != nullptr) return 0;  // paged: per tile, paged_base()
+      return bidb * batch_stride + static_cast<int64_t>(k_row0()) * row_stride;
+    }
+  }
+
+  // Paged K/V (flash.h, block_table): the base from which row j of a tile that starts at key
+  // `row` is base + j * row_stride, i.e. `base` (the head's offset only) moved to the tile's
+  // page and back by the page's first row. Tiles never straddle a page (kPageBlockMultiple).
+  // Unpaged: `base` itself.
+  __device__ __forceinline__ const __half* paged_base(const __half* base, int row,
+                                                      int64_t page_stride,
+                                                      int64_t row_stride) const {
+    if constexpr (Is_ext) {
+      if (p.block_table != nullptr) {
+        const int page = row / p.page_block_size;
+        const int blk = imin(imax(p.block_table[bidb_ * p.block_table_batch_stride + page], 0),
+                             p.num_pages - 1);
+        return base + blk * page_stride -
+               static_cast<int64_t>(page) * p.page_block_size * row_stride;
+      }
+    }
+    return base;
   }
 
   // Index of (head, row) of this entry in softmax_lse and the backward's row-indexed workspaces

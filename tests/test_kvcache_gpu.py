@@ -1,0 +1,233 @@
+"""The KV-cache op on the GPU (``torch.ops.flash_attention_sm75.kvcache_fwd`` and
+``fa2.flash_attn_with_kvcache``): the appends, the decode and prefill kernels reading plain and
+paged caches in place, against float64 per sequence with FlashAttention's criterion.
+
+* q_len 1, 2, 7, 64; head dims of every bucket and a tail (40); GQA; lengths 0, 1, odd and the
+  full cache; every slot past a sequence's length and every unused page NaN (never read);
+* paged equal to plain bit for bit (pages shuffled; page sizes 64 and 256);
+* long caches on the split-KV decode kernel (several splits and their merge);
+* CUDA-graph capture, then replays after the lengths (and q / k / v) changed in place;
+* torch.compile(fullgraph=True) of an append-and-attend step (the op's declared writes).
+Sanitizers: scripts/sanitize_driver.py --kvcache.
+"""
+import pytest
+import torch
+
+from flash_attention_sm75 import _ops, fa2
+from reference import (assert_close_fa, assert_lse_close, attention_ref, cuda_kernels_run,
+                       seed_from)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not _ops.KVCACHE_AVAILABLE,
+                       reason=f"extension without the KV-cache op: {_ops.EXTENSION_ERROR}"),
+]
+
+DEV = "cuda"
+F16 = torch.float16
+NAN = float("nan")
+
+
+def _rand(*shape):
+    return torch.randn(*shape, device=DEV, dtype=F16)
+
+
+def _paged(cache, page):
+    """The plain cache's rows as shuffled pages plus 3 unused NaN pages: (pages, table)."""
+    b, rows = cache.shape[:2]
+    n = b * rows // page
+    perm = torch.randperm(n + 3, device=DEV)[:n]
+    pages = torch.full((n + 3, page) + tuple(cache.shape[2:]), NAN, device=DEV, dtype=F16)
+    pages[perm] = cache.reshape((n, page) + tuple(cache.shape[2:]))
+    return pages, perm.view(b, rows // page).to(torch.int32)
+
+
+def _check(out, lse, q, kc, vc, start, end, causal, window=(-1, -1), softcap=0.0, slopes=None):
+    """out / lse of each sequence against float64 attention over its plain cache rows."""
+    for b in range(q.shape[0]):
+        lo, hi = int(start[b]), int(end[b])
+        if hi <= lo:
+            assert torch.equal(out[b], torch.zeros_like(out[b])), f"out[{b}] of an empty range"
+            assert torch.isneginf(lse[b]).all(), f"lse[{b}] of an empty range"
+            continue
+        s = None if slopes is None else (slopes[b] if slopes.dim() == 2 else slopes)
+        kw = dict(causal=causal and q.shape[1] > 1, window_size=window, softcap=softcap,
+                  alibi_slopes=s)
+        ks, vs = kc[b:b + 1, lo:hi], vc[b:b + 1, lo:hi]
+        ref, ref_lse = attention_ref(q[b:b + 1], ks, vs, **kw)
+        pt, _ = attention_ref(q[b:b + 1], ks, vs, upcast=False, reorder_ops=True, **kw)
+        assert_close_fa(out[b:b + 1], ref, pt, name=f"out[{b}]")
+        assert_lse_close(lse[b:b + 1], ref_lse, name=f"lse[{b}]")
+
+
+def _case(B, S, h, hk, d, seqlen_q, new, seed):
+    torch.manual_seed(seed)
+    q = _rand(B, seqlen_q, h, d)
+    kc, vc = _rand(B, S, hk, d), _rand(B, S, hk, d)
+    k, v = _rand(B, new, hk, d), _rand(B, new, hk, d)
+    # no cached key (the new ones only), one, odd, the cache's end
+    lens = [0, 1, 37, S - new][:B]
+    lens += [int(x) for x in torch.randint(0, S - new + 1, (B - len(lens),))]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for b in range(B):  # never read: poison every slot past the sequence's end
+        kc[b, lens[b] + new:] = NAN
+        vc[b, lens[b] + new:] = NAN
+    return q, kc, vc, k, v, seqlens
+
+
+MODS = [("none", {}), ("window", {"window": (40, 3)}), ("softcap", {"softcap": 5.0}),
+        ("alibi", {"alibi": True})]
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 2, 7, 64])
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mod", MODS, ids=[m[0] for m in MODS])
+def test_kvcache_op_plain_and_paged(seqlen_q, d, causal, mod):
+    name, opts = mod
+    B, S, h, hk, new, page = 5, 512, 8, 2, 3, 64
+    q, kc, vc, k, v, seqlens = _case(B, S, h, hk, d, seqlen_q, new,
+                                     seed_from("kvcache_op", seqlen_q, d, causal, name))
+    slopes = torch.rand(B, h, device=DEV) if opts.get("alibi") else None
+    window = opts.get("window", (-1, -1))
+    args = (None, causal, *window, opts.get("softcap", 0.0), slopes)
+    plain_k, plain_v = kc.clone(), vc.clone()
+    pk, table = _paged(kc, page)
+    pv = torch.full_like(pk, NAN)
+    pv[table.long().flatten()] = vc.reshape(-1, page, hk, d)
+    out, lse = _ops.call_kvcache_fwd(q, plain_k, plain_v, seqlens, k, v, None, None, *args)
+    pout, plse = _ops.call_kvcache_fwd(q, pk, pv, seqlens, k, v, None, table, *args)
+    torch.cuda.synchronize()
+    # the appends: exactly the new slots
+    exp_k, exp_v = kc.clone(), vc.clone()
+    for b in range(B):
+        exp_k[b, seqlens[b]:seqlens[b] + new] = k[b]
+        exp_v[b, seqlens[b]:seqlens[b] + new] = v[b]
+    assert torch.equal(plain_k.nan_to_num(), exp_k.nan_to_num())
+    assert torch.equal(plain_v.nan_to_num(), exp_v.nan_to_num())
+    assert torch.equal(pk[table.long()].flatten(1, 2).nan_to_num(), exp_k.nan_to_num())
+    assert torch.equal(pv[table.long()].flatten(1, 2).nan_to_num(), exp_v.nan_to_num())
+    # paged is the same computation on the same rows
+    assert torch.equal(pout, out) and torch.equal(plse, lse)
+    _check(out, lse, q, exp_k, exp_v, torch.zeros(B), seqlens + new, causal, window,
+           opts.get("softcap", 0.0), slopes)
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("layout", ["batch_idx", "leftpad"])
+def test_kvcache_selected_rows_and_leftpad(seqlen_q, layout):
+    B, S, h, hk, d, new = 4, 300, 8, 8, 128, 2
+    q, kc, vc, k, v, seqlens = _case(B, S, h, hk, d, seqlen_q, new,
+                                     seed_from("kvcache_rows", seqlen_q, layout))
+    leftpad = None
+    if layout == "batch_idx":
+        rows = torch.tensor([5, 0, 2, 3], dtype=torch.int32, device=DEV)
+        big_k = torch.full((6, S, hk, d), NAN, device=DEV, dtype=F16)
+        big_v = torch.full_like(big_k, NAN)
+        big_k[rows.long()], big_v[rows.long()] = kc, vc
+        with torch.no_grad():
+            out, lse = fa2.flash_attn_with_kvcache(q, big_k, big_v, k, v, cache_seqlens=seqlens,
+                                                   cache_batch_idx=rows, causal=True,
+                                                   return_softmax_lse=True)
+        got_k, got_v = big_k[rows.long()], big_v[rows.long()]
+    else:
+        leftpad = torch.tensor([0, 0, 11, 101], dtype=torch.int32, device=DEV)
+        with torch.no_grad():
+            out, lse = fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                                   cache_leftpad=leftpad, causal=True,
+                                                   return_softmax_lse=True)
+        got_k, got_v = kc, vc
+    start = leftpad if leftpad is not None else torch.zeros(B)
+    _check(out, lse, q, got_k, got_v, start, seqlens + new, True)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_long_cache_on_the_split_kv_decode_kernel(d, paged):
+    B, S, h, hk, page = 2, 16384, 16, 4, 256
+    q, kc, vc, k, v, seqlens = _case(B, S, h, hk, d, 1, 1, seed_from("kvcache_long", d, paged))
+    seqlens[0] = S - 1
+    kc[0], vc[0] = _rand(S, hk, d), _rand(S, hk, d)
+    table = None
+    ck, cv = kc, vc
+    if paged:
+        ck, table = _paged(kc, page)
+        cv = torch.full_like(ck, NAN)
+        cv[table.long().flatten()] = vc.reshape(-1, page, hk, d)
+
+    def run():
+        return _ops.call_kvcache_fwd(q, ck, cv, seqlens, k, v, None, table)
+
+    names = cuda_kernels_run(run, "decode")
+    assert any("merge" in n for n in names) and any("decode_kernel" in n for n in names), names
+    out, lse = run()  # the same append again: same rows, same values
+    got_k = ck[table.long()].flatten(1, 2) if paged else ck
+    got_v = cv[table.long()].flatten(1, 2) if paged else cv
+    _check(out, lse, q, got_k, got_v, torch.zeros(B), seqlens + 1, False)
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_cuda_graph_replays_with_changed_lengths(seqlen_q, paged):
+    B, S, h, hk, d, page = 3, 1024, 8, 2, 128, 64
+    torch.manual_seed(seed_from("kvcache_graph", seqlen_q, paged))
+    q, k, v = _rand(B, seqlen_q, h, d), _rand(B, 1, hk, d), _rand(B, 1, hk, d)
+    kc, vc = _rand(B, S, hk, d), _rand(B, S, hk, d)
+    seqlens = torch.tensor([3, 500, 64], dtype=torch.int32, device=DEV)
+    ck, cv, table = kc, vc, None
+    if paged:
+        ck, table = _paged(kc, page)
+        cv = torch.full_like(ck, NAN)
+        cv[table.long().flatten()] = vc.reshape(-1, page, hk, d)
+
+    def step():
+        return fa2.flash_attn_with_kvcache(q, ck, cv, k, v, cache_seqlens=seqlens,
+                                           block_table=table, causal=True,
+                                           return_softmax_lse=True)
+
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()  # warm-up (writes the same rows again below)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out, g_lse = step()
+        for lens in ([0, 1, 1023 - 0], [700, 2, 999], [5, 1000, 64]):
+            seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+            q.copy_(_rand(*q.shape))
+            k.copy_(_rand(*k.shape))
+            v.copy_(_rand(*v.shape))
+            ref_k, ref_v = ck.clone(), cv.clone()
+            e_out, e_lse = fa2.flash_attn_with_kvcache(q, ref_k, ref_v, k, v,
+                                                       cache_seqlens=seqlens, block_table=table,
+                                                       causal=True, return_softmax_lse=True)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(ck.nan_to_num(), ref_k.nan_to_num())
+            assert torch.equal(cv.nan_to_num(), ref_v.nan_to_num())
+            assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
+            plain_k = ck[table.long()].flatten(1, 2) if paged else ck
+            plain_v = cv[table.long()].flatten(1, 2) if paged else cv
+            _check(g_out, g_lse, q, plain_k, plain_v, torch.zeros(B), seqlens + 1, True)
+
+
+def test_kvcache_append_and_attend_compiles_fullgraph():
+    B, S, h, hk, d = 2, 256, 8, 2, 64
+    torch.manual_seed(seed_from("kvcache_compile"))
+    q, k, v = _rand(B, 5, h, d), _rand(B, 5, hk, d), _rand(B, 5, hk, d)
+    kc, vc = _rand(B, S, hk, d), _rand(B, S, hk, d)
+    seqlens = torch.tensor([9, 200], dtype=torch.int32, device=DEV)
+
+    def step(q, kc, vc, k, v, seqlens):
+        return fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                           causal=True) + 1
+
+    ek, ev = kc.clone(), vc.clone()
+    with torch.no_grad():
+        eager = step(q, ek, ev, k, v, seqlens)
+        got = torch.compile(step, fullgraph=True)(q, kc, vc, k, v, seqlens)
+    assert torch.equal(kc, ek) and torch.equal(vc, ev)
+    assert torch.equal(got, eager)
