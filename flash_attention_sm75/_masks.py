@@ -422,3 +422,47 @@ def clear_caches() -> None:
     """Forget every cached classification (tests)."""
     _MASK_CACHE.clear()
     POSITION_IDS_CACHE.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows that see no key, on the paths that fall back to torch (the SDPA wrapper, the transformers
+# integration): one implementation for both.
+# ----------------------------------------------------------------------------------------------
+
+
+def without_empty_rows(attn_mask) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(visible_mask, empty)`` for a dense bool or float mask, else None (nothing to do).
+
+    ``empty`` marks the query rows that see no key (bool: all False; float: all ``-inf``; a
+    finite "dtype minimum" row is not empty: torch adds that number and averages V over those
+    keys), as a bool tensor with the mask's dimensions and a last dimension of 1.
+    ``visible_mask`` is the mask with those rows made fully visible (True / 0.0) and every
+    other row unchanged (same shape and dtype). A caller runs torch with ``visible_mask`` and
+    zeroes the ``empty`` rows of its output: 0 forward (the kernel's answer and the definition's
+    limit) and 0 gradients through those rows, whatever torch's backend makes of a row without
+    keys (NaN from some, an average of V from others, NaN gradients to every key through such a
+    row), and every other row exactly torch's.
+
+    Device ops only (no host read, no branch on values): traceable by torch.compile and
+    capturable in a CUDA graph. Dimensions broadcast by stride 0 (an expanded mask) are read
+    once and stay expanded in ``visible_mask`` (no copy the size of the broadcast mask), and
+    ``empty`` has size 1 there.
+    """
+    if (not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested
+            or attn_mask.layout != torch.strided or attn_mask.dim() == 0
+            or attn_mask.shape[-1] == 0
+            or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())):
+        return None
+    base = attn_mask
+    for d in range(base.dim()):
+        if base.stride(d) == 0 and base.shape[d] > 1:
+            base = base.narrow(d, 0, 1)
+    if base.dtype == torch.bool:
+        empty = ~base.any(dim=-1, keepdim=True)
+        visible = base | empty
+    else:
+        empty = (base == float("-inf")).all(dim=-1, keepdim=True)
+        visible = base.masked_fill(empty, 0.0)
+    if visible.shape != attn_mask.shape:
+        visible = visible.expand(attn_mask.shape)
+    return visible, empty

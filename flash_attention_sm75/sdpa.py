@@ -430,31 +430,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-def _empty_rows(attn_mask):
-    """Query rows of a dense bool or float mask that see no key, as a bool tensor shaped like the
-    mask with a last dimension of 1; None for anything else (torch decides)."""
-    if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested or attn_mask.dim() == 0 \
-            or attn_mask.layout != torch.strided or attn_mask.shape[-1] == 0:
-        return None
-    if attn_mask.dtype == torch.bool:
-        return ~attn_mask.any(dim=-1, keepdim=True)
-    if attn_mask.is_floating_point():
-        return (attn_mask == float("-inf")).all(dim=-1, keepdim=True)
-    return None
-
-
 def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """torch's SDPA with the call's arguments, except that a query row whose keys are all masked
     gives 0 (the kernel's answer, and the definition's limit) instead of what torch's backend
-    makes of it (NaN from the math backend; and NaN in every key's gradient through such a
-    row): those rows are run unmasked, then zeroed, so their gradients are 0. Every other row is
-    torch's result bit for bit (the mask's other rows are unchanged)."""
-    empty = _empty_rows(attn_mask) if isinstance(query, torch.Tensor) else None
-    if empty is None or empty.dim() > query.dim():
+    makes of it (NaN or an average of V on some backends; and NaN in every key's gradient
+    through such a row): those rows are run unmasked, then zeroed, so their gradients are 0.
+    Every other row is torch's result bit for bit (the mask's other rows are unchanged). The
+    rows are found and unmasked on the device (``_masks.without_empty_rows``, shared with the
+    transformers integration's fallbacks)."""
+    split = _masks.without_empty_rows(attn_mask) if isinstance(query, torch.Tensor) else None
+    if split is None or split[1].dim() > query.dim():
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                               dropout_p=dropout_p, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
-    safe = attn_mask | empty if attn_mask.dtype == torch.bool else attn_mask.masked_fill(empty, 0.0)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=safe, dropout_p=dropout_p,
-                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    visible, empty = split
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible,
+                                         dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
     return out.masked_fill(empty, 0.0)

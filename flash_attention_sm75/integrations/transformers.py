@@ -44,6 +44,14 @@ cannot run them (the reasons above, an ``attention_mask`` given with them, packe
 ``position_ids`` while tracing or capturing) they run on that fallback with a per-document mask.
 While ``torch.compile`` traces or a CUDA graph captures, nothing is read on the host: a mask
 goes to torch SDPA, which reads it at replay.
+On every fallback, as on the kernel path, a query row whose keys are all masked (bool all
+False, float all ``-inf``; also a token in no document of a packed call) gives 0 and passes no
+gradient, never NaN or an average of V, whatever torch's SDPA backend does with such a row (NaN
+or an average on some backends, NaN gradients to every key through it; an average where
+transformers turns a boolean mask into a finite one for a ``position_bias``): the fallback runs
+those rows unmasked and zeroes them (device ops only, no host read), and every other row is the
+fallback's result bit for bit. A finite "dtype minimum" row is not empty: it keeps
+transformers' finite result.
 Inputs that require grad (training) run on the kernel, whose backward is registered with
 autograd.
 """
@@ -289,8 +297,9 @@ def _softcap_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0
     ``sdpa_attention_forward`` (the same arguments, mask conventions and ``(B, q_len, H, D)``
     result) with the scaled scores soft-capped, ``softcap * tanh(s / softcap)``, before the mask,
     as Gemma 2's eager attention does. Computed in float32 with the ``(q_len, kv_len)`` scores
-    materialized; rows that see no key give 0. Other keyword arguments are ignored, as
-    ``sdpa_attention_forward`` ignores them."""
+    materialized. Rows that see no key give 0 through :func:`_call_fallback`, which calls this
+    function with those rows unmasked (a NaN row here would also give NaN gradients). Other
+    keyword arguments are ignored, as ``sdpa_attention_forward`` ignores them."""
     b, h, q_len, d = query.shape
     kv_len = key.shape[2]
     groups = h // key.shape[1] if key.shape[1] else 1
@@ -313,7 +322,6 @@ def _softcap_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0
     else:
         scores = scores + attention_mask.float()
     probs = torch.softmax(scores, dim=-1)
-    probs = probs.masked_fill(torch.isnan(probs), 0.0)  # rows that see no key
     if dropout:
         probs = torch.nn.functional.dropout(probs, p=dropout)
     out = torch.matmul(probs, v).to(query.dtype)
@@ -583,8 +591,14 @@ def _explicit_mask(packing: _Packing, query, key, attention_mask, causal: bool,
         if attention_mask.dtype == torch.bool:
             mask = mask & attention_mask
         else:
-            mask = torch.where(mask, attention_mask,
+            inside = mask
+            mask = torch.where(inside, attention_mask,
                                torch.finfo(attention_mask.dtype).min).to(attention_mask.dtype)
+            # A row whose keys in its document are all -inf (or a token in no document) sees no
+            # key: all -inf, so that it gives 0 (_call_fallback) rather than an average over
+            # the other documents' keys, which the dtype minimum above would let it see.
+            none = ~(inside & (attention_mask != float("-inf"))).any(-1, keepdim=True)
+            mask = mask.masked_fill(none, float("-inf"))
     return mask
 
 
@@ -697,10 +711,41 @@ def _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs):
         value = value.transpose(0, 1).reshape(1, value.shape[1], b * kv_len, value.shape[-1])
     rest = {k: v for k, v in kwargs.items() if k not in _SDPA_POSITIONAL and k not in
             _PACKED_KWARGS and k not in ("position_ids", "sliding_window")}
-    out, weights = fallback(module, query, key, value, mask, dropout=bound["dropout"],
-                            scaling=bound["scaling"], is_causal=bound["is_causal"],
-                            position_bias=bound["position_bias"], **rest)
+    out, weights = _call_fallback(fallback, module, query, key, value, mask,
+                                  dropout=bound["dropout"], scaling=bound["scaling"],
+                                  is_causal=bound["is_causal"],
+                                  position_bias=bound["position_bias"], **rest)
     return out.reshape(b, q_len, *out.shape[2:]), weights
+
+
+def _call_fallback(fallback, module, query, key, value, attention_mask, *args, **kwargs):
+    """``fallback(module, query, key, value, attention_mask, *args, **kwargs)`` (transformers'
+    ``sdpa_attention_forward``, the ``"sdpa"`` entry the patch replaced, or
+    :func:`_softcap_sdpa_forward`), except that a query row whose keys are all masked (bool all
+    False, or float all ``-inf``) gives 0, as on the kernel path, instead of what torch's
+    backend makes of it (NaN or an average of V on some backends, an average of V where
+    ``position_bias`` turns a boolean mask into a finite one, and NaN gradients to every key
+    through such a row). Those rows are run unmasked and zeroed (``_masks.without_empty_rows``,
+    shared with the SDPA wrapper), so their gradients are 0 too; every other row is the
+    fallback's result bit for bit, and a mask without such rows (a finite "dtype minimum" row is
+    not one) gives the same result as before. Device ops only: no host read, traceable, and
+    capturable in a CUDA graph.
+
+    ``fallback`` returns transformers' ``(output (B, q_len, H, D), weights)``. Its weights
+    (``None`` from transformers' SDPA function, which has none even with
+    ``output_attentions=True``) are returned as they are, except a ``(B, H, q_len, kv_len)``
+    tensor from a replaced ``"sdpa"`` entry, whose rows without keys are zeroed too (the
+    probabilities of a row that sees no key are 0, consistent with its output)."""
+    split = _masks.without_empty_rows(attention_mask)
+    if split is None or split[1].dim() > 4 or query.dim() != 4:
+        return fallback(module, query, key, value, attention_mask, *args, **kwargs)
+    visible, empty = split
+    out, weights = fallback(module, query, key, value, visible, *args, **kwargs)
+    rows = empty.reshape((1,) * (4 - empty.dim()) + tuple(empty.shape))  # (B, H, q_len, 1)
+    out = out.masked_fill(rows.transpose(1, 2), 0.0)
+    if isinstance(weights, torch.Tensor) and weights.dim() == 4:
+        weights = weights.masked_fill(rows, 0.0)
+    return out, weights
 
 
 def _bshd_for_kernel(x: torch.Tensor) -> torch.Tensor:
@@ -794,7 +839,7 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
         if out is not None:
             return out, None
     _fall_back(reason)
-    return fallback(module, query, key, value, attention_mask, *args, **kwargs)
+    return _call_fallback(fallback, module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def flash_attention_sm75_forward(
@@ -852,7 +897,8 @@ def flash_attention_sm75_forward(
           window); without a mask, a window shorter than the keys runs on the kernel with
           ``window_size = (sliding_window - 1, sliding_window - 1)`` as transformers'
           FlashAttention path applies it;
-        * ``output_attentions=True`` falls back (torch SDPA returns no weights either);
+        * ``output_attentions=True`` falls back (torch SDPA returns no weights either: the
+          weights returned are ``None``);
           ``deterministic=True`` falls back only when ``FLASH_SM75_BWD_DQ=atomic`` makes our
           backward non-deterministic;
         * ``softcap`` (Gemma 2's ``attn_logit_softcapping``): ``None`` or a finite number > 0;
@@ -877,11 +923,14 @@ def flash_attention_sm75_forward(
     Notes
     -----
     Unsupported calls run transformers' ``sdpa_attention_forward`` with the unchanged arguments
-    (bitwise the stock result), or with the explicit mask described above, after logging the
-    reason at DEBUG on the ``"flash_attention_sm75"`` logger and counting it in
-    :func:`get_stats`. In strict mode (:func:`flash_attention_sm75.set_strict`) they raise
-    ``ValueError`` instead. Rows of queries that see no key (left padding) are 0 on the kernel
-    path, as are tokens in no document of ``cu_seq_lens``. While ``torch.compile`` traces or a
+    (bitwise the stock result on every row that sees a key), or with the explicit mask
+    described above, after logging the reason at DEBUG on the ``"flash_attention_sm75"`` logger
+    and counting it in :func:`get_stats`. In strict mode
+    (:func:`flash_attention_sm75.set_strict`) they raise ``ValueError`` instead. Rows of queries
+    that see no key (left padding; bool mask rows all False, float rows all ``-inf``) are 0 with
+    zero gradients on every path, the kernel's and the fallbacks' (:func:`_call_fallback`), as
+    are tokens in no document of ``cu_seq_lens``; a row hidden only by a finite "dtype minimum"
+    keeps the fallback's finite result. While ``torch.compile`` traces or a
     CUDA graph captures, nothing is read on the host: masks and packed ``position_ids`` go to
     torch SDPA, which reads them at every replay (``cu_seq_lens`` run on the varlen op there).
 
