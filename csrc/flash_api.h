@@ -227,9 +227,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
 // Entry b attends to rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new), causal / window /
 // ALiBi bottom-right aligned on that end (causal has no effect when seqlen_q == 1). Returns out
 // (batch, seqlen_q, num_heads, head_dim) float16 and softmax_lse (batch, num_heads, seqlen_q)
-// float32. The values of cache_seqlens / block_table are not checked here on the GPU path (a
-// host synchronisation): callers check them on the device first; writes outside the cache are
-// skipped and table entries clamped, so nothing outside the tensors is read or written.
+// float32. The values of cache_seqlens / block_table are checked on the device, before any write
+// (a device-side assertion: reading them would cost a host synchronisation per call and break
+// CUDA-graph capture); the kernels also skip writes outside the cache and clamp table entries.
 // ValueError naming the argument for invalid metadata, before any write or launch.
 std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
     const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cache_seqlens,

@@ -1,8 +1,8 @@
 // Host side of the KV-cache op (flash-attn's flash_attn_with_kvcache core): append the new keys /
 // values into the cache in place, then attend over each sequence's cache rows, bottom-right
 // aligned per sequence, on the kernels directly (plain or paged cache, no gathered copy, no host
-// read of the lengths). The rotary embedding and the device-side value checks are the Python
-// door's (flash_attention_sm75/fa2.py). No op registration here (see torch_bindings.cpp).
+// read of the lengths; the index values are checked on the device before the writes). The rotary
+// embedding is the Python door's (flash_attention_sm75/fa2.py). No op registration here (see torch_bindings.cpp).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
@@ -144,6 +144,20 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   const int64_t b = ks.batch, sq = ks.seqlen_q, h = q.size(2), h_k = k_cache.size(2),
                 d = q.size(3);
+
+  // ---- the index values, on the device, before anything is written
+  KvCheckParams cp{};
+  cp.cache_seqlens = cache_seqlens.data_ptr<int>();
+  cp.block_table = ks.paged ? block_table->data_ptr<int>() : nullptr;
+  cp.block_table_batch_stride = ks.paged ? block_table->stride(0) : 0;
+  cp.blocks = ks.paged ? static_cast<int>(block_table->size(1)) : 1;
+  cp.page_block_size = static_cast<int>(k_cache.size(1));
+  cp.num_pages = static_cast<int>(k_cache.size(0));
+  cp.b = static_cast<int>(b);
+  cp.seqlen_new = static_cast<int>(ks.seqlen_new);
+  cp.seqlen_cache = static_cast<int>(ks.seqlen_cache);
+  run_kvcache_check(cp, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // ---- append (the new rows' copies are the only layout change: they are small)
   at::Tensor seqused = cache_seqlens;

@@ -272,9 +272,9 @@ def call_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_l
     ``(batch_cache >= batch, seqlen_cache, h_k, d)`` or pages through ``block_table`` (page
     size a multiple of ``PAGE_BLOCK_MULTIPLE``, or a one-column table). Returns ``(out (b,
     seqlen_q, h, d), softmax_lse (b, h, seqlen_q) float32)``. No autograd (flash-attn's
-    kvcache has none): callers refuse inputs that require grad. The index values are not
-    checked by the op on the GPU (a host synchronisation): callers check them on the device
-    first (``fa2._check_cache_indices``)."""
+    kvcache has none): callers refuse inputs that require grad. The index values are checked
+    by the op before any write: ``ValueError`` on the CPU, a device-side assertion on CUDA
+    (reading them on the host would cost a synchronisation per call)."""
     require_kvcache()
     if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.numel():
         from . import _packing

@@ -830,8 +830,14 @@ def flash_attn_with_kvcache(
     if is_causal:
         right = 0
     local = (0 <= left < seqlen_cache) or (0 <= right < seqlen_cache)
+    on_op = (_ops.KVCACHE_AVAILABLE and q.shape[-1] % _rules.HEAD_DIM_MULTIPLE == 0
+             and (not paged or page % _ops.PAGE_BLOCK_MULTIPLE == 0 or block_table.shape[1] == 1))
+    # The KV-cache op checks cache_seqlens and the table itself, on the device and before its
+    # writes (one launch); the door checks what only it sees (the rotary positions) and, on the
+    # CPU and the other paths, the rest here.
     _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos, k_cache,
-                         seqlen_new, seqlen_cache, seqlen_q if (is_causal or local) else 1)
+                         seqlen_new, seqlen_cache, seqlen_q if (is_causal or local) else 1,
+                         rotary_only=on_op and q.is_cuda)
 
     # Every index below is valid now: the writes into k_cache and v_cache cannot stop halfway.
     with torch.no_grad():
@@ -842,9 +848,7 @@ def flash_attn_with_kvcache(
             qpos = base + torch.arange(seqlen_q, device=q.device).view(1, -1) \
                 if (is_causal or local) else base.expand(batch, seqlen_q)
             q = _rotary(q, rotary_cos[qpos], rotary_sin[qpos], rotary_interleaved)
-        if (_ops.KVCACHE_AVAILABLE and q.shape[-1] % _rules.HEAD_DIM_MULTIPLE == 0
-                and (not paged or page % _ops.PAGE_BLOCK_MULTIPLE == 0
-                     or block_table.shape[1] == 1)):
+        if on_op:
             # The KV-cache op: the appends and the attention in place on the cache (plain,
             # paged, or rows selected by cache_batch_idx as a one-page-per-sequence table), per
             # sequence bottom-right, lengths on the device only.
@@ -959,13 +963,23 @@ def _kvcache_on_varlen(q, k_cache, v_cache, end, softmax_scale, causal, window, 
 
 
 def _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos, k_cache,
-                         seqlen_new: int, seqlen_cache: int, q_positions: int) -> None:
+                         seqlen_new: int, seqlen_cache: int, q_positions: int,
+                         rotary_only: bool = False) -> None:
     """The values of flash_attn_with_kvcache's index tensors, before anything is written:
     ``ValueError`` naming the argument on the CPU; on CUDA a device-side assertion
     (:func:`_packing.check_on_device`: the values live on the GPU, and reading them would cost a
     host synchronisation per call and break CUDA-graph capture), enqueued before the writes so
     that they do not run when it fails. ``q_positions``: how many rotary positions q takes from
-    ``cache_seqlens[b]`` on."""
+    ``cache_seqlens[b]`` on. ``rotary_only``: only the rotary positions (the KV-cache op checks
+    the rest itself)."""
+    if rotary_only:
+        if rotary_cos is not None:
+            _packing.check_on_device(
+                (cache_seqlens.to(torch.int64) + q_positions <= rotary_cos.shape[0]).all(),
+                f"{PREFIX}rotary_cos / rotary_sin must have a row for every position of q, "
+                f"cache_seqlens[b] + i for i < {q_positions}; they have {rotary_cos.shape[0]} "
+                f"rows")
+        return
     if cache_seqlens is not None:
         lens = cache_seqlens.to(torch.int64)
         _packing.check_on_device(

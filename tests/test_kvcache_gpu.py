@@ -231,3 +231,47 @@ def test_kvcache_append_and_attend_compiles_fullgraph():
         got = torch.compile(step, fullgraph=True)(q, kc, vc, k, v, seqlens)
     assert torch.equal(kc, ek) and torch.equal(vc, ev)
     assert torch.equal(got, eager)
+
+
+_BAD_INDEX_SCRIPT = """
+import sys
+import torch
+from flash_attention_sm75 import _ops
+dev, f16 = "cuda", torch.float16
+q = torch.randn(2, 1, 4, 64, device=dev, dtype=f16)
+k, v = torch.randn(2, 2, 2, 64, device=dev, dtype=f16), torch.randn(2, 2, 2, 64, device=dev, dtype=f16)
+case = sys.argv[1]
+if case == "seqlens":
+    kc, vc = (torch.randn(2, 128, 2, 64, device=dev, dtype=f16) for _ in range(2))
+    lens, table = torch.tensor([0, 127], dtype=torch.int32, device=dev), None
+else:
+    kc, vc = (torch.randn(4, 64, 2, 64, device=dev, dtype=f16) for _ in range(2))
+    lens = torch.tensor([0, 70], dtype=torch.int32, device=dev)
+    table = torch.tensor([[0, -1], [1, 4]], dtype=torch.int32, device=dev)
+try:
+    _ops.call_kvcache_fwd(q, kc, vc, lens, k, v, None, table)
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("ERR", "device-side assert" in str(e))
+    sys.exit(3)
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("case", ["seqlens", "table"])
+def test_kvcache_bad_index_values_are_a_device_side_assertion(case, tmp_path):
+    """cache_seqlens past the cache / a table entry outside the pages (of a page that holds keys;
+    the -1 of a page without keys is fine): a device-side assertion before any write, never a
+    silent out-of-bounds access (in a subprocess: it leaves the CUDA context unusable)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "bad_index.py"
+    script.write_text(_BAD_INDEX_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+        + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    r = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 3 and "ERR True" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])

@@ -2,6 +2,8 @@
 // and the same chunk of V: loads and stores are 16-byte vectors, coalesced along the head dim.
 #include "kvcache_append.h"
 
+#include <c10/macros/Macros.h>
+
 #include <algorithm>
 
 namespace flash_sm75 {
@@ -42,7 +44,36 @@ __global__ void kvcache_append_kernel(const KvAppendParams p) {
   }
 }
 
+__global__ void kvcache_check_kernel(const KvCheckParams p) {
+  const int64_t total = static_cast<int64_t>(p.b) * p.blocks;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int bidb = static_cast<int>(i / p.blocks), col = static_cast<int>(i % p.blocks);
+    const int64_t end = static_cast<int64_t>(p.cache_seqlens[bidb]) + p.seqlen_new;
+    if (col == 0) {
+      CUDA_KERNEL_ASSERT_MSG(end >= p.seqlen_new && end <= p.seqlen_cache,
+                             "flash_attention_sm75: cache_seqlens must be in [0, seqlen_cache - "
+                             "seqlen_new]");
+    }
+    if (p.block_table != nullptr && static_cast<int64_t>(col) * p.page_block_size < end) {
+      const int e = p.block_table[bidb * p.block_table_batch_stride + col];
+      CUDA_KERNEL_ASSERT_MSG(e >= 0 && e < p.num_pages,
+                             "flash_attention_sm75: block_table (or cache_batch_idx) entries of "
+                             "pages that hold keys must be in [0, k_cache.shape[0])");
+    }
+  }
+}
+
 }  // namespace
+
+void run_kvcache_check(const KvCheckParams& params, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const int64_t total = static_cast<int64_t>(params.b) * params.blocks;
+  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 1024);
+  if (blocks > 0) {
+    kvcache_check_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(params);
+  }
+}
 
 void run_kvcache_append(const KvAppendParams& params, cudaStream_t stream) {
   constexpr int kThreads = 256;

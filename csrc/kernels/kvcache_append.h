@@ -29,6 +29,24 @@ struct KvAppendParams {
   int* seqused_k;            // out, (b,): cache_seqlens[b] + seqlen_new, the attended key count
 };
 
+struct KvCheckParams {
+  const int* cache_seqlens;  // (b,)
+  const int* block_table;    // (b, blocks) int32 or nullptr
+  int64_t block_table_batch_stride;
+  int blocks;                // the table's columns (1 without a table)
+  int page_block_size;
+  int num_pages;
+  int b, seqlen_new, seqlen_cache;
+};
+
+// The values the KV-cache op relies on, checked on the device before anything is written (a
+// host read would cost a synchronisation per call and break CUDA-graph capture): cache_seqlens[b]
+// in [0, seqlen_cache - seqlen_new] and the table entries of the pages that hold keys in
+// [0, num_pages). A bad value is a device-side assertion (the CUDA error surfaces at the next
+// synchronisation and leaves the context unusable, as torch's device asserts do); the kernels
+// queued after it on the stream do not run.
+void run_kvcache_check(const KvCheckParams& params, cudaStream_t stream);
+
 // Rows whose target lies outside the cache (or in a page outside [0, num_pages)) are not
 // written: the callers check the values on the device first; this keeps every write in bounds
 // even without that check.
