@@ -16,7 +16,7 @@ KV GB/s = bytes of the attended K and V rows / time; "% copy" = that over the co
     python benchmarks/bench_decode.py [--d 64 128 256] [--batch 1 4 16 64]
         [--cache 512 2048 4096 16384 32768] [--ratio 1 4 8] [--heads 32]
 
-Writes <out-dir>/<tag>.txt and .json (default bench_out/bench_decode.*). The planning profile
+Writes <out-dir>/<tag>.txt, .json and .png (default bench_out/bench_decode.*). The planning profile
 is the benchmarks' default (t4: the launches a T4 would run, on this GPU's SMs).
 """
 from __future__ import annotations
@@ -38,6 +38,26 @@ def copy_bandwidth(mib: int, warmup_ms: float, rep_ms: float) -> float:
     dst = torch.empty_like(src)
     ms = C.bench(lambda: dst.copy_(src), "cuda", warmup_ms, rep_ms)["ms"]
     return 2 * n / (ms * 1e-3)
+
+
+def plot(records, path: str, suptitle: str = ""):
+    """One panel per (d, GQA ratio): % of the copy bandwidth against the cache length, one
+    series per batch size (the op alone and the door), the 70% line."""
+    panels = []
+    for d in sorted({r["d"] for r in records}):
+        for ratio in sorted({r["ratio"] for r in records}):
+            rs = [r for r in records if r["d"] == d and r["ratio"] == ratio]
+            if not rs:
+                continue
+            xs = sorted({r["cache"] for r in rs})
+            series = {}
+            for b in sorted({r["batch"] for r in rs}):
+                by = {r["cache"]: r for r in rs if r["batch"] == b}
+                series[f"B={b}"] = [by[x]["pct_copy"] if x in by else None for x in xs]
+            panels.append(dict(title=f"d={d}, h/h_k={ratio}", x=xs, series=series,
+                               xlabel="cache keys", ylabel="% of copy bandwidth", logx2=True,
+                               ymin0=True, hline=(70, "70%")))
+    return C.plot_panels(path, panels, ncols=3, suptitle=suptitle)
 
 
 def main(argv=None) -> int:
@@ -76,10 +96,12 @@ def main(argv=None) -> int:
                     kv_bytes_all = 2 * b * cache * hk * d * 2
                     if kv_bytes_all > args.max_gib * 2**30 or cache % args.page:
                         continue
-                    g = torch.Generator().manual_seed(hash((d, ratio, b, cache)) % 2**31)
-                    kc, vc = (torch.randn(b, cache, hk, d, generator=g).to("cuda", torch.float16)
-                              for _ in range(2))
-                    q = torch.randn(b, 1, h, d, generator=g).to("cuda", torch.float16)
+                    seed = d * 1000003 + ratio * 10007 + b * 101 + cache
+                    g = torch.Generator().manual_seed(seed)
+                    gc = torch.Generator(device="cuda").manual_seed(seed)
+                    kc, vc = (torch.randn(b, cache, hk, d, generator=gc, device="cuda",
+                                          dtype=torch.float16) for _ in range(2))
+                    q = torch.randn(b, 1, h, d, generator=gc, device="cuda", dtype=torch.float16)
                     if args.lengths == "full":
                         lens = torch.full((b,), cache, dtype=torch.int32)
                     else:
@@ -140,6 +162,9 @@ def main(argv=None) -> int:
                         ["case", "h/hk", "B", "cache", "ours ms", "KV GB/s", "% copy", "op ms",
                          "op % copy", "paged ms", "paged/ours", "eff ms", "eff/ours"],
                         rows, records)
+    plot(records, os.path.join(args.out_dir, args.tag + ".png"),
+         f"decode KV bandwidth, {(env.get('gpu') or {}).get('name')}, plan "
+         f"{env.get('plan_profile')}")
     return 0
 
 
