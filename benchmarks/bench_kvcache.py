@@ -13,7 +13,7 @@ For each shape, times flash_attn_with_kvcache (the flash_attn drop-in, fa2.py) w
 Appends nothing to the cache (k = v = None), so repetitions are identical. The decode sweep
 (one query token, bandwidth against the copy bandwidth) is bench_decode.py.
 
-    python benchmarks/bench_kvcache.py [--batch 4] [--cache 4096 16384] [--q 1 16 64]
+    python benchmarks/bench_kvcache.py [--batch 4] [--cache 4096 16384] [--q 1 4 16 64]
 
 Writes <out-dir>/<tag>.txt and .json (default bench_out/bench_kvcache.*).
 """
@@ -32,7 +32,8 @@ import _common as C  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.add_table_bench_args(ap, d=[128], n=[4096, 16384], tag="bench_kvcache")
-    ap.add_argument("--q", type=int, nargs="+", default=[1, 16, 64], help="query tokens per call")
+    ap.add_argument("--q", type=int, nargs="+", default=[1, 4, 16, 64],
+                    help="query tokens per call")
     ap.add_argument("--heads-k", type=int, default=4)
     args = ap.parse_args(argv)
     setup = C.table_bench_setup("bench_kvcache")

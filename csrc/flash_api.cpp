@@ -325,23 +325,27 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   return {out, lse};
 }
 
-void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_allowed) {
+bool decode_enabled() { return env_decode_enabled(); }
+
+void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_allowed,
+                     int max_multi_rows) {
   at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
   try {
     const DecodePlan dp =
         plan_decode(params.b, params.h, params.h_k, params.seqlen_q, params.seqlen_k,
                     flash_sm75::decode_head_dim(flash_sm75::head_dim_bucket(params.d)),
-                    params.num_sms, decode_allowed && env_decode_enabled());
+                    params.num_sms, decode_allowed && env_decode_enabled(), 8, max_multi_rows);
     if (dp.use) {
       params.decode_ratio_bucket = dp.ratio_bucket;
       params.num_splits = dp.num_splits;
       params.keys_per_split = dp.keys_per_split;
       if (dp.num_splits > 1) {
         const auto f32 = q.options().dtype(at::kFloat);
-        // indexed with d, not the bucket
-        oaccum = at::empty({dp.num_splits, params.b, params.h, params.d}, f32);
+        // indexed with d, not the bucket; rows (b, h, seqlen_q): seqlen_q > 1 only with
+        // max_multi_rows
+        oaccum = at::empty({dp.num_splits, params.b, params.h, params.seqlen_q, params.d}, f32);
         // each split's max m, then sum l
-        lseaccum = at::empty({2, dp.num_splits, params.b, params.h}, f32);
+        lseaccum = at::empty({2, dp.num_splits, params.b, params.h, params.seqlen_q}, f32);
         params.oaccum_ptr = oaccum.data_ptr<float>();
         params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();
       }

@@ -159,9 +159,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
 // Launches the forward for filled params on q's stream: the decode kernel when plan_decode takes
-// the call (seqlen_q == 1, decode_allowed, FLASH_SM75_DECODE not off), with its split workspace,
-// else run_mha_fwd. Kernel errors raise ValueError / CUDA errors.
-void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_allowed);
+// the call (seqlen_q == 1, or seqlen_q * h / h_k <= max_multi_rows; decode_allowed;
+// FLASH_SM75_DECODE not off), with its split workspace, else run_mha_fwd. Kernel errors raise
+// ValueError / CUDA errors.
+void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_allowed,
+                     int max_multi_rows = 0);
+// FLASH_SM75_DECODE is not 'never' (ValueError for an unknown value).
+bool decode_enabled();
 
 // The band's diagonals and ALiBi's offset relative to each batch entry's bottom-right corner
 // (params.per_seq_offset: flash-attn's varlen and KV-cache semantics), for entries of at most

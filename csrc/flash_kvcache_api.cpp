@@ -12,7 +12,9 @@
 
 #include "flash_api.h"
 #include "kernels/flash.h"
+#include "kernels/head_dims.h"
 #include "kernels/kvcache_append.h"
+#include "kernels/launch_plan.h"
 
 namespace flash_sm75 {
 namespace {
@@ -217,10 +219,6 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
   const at::Tensor vview = ks.paged ? v_cache : v_cache.narrow(0, 0, b);
   // flash-attn: causal has no effect on a single query row.
   const bool causal = is_causal && sq > 1;
-  // One query row, no window, no ALiBi: nothing depends on the sequence's corner, so the
-  // split-KV decode kernel runs it (key range [leftpad, seqused)).
-  const bool decode_shape = sq == 1 && window_size_left < 0 && window_size_right < 0 &&
-                            !alibi_slopes.has_value();
   Flash_fwd_params params;
   set_params_fprop(params, q, kview, vview, out, lse, ks.scale, causal,
                    /*causal_bottom_right=*/true, cache_leftpad, seqused, window_size_left,
@@ -232,13 +230,25 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
     params.page_block_size = static_cast<int>(k_cache.size(1));
     params.num_pages = static_cast<int>(k_cache.size(0));
   }
-  if (!decode_shape) {
+  set_plan_device(params, q.get_device());
+  params.small_grid_tile = 0;
+  // Without a window or ALiBi the split-KV decode kernel runs one query row (nothing depends on
+  // the sequence's corner) and short queries against the cache (its rows are (query, q-head)
+  // pairs, each causal row with its own bottom-right limit): long caches get key splits. The
+  // rest runs the prefill kernels with per-sequence diagonals.
+  const int kd = decode_head_dim(head_dim_bucket(static_cast<int>(d)));
+  const bool decode =
+      window_size_left < 0 && window_size_right < 0 && !alibi_slopes.has_value() &&
+      plan_decode(params.b, params.h, params.h_k, params.seqlen_q, params.seqlen_k, kd,
+                  params.num_sms, decode_enabled(), 8, decode_max_multi_rows(kd)).use;
+  if (decode) {
+    params.is_causal = false;  // the rows' own limits, not the dense band
+    params.decode_causal_rows = causal ? 1 : 0;
+  } else {
     set_per_seq_diagonals(params, sq, ks.seqlen_cache, causal, window_size_left,
                           window_size_right);
   }
-  set_plan_device(params, q.get_device());
-  params.small_grid_tile = 0;
-  run_fwd_planned(params, q, decode_shape);
+  run_fwd_planned(params, q, decode, decode_max_multi_rows(kd));
   return {out, lse};
 }
 

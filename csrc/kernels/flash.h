@@ -113,6 +113,9 @@ struct Flash_fwd_params {
   index_t block_table_batch_stride = 0;
   int page_block_size = 0;
   int num_pages = 0;
+  // Decode with several query rows (the extended decode kernel, seqlen_q > 1: the KV-cache op):
+  // query i sees keys < key_end[b] - (seqlen_q - 1 - i) (causal, bottom-right) when set.
+  int decode_causal_rows = 0;
 };
 
 // Paged K/V needs a tile of kBlockN keys (and a decode warp's 32) inside one page.

@@ -1,4 +1,6 @@
-// Decode forward (seqlen_q == 1): split-KV attention on CUDA cores, GQA-packed.
+// Decode forward (seqlen_q == 1): split-KV attention on CUDA cores, GQA-packed. The extended
+// instantiations also take a few query rows (the KV-cache op's short queries against a long
+// cache): a CTA's "heads" below are then (query, q-head) rows, each with its own causal limit.
 //
 // With one query row the prefill kernel wastes 63 of its 64 (or 127 of 128) tile rows and runs
 // one CTA per (batch, q-head) over all keys: few CTAs, each K/V row read once per q-head. Here
@@ -63,7 +65,8 @@ struct DecodeTraits {
   static constexpr int kOffM = kOffP + kWarps * kR * kKeys * 4;    // [warps][kR] fp32 m, l
   static constexpr int kOffCta = kOffM + 2 * kWarps * kR * 4;     // 4 ints: the CTA's coordinates
   static constexpr int kOffSlope = kOffCta + 4 * 4;               // [kR] fp32: ALiBi (Is_ext)
-  static constexpr int kSmemSize = kOffSlope + kR * 4;
+  static constexpr int kOffRowEnd = kOffSlope + kR * 4;             // [kR] int: rows' key limits
+  static constexpr int kSmemSize = kOffRowEnd + kR * 4;
   static_assert(kD == 64 || kD == 128 || kD == 256, "kD = 64, 128 or 256");
   static_assert(kR >= 1 && kR <= decode_max_heads_per_cta(kD), "kR over the register cap");
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
@@ -106,15 +109,20 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // blockIdx.x = ((batch * h_k + kv head) * num_splits + split) * parts + part: the parts of a
   // group run next to each other and share the split's K/V in L2.
+  // The CTA's rows are (query, q-head) pairs of its kv head, query-major: row f = i * ratio + j
+  // is query i of q-head hk * ratio + j. One query row (every plain instantiation): the rows are
+  // the group's q-heads. Several (Is_ext, params.seqlen_q > 1: the KV-cache op's short queries
+  // against a long cache, e.g. speculative tokens): each row has its own causal key limit.
   const int ratio = params.h_h_k_ratio;
-  const int parts = (ratio + kR - 1) / kR;
+  const int rows_per_kv = Is_ext ? ratio * params.seqlen_q : ratio;
+  const int parts = (rows_per_kv + kR - 1) / kR;
   const int part = static_cast<int>(blockIdx.x % parts);
   const int bhks = static_cast<int>(blockIdx.x / parts);
   const int split = bhks % params.num_splits;
   const int bhk = bhks / params.num_splits;
   const int bidb = bhk / params.h_k, hk = bhk % params.h_k;
-  const int h0 = hk * ratio + part * kR;  // first q-head of the CTA
-  const int nh = imin(kR, ratio - part * kR);  // q-heads of the CTA
+  const int h0 = hk * ratio + part * kR;  // first q-head (one query row) / row + hk * ratio
+  const int nh = imin(kR, rows_per_kv - part * kR);  // rows of the CTA
   const KeyRange kr = decode_key_range(params, bidb);
   // In 64 bits: (split + 1) * keys_per_split passes 2^31 - 1 for seqlen_k near it.
   const int64_t split_lo = static_cast<int64_t>(split) * params.keys_per_split;
@@ -131,19 +139,31 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     sCta[2] = nh;
     sCta[3] = split;
   }
-  // ALiBi: each head's slope in raw-score units (score_mod_for), 0 without slopes.
+  // Row r's query and q-head (see above).
+  auto row_query = [&](int r) { return Is_ext ? (part * kR + r) / ratio : 0; };
+  auto row_head = [&](int r) { return Is_ext ? hk * ratio + (part * kR + r) % ratio : h0 + r; };
+  // ALiBi: each row's slope in raw-score units (score_mod_for), 0 without slopes (several query
+  // rows run without ALiBi: the host sends those to the prefill kernels). The rows' key limits:
+  // causal rows (decode_causal_rows) see keys < key_end - (seqlen_q - 1 - i), bottom-right.
   float* sSlope = reinterpret_cast<float*>(smem_raw + T::kOffSlope);
+  int* sRowEnd = reinterpret_cast<int*>(smem_raw + T::kOffRowEnd);
   if constexpr (Is_ext) {
     if (tid < kR) {
-      sSlope[tid] = tid < nh ? score_mod_for(params, bidb, h0 + tid, params.alibi_offset).slope : 0.f;
+      sSlope[tid] = tid < nh ? score_mod_for(params, bidb, row_head(tid), params.alibi_offset).slope
+                             : 0.f;
+      sRowEnd[tid] = params.decode_causal_rows
+                         ? kr.key_end - (params.seqlen_q - 1 - row_query(tid)) : kr.key_end;
     }
   }
 
-  // ---- q of the CTA's heads -> sQ (fp32; heads past nh are 0 and never written out).
+  // ---- q of the CTA's rows -> sQ (fp32; rows past nh are 0 and never written out).
   const __half* q = static_cast<const __half*>(params.q_ptr) + bidb * params.q_batch_stride;
   for (int i = tid; i < kR * kD; i += T::kThreads) {
     const int h = i / kD, c = i % kD;
-    sQ[i] = h < nh && c < params.d ? __half2float(q[(h0 + h) * params.q_head_stride + c]) : 0.f;
+    sQ[i] = h < nh && c < params.d
+                ? __half2float(q[row_query(h) * params.q_row_stride +
+                                 row_head(h) * params.q_head_stride + c])
+                : 0.f;
   }
   __syncthreads();
 
@@ -261,7 +281,9 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     const bool valid = base + lane < end;
 #pragma unroll
     for (int h = 0; h < kR; ++h) {
-      const float x = valid ? s[h] : -INFINITY;
+      bool visible = valid;
+      if constexpr (Is_ext) visible = visible && base + lane < sRowEnd[h];
+      const float x = visible ? s[h] : -INFINITY;
       const float m_new = fmaxf(m[h], warp_allreduce_max(x));
       const float ref = m_new == -INFINITY ? 0.f : m_new;  // no key yet: exp2(-inf) = 0
       const float alpha = exp2f((m[h] - ref) * scale_log2);
@@ -353,18 +375,35 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     }
     float out[1], lse;
     st.result(params.scale_softmax, out, lse);
-    const int hq = e_h0 + h;
+    // Row h's q-head and query: the plain kernels' rows are q-heads of query 0; the extended
+    // ones recompute (query, q-head) from the CTA's index (no register kept across the loop).
+    int hq = e_h0 + h, qi = 0;
+    if constexpr (Is_ext) {
+      const int f = static_cast<int>(blockIdx.x % parts) * kR + h;
+      hq = (e_h0 - static_cast<int>(blockIdx.x % parts) * kR) + f % ratio;
+      qi = f / ratio;
+    }
     if (params.num_splits == 1) {
       __half* o_ptr = static_cast<__half*>(params.o_ptr) + e_bidb * params.o_batch_stride +
                       hq * params.o_head_stride;
+      if constexpr (Is_ext) o_ptr += qi * params.o_row_stride;
       o_ptr[c] = __float2half_rn(clamp_to_fp16_range(out[0]));
-      if (c == 0) params.softmax_lse_ptr[static_cast<int64_t>(e_bidb) * params.h + hq] = lse;
+      if (c == 0) {
+        int64_t lrow = static_cast<int64_t>(e_bidb) * params.h + hq;
+        if constexpr (Is_ext) lrow = lrow * params.seqlen_q + qi;  // LSE (b, h, seqlen_q)
+        params.softmax_lse_ptr[lrow] = lse;
+      }
     } else {
       // The split's raw max m and its sum l (relative to m), not one LSE: in fp32, m * scale +
       // log(l) loses log(l) once |m * scale| is large, and the merge would weight the splits
       // wrongly (O = 2 instead of 1 at scores ~1e8; tests/emu check_decode_split_merges).
-      const int64_t rows = static_cast<int64_t>(params.num_splits) * params.b * params.h;
-      const int64_t row = (static_cast<int64_t>(e_split) * params.b + e_bidb) * params.h + hq;
+      // Workspace rows ((split, b, h, seqlen_q)): seqlen_q is 1 in the plain kernels.
+      int64_t rows = static_cast<int64_t>(params.num_splits) * params.b * params.h;
+      int64_t row = (static_cast<int64_t>(e_split) * params.b + e_bidb) * params.h + hq;
+      if constexpr (Is_ext) {
+        rows *= params.seqlen_q;
+        row = row * params.seqlen_q + qi;
+      }
       params.oaccum_ptr[row * params.d + c] = out[0];
       if (c == 0) {
         params.softmax_lseaccum_ptr[row] = st.m;
@@ -380,10 +419,13 @@ template <int kD>
 __global__ void __launch_bounds__(128) flash_fwd_decode_merge_kernel(const Flash_fwd_params params) {
   constexpr int kDPL = kD / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + warp;  // bidb * h + hq
-  const int64_t rows = static_cast<int64_t>(params.b) * params.h;
+  // (bidb * h + hq) * seqlen_q + query: seqlen_q > 1 only from the extended kernels' rows.
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + warp;
+  const int64_t rows = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
   if (row >= rows || lane * kDPL >= params.d) return;  // lanes past d: no dims (d % 8 == 0)
-  const int bidb = static_cast<int>(row / params.h), hq = static_cast<int>(row % params.h);
+  const int64_t bh = row / params.seqlen_q;
+  const int qi = static_cast<int>(row % params.seqlen_q);
+  const int bidb = static_cast<int>(bh / params.h), hq = static_cast<int>(bh % params.h);
   const float* m_s = params.softmax_lseaccum_ptr;
   const float* l_s = m_s + rows * params.num_splits;
   SoftmaxMerge<kDPL> st;
@@ -396,7 +438,7 @@ __global__ void __launch_bounds__(128) flash_fwd_decode_merge_kernel(const Flash
                       });
   }
   __half* o_ptr = static_cast<__half*>(params.o_ptr) + bidb * params.o_batch_stride +
-                  hq * params.o_head_stride + lane * kDPL;
+                  qi * params.o_row_stride + hq * params.o_head_stride + lane * kDPL;
 #pragma unroll
   for (int e = 0; e < kDPL; ++e) o_ptr[e] = __float2half_rn(clamp_to_fp16_range(st.out(e)));
   if (lane == 0) params.softmax_lse_ptr[row] = st.lse(params.scale_softmax);

@@ -17,11 +17,13 @@ void run_decode_kernels(Flash_fwd_params& params, cudaStream_t stream) {
   using T = DecodeTraits<kD, kR>;
   auto kernel = &flash_fwd_decode_kernel<kD, kR, Is_ext>;
   set_max_dynamic_smem(kernel, T::kSmemSize);
-  const int parts = (params.h_h_k_ratio + kR - 1) / kR;  // DecodePlan::head_parts
+  // DecodePlan::head_parts; the extended kernels' rows are (query, q-head) pairs
+  const int rows_per_kv = params.h_h_k_ratio * (Is_ext ? params.seqlen_q : 1);
+  const int parts = (rows_per_kv + kR - 1) / kR;
   const int64_t ctas = static_cast<int64_t>(params.b) * params.h_k * params.num_splits * parts;
   kernel<<<static_cast<unsigned>(ctas), T::kThreads, T::kSmemSize, stream>>>(params);
   if (params.num_splits > 1) {
-    const int64_t rows = static_cast<int64_t>(params.b) * params.h;
+    const int64_t rows = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
     flash_fwd_decode_merge_kernel<kD>
         <<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(params);
   }

@@ -29,8 +29,10 @@ void run_mha_fwd_decode(Flash_fwd_params& params, cudaStream_t stream) {
     throw std::invalid_argument(
         "flash_attention_sm75: the decode kernel takes no packed sequences (internal error)");
   }
+  // Several query rows (the KV-cache op) run on the extended kernel, whose rows are (query,
+  // q-head) pairs.
   HEADDIM_SWITCH(params.d, [&] {
-    BOOL_SWITCH(needs_ext(params), Is_ext, [&] {
+    BOOL_SWITCH(needs_ext(params) || params.seqlen_q > 1, Is_ext, [&] {
       run_mha_fwd_decode_<decode_head_dim(kHeadDim), Is_ext>(params, stream);
     });
   });

@@ -106,6 +106,11 @@ constexpr int kDecodeMaxSplits = 64;
 // 254 at kd = 256 (its P V loop not unrolled; kR = 16 there would need 128 fp32 outputs).
 constexpr int decode_max_heads_per_cta(int kd) { return kd <= 128 ? 16 : 8; }
 
+// (query, q-head) rows per kv head up to which the KV-cache op runs several query rows on the
+// decode kernel (two head parts of CTAs; beyond, the CUDA-core arithmetic of the rows outgrows
+// the prefill kernels' tensor cores): plan_decode's max_multi_rows.
+constexpr int decode_max_multi_rows(int kd) { return 2 * decode_max_heads_per_cta(kd); }
+
 struct DecodePlan {
   bool use;            // seqlen_q == 1 (and not disabled)
   int ratio_bucket;    // kR, q-heads per CTA (compile time): the smallest power of two >= h / h_k,
@@ -116,16 +121,21 @@ struct DecodePlan {
 };
 
 // kd: the head-dim bucket that runs d (head_dims.h).
+// max_multi_rows: seqlen_q > 1 takes the decode kernel's extended instantiation (its rows are
+// (query, q-head) pairs) when seqlen_q * h / h_k <= max_multi_rows; 0 (the dense op): never.
 inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k, int kd,
-                              int num_sms, bool enabled, int min_steps_to_split = 8) {
+                              int num_sms, bool enabled, int min_steps_to_split = 8,
+                              int max_multi_rows = 0) {
   DecodePlan p{false, 0, 1, 1, kDecodeKeysPerStep};
   const int ratio = h_k > 0 ? h / h_k : 0;
-  if (!enabled || seqlen_q != 1 || ratio < 1 || seqlen_k < 1 || kd < 1) return p;
+  if (!enabled || seqlen_q < 1 || ratio < 1 || seqlen_k < 1 || kd < 1) return p;
+  const int64_t rows_per_kv = static_cast<int64_t>(ratio) * seqlen_q;
+  if (seqlen_q > 1 && rows_per_kv > max_multi_rows) return p;
   p.use = true;
   const int cap = decode_max_heads_per_cta(kd);
   p.ratio_bucket = 1;
-  while (p.ratio_bucket < ratio && p.ratio_bucket < cap) p.ratio_bucket *= 2;
-  p.head_parts = (ratio + p.ratio_bucket - 1) / p.ratio_bucket;
+  while (p.ratio_bucket < rows_per_kv && p.ratio_bucket < cap) p.ratio_bucket *= 2;
+  p.head_parts = static_cast<int>((rows_per_kv + p.ratio_bucket - 1) / p.ratio_bucket);
   const int64_t rows = static_cast<int64_t>(b) * h_k * p.head_parts;
   const int64_t steps = (static_cast<int64_t>(seqlen_k) + kDecodeKeysPerStep - 1) / kDecodeKeysPerStep;
   int64_t want = num_sms > 0 && steps > min_steps_to_split

@@ -90,6 +90,24 @@ TEST(LaunchPlan, SmallGridTileOnlyWhenItSavesAWave) {
   EXPECT_FALSE(prefer_small_grid_tile(512, 396, 512, 0));
 }
 
+TEST(DecodePlan, SeveralQueryRowsOnlyWhenAsked) {
+  // The KV-cache op's short queries: rows = seqlen_q x h / h_k (query, q-head) pairs per kv head,
+  // up to max_multi_rows (decode_max_multi_rows: two head parts).
+  EXPECT_EQ(decode_max_multi_rows(128), 32);
+  EXPECT_EQ(decode_max_multi_rows(256), 16);
+  const DecodePlan four = plan_decode(1, 32, 8, 4, 5000, 128, 40, true, 8, 32);  // 16 rows
+  EXPECT_TRUE(four.use);
+  EXPECT_EQ(four.ratio_bucket, 16);
+  EXPECT_EQ(four.head_parts, 1);
+  const DecodePlan five = plan_decode(1, 32, 8, 5, 5000, 128, 40, true, 8, 32);  // 20 rows
+  EXPECT_TRUE(five.use);
+  EXPECT_EQ(five.ratio_bucket, 16);
+  EXPECT_EQ(five.head_parts, 2);
+  EXPECT_EQ(plan_decode(1, 8, 8, 3, 5000, 64, 40, true, 8, 32).ratio_bucket, 4);  // 3 rows
+  EXPECT_FALSE(plan_decode(1, 32, 8, 9, 5000, 128, 40, true, 8, 32).use);  // 36 rows: prefill
+  EXPECT_FALSE(plan_decode(1, 32, 8, 5, 5000, 256, 40, true, 8, 16).use);  // 20 rows at d=256
+}
+
 TEST(DecodePlan, OnlySingleQueryRows) {
   EXPECT_TRUE(plan_decode(1, 32, 8, 1, 100, 128, 40, true).use);
   EXPECT_FALSE(plan_decode(1, 32, 8, 2, 100, 128, 40, true).use);   // seqlen_q > 1: prefill kernel

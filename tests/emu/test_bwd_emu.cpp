@@ -102,17 +102,19 @@ template <int kD, int kR, bool kMod>
 void run_decode(Flash_fwd_params& p) {
   using T = DecodeTraits<kD, kR>;
   std::vector<float> oacc, lacc;
+  // Rows (b, h, seqlen_q): seqlen_q > 1 only on the extended kernel (the KV-cache op's rows).
+  const int64_t rows = int64_t(p.b) * p.h * p.seqlen_q;
   if (p.num_splits > 1) {
-    oacc.assign(size_t(p.num_splits) * p.b * p.h * p.d, NAN);  // indexed with d, as mha_fwd allocates it
-    lacc.assign(2 * size_t(p.num_splits) * p.b * p.h, NAN);
+    oacc.assign(size_t(p.num_splits) * rows * p.d, NAN);  // indexed with d, as mha_fwd allocates it
+    lacc.assign(2 * size_t(p.num_splits) * rows, NAN);
     p.oaccum_ptr = oacc.data();
     p.softmax_lseaccum_ptr = lacc.data();
   }
-  const int parts = (p.h_h_k_ratio + kR - 1) / kR;
+  const int parts = (p.h_h_k_ratio * (kMod ? p.seqlen_q : 1) + kR - 1) / kR;
   emu::launch(static_cast<unsigned>(int64_t(p.b) * p.h_k * p.num_splits * parts), T::kThreads,
               [&] { flash_fwd_decode_kernel<kD, kR, kMod>(p); });
   if (p.num_splits > 1) {
-    emu::launch(static_cast<unsigned>((int64_t(p.b) * p.h + 3) / 4), 128,
+    emu::launch(static_cast<unsigned>((rows + 3) / 4), 128,
                 [&] { flash_fwd_decode_merge_kernel<kD>(p); });
   }
 }
@@ -130,8 +132,9 @@ bool run_decode_bucket(Flash_fwd_params& p) {
 }
 
 template <int kD, bool kMod>
-bool try_decode(Flash_fwd_params& p) {
-  const DecodePlan dp = plan_decode(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, kD, 8, true, 1);
+bool try_decode(Flash_fwd_params& p, int max_multi_rows = 0) {
+  const DecodePlan dp = plan_decode(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k, kD, 8, true, 1,
+                                    max_multi_rows);
   if (!dp.use) return false;
   p.decode_ratio_bucket = dp.ratio_bucket;
   p.num_splits = dp.num_splits;
@@ -953,6 +956,90 @@ int check_decode_split_merge(float a, bool nan_key) {
   return ok ? 0 : 1;
 }
 
+// The decode kernel's rows as (query, q-head) pairs (the KV-cache op's short queries: the
+// extended instantiation with seqlen_q > 1): per-batch key counts (seqused_k, 0 included),
+// causal rows bottom-right on them, GQA groups over several head parts, key splits; against a
+// float64 reference per (batch, query, head).
+template <int kD>
+int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<__half> q(size_t(b) * sq * h * d), k(size_t(b) * sk * hk * d),
+      v(size_t(b) * sk * hk * d), o(size_t(b) * sq * h * d, __float2half(NAN));
+  for (auto& x : q) x = __float2half(nd(rng));
+  for (auto& x : k) x = __float2half(nd(rng));
+  for (auto& x : v) x = __float2half(nd(rng));
+  std::vector<int> used(b);
+  for (int i = 0; i < b; ++i) used[i] = i == 0 ? 0 : int(rng() % (sk + 1));
+  if (b > 1) used[b - 1] = sk;
+  std::vector<float> lse(size_t(b) * h * sq, NAN);
+  Flash_fwd_params p{};
+  p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data();
+  p.softmax_lse_ptr = lse.data();
+  p.seqused_k = used.data();
+  p.q_batch_stride = int64_t(sq) * h * d, p.q_row_stride = int64_t(h) * d, p.q_head_stride = d;
+  p.o_batch_stride = p.q_batch_stride, p.o_row_stride = p.q_row_stride, p.o_head_stride = d;
+  p.k_batch_stride = p.v_batch_stride = int64_t(sk) * hk * d;
+  p.k_row_stride = p.v_row_stride = int64_t(hk) * d;
+  p.k_head_stride = p.v_head_stride = d;
+  p.b = b, p.seqlen_q = sq, p.seqlen_k = sk, p.h = h, p.h_k = hk, p.h_h_k_ratio = h / hk, p.d = d;
+  const double scale = 1.0 / std::sqrt(double(d));
+  p.scale_softmax = float(scale);
+  p.scale_softmax_log2 = float(scale * M_LOG2E);
+  p.decode_causal_rows = causal ? 1 : 0;
+  const bool ran = try_decode<kD, true>(p, decode_max_multi_rows(kD));
+  Errors eo, el;
+  bool empty_ok = true;
+  for (int bi = 0; bi < b; ++bi)
+    for (int i = 0; i < sq; ++i)
+      for (int hh = 0; hh < h; ++hh) {
+        const int kvh = hh / (h / hk);
+        const int lim = causal ? used[bi] - (sq - 1 - i) : used[bi];
+        std::vector<double> s;
+        double mx = -INFINITY;
+        for (int j = 0; j < std::max(lim, 0); ++j) {
+          double acc = 0;
+          for (int c = 0; c < d; ++c)
+            acc += double(__half2float(q[((size_t(bi) * sq + i) * h + hh) * d + c])) *
+                   double(__half2float(k[((size_t(bi) * sk + j) * hk + kvh) * d + c]));
+          s.push_back(acc * scale);
+          mx = std::max(mx, acc * scale);
+        }
+        double sum = 0;
+        for (double x : s) sum += std::exp(x - mx);
+        const float got_lse = lse[(size_t(bi) * h + hh) * sq + i];
+        for (int c = 0; c < d; ++c) {
+          double ref = 0;
+          for (size_t j = 0; j < s.size(); ++j)
+            ref += std::exp(s[j] - mx) / sum *
+                   double(__half2float(v[((size_t(bi) * sk + j) * hk + kvh) * d + c]));
+          eo.add(__half2float(o[((size_t(bi) * sq + i) * h + hh) * d + c]), s.empty() ? 0.0 : ref);
+        }
+        if (s.empty()) empty_ok = empty_ok && std::isinf(got_lse) && got_lse < 0;
+        else el.add(got_lse, mx + std::log(sum));
+      }
+  const bool ok = ran && eo.ok(2e-3, 2e-3) && el.ok(1e-5, 1e-4) && empty_ok;
+  std::printf("%s decode rows d=%d (kD %d) b=%d sq=%d h=%d hk=%d sk=%d causal=%d: kR %d, parts %d, "
+              "splits %d, out err %.2e, lse err %.2e\n", ok ? "OK " : "BAD", d, kD, b, sq, h, hk,
+              sk, int(causal), p.decode_ratio_bucket,
+              (h / hk * sq + p.decode_ratio_bucket - 1) / std::max(p.decode_ratio_bucket, 1),
+              p.num_splits, eo.err, el.err);
+  return ok ? 0 : 1;
+}
+
+int check_decode_rows_all() {
+  int fails = 0;
+  uint32_t seed = 100;
+  for (bool causal : {true, false}) {
+    fails += check_decode_rows<64>(3, 2, 8, 2, 64, 700, causal, seed++);    // 8 rows, splits
+    fails += check_decode_rows<128>(2, 7, 4, 1, 120, 520, causal, seed++);  // 28 rows, 2 parts
+    fails += check_decode_rows<128>(2, 16, 2, 2, 128, 300, causal, seed++); // 16 rows, MHA
+    fails += check_decode_rows<256>(2, 4, 8, 2, 200, 400, causal, seed++);  // 16 rows, 2 parts
+    fails += check_decode_rows<64>(1, 3, 3, 1, 40, 129, causal, seed++);    // 9 rows (bucket 16)
+  }
+  return fails;
+}
+
 int check_decode_split_merges() {
   int fails = 0;
   for (float a : {1.f, 64.f, 1024.f, 4096.f}) {
@@ -1298,6 +1385,7 @@ int main(int argc, char** argv) {
   if (mode != "tails" && mode != "fwd" && mode != "window" && mode != "scoremod" &&
       mode != "varlen") {
     fails += check_decode_split_merges();
+    fails += check_decode_rows_all();
   }
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
