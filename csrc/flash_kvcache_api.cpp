@@ -232,18 +232,22 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
   }
   set_plan_device(params, q.get_device());
   params.small_grid_tile = 0;
-  // Without a window or ALiBi the split-KV decode kernel runs one query row (nothing depends on
-  // the sequence's corner) and short queries against the cache (its rows are (query, q-head)
-  // pairs, each causal row with its own bottom-right limit): long caches get key splits. The
-  // rest runs the prefill kernels with per-sequence diagonals.
+  // Without a window the split-KV decode kernel runs one query row and short queries against
+  // the cache (its rows are (query, q-head) pairs, each with its own bottom-right causal limit
+  // and ALiBi diagonal): long caches get key splits. The rest runs the prefill kernels with
+  // per-sequence diagonals.
   const int kd = decode_head_dim(head_dim_bucket(static_cast<int>(d)));
+  // A window's right side means nothing under causal (flash-attn sets it to 0 then, and the
+  // door passes that 0): only a left side, or a right side without causal, is a window.
+  const bool windowed = window_size_left >= 0 || (!causal && window_size_right >= 0);
   const bool decode =
-      window_size_left < 0 && window_size_right < 0 && !alibi_slopes.has_value() &&
+      !windowed &&
       plan_decode(params.b, params.h, params.h_k, params.seqlen_q, params.seqlen_k, kd,
                   params.num_sms, decode_enabled(), 8, decode_max_multi_rows(kd)).use;
   if (decode) {
     params.is_causal = false;  // the rows' own limits, not the dense band
     params.decode_causal_rows = causal ? 1 : 0;
+    params.decode_rows_from_end = 1;
   } else {
     set_per_seq_diagonals(params, sq, ks.seqlen_cache, causal, window_size_left,
                           window_size_right);

@@ -275,3 +275,28 @@ def test_kvcache_bad_index_values_are_a_device_side_assertion(case, tmp_path):
     r = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 3 and "ERR True" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("seqlen_q,decode", [(1, True), (4, True), (9, False), (64, False)])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_kvcache_causal_short_queries_take_the_split_kv_decode_kernel(seqlen_q, decode, alibi):
+    """Causal queries of up to decode_max_multi_rows (query, q-head) rows per kv head (32 at
+    d = 128: 4 queries x 4 heads, not 9) run the decode kernel, with key splits, through the door
+    as users call it (the door passes causal's right window side 0, which must not count as a
+    window); longer ones the prefill kernels."""
+    B, S, h, hk, d = 2, 4096, 16, 4, 128
+    torch.manual_seed(seed_from("kvcache_route", seqlen_q))
+    q, kc, vc = _rand(B, seqlen_q, h, d), _rand(B, S, hk, d), _rand(B, S, hk, d)
+    seqlens = torch.tensor([1000, 4000], dtype=torch.int32, device=DEV)
+    slopes = torch.rand(B, h, device=DEV) if alibi else None
+
+    def run():
+        with torch.no_grad():
+            return fa2.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True,
+                                               alibi_slopes=slopes, return_softmax_lse=True)
+
+    names = cuda_kernels_run(run, "flash_fwd")
+    assert any("decode_kernel" in n for n in names) == decode, names
+    assert any("merge" in n for n in names) == decode, names
+    out, lse = run()
+    _check(out, lse, q, kc, vc, torch.zeros(B), seqlens, True, slopes=slopes)

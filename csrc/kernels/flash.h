@@ -116,6 +116,9 @@ struct Flash_fwd_params {
   // Decode with several query rows (the extended decode kernel, seqlen_q > 1: the KV-cache op):
   // query i sees keys < key_end[b] - (seqlen_q - 1 - i) (causal, bottom-right) when set.
   int decode_causal_rows = 0;
+  // ... and their ALiBi diagonals relative to the sequence's end (key_end[b] - seqlen_q + i,
+  // flash-attn's per-sequence distance) instead of alibi_offset + i.
+  int decode_rows_from_end = 0;
 };
 
 // Paged K/V needs a tile of kBlockN keys (and a decode warp's 32) inside one page.

@@ -66,7 +66,8 @@ struct DecodeTraits {
   static constexpr int kOffCta = kOffM + 2 * kWarps * kR * 4;     // 4 ints: the CTA's coordinates
   static constexpr int kOffSlope = kOffCta + 4 * 4;               // [kR] fp32: ALiBi (Is_ext)
   static constexpr int kOffRowEnd = kOffSlope + kR * 4;             // [kR] int: rows' key limits
-  static constexpr int kSmemSize = kOffRowEnd + kR * 4;
+  static constexpr int kOffRowAlibi = kOffRowEnd + kR * 4;          // [kR] int: rows' ALiBi diagonal
+  static constexpr int kSmemSize = kOffRowAlibi + kR * 4;
   static_assert(kD == 64 || kD == 128 || kD == 256, "kD = 64, 128 or 256");
   static_assert(kR >= 1 && kR <= decode_max_heads_per_cta(kD), "kR over the register cap");
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
@@ -142,17 +143,22 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   // Row r's query and q-head (see above).
   auto row_query = [&](int r) { return Is_ext ? (part * kR + r) / ratio : 0; };
   auto row_head = [&](int r) { return Is_ext ? hk * ratio + (part * kR + r) % ratio : h0 + r; };
-  // ALiBi: each row's slope in raw-score units (score_mod_for), 0 without slopes (several query
-  // rows run without ALiBi: the host sends those to the prefill kernels). The rows' key limits:
-  // causal rows (decode_causal_rows) see keys < key_end - (seqlen_q - 1 - i), bottom-right.
+  // ALiBi: each row's slope in raw-score units (score_mod_for), 0 without slopes, and its
+  // diagonal: query i is at distance |diag - j| from key j, diag = alibi_offset + i, or per
+  // sequence (decode_rows_from_end: the KV-cache op) key_end - seqlen_q + i, flash-attn's
+  // bottom-right distance. The rows' key limits: causal rows (decode_causal_rows) see keys <
+  // key_end - (seqlen_q - 1 - i), bottom-right.
   float* sSlope = reinterpret_cast<float*>(smem_raw + T::kOffSlope);
   int* sRowEnd = reinterpret_cast<int*>(smem_raw + T::kOffRowEnd);
+  int* sRowAlibi = reinterpret_cast<int*>(smem_raw + T::kOffRowAlibi);
   if constexpr (Is_ext) {
     if (tid < kR) {
       sSlope[tid] = tid < nh ? score_mod_for(params, bidb, row_head(tid), params.alibi_offset).slope
                              : 0.f;
       sRowEnd[tid] = params.decode_causal_rows
                          ? kr.key_end - (params.seqlen_q - 1 - row_query(tid)) : kr.key_end;
+      sRowAlibi[tid] = (params.decode_rows_from_end ? kr.key_end - params.seqlen_q
+                                                    : params.alibi_offset) + row_query(tid);
     }
   }
 
@@ -266,14 +272,14 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       }
     }
 
-    if constexpr (Is_ext) {  // the query is row 0: ALiBi distance |alibi_offset - key|
-      const float dist = fabsf(static_cast<float>(params.alibi_offset - (base + lane)));
+    if constexpr (Is_ext) {  // ALiBi distance |diag - key| of each row (sRowAlibi)
+      const int key = static_cast<int>(base) + lane;
 #pragma unroll
       for (int h = 0; h < kR; ++h) {
         if (params.softcap_in != 0.f) {
           s[h] = softcap_score<false>(s[h], params.softcap_in, params.softcap_out, nullptr);
         }
-        s[h] = fmaf(sSlope[h], dist, s[h]);
+        s[h] = fmaf(sSlope[h], fabsf(static_cast<float>(sRowAlibi[h] - key)), s[h]);
       }
     }
 

@@ -961,7 +961,8 @@ int check_decode_split_merge(float a, bool nan_key) {
 // causal rows bottom-right on them, GQA groups over several head parts, key splits; against a
 // float64 reference per (batch, query, head).
 template <int kD>
-int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, uint32_t seed) {
+int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, uint32_t seed,
+                      bool alibi = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<__half> q(size_t(b) * sq * h * d), k(size_t(b) * sk * hk * d),
@@ -987,6 +988,13 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
   p.scale_softmax = float(scale);
   p.scale_softmax_log2 = float(scale * M_LOG2E);
   p.decode_causal_rows = causal ? 1 : 0;
+  p.decode_rows_from_end = 1;  // ALiBi per sequence, as the KV-cache op sets it
+  std::vector<float> slopes(size_t(b) * h);
+  for (auto& x : slopes) x = 0.05f + 0.5f * float(rng() % 1000) / 1000.f;
+  if (alibi) {
+    p.alibi_slopes_ptr = slopes.data();
+    p.alibi_slopes_batch_stride = h;
+  }
   const bool ran = try_decode<kD, true>(p, decode_max_multi_rows(kD));
   Errors eo, el;
   bool empty_ok = true;
@@ -1002,8 +1010,11 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
           for (int c = 0; c < d; ++c)
             acc += double(__half2float(q[((size_t(bi) * sq + i) * h + hh) * d + c])) *
                    double(__half2float(k[((size_t(bi) * sk + j) * hk + kvh) * d + c]));
-          s.push_back(acc * scale);
-          mx = std::max(mx, acc * scale);
+          // ALiBi: flash-attn's bottom-right distance on the sequence's used keys
+          const double bias = alibi ? -double(slopes[size_t(bi) * h + hh]) *
+                                          std::fabs(double(used[bi] - sq + i - j)) : 0.0;
+          s.push_back(acc * scale + bias);
+          mx = std::max(mx, acc * scale + bias);
         }
         double sum = 0;
         for (double x : s) sum += std::exp(x - mx);
@@ -1019,9 +1030,9 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
         else el.add(got_lse, mx + std::log(sum));
       }
   const bool ok = ran && eo.ok(2e-3, 2e-3) && el.ok(1e-5, 1e-4) && empty_ok;
-  std::printf("%s decode rows d=%d (kD %d) b=%d sq=%d h=%d hk=%d sk=%d causal=%d: kR %d, parts %d, "
+  std::printf("%s decode rows d=%d (kD %d) b=%d sq=%d h=%d hk=%d sk=%d causal=%d alibi=%d: kR %d, parts %d, "
               "splits %d, out err %.2e, lse err %.2e\n", ok ? "OK " : "BAD", d, kD, b, sq, h, hk,
-              sk, int(causal), p.decode_ratio_bucket,
+              sk, int(causal), int(alibi), p.decode_ratio_bucket,
               (h / hk * sq + p.decode_ratio_bucket - 1) / std::max(p.decode_ratio_bucket, 1),
               p.num_splits, eo.err, el.err);
   return ok ? 0 : 1;
@@ -1036,6 +1047,8 @@ int check_decode_rows_all() {
     fails += check_decode_rows<128>(2, 16, 2, 2, 128, 300, causal, seed++); // 16 rows, MHA
     fails += check_decode_rows<256>(2, 4, 8, 2, 200, 400, causal, seed++);  // 16 rows, 2 parts
     fails += check_decode_rows<64>(1, 3, 3, 1, 40, 129, causal, seed++);    // 9 rows (bucket 16)
+    fails += check_decode_rows<128>(3, 5, 4, 2, 128, 400, causal, seed++, true);  // ALiBi
+    fails += check_decode_rows<256>(2, 1, 8, 1, 256, 300, causal, seed++, true);  // ALiBi, 1 row
   }
   return fails;
 }
