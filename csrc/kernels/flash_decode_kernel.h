@@ -272,14 +272,27 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       }
     }
 
-    if constexpr (Is_ext) {  // ALiBi distance |diag - key| of each row (sRowAlibi)
+    // Each modification only when the call has it (uniform branches once per step): the paged
+    // calls run this kernel without any, and at large GQA groups the per-row work is not free.
+    if constexpr (Is_ext) {
       const int key = static_cast<int>(base) + lane;
+      if (params.softcap_in != 0.f) {
 #pragma unroll
-      for (int h = 0; h < kR; ++h) {
-        if (params.softcap_in != 0.f) {
+        for (int h = 0; h < kR; ++h) {
           s[h] = softcap_score<false>(s[h], params.softcap_in, params.softcap_out, nullptr);
         }
-        s[h] = fmaf(sSlope[h], fabsf(static_cast<float>(sRowAlibi[h] - key)), s[h]);
+      }
+      if (params.alibi_slopes_ptr != nullptr) {  // ALiBi distance |diag - key| of each row
+#pragma unroll
+        for (int h = 0; h < kR; ++h) {
+          s[h] = fmaf(sSlope[h], fabsf(static_cast<float>(sRowAlibi[h] - key)), s[h]);
+        }
+      }
+      if (params.decode_causal_rows) {  // each query row's own causal limit
+#pragma unroll
+        for (int h = 0; h < kR; ++h) {
+          if (key >= sRowEnd[h]) s[h] = -INFINITY;
+        }
       }
     }
 
@@ -287,9 +300,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     const bool valid = base + lane < end;
 #pragma unroll
     for (int h = 0; h < kR; ++h) {
-      bool visible = valid;
-      if constexpr (Is_ext) visible = visible && base + lane < sRowEnd[h];
-      const float x = visible ? s[h] : -INFINITY;
+      const float x = valid ? s[h] : -INFINITY;
       const float m_new = fmaxf(m[h], warp_allreduce_max(x));
       const float ref = m_new == -INFINITY ? 0.f : m_new;  // no key yet: exp2(-inf) = 0
       const float alpha = exp2f((m[h] - ref) * scale_log2);
