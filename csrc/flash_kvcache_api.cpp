@@ -3,6 +3,7 @@
 // aligned per sequence, on the kernels directly (plain or paged cache, no gathered copy, no host
 // read of the lengths; the index values are checked on the device before the writes). The rotary
 // embedding is the Python door's (flash_attention_sm75/fa2.py). No op registration here (see torch_bindings.cpp).
+#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
@@ -58,6 +59,17 @@ KvcacheShape check_kvcache(const at::Tensor& q, const at::Tensor& k_cache,
                     "must have a batch size >= 1, got ", batch, " and ", k_cache.size(0));
   TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "flash_attention_sm75: v_cache must have "
                     "k_cache's shape ", k_cache.sizes(), ", got ", v_cache.sizes());
+  // The caches' own names in their errors (the dense rules below see one-entry views as k, v).
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"},
+                                {v_cache, "v_cache"}}) {
+    TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type() && t.device() == q.device(),
+                      "flash_attention_sm75: ", name, " must have q's dtype and device (",
+                      q.scalar_type(), ", ", q.device(), "), got ", t.scalar_type(), " on ",
+                      t.device());
+    TORCH_CHECK_VALUE(t.stride(3) == 1 || t.size(3) <= 1, "flash_attention_sm75: ", name,
+                      " must be contiguous in its last dimension (head_dim), got strides ",
+                      t.strides());
+  }
   // dtype, head dims, GQA ratio, device, scale: the dense op's rules on one-entry views (the
   // cache's first dimension is pages or a larger batch).
   const double scale = check_fwd_inputs(q.narrow(0, 0, 1), k_cache.narrow(0, 0, 1),
@@ -81,6 +93,13 @@ KvcacheShape check_kvcache(const at::Tensor& q, const at::Tensor& k_cache,
     TORCH_CHECK_VALUE(k->sizes() == v->sizes(), "flash_attention_sm75: k and v must have the "
                       "same shape, got ", k->sizes(), " and ", v->sizes());
     seqlen_new = k->size(1);
+    // Appends into an expanded (self-overlapping) cache would land in rows other entries share.
+    for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"},
+                                  {v_cache, "v_cache"}}) {
+      TORCH_CHECK_VALUE(seqlen_new == 0 || at::has_internal_overlap(t) != at::MemOverlap::Yes,
+                        "flash_attention_sm75: ", name, " must not overlap itself (an expanded "
+                        "tensor) when new keys are appended, got strides ", t.strides());
+    }
   }
   check_int_vector(cache_seqlens, "cache_seqlens", batch, q);
   check_int_vector(cache_leftpad, "cache_leftpad", batch, q);
@@ -93,7 +112,7 @@ KvcacheShape check_kvcache(const at::Tensor& q, const at::Tensor& k_cache,
                       "flash_attention_sm75: block_table must be int32 of shape (batch, "
                       "max_num_blocks_per_seq) = (", batch, ", >= 1), got ", bt.scalar_type(),
                       " ", bt.sizes());
-    TORCH_CHECK_VALUE(bt.device() == q.device() && bt.stride(1) == 1,
+    TORCH_CHECK_VALUE(bt.device() == q.device() && (bt.stride(1) == 1 || bt.size(1) == 1),
                       "flash_attention_sm75: block_table must be on q's device (", q.device(),
                       ") with a contiguous last dimension, got ", bt.device(), " strides ",
                       bt.strides());
@@ -278,15 +297,22 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd_cpu(
     if (slot < 0 || slot >= k_cache.size(0)) return {-1, 0};
     return {slot, pos % page};
   };
+  // Every value first (as the device check kernel does), so that an error writes nothing.
   for (int64_t bi = 0; bi < b; ++bi) {
     const int64_t base = lens.data_ptr<int64_t>()[bi];
     TORCH_CHECK_VALUE(base >= 0 && base + ks.seqlen_new <= ks.seqlen_cache,
                       "flash_attention_sm75: cache_seqlens must be in [0, seqlen_cache - "
                       "seqlen_new] = [0, ", ks.seqlen_cache - ks.seqlen_new, "], got ", base);
+    for (int64_t pos = 0; ks.paged && pos < base + ks.seqlen_new; pos += page) {
+      TORCH_CHECK_VALUE(locate(bi, pos).first >= 0, "flash_attention_sm75: block_table (or "
+                        "cache_batch_idx) entries of pages that hold keys must be in [0, "
+                        "k_cache.shape[0] = ", k_cache.size(0), "), got a value outside");
+    }
+  }
+  for (int64_t bi = 0; bi < b; ++bi) {
+    const int64_t base = lens.data_ptr<int64_t>()[bi];
     for (int64_t i = 0; i < ks.seqlen_new; ++i) {
       const auto [slot, row] = locate(bi, base + i);
-      TORCH_CHECK_VALUE(slot >= 0, "flash_attention_sm75: block_table must hold pages in [0, ",
-                        k_cache.size(0), ") for every row written, got a value outside");
       k_cache[slot][row].copy_((*k)[bi][i]);
       v_cache[slot][row].copy_((*v)[bi][i]);
     }
@@ -304,9 +330,7 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd_cpu(
     if (end == start || sq == 0) continue;
     std::vector<at::Tensor> krows, vrows;
     for (int64_t pos = start; pos < end; ++pos) {
-      const auto [slot, row] = locate(bi, pos);
-      TORCH_CHECK_VALUE(slot >= 0, "flash_attention_sm75: block_table must hold pages in [0, ",
-                        k_cache.size(0), ") for every attended row, got a value outside");
+      const auto [slot, row] = locate(bi, pos);  // checked above
       krows.push_back(k_cache[slot][row]);
       vrows.push_back(v_cache[slot][row]);
     }

@@ -276,6 +276,12 @@ def call_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_l
     by the op before any write: ``ValueError`` on the CPU, a device-side assertion on CUDA
     (reading them on the host would cost a synchronisation per call)."""
     require_kvcache()
+    if torch.is_grad_enabled():
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(f"flash_attention_sm75: {name} requires grad: the KV-cache op "
+                                 f"writes it in place and has no backward; call it under "
+                                 f"torch.no_grad()")
     if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.numel():
         from . import _packing
 

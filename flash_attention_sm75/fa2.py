@@ -153,9 +153,12 @@ def _require_valid_padded(q, k, v, softmax_scale, names) -> None:
     the rest of the rules see their layout; no copy of a whole cache just to check it)."""
     d = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
     if (d is not None and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (k, v))
-            and k.shape[-1] == d and v.shape[-1] == d and d % 8 and 0 < d < _rules.MAX_HEAD_DIM
-            and all(t.shape[0] and t.shape[1] for t in (q, k, v))):
-        qp, kp, vp, _ = _pad_head_dim(q[:1, :1], k[:1, :1], v[:1, :1])
+            and k.shape[-1] == d and v.shape[-1] == d and d % 8 and 0 < d < _rules.MAX_HEAD_DIM):
+        # one-row stand-ins (zeros of the same dtype and device for an empty tensor, e.g. no
+        # new keys: its layout cannot matter)
+        qp, kp, vp, _ = _pad_head_dim(*(
+            t[:1, :1] if t.shape[0] and t.shape[1] else t.new_zeros((1, 1) + tuple(t.shape[2:]))
+            for t in (q, k, v)))
         _require_valid(qp, kp, vp, _scale_for(softmax_scale, d, True), names)
     else:
         _require_valid(q, k, v, softmax_scale, names)
@@ -706,7 +709,8 @@ def flash_attn_with_kvcache(
         (query ``i`` sees key row ``j`` iff ``j <= i + cache_seqlens[b] + seqlen_new -
         seqlen_q``), and has no effect when ``seqlen_q == 1``.
     window_size : (int, int). flash-attn's sliding window, per sequence, bottom-right aligned on
-        its ``cache_seqlens[b] + seqlen_new`` keys (the cache is gathered right-aligned then).
+        its ``cache_seqlens[b] + seqlen_new`` keys; as in flash-attn, a side at or past
+        ``seqlen_cache`` is no limit, each side on its own.
     softcap : float. flash-attn's logit soft-capping, ``softcap * tanh(score / softcap)``;
         ``<= 0`` is off (NaN or infinite raises ``ValueError``).
     alibi_slopes : float32 (nheads,) or (batch, nheads), optional. flash-attn's ALiBi, per
@@ -729,10 +733,10 @@ def flash_attn_with_kvcache(
     ``cache_batch_idx``, with the lengths on the device only (no host synchronisation, CUDA-graph
     capturable): ``seqlen_q == 1`` without a window or ALiBi on the split-KV decode kernel,
     everything else on the prefill kernels, which align each sequence bottom-right themselves.
-    The rotary embedding and the index checks are a few small device ops before it. Two cases
-    copy the cache first: a page size that is not a multiple of 64 (the pages are gathered into
-    a contiguous copy) and a head dim that is not a multiple of 8 (zero-padded, as flash-attn
-    does).
+    The rotary embedding is a few small device ops before it. Two cases copy the cache first
+    (after appending to it with index ops) and run the op on the copy: a page size that is not a
+    multiple of 64 (the pages are gathered into a contiguous copy) and a head dim that is not a
+    multiple of 8 (zero-padded, as flash-attn does).
 
     Raises
     ------
@@ -829,7 +833,10 @@ def flash_attn_with_kvcache(
     is_causal = causal and seqlen_q != 1
     if is_causal:
         right = 0
-    local = (0 <= left < seqlen_cache) or (0 <= right < seqlen_cache)
+    # flash-attn: a side at or past the cache's rows is no limit, side by side.
+    left = -1 if left >= seqlen_cache else left
+    right = -1 if right >= seqlen_cache else right
+    local = left >= 0 or right >= 0
     on_op = (_ops.KVCACHE_AVAILABLE and q.shape[-1] % _rules.HEAD_DIM_MULTIPLE == 0
              and (not paged or page % _ops.PAGE_BLOCK_MULTIPLE == 0 or block_table.shape[1] == 1))
     # The KV-cache op checks cache_seqlens and the table itself, on the device and before its
@@ -852,13 +859,14 @@ def flash_attn_with_kvcache(
             # The KV-cache op: the appends and the attention in place on the cache (plain,
             # paged, or rows selected by cache_batch_idx as a one-page-per-sequence table), per
             # sequence bottom-right, lengths on the device only.
-            table = cache_batch_idx.view(batch, 1) if cache_batch_idx is not None else block_table
+            table = (cache_batch_idx.reshape(batch, 1) if cache_batch_idx is not None
+                     else block_table)
             if cache_seqlens is None:
                 cache_seqlens = torch.full((batch,), seqlen_cache, dtype=torch.int32,
                                            device=q.device)
             out, lse = _ops.call_kvcache_fwd(
                 q, k_cache, v_cache, cache_seqlens, k, v, cache_leftpad, table, softmax_scale,
-                is_causal, *((left, right) if local else (-1, -1)), cap, alibi_slopes)
+                is_causal, left, right, cap, alibi_slopes)
             return (out, lse) if return_softmax_lse else out
         if k is not None:
             pos = cache_seqlens.to(torch.int64).view(-1, 1) + torch.arange(
@@ -872,7 +880,28 @@ def flash_attn_with_kvcache(
                         else cache_batch_idx.to(torch.int64)).view(-1, 1)
                 k_cache[rows, pos] = k
                 v_cache[rows, pos] = v
+        if _ops.KVCACHE_AVAILABLE:
+            # The copies the kernels cannot read in place (a page size that is not a multiple of
+            # 64: gathered in order; a head dim that is not a multiple of 8: zero-padded), then
+            # the KV-cache op on them without appends: one call, no host read.
+            if paged or cache_batch_idx is not None:
+                kc, vc = _gather_cache(k_cache, v_cache, block_table, cache_batch_idx,
+                                       torch.zeros(batch, dtype=torch.int64, device=q.device),
+                                       seqlen_cache, batch)
+            else:
+                kc, vc = k_cache, v_cache
+            qp, kp, vp, d = _pad_head_dim(q, kc, vc)
+            padded = qp is not q
+            lens = (torch.full((batch,), seqlen_cache, dtype=torch.int32, device=q.device)
+                    if cache_seqlens is None else (cache_seqlens + seqlen_new).to(torch.int32))
+            out, lse = _ops.call_kvcache_fwd(
+                qp, kp, vp, lens, None, None, cache_leftpad, None,
+                _scale_for(softmax_scale, d, padded), is_causal, left, right, cap, alibi_slopes)
+            if padded:
+                out = out[..., :d]
+            return (out, lse) if return_softmax_lse else out
 
+        # An extension without the KV-cache op (built from older sources).
         # The attended key rows of batch entry b: [start[b], end[b]) of its cache row.
         end = None if cache_seqlens is None else cache_seqlens.to(torch.int64) + seqlen_new
         start = None if cache_leftpad is None else cache_leftpad.to(torch.int64)

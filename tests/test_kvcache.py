@@ -206,10 +206,10 @@ def test_door_is_one_kvcache_op_call(layout, seqlen_q, causal, alibi, kvcache_op
             pv[table.long().flatten()] = vc.reshape(-1, page, hk, d)
             got = fa2.flash_attn_with_kvcache(q, pk, pv, k, v, block_table=table, **kwargs)
             assert torch.equal(unpage(pk, table), plain_k)
-    # page sizes the kernels cannot page through are gathered and run on the other ops
-    assert len(kvcache_op_calls) == (0 if layout == "paged_16" else 1)
-    if layout != "paged_16":
-        assert not op_calls and not varlen_op_calls
+    # one op call; page sizes the kernels cannot page through are gathered in order first (the
+    # op then sees a plain cache and no table)
+    assert len(kvcache_op_calls) == 1 and not op_calls and not varlen_op_calls
+    assert (kvcache_op_calls[0][7] is None) == (layout in ("plain", "paged_16"))
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
@@ -231,3 +231,94 @@ def test_append_and_attend_compiles_fullgraph_with_the_writes():
     assert torch.equal(kc, eager_k) and torch.equal(vc, eager_v)
     assert not torch.equal(kc, rand(B, S, hk, d))  # sanity: the caches are not fresh tensors
     assert torch.equal(compiled, eager)
+
+
+# ---------------------------------------------------------------- found by a break test
+def test_no_new_keys_with_a_head_dim_that_is_padded():
+    """An empty k / v (0 new keys) at a head dim the door pads (20) runs like k=None."""
+    q, kc, vc = rand(1, 1, 2, 20), rand(1, 64, 2, 20), rand(1, 64, 2, 20)
+    e = torch.empty(1, 0, 2, 20, dtype=F16)
+    with torch.no_grad():
+        got = fa2.flash_attn_with_kvcache(q, kc, vc, e, e, cache_seqlens=5)
+        want = fa2.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("window,same_as", [((0, 4), (0, -1)), ((4, 0), (-1, 0)),
+                                             ((9, 9), (-1, -1))])
+def test_window_side_at_or_past_the_cache_is_no_limit(window, same_as):
+    """flash-attn: each side >= seqlen_cache is unbounded on its own (visible when seqlen_q >
+    seqlen_cache + 1: queries before the cache's first row)."""
+    q, kc, vc = rand(1, 8, 1, 8), rand(1, 4, 1, 8), rand(1, 4, 1, 8)
+    with torch.no_grad():
+        a = fa2.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, window_size=window)
+        b = fa2.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, window_size=same_as)
+    assert torch.equal(a, b)
+    ref, _ = cache_ref(q, kc, vc, [0], [4], False, same_as)
+    assert_out_exact(a, ref)
+
+
+@pytest.mark.parametrize("case", ["seqlens", "table"])
+def test_op_writes_nothing_when_a_later_entry_is_bad(case):
+    """The op's CPU implementation checks every entry before its first write (the GPU's check
+    kernel runs before the append kernel)."""
+    q, k = rand(2, 1, 1, 8), torch.ones(2, 1, 1, 8, dtype=F16)
+    if case == "seqlens":
+        kc = torch.zeros(2, 64, 1, 8, dtype=F16)
+        lens, table = torch.tensor([0, 64], dtype=torch.int32), None
+    else:
+        kc = torch.zeros(3, 64, 1, 8, dtype=F16)
+        lens, table = torch.tensor([0, 0], dtype=torch.int32), torch.tensor(
+            [[0], [5]], dtype=torch.int32)
+    vc = torch.zeros_like(kc)
+    with pytest.raises(ValueError, match="cache_seqlens|block_table"):
+        _ops.call_kvcache_fwd(q, kc, vc, lens, k, k, None, table)
+    assert not kc.any() and not vc.any()
+
+
+def test_op_errors_name_the_caches():
+    q, kc = rand(1, 1, 2, 16), rand(1, 64, 2, 16)
+    with pytest.raises(ValueError, match="v_cache must have q's dtype"):
+        _ops.call_kvcache_fwd(q, kc, kc.float(), torch.zeros(1, dtype=torch.int32))
+    # a non-contiguous cache_batch_idx is a one-column table like any other
+    rows = torch.tensor([0, 7, 0, 7], dtype=torch.int32)[::2]
+    with torch.no_grad():
+        out = fa2.flash_attn_with_kvcache(q.expand(2, -1, -1, -1), kc.expand(2, -1, -1, -1),
+                                          kc.expand(2, -1, -1, -1), cache_seqlens=3,
+                                          cache_batch_idx=rows[:2] * 0)
+    assert out.shape == (2, 1, 2, 16)
+
+
+def test_appends_into_an_expanded_cache_are_refused():
+    q, k = rand(2, 1, 1, 8), rand(2, 1, 1, 8)
+    kc = torch.zeros(1, 16, 1, 8, dtype=F16).expand(2, -1, -1, -1)
+    with pytest.raises(ValueError, match="must not overlap itself"):
+        _ops.call_kvcache_fwd(q, kc, kc.clone(), torch.zeros(2, dtype=torch.int32), k, k)
+    assert not kc.any()
+
+
+def test_op_refuses_a_cache_that_requires_grad():
+    q, kc = rand(1, 1, 1, 8), rand(1, 16, 1, 8).requires_grad_()
+    with pytest.raises(ValueError, match="k_cache requires grad"):
+        _ops.call_kvcache_fwd(q, kc, kc.detach().clone(), torch.zeros(1, dtype=torch.int32))
+
+
+def test_padded_head_dim_with_alibi_and_leftpad_compiles_fullgraph():
+    """The copies (a head dim that is not a multiple of 8) run on the KV-cache op too: no host
+    read of the lengths, so fullgraph compiles."""
+    q, kc, vc = rand(2, 3, 2, 20), rand(2, 32, 1, 20), rand(2, 32, 1, 20)
+    k, v = rand(2, 1, 1, 20), rand(2, 1, 1, 20)
+    lens, pad = torch.tensor([5, 20], dtype=torch.int32), torch.tensor([1, 4], dtype=torch.int32)
+    slopes = torch.rand(2)
+
+    def step(q, kc, vc, k, v):
+        return fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
+                                           cache_leftpad=pad, causal=True, alibi_slopes=slopes)
+
+    ek, ev = kc.clone(), vc.clone()
+    with torch.no_grad():
+        eager = step(q, ek, ev, k, v)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, kc, vc, k, v)
+    assert torch.equal(got, eager) and torch.equal(kc, ek)
+    ref, _ = cache_ref(q, ek, ev, pad, lens + 1, True, alibi_slopes=slopes)
+    assert_out_exact(eager, ref)
