@@ -13,7 +13,7 @@ For each shape, times flash_attn_with_kvcache (the flash_attn drop-in, fa2.py) w
 Appends nothing to the cache (k = v = None), so repetitions are identical. The decode sweep
 (one query token, bandwidth against the copy bandwidth) is bench_decode.py.
 
-    python benchmarks/bench_kvcache.py [--batch 4] [--cache 4096 16384] [--q 1 4 16 64]
+    python benchmarks/bench_kvcache.py [--batch 4] [--n 4096 16384] [--q 1 4 16 64]  (--n: cache keys)
 
 Writes <out-dir>/<tag>.txt and .json (default bench_out/bench_kvcache.*).
 """
