@@ -10,7 +10,10 @@ a file does not compile, or when the generated instantiations are stale
 
 Dynamic shared memory is not visible to ptxas; its budget is enforced at compile time by the
 ``static_assert(kSmemSize <= kSm75MaxSmemPerBlock)`` in csrc/kernels/*kernel_traits.h, which this
-compile also runs.
+compile also runs. With ``--json`` each kernel also gets the threads and dynamic shared memory
+per CTA it is launched with, read from the traits by scripts/launch_shapes.cu (a host program
+built with the same nvcc), so that the JSON holds everything an occupancy calculation needs
+(benchmarks/t4_model.py: CTAs per Turing SM).
 
     python scripts/check_sm75.py                  # all instantiations
     python scripts/check_sm75.py --json out.json  # also write the table as JSON
@@ -33,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTANTIATIONS = ROOT / "csrc" / "kernels" / "instantiations"
+LAUNCH_SHAPES = ROOT / "scripts" / "launch_shapes.cu"
 GENERATOR = ROOT / "csrc" / "kernels" / "generate_kernels.py"
 
 SM75_MAX_REGISTERS = 255
@@ -68,6 +72,8 @@ class Function:
     static_smem: int = 0
     cmem0: int = 0
     barriers: int = 0
+    threads: int | None = None       # per CTA at launch (--json; scripts/launch_shapes.cu)
+    dynamic_smem: int | None = None  # bytes per CTA at launch (--json)
     problems: list[str] = field(default_factory=list)
 
 
@@ -185,6 +191,44 @@ def compile_one(nvcc: str, src: Path, workdir: Path, extra: list[str]) -> tuple[
     return src, proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
 
 
+def launch_shapes(nvcc: str, workdir: Path) -> tuple[list[dict], str]:
+    """([{pattern, threads, dynamic_smem}], error): scripts/launch_shapes.cu built and run."""
+    exe = workdir / "launch_shapes"
+    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-gencode",
+           "arch=compute_75,code=sm_75", "-I", str(ROOT / "csrc"), str(LAUNCH_SHAPES), "-o",
+           str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return [], f"{rel(LAUNCH_SHAPES)} did not compile: {(proc.stdout + proc.stderr)[-2000:]}"
+    proc = subprocess.run([str(exe)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return [], f"{rel(LAUNCH_SHAPES)} failed (exit {proc.returncode}): {proc.stderr[-2000:]}"
+    return json.loads(proc.stdout), ""
+
+
+def attach_launch_shapes(funcs: list[Function], shapes: list[dict]) -> list[str]:
+    """Sets threads / dynamic_smem of every kernel a pattern matches; returns the unmatched."""
+    unmatched = []
+    for f in funcs:
+        if not f.entry:
+            continue
+        hits = [s for s in shapes if re.search(s["pattern"], f.name)]
+        if len(hits) == 1:
+            f.threads, f.dynamic_smem = hits[0]["threads"], hits[0]["dynamic_smem"]
+        else:
+            unmatched.append(f"{f.name} ({len(hits)} patterns match)")
+    return unmatched
+
+
+def git_commit() -> dict:
+    def git(*args):
+        proc = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
+        return proc.stdout.strip() if proc.returncode == 0 else None
+    status = git("status", "--porcelain", "--", "csrc")
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "csrc_dirty": None if status is None else bool(status)}
+
+
 def run_generate_check() -> tuple[bool, str]:
     if not GENERATOR.exists():
         return False, f"{GENERATOR.relative_to(ROOT)} not found"
@@ -298,6 +342,18 @@ def main() -> int:
             failures.append(f"{Path(f.file).name}: {f.name}: {p}")
     funcs.sort(key=lambda f: (f.file, not f.entry, f.name))
 
+    # Launch shapes (threads, dynamic shared memory) for the JSON: a modelling aid, so a gap
+    # here is reported in the JSON and printed, not counted as a failure of the sm_75 check.
+    shapes_info: dict = {}
+    if args.json:
+        with tempfile.TemporaryDirectory(prefix="check_sm75_shapes_") as tmp:
+            shapes, error = launch_shapes(nvcc, Path(tmp))
+        unmatched = attach_launch_shapes(funcs, shapes) if shapes else []
+        shapes_info = {"ok": not error and not unmatched, "error": error,
+                       "unmatched": unmatched}
+        for line in ([error] if error else []) + [f"no launch shape: {u}" for u in unmatched]:
+            print(f"warning: {line}")
+
     print()
     print_table(funcs)
     elapsed = time.monotonic() - t_start
@@ -311,10 +367,12 @@ def main() -> int:
             "nvcc": nvcc,
             "nvcc_version": version,
             "nvcc_flags": NVCC_FLAGS + args.nvcc_flag,
+            "git": git_commit(),
             "limits": {"max_registers": SM75_MAX_REGISTERS, "max_spill_bytes": 0,
                        "max_static_smem_bytes": SM75_MAX_SMEM_PER_BLOCK},
             "generate_kernels_check": {"ok": gen_ok, "message": gen_msg},
             "compile": compile_log,
+            "launch_shapes": shapes_info,
             "kernels": [asdict(f) for f in funcs],
             "failures": failures,
             "ok": not failures,
