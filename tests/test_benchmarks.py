@@ -3,6 +3,7 @@ model reads the committed H200 results: so that they do not rot between GPU sess
 CUDA the sweep benchmarks refuse to run unless --dry-run or --device cpu is given."""
 import importlib.util
 import json
+import re
 import subprocess
 
 import pytest
@@ -27,17 +28,136 @@ def test_benchmark_dry_run_writes_its_outputs(script, tmp_path):
     assert cases and all("ours" in c["backends"] for c in cases)
 
 
-def test_t4_model_covers_every_measured_case():
-    r = run("benchmarks/t4_model.py")
+@pytest.mark.parametrize("extra", [True, False], ids=["head_dim_runs", "no_extra"])
+def test_t4_model_covers_every_measured_case(extra):
+    r = run("benchmarks/t4_model.py", *([] if extra else ["--no-extra"]))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("MODEL, not a measurement")
     rows = [line for line in r.stdout.splitlines() if line.startswith(("| forward", "| backward"))]
+    rows = [line for line in rows if len(line.split("|")) == 14]  # the per-case table
     fwd = json.loads((ROOT / "benchmarks/results/h200_forward.json").read_text())["cases"]
     bwd = json.loads((ROOT / "benchmarks/results/h200_backward.json").read_text())["cases"]
-    assert len(rows) == len(fwd) + len(bwd)
+    expected = len(fwd) + len(bwd)
+    if extra:  # the head-dim runs of the kernels as shipped (d = 80 / 96, 256)
+        for _, name, _, dims, _ in load_script("benchmarks/t4_model.py").EXTRA_SOURCES:
+            cases = json.loads((ROOT / "benchmarks/results" / name).read_text())["cases"]
+            expected += sum(c["d"] in dims for c in cases)
+    assert len(rows) == expected
     for line in rows:
         ms, tflops = (float(x) for x in line.split("|")[6:8])
         assert ms > 0 and 0 < tflops <= 65.0  # never above the T4's tensor peak
+    if extra:
+        assert {int(line.split("|")[2]) for line in rows} == {64, 80, 96, 128, 256}
+
+
+def _cpp_int(expr):
+    """An integer literal expression of the gtests (`32 * 1024 + 1`): digits, + - * only."""
+    assert re.fullmatch(r"[\d\s+*-]+", expr), expr
+    return eval(expr)  # noqa: S307 (checked above: an arithmetic literal)
+
+
+def test_t4_model_occupancy_twin_matches_the_cpp_rules():
+    # The Python ctas_per_sm must not drift from launch_plan.h's: every assertion of the
+    # DeviceProfile gtest holds for the twin, and the profiles carry the same numbers.
+    m = load_script("benchmarks/t4_model.py")
+    gtest = (ROOT / "tests/cpp/test_launch_plan.cpp").read_text()
+    cases = re.findall(r"EXPECT_EQ\(ctas_per_sm\(t4, ([^,]+), ([^,]+), ([^)]+)\), (\d+)\)", gtest)
+    assert len(cases) >= 8, "the DeviceProfile gtest changed shape: update this parser"
+    for threads, regs, smem, want in cases:
+        got = m.ctas_per_sm(m.PROFILE_T4, _cpp_int(threads), _cpp_int(regs), _cpp_int(smem))
+        assert got == int(want), (threads, regs, smem)
+    header = (ROOT / "csrc/kernels/launch_plan.h").read_text()
+    for prof in (m.PROFILE_T4, m.PROFILE_RTX2080TI):
+        fields = re.search(r'DeviceProfile \w+\{"%s", ([^}]+)\}' % prof.name, header).group(1)
+        assert [_cpp_int(f) for f in fields.split(",")] == [
+            prof.num_sms, prof.smem_per_sm, prof.threads_per_sm, prof.regs_per_sm,
+            prof.max_ctas_per_sm]
+    # Turing's per-scheduler register rule (4 x 16K) gives the same counts for 4- and 8-warp CTAs
+    for warps in (4, 8):
+        for regs in range(16, 256):
+            per_warp = (regs * 32 + 255) // 256 * 256
+            assert m.ctas_per_sm(m.PROFILE_T4, 32 * warps, regs, 0) == min(
+                16, 32 // warps, 4 * (16384 // per_warp) // warps)
+
+
+def test_t4_model_plan_twins_match_the_cpp_gtests():
+    m = load_script("benchmarks/t4_model.py")
+    # values asserted in tests/cpp/test_launch_plan.cpp
+    assert m.plan_decode(1, 8, 8, 1, 4096, 128, 40)["num_splits"] == 16
+    assert m.plan_decode(1, 8, 8, 1, 4096, 128, 132)["num_splits"] == 32
+    four = m.plan_decode(1, 32, 8, 4, 5000, 128, 40, True, 8, 32)
+    assert (four["use"], four["ratio_bucket"], four["head_parts"]) == (True, 16, 1)
+    assert m.plan_decode(1, 32, 8, 5, 5000, 128, 40, True, 8, 32)["head_parts"] == 2
+    assert m.plan_decode(1, 8, 8, 3, 5000, 64, 40, True, 8, 32)["ratio_bucket"] == 4
+    assert not m.plan_decode(1, 32, 8, 9, 5000, 128, 40, True, 8, 32)["use"]
+    assert not m.plan_decode(1, 32, 8, 2, 100, 128, 40)["use"]
+    assert m.plan_decode(1, 3, 1, 1, 100, 256, 40)["ratio_bucket"] == 4
+    assert m.plan_decode(1, 12, 1, 1, 100, 256, 40)["head_parts"] == 2
+    assert m.plan_decode(1, 32, 1, 1, 100, 128, 40)["head_parts"] == 2
+    assert [m.decode_max_heads_per_cta(k) for k in (64, 128, 256)] == [16, 16, 8]
+    assert [m.decode_head_dim(m.head_dim_bucket(d)) for d in (40, 64, 80, 96, 128, 200)] == [
+        64, 64, 128, 128, 128, 256]
+    assert m.prefer_small_grid_tile(512, 396, 512, 528)
+    assert not m.prefer_small_grid_tile(529, 396, 529, 528)
+    assert not m.prefer_small_grid_tile(512, 120, 512, 160)
+
+
+def test_t4_model_ptxas_input_covers_every_instantiation():
+    # benchmarks/results/sm75_ptxas.json (scripts/check_sm75.py --json) must be regenerated when
+    # an instantiation is added or removed, and every kernel in it has its launch shape.
+    data = json.loads((ROOT / "benchmarks/results/sm75_ptxas.json").read_text())
+    files = {p.relative_to(ROOT).as_posix()
+             for p in (ROOT / "csrc/kernels/instantiations").glob("*.cu")}
+    assert set(data["compile"]) == files
+    assert data["launch_shapes"]["ok"] and data["ok"]
+    for k in data["kernels"]:
+        if k["entry"]:
+            assert k["threads"] and k["dynamic_smem"] is not None, k["name"]
+
+
+def test_t4_model_occupancy_table():
+    r = run("benchmarks/t4_model.py")
+    assert r.returncode == 0, r.stderr
+    table = [line.split("|")[1:-1] for line in r.stdout.splitlines()
+             if line.startswith("| ") and len(line.split("|")) == 12]
+    rows = {c[0].strip(): [x.strip() for x in c] for c in table}
+    m = load_script("benchmarks/t4_model.py")
+    assert set(rows) >= {label for label, _ in m.occupancy_rows()}
+    # (CTAs per T4 SM, warps per SM, bound by): the design's occupancy (DESIGN.md, "Modelled T4")
+    expect = {"forward d=64, 64x64": ("3", "12", "registers"),
+              "forward d<=64 small grid, 64x32": ("4", "16", "registers"),
+              "forward d=96, 128x64 split": ("1", "8", "registers"),
+              "forward d=128, 128x64 split": ("1", "8", "registers"),
+              "forward d=256, 64x32 d-split": ("1", "8", "registers"),
+              "dK/dV d=128": ("1", "8", "registers"),
+              "dQ d=64": ("2", "8", "registers"),
+              "dK/dV d=256": ("1", "4", "shared memory"),
+              "decode d=128, kR=1": ("1", "4", "shared memory")}
+    for label, (ctas, warps, bound) in expect.items():
+        assert (rows[label][4], rows[label][5], rows[label][6]) == (ctas, warps, bound), label
+    assert rows["forward d=64, 64x64"][7] == "2"  # extended (score mod, paged): 2 CTAs per SM
+    assert rows["forward d=64, 64x64"][8] == "120 / 204"
+
+
+def test_t4_model_decode_bound():
+    m = load_script("benchmarks/t4_model.py")
+    data = json.loads((ROOT / "benchmarks/results/h200_decode.json").read_text())["results"]
+    for c in data:
+        out = m.decode_model(c, None, 1.3, 320.0)
+        assert 0 < out["pct_bw"] <= 100 and 0 < out["pct_bw_pessimistic"] <= out["pct_bw"]
+        # g / 2 FMAs per K/V byte against 64 x 40 x 1.3e9 / 320e9 = 10.4: memory-bound up to g = 20
+        assert out["bound"] == "memory" and abs(
+            out["t_fma_us"] / out["t_mem_us"] - c["ratio"] / 2 / 10.4) < 1e-9
+    # a group of 32 q-heads per kv head (two CTAs of kR = 16) is FMA-bound: 16 / 10.4
+    big = dict(d=128, ratio=32, heads=32, heads_k=1, batch=8, cache=8192, ours_ms=1.0,
+               pct_copy=50.0, kv_bytes=2 * 8 * 8192 * 1 * 128 * 2)
+    out = m.decode_model(big, None, 1.3, 320.0)
+    assert out["bound"] == "CUDA-core FMA" and abs(out["pct_bw"] - 100 * 10.4 / 16) < 0.1
+    r = run("benchmarks/t4_model.py")
+    decode_rows = [line for line in r.stdout.splitlines()
+                   if line.startswith("| ") and len(line.split("|")) == 15
+                   and line.split("|")[1].strip().isdigit()]
+    assert len(decode_rows) == len(data)
 
 
 SWEEPS = ["bench_forward", "bench_backward"]
