@@ -527,6 +527,33 @@ def test_a_new_mask_in_the_next_forward_is_decided_again(outcome):
 
 
 @needs_op
+def test_a_new_mask_with_the_freed_ones_id_address_and_version_is_decided_again(outcome,
+                                                                                 monkeypatch):
+    # What the weak reference in an entry is for: a caching allocator (CUDA's, at every forward)
+    # hands the next mask the freed one's memory, and Python often the freed object's id, so a
+    # new mask can match every number in the key. Simulated: one storage for both masks (the
+    # same address and version count), and every object's id the same in the module.
+    hf.configure(allow_cpu_reference=True)
+    monkeypatch.setattr(hf, "id", lambda obj: 1, raising=False)
+    layers = [_Layer(), _Layer()]
+    q, k, v = _decode_qkv(2, 6)
+    storage = torch.empty(12, dtype=torch.bool).untyped_storage()
+
+    def mask_in_storage(values):
+        m = torch.empty(2, 1, 1, 6, dtype=torch.bool)
+        m.set_(storage, 0, (2, 1, 1, 6), (6, 6, 6, 1))
+        return m.copy_(values)
+
+    mask = mask_in_storage(_decode_mask([6, 3], 6))
+    assert _forward(outcome, layers, q, k, v, mask)[0][0][4] == [0, 3]
+    signature = (mask.data_ptr(), mask._version)
+    del mask
+    mask = mask_in_storage(_decode_mask([2, 6], 6))
+    assert (mask.data_ptr(), mask._version) == signature
+    assert _forward(outcome, layers, q, k, v, mask)[0][0][4] == [4, 0]
+
+
+@needs_op
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_a_mask_changed_in_place_between_forwards_is_decided_again(outcome, mode):
     hf.configure(allow_cpu_reference=True)
