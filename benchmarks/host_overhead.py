@@ -31,9 +31,10 @@ kind of stub at their Python names (``torch.ops.flash_attention_sm75.fwd``, whic
 both columns are Python time, without the C++ (the op's checks and launch, SDPA's backend
 choice and launch) that each side adds on a GPU. Our call is split into its stages. "first
 layer" is a call whose mask (and ``position_ids``) no earlier layer of the forward has seen (the
-caches are cleared before each call); "other layers" repeats the call on the same objects, as
-layers 1..L-1 do; "forward of L layers" adds them up as one forward does (``--hf-layers``, in
-us), against L stock calls. "host reads" counts the calls that read tensor values on the host
+caches and the remembered decisions are cleared before each call); "other layers" repeats the
+call on the same objects, as layers 1..L-1 do (the decision taken once, then looked up);
+"forward of L layers" adds them up as one forward does (``--hf-layers``, in us), against L stock
+calls. "host reads" counts the calls that read tensor values on the host
 (``.item()``, ``.tolist()``, ``bool()``, ...; a device synchronisation each on a GPU) in one
 call of ours.
 
@@ -253,6 +254,10 @@ def hf_stages(call):
             hf._stock_sdpa_forward(), module, q, k, v, mask, bound, kw, softcap),
         "  allow-list + rules": lambda: hf._unsupported_reason(module, q, k, v, mask, bound, kw,
                                                                softcap),
+        # what layers 1..L-1 pay instead of the three stages around it: the key of the
+        # remembered decision and its lookup (hf._decision_key)
+        "  remembered decision: key + lookup": lambda: hf._DECISIONS.get(hf._decision_key(
+            module, q, k, v, mask, a, kw, True)),
         "  plan, first layer": plan_first,
         "  plan, other layers": lambda: hf._plan(module, q, k, mask, bound["is_causal"],
                                                  kw.get("sliding_window"), True),

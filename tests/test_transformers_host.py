@@ -12,7 +12,10 @@ decode step must not read anything on the host beyond that:
 * the per-object cache never answers for another tensor or a mutated one (in-place change,
   a new mask in the freed one's memory, inference tensors, other call sizes);
 * the mask builders (registered names, and the ``"sdpa"`` builder while patched) give
-  ``sdpa_mask``'s values, and the model results equal those with ``sdpa_mask`` itself, bitwise.
+  ``sdpa_mask``'s values, and the model results equal those with ``sdpa_mask`` itself, bitwise;
+* the decision remembered for layers 1..L-1 (``_decision_key``) is never used for a call whose
+  inputs differ: every call of a layer sequence does what the full path does, through new or
+  changed masks, settings, position_ids, windows, causality, forward AD and torch.compile.
 """
 import copy
 import gc
@@ -31,6 +34,7 @@ from transformers.masking_utils import (  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 from flash_attention_sm75 import _masks, _ops  # noqa: E402
+from flash_attention_sm75.sdpa import strict  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
 from devtools.host_reads import HostReadCounter  # noqa: E402
 from devtools.model_configs import build_random_model, make_config  # noqa: E402
@@ -404,3 +408,349 @@ def test_inference_mode_position_ids_are_read_once_and_verified_on_the_device():
         pos[0, 3] = 3  # one document less, in place
         with pytest.raises(RuntimeError, match="changed in place"):
             hf._packed_position_ids({"position_ids": pos}, q, q)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decision remembered across layers (_decision_key): never for another call
+# ---------------------------------------------------------------------------------------------
+#
+# Layers 1..L-1 of a forward reuse layer 0's decision. Each test below runs calls in a layer
+# sequence, changes one input between "forwards" (the mask object, the mask in place, the
+# settings, position_ids, the window, causality, the autograd or tracing mode), and checks every
+# call against the full path: the same call again with the remembered decisions forgotten must
+# give the same op arguments (or fallback reason) and the same output, bit for bit.
+
+
+class _Layer(torch.nn.Module):
+    """An attention layer as the attention function sees it."""
+
+    def __init__(self, heads=4, kv_heads=2, is_causal=True):
+        super().__init__()
+        self.is_causal = is_causal
+        self.num_key_value_groups = heads // kv_heads
+
+
+@pytest.fixture
+def outcome(monkeypatch):
+    """``outcome(fn)``: ``(fn(), what it did)``, what it did being the op calls made (name and
+    the arguments that carry the decision) and the fallback reasons counted."""
+    ns = torch.ops.flash_attention_sm75
+    ops = []
+
+    def spy(name, real):
+        def op(*args):
+            q = args[0]
+            if name == "fwd":  # q, k, v, scale, causal, bottom_right, leftpad, seqused, wl, wr, cap
+                causal, leftpad, seqused, left, right = args[4], args[6], args[7], args[8], args[9]
+                ops.append((name, tuple(q.shape), tuple(args[1].shape), causal,
+                            None if leftpad is None else leftpad.tolist(),
+                            None if seqused is None else seqused.tolist(), left, right,
+                            args[10]))
+            else:  # varlen_fwd: q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, seqused, wl, wr
+                ops.append((name, tuple(q.shape), args[3].tolist(), args[5], args[8], args[10],
+                            args[11]))
+            return real(*args)
+        return op
+
+    for name in ("fwd", "varlen_fwd"):
+        monkeypatch.setattr(ns, name, spy(name, getattr(ns, name)))
+
+    def run(fn):
+        before = dict(hf.get_stats()["reasons"])
+        n = len(ops)
+        out = fn()
+        after = hf.get_stats()["reasons"]
+        reasons = sorted(r for r in after if after[r] != before.get(r, 0))
+        return out, (tuple(ops[n:]), tuple(reasons))
+
+    return run
+
+
+def _as_full_path(outcome, fn):
+    """Run ``fn`` (one attention call), then again with every remembered decision forgotten (the
+    full path); assert both did the same, bit for bit. Returns what it did."""
+    out, did = outcome(fn)
+    hf._clear_decisions()
+    ref, expected = outcome(fn)
+    assert did == expected
+    assert torch.equal(out, ref)
+    return did
+
+
+def _forward(outcome, layers, q, k, v, mask, **kwargs):
+    """One "forward": every layer called with the same mask and kwargs (fresh q/k/v views, as
+    each layer has its own), each checked against the full path; returns what layer 0 did."""
+    did = [_as_full_path(outcome, lambda: hf.flash_attention_sm75_forward(
+        layer, q.clone(), k.clone(), v.clone(), mask, **kwargs)[0]) for layer in layers]
+    assert all(d == did[0] for d in did), did
+    return did[0]
+
+
+def _decode_qkv(b, kv_len, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, 4, 1, 16, generator=g).half()
+    k = torch.randn(b, 2, kv_len, 16, generator=g).half()
+    return q, k, torch.randn(b, 2, kv_len, 16, generator=g).half()
+
+
+@needs_op
+def test_the_remembered_decision_serves_the_other_layers():
+    hf.configure(allow_cpu_reference=True)
+    layers = [_Layer() for _ in range(3)]
+    q, k, v = _decode_qkv(2, 6)
+    mask = _decode_mask([6, 3], 6).clone()
+    for layer in layers:
+        hf.flash_attention_sm75_forward(layer, q, k, v, mask, dropout=0.0, scaling=0.25,
+                                        sliding_window=None, use_cache=True)
+    assert len(hf._DECISIONS) == 1  # layer 0 decided; layers 1 and 2 reused it
+    assert hf.get_stats()["kernel_decode"] == 3
+
+
+@needs_op
+def test_a_new_mask_in_the_next_forward_is_decided_again(outcome):
+    hf.configure(allow_cpu_reference=True)
+    layers = [_Layer(), _Layer()]
+    q, k, v = _decode_qkv(2, 6)
+    first = _decode_mask([6, 3], 6).clone()
+    assert _forward(outcome, layers, q, k, v, first)[0][0][4] == [0, 3]
+    second = _decode_mask([2, 6], 6).clone()  # same shapes, another padding
+    assert _forward(outcome, layers, q, k, v, second)[0][0][4] == [4, 0]
+    # a new mask in the freed one's memory (often the same id and data pointer too)
+    del first, second
+    gc.collect()
+    third = _decode_mask([5, 1], 6).clone()
+    assert _forward(outcome, layers, q, k, v, third)[0][0][4] == [1, 5]
+    holes = third.clone()
+    holes[0, 0, 0, 3] = False  # a hole: not a key range
+    ops, reasons = _forward(outcome, layers, q, k, v, holes)
+    assert ops == () and "non-contiguous" in reasons[0]
+
+
+@needs_op
+def test_a_new_mask_with_the_freed_ones_id_address_and_version_is_decided_again(outcome,
+                                                                                 monkeypatch):
+    # What the weak reference in an entry is for: a caching allocator (CUDA's, at every forward)
+    # hands the next mask the freed one's memory, and Python often the freed object's id, so a
+    # new mask can match every number in the key. Simulated: one storage for both masks (the
+    # same address and version count), and every object's id the same in the module.
+    hf.configure(allow_cpu_reference=True)
+    monkeypatch.setattr(hf, "id", lambda obj: 1, raising=False)
+    layers = [_Layer(), _Layer()]
+    q, k, v = _decode_qkv(2, 6)
+    storage = torch.empty(12, dtype=torch.bool).untyped_storage()
+
+    def mask_in_storage(values):
+        m = torch.empty(2, 1, 1, 6, dtype=torch.bool)
+        m.set_(storage, 0, (2, 1, 1, 6), (6, 6, 6, 1))
+        return m.copy_(values)
+
+    mask = mask_in_storage(_decode_mask([6, 3], 6))
+    assert _forward(outcome, layers, q, k, v, mask)[0][0][4] == [0, 3]
+    signature = (mask.data_ptr(), mask._version)
+    del mask
+    mask = mask_in_storage(_decode_mask([2, 6], 6))
+    assert (mask.data_ptr(), mask._version) == signature
+    assert _forward(outcome, layers, q, k, v, mask)[0][0][4] == [4, 0]
+
+
+@needs_op
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_mask_changed_in_place_between_forwards_is_decided_again(outcome, mode):
+    hf.configure(allow_cpu_reference=True)
+    layers = [_Layer(), _Layer()]
+    q, k, v = _decode_qkv(2, 6)
+    mask = _decode_mask([6, 3], 6).clone()  # an ordinary tensor, as our mask builder gives
+    grad_mode = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with grad_mode():
+        assert _forward(outcome, layers, q, k, v, mask)[0][0][4] == [0, 3]
+        mask[1, 0, 0, :5] = False  # row 1 now sees key 5 only (in place: a version bump)
+        assert _forward(outcome, layers, q, k, v, mask)[0][0][4:6] == ([0, 5], [6, 6])
+        mask[0, 0, 0, 2] = False  # a hole
+        ops, reasons = _forward(outcome, layers, q, k, v, mask)
+        assert ops == () and "non-contiguous" in reasons[0]
+        mask[0, 0, 0, 2] = True  # back as it was: decided again, the same
+        assert _forward(outcome, layers, q, k, v, mask)[0][0][4:6] == ([0, 5], [6, 6])
+
+
+@needs_op
+def test_inference_tensor_masks_are_never_remembered(outcome):
+    hf.configure(allow_cpu_reference=True)
+    layers = [_Layer(), _Layer()]
+    q, k, v = _decode_qkv(2, 6)
+    with torch.inference_mode():
+        mask = _decode_mask([6, 3], 6)
+        assert mask.is_inference()  # no version counter: an in-place change is invisible
+        assert _forward(outcome, layers, q, k, v, mask)[0][0][4] == [0, 3]
+        assert len(hf._DECISIONS) == 0
+        mask[0, 0, 0, :2] = False
+        assert _forward(outcome, layers, q, k, v, mask)[0][0][4] == [2, 3]
+
+
+@needs_op
+def test_settings_changed_between_forwards_are_honoured(outcome):
+    hf.configure(allow_cpu_reference=True)
+    layers = [_Layer(), _Layer()]
+    q, k, v = _decode_qkv(2, 6)
+    mask = _decode_mask([6, 3], 6).clone()
+    for _ in range(2):
+        assert _forward(outcome, layers, q, k, v, mask)[0][0][0] == "fwd"
+        hf.configure(decode_on_kernel=False)
+        ops, reasons = _forward(outcome, layers, q, k, v, mask)
+        assert ops == () and reasons == ("decode (q_len == 1) is configured to use torch SDPA",)
+        hf.configure(decode_on_kernel=True, allow_cpu_reference=False)
+        ops, reasons = _forward(outcome, layers, q, k, v, None)
+        assert ops == () and "CUDA tensor" in reasons[0]
+        hf.configure(allow_cpu_reference=True)
+        assert _forward(outcome, layers, q, k, v, None)[0][0][4] is None  # no mask: all keys
+
+
+@needs_op
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_position_ids_that_pack_in_the_next_forward_take_the_varlen_op(outcome, mode):
+    hf.configure(allow_cpu_reference=True)
+    layers = [_Layer(), _Layer()]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 8, 16, generator=g).half() for h in (4, 2, 2))
+    grad_mode = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with grad_mode():
+        plain = torch.arange(8)[None]
+        ops, _ = _forward(outcome, layers, q, k, v, None, position_ids=plain)
+        assert [op[0] for op in ops] == ["fwd"] and ops[0][3]  # dense, causal
+        packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
+        ops, _ = _forward(outcome, layers, q, k, v, None, position_ids=packed)
+        assert ops[0][:3] == ("varlen_fwd", (8, 4, 16), [0, 3, 7, 8])
+        if mode == "no_grad":  # the same object, changed in place (inference: see below)
+            plain[0, 4:] = torch.arange(4)
+            ops, _ = _forward(outcome, layers, q, k, v, None, position_ids=plain)
+            assert ops[0][:3] == ("varlen_fwd", (8, 4, 16), [0, 4, 8])
+        else:  # inference position_ids changed in place fail loudly (never a stale answer)
+            packed[0, 3] = 3
+            with pytest.raises(RuntimeError, match="changed in place"):
+                hf.flash_attention_sm75_forward(layers[0], q, k, v, None, position_ids=packed)
+
+
+@needs_op
+def test_layers_with_other_windows_or_causality_get_their_own_decision(outcome):
+    hf.configure(allow_cpu_reference=True)
+    _, k, v = _decode_qkv(2, 6)
+    q = torch.randn(2, 4, 6, 16, generator=torch.Generator().manual_seed(1)).half()
+    causal, bidirectional = _Layer(), _Layer(is_causal=False)
+    for _ in range(2):  # alternating layers, as sliding / full and encoder / decoder stacks do
+        for layer, window, expected in ((causal, None, (True, -1, -1)),
+                                        (causal, 3, (True, 2, 2)),
+                                        (bidirectional, None, (False, -1, -1)),
+                                        (bidirectional, 3, (False, 2, 2)),
+                                        (causal, 8, (True, -1, -1))):  # no shorter than the keys
+            ops, _ = _as_full_path(outcome, lambda: hf.flash_attention_sm75_forward(
+                layer, q, k, v, None, sliding_window=window)[0])
+            assert (ops[0][3], ops[0][6], ops[0][7]) == expected
+        ops, _ = _as_full_path(outcome, lambda: hf.flash_attention_sm75_forward(
+            causal, q, k, v, None, is_causal=False)[0])  # the keyword wins over the module
+        assert ops[0][3] is False
+
+
+@needs_op
+# torch's forward-AD machinery scripts helpers on first use (torch's own deprecation warning)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_forward_mode_ad_never_takes_a_remembered_kernel_decision(outcome):
+    import torch.autograd.forward_ad as fwAD
+
+    hf.configure(allow_cpu_reference=True)
+    layer = _Layer()
+    q, k, v = _decode_qkv(2, 6)
+    mask = _decode_mask([6, 3], 6).clone()
+    assert _forward(outcome, [layer], q, k, v, mask)[0][0][0] == "fwd"  # remembered: kernel
+    # Strict mode names the fallback's reason (torch's CPU SDPA has no forward AD either).
+    with fwAD.dual_level(), strict():
+        dual = fwAD.make_dual(q, torch.ones_like(q))  # the same metadata, with a tangent
+        with pytest.raises(ValueError, match="forward-mode AD tangent"):
+            outcome(lambda: hf.flash_attention_sm75_forward(layer, dual, k, v, mask))
+
+
+@needs_op
+def test_torch_compile_never_reads_a_remembered_decision():
+    # An eager call remembers the kernel decision for this mask; the traced call must not use it
+    # (its key range would be frozen into the graph): a mask goes to torch SDPA, read at run time,
+    # so another mask of the same shapes gives that mask's result.
+    hf.configure(allow_cpu_reference=True)
+    layer = _Layer()
+    q, k, v = _decode_qkv(2, 6)
+    first = _decode_mask([6, 3], 6).clone()
+    hf.flash_attention_sm75_forward(layer, q, k, v, first)
+    assert len(hf._DECISIONS) == 1
+    torch._dynamo.reset()
+    fn = torch.compile(lambda m: hf.flash_attention_sm75_forward(layer, q, k, v, m)[0],
+                       fullgraph=True, backend="eager")
+    try:
+        fn(first)
+        second = _decode_mask([2, 6], 6).clone()
+        hf._clear_decisions()
+        expected, _ = hf.flash_attention_sm75_forward(layer, q, k, v, second)
+        torch.testing.assert_close(fn(second), expected, atol=2e-3, rtol=2e-3)
+    finally:
+        torch._dynamo.reset()
+
+
+class _CountingDict(dict):
+    """``hf._DECISIONS`` that counts the lookups answered."""
+
+    hits = 0
+
+    def get(self, key, default=None):
+        value = super().get(key, default)
+        self.hits += value is not None
+        return value
+
+
+@needs_op
+def test_random_call_sequences_match_the_full_path(outcome, monkeypatch):
+    """Random sequences of forwards (masks kept, replaced, changed in place, inference tensors;
+    settings flipped; decode and prefill; batch 1 and 2; windows; position_ids plain and
+    packed; causal and bidirectional layers), every layer's call checked against the full
+    path."""
+    hf.configure(allow_cpu_reference=True)
+    decisions = _CountingDict()
+    monkeypatch.setattr(hf, "_DECISIONS", decisions)
+    g = torch.Generator().manual_seed(11)
+    layers = [_Layer(), _Layer(), _Layer(), _Layer(is_causal=False)]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).half()
+
+    masks = {}
+    calls = 0
+    for trial in range(60):
+        pick = torch.randint(0, 1000, (8,), generator=g).tolist()
+        b, q_len = (1 + pick[0] % 2), (1 if pick[1] % 2 else 5)
+        kv_len = 7
+        q, k, v = rand(b, 4, q_len, 16), rand(b, 2, kv_len, 16), rand(b, 2, kv_len, 16)
+        slot = (b, q_len, pick[2] % 3)
+        if pick[3] % 4 == 0 or slot not in masks:  # a new mask object for this slot
+            lengths = [1 + (pick[4] + 3 * i) % kv_len for i in range(b)]
+            _, am = _padded_batch(lengths, side="left")
+            am = torch.nn.functional.pad(am, (kv_len - am.shape[1], 0))
+            mask = _hf_mask(b, q_len, kv_len, am, q_offset=kv_len - q_len).clone()
+            if pick[5] % 5 == 0:
+                with torch.inference_mode():
+                    mask = mask.clone()
+            masks[slot] = mask
+        mask = masks[slot]
+        if pick[6] % 5 == 1:  # in place: flip one key (a hole, a new range, or back)
+            with torch.inference_mode():
+                mask[pick[7] % b, 0, (pick[7] // 7) % q_len, pick[7] % kv_len] ^= True
+        kwargs = {"dropout": 0.0, "scaling": 0.25, "use_cache": True}
+        if pick[6] % 3 == 0:
+            kwargs["sliding_window"] = 1 + pick[4] % 8
+        if b == 1 and q_len > 1 and pick[2] % 2 == 0:
+            kwargs["position_ids"] = (torch.arange(q_len)[None] if pick[4] % 2 else
+                                      torch.tensor([[0, 1, 0, 1, 2]]))
+        if pick[6] % 7 == 2:
+            hf.configure(decode_on_kernel=bool(pick[7] % 2))
+        use = None if pick[5] % 4 == 3 else mask
+        for layer in layers:  # one forward
+            _as_full_path(outcome, lambda: hf.flash_attention_sm75_forward(
+                layer, q.clone(), k.clone(), v.clone(), use, **kwargs)[0])
+            calls += 1
+    assert decisions.hits >= calls // 3, (decisions.hits, calls)  # the memo was exercised
+    stats = hf.get_stats()
+    assert stats["kernel"] >= calls // 2 and stats["fallback"] >= calls // 10, stats

@@ -44,6 +44,10 @@ cannot run them (the reasons above, an ``attention_mask`` given with them, packe
 ``position_ids`` while tracing or capturing) they run on that fallback with a per-document mask.
 While ``torch.compile`` traces or a CUDA graph captures, nothing is read on the host: a mask
 goes to torch SDPA, which reads it at replay.
+The decision (rules, packed-sequence test, plan of the mask) is taken by the first layer of a
+forward and remembered for the others, keyed on every input it reads (``_decision_key``: the mask
+object and its version counter, the call's shapes, strides, dtypes, devices, arguments and the
+settings); never while tracing or capturing, and never for inference-tensor masks.
 On every fallback, as on the kernel path, a query row whose keys are all masked (bool all
 False, float all ``-inf``; also a token in no document of a packed call) gives 0 and passes no
 gradient, never NaN or an average of V, whatever torch's SDPA backend does with such a row (NaN
@@ -63,9 +67,11 @@ import logging
 import math
 import numbers
 import threading
+import weakref
 from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from .. import _masks, _ops, _packing, _rules
 from ..sdpa import is_strict
@@ -215,7 +221,12 @@ classify_attention_mask = _masks.classify_attention_mask
 _Classification = _masks._Classification
 _host_reads_allowed = _masks.host_reads_allowed
 _POSITION_IDS_CACHE = _masks.POSITION_IDS_CACHE
-_clear_classification_cache = _masks.clear_caches
+
+
+def _clear_classification_cache() -> None:
+    """Forget every cached classification and every remembered decision (tests, benchmarks)."""
+    _masks.clear_caches()
+    _clear_decisions()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -751,22 +762,32 @@ def _call_fallback(fallback, module, query, key, value, attention_mask, *args, *
 def _bshd_for_kernel(x: torch.Tensor) -> torch.Tensor:
     """BHSD tensor -> BSHD view the kernel accepts (a copy only if strides/alignment demand)."""
     t = x.transpose(1, 2)
-    if t.is_cuda and not _rules.is_kernel_aligned(t):  # is_cuda: no device object per call
-        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-    return t
+    return _aligned_for_kernel(t) if t.is_cuda else t  # is_cuda: no device object per call
 
 
-def _run_kernel(query, key, value, scaling, info: MaskInfo, softcap: float = 0.0) -> torch.Tensor:
+def _aligned_for_kernel(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA BSHD view, or a copy of it where its strides or address break the alignment
+    rule."""
+    if _rules.is_kernel_aligned(t):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _run_kernel(query, key, value, scaling, info: MaskInfo, softcap: float = 0.0,
+                checked: bool = False) -> torch.Tensor:
+    """The op on BHSD tensors as ``info`` plans it; ``checked``: the caller has established what
+    ``_ops.call_fwd_checked`` requires (a remembered decision, see ``_decision_key``)."""
     kv_len = info.kv_len
     if kv_len != key.shape[2]:
         key = key[:, :, :kv_len]
         value = value[:, :, :kv_len]
-    q = _bshd_for_kernel(query)
-    k = _bshd_for_kernel(key)
-    v = _bshd_for_kernel(value)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if q.is_cuda:  # _bshd_for_kernel's alignment rule (the rules put k and v on q's device)
+        q, k, v = _aligned_for_kernel(q), _aligned_for_kernel(k), _aligned_for_kernel(v)
     scale = None if scaling is None else float(scaling)
-    out, _ = _ops.call_fwd(q, k, v, scale, info.causal, True, info.leftpad_k, info.seqused_k,
-                           *info.window_size, softcap)
+    call = _ops.call_fwd_checked if checked else _ops.call_fwd
+    out, _ = call(q, k, v, scale, info.causal, True, info.leftpad_k, info.seqused_k,
+                  *info.window_size, softcap)
     return out
 
 
@@ -805,6 +826,135 @@ def _fall_back(reason: str) -> None:
     _count_fallback(reason)
 
 
+# ----------------------------------------------------------------------------------------------
+# The decision, taken once per forward (remembered for the other layers)
+# ----------------------------------------------------------------------------------------------
+#
+# transformers calls the attention function once per layer, and every layer of a forward hands
+# it the same mask object, the same position_ids, the same kwargs and q/k/v of the same sizes:
+# the decision (allow-list, rulebook, packed-sequence test, plan of the mask) is the same for
+# all of them, and taking it again cost ~6-8 us of host time per layer and decode step on the
+# CPU benchmark (the rulebook alone ~4), as much as stock "sdpa" spends on its whole call
+# (benchmarks/NOTES.md, "HF integration host time"). So it is remembered, keyed on everything
+# it reads:
+#
+# * the call's metadata: q/k/v shapes, strides, dtypes and devices, the mask object (identity
+#   through a weak reference, data pointer, shape, strides, dtype, device and version counter,
+#   as _masks.PerTensorCache keys a classification), sliding_window, the effective is_causal,
+#   module.num_key_value_groups, the registered-or-patched flavour and both settings;
+# * conditions checked at every call, under which the decision reads nothing else (any other
+#   call takes the full path, exactly as before, and is not remembered): no torch.compile /
+#   torch.jit tracing or CUDA-graph capture (nothing may be read or cached on the host there:
+#   the full path hands masks to torch SDPA), no forward-mode AD level or torch.func transform
+#   (the autograd rules), the extension loaded, keyword arguments inside the allow-list and no
+#   positional ones, dropout 0, a valid float scaling or None, no position_bias, cu_seq_lens,
+#   sinks, output_attentions or deterministic, a mask that is not an inference tensor (no
+#   version counter: an in-place change would go unseen; the full path classifies those at
+#   every call), and position_ids that do not pack documents (tested at every call, through
+#   their own per-object cache, before the memo is consulted).
+#
+# A new forward with a mask builds a new mask object, which no entry matches; without a mask the
+# decision is a function of the key alone, so an entry of an earlier forward with the same key
+# is that forward's decision, rightly. What is not remembered runs per call as before: the op
+# (its own checks: a ValueError still falls back with its reason), strict mode, the statistics
+# and the fallback itself.
+
+_DECISIONS_SIZE = 32  # a few forwards' worth of (mask, call sizes): sliding + full layers, steps
+_DECISIONS: Dict[tuple, tuple] = {}  # key -> (weak reference to the mask or None, info, reason)
+_DECISIONS_LOCK = threading.Lock()  # inserts and evictions; lookups are one dict.get
+
+
+def _clear_decisions() -> None:
+    with _DECISIONS_LOCK:
+        _DECISIONS.clear()
+
+
+# Keyword arguments a remembered decision may see (present with any value the key checks);
+# any other (position_bias, cu_seq_lens_*, max_length_*, s_aux, sinks, or one outside the
+# allow-list), even as None, sends the call to the full path.
+_MEMO_KWARGS = _INERT_KWARGS | {"dropout", "scaling", "is_causal", "sliding_window", "softcap",
+                                "position_ids", "output_attentions", "deterministic"}
+
+
+def _decision_key(module, query, key, value, attention_mask, args, kwargs,
+                  flash_semantics: bool) -> Optional[tuple]:
+    """The key under which this call's decision is remembered, or None when the call must take
+    the full path (and not be remembered): see the comment above. Metadata reads only."""
+    # is_compiling() first: dynamo folds it, so a traced call never reaches the rest.
+    # (torch._C._is_tracing() is torch.jit.is_tracing() outside TorchScript, which this is.)
+    if torch.compiler.is_compiling() or torch._C._is_tracing() or args \
+            or not (_MEMO_KWARGS.issuperset(kwargs) and _ops.EXTENSION_AVAILABLE):
+        return None
+    get = kwargs.get
+    flag = get("output_attentions")
+    if flag is not None and flag is not False:
+        return None
+    flag = get("deterministic")
+    if flag is not None and flag is not False:
+        return None
+    dropout = get("dropout")
+    if dropout is not None and not ((type(dropout) is float or type(dropout) is int)
+                                    and dropout == 0):
+        return None
+    # A valid scale passes the rules whatever its value (it goes to the op per call); any other
+    # value's reason quotes it, so it takes the full path.
+    scaling = get("scaling")
+    if scaling is not None and not (type(scaling) is float and _rules.SOFTMAX_SCALE_MIN
+                                    <= scaling <= _rules.SOFTMAX_SCALE_MAX):
+        return None
+    window = get("sliding_window")
+    if window is not None and not (type(window) is int and window >= 1):
+        return None  # the full path raises (registered names) or ignores it (the patch)
+    is_causal = get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    groups = getattr(module, "num_key_value_groups", None)
+    if type(is_causal) is not bool or (groups is not None and type(groups) is not int):
+        return None
+    if getattr(_forward_ad, "_current_level", 0) >= 0 \
+            or torch._C._are_functorch_transforms_active():
+        return None
+    try:
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        if attention_mask is None:
+            mask = None
+        elif isinstance(attention_mask, torch.Tensor) and not attention_mask.is_inference():
+            m = attention_mask
+            mask = (id(m), m.data_ptr(), m.shape, m.stride(), m.dtype, m.device, m._version)
+        else:
+            return None
+        qs = query.shape
+        # stride() raises for nested and sparse tensors: the full path words their reason.
+        memo = (flash_semantics, _SETTINGS["decode_on_kernel"], _SETTINGS["allow_cpu_reference"],
+                window, is_causal, groups, mask,
+                qs, query.stride(), query.dtype, query.device,
+                key.shape, key.stride(), key.dtype, key.device,
+                value.shape, value.stride(), value.dtype, value.device)
+        several = len(qs) == 4 and qs[0] == 1 and qs[2] > 1
+    except Exception:  # anything that is not a plain dense tensor
+        return None
+    # Packed position_ids (one batch row, several queries): tested at every call, through their
+    # own per-object cache, as the full path tests them; the key does not hold them.
+    if flash_semantics and several and _packed_position_ids(kwargs, query, key) is not None:
+        return None
+    return memo
+
+
+def _remember(memo: tuple, attention_mask, info: Optional[MaskInfo],
+              reason: Optional[str]) -> None:
+    ref = None
+    if attention_mask is not None:
+        try:
+            ref = weakref.ref(attention_mask)
+        except TypeError:  # pragma: no cover
+            return
+    with _DECISIONS_LOCK:
+        while len(_DECISIONS) >= _DECISIONS_SIZE:
+            del _DECISIONS[next(iter(_DECISIONS))]  # the oldest
+        _DECISIONS[memo] = (ref, info, reason)
+
+
 def _attention(fallback: Callable, module, query, key, value, attention_mask, args, kwargs,
                flash_semantics: bool = False):
     """The kernel, or ``fallback`` with the caller's arguments.
@@ -817,27 +967,47 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
     ``softcap`` (Gemma 2) runs on the kernel; a call with it that cannot (or packed sequences)
     falls back to :func:`_softcap_sdpa_forward`, never to ``fallback``, which cannot apply it.
     """
-    bound = _bind_sdpa_args(args, kwargs)
-    softcap = _softcap_kwarg(kwargs)
+    softcap = 0.0 if kwargs.get("softcap") is None else _softcap_kwarg(kwargs)
     if softcap:
         fallback = _softcap_sdpa_forward
-    if flash_semantics:
-        packed = _packed_attention(fallback, module, query, key, value, attention_mask, bound,
-                                   kwargs, softcap)
-        if packed is not None:
-            return packed
-    reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
-                                 softcap)
-    info = None
-    if reason is None:
-        info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
-                             kwargs.get("sliding_window"), flash_semantics)
-    if reason is None:
-        out, reason = _try_kernel(
-            lambda: _run_kernel(query, key, value, bound["scaling"], info, softcap),
-            query.shape[2])
-        if out is not None:
-            return out, None
+    # The decision of layers 1..L-1 is layer 0's (see _decision_key).
+    memo = _decision_key(module, query, key, value, attention_mask, args, kwargs,
+                         flash_semantics)
+    hit = None if memo is None else _DECISIONS.get(memo)
+    # The mask must be the very object the entry was made for (its id and data pointer may be
+    # a freed mask's).
+    if hit is not None and (hit[0] is None or hit[0]() is attention_mask):
+        info, reason = hit[1], hit[2]
+        if reason is None:  # _try_kernel, where nothing traces (the key says so)
+            try:
+                out = _run_kernel(query, key, value, kwargs.get("scaling"), info, softcap,
+                                  checked=True)
+            except ValueError as e:
+                reason = f"kernel rejected the inputs: {e}"
+            else:
+                _count_kernel(query.shape[2])
+                return out, None
+    else:
+        bound = _bind_sdpa_args(args, kwargs)
+        if flash_semantics and memo is None:  # (with a memo key the call packs nothing)
+            packed = _packed_attention(fallback, module, query, key, value, attention_mask,
+                                       bound, kwargs, softcap)
+            if packed is not None:
+                return packed
+        reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
+                                     softcap)
+        info = None
+        if reason is None:
+            info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
+                                 kwargs.get("sliding_window"), flash_semantics)
+        if memo is not None:
+            _remember(memo, attention_mask, info, reason)
+        if reason is None:
+            out, reason = _try_kernel(
+                lambda: _run_kernel(query, key, value, bound["scaling"], info, softcap),
+                query.shape[2])
+            if out is not None:
+                return out, None
     _fall_back(reason)
     return _call_fallback(fallback, module, query, key, value, attention_mask, *args, **kwargs)
 
@@ -933,6 +1103,9 @@ def flash_attention_sm75_forward(
     keeps the fallback's finite result. While ``torch.compile`` traces or a
     CUDA graph captures, nothing is read on the host: masks and packed ``position_ids`` go to
     torch SDPA, which reads them at every replay (``cu_seq_lens`` run on the varlen op there).
+    Host time: layer 0 of a forward takes the decision (and the mask's one host read); layers
+    1..L-1 find it remembered under the same mask object and call metadata, so they pay a key
+    and the op call only (see ``_decision_key`` for what the key holds and when it is not used).
 
     Raises
     ------
@@ -946,7 +1119,7 @@ def flash_attention_sm75_forward(
         on the CPU; on CUDA a device-side assertion).
     """
     for name, what in (("s_aux", "learned attention sinks"), ("sinks", "learned attention sinks")):
-        if kwargs.get(name) is not None:
+        if name in kwargs and kwargs[name] is not None:
             # transformers' SDPA function ignores sinks (falling back to it would silently
             # compute the unmodified attention).
             shown = kwargs[name]
