@@ -200,36 +200,6 @@ def _run(q, k, v, softmax_scale, causal, leftpad_k=None, seqused_k=None, window=
                          deterministic=deterministic)
 
 
-def _run_per_sequence(q, k, v, softmax_scale, causal, len_q, start, end, window, softcap,
-                      alibi_slopes, deterministic=False):
-    """ALiBi where sequences have key ranges, which the op refuses with ALiBi: one op call per
-    batch entry, each on its own rows, so that the op's bottom-right offset is the sequence's
-    own ``len_k - len_q`` for the causal diagonal, the window and the ALiBi distance alike
-    (flash-attn's per-sequence definition).
-
-    ``q`` ``(batch, Mq, ...)`` holds sequence b's queries in its last ``len_q[b]`` rows, ``k``,
-    ``v`` its keys in rows ``[start[b], end[b])`` (int tensors, read on the host: one
-    synchronisation). Returns the op's ``(out, lse)`` for the whole padded batch: 0 and ``-inf``
-    in the rows before each sequence's queries."""
-    batch, rows_q = q.shape[0], q.shape[1]
-    if batch == 0:
-        return _run(q, k, v, softmax_scale, causal, window=window, softcap=softcap,
-                    deterministic=deterministic)
-    bounds = torch.stack([len_q.to(torch.int64), start.to(torch.int64),
-                          end.to(torch.int64)]).tolist()
-    outs, lses = [], []
-    for b, (n_q, lo, hi) in enumerate(zip(*bounds)):
-        lo = min(max(lo, 0), k.shape[1])
-        hi = min(max(hi, lo), k.shape[1])  # clamped into the rows, as the op's key ranges
-        slopes = alibi_slopes[b:b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
-        out, lse = _run(q[b:b + 1, rows_q - n_q:], k[b:b + 1, lo:hi], v[b:b + 1, lo:hi],
-                        softmax_scale, causal, window=window, softcap=softcap,
-                        alibi_slopes=slopes, deterministic=deterministic)
-        outs.append(F.pad(out, (0, 0, 0, 0, rows_q - n_q, 0)))
-        lses.append(F.pad(lse, (rows_q - n_q, 0), value=float("-inf")))
-    return torch.cat(outs), torch.cat(lses)
-
-
 def _attn_probs_placeholder(q: torch.Tensor) -> torch.Tensor:
     # flash-attn returns S_dmask only when dropout_p > 0; with dropout_p == 0 (the only value
     # accepted here) it returns this empty tensor.
@@ -718,8 +688,7 @@ def flash_attn_with_kvcache(
         ``L_b`` the sequence's attended keys (``cache_seqlens[b] + seqlen_new`` less
         ``cache_leftpad[b]``) and ``j'`` the key's position among them. The output is
         flash-attn's; the LSE is that of these scores (flash-attn's causal kernels shift it by
-        ``slope * (i + L_b - seqlen_q)``). One kernel call (on the copies of the Costs below
-        with ``cache_leftpad``: one per sequence after one host read of the lengths).
+        ``slope * (i + L_b - seqlen_q)``). One kernel call, no host read.
     num_splits : int. flash-attn's split-KV count; a performance hint here (the kernels choose
         their own split), any int is accepted and has no effect on the result.
     return_softmax_lse : bool. Also return the float32 LSE ``(batch, nheads, seqlen_q)``.
@@ -753,7 +722,7 @@ def flash_attn_with_kvcache(
         error at the next synchronisation, which leaves the CUDA context unusable, as for
         invalid ``cu_seqlens``); under torch.compile on the CPU a ``RuntimeError`` at run time.
     """
-    _ops.require_extension()
+    _ops.require_kvcache()
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{PREFIX}{name} must be a 4-D tensor, got {_shape_of(t)}")
@@ -837,7 +806,7 @@ def flash_attn_with_kvcache(
     left = -1 if left >= seqlen_cache else left
     right = -1 if right >= seqlen_cache else right
     local = left >= 0 or right >= 0
-    on_op = (_ops.KVCACHE_AVAILABLE and q.shape[-1] % _rules.HEAD_DIM_MULTIPLE == 0
+    on_op = (q.shape[-1] % _rules.HEAD_DIM_MULTIPLE == 0
              and (not paged or page % _ops.PAGE_BLOCK_MULTIPLE == 0 or block_table.shape[1] == 1))
     # The KV-cache op checks cache_seqlens and the table itself, on the device and before its
     # writes (one launch); the door checks what only it sees (the rotary positions) and, on the
@@ -880,59 +849,10 @@ def flash_attn_with_kvcache(
                         else cache_batch_idx.to(torch.int64)).view(-1, 1)
                 k_cache[rows, pos] = k
                 v_cache[rows, pos] = v
-        if _ops.KVCACHE_AVAILABLE:
-            # The copies the kernels cannot read in place (a page size that is not a multiple of
-            # 64: gathered in order; a head dim that is not a multiple of 8: zero-padded), then
-            # the KV-cache op on them without appends: one call, no host read.
-            if paged or cache_batch_idx is not None:
-                kc, vc = _gather_cache(k_cache, v_cache, block_table, cache_batch_idx,
-                                       torch.zeros(batch, dtype=torch.int64, device=q.device),
-                                       seqlen_cache, batch)
-            else:
-                kc, vc = k_cache, v_cache
-            qp, kp, vp, d = _pad_head_dim(q, kc, vc)
-            padded = qp is not q
-            lens = (torch.full((batch,), seqlen_cache, dtype=torch.int32, device=q.device)
-                    if cache_seqlens is None else (cache_seqlens + seqlen_new).to(torch.int32))
-            out, lse = _ops.call_kvcache_fwd(
-                qp, kp, vp, lens, None, None, cache_leftpad, None,
-                _scale_for(softmax_scale, d, padded), is_causal, left, right, cap, alibi_slopes)
-            if padded:
-                out = out[..., :d]
-            return (out, lse) if return_softmax_lse else out
-
-        # An extension without the KV-cache op (built from older sources).
-        # The attended key rows of batch entry b: [start[b], end[b]) of its cache row.
-        end = None if cache_seqlens is None else cache_seqlens.to(torch.int64) + seqlen_new
-        start = None if cache_leftpad is None else cache_leftpad.to(torch.int64)
-        if (end is not None and start is None and _ops.VARLEN_AVAILABLE
-                and (is_causal or local or alibi_slopes is not None)):
-            # Per-sequence bottom-right alignment (causal, window, ALiBi distance) is the varlen
-            # kernels' own: the cache rows as packed sequences of seqlen_cache keys, of which the
-            # first end[b] are attended (seqused_k). One call, no host read; no copy of a plain
-            # cache (pages and selected rows are gathered in order first, so that every layout
-            # of the same cache gives bitwise the same result).
-            if paged or cache_batch_idx is not None:
-                kc, vc = _gather_cache(k_cache, v_cache, block_table, cache_batch_idx,
-                                       torch.zeros(batch, dtype=torch.int64, device=q.device),
-                                       seqlen_cache, batch)
-            else:
-                kc, vc = k_cache, v_cache
-            if _batch_contiguous(kc) and _batch_contiguous(vc):
-                out, lse = _kvcache_on_varlen(q, kc, vc, end, softmax_scale, is_causal,
-                                              (left, right) if local else (-1, -1), cap,
-                                              alibi_slopes)
-                return (out, lse) if return_softmax_lse else out
-        if (is_causal or local) and end is not None:
-            # Right-align each sequence (shift its rows by seqlen_cache - end[b]) so that the
-            # op's single bottom-right offset, seqlen_cache - seqlen_q, is every sequence's own
-            # (the causal diagonal and the window's edges).
-            shift = seqlen_cache - end
-            kc, vc = _gather_cache(k_cache, v_cache, block_table, cache_batch_idx, shift,
-                                   seqlen_cache, batch)
-            start = shift if start is None else (start.clamp(0, seqlen_cache) + shift)
-            end = None
-        elif paged or cache_batch_idx is not None:
+        # The copies the kernels cannot read in place (a page size that is not a multiple of
+        # 64: gathered in order; a head dim that is not a multiple of 8: zero-padded), then the
+        # KV-cache op on them without appends: one call, no host read.
+        if paged or cache_batch_idx is not None:
             kc, vc = _gather_cache(k_cache, v_cache, block_table, cache_batch_idx,
                                    torch.zeros(batch, dtype=torch.int64, device=q.device),
                                    seqlen_cache, batch)
@@ -940,55 +860,14 @@ def flash_attn_with_kvcache(
             kc, vc = k_cache, v_cache
         qp, kp, vp, d = _pad_head_dim(q, kc, vc)
         padded = qp is not q
-        scale = _scale_for(softmax_scale, d, padded)
-        _require_valid(qp, kp, vp, scale, ("q", "k_cache", "v_cache"))
-        window = (left, right) if local else (-1, -1)
-        if alibi_slopes is None or (start is None and end is None):
-            out, lse = _run(qp, kp, vp, scale, is_causal,
-                            None if start is None else start.to(torch.int32),
-                            None if end is None else end.to(torch.int32),
-                            window, cap, alibi_slopes)
-        else:  # ALiBi with key ranges: one call per sequence (see _run_per_sequence)
-            rows = kp.shape[1]
-            out, lse = _run_per_sequence(
-                qp, kp, vp, scale, is_causal,
-                torch.full((batch,), seqlen_q, dtype=torch.int64, device=q.device),
-                torch.zeros(batch, dtype=torch.int64, device=q.device) if start is None
-                else start, torch.full((batch,), rows, dtype=torch.int64, device=q.device)
-                if end is None else end, window, cap, alibi_slopes)
+        lens = (torch.full((batch,), seqlen_cache, dtype=torch.int32, device=q.device)
+                if cache_seqlens is None else (cache_seqlens + seqlen_new).to(torch.int32))
+        out, lse = _ops.call_kvcache_fwd(
+            qp, kp, vp, lens, None, None, cache_leftpad, None,
+            _scale_for(softmax_scale, d, padded), is_causal, left, right, cap, alibi_slopes)
     if padded:
         out = out[..., :d]
     return (out, lse) if return_softmax_lse else out
-
-
-def _batch_contiguous(cache: torch.Tensor) -> bool:
-    """The (batch, seqlen_cache, heads, d) cache's rows are one packed (batch * seqlen_cache, heads,
-    d) tensor: batch b's row 0 follows batch b - 1's last row."""
-    return cache.shape[0] == 1 or cache.stride(0) == cache.shape[1] * cache.stride(1)
-
-
-def _kvcache_on_varlen(q, k_cache, v_cache, end, softmax_scale, causal, window, cap,
-                       alibi_slopes):
-    """flash_attn_with_kvcache's attention on the varlen op: batch entry b's queries against the
-    first ``end[b]`` rows of its cache row, bottom-right aligned per entry. ``(out (batch,
-    seqlen_q, nheads, d), lse (batch, nheads, seqlen_q))``."""
-    batch, seqlen_q, nheads = q.shape[0], q.shape[1], q.shape[2]
-    seqlen_cache = k_cache.shape[1]
-    qp, kp, vp, d = _pad_head_dim(q, k_cache, v_cache)
-    padded = qp is not q
-    scale = _scale_for(softmax_scale, d, padded)
-    _require_valid(qp, kp, vp, scale, ("q", "k_cache", "v_cache"))
-    steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    out, lse = _ops.call_varlen_fwd(
-        qp.reshape((batch * seqlen_q,) + tuple(qp.shape[2:])),
-        kp.flatten(0, 1) if _batch_contiguous(kp) else kp.reshape((-1,) + tuple(kp.shape[2:])),
-        vp.flatten(0, 1) if _batch_contiguous(vp) else vp.reshape((-1,) + tuple(vp.shape[2:])),
-        steps * seqlen_q, steps * seqlen_cache, seqlen_q, seqlen_cache, scale, causal,
-        end.to(torch.int32), window[0], window[1], cap, alibi_slopes)
-    out = out.view(batch, seqlen_q, nheads, -1)
-    if padded:
-        out = out[..., :d]
-    return out, lse.view(nheads, batch, seqlen_q).permute(1, 0, 2)
 
 
 def _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos, k_cache,
