@@ -202,7 +202,8 @@ TEST(DeviceProfile, TuringOccupancy) {
   EXPECT_EQ(t4.num_sms, 40);
   EXPECT_EQ(kProfileRtx2080Ti.num_sms, 68);
   EXPECT_EQ(ctas_per_sm(t4, 128, 168, 16 * 1024), 3);   // d = 64 forward: registers
-  EXPECT_EQ(ctas_per_sm(t4, 128, 250, 26 * 1024), 2);   // d = 128 forward
+  EXPECT_EQ(ctas_per_sm(t4, 128, 250, 26 * 1024), 2);   // 4 warps at 250 registers: 2
+  EXPECT_EQ(ctas_per_sm(t4, 256, 250, 32 * 1024), 1);   // d = 128 forward: 8 warps
   EXPECT_EQ(ctas_per_sm(t4, 256, 238, 48 * 1024), 1);   // d = 256 forward: 8 warps
   EXPECT_EQ(ctas_per_sm(t4, 128, 64, 40 * 1024), 1);    // shared memory bound
   EXPECT_EQ(ctas_per_sm(t4, 128, 64, 32 * 1024), 2);
