@@ -876,18 +876,32 @@ def test_transformers_flash_attention_2_runs_the_dropin_on_cpu(dropin_site, monk
         with torch.no_grad():
             ours = model(input_ids=ids, attention_mask=am).logits.float()
             n_calls = len(varlen_op_calls)
-            gen = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=3,
-                                 do_sample=False, pad_token_id=0)
+            kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=3, do_sample=False,
+                      pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+            gen = model.generate(**kw)
             model.set_attn_implementation("sdpa")
             stock = model(input_ids=ids, attention_mask=am).logits.float()
-            gen_stock = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=3,
-                                       do_sample=False, pad_token_id=0)
+            gen_stock = model.generate(**kw)
         assert n_calls == cfg.num_hidden_layers  # every layer ran the varlen op, on the
         for call in varlen_op_calls[:n_calls]:    # unpadded tokens of the three rows
             assert call[0].shape[0] == 15 and call[3].tolist() == [0, 9, 14, 15]
         real = am.bool()
-        assert (ours - stock)[real].abs().max().item() <= 5e-3
-        assert torch.equal(gen, gen_stock)
+        tol = 5e-3
+        assert (ours - stock)[real].abs().max().item() <= tol
+        # Greedy decoding: the same tokens, step by step, while the two agree; the steps' logits
+        # close. Random fp16 weights give near ties, where a difference within the tolerance
+        # may pick the other token (seen with torch 2.15's CPU SDPA): that is accepted only when
+        # stock's own logits of the two tokens are within twice the tolerance, and the row's
+        # later steps (on different inputs) are not compared.
+        for row in range(ids.shape[0]):
+            for step, (lo, ls) in enumerate(zip(gen.logits, gen_stock.logits)):
+                assert (lo[row].float() - ls[row].float()).abs().max().item() <= tol, (row, step)
+                t_ours = int(gen.sequences[row, ids.shape[1] + step])
+                t_stock = int(gen_stock.sequences[row, ids.shape[1] + step])
+                if t_ours != t_stock:
+                    gap = (ls[row, t_stock] - ls[row, t_ours]).float().abs().item()
+                    assert gap <= 2 * tol, (row, step, t_ours, t_stock, gap)
+                    break
 
         # one training step: the gradient reaches every parameter, close to sdpa's
         labels = ids.masked_fill(am == 0, -100)
