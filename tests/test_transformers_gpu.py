@@ -358,8 +358,12 @@ def test_unsupported_dtype_falls_back_on_gpu():
     assert stats["kernel"] == 0 and stats["fallback"] == bf16.config.num_hidden_layers
     assert any("must be float16" in r for r in stats["reasons"])
     stock = _logits(bf16, "sdpa", ids, am)
-    # the fallback is transformers' sdpa_attention_forward with the same arguments
-    assert (ours - stock).abs().max().item() <= 1e-2
+    # The fallback is transformers' sdpa_attention_forward with the same arguments, except on
+    # the left padding's query rows, whose keys are all masked: those give 0 on every path of
+    # ours (stock SDPA's value there depends on the backend), so only real tokens compare.
+    real = am.bool()
+    assert torch.isfinite(ours).all()
+    assert (ours - stock)[real].abs().max().item() <= 1e-2
 
 
 # ---------------------------------------------------------------------------------------------
