@@ -15,6 +15,7 @@
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "kernels/block_info.h"
 #include "kernels/flash.h"
@@ -214,6 +215,70 @@ void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slop
                     "got strides ", a.strides());
 }
 
+at::Tensor check_attn_bias(const at::Tensor& bias, const at::Tensor& q, int64_t seqlen_k) {
+  const auto dt = bias.scalar_type();
+  TORCH_CHECK_VALUE(dt == at::kBool || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat,
+                    "flash_attention_sm75: attn_bias must be bool (True = attend), float16, "
+                    "bfloat16 or float32, got ", dt);
+  TORCH_CHECK_VALUE(bias.device() == q.device(), "flash_attention_sm75: attn_bias must be on q's "
+                    "device (", q.device(), "), got ", bias.device());
+  const int64_t b = q.size(0), sq = q.size(1), h = q.size(2);
+  const std::vector<int64_t> target{b, h, sq, seqlen_k};
+  bool ok = bias.dim() >= 1 && bias.dim() <= 4;
+  for (int64_t i = 0; ok && i < bias.dim(); ++i) {
+    const int64_t size = bias.size(bias.dim() - 1 - i), want = target[3 - i];
+    ok = size == want || size == 1;
+  }
+  TORCH_CHECK_VALUE(ok, "flash_attention_sm75: attn_bias of shape ", bias.sizes(),
+                    " does not broadcast to (batch, num_heads, seqlen_q, seqlen_k) = (", b, ", ",
+                    h, ", ", sq, ", ", seqlen_k, ") (1-D to 4-D, trailing dimensions aligned, "
+                    "each of that size or 1)");
+  const at::Tensor view = bias.expand(target);  // stride 0 where broadcast: no copy
+  bool in_range = true;
+  for (int i = 0; i < 4; ++i) in_range = in_range && view.stride(i) >= 0;
+  const int64_t extent = (sq - 1) * view.stride(2) + (seqlen_k - 1) * view.stride(3);
+  TORCH_CHECK_VALUE(in_range && extent <= INT32_MAX,
+                    "flash_attention_sm75: attn_bias's (batch, head) slice spans ", extent + 1,
+                    " elements with strides ", view.strides(), "; the kernels address up to 2^31 "
+                    "(a (seqlen_q, seqlen_k) slice of fewer elements, non-negative strides)");
+  return view;
+}
+
+void set_params_bias(Flash_fwd_params& params, const at::Tensor& view, double softmax_scale) {
+  params.bias_ptr = view.data_ptr();
+  switch (view.scalar_type()) {
+    case at::kBool: params.bias_kind = 1; break;
+    case at::kHalf: params.bias_kind = 2; break;
+    case at::kBFloat16: params.bias_kind = 3; break;
+    default: params.bias_kind = 4; break;  // float32 (check_attn_bias)
+  }
+  params.bias_scale = static_cast<float>(1.0 / softmax_scale);
+  params.bias_batch_stride = view.stride(0);
+  params.bias_head_stride = view.stride(1);
+  params.bias_row_stride = view.stride(2);
+  params.bias_col_stride = view.stride(3);
+}
+
+at::Tensor cpu_bias(const at::Tensor& view) {
+  const at::Tensor v = view.to(at::kCPU);
+  if (v.scalar_type() == at::kBool) {
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    return at::where(v, at::zeros({}, f64),
+                     at::full({}, -std::numeric_limits<double>::infinity(), f64));
+  }
+  return v.to(at::kDouble);
+}
+
+void check_bias_backward(const std::optional<at::Tensor>& attn_bias, double softcap,
+                         int64_t head_dim) {
+  if (!attn_bias.has_value()) return;
+  TORCH_CHECK_VALUE(softcap == 0.0, "flash_attention_sm75: attn_bias with softcap has no "
+                    "backward here (softcap = ", softcap, "); pass softcap=0 or no attn_bias");
+  TORCH_CHECK_VALUE(head_dim_bucket(head_dim) <= kBwdBiasMaxHeadDim,
+                    "flash_attention_sm75: attn_bias has no backward at head_dim ", head_dim,
+                    " (the backward reads a bias up to head_dim ", kBwdBiasMaxHeadDim, ")");
+}
+
 void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                       double softmax_scale, bool is_causal, bool causal_bottom_right,
@@ -295,10 +360,13 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                                            const std::optional<at::Tensor>& seqused_k,
                                            int64_t window_size_left, int64_t window_size_right,
                                            double softcap,
-                                           const std::optional<at::Tensor>& alibi_slopes) {
+                                           const std::optional<at::Tensor>& alibi_slopes,
+                                           const std::optional<at::Tensor>& attn_bias) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
+  const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
+                                                : at::Tensor();
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   check_alignment(q, "q");
   check_alignment(k, "k");
@@ -319,6 +387,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   Flash_fwd_params params;
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
                    seqused_k, window_size_left, window_size_right, softcap, alibi_slopes);
+  if (bias.defined()) set_params_bias(params, bias, scale);
   set_plan_device(params, q.get_device());
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
   run_fwd_planned(params, q, /*decode_allowed=*/true);
@@ -438,10 +507,13 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& seqused_k,
                                                int64_t window_size_left, int64_t window_size_right,
                                                double softcap,
-                                               const std::optional<at::Tensor>& alibi_slopes) {
+                                               const std::optional<at::Tensor>& alibi_slopes,
+                                               const std::optional<at::Tensor>& attn_bias) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
+  const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
+                                                : at::Tensor();
   if (zero_size(q, k)) return zero_size_fwd(q);
   // The ATen ops below must compute in float64 even under torch.autocast (which would run the
   // matmuls in bfloat16 and return a bfloat16 lse).
@@ -467,6 +539,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
   vf = vf.repeat_interleave(h / h_k, 1);
   at::Tensor s = cpu_mod_scores(at::matmul(qf, kf.transpose(-1, -2)) * scale, softcap,
                                 alibi_slopes, causal_bottom_right);  // b, h, sq, sk
+  if (bias.defined()) s = s + cpu_bias(bias);
 
   const at::Tensor visible = cpu_visibility_mask(q, k, is_causal, causal_bottom_right, leftpad_k,
                                                  seqused_k, window_size_left, window_size_right);

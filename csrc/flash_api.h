@@ -38,7 +38,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                                            const std::optional<at::Tensor>& seqused_k,
                                            int64_t window_size_left = -1, int64_t window_size_right = -1,
                                            double softcap = 0.0,
-                                           const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
+                                           const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+                                           const std::optional<at::Tensor>& attn_bias = std::nullopt);
 
 // The same contract computed with ATen ops in float32 on the CPU (reference and fallback).
 std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -49,7 +50,26 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& seqused_k,
                                                int64_t window_size_left = -1, int64_t window_size_right = -1,
                                                double softcap = 0.0,
-                                               const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
+                                               const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+                                               const std::optional<at::Tensor>& attn_bias = std::nullopt);
+
+// attn_bias (torch SDPA's attn_mask): an additive bias or a boolean mask on the scaled scores,
+// softmax(softmax_scale * q.k + bias), added in fp32 after softcap and ALiBi; bool means True =
+// attend (False: -inf). dtype bool, float16, bfloat16 or float32; any shape that broadcasts to
+// (batch, num_heads, seqlen_q, seqlen_k) as torch broadcasts (1-D to 4-D, trailing dimensions
+// aligned), any strides, on q's device; read in place (broadcast dimensions through stride 0,
+// never expanded in memory). A row whose keys are all masked (False / -inf) gives out = 0 and
+// softmax_lse = -inf; a finite bias keeps the result finite. Returns the (batch, num_heads,
+// seqlen_q, seqlen_k) broadcast view; ValueError naming attn_bias otherwise (also when one
+// (batch, head) slice spans 2^31 elements or more).
+at::Tensor check_attn_bias(const at::Tensor& attn_bias, const at::Tensor& q, int64_t seqlen_k);
+// params.bias_* from check_attn_bias's view.
+void set_params_bias(Flash_fwd_params& params, const at::Tensor& bias_view, double softmax_scale);
+// The CPU references' bias: the view as float64, bool as 0 / -inf.
+at::Tensor cpu_bias(const at::Tensor& bias_view);
+// The backward's limits with a bias: no softcap with it, head_dim <= kBwdBiasMaxHeadDim
+// (kernels/flash.h). ValueError naming attn_bias otherwise.
+void check_bias_backward(const std::optional<at::Tensor>& attn_bias, double softcap, int64_t head_dim);
 
 // Score modifiers (flash-attn's), applied to the scaled scores s = softmax_scale * q.k before the
 // mask and the softmax (kernels/score_mod.h):
@@ -147,7 +167,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1,
-    double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
+    double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+    const std::optional<at::Tensor>& attn_bias = std::nullopt);
 
 // The same contract computed with ATen ops in float32 on the CPU.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
@@ -156,7 +177,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1,
-    double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
+    double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+    const std::optional<at::Tensor>& attn_bias = std::nullopt);
 
 // Launches the forward for filled params on q's stream: the decode kernel when plan_decode takes
 // the call (seqlen_q == 1, or seqlen_q * h / h_k <= max_multi_rows; decode_allowed;

@@ -174,13 +174,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias) {
   check_window_size(window_size_left, window_size_right);
   const at::Tensor q = to_kernel_layout(q_), k = to_kernel_layout(k_), v = to_kernel_layout(v_);
   const at::Tensor dout = to_kernel_layout(dout_), out = to_kernel_layout(out_);
   const double scale = check_bwd_inputs(dout, q, k, v, out, softmax_lse_, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
+  const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
+                                                : at::Tensor();
+  check_bias_backward(attn_bias, softcap, q.size(3));
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto* props = at::cuda::getDeviceProperties(q.get_device());
@@ -196,6 +200,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
                                 grad_softmax_lse, window_size_left, window_size_right, softcap,
                                 alibi_slopes);
+  if (bias.defined()) set_params_bias(params, bias, scale);
   launch_bwd(params, dq_atomic, q.get_device());
   return {bufs.dq, bufs.dk, bufs.dv};
 }
@@ -246,7 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool /*deterministic: always*/,
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias) {
   check_window_size(window_size_left, window_size_right);
   // float32 ATen math even under torch.autocast (see mha_fwd_cpu).
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -255,6 +261,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
                                         to_kernel_layout(out), softmax_lse, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
+  const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
+                                                : at::Tensor();
+  check_bias_backward(attn_bias, softcap, q.size(3));
   if (zero_size(q, k)) return zero_size_bwd(q, k);
   const int64_t b = q.size(0), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);
@@ -284,8 +293,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
   const at::Tensor lse = softmax_lse.to(at::kFloat).unsqueeze(-1);  // b, h, sq, 1
   // Modified scores (softcap, ALiBi) and the softcap's derivative, which dS carries.
   at::Tensor dcap;
-  const at::Tensor s = cpu_mod_scores(at::matmul(qf, kf.transpose(-1, -2)) * scale, softcap,
-                                      alibi_slopes, causal_bottom_right, &dcap);
+  at::Tensor s = cpu_mod_scores(at::matmul(qf, kf.transpose(-1, -2)) * scale, softcap,
+                                alibi_slopes, causal_bottom_right, &dcap);
+  if (bias.defined()) s = s + cpu_bias(bias).to(at::kFloat);
   const at::Tensor keep = visible.logical_and(at::isfinite(lse));
   const at::Tensor p = at::where(keep, at::exp(s - lse), at::zeros({}, s.options()));
   at::Tensor dsum = (dof * of).sum(-1, /*keepdim=*/true);

@@ -7,12 +7,13 @@
 TORCH_LIBRARY(flash_attention_sm75, m) {
   // q: (b, seqlen_q, h, d) fp16; k, v: (b, seqlen_k, h_k, d) fp16; any strides, last dim contiguous.
   // Returns out (b, seqlen_q, h, d) fp16 contiguous and softmax_lse (b, h, seqlen_q) fp32.
-// softcap / alibi_slopes: flash-attn's score modifiers (check_score_mod in flash_api.h).
+// softcap / alibi_slopes: flash-attn's score modifiers (check_score_mod in flash_api.h);
+// attn_bias: torch SDPA's attn_mask, bool or additive, broadcast through strides (check_attn_bias).
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool is_causal=False, "
       "bool causal_bottom_right=True, Tensor? leftpad_k=None, Tensor? seqused_k=None, "
       "int window_size_left=-1, int window_size_right=-1, float softcap=0.0, "
-      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor softmax_lse)");
+      "Tensor? alibi_slopes=None, Tensor? attn_bias=None) -> (Tensor out, Tensor softmax_lse)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) { m.impl("fwd", &flash_sm75::mha_fwd); }
@@ -29,7 +30,7 @@ TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
       "float softmax_scale, bool is_causal, bool causal_bottom_right, Tensor? leftpad_k=None, "
       "Tensor? seqused_k=None, bool deterministic=False, Tensor? grad_softmax_lse=None, "
       "int window_size_left=-1, int window_size_right=-1, float softcap=0.0, "
-      "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? alibi_slopes=None, Tensor? attn_bias=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) { m.impl("bwd", &flash_sm75::mha_bwd); }

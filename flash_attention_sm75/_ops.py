@@ -44,7 +44,7 @@ from typing import Iterator, Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from ._rules import _SLOPES_GRAD, require_bool
+from ._rules import _BIAS_GRAD, _SLOPES_GRAD, require_bool
 
 __all__ = [
     "EXTENSION_AVAILABLE",
@@ -204,10 +204,12 @@ def autograd_reason(q, k, v, *, any_transform: bool = False) -> Optional[str]:
 
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
              seqused_k=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
-             alibi_slopes=None, *, deterministic: bool = False):
+             alibi_slopes=None, attn_bias=None, *, deterministic: bool = False):
     """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
     causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right, softcap,
-    alibi_slopes)``, skipping the op's autograd kernel when no gradient can flow.
+    alibi_slopes, attn_bias)``, skipping the op's autograd kernel when no gradient can flow.
+    ``attn_bias`` is passed only when given (an extension built before it still runs the
+    rest).
 
     ``deterministic=True`` (flash-attn's per-call flag) makes this call's backward
     deterministic whatever the global setting is when it runs: where autograd records the call,
@@ -232,13 +234,13 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
 
     Raises ``NotImplementedError`` for inputs carrying a forward-mode AD tangent (no jvp formula;
     the tangent would otherwise be silently wrong) and inside ``torch.func.grad`` / ``vjp`` /
-    ``jacrev`` (see ``functorch_grad_active``), and ``ValueError`` for ``alibi_slopes`` that
-    require grad while grad mode is on (the op has no slope gradient; flash-attn's none either,
-    and a silent zero would be wrong), before the op runs.
+    ``jacrev`` (see ``functorch_grad_active``), and ``ValueError`` for ``alibi_slopes`` or
+    an ``attn_bias`` that require grad while grad mode is on (the op has no slope or bias
+    gradient; flash-attn's none either, and a silent zero would be wrong), before the op runs.
     """
     return _call("fwd", (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
                          seqused_k, window_size_left, window_size_right, softcap, alibi_slopes),
-                 deterministic)
+                 deterministic, attn_bias)
 
 
 def call_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -298,12 +300,14 @@ def call_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_l
         return torch.ops.flash_attention_sm75.kvcache_fwd(*args)
 
 
-def _call(name: str, args: tuple, deterministic: bool):
+def _call(name: str, args: tuple, deterministic: bool, attn_bias=None):
     """``torch.ops.flash_attention_sm75.<name>(*args)`` (``fwd`` or ``varlen_fwd``; q, k, v
-    first, the slopes last) as :func:`call_fwd` describes: the checks first, then through the
-    autograd kernel (the twin ``<name>_deterministic_bwd`` for ``deterministic``) or below it.
-    The op is looked up per call: tests spy on the attribute."""
+    first, the slopes last; ``attn_bias``, ``fwd`` only, as a keyword when given) as
+    :func:`call_fwd` describes: the checks first, then through the autograd kernel (the twin
+    ``<name>_deterministic_bwd`` for ``deterministic``) or below it. The op is looked up per
+    call: tests spy on the attribute."""
     q, k, v, alibi_slopes = args[0], args[1], args[2], args[-1]
+    kw = {} if attn_bias is None else {"attn_bias": attn_bias}
     if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.numel():
         # A NaN or infinite slope would give NaN outputs; its values live on the device, so
         # the check is a device-side assertion there (ValueError on the CPU), never silent.
@@ -313,11 +317,11 @@ def _call(name: str, args: tuple, deterministic: bool):
                                  "flash_attention_sm75: alibi_slopes must be finite, got a NaN "
                                  "or infinite slope")
     ns = torch.ops.flash_attention_sm75
-    if _autograd_must_run(q, k, v, alibi_slopes):
-        return getattr(ns, name + "_deterministic_bwd" if deterministic else name)(*args)
+    if _autograd_must_run(q, k, v, alibi_slopes, attn_bias):
+        return getattr(ns, name + "_deterministic_bwd" if deterministic else name)(*args, **kw)
     # No gradient can flow, so there is no backward for `deterministic` to reach.
     with torch._C._AutoDispatchBelowAutograd():
-        return getattr(ns, name)(*args)
+        return getattr(ns, name)(*args, **kw)
 
 
 def call_fwd_checked(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
@@ -343,7 +347,7 @@ def call_fwd_checked(q, k, v, softmax_scale, is_causal, causal_bottom_right, lef
         return ns.fwd(*args)
 
 
-def _autograd_must_run(q, k, v, alibi_slopes) -> bool:
+def _autograd_must_run(q, k, v, alibi_slopes, attn_bias=None) -> bool:
     """The checks of :func:`call_fwd` / :func:`call_varlen_fwd` before the op (they raise), then
     whether the op must be called through its autograd kernel (see :func:`call_fwd`)."""
     name = forward_ad_input(q, k, v)
@@ -363,6 +367,8 @@ def _autograd_must_run(q, k, v, alibi_slopes) -> bool:
             "falls back to torch's SDPA inside torch.func transforms")
     if (alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()):
         raise ValueError("flash_attention_sm75: " + _SLOPES_GRAD)
+    if (attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled()):
+        raise ValueError("flash_attention_sm75: " + _BIAS_GRAD)
     return bool(torch.compiler.is_compiling() or transforms
                 or torch._C._is_torch_function_mode_enabled()
                 or (torch.is_grad_enabled()
@@ -379,12 +385,12 @@ def _check_one_device(q, **others) -> None:
 
 def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=True,
               leftpad_k=None, seqused_k=None, window_size_left=-1, window_size_right=-1,
-              softcap=0.0, alibi_slopes=None):
+              softcap=0.0, alibi_slopes=None, attn_bias=None):
     # Shapes only (the rulebook validated the call): what the output shapes are derived from.
     # And one device: a meta tensor among real ones dispatches here, and the outputs would be
     # uninitialised memory on q's device.
     _check_one_device(q, k=k, v=v, leftpad_k=leftpad_k, seqused_k=seqused_k,
-                      alibi_slopes=alibi_slopes)
+                      alibi_slopes=alibi_slopes, attn_bias=attn_bias)
     torch._check(q.dim() == 4 and k.dim() == 4,
                  lambda: "flash_attention_sm75: q, k and v must be 4-D")
     torch._check(k.shape == v.shape, lambda: "flash_attention_sm75: k and v must have one shape")
@@ -397,10 +403,11 @@ def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=
 
 def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_bottom_right,
               leftpad_k=None, seqused_k=None, deterministic=False, grad_softmax_lse=None,
-              window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None):
+              window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+              attn_bias=None):
     _check_one_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse,
                       leftpad_k=leftpad_k, seqused_k=seqused_k, grad_softmax_lse=grad_softmax_lse,
-                      alibi_slopes=alibi_slopes)
+                      alibi_slopes=alibi_slopes, attn_bias=attn_bias)
     torch._check(dout.shape == q.shape, lambda: "flash_attention_sm75: dout must have the shape of q")
     torch._check(out.shape == q.shape, lambda: "flash_attention_sm75: out must have the shape of q")
     # The C++: at::empty({b, sq, h, d}, q.options()) and at::empty({b, sk, h_k, d}, ...) twice.
@@ -456,11 +463,14 @@ def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_
 
 def _fwd_setup_context(ctx, inputs, output, deterministic=False):
     (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
-     window_size_left, window_size_right, softcap, alibi_slopes) = inputs
+     window_size_left, window_size_right, softcap, alibi_slopes) = inputs[:12]
+    attn_bias = inputs[12] if len(inputs) > 12 else None
     # True for the twin op fwd_deterministic_bwd: the forward's request, kept for the backward.
     ctx.deterministic = deterministic
     out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes,
+                          attn_bias)
+    ctx.n_inputs = len(inputs)
     ctx.softcap = float(softcap)
     ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
     ctx.is_causal = bool(is_causal)
@@ -471,25 +481,27 @@ def _fwd_setup_context(ctx, inputs, output, deterministic=False):
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes, attn_bias = ctx.saved_tensors
     # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k, window_size_left,
-    # window_size_right, softcap
-    none = (None,) * 8
-    if len(ctx.needs_input_grad) > 11 and ctx.needs_input_grad[11]:
-        # The doors refuse slopes that require grad (call_fwd); the raw op must not return a
-        # silent zero either.
-        raise NotImplementedError(
-            "flash_attention_sm75: no gradient for alibi_slopes; pass alibi_slopes.detach()")
+    # window_size_right, softcap, alibi_slopes (and attn_bias)
+    none = (None,) * (ctx.n_inputs - 3)
+    for i, arg in ((11, "alibi_slopes"), (12, "attn_bias")):
+        if len(ctx.needs_input_grad) > i and ctx.needs_input_grad[i]:
+            # The doors refuse slopes / a bias that require grad (call_fwd); the raw op must
+            # not return a silent zero either.
+            raise NotImplementedError(
+                f"flash_attention_sm75: no gradient for {arg}; pass {arg}.detach()")
     if grad_out is None and grad_lse is None:
-        return (None, None, None) + none + (None,)
+        return (None, None, None) + none
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    kw = {} if attn_bias is None else {"attn_bias": attn_bias}
     dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
         grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
         ctx.causal_bottom_right, leftpad_k, seqused_k,
         ctx.deterministic or _deterministic_forced(), grad_lse, *ctx.window_size, ctx.softcap,
-        alibi_slopes)
-    return (dq, dk, dv) + none + (None,)
+        alibi_slopes, **kw)
+    return (dq, dk, dv) + none
 
 
 def _fwd_det_setup_context(ctx, inputs, output):

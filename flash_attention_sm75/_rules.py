@@ -35,6 +35,8 @@ __all__ = [
     "SOFTMAX_SCALE_MAX",
     "SOFTMAX_SCALE_MIN",
     "alibi_slopes_problem",
+    "attn_bias_problem",
+    "BIAS_DTYPES",
     "check_inputs",
     "NO_WINDOW",
     "softcap_problem",
@@ -126,6 +128,9 @@ RULES: Tuple[str, ...] = (
     "softcap",         # a real number, finite, >= 0 (0: off)
     "alibi_slopes",    # None or float32 (num_heads,) / (batch, num_heads), last dim contiguous,
                        # q's device, no key ranges, not requiring grad (under grad mode)
+    "attn_bias",       # None or BIAS_DTYPES, broadcasts to (batch, num_heads, seqlen_q,
+                       # seqlen_k), q's device, slice < 2^31 elements; with a backward: no
+                       # softcap, head_dim <= BIAS_BACKWARD_MAX_HEAD_DIM, not requiring grad
     "alignment",       # VECTOR_BYTES data pointer, strides of STRIDE_MULTIPLE
     "capability",      # MIN_COMPUTE_CAPABILITY
 )
@@ -242,6 +247,70 @@ def alibi_slopes_problem(alibi_slopes: object, device: torch.device, batch: int,
     return None
 
 
+BIAS_DTYPES: Tuple[torch.dtype, ...] = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
+"""attn_bias element types: a boolean mask (True = attend) or an additive bias, added in fp32."""
+
+BIAS_BACKWARD_MAX_HEAD_DIM = 128
+"""The backward reads a bias up to this head dim bucket (``kBwdBiasMaxHeadDim``, csrc/kernels/
+flash.h: the d = 256 dK/dV kernel has no registers left for it)."""
+
+_BIAS_GRAD = ("attn_bias must not require grad: the kernels compute no gradient for the bias "
+              "(pass attn_bias.detach() to treat it as a constant)")
+
+
+def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
+                      layout: str = "bshd", backward: bool = False, softcap: float = 0.0,
+                      name: str = "attn_bias") -> Optional[str]:
+    """None if ``attn_bias`` (not None) is a bias the kernels read, else what is wrong with it:
+    a dense tensor of :data:`BIAS_DTYPES` (bool: True = attend; float16 / bfloat16 / float32:
+    added to the scaled scores in fp32), on q's device, of a shape that broadcasts to
+    ``(batch, num_heads, seqlen_q, seqlen_k)`` as torch broadcasts (1-D to 4-D, trailing
+    dimensions aligned, each of that size or 1), whose ``(seqlen_q, seqlen_k)`` slice spans
+    fewer than 2^31 elements through its strides. ``backward`` (a gradient will flow to q, k or
+    v): also no softcap with it, head_dim at most :data:`BIAS_BACKWARD_MAX_HEAD_DIM`, and the
+    bias itself not requiring grad (no bias gradient). ``name``: the argument as the door calls
+    it (``attn_mask`` in the SDPA wrapper). The C++ op checks the same (``check_attn_bias``,
+    ``check_bias_backward``), except the gradient rule (``_ops.call_fwd`` states it)."""
+    b = attn_bias
+    if not isinstance(b, torch.Tensor):
+        return f"{name} must be a torch.Tensor or None, got {type_name(b)}"
+    if b.is_nested or b.layout != torch.strided:
+        return f"{name} must be a strided (dense) tensor, got {b.layout}"
+    if b.dtype not in BIAS_DTYPES:
+        return (f"{name} must be bool (True = attend), float16, bfloat16 or float32, got "
+                f"{b.dtype}")
+    if b.device != q.device:
+        return f"{name} must be on q's device ({q.device}), got {b.device}"
+    qs = q.shape
+    hd = 1 if layout == "bhsd" else 2
+    target = (qs[0], qs[hd], qs[3 - hd], seqlen_k)
+    ok = 1 <= b.dim() <= 4
+    for i in range(min(b.dim(), 4)):
+        size = b.shape[b.dim() - 1 - i]
+        ok = ok and (size == target[3 - i] or size == 1)
+    if not ok:
+        return (f"{name} of shape {list(b.shape)} does not broadcast to (batch, num_heads, "
+                f"seqlen_q, seqlen_k) = {target} (1-D to 4-D, trailing dimensions aligned, "
+                f"each of that size or 1)")
+    st = b.stride()
+    rs = st[-2] if b.dim() >= 2 and b.shape[-2] != 1 else 0
+    cs = st[-1] if b.shape[-1] != 1 else 0
+    extent = (target[2] - 1) * rs + (target[3] - 1) * cs
+    if extent > MAX_EXTENT - 1 or rs < 0 or cs < 0:
+        return (f"{name}'s (batch, head) slice spans {extent + 1} elements through its strides; "
+                f"the kernels address fewer than 2^31")
+    if backward:
+        if b.requires_grad and torch.is_grad_enabled():
+            return _BIAS_GRAD.replace("attn_bias", name)
+        if softcap:
+            return (f"{name} with softcap has no backward here (softcap = {softcap}); pass "
+                    f"softcap=0 or no {name}")
+        if head_dim_bucket(qs[3]) > BIAS_BACKWARD_MAX_HEAD_DIM:
+            return (f"{name} has no backward at head_dim {qs[3]} (the backward reads a bias up "
+                    f"to head_dim {BIAS_BACKWARD_MAX_HEAD_DIM})")
+    return None
+
+
 def is_kernel_aligned(t: torch.Tensor) -> bool:
     """True if the kernels' 16-byte vector loads can read ``t`` (4-D, BSHD or BHSD view): last
     dimension contiguous, data pointer aligned (not read while torch.compile traces; the C++ op
@@ -329,6 +398,7 @@ def not_supported_reason(
     window_size: Sequence[int] = NO_WINDOW,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    attn_bias: Optional[torch.Tensor] = None,
 ) -> Optional[str]:
     """None if the kernels accept these inputs, else the first rule they break, as a sentence
     that names the argument and the accepted values.
@@ -364,6 +434,10 @@ def not_supported_reason(
     alibi_slopes : torch.Tensor, optional
         flash-attn's ALiBi slopes, float32 ``(num_heads,)`` or ``(batch, num_heads)``, not with
         key ranges (:func:`alibi_slopes_problem`).
+    attn_bias : torch.Tensor, optional
+        An additive bias or boolean mask broadcasting to ``(batch, num_heads, seqlen_q,
+        seqlen_k)`` (:func:`attn_bias_problem`; the backward's limits apply when grad mode is
+        on and q, k or v requires grad).
     """
     bhsd = layout == "bhsd"
     if not (isinstance(q, torch.Tensor) and not q.is_nested and q.layout is _STRIDED):
@@ -436,6 +510,13 @@ def not_supported_reason(
                                  leftpad_k is not None or seqused_k is not None)
         if r is not None:
             return r
+    if attn_bias is not None:
+        r = attn_bias_problem(
+            attn_bias, q, ks[3 - hd], layout=layout, softcap=softcap,
+            backward=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                  or v.requires_grad))
+        if r is not None:
+            return r
 
     if dev_type == "cuda":
         if check_alignment:
@@ -453,7 +534,8 @@ def not_supported_reason(
 
 def check_inputs(q, k, v, softmax_scale=None, leftpad_k=None, seqused_k=None, *,
                  layout: str = "bshd", window_size: Sequence[int] = NO_WINDOW,
-                 softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None) -> None:
+                 softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                 attn_bias: Optional[torch.Tensor] = None) -> None:
     """Raise ``ValueError("flash_attention_sm75: <reason>")`` for inputs the kernels do not accept
     (:func:`not_supported_reason` with the op's devices: CUDA, CPU reference, meta), before any
     launch. ``layout`` is ``"bshd"`` (the op's own) or ``"bhsd"``."""
@@ -461,6 +543,6 @@ def check_inputs(q, k, v, softmax_scale=None, leftpad_k=None, seqused_k=None, *,
         raise ValueError(f"{PREFIX}layout must be 'bshd' or 'bhsd', got {layout!r}")
     reason = not_supported_reason(q, k, v, softmax_scale, leftpad_k, seqused_k, layout=layout,
                                   window_size=window_size, softcap=softcap,
-                                  alibi_slopes=alibi_slopes)
+                                  alibi_slopes=alibi_slopes, attn_bias=attn_bias)
     if reason is not None:
         raise ValueError(PREFIX + reason)

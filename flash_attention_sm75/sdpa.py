@@ -148,12 +148,16 @@ def why_not_supported(
     value : torch.Tensor
         Value, same shape as ``key`` for the kernel path.
     attn_mask : torch.Tensor, optional
-        Default ``None``. A mask runs on the kernel when it is exactly a per-batch-row key
-        range (``leftpad_k[b] <= j < seqused_k[b]``), optionally AND a bottom-right causal
-        diagonal: key-padding masks, all-True boolean and all-zero additive masks (bool, or
-        float with only 0 and ``-inf`` / the dtype's minimum, and no row hidden only by that
-        finite minimum; 2- to 4-D, broadcast as torch does; equal across heads). Any other
-        mask, a mask that requires grad, or a mask with ``is_causal=True`` falls back.
+        Default ``None``. Boolean (True = attend) or additive (float32 or the query's dtype),
+        2- to 4-D, broadcast to ``(batch, num_heads, seqlen_q, seqlen_k)`` as torch does. A
+        mask that is exactly a per-batch-row key range (``leftpad_k[b] <= j < seqused_k[b]``),
+        optionally AND a bottom-right causal diagonal (key-padding masks, all-True / all-zero
+        masks; found by reading the mask once, cached per mask object) runs as key ranges,
+        which skip the hidden keys' tiles; any other mask, and every mask while torch.compile
+        traces or a CUDA graph captures, is read by the kernel itself as an additive bias
+        (through its strides, never expanded). Falls back: a mask that requires grad (torch
+        computes its gradient; the kernel has none), a mask with ``is_causal=True`` (torch
+        raises), and with a backward the bias's limits (head_dim above 128).
     dropout_p : float, optional
         Default ``0.0``. Any nonzero value makes the call fall back (torch's SDPA applies dropout
         whenever ``dropout_p > 0``, in training and in eval).
@@ -181,7 +185,7 @@ def why_not_supported(
     value of the same shape, equal batch sizes (no broadcasting), ``num_heads % num_heads_k ==
     0``, last dimension contiguous, data pointers 16-byte aligned, other strides divisible by 8
     elements, ``scale`` None or finite within [1.18e-38, 1.07e26]); and the wrapper's own rules:
-    ``attn_mask`` None or a key-range mask (see above); ``dropout_p == 0``; ``is_causal`` a
+    ``attn_mask`` None or a mask as above; ``dropout_p == 0``; ``is_causal`` a
     bool; ``scale`` a Python float or int; ``enable_gqa=True`` when ``num_heads !=
     num_heads_k``; no forward-mode AD tangent on any input; no ``torch.func`` transform
     (``grad``, ``vjp``, ``jacrev``, ``vmap``) active.
@@ -192,9 +196,24 @@ def why_not_supported(
     """
     reason = _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa)
-    if reason is None and attn_mask is not None:
-        reason = _mask_plan(query, key, attn_mask)[1]
+    if reason is None and attn_mask is not None and not _zero_size(query, key, value):
+        info, reason = _mask_plan(query, key, attn_mask)
+        if info is None:
+            reason = _bias_reason(query, key, value, attn_mask, reason)
     return reason
+
+
+def _bias_reason(query, key, value, attn_mask, plan_reason: str) -> Optional[str]:
+    """None when the kernel reads ``attn_mask`` itself as its ``attn_bias`` (a mask that is
+    not a key range, or one not read on the host: torch.compile, CUDA-graph capture), else why
+    not (with why it is no key range either)."""
+    problem = _rules.attn_bias_problem(
+        attn_mask, query, key.shape[2], layout="bhsd", name="attn_mask",
+        backward=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                              or value.requires_grad))
+    if problem is None:
+        return None
+    return f"{plan_reason}; and the kernel cannot read it as a bias: {problem}"
 
 
 def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
@@ -235,8 +254,9 @@ def _mask_metadata_problem(query, key, attn_mask, is_causal) -> Optional[str]:
         return "attn_mask and is_causal=True together (torch raises an error for this)"
     if attn_mask.layout != torch.strided or attn_mask.is_nested:
         return "attn_mask is not a strided (dense) tensor"
-    if not (attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point):
-        return f"attn_mask dtype {attn_mask.dtype} is neither bool nor floating point"
+    if not (attn_mask.dtype in (torch.bool, torch.float32) or attn_mask.dtype == query.dtype):
+        return (f"attn_mask dtype {attn_mask.dtype} is not bool, float32 or the query's "
+                f"{query.dtype} (torch raises an error for this)")
     if attn_mask.requires_grad and torch.is_grad_enabled():
         return "attn_mask requires grad (no bias gradient in the kernel)"
     if attn_mask.device != query.device:
@@ -340,11 +360,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         Value, same shape as ``key`` on the kernel path; same requirements as ``query``.
     attn_mask : torch.Tensor, optional
         Default ``None``. Boolean (True = attend) or additive mask as in torch. Key-padding,
-        all-True / all-zero and bottom-right causal masks run on the kernel (per-row key ranges;
-        see :func:`why_not_supported`); any other mask uses the fallback. A query row that sees
-        no key (all False, or all ``-inf``) gives 0 and zero gradients on both paths (torch's
-        math backend gives NaN there); a finite "dtype minimum" mask row is not empty and gives
-        torch's finite result.
+        all-True / all-zero and bottom-right causal masks run on the kernel as per-row key
+        ranges; any other mask runs on the kernel as an additive bias that it reads in place
+        (see :func:`why_not_supported` for what falls back). A query row that sees no key (all
+        False, or all ``-inf``) gives 0 and zero gradients on every path (torch's math backend
+        gives NaN there); a finite "dtype minimum" mask row is not empty and gives a finite
+        result.
     dropout_p : float, optional
         Default ``0.0``. Dropout probability, applied as torch does (whenever > 0, also in eval
         mode); any nonzero value uses the fallback.
@@ -406,6 +427,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if _zero_size(query, key, value):  # no keys or no rows: nothing for the mask to select
             return _zero_size_attention(query, key, value, attn_mask, enable_gqa)
         info, reason = _mask_plan(query, key, attn_mask)
+        if info is None:
+            reason = _bias_reason(query, key, value, attn_mask, reason)
+            if reason is None:  # the kernel reads the mask (broadcast, in place)
+                out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
+                                       value.transpose(1, 2), scale, False, False,
+                                       attn_bias=attn_mask)
+                return out.transpose(1, 2)
     if reason is None:
         if info.kv_len != key.shape[2]:
             key, value = key[:, :, :info.kv_len], value[:, :, :info.kv_len]

@@ -44,7 +44,8 @@ def _spy(monkeypatch, name):
     calls = []
     real = getattr(torch.ops.flash_attention_sm75, name)
     monkeypatch.setattr(torch.ops.flash_attention_sm75, name,
-                        lambda *a, **kw: calls.append(a) or real(*a, **kw), raising=False)
+                        lambda *a, **kw: calls.append(a + tuple(kw.values())) or real(*a, **kw),
+                        raising=False)
     return calls
 
 

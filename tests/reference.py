@@ -86,7 +86,7 @@ def apply_score_mods(scores, softcap=0.0, alibi_slopes=None, causal_bottom_right
 
 def attention_ref(q, k, v, *, causal=False, causal_bottom_right=True, softmax_scale=None,
                   leftpad_k=None, seqused_k=None, layout="bshd", upcast=True, reorder_ops=False,
-                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_bias=None):
     """Attention by the definition. Returns ``(out, lse)``.
 
     q: (B, Sq, H, D), k/v: (B, Sk, Hk, D) for ``layout="bshd"``; (B, H, S, D) for ``"bhsd"``.
@@ -94,7 +94,9 @@ def attention_ref(q, k, v, *, causal=False, causal_bottom_right=True, softmax_sc
     lse float64. ``upcast=False``: computed in the input dtype (``reorder_ops=True`` scales q
     before the matmul, as an fp16 implementation would), out in that dtype, lse float32.
     Rows that see no key: out 0, lse -inf. ``out`` is returned in the input layout.
-    ``softcap`` / ``alibi_slopes``: :func:`apply_score_mods`.
+    ``softcap`` / ``alibi_slopes``: :func:`apply_score_mods`. ``attn_bias``: a bool mask (True =
+    attend) or an additive bias broadcasting to (B, H, Sq, Sk) (torch's ``attn_mask``), added
+    after the modifiers; rows it hides entirely give out 0, lse -inf.
     """
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # -> (B, H, S, D)
@@ -114,6 +116,12 @@ def attention_ref(q, k, v, *, causal=False, causal_bottom_right=True, softmax_sc
     scores = apply_score_mods(scores, softcap, alibi_slopes, causal_bottom_right)
     vis = visible_mask(b, s_q, s_k, causal, causal_bottom_right, leftpad_k, seqused_k, q.device,
                        window_size)
+    if attn_bias is not None:
+        if attn_bias.dtype == torch.bool:
+            vis = vis & attn_bias.to(q.device)
+        else:
+            scores = scores + attn_bias.to(device=q.device, dtype=scores.dtype)
+            vis = vis & (attn_bias.to(q.device) != float("-inf"))
     scores = scores.masked_fill(~vis, float("-inf"))
     if upcast:
         lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is visible

@@ -21,7 +21,8 @@ needs_ext = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
 SCHEMA = ("flash_attention_sm75::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, "
           "bool is_causal=False, bool causal_bottom_right=True, Tensor? leftpad_k=None, "
           "Tensor? seqused_k=None, int window_size_left=-1, int window_size_right=-1, "
-          "float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor softmax_lse)")
+          "float softcap=0., Tensor? alibi_slopes=None, Tensor? attn_bias=None) -> "
+          "(Tensor out, Tensor softmax_lse)")
 
 
 def _op():

@@ -241,6 +241,38 @@ ROWS = [
         _with(lambda *t: t, alibi_slopes=torch.ones(4, requires_grad=True)),
         r"alibi_slopes must not require grad: the kernels compute no gradient for the slopes "
         r"\(pass alibi_slopes\.detach\(\) to treat them as constants\)", cpp=False),
+    Row("attn_bias", "bias_int32", _with(lambda *t: t, attn_bias=torch.ones(7, dtype=torch.int32)),
+        r"attn_bias must be bool \(True = attend\), float16, bfloat16 or float32, got "
+        r"torch\.int32"),
+    Row("attn_bias", "bias_float64", _with(lambda *t: t, attn_bias=torch.zeros(5, 7).double()),
+        r"attn_bias must be bool .* got torch\.float64"),
+    Row("attn_bias", "bias_rows_mismatch", _with(lambda *t: t, attn_bias=torch.zeros(3, 7)),
+        r"attn_bias of shape \[3, 7\] does not broadcast to \(batch, num_heads, seqlen_q, "
+        r"seqlen_k\) = \(2, 4, 5, 7\) \(1-D to 4-D, trailing dimensions aligned, each of that "
+        r"size or 1\)"),
+    Row("attn_bias", "bias_kv_heads", _with(lambda *t: t, attn_bias=torch.zeros(2, 2, 5, 7)),
+        r"attn_bias of shape \[2, 2, 5, 7\] does not broadcast"),
+    Row("attn_bias", "bias_5d", _with(lambda *t: t, attn_bias=torch.zeros(1, 2, 4, 5, 7)),
+        r"attn_bias of shape \[1, 2, 4, 5, 7\] does not broadcast"),
+    Row("attn_bias", "bias_0d", _with(lambda *t: t, attn_bias=torch.zeros(())),
+        r"attn_bias of shape \[\] does not broadcast"),
+    Row("attn_bias", "bias_meta", _with(lambda *t: t, attn_bias=torch.zeros(7, device="meta")),
+        r"attn_bias must be on q's device \(cpu\), got meta", cpp=False),
+    Row("attn_bias", "bias_list", _with(lambda *t: t, attn_bias=[0.0] * 7),
+        r"attn_bias must be a torch\.Tensor or None, got list", cpp=False),
+    Row("attn_bias", "bias_cpu_on_cuda_q", _with(lambda *t: t, attn_bias=torch.zeros(7)),
+        r"attn_bias must be on q's device \(cuda:0\), got cpu", device="cuda"),
+    # The backward's limits, when a gradient will flow (the C++ backward checks them:
+    # tests/test_attn_bias.py).
+    Row("attn_bias", "bias_softcap_backward",
+        _with(lambda q, k, v: (q.requires_grad_(), k, v), attn_bias=torch.zeros(7), softcap=5.0),
+        r"attn_bias with softcap has no backward here \(softcap = 5\.0\); pass softcap=0 or "
+        r"no attn_bias", cpp=False),
+    Row("attn_bias", "bias_requires_grad",
+        _with(lambda q, k, v: (q.requires_grad_(), k, v),
+              attn_bias=torch.zeros(7, requires_grad=True)),
+        r"attn_bias must not require grad: the kernels compute no gradient for the bias \(pass "
+        r"attn_bias\.detach\(\) to treat it as a constant\)", cpp=False),
     # CPU tensors reach the op's CPU reference (the dispatcher's choice), never the C++ device
     # rule of the CUDA kernel; doors that run CUDA only ask the rulebook with devices=("cuda",).
     Row("device", "cpu_where_cuda_only", _base(), r"q must be a CUDA tensor, got device cpu",
@@ -292,12 +324,14 @@ def test_cpp_check_gives_the_rulebook_message(row):
         torch.ops.flash_attention_sm75.fwd(q, k, v, kwargs.get("softmax_scale"), False, True,
                                            kwargs.get("leftpad_k"), kwargs.get("seqused_k"),
                                            *kwargs.get("window_size", (-1, -1)),
-                                           kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"))
+                                           kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"),
+                                           kwargs.get("attn_bias"))
     assert _head(str(cpp.value)) == _head("flash_attention_sm75: " + reason)
 
 
 # The direct APIs take no key ranges (the op and the HF integration pass them).
-_API_ROWS = [r for r in ROWS if r.rule != "key_range" and not r.check
+# flash-attn's API has no attn_bias (the op and the SDPA wrapper's attn_mask take it).
+_API_ROWS = [r for r in ROWS if r.rule not in ("key_range", "attn_bias") and not r.check
              and r.id != "alibi_with_key_range"]
 
 

@@ -82,7 +82,7 @@ def _reason_cases():
         ("mask_and_causal", (q, k, v), {"attn_mask": torch.ones(8, 8, dtype=torch.bool),
                                         "is_causal": True}, "attn_mask and is_causal=True"),
         ("mask_int", (q, k, v), {"attn_mask": torch.ones(8, 8, dtype=torch.int64)},
-         "attn_mask dtype torch.int64 is neither bool nor floating point"),
+         "attn_mask dtype torch.int64 is not bool, float32 or the query"),
         ("dropout", (q, k, v), {"dropout_p": 0.1}, "dropout_p=0.1; dropout is not supported"),
         ("head_dim_12", bhsd(d=12), {}, "head_dim must be a multiple of 8 from 8 to "),
         ("head_dim_264", bhsd(d=264), {}, "got 264"),
@@ -745,36 +745,56 @@ def test_mask_that_is_a_key_range_runs_the_kernel_cpu(kind, kernel_device_cpu, o
     _masked_ref_check(q, k, v, out, lo, hi, causal)
 
 
-@pytest.mark.parametrize("name", ["random_bool", "random_float", "requires_grad"])
-def test_mask_that_is_not_a_key_range_falls_back_cpu(name, kernel_device_cpu):
+def _sdpa64(q, k, v, mask, **kw):
+    """torch's SDPA in float64 (the definition, to ~1e-15), rounded to the inputs' dtype."""
+    m = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m,
+                                          **kw).to(q.dtype)
+
+
+@pytest.mark.parametrize("name", ["random_bool", "random_float", "random_float32_4d"])
+def test_mask_that_is_not_a_key_range_runs_as_a_bias_cpu(name, kernel_device_cpu, op_calls):
     q, k, v = bhsd(s_q=7, s_k=12, seed=seed_from(name))
     g = torch.Generator().manual_seed(1)
     if name == "random_bool":
         mask = torch.rand(7, 12, generator=g) > 0.3
         mask[:, 0] = True
-        expected = "not a per-row key range"
     elif name == "random_float":
         mask = torch.randn(7, 12, generator=g).half()
-        expected = "values other than 0"
     else:
-        mask = torch.zeros(7, 12, dtype=torch.float16, requires_grad=True)
-        expected = "requires grad"
-    assert expected in fa.why_not_supported(q, k, v, attn_mask=mask)
+        mask = torch.randn(2, 1, 7, 12, generator=g)
+    assert fa.why_not_supported(q, k, v, attn_mask=mask) is None
+    out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(op_calls) == 1 and op_calls[0][12] is mask  # read in place, not expanded
+    torch.testing.assert_close(out, _sdpa64(q, k, v, mask))
+
+
+def test_mask_that_requires_grad_falls_back_cpu(kernel_device_cpu):
+    q, k, v = bhsd(s_q=7, s_k=12, seed=3)
+    mask = torch.zeros(7, 12, dtype=torch.float16, requires_grad=True)
+    assert "requires grad" in fa.why_not_supported(q, k, v, attn_mask=mask)
     assert torch.equal(fa.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                        F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
-def test_mask_under_torch_compile_goes_to_torch(kernel_device_cpu):
-    # No host read of the mask while tracing: torch SDPA reads it at run time (fullgraph).
+def test_mask_under_torch_compile_runs_as_a_bias(kernel_device_cpu):
+    # No host read of the mask while tracing: the op reads it at run time (fullgraph).
     q, k, v = bhsd(s_q=5, s_k=9)
     mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     mask[1, ..., 6:] = False
-    f = torch.compile(fa.scaled_dot_product_attention, fullgraph=True, backend="aot_eager")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    f = torch.compile(fa.scaled_dot_product_attention, fullgraph=True, backend=backend)
     out = f(q, k, v, attn_mask=mask)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    torch.testing.assert_close(out, _sdpa64(q, k, v, mask))
     mask[0, ..., :3] = False  # the compiled graph reads the new values
-    torch.testing.assert_close(f(q, k, v, attn_mask=mask),
-                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    torch.testing.assert_close(f(q, k, v, attn_mask=mask), _sdpa64(q, k, v, mask))
+    calls = [n for n in graphs[0].graph.nodes if "flash_attention_sm75" in str(n.target)]
+    assert len(graphs) == 1 and len(calls) == 1 and calls[0].kwargs.get("attn_bias") is not None
 
 
 @pytest.mark.gpu
@@ -792,9 +812,10 @@ def test_gpu_mask_that_is_a_key_range_runs_the_kernel(kind, d):
 
 
 @pytest.mark.parametrize("name", ["finfo_min_batch_row", "finfo_min_causal_rows"])
-def test_rows_hidden_by_a_finite_minimum_follow_torch(name, kernel_device_cpu):
-    # torch adds the same finite minimum to every score of such a row: softmax averages V there.
-    # The kernel returns 0 for a row that sees no key, so these masks must fall back.
+def test_rows_hidden_by_a_finite_minimum_follow_torch(name, kernel_device_cpu, op_calls):
+    # torch adds the same finite minimum to every score of such a row: its softmax is finite
+    # (not an empty row). Such masks are no key range; the kernel reads them as a bias and
+    # gives the definition's finite result there.
     fmin = torch.finfo(torch.float16).min
     if name == "finfo_min_batch_row":
         q, k, v = bhsd(h=2, h_k=2, s_q=5, s_k=7, seed=21)
@@ -805,9 +826,10 @@ def test_rows_hidden_by_a_finite_minimum_follow_torch(name, kernel_device_cpu):
         q, k, v = bhsd(b=1, h=1, h_k=1, s_q=7, s_k=5, seed=22)
         allowed = torch.ones(7, 5, dtype=torch.bool).tril(5 - 7)  # rows 0-1 see no key
         mask = torch.zeros(7, 5, dtype=torch.float16).masked_fill(~allowed, fmin)
-    assert "finite minimum" in fa.why_not_supported(q, k, v, attn_mask=mask)
-    assert torch.equal(fa.scaled_dot_product_attention(q, k, v, attn_mask=mask),
-                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert fa.why_not_supported(q, k, v, attn_mask=mask) is None
+    out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(op_calls) == 1 and torch.isfinite(out).all()
+    torch.testing.assert_close(out, _sdpa64(q, k, v, mask))
     # the same rows hidden by -inf are empty to torch too: the kernel runs and gives 0 there
     inf_mask = mask.masked_fill(mask == fmin, float("-inf"))
     assert fa.why_not_supported(q, k, v, attn_mask=inf_mask) is None

@@ -735,8 +735,7 @@ def _fallback_case(name):
 
 @pytest.mark.parametrize("name,expected", [
     ("cpu", "must be a CUDA tensor"), ("fp32", "must be float16"), ("head_dim", "head_dim"), ("dropout", "dropout"),
-    ("output_attentions", "output_attentions"), ("packed", "packed"),
-    ("decode_off", "decode"),
+    ("output_attentions", "output_attentions"), ("decode_off", "decode"),
 ])
 def test_fallback_reasons_and_exact_stock_output(name, expected, caplog):
     if name != "cpu":
@@ -936,7 +935,7 @@ def test_softcap_with_sliding_windows_runs_on_the_kernel(with_mask):
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("name", ["cpu", "fp32", "packed", "cu_seq_lens", "decode_off"])
+@pytest.mark.parametrize("name", ["cpu", "fp32", "cu_seq_lens", "decode_off"])
 def test_softcap_fallbacks_apply_the_cap(name):
     # Where the kernel cannot run, the fallback is transformers' SDPA semantics with the cap
     # applied (torch SDPA has none: transformers 5.24 raises for softcap, earlier 5.x ignored it).

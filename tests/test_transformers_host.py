@@ -438,18 +438,19 @@ def outcome(monkeypatch):
     ops = []
 
     def spy(name, real):
-        def op(*args):
+        def op(*args, **kw):
             q = args[0]
             if name == "fwd":  # q, k, v, scale, causal, bottom_right, leftpad, seqused, wl, wr, cap
                 causal, leftpad, seqused, left, right = args[4], args[6], args[7], args[8], args[9]
+                bias = kw.get("attn_bias", args[12] if len(args) > 12 else None)
                 ops.append((name, tuple(q.shape), tuple(args[1].shape), causal,
                             None if leftpad is None else leftpad.tolist(),
                             None if seqused is None else seqused.tolist(), left, right,
-                            args[10]))
+                            args[10], None if bias is None else id(bias)))
             else:  # varlen_fwd: q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, seqused, wl, wr
                 ops.append((name, tuple(q.shape), args[3].tolist(), args[5], args[8], args[10],
                             args[11]))
-            return real(*args)
+            return real(*args, **kw)
         return op
 
     for name in ("fwd", "varlen_fwd"):
@@ -521,9 +522,10 @@ def test_a_new_mask_in_the_next_forward_is_decided_again(outcome):
     third = _decode_mask([5, 1], 6).clone()
     assert _forward(outcome, layers, q, k, v, third)[0][0][4] == [1, 5]
     holes = third.clone()
-    holes[0, 0, 0, 3] = False  # a hole: not a key range
+    holes[0, 0, 0, 3] = False  # a hole: not a key range, so the kernel reads it as a bias
     ops, reasons = _forward(outcome, layers, q, k, v, holes)
-    assert ops == () and "non-contiguous" in reasons[0]
+    assert reasons == () and len(ops) == 1
+    assert all(op[4] is None and op[9] == id(holes) for op in ops)
 
 
 @needs_op
@@ -565,9 +567,10 @@ def test_a_mask_changed_in_place_between_forwards_is_decided_again(outcome, mode
         assert _forward(outcome, layers, q, k, v, mask)[0][0][4] == [0, 3]
         mask[1, 0, 0, :5] = False  # row 1 now sees key 5 only (in place: a version bump)
         assert _forward(outcome, layers, q, k, v, mask)[0][0][4:6] == ([0, 5], [6, 6])
-        mask[0, 0, 0, 2] = False  # a hole
+        mask[0, 0, 0, 2] = False  # a hole: read by the kernel as a bias
         ops, reasons = _forward(outcome, layers, q, k, v, mask)
-        assert ops == () and "non-contiguous" in reasons[0]
+        assert reasons == () and len(ops) == 1
+        assert all(op[4] is None and op[9] == id(mask) for op in ops)
         mask[0, 0, 0, 2] = True  # back as it was: decided again, the same
         assert _forward(outcome, layers, q, k, v, mask)[0][0][4:6] == ([0, 5], [6, 6])
 

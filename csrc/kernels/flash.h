@@ -119,7 +119,22 @@ struct Flash_fwd_params {
   // ... and their ALiBi diagonals relative to the sequence's end (key_end[b] - seqlen_q + i,
   // flash-attn's per-sequence distance) instead of alibi_offset + i.
   int decode_rows_from_end = 0;
+
+  // ---- attention bias / boolean mask (attn_bias; the extended instantiations) -------------
+  // softmax(scale * q.k + bias) with bias[b, h, i, j] read through these element strides (0
+  // for a broadcast dimension: never expanded in memory). bias_kind (BiasKind, score_mod.h):
+  // bool (true = attend, false = -inf), fp16, bf16 or fp32, added in fp32. bias_scale =
+  // 1 / scale_softmax: the kernels add it in raw-score units. Dense (non-packed, non-paged)
+  // calls only; rows / keys index the call's seqlen_q / seqlen_k.
+  const void* bias_ptr = nullptr;
+  int bias_kind = 0;
+  float bias_scale = 0.f;
+  index_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0, bias_col_stride = 0;
 };
+
+// The largest head dim (bucket) whose backward kernels read an attention bias (the d = 256
+// dK/dV kernel has no registers left for it); the host refuses larger ones.
+constexpr int kBwdBiasMaxHeadDim = 128;
 
 // Paged K/V needs a tile of kBlockN keys (and a decode warp's 32) inside one page.
 constexpr int kPageBlockMultiple = 64;
@@ -135,11 +150,11 @@ inline bool has_window_lower(const Flash_fwd_params& params) {
 }
 
 // The extended instantiations (Is_ext) run the call: a softcap, ALiBi slopes, packed (varlen)
-// sequences, per-sequence diagonals or paged K/V. The plain ones compile exactly as without these.
+// sequences, per-sequence diagonals, paged K/V or an attention bias / mask. The plain ones compile exactly as without these.
 inline bool needs_ext(const Flash_fwd_params& params) {
   return params.softcap_in != 0.f || params.alibi_slopes_ptr != nullptr ||
          params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
-         params.per_seq_offset || params.block_table != nullptr;
+         params.per_seq_offset || params.block_table != nullptr || params.bias_ptr != nullptr;
 }
 
 // One explicit specialization per generated instantiation file (instantiations/*.cu):

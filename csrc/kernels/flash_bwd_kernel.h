@@ -221,12 +221,12 @@ __device__ __forceinline__ float recompute_p(float s, float scale_log2, float ls
 // m0 + qc0 + 8 nt + 2 t + (e & 1); sLse holds the tile's lse * log2(e).
 // Is_ext: acc_s holds softcapped scores (softcap_scores); ALiBi is added here, and acc_s keeps
 // P times the softcap's derivative (the factor dS needs; p_frag keeps P for dV).
-template <int kWC, bool Is_causal, bool Is_local, bool Is_ext = false>
+template <int kWC, bool Is_causal, bool Is_local, bool Is_ext = false, bool Has_bias = false>
 __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p_frag)[kWC / 8][2],
                                         const float* sLse, int qc0, int t, float scale_log2,
                                         bool need_mask, int key_g, int m0, const KeyRange& kr,
                                         int causal_offset, int window_lower,
-                                        const ScoreMod& smod = ScoreMod{}) {
+                                        const ScoreMod& smod, const Flash_fwd_params& params) {
   if constexpr (Is_ext) {
     // Masked scores -> -inf first, in a loop of their own: with the ALiBi arithmetic in the same
     // loop the d = 256 local kernel spilled (255 registers). A masked score's derivative is
@@ -243,6 +243,27 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
           }
         }
       }
+    }
+    // The bias, also in a loop of its own (in the main loop the d = 96 / 128 / 256 kernels
+    // spilled). Added before the softcap's derivative is read back from acc_s, so the host
+    // refuses a softcap with a bias in the backward. Not in the d = 256 kernel (32 bytes of
+    // spill even here): the host refuses a bias's backward there (kBwdBiasMaxHeadDim).
+    if (Has_bias && params.bias_ptr != nullptr) {
+      with_bias_kind(params, [&](auto kind) {
+#pragma unroll
+        for (int nt = 0; nt < kWC / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key_g + (e >= 2 ? 8 : 0);
+            const int query = m0 + qc0 + 8 * nt + 2 * t + (e & 1);
+            if (query < params.seqlen_q && key < params.seqlen_k) {
+              acc_s[nt][e] += bias_raw<decltype(kind)::value>(
+                  params, smod.bias_off + (query * static_cast<int>(params.bias_row_stride) +
+                                           key * static_cast<int>(params.bias_col_stride)));
+            }
+          }
+        }
+      });
     }
   }
 #pragma unroll
@@ -524,9 +545,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         softcap_scores<kWC>(acc_s, smod);
       }
       uint32_t p_frag[kWC / 8][2];
-      probs_t<kWC, Is_causal, Is_local, Is_ext>(acc_s, p_frag, sLse, qc0, t, scale_log2,
+      probs_t<kWC, Is_causal, Is_local, Is_ext, Is_ext && kD <= kBwdBiasMaxHeadDim>(
+          acc_s, p_frag, sLse, qc0, t, scale_log2,
                                                  need_mask, n0 + 16 * wn + g, m0, kr,
-                                                 si.causal_off(), si.window_lower(), smod);
+                                                 si.causal_off(), si.window_lower(), smod,
+                                                 params);
 
       // ---- dV += P^T dO (16 keys x d per warp; k = this warp's queries).
       gemm_rs_t<kWC, kDO, kRowB, false>(acc_dv, p_frag, q_t_addr + kDofromQ);
@@ -820,6 +843,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
             float x = acc_s[nt][e];
             const float dcap =
                 alibi_and_dcap(smod, x, static_cast<float>(row + smod.offset - col));
+            if (params.bias_ptr != nullptr && row < params.seqlen_q && col < params.seqlen_k) {
+              x += bias_at(params, smod, row, col);  // after the softcap's derivative
+            }
             float p = recompute_p(x, scale_log2, lse_l2[e >> 1]);
             if (need_mask) {
               if (!key_visible<Is_local>(row, col, kr, Is_causal, si.causal_off(),

@@ -67,7 +67,8 @@ struct DecodeTraits {
   static constexpr int kOffSlope = kOffCta + 4 * 4;               // [kR] fp32: ALiBi (Is_ext)
   static constexpr int kOffRowEnd = kOffSlope + kR * 4;             // [kR] int: rows' key limits
   static constexpr int kOffRowAlibi = kOffRowEnd + kR * 4;          // [kR] int: rows' ALiBi diagonal
-  static constexpr int kSmemSize = kOffRowAlibi + kR * 4;
+  static constexpr int kOffRowBias = (kOffRowAlibi + kR * 4 + 7) / 8 * 8;  // [kR] int64: bias rows
+  static constexpr int kSmemSize = kOffRowBias + kR * 8;
   static_assert(kD == 64 || kD == 128 || kD == 256, "kD = 64, 128 or 256");
   static_assert(kR >= 1 && kR <= decode_max_heads_per_cta(kD), "kR over the register cap");
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
@@ -95,7 +96,7 @@ __device__ __forceinline__ KeyRange decode_key_range(const Flash_fwd_params& par
   return kr;
 }
 
-// Is_ext: a softcap and / or ALiBi slopes modify the scores (score_mod.h).
+// Is_ext: a softcap, ALiBi slopes and / or an attention bias modify the scores (score_mod.h).
 template <int kD, int kR, bool Is_ext = false>
 __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     flash_fwd_decode_kernel(const Flash_fwd_params params) {
@@ -151,8 +152,14 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   float* sSlope = reinterpret_cast<float*>(smem_raw + T::kOffSlope);
   int* sRowEnd = reinterpret_cast<int*>(smem_raw + T::kOffRowEnd);
   int* sRowAlibi = reinterpret_cast<int*>(smem_raw + T::kOffRowAlibi);
+  // The attention bias: each row's offset of bias[b, q-head, query, 0] (elements).
+  int64_t* sRowBias = reinterpret_cast<int64_t*>(smem_raw + T::kOffRowBias);
   if constexpr (Is_ext) {
     if (tid < kR) {
+      const int br = tid < nh ? tid : 0;  // rows past nh read row 0's bias (never stored)
+      sRowBias[tid] = static_cast<int64_t>(bidb) * params.bias_batch_stride +
+                      static_cast<int64_t>(row_head(br)) * params.bias_head_stride +
+                      static_cast<int64_t>(row_query(br)) * params.bias_row_stride;
       sSlope[tid] = tid < nh ? score_mod_for(params, bidb, row_head(tid), params.alibi_offset).slope
                              : 0.f;
       sRowEnd[tid] = params.decode_causal_rows
@@ -287,6 +294,15 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
         for (int h = 0; h < kR; ++h) {
           s[h] = fmaf(sSlope[h], fabsf(static_cast<float>(sRowAlibi[h] - key)), s[h]);
         }
+      }
+      if (params.bias_ptr != nullptr && key < end) {
+        const int64_t kc = static_cast<int64_t>(key) * params.bias_col_stride;
+        with_bias_kind(params, [&](auto kind) {
+#pragma unroll
+          for (int h = 0; h < kR; ++h) {
+            s[h] += bias_raw<decltype(kind)::value>(params, sRowBias[h] + kc);
+          }
+        });
       }
       if (params.decode_causal_rows) {  // each query row's own causal limit
 #pragma unroll

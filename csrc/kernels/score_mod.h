@@ -16,19 +16,66 @@
 // be ~0.02 in a capped logit of 50).
 #pragma once
 
+#include <cfloat>
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_fp16.h>
 
 #include "flash.h"
 
 namespace flash_sm75 {
 
 // Per (batch, head) constants of the modifiers. cap_in = 0: no softcap; slope = 0: no ALiBi.
+// The bias's strides, kind and scale stay in the kernel parameters (constant memory, free as
+// operands); only the (batch, head) offset is kept.
 struct ScoreMod {
   float cap_in;   // scale / softcap: y = cap_in * x
   float cap_out;  // softcap / scale
   float slope;    // -alibi_slope / scale: raw-score change per key of distance
   int offset;     // ALiBi's diagonal: query i is at distance |i + offset - j| from key j
+  int64_t bias_off;  // elements from bias_ptr to bias[b, h, 0, 0]
 };
+
+// params.bias_kind: how the kernels read attn_bias (flash.h).
+enum BiasKind : int { kBiasNone = 0, kBiasBool = 1, kBiasHalf = 2, kBiasBf16 = 3, kBiasFloat = 4 };
+
+// Element `off` of the bias in raw-score units (bias / scale): a bool mask gives 0 (attend) or
+// -inf. A finite bias whose raw value overflows fp32 (a dtype-minimum padding mask, bias_scale
+// > 1) is kept finite (+-FLT_MAX): torch's softmax of finite scores is finite, and a row of only
+// such keys averages them as torch does, where -inf would give an empty row. -inf, +inf and
+// NaN pass through as in torch.
+template <int Kind>
+__device__ __forceinline__ float bias_raw(const Flash_fwd_params& p, int64_t off) {
+  if constexpr (Kind == kBiasBool) {
+    return static_cast<const unsigned char*>(p.bias_ptr)[off] ? 0.f : -INFINITY;
+  } else {
+    float b;
+    if constexpr (Kind == kBiasHalf) {
+      b = __half2float(static_cast<const __half*>(p.bias_ptr)[off]);
+    } else if constexpr (Kind == kBiasBf16) {
+      b = __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p.bias_ptr)[off]) << 16);
+    } else {
+      b = static_cast<const float*>(p.bias_ptr)[off];
+    }
+    const float v = b * p.bias_scale;
+    return (fabsf(v) == INFINITY && fabsf(b) != INFINITY) ? copysignf(FLT_MAX, v) : v;
+  }
+}
+
+// Calls f(std::integral_constant<int, kind>) for the call's bias kind (a uniform branch once per
+// tile; the loop inside is then free of it). Nothing without a bias.
+template <typename F>
+__device__ __forceinline__ void with_bias_kind(const Flash_fwd_params& p, F&& f) {
+  switch (p.bias_kind) {
+    case kBiasBool: f(std::integral_constant<int, kBiasBool>{}); break;
+    case kBiasHalf: f(std::integral_constant<int, kBiasHalf>{}); break;
+    case kBiasBf16: f(std::integral_constant<int, kBiasBf16>{}); break;
+    case kBiasFloat: f(std::integral_constant<int, kBiasFloat>{}); break;
+    default: break;
+  }
+}
 
 // alibi_offset: the entry's ALiBi diagonal (SeqInfo::alibi_off: params.alibi_offset, or per
 // sequence relative to its bottom-right corner).
@@ -42,6 +89,8 @@ __device__ __forceinline__ ScoreMod score_mod_for(const Flash_fwd_params& p, int
                 : -__ldg(p.alibi_slopes_ptr + bidb * p.alibi_slopes_batch_stride + bidh) /
                       p.scale_softmax;
   m.offset = alibi_offset;
+  m.bias_off = static_cast<int64_t>(bidb) * p.bias_batch_stride +
+               static_cast<int64_t>(bidh) * p.bias_head_stride;
   return m;
 }
 
@@ -72,24 +121,64 @@ __device__ __forceinline__ void softcap_scores(float (&acc_s)[kBN / 8][4], const
   }
 }
 
-// Both modifiers over one warp's m16 x kBN fragments in the forward's layout: rows row_w +
-// lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1).
+// The attention bias over one warp's m16 x kBN fragments in the forward's layout (rows row_w +
+// lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1)); elements past seqlen_q / seqlen_k
+// are not read (they are masked or never stored).
+template <int kBN>
+__device__ __forceinline__ void bias_scores(float (&acc_s)[kBN / 8][4], const Flash_fwd_params& p,
+                                            const ScoreMod& m, int row_w, int col0) {
+  const int lane = threadIdx.x % 32;
+  const int r0 = row_w + lane / 4, c0 = col0 + 2 * (lane % 4);
+  // Offsets within the (batch, head) slice in 32 bits (the host checks its extent).
+  const int rs = static_cast<int>(p.bias_row_stride), cs = static_cast<int>(p.bias_col_stride);
+  with_bias_kind(p, [&](auto kind) {
+#pragma unroll
+    for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = r0 + (e >= 2 ? 8 : 0), c = c0 + 8 * nt + (e & 1);
+        if (r < p.seqlen_q && c < p.seqlen_k) {
+          acc_s[nt][e] += bias_raw<decltype(kind)::value>(p, m.bias_off + (r * rs + c * cs));
+        }
+      }
+    }
+  });
+}
+
+// The modifiers over one warp's m16 x kBN fragments in the forward's layout: rows row_w +
+// lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1). Softcap, then ALiBi, then the bias
+// (Gemma 2's order: the mask is added to the capped logits).
 template <int kBN>
 __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const ScoreMod& m,
-                                           int row_w, int col0) {
+                                           int row_w, int col0, const Flash_fwd_params& p) {
   softcap_scores<kBN>(acc_s, m);
-  if (m.slope == 0.f) return;
-  const int lane = threadIdx.x % 32;
-  // Distances in float: exact below 2^24, and constant offsets from dist0 per element.
-  const float dist0 = static_cast<float>(row_w + lane / 4 + m.offset - col0 - 2 * (lane % 4));
+  if (m.slope != 0.f) {
+    const int lane = threadIdx.x % 32;
+    // Distances in float: exact below 2^24, and constant offsets from dist0 per element.
+    const float dist0 = static_cast<float>(row_w + lane / 4 + m.offset - col0 - 2 * (lane % 4));
 #pragma unroll
-  for (int nt = 0; nt < kBN / 8; ++nt) {
+    for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float dist = dist0 + static_cast<float>((e >= 2 ? 8 : 0) - 8 * nt - (e & 1));
-      acc_s[nt][e] = fmaf(m.slope, fabsf(dist), acc_s[nt][e]);
+      for (int e = 0; e < 4; ++e) {
+        const float dist = dist0 + static_cast<float>((e >= 2 ? 8 : 0) - 8 * nt - (e & 1));
+        acc_s[nt][e] = fmaf(m.slope, fabsf(dist), acc_s[nt][e]);
+      }
     }
   }
+  if (p.bias_ptr != nullptr) bias_scores<kBN>(acc_s, p, m, row_w, col0);
+}
+
+// The bias of one score in the backward's recomputation (query `row`, key `col`, both in
+// range), raw units; 0 without a bias.
+__device__ __forceinline__ float bias_at(const Flash_fwd_params& p, const ScoreMod& m, int row,
+                                         int col) {
+  float v = 0.f;
+  with_bias_kind(p, [&](auto kind) {
+    v = bias_raw<decltype(kind)::value>(
+        p, m.bias_off + (row * static_cast<int>(p.bias_row_stride) +
+                         col * static_cast<int>(p.bias_col_stride)));
+  });
+  return v;
 }
 
 // The backward's per-score step on a score x that softcap_scores already capped: ALiBi is

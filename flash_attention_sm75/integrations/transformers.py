@@ -391,8 +391,13 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
 
 
 def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
-          flash_semantics=False) -> "_Classification":
+          flash_semantics=False, value=None, softcap: float = 0.0) -> "_Classification":
     """Map the call onto the op (``MaskInfo``) or return the reason to fall back.
+
+    A mask that is no key range (or one not read on the host: torch.compile tracing, CUDA-graph
+    capture) goes to the kernel as its ``attn_bias`` (``kind == "bias"``: the op reads it in
+    place, broadcast over heads) when the rulebook's bias rule allows it (``value``, ``softcap``:
+    the backward's limits when a gradient will flow).
 
     ``sliding_window`` (transformers' argument for sliding layers) is a hint for recognising a
     windowed mask; without a mask and with ``flash_semantics`` it is applied as transformers'
@@ -426,8 +431,23 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
         if kv_len < q_len:
             return None, f"causal without a mask and kv_len {kv_len} < q_len {q_len}"
         return MaskInfo(True, q_len, None, None, "causal"), None
-    return classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype,
-                                   sliding_window=sliding_window)
+    info, reason = classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype,
+                                           sliding_window=sliding_window)
+    if info is None and isinstance(attention_mask, torch.Tensor):
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or (
+            value is not None and value.requires_grad))
+        problem = _rules.attn_bias_problem(attention_mask, query, kv_len, layout="bhsd",
+                                           backward=grad, softcap=softcap,
+                                           name="attention_mask")
+        if problem is None:
+            return _BIAS_INFO_CACHE.setdefault(kv_len, MaskInfo(False, kv_len, None, None,
+                                                                "bias")), None
+        reason = f"{reason}; and the kernel cannot read it as a bias: {problem}"
+    return info, reason
+
+
+# One "bias" plan per key length (a MaskInfo holds no tensor: the mask is the call's own).
+_BIAS_INFO_CACHE: Dict[int, MaskInfo] = {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -774,9 +794,18 @@ def _aligned_for_kernel(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run_kernel(query, key, value, scaling, info: MaskInfo, softcap: float = 0.0,
-                checked: bool = False) -> torch.Tensor:
+                checked: bool = False, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The op on BHSD tensors as ``info`` plans it; ``checked``: the caller has established what
-    ``_ops.call_fwd_checked`` requires (a remembered decision, see ``_decision_key``)."""
+    ``_ops.call_fwd_checked`` requires (a remembered decision, see ``_decision_key``); ``mask``:
+    the call's attention mask, the op's ``attn_bias`` for a ``"bias"`` plan."""
+    if info.kind == "bias":
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if q.is_cuda:
+            q, k, v = _aligned_for_kernel(q), _aligned_for_kernel(k), _aligned_for_kernel(v)
+        scale = None if scaling is None else float(scaling)
+        out, _ = _ops.call_fwd(q, k, v, scale, False, True, None, None, -1, -1, softcap,
+                               None, mask)
+        return out
     kv_len = info.kv_len
     if kv_len != key.shape[2]:
         key = key[:, :, :kv_len]
@@ -925,9 +954,12 @@ def _decision_key(module, query, key, value, attention_mask, args, kwargs,
         else:
             return None
         qs = query.shape
+        # Whether a gradient will flow: a bias plan's rules depend on it (its backward's limits).
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                            or value.requires_grad)
         # stride() raises for nested and sparse tensors: the full path words their reason.
         memo = (flash_semantics, _SETTINGS["decode_on_kernel"], _SETTINGS["allow_cpu_reference"],
-                window, is_causal, groups, mask,
+                window, is_causal, groups, mask, grad,
                 qs, query.stride(), query.dtype, query.device,
                 key.shape, key.stride(), key.dtype, key.device,
                 value.shape, value.stride(), value.dtype, value.device)
@@ -981,7 +1013,7 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
         if reason is None:  # _try_kernel, where nothing traces (the key says so)
             try:
                 out = _run_kernel(query, key, value, kwargs.get("scaling"), info, softcap,
-                                  checked=True)
+                                  checked=True, mask=attention_mask)
             except ValueError as e:
                 reason = f"kernel rejected the inputs: {e}"
             else:
@@ -999,12 +1031,13 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
         info = None
         if reason is None:
             info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
-                                 kwargs.get("sliding_window"), flash_semantics)
+                                 kwargs.get("sliding_window"), flash_semantics, value, softcap)
         if memo is not None:
             _remember(memo, attention_mask, info, reason)
         if reason is None:
             out, reason = _try_kernel(
-                lambda: _run_kernel(query, key, value, bound["scaling"], info, softcap),
+                lambda: _run_kernel(query, key, value, bound["scaling"], info, softcap,
+                                    mask=attention_mask),
                 query.shape[2])
             if out is not None:
                 return out, None
