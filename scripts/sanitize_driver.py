@@ -15,6 +15,10 @@ implementations.
 ``--varlen`` runs packed sequences (the varlen ops) instead of the dense cases; ``--kvcache``
 the KV-cache op (appends, decode and prefill kernels on plain and paged caches: every slot past
 a sequence's length NaN, unused pages too).
+``--bias`` gives every dense launch an attention bias (attn_bias): a random bool mask
+(B, 1, Sq, Sk) with one query row and one key hidden entirely, or with ``--bias-float`` an fp32
+(Sq, Sk) bias with -inf entries; the backward only where it reads a bias (head_dim <= 128, no
+softcap).
 ``--window LEFT RIGHT`` runs every launch with that sliding window (flash-attn's window_size);
 ``--softcap X`` and ``--alibi`` with those score modifiers (the score-mod instantiations; ALiBi
 skips the key-range cases, which the op refuses with it).
@@ -99,14 +103,28 @@ def with_env(name, value, fn):
 
 
 def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode,
-            window=(-1, -1), softcap=0.0, slopes=None):
+            window=(-1, -1), softcap=0.0, slopes=None, bias=None):
     """The backward op in one dQ mode (the mode is read from the environment at each call)."""
     s = scale if scale is not None else q.shape[-1] ** -0.5
+    kw = {} if bias is None else {"attn_bias": bias}
     return with_env("FLASH_SM75_BWD_DQ", "atomic" if mode == "atomic" else "separate",
                     lambda: torch.ops.flash_attention_sm75.bwd(dout, q, k, v, out, lse, s, causal,
                                                                bottom_right, lpt, sut,
                                                                mode == "deterministic", None,
-                                                               *window, softcap, slopes))
+                                                               *window, softcap, slopes, **kw))
+
+
+def make_bias(args, b, sq, sk, dev, gen):
+    """The --bias / --bias-float attention bias of a launch, or None."""
+    if args.bias_float:
+        t = torch.randn(sq, sk, generator=gen)
+        return t.masked_fill(torch.rand(sq, sk, generator=gen) < 0.2, float("-inf")).to(dev)
+    if not args.bias:
+        return None
+    m = torch.rand(b, 1, sq, sk, generator=gen) > 0.3
+    m[:, :, sq // 2] = False  # a query row that sees no key
+    m[..., sk // 3] = False   # a key nobody sees
+    return m.to(dev)
 
 
 def grad_error(g, r):
@@ -132,6 +150,10 @@ def main(argv=None):
     ap.add_argument("--softcap", type=float, default=0.0, help="softcap of every launch (0: none)")
     ap.add_argument("--alibi", action="store_true",
                     help="ALiBi slopes (batch, heads) on every launch without key ranges")
+    ap.add_argument("--bias", action="store_true",
+                    help="a bool attention mask (attn_bias) on every dense launch")
+    ap.add_argument("--bias-float", action="store_true",
+                    help="an fp32 (Sq, Sk) attention bias with -inf entries on every dense launch")
     ap.add_argument("--varlen", action="store_true",
                     help="packed sequences (varlen_fwd / varlen_bwd) instead of the dense cases: "
                          "empty and one-token sequences, rows outside every sequence, seqused_k")
@@ -172,9 +194,15 @@ def main(argv=None):
                     sut = None if su is None else torch.tensor(su, dtype=torch.int32, device=dev)
                     scale = 0.5 / (d ** 0.5) if name == "odd_gqa" else None
                     slopes = (torch.rand(b, h, generator=gen).to(dev) if args.alibi else None)
+                    bias = make_bias(args, b, sq, sk, dev, gen)
                     mods = dict(softcap=args.softcap, alibi_slopes=slopes)
+                    if bias is not None:
+                        mods["attn_bias"] = bias
+                    bwd_ok = bias is None or (d <= _rules.BIAS_BACKWARD_MAX_HEAD_DIM
+                                              and not args.softcap)
                     tag = (f"d={d} causal={causal} bottom_right={bottom_right} window={window} "
-                           f"softcap={args.softcap:g} alibi={args.alibi} {name} "
+                           f"softcap={args.softcap:g} alibi={args.alibi} "
+                           f"bias={'none' if bias is None else bias.dtype} {name} "
                            f"B={b} Sq={sq} Sk={sk} H={h} Hk={hk}"
                            + (f" {tile_name}" if tile == "always" and sq > 1 else "")
                            + (" (decode kernel either way)" if tile == "always" and sq == 1 else ""))
@@ -187,12 +215,12 @@ def main(argv=None):
                         continue
                     out, lse = res
                     launches += 1
-                    if not args.no_bwd and tile == "never":  # the backward has no such tile
+                    if not args.no_bwd and tile == "never" and bwd_ok:  # no such tile there
                         dout = torch.randn(out.shape, generator=gen).to(torch.float16).to(dev)
                         for mode in ("deterministic", "atomic"):
                             grads = launch(f"{tag} bwd {mode}", failures, dev, lambda: run_bwd(
                                 dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut,
-                                mode, window, args.softcap, slopes))
+                                mode, window, args.softcap, slopes, bias))
                             if grads is None:
                                 continue
                             launches += 1
@@ -203,7 +231,8 @@ def main(argv=None):
                                           None if lpt is None else lpt.cpu(),
                                           None if sut is None else sut.cpu(), "deterministic",
                                           window, args.softcap,
-                                          None if slopes is None else slopes.cpu())
+                                          None if slopes is None else slopes.cpu(),
+                                          None if bias is None else bias.cpu())
                             errs = [grad_error(g, r) for g, r in zip(grads, ref)]
                             ok = all(e <= 2e-2 for e in errs)
                             print(("ok  " if ok else "FAIL"), tag, f"bwd {mode}",
@@ -220,7 +249,8 @@ def main(argv=None):
                                 seqused_k=None if sut is None else sut.cpu(),
                                 window_size_left=window[0], window_size_right=window[1],
                                 softcap=args.softcap,
-                                alibi_slopes=None if slopes is None else slopes.cpu())
+                                alibi_slopes=None if slopes is None else slopes.cpu(),
+                                **({} if bias is None else {"attn_bias": bias.cpu()}))
                     o_err = (out.cpu().float() - ro.float()).abs().max().item()
                     lc, rlc = lse.cpu(), rl
                     same_inf = bool(torch.equal(torch.isinf(lc), torch.isinf(rlc)))

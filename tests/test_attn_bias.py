@@ -1,0 +1,397 @@
+"""``attn_bias`` in the kernels: torch's ``attn_mask`` (a bool mask, True = attend, or an additive
+fp16 / bf16 / fp32 bias) read by the forward, decode and backward kernels through its strides.
+
+softmax(scale * q.k + bias), the bias added after softcap and ALiBi; any shape that broadcasts
+to (B, H, Sq, Sk) (broadcast dimensions read with stride 0, never expanded in memory); a row the
+bias hides entirely gives out 0 and lse -inf; finite biases (a dtype-minimum padding mask) keep
+the result finite. Tested against an independent float64 definition (``reference.attention_ref``
+with ``attn_bias``) with FlashAttention's criterion: the op's CPU reference (CI) and the CUDA
+kernels (forward, LSE, decode, backward in both dQ modes), the rules, and the doors.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_attention_sm75 as fa
+from flash_attention_sm75 import _rules
+from reference import (assert_close_fa, assert_lse_close, attention_ref, poisoned_cuda_memory,
+                       seed_from)
+from test_backward import dq_mode
+
+pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
+                                reason=f"extension not built: {fa.EXTENSION_ERROR}")
+ops = torch.ops.flash_attention_sm75
+HAS_CUDA = torch.cuda.is_available()
+
+DTYPES = [torch.bool, torch.float16, torch.bfloat16, torch.float32]
+# Shapes relative to (B, H, Sq, Sk): what each dimension of the bias is (full or 1), as torch
+# broadcasts (trailing dimensions aligned).
+SHAPES = {
+    "k": lambda b, h, sq, sk: (sk,),
+    "qk": lambda b, h, sq, sk: (sq, sk),
+    "b1qk": lambda b, h, sq, sk: (b, 1, sq, sk),
+    "b11k": lambda b, h, sq, sk: (b, 1, 1, sk),
+    "1h1k": lambda b, h, sq, sk: (1, h, 1, sk),
+    "hqk": lambda b, h, sq, sk: (h, sq, sk),
+    "bhqk": lambda b, h, sq, sk: (b, h, sq, sk),
+}
+
+
+def make_bias(kind, dtype, b, h, sq, sk, device, seed=0, layout="plain"):
+    """A random bias of ``SHAPES[kind]``: bool with ~30% False (column 0 always True, so no
+    row is empty unless a test makes it so), or values ~N(0, 2) with ~10% -inf.
+    ``layout``: "plain" (contiguous), "transposed" (a (.., Sk, Sq) tensor's transpose: column
+    stride Sq), "expanded" (the full (B, H, Sq, Sk) shape as an expand of the kind's shape:
+    stride 0)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = SHAPES[kind](b, h, sq, sk)
+    if layout == "transposed" and len(shape) >= 2:
+        base = torch.rand(*shape[:-2], shape[-1], shape[-2], generator=g).transpose(-1, -2)
+    else:
+        base = torch.rand(*shape, generator=g)
+    if dtype == torch.bool:
+        t = base > 0.3
+        t[..., 0] = True
+    else:
+        noise = torch.randn(base.shape, generator=g) * 2.0
+        t = noise.masked_fill(base < 0.1, float("-inf"))
+        t[..., 0] = noise[..., 0]
+        t = t.to(dtype)
+    if layout == "transposed" and len(shape) >= 2:
+        t = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # keep the transposed strides
+    t = t.to(device)
+    if layout == "expanded":
+        t = t.expand(b, h, sq, sk)
+    return t
+
+
+def qkv(b, sq, sk, h, h_k, d, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=torch.float16)  # noqa
+    return mk(b, sq, h, d), mk(b, sk, h_k, d), mk(b, sk, h_k, d)
+
+
+def check_forward(q, k, v, bias, causal=False, bottom_right=True, softcap=0.0, slopes=None,
+                  window=(-1, -1), scale=None):
+    with poisoned_cuda_memory() if q.is_cuda else _Null():
+        out, lse = ops.fwd(q, k, v, scale, causal, bottom_right, None, None, *window, softcap,
+                           slopes, bias)
+    kw = dict(causal=causal, causal_bottom_right=bottom_right, window_size=window,
+              softcap=softcap, alibi_slopes=slopes, attn_bias=bias, softmax_scale=scale)
+    ref, lse_ref = attention_ref(q, k, v, **kw)
+    pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
+    assert_close_fa(out, ref, pt)
+    assert_lse_close(lse, lse_ref)
+    return out, lse
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def bias_ref(q, k, v, bias, causal, bottom_right, dtype):
+    """Differentiable BSHD attention with the bias, in ``dtype`` (float64: the reference;
+    float16: the PyTorch baseline, softmax in float32). Rows that see no key give 0."""
+    b, sq, h, d = q.shape
+    sk, h_k = k.shape[1], k.shape[2]
+    qd, kd, vd = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
+    kd, vd = kd.repeat_interleave(h // h_k, 1), vd.repeat_interleave(h // h_k, 1)
+    scale = 1.0 / math.sqrt(d)
+    s = (qd * scale) @ kd.transpose(-1, -2) if dtype == torch.float16 else \
+        (qd @ kd.transpose(-1, -2)) * scale
+    s = s.float() if dtype == torch.float16 else s
+    if bias.dtype == torch.bool:
+        vis = bias.expand(b, h, sq, sk)
+    else:
+        s = s + bias.to(device=s.device, dtype=s.dtype)
+        vis = (bias != float("-inf")).expand(b, h, sq, sk)
+    if causal:
+        off = sk - sq if bottom_right else 0
+        i = torch.arange(sq, device=q.device).view(sq, 1)
+        j = torch.arange(sk, device=q.device).view(1, sk)
+        vis = vis & (j <= i + off)
+    s = s.masked_fill(~vis, float("-inf"))
+    p = torch.softmax(s, dim=-1).masked_fill(~vis.any(-1, keepdim=True), 0.0).to(dtype)
+    return (p @ vd).transpose(1, 2)
+
+
+def check_backward(q, k, v, bias, causal=False, bottom_right=True, deterministic=True):
+    g = torch.Generator().manual_seed(7)
+    do = torch.randn(q.shape, generator=g).to(q)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = ops.fwd(q, k, v, scale, causal, bottom_right, None, None, -1, -1, 0.0, None, bias)
+    with dq_mode("separate" if deterministic else "atomic"):
+        with poisoned_cuda_memory() if q.is_cuda else _Null():
+            dq, dk, dv = ops.bwd(do, q, k, v, out, lse, scale, causal, bottom_right, None, None,
+                                 deterministic, None, -1, -1, 0.0, None, bias)
+    results = {}
+    for dtype in (torch.float64, torch.float16):
+        leaves = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+        o = bias_ref(*leaves, bias, causal, bottom_right, dtype)
+        results[dtype] = torch.autograd.grad(o, leaves, do.to(o.dtype))
+    for name, ours, ref, pt in zip(("dq", "dk", "dv"), (dq, dk, dv), results[torch.float64],
+                                   results[torch.float16]):
+        assert not torch.isnan(ours).any(), name
+        err = (ours.double() - ref).abs().max().item()
+        err_pt = (pt.double() - ref).abs().max().item()
+        print(f"{name}: ours {err:.3e} pt fp16 {err_pt:.3e}")
+        assert err <= 2 * err_pt + 1e-3, f"{name}: ours {err:.3e} vs pytorch fp16 {err_pt:.3e}"
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------ CPU (CI)
+# The op's CPU reference implementation: the same contract, float64.
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_cpu_reference_reads_every_shape_and_dtype(kind, dtype):
+    q, k, v = qkv(2, 5, 7, 4, 2, 16, "cpu", seed=seed_from(kind, str(dtype)))
+    bias = make_bias(kind, dtype, 2, 4, 5, 7, "cpu", seed=3)
+    check_forward(q, k, v, bias)
+    check_forward(q, k, v, bias, causal=True, softcap=2.0)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "expanded"])
+def test_cpu_reference_reads_strided_and_expanded_biases(layout):
+    q, k, v = qkv(2, 6, 9, 2, 2, 16, "cpu", seed=4)
+    bias = make_bias("qk", torch.float16, 2, 2, 6, 9, "cpu", seed=5, layout=layout)
+    assert bias.stride() != bias.contiguous().stride()
+    check_forward(q, k, v, bias)
+
+
+def test_cpu_backward_matches_autograd_of_the_definition():
+    q, k, v = qkv(2, 6, 9, 4, 2, 16, "cpu", seed=6)
+    for dtype in DTYPES:
+        check_backward(q, k, v, make_bias("b1qk", dtype, 2, 4, 6, 9, "cpu", seed=8),
+                       causal=True)
+
+
+def test_rows_the_bias_hides_give_zero_and_minus_inf_cpu():
+    q, k, v = qkv(2, 4, 6, 2, 2, 16, "cpu", seed=9)
+    mask = torch.ones(2, 1, 4, 6, dtype=torch.bool)
+    mask[0, :, 1] = False                      # batch 0, query 1: no key
+    add = torch.zeros(2, 1, 4, 6).masked_fill(~mask, float("-inf"))
+    for bias in (mask, add, add.half(), add.bfloat16()):
+        out, lse = ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, bias)
+        assert (out[0, 1] == 0).all() and torch.isneginf(lse[0, :, 1]).all()
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    # a finite "dtype minimum" row is not empty: finite, the definition's softmax
+    for fmin, dtype in ((torch.finfo(torch.float16).min, torch.float16),
+                        (torch.finfo(torch.float32).min, torch.float32)):
+        bias = torch.zeros(2, 1, 4, 6, dtype=dtype).masked_fill(~mask, fmin)
+        out, lse = ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, bias)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_bias_checks_name_the_argument():
+    q, k, v = qkv(2, 5, 7, 4, 2, 16, "cpu")
+    good = torch.zeros(7)
+    with pytest.raises(ValueError, match="attn_bias of shape \\[4, 7\\] does not broadcast"):
+        ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, torch.zeros(4, 7))
+    out, lse = ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, good)
+    do = torch.randn_like(out)
+    with pytest.raises(ValueError, match="attn_bias with softcap has no backward"):
+        ops.bwd(do, q, k, v, out, lse, 0.25, False, True, None, None, True, None, -1, -1, 1.0,
+                None, good)
+    q2, k2, v2 = qkv(1, 3, 3, 1, 1, 136, "cpu")
+    o2, l2 = ops.fwd(q2, k2, v2, None, False, True, None, None, -1, -1, 0.0, None, good[:3])
+    with pytest.raises(ValueError, match="attn_bias has no backward at head_dim 136"):
+        ops.bwd(o2, q2, k2, v2, o2, l2, 0.1, False, True, None, None, True, None, -1, -1, 0.0,
+                None, good[:3])
+    # the rulebook gives the same reasons before any launch
+    assert _rules.attn_bias_problem(torch.zeros(4, 7), q, 7).startswith(
+        "attn_bias of shape [4, 7] does not broadcast")
+    assert "head_dim 136" in _rules.attn_bias_problem(good[:3], q2, 3, backward=True)
+    assert _rules.attn_bias_problem(good[:3], q2, 3) is None  # forward only: fine
+
+
+def test_a_bias_that_requires_grad_is_refused_not_silently_zero():
+    from flash_attention_sm75 import _ops
+
+    q, k, v = qkv(1, 3, 4, 2, 2, 16, "cpu")
+    q.requires_grad_(True)
+    bias = torch.zeros(4, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_bias must not require grad"):
+        _ops.call_fwd(q, k, v, None, False, True, attn_bias=bias)
+    with torch.no_grad():  # no gradient can flow: fine
+        _ops.call_fwd(q, k, v, None, False, True, attn_bias=bias)
+    # the raw op through autograd: an error at backward, never a silent zero
+    out, _ = ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, bias)
+    with pytest.raises(NotImplementedError, match="no gradient for attn_bias"):
+        out.sum().backward()
+
+
+def test_autograd_through_the_op_with_a_bias_cpu():
+    from flash_attention_sm75 import _ops
+
+    q, k, v = (t.requires_grad_(True) for t in qkv(2, 5, 8, 2, 1, 16, "cpu", seed=11))
+    bias = make_bias("b11k", torch.bool, 2, 2, 5, 8, "cpu", seed=12)
+    out, _ = _ops.call_fwd(q, k, v, None, True, True, attn_bias=bias)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = torch.autograd.grad(bias_ref(*leaves, bias, True, True, torch.float64), leaves,
+                              g.double())
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3)
+
+
+def test_compile_fullgraph_with_a_bias_cpu():
+    from flash_attention_sm75 import _ops
+
+    q, k, v = qkv(2, 5, 8, 2, 2, 16, "cpu", seed=13)
+    bias = make_bias("b1qk", torch.float32, 2, 2, 5, 8, "cpu", seed=14)
+    f = torch.compile(lambda *a: _ops.call_fwd(*a, None, False, True, attn_bias=bias)[0],
+                      fullgraph=True, backend="aot_eager")
+    eager, _ = ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, bias)
+    assert torch.equal(f(q, k, v), eager)
+
+
+# ------------------------------------------------------------------------------------ GPU
+GPU_SHAPES = [(2, 67, 200, 8, 2), (1, 128, 128, 4, 4), (3, 1, 1000, 8, 1), (2, 300, 41, 2, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(SHAPES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_forward_every_shape_and_dtype(kind, dtype, d, causal):
+    b, sq, sk, h, h_k = GPU_SHAPES[seed_from(kind, str(dtype), d) % len(GPU_SHAPES)]
+    q, k, v = qkv(b, sq, sk, h, h_k, d, "cuda", seed=seed_from(kind, d))
+    bias = make_bias(kind, dtype, b, h, sq, sk, "cuda", seed=seed_from(kind, str(dtype)))
+    check_forward(q, k, v, bias, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [8, 40, 72, 96, 120, 136, 192, 256])
+@pytest.mark.parametrize("layout", ["plain", "transposed", "expanded"])
+def test_gpu_forward_head_dims_and_strides(d, layout):
+    q, k, v = qkv(2, 97, 131, 4, 2, d, "cuda", seed=seed_from(d, layout))
+    bias = make_bias("b1qk" if layout != "expanded" else "b11k", torch.float16, 2, 4, 97, 131,
+                     "cuda", seed=d, layout=layout)
+    check_forward(q, k, v, bias)
+    check_forward(q, k, v, bias, causal=True, bottom_right=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("sk", [1, 37, 4096, 20000])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32], ids=str)
+def test_gpu_decode_reads_the_bias(d, sk, dtype):
+    # q_len = 1 runs the decode kernel (split-KV and its merge for long caches): HF's decode
+    # step with a static cache's mask.
+    q, k, v = qkv(3, 1, sk, 16, 4, d, "cuda", seed=seed_from(d, sk))
+    bias = make_bias("b11k", dtype, 3, 16, 1, sk, "cuda", seed=sk)
+    check_forward(q, k, v, bias)
+    check_forward(q, k, v, make_bias("bhqk", dtype, 3, 16, 1, sk, "cuda", seed=sk + 1),
+                  softcap=5.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_bias_with_every_modifier(d):
+    q, k, v = qkv(2, 129, 257, 8, 2, d, "cuda", seed=d)
+    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / 8) for i in range(8)], device="cuda")
+    bias = make_bias("b1qk", torch.float16, 2, 8, 129, 257, "cuda", seed=1)
+    check_forward(q, k, v, bias, causal=True, softcap=3.0, slopes=slopes)
+    check_forward(q, k, v, bias, window=(40, 0))
+    check_forward(q, k, v, bias, causal=True, window=(64, 0), slopes=slopes)
+    check_forward(q, k, v, bias, scale=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_hidden_rows_and_huge_finite_biases():
+    q, k, v = qkv(2, 70, 90, 4, 2, 64, "cuda", seed=21)
+    mask = make_bias("b1qk", torch.bool, 2, 4, 70, 90, "cuda", seed=22)
+    mask[0, :, 3] = False
+    mask[1, :, 69] = False
+    for bias in (mask, torch.zeros(mask.shape, device="cuda").masked_fill(~mask, -math.inf)):
+        out, lse = check_forward(q, k, v, bias)
+        assert (out[0, 3] == 0).all() and torch.isneginf(lse[0, :, 3]).all()
+        assert (out[1, 69] == 0).all() and torch.isneginf(lse[1, :, 69]).all()
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        fmin = torch.finfo(dtype).min
+        bias = torch.zeros(mask.shape, dtype=dtype, device="cuda").masked_fill(~mask, fmin)
+        out, lse = ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, bias)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), dtype
+        # every other row: as the -inf mask (the minimum is below every score by far)
+        ref, _ = ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, mask)
+        rows = mask.any(-1).all(1)  # (b, sq)
+        torch.testing.assert_close(out[rows], ref[rows], atol=2e-3, rtol=0)
+        # a row of only the minimum averages V, as torch's softmax of equal scores does
+        vmean = v.float().mean(1).repeat_interleave(2, 1)[0]
+        torch.testing.assert_close(out[0, 3].float(), vmean, atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_backward(d, dtype, deterministic):
+    q, k, v = qkv(2, 131, 197, 4, 2, d, "cuda", seed=seed_from(d, str(dtype)))
+    bias = make_bias("b1qk", dtype, 2, 4, 131, 197, "cuda", seed=d)
+    check_backward(q, k, v, bias, causal=False, deterministic=deterministic)
+    check_backward(q, k, v, make_bias("k", dtype, 2, 4, 131, 197, "cuda", seed=d + 1),
+                   causal=True, bottom_right=False, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_backward_hidden_rows_give_zero_gradients():
+    q, k, v = qkv(1, 40, 50, 2, 2, 64, "cuda", seed=31)
+    mask = torch.ones(1, 1, 40, 50, dtype=torch.bool, device="cuda")
+    mask[..., 7, :] = False
+    mask[..., :, 11] = False  # key 11 hidden from everyone: dk, dv 0 there
+    dq, dk, dv = check_backward(q, k, v, mask)
+    assert (dq[0, 7] == 0).all() and (dk[0, 11] == 0).all() and (dv[0, 11] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_sdpa_wrapper_runs_masks_on_the_kernel_in_a_cuda_graph():
+    # The mask is read on the device at every replay: capture once, change the mask in place.
+    q, k, v = (t.transpose(1, 2) for t in qkv(2, 33, 77, 4, 4, 64, "cuda", seed=41))
+    mask = make_bias("b1qk", torch.bool, 2, 4, 33, 77, "cuda", seed=42)
+    fa.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # warm-up (classification)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for seed in (43, 44):
+        mask.copy_(make_bias("b1qk", torch.bool, 2, 4, 33, 77, "cuda", seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_sdpa_wrapper_training_with_a_mask_matches_torch():
+    q, k, v = (t.transpose(1, 2).requires_grad_(True)
+               for t in qkv(2, 65, 65, 4, 4, 128, "cuda", seed=51))
+    mask = make_bias("b1qk", torch.float16, 2, 4, 65, 65, "cuda", seed=52)
+    assert fa.why_not_supported(q, k, v, attn_mask=mask) is None
+    out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, attn_mask=mask.double())
+    refs = torch.autograd.grad(ref, leaves, g.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+    for a, b in zip(got, refs):
+        torch.testing.assert_close(a.double(), b, atol=1e-2, rtol=1e-2)
