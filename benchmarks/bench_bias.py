@@ -9,7 +9,8 @@ Cases (non-causal, fp16 q/k/v, B x H x N x N scores):
 * ``mask-b1nn``: a bool (B, 1, N, N) mask, ~10% of keys hidden per row at random;
 * ``pad-b11n``: a bool (B, 1, 1, N) key-padding mask (the kernel reads it as a bias here; the
   SDPA wrapper would run it as key ranges);
-* ``none``: our kernel without a bias (what reading the bias costs).
+* ``none``: our kernel without a bias; ``ext``: the extended instantiation (the one that reads
+  biases) without one (zero ALiBi slopes): with ``none``, what the bias's reads cost.
 
 Times: forward, and forward + backward (the bias's gradient is not computed by either side:
 the mask does not require grad). The plan is the Turing one (``FLASH_SM75_DEVICE_PROFILE=t4``,
@@ -30,11 +31,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-CASES = ("none", "pad-b11n", "mask-b1nn", "bias-b1nn", "bias-bhnn")
+CASES = ("none", "ext", "pad-b11n", "mask-b1nn", "bias-b1nn", "bias-bhnn")
 
 
 def make_bias(case: str, b: int, h: int, n: int, gen: torch.Generator):
-    if case == "none":
+    if case in ("none", "ext"):
         return None
     if case == "pad-b11n":
         lengths = torch.randint(n // 2, n + 1, (b,), generator=gen)
@@ -69,13 +70,14 @@ def main(argv=None) -> int:
             qb, kb, vb, dob = (t.transpose(1, 2) for t in (q, k, v, do))
             for case in args.cases:
                 bias = make_bias(case, args.batch, args.heads, n, g)
+                slopes = torch.zeros(args.heads, device="cuda") if case == "ext" else None
                 call = lambda: op_fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0,  # noqa: E731
-                                      None, bias)
+                                      slopes, bias)
                 fwd = bench(call)
                 out, lse = call()
                 bwd = None if args.no_backward else bench(
                     lambda: op_bwd(do, q, k, v, out, lse, scale, False, True, None, None, True,
-                                   None, -1, -1, 0.0, None, bias))
+                                   None, -1, -1, 0.0, slopes, bias))
                 base_f = base_b = None
                 if bias is not None:
                     try:

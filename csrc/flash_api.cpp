@@ -257,6 +257,10 @@ void set_params_bias(Flash_fwd_params& params, const at::Tensor& view, double so
   params.bias_head_stride = view.stride(1);
   params.bias_row_stride = view.stride(2);
   params.bias_col_stride = view.stride(3);
+  const int64_t pair_bytes = 2 * static_cast<int64_t>(view.element_size());
+  params.bias_pairs = view.stride(3) == 1 && view.stride(0) % 2 == 0 && view.stride(1) % 2 == 0 &&
+                      view.stride(2) % 2 == 0 &&
+                      reinterpret_cast<uintptr_t>(view.data_ptr()) % pair_bytes == 0;
 }
 
 at::Tensor cpu_bias(const at::Tensor& view) {

@@ -46,6 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 transformers = pytest.importorskip("transformers")
 
 from flash_attention_sm75 import _ops  # noqa: E402
+from reference import cuda_kernels_run  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
 from devtools.model_configs import (  # noqa: E402
     build_random_model,
@@ -514,10 +515,9 @@ def test_captured_decode_step_reads_the_mask_at_replay():
     v = torch.randn(b, h_k, kv_len, d, device=DEVICE, dtype=torch.float16)
     mod = _Attn(h, h_k)
     mask = _static_decode_mask([10, 40, 70], kv_len)  # the static buffer the graph reads
-    # While capturing, the integration cannot read the mask and hands the call to torch SDPA.
-    # Restrict torch to the backends it has on Turing: on the H200 it would otherwise pick
-    # cuDNN attention, whose first call allocates and so cannot be the one being captured
-    # (this test then passed or failed with the order the file's tests ran in).
+    # While capturing, the integration reads nothing on the host: the kernel reads the mask
+    # itself (attn_bias) at every replay. The stock warm-up calls are restricted to the backends
+    # torch has on Turing: on the H200 it would otherwise pick cuDNN attention.
     turing_backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -555,9 +555,15 @@ def test_static_cache_generate_under_reduce_overhead_compile_matches_eager():
     compile_config = transformers.CompileConfig(fullgraph=False, mode="reduce-overhead")
     kw = dict(attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0,
               cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+    ours_out = []
     with torch.no_grad():
-        ours = model.generate(ids, compile_config=compile_config, **kw)
+        ran = cuda_kernels_run(lambda: ours_out.append(
+            model.generate(ids, compile_config=compile_config, **kw)), "flash_fwd")
+        ours = ours_out[0]
         ref = stock.generate(ids, **kw)
+    # The compiled decode steps read the static cache's mask on the kernel (the extended decode
+    # kernel with attn_bias), not through torch SDPA.
+    assert any("flash_fwd_decode_kernel" in n and "true>" in n for n in ran), ran
     lo, lr = torch.stack(ours.logits, 1).float(), torch.stack(ref.logits, 1).float()
     assert (ours.sequences == ref.sequences).float().mean() >= 0.9
     assert (lo - lr).abs().max() < 0.05, (lo - lr).abs().max()

@@ -130,6 +130,9 @@ struct Flash_fwd_params {
   int bias_kind = 0;
   float bias_scale = 0.f;
   index_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0, bias_col_stride = 0;
+  // Columns contiguous (bias_col_stride 1) and every even element 2-element aligned: the
+  // forward reads pairs of columns with one load.
+  int bias_pairs = 0;
 };
 
 // The largest head dim (bucket) whose backward kernels read an attention bias (the d = 256

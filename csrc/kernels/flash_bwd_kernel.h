@@ -249,17 +249,20 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
     // refuses a softcap with a bias in the backward. Not in the d = 256 kernel (32 bytes of
     // spill even here): the host refuses a bias's backward there (kBwdBiasMaxHeadDim).
     if (Has_bias && params.bias_ptr != nullptr) {
+      const int rs = static_cast<int>(params.bias_row_stride);
+      const int cs = static_cast<int>(params.bias_col_stride);
+      // This thread's queries and both keys inside the bias: no per-element bounds.
+      const bool inside = m0 + qc0 + kWC <= params.seqlen_q && key_g + 8 < params.seqlen_k;
       with_bias_kind(params, [&](auto kind) {
+        constexpr int K = decltype(kind)::value;
 #pragma unroll
         for (int nt = 0; nt < kWC / 8; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = key_g + (e >= 2 ? 8 : 0);
             const int query = m0 + qc0 + 8 * nt + 2 * t + (e & 1);
-            if (query < params.seqlen_q && key < params.seqlen_k) {
-              acc_s[nt][e] += bias_raw<decltype(kind)::value>(
-                  params, smod.bias_off + (query * static_cast<int>(params.bias_row_stride) +
-                                           key * static_cast<int>(params.bias_col_stride)));
+            if (inside || (query < params.seqlen_q && key < params.seqlen_k)) {
+              acc_s[nt][e] += bias_raw<K>(params, smod.bias_off + (query * rs + key * cs));
             }
           }
         }
@@ -834,6 +837,11 @@ __global__ void __launch_bounds__(Kt::kNThreads)
                                       si.window_lower());
       if constexpr (Is_ext) {
         softcap_scores<kBN>(acc_s, smod);
+        // The bias before the softcap's derivative is read back (the host refuses a softcap
+        // with a bias in the backward); the forward's layout, so the forward's reader.
+        if (params.bias_ptr != nullptr) {
+          bias_scores<kBN>(acc_s, params, smod, row0 + 16 * wr, n_block * kBN);
+        }
 #pragma unroll
         for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
@@ -843,9 +851,6 @@ __global__ void __launch_bounds__(Kt::kNThreads)
             float x = acc_s[nt][e];
             const float dcap =
                 alibi_and_dcap(smod, x, static_cast<float>(row + smod.offset - col));
-            if (params.bias_ptr != nullptr && row < params.seqlen_q && col < params.seqlen_k) {
-              x += bias_at(params, smod, row, col);  // after the softcap's derivative
-            }
             float p = recompute_p(x, scale_log2, lse_l2[e >> 1]);
             if (need_mask) {
               if (!key_visible<Is_local>(row, col, kr, Is_causal, si.causal_off(),

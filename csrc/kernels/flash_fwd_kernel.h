@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
           acc_s[j][2] += x.z;
           acc_s[j][3] += x.w;
         }
-        if constexpr (Is_ext) mod_scores<kBN>(acc_s, smod, row0 + 16 * rw, n_block * kBN, params);
+        if constexpr (Is_ext) mod_scores<kBN, Kt::kBiasFastPath>(acc_s, smod, row0 + 16 * rw, n_block * kBN, params);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * rw,
                                                  c.si.causal_off(), c.si.window_lower());
         uint32_t p_frag[kBN / 8][2];
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
-        if constexpr (Is_ext) mod_scores<kHalf>(acc_sa, smod, row0 + 16 * warp, n_block * kBN, params);
+        if constexpr (Is_ext) mod_scores<kHalf, Kt::kBiasFastPath>(acc_sa, smod, row0 + 16 * warp, n_block * kBN, params);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
                                                    row0 + 16 * warp, c.si.causal_off(),
                                                    c.si.window_lower());
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
           rescale_o<kD>(acc_o, alpha);
         }
         if constexpr (Is_ext) {
-          mod_scores<kHalf>(acc_sb, smod, row0 + 16 * warp, n_block * kBN + kHalf, params);
+          mod_scores<kHalf, Kt::kBiasFastPath>(acc_sb, smod, row0 + 16 * warp, n_block * kBN + kHalf, params);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sb, c.m_block, 2 * n_block + 1, c.kr,
                                                    row0 + 16 * warp, c.si.causal_off(),
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
-        if constexpr (Is_ext) mod_scores<kBN>(acc_s, smod, row0 + 16 * warp, n_block * kBN, params);
+        if constexpr (Is_ext) mod_scores<kBN, Kt::kBiasFastPath>(acc_s, smod, row0 + 16 * warp, n_block * kBN, params);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,
                                                  c.si.causal_off(), c.si.window_lower());
         uint32_t p_frag[kBN / 8][2];

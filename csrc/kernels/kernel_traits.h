@@ -77,6 +77,9 @@ struct FwdTileDefaults {
   // The same for the score-mod instantiations (softcap, ALiBi: score_mod.h), whose extra score
   // arithmetic may not fit the plain kernel's register cap.
   static constexpr int kMinBlocksPerSmMod = -1;  // -1: kMinBlocksPerSm
+  // The attention bias's fast reads (whole-block bounds, paired loads: score_mod.h
+  // bias_scores); off where the register cap has no room for the extra code path.
+  static constexpr bool kBiasFastPath = true;
   static constexpr int kRescaleThreshold = 0;
   static constexpr int kLoadStyle = 0;
   static constexpr bool kSplitTile = false;
@@ -99,6 +102,7 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kMinBlocksPerSm = Tile::kMinBlocksPerSm;
   static constexpr int kMinBlocksPerSmMod =
       Tile::kMinBlocksPerSmMod < 0 ? Tile::kMinBlocksPerSm : Tile::kMinBlocksPerSmMod;
+  static constexpr bool kBiasFastPath = Tile::kBiasFastPath;
   static constexpr int kRescaleThreshold = Tile::kRescaleThreshold;
   static_assert(kRescaleThreshold >= 0 && kRescaleThreshold <= 15, "P must fit in fp16");
   static constexpr int kLoadStyle = Tile::kLoadStyle;
@@ -182,6 +186,7 @@ struct FwdTileD64SmallGrid : FwdTileDefaults {
   static constexpr int kHeadDim = 64, kBlockM = 64, kBlockN = 32, kNWarps = 4;
   static constexpr bool kQInSmem = true;
   static constexpr int kMinBlocksPerSm = 4;
+  static constexpr bool kBiasFastPath = false;  // 8 bytes of spill under the 128-register cap
 };
 // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile. Split tile:
 // +4-8% at N >= 1024 (246-248 registers, no spills).

@@ -41,11 +41,17 @@ struct ScoreMod {
 // params.bias_kind: how the kernels read attn_bias (flash.h).
 enum BiasKind : int { kBiasNone = 0, kBiasBool = 1, kBiasHalf = 2, kBiasBf16 = 3, kBiasFloat = 4 };
 
-// Element `off` of the bias in raw-score units (bias / scale): a bool mask gives 0 (attend) or
-// -inf. A finite bias whose raw value overflows fp32 (a dtype-minimum padding mask, bias_scale
-// > 1) is kept finite (+-FLT_MAX): torch's softmax of finite scores is finite, and a row of only
-// such keys averages them as torch does, where -inf would give an empty row. -inf, +inf and
-// NaN pass through as in torch.
+// A value b of the bias in raw-score units (b / scale). A finite bias whose raw value overflows
+// fp32 (a dtype-minimum padding mask, bias_scale > 1) is kept finite (+-FLT_MAX): torch's
+// softmax of finite scores is finite, and a row of only such keys averages them as torch does,
+// where -inf would give an empty row. -inf, +inf and NaN pass through as in torch.
+template <int Kind>
+__device__ __forceinline__ float bias_to_raw(const Flash_fwd_params& p, float b) {
+  const float v = b * p.bias_scale;
+  return (fabsf(v) == INFINITY && fabsf(b) != INFINITY) ? copysignf(FLT_MAX, v) : v;
+}
+
+// Element `off` of the bias in raw-score units: a bool mask gives 0 (attend) or -inf.
 template <int Kind>
 __device__ __forceinline__ float bias_raw(const Flash_fwd_params& p, int64_t off) {
   if constexpr (Kind == kBiasBool) {
@@ -59,8 +65,30 @@ __device__ __forceinline__ float bias_raw(const Flash_fwd_params& p, int64_t off
     } else {
       b = static_cast<const float*>(p.bias_ptr)[off];
     }
-    const float v = b * p.bias_scale;
-    return (fabsf(v) == INFINITY && fabsf(b) != INFINITY) ? copysignf(FLT_MAX, v) : v;
+    return bias_to_raw<Kind>(p, b);
+  }
+}
+
+// Two adjacent elements off, off + 1 (off even, params.bias_pairs: 2-element aligned), raw
+// units: one 2-, 4- or 8-byte load.
+template <int Kind>
+__device__ __forceinline__ float2 bias_raw2(const Flash_fwd_params& p, int64_t off) {
+  if constexpr (Kind == kBiasBool) {
+    const uint16_t w = *reinterpret_cast<const uint16_t*>(
+        static_cast<const unsigned char*>(p.bias_ptr) + off);
+    return make_float2((w & 0xffu) ? 0.f : -INFINITY, (w >> 8) ? 0.f : -INFINITY);
+  } else if constexpr (Kind == kBiasHalf) {
+    const __half2 h = *reinterpret_cast<const __half2*>(static_cast<const __half*>(p.bias_ptr) + off);
+    const float2 f = __half22float2(h);
+    return make_float2(bias_to_raw<Kind>(p, f.x), bias_to_raw<Kind>(p, f.y));
+  } else if constexpr (Kind == kBiasBf16) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(
+        static_cast<const uint16_t*>(p.bias_ptr) + off);
+    return make_float2(bias_to_raw<Kind>(p, __uint_as_float(w << 16)),
+                       bias_to_raw<Kind>(p, __uint_as_float(w & 0xffff0000u)));
+  } else {
+    const float2 f = *reinterpret_cast<const float2*>(static_cast<const float*>(p.bias_ptr) + off);
+    return make_float2(bias_to_raw<Kind>(p, f.x), bias_to_raw<Kind>(p, f.y));
   }
 }
 
@@ -124,21 +152,47 @@ __device__ __forceinline__ void softcap_scores(float (&acc_s)[kBN / 8][4], const
 // The attention bias over one warp's m16 x kBN fragments in the forward's layout (rows row_w +
 // lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1)); elements past seqlen_q / seqlen_k
 // are not read (they are masked or never stored).
-template <int kBN>
+template <int kBN, bool Fast = true>
 __device__ __forceinline__ void bias_scores(float (&acc_s)[kBN / 8][4], const Flash_fwd_params& p,
                                             const ScoreMod& m, int row_w, int col0) {
   const int lane = threadIdx.x % 32;
   const int r0 = row_w + lane / 4, c0 = col0 + 2 * (lane % 4);
   // Offsets within the (batch, head) slice in 32 bits (the host checks its extent).
   const int rs = static_cast<int>(p.bias_row_stride), cs = static_cast<int>(p.bias_col_stride);
+  // The warp's 16 x kBN block inside the bias (warp-uniform): no per-element bounds; with
+  // column pairs contiguous and aligned (bias_pairs), one load per pair.
+  const bool inside = Fast && row_w + 16 <= p.seqlen_q && col0 + kBN <= p.seqlen_k;
   with_bias_kind(p, [&](auto kind) {
+    constexpr int K = decltype(kind)::value;
+    if (Fast && inside && p.bias_pairs) {
 #pragma unroll
-    for (int nt = 0; nt < kBN / 8; ++nt) {
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row_off = m.bias_off + (r0 + 8 * half) * rs + c0;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = r0 + (e >= 2 ? 8 : 0), c = c0 + 8 * nt + (e & 1);
-        if (r < p.seqlen_q && c < p.seqlen_k) {
-          acc_s[nt][e] += bias_raw<decltype(kind)::value>(p, m.bias_off + (r * rs + c * cs));
+        for (int nt = 0; nt < kBN / 8; ++nt) {
+          const float2 b = bias_raw2<K>(p, row_off + 8 * nt);
+          acc_s[nt][2 * half] += b.x;
+          acc_s[nt][2 * half + 1] += b.y;
+        }
+      }
+    } else if (Fast && inside) {
+#pragma unroll
+      for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = r0 + (e >= 2 ? 8 : 0), c = c0 + 8 * nt + (e & 1);
+          acc_s[nt][e] += bias_raw<K>(p, m.bias_off + (r * rs + c * cs));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kBN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = r0 + (e >= 2 ? 8 : 0), c = c0 + 8 * nt + (e & 1);
+          if (r < p.seqlen_q && c < p.seqlen_k) {
+            acc_s[nt][e] += bias_raw<K>(p, m.bias_off + (r * rs + c * cs));
+          }
         }
       }
     }
@@ -148,7 +202,7 @@ __device__ __forceinline__ void bias_scores(float (&acc_s)[kBN / 8][4], const Fl
 // The modifiers over one warp's m16 x kBN fragments in the forward's layout: rows row_w +
 // lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1). Softcap, then ALiBi, then the bias
 // (Gemma 2's order: the mask is added to the capped logits).
-template <int kBN>
+template <int kBN, bool BiasFast = true>
 __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const ScoreMod& m,
                                            int row_w, int col0, const Flash_fwd_params& p) {
   softcap_scores<kBN>(acc_s, m);
@@ -165,20 +219,7 @@ __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const Sco
       }
     }
   }
-  if (p.bias_ptr != nullptr) bias_scores<kBN>(acc_s, p, m, row_w, col0);
-}
-
-// The bias of one score in the backward's recomputation (query `row`, key `col`, both in
-// range), raw units; 0 without a bias.
-__device__ __forceinline__ float bias_at(const Flash_fwd_params& p, const ScoreMod& m, int row,
-                                         int col) {
-  float v = 0.f;
-  with_bias_kind(p, [&](auto kind) {
-    v = bias_raw<decltype(kind)::value>(
-        p, m.bias_off + (row * static_cast<int>(p.bias_row_stride) +
-                         col * static_cast<int>(p.bias_col_stride)));
-  });
-  return v;
+  if (p.bias_ptr != nullptr) bias_scores<kBN, BiasFast>(acc_s, p, m, row_w, col0);
 }
 
 // The backward's per-score step on a score x that softcap_scores already capped: ALiBi is
