@@ -849,8 +849,10 @@ __global__ void __launch_bounds__(Kt::kNThreads)
             const int row = row0 + 16 * wr + g + (e >= 2 ? 8 : 0);
             const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
             float x = acc_s[nt][e];
-            const float dcap =
-                alibi_and_dcap(smod, x, static_cast<float>(row + smod.offset - col));
+            // Clamped at 0 as in probs_t: a bias's -inf score gives x * cap_in = -inf * 0 =
+            // NaN without a softcap, and P (0) times NaN would be NaN.
+            const float dcap = fmaxf(
+                alibi_and_dcap(smod, x, static_cast<float>(row + smod.offset - col)), 0.f);
             float p = recompute_p(x, scale_log2, lse_l2[e >> 1]);
             if (need_mask) {
               if (!key_visible<Is_local>(row, col, kr, Is_causal, si.causal_off(),
