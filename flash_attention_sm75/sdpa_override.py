@@ -24,10 +24,12 @@ Ways to turn it on:
 * ``python -m flash_attention_sm75 run script.py args...`` (or ``run -m module args...``) for a
   script that never imports this package.
 
-Which calls run on the kernels: ``attn_bias`` None (no mask), ``dropout_p == 0``, query, key and
-value accepted by the rulebook (``_rules.not_supported_reason``: float16, head_dim a multiple of
-8 up to 256, aligned, ...) with equal head counts (torch's kernel has no GQA) and no zero size,
-on a GPU of compute capability 7.5. Other GPUs keep torch's kernel for every call, unless
+Which calls run on the kernels: ``dropout_p == 0``, query, key and value accepted by the
+rulebook (``_rules.not_supported_reason``: float16, head_dim a multiple of 8 up to 256, aligned,
+...) with equal head counts (torch's kernel has no GQA) and no zero size, on a GPU of compute
+capability 7.5; ``attn_bias`` (torch passes a mask as a float bias) None or one the kernels read
+(``_rules.attn_bias_problem``; in the backward also not requiring grad, whose gradient torch's
+kernel computes, and head_dim <= 128). Other GPUs keep torch's kernel for every call, unless
 ``treat_as_sm75=True`` (or ``FLASH_ATTENTION_SM75_SDPA_DEVICES=any``): then every GPU of
 compute capability >= 7.5 counts as one. That switch is for testing on newer GPUs (which
 also need ``torch.nn.attention.sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])`` for torch to
@@ -282,8 +284,6 @@ def _device_reason(device: torch.device) -> Optional[str]:
 
 
 def _forward_reason(query, key, value, attn_bias, dropout_p, scale) -> Optional[str]:
-    if attn_bias is not None:
-        return "attn_bias is set (a mask or bias runs on torch's kernel)"
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p!r} (dropout runs on torch's kernel)"
     if not isinstance(query, torch.Tensor):
@@ -300,6 +300,8 @@ def _forward_reason(query, key, value, attn_bias, dropout_p, scale) -> Optional[
                 f"takes equal head counts only)")
     if 0 in query.shape or 0 in key.shape:
         return "a zero size (torch's kernel decides the empty result)"
+    if attn_bias is not None:  # torch passes masks as a float bias (bool masks turned into -inf)
+        return _rules.attn_bias_problem(attn_bias, query, key.shape[2], layout="bhsd")
     return None
 
 
@@ -311,12 +313,19 @@ def _like_query_reason(name, t, query) -> Optional[str]:
 
 
 def _backward_reason(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p,
-                     scale) -> Optional[str]:
+                     scale, bias_requires_grad: bool = False) -> Optional[str]:
     reason = (_forward_reason(query, key, value, attn_bias, dropout_p, scale)
               or _like_query_reason("grad_out", grad_out, query)
               or _like_query_reason("out", out, query))
     if reason is not None:
         return reason
+    if attn_bias is not None:
+        if bias_requires_grad:
+            return "attn_bias requires grad (torch's kernel computes its gradient)"
+        reason = _rules.attn_bias_problem(attn_bias, query, key.shape[2], layout="bhsd",
+                                          backward=True)
+        if reason is not None:
+            return reason
     b, h, s_q = query.shape[:3]
     if not (isinstance(logsumexp, torch.Tensor) and logsumexp.dtype == torch.float32
             and logsumexp.dim() == 3 and logsumexp.shape[0] == b and logsumexp.shape[1] == h
@@ -365,8 +374,10 @@ def _forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is
         return _torch_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p,
                               is_causal, scale)
     # Below autograd already (torch's formula for this op runs above): the op itself, BSHD views.
+    kw = {} if attn_bias is None else {"attn_bias": attn_bias}
     out, lse = torch.ops.flash_attention_sm75.fwd(query.transpose(1, 2), key.transpose(1, 2),
-                                                  value.transpose(1, 2), scale, is_causal, False)
+                                                  value.transpose(1, 2), scale, is_causal, False,
+                                                  **kw)
     if compute_log_sumexp:
         pad = -query.shape[2] % _LSE_ALIGN
         if pad:
@@ -384,7 +395,7 @@ def _backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_see
     if grad_out is None:  # torch's kernel: no incoming gradient, four undefined results
         return None, None, None, None
     reason = _backward_reason(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p,
-                              scale)
+                              scale, bool(grad_input_mask[3]))
     if reason is not None:
         _log_fallback(_BWD, reason)
         return _torch_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
@@ -396,7 +407,8 @@ def _backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_see
     dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
         grad_out.transpose(1, 2), query.transpose(1, 2), key.transpose(1, 2),
         value.transpose(1, 2), out.transpose(1, 2), lse, softmax_scale, is_causal, False, None,
-        None, _ops._deterministic_forced(), None)
+        None, _ops._deterministic_forced(), None,
+        **({} if attn_bias is None else {"attn_bias": attn_bias}))
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
 
 

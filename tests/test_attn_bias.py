@@ -332,10 +332,13 @@ def test_gpu_hidden_rows_and_huge_finite_biases():
         # every other row: as the -inf mask (the minimum is below every score by far)
         ref, _ = ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, mask)
         torch.testing.assert_close(out[rows], ref[rows], atol=2e-3, rtol=0)
-        # a row of only the minimum: the definition's softmax (in float64: the constant cancels
-        # at fp16's minimum, every score equal at fp32's and bf16's, which average V); fp32
-        # keeps the raw scores to 2^-4 next to fp16's minimum / scale
-        ref64, _ = attention_ref(q, k, v, attn_bias=bias)
+        # a row of only the minimum: the definition's softmax, max-subtracted in float64 (the
+        # constant cancels at fp16's minimum; at fp32's and bf16's every score rounds to it and
+        # the row averages V, as torch's does); the kernel's fp32 keeps raw scores to 2^-4 next
+        # to fp16's minimum / scale
+        s64 = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(2, 2))
+        p64 = torch.softmax(s64 / 8.0 + bias.double(), dim=-1)
+        ref64 = torch.einsum("bhqk,bkhd->bqhd", p64, v.double().repeat_interleave(2, 2))
         torch.testing.assert_close(out[~rows].double(), ref64[~rows], atol=2e-2, rtol=0)
 
 

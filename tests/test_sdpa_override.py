@@ -559,7 +559,8 @@ def _fallback_cases():
     return [
         ("fp32", dict(dtype=torch.float32), {}),
         ("bf16", dict(dtype=torch.bfloat16), {}),
-        ("bias", {}, dict(attn_bias=True)),
+        ("bias_with_dropout", {}, dict(attn_bias=True, dropout_p=0.1)),
+        ("bias_fp32", dict(dtype=torch.float32), dict(attn_bias=True)),
         ("dropout", {}, dict(dropout_p=0.1)),
         ("head_dim_12", dict(d=12), {}),
         ("head_dim_264", dict(d=264), {}),
@@ -653,8 +654,13 @@ def test_device_rule(fake_cuda, monkeypatch, capability, treat, accepted):
 
 def test_reasons(fake_cuda):
     q, k, v = bhsd(device="cuda")
-    assert "attn_bias" in so.why_not_overridden(q, k, v, torch.zeros(2, 3, 37, 45, device="cuda",
-                                                                      dtype=q.dtype))
+    # a mask (torch passes it as a float bias) runs on the kernels; one they cannot read does not
+    assert so.why_not_overridden(q, k, v, torch.zeros(2, 3, 37, 45, device="cuda",
+                                                      dtype=q.dtype)) is None
+    assert "attn_bias of shape [3, 45] does not broadcast" in so.why_not_overridden(
+        q, k, v, torch.zeros(3, 45, device="cuda", dtype=q.dtype))
+    assert "attn_bias must be bool" in so.why_not_overridden(
+        q, k, v, torch.zeros(37, 45, device="cuda", dtype=torch.float64))
     assert "dropout_p=0.5" in so.why_not_overridden(q, k, v, dropout_p=0.5)
     assert "must be float16" in so.why_not_overridden(q.float(), k.float(), v.float())
     assert "scale must be" in so.why_not_overridden(q, k, v, scale=0.0)
@@ -816,6 +822,25 @@ def _fallback_gpu_case(name):
             "dropout": (mk(), {"dropout_p": 0.3}), "head_dim_264": (mk(d=264), {})}[name]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["float_mask", "bool_mask"])
+def test_gpu_masks_run_on_the_kernels(on_gpu, name):
+    # torch hands F.scaled_dot_product_attention's mask to the efficient op as a float bias;
+    # the kernels read it (forward and backward), torch's kernel does not run.
+    (q, k, v), kw = _fallback_gpu_case(name)
+    assert so.why_not_overridden(q, k, v, kw["attn_mask"]) is None
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    ours = _sdpa_grads(q, k, v, dout, **kw)
+    mask64 = kw["attn_mask"] if kw["attn_mask"].dtype == torch.bool else kw["attn_mask"].double()
+    ref = _sdpa_grads(q.double(), k.double(), v.double(), dout.double(), attn_mask=mask64)
+    torch.testing.assert_close(ours[0].double(), ref[0], atol=2e-3, rtol=0)
+    for g, r in zip(ours[1:], ref[1:]):
+        torch.testing.assert_close(g.double(), r, atol=1e-2, rtol=1e-2)
+    mine, torch_kernels = _kernels(lambda: _sdpa_grads(q, k, v, dout, **kw))
+    assert any("flash_fwd" in n for n in mine) and any("flash_bwd" in n for n in mine)
+    assert not torch_kernels
+
+
 @contextlib.contextmanager
 def deterministic():
     """torch.use_deterministic_algorithms(True) for the block (torch's efficient backward then
@@ -830,8 +855,7 @@ def deterministic():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fp32", "bf16", "float_mask", "bool_mask", "dropout",
-                                  "head_dim_264", "misaligned"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "dropout", "head_dim_264", "misaligned"])
 def test_gpu_fallback_inputs_run_torch_with_torch_results(on_gpu, name):
     (q, k, v), kw = _fallback_gpu_case(name)
     assert so.why_not_overridden(q, k, v, kw.get("attn_mask"), kw.get("dropout_p", 0.0))
