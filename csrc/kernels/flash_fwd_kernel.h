@@ -299,8 +299,20 @@ __global__ void __launch_bounds__(Kt::kNThreads,
                                n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
+        // A bias's half-a block, loaded before S_a's MMAs (half b's before S_b's).
+        BiasPrefetch<kHalf> pf;
+        pf.ok = false;
+        if (Is_ext && Kt::kBiasFastPath && params.bias_ptr != nullptr) {
+          bias_prefetch<kHalf>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
+        }
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
-        if constexpr (Is_ext) mod_scores<kHalf, Kt::kBiasFastPath>(acc_sa, smod, row0 + 16 * warp, n_block * kBN, params);
+        if constexpr (Is_ext) {
+          mod_scores<kHalf, Kt::kBiasFastPath>(acc_sa, smod, row0 + 16 * warp, n_block * kBN,
+                                               params, Kt::kBiasFastPath ? &pf : nullptr);
+          if (Kt::kBiasFastPath && params.bias_ptr != nullptr) {
+            bias_prefetch<kHalf>(pf, params, smod, row0 + 16 * warp, n_block * kBN + kHalf);
+          }
+        }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
                                                    row0 + 16 * warp, c.si.causal_off(),
                                                    c.si.window_lower());
@@ -311,7 +323,9 @@ __global__ void __launch_bounds__(Kt::kNThreads,
           rescale_o<kD>(acc_o, alpha);
         }
         if constexpr (Is_ext) {
-          mod_scores<kHalf, Kt::kBiasFastPath>(acc_sb, smod, row0 + 16 * warp, n_block * kBN + kHalf, params);
+          mod_scores<kHalf, Kt::kBiasFastPath>(acc_sb, smod, row0 + 16 * warp,
+                                               n_block * kBN + kHalf, params,
+                                               Kt::kBiasFastPath ? &pf : nullptr);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sb, c.m_block, 2 * n_block + 1, c.kr,
                                                    row0 + 16 * warp, c.si.causal_off(),
@@ -339,14 +353,23 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         load_tile_g2r<Kt, kLs>(stage, v_tile(n_block * kBN), params.v_row_stride,
                                n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
 
-        // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax.
+        // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax. A bias's
+        // block is loaded before the MMAs.
+        BiasPrefetch<kBN> pf;
+        pf.ok = false;
+        if (Is_ext && Kt::kBiasFastPath && params.bias_ptr != nullptr) {
+          bias_prefetch<kBN>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
+        }
         float acc_s[kBN / 8][4];
         if constexpr (Kt::kQInSmem) {
           gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_lane_addr, k_lane_addr);
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
-        if constexpr (Is_ext) mod_scores<kBN, Kt::kBiasFastPath>(acc_s, smod, row0 + 16 * warp, n_block * kBN, params);
+        if constexpr (Is_ext) {
+          mod_scores<kBN, Kt::kBiasFastPath>(acc_s, smod, row0 + 16 * warp, n_block * kBN,
+                                             params, Kt::kBiasFastPath ? &pf : nullptr);
+        }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,
                                                  c.si.causal_off(), c.si.window_lower());
         uint32_t p_frag[kBN / 8][2];

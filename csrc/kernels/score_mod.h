@@ -24,6 +24,7 @@
 #include <cuda_fp16.h>
 
 #include "flash.h"
+#include "utils.h"
 
 namespace flash_sm75 {
 
@@ -199,12 +200,97 @@ __device__ __forceinline__ void bias_scores(float (&acc_s)[kBN / 8][4], const Fl
   });
 }
 
+// The bias of a warp's 16 x kCols block, loaded ahead (before the S = Q K^T that it is added
+// to, so the loads' latency hides behind the MMAs): the raw 16-bit pairs of rows g and g + 8,
+// for 1- and 2-byte kinds whose column pairs are contiguous (bias_pairs) and a block inside the
+// bias; `ok` false: bias_apply reads the bias itself (bias_scores).
+template <int kCols>
+struct BiasPrefetch {
+  uint32_t w[kCols / 8][2];
+  bool ok;
+};
+
+template <int kCols>
+__device__ __forceinline__ void bias_prefetch(BiasPrefetch<kCols>& pf, const Flash_fwd_params& p,
+                                              const ScoreMod& m, int row_w, int col0) {
+  pf.ok = p.bias_pairs && (p.bias_kind == kBiasBool || p.bias_kind == kBiasHalf ||
+                           p.bias_kind == kBiasBf16) &&
+          row_w + 16 <= p.seqlen_q && col0 + kCols <= p.seqlen_k;
+  if (!pf.ok) return;  // warp-uniform
+  const int lane = threadIdx.x % 32;
+  const int rs = static_cast<int>(p.bias_row_stride);
+  const int64_t off0 = m.bias_off + (row_w + lane / 4) * rs + col0 + 2 * (lane % 4);
+  if (p.bias_kind == kBiasBool) {
+    const unsigned char* b = static_cast<const unsigned char*>(p.bias_ptr) + off0;
+#pragma unroll
+    for (int nt = 0; nt < kCols / 8; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        pf.w[nt][half] = *reinterpret_cast<const uint16_t*>(b + 8 * half * rs + 8 * nt);
+      }
+    }
+  } else {
+    const uint16_t* b = static_cast<const uint16_t*>(p.bias_ptr) + off0;
+#pragma unroll
+    for (int nt = 0; nt < kCols / 8; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        pf.w[nt][half] = *reinterpret_cast<const uint32_t*>(b + 8 * half * rs + 8 * nt);
+      }
+    }
+  }
+}
+
+// Adds a prefetched block (bias_prefetch) to the scores, or reads it (bias_scores).
+template <int kCols, bool Fast>
+__device__ __forceinline__ void bias_apply(float (&acc_s)[kCols / 8][4],
+                                           const BiasPrefetch<kCols>& pf,
+                                           const Flash_fwd_params& p, const ScoreMod& m,
+                                           int row_w, int col0) {
+  if (!pf.ok) {
+    bias_scores<kCols, Fast>(acc_s, p, m, row_w, col0);
+    return;
+  }
+  if (p.bias_kind == kBiasBool) {
+#pragma unroll
+    for (int nt = 0; nt < kCols / 8; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t w = pf.w[nt][half];  // added, as bias_raw: a NaN score stays NaN
+        acc_s[nt][2 * half] += (w & 0xffu) ? 0.f : -INFINITY;
+        acc_s[nt][2 * half + 1] += (w & 0xff00u) ? 0.f : -INFINITY;
+      }
+    }
+  } else if (p.bias_kind == kBiasHalf) {
+#pragma unroll
+    for (int nt = 0; nt < kCols / 8; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float2 f = unpack_half2(pf.w[nt][half]);
+        acc_s[nt][2 * half] += bias_to_raw<kBiasHalf>(p, f.x);
+        acc_s[nt][2 * half + 1] += bias_to_raw<kBiasHalf>(p, f.y);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < kCols / 8; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t w = pf.w[nt][half];
+        acc_s[nt][2 * half] += bias_to_raw<kBiasBf16>(p, __uint_as_float(w << 16));
+        acc_s[nt][2 * half + 1] += bias_to_raw<kBiasBf16>(p, __uint_as_float(w & 0xffff0000u));
+      }
+    }
+  }
+}
+
 // The modifiers over one warp's m16 x kBN fragments in the forward's layout: rows row_w +
 // lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1). Softcap, then ALiBi, then the bias
 // (Gemma 2's order: the mask is added to the capped logits).
 template <int kBN, bool BiasFast = true>
 __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const ScoreMod& m,
-                                           int row_w, int col0, const Flash_fwd_params& p) {
+                                           int row_w, int col0, const Flash_fwd_params& p,
+                                           const BiasPrefetch<kBN>* pf = nullptr) {
   softcap_scores<kBN>(acc_s, m);
   if (m.slope != 0.f) {
     const int lane = threadIdx.x % 32;
@@ -219,7 +305,13 @@ __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const Sco
       }
     }
   }
-  if (p.bias_ptr != nullptr) bias_scores<kBN, BiasFast>(acc_s, p, m, row_w, col0);
+  if (p.bias_ptr != nullptr) {
+    if (pf != nullptr) {
+      bias_apply<kBN, BiasFast>(acc_s, *pf, p, m, row_w, col0);
+    } else {
+      bias_scores<kBN, BiasFast>(acc_s, p, m, row_w, col0);
+    }
+  }
 }
 
 // The backward's per-score step on a score x that softcap_scores already capped: ALiBi is

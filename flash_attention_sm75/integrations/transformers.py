@@ -26,24 +26,28 @@ The attention function follows transformers' ``sdpa_attention_forward``: BHSD ``
 or an additive float mask; returns ``(output (B, Sq, H, D), None)``. GQA runs natively (K/V with
 fewer heads go straight to the op, no ``repeat_kv``).
 
-Masks are classified (:func:`classify_attention_mask`): a mask runs on the kernel only if it is
-exactly "key range per batch row" (``leftpad_k[b] <= j < seqused_k[b]``), optionally AND a causal
-diagonal, which covers no mask, causal, left/right padding, chunked prefill and decode with a
-cache; with the layer's ``sliding_window`` also that pattern limited to the last
-``sliding_window`` keys (the kernel's window). Anything else (arbitrary 4-D masks,
-packed-sequence/document masks, windowed masks without their ``sliding_window``, float
-masks with other values), any unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256],
-dropout, ``output_attentions``, a keyword argument outside the allow-list) calls transformers'
-own ``sdpa_attention_forward`` with the original arguments (calls with Gemma 2's ``softcap``,
-which runs on the kernel, fall back to that function with the soft-cap applied, since torch
-SDPA has none), and the reason is logged at DEBUG
+Masks are classified (:func:`classify_attention_mask`): a mask that is exactly "key range per
+batch row" (``leftpad_k[b] <= j < seqused_k[b]``), optionally AND a causal diagonal, runs as key
+ranges (the kernel skips the hidden keys' tiles), which covers no mask, causal, left/right
+padding, chunked prefill and decode with a cache; with the layer's ``sliding_window`` also that
+pattern limited to the last ``sliding_window`` keys (the kernel's window). Any other mask
+(arbitrary 4-D masks, packed-sequence/document masks, windowed masks without their
+``sliding_window``, float masks with other values), and every mask while torch.compile traces or
+a CUDA graph captures (a static cache's decode step under ``mode="reduce-overhead"``), is read
+by the kernel itself as its ``attn_bias`` (bool or additive, broadcast over heads in place), as
+the rulebook's bias rule allows (with a backward: head_dim up to 128, no softcap). Any
+unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256], dropout,
+``output_attentions``, a keyword argument outside the allow-list, a mask the bias rule refuses)
+calls transformers' own ``sdpa_attention_forward`` with the original arguments (calls with Gemma
+2's ``softcap``, which runs on the kernel, fall back to that function with the soft-cap applied,
+since torch SDPA has none), and the reason is logged at DEBUG
 on the ``"flash_attention_sm75"`` logger and counted in :func:`get_stats`. Packed sequences
 (``cu_seq_lens_q/k`` or restarting ``position_ids``, as transformers' FlashAttention path reads
 them) run on the varlen op, each document attending to itself, in one call; where the kernel
 cannot run them (the reasons above, an ``attention_mask`` given with them, packed
 ``position_ids`` while tracing or capturing) they run on that fallback with a per-document mask.
 While ``torch.compile`` traces or a CUDA graph captures, nothing is read on the host: a mask
-goes to torch SDPA, which reads it at replay.
+goes to the kernel as its bias, read on the device at every replay.
 The decision (rules, packed-sequence test, plan of the mask) is taken by the first layer of a
 forward and remembered for the others, keyed on every input it reads (``_decision_key``: the mask
 object and its version counter, the call's shapes, strides, dtypes, devices, arguments and the
