@@ -263,3 +263,8 @@ inline float atomicAdd(float* p, float v) {
 inline float __fmul_rn(float a, float b) { return a * b; }
 // div.approx.f32 computes a * (1 / b); 1 / inf = 0 as on the GPU.
 inline float __fdividef(float a, float b) { return a * (1.f / b); }
+inline float __uint_as_float(unsigned int u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}

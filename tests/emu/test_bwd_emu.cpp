@@ -11,7 +11,10 @@
 #include <cinttypes>
 #include <climits>
 #include <string>
+#include <cstring>
+#include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "bwd_block_info.h"
 #include "bwd_kernel_traits.h"
@@ -81,7 +84,8 @@ struct Case {
   int wl = -1, wr = -1;   // sliding window (flash-attn's window_size), -1 = unbounded
   float softcap = 0.f;    // score mods (score_mod.h): softcap > 0, ALiBi slopes per (b, h)
   bool alibi = false;
-  bool score_mod() const { return softcap > 0 || alibi; }
+  int bias = 0;           // attn_bias kind (score_mod.h BiasKind; 0 none), (B, 1, Sq, Sk)
+  bool score_mod() const { return softcap > 0 || alibi || bias != 0; }
   // The diagonal band the host gives the kernels (set_params_fprop): causal and / or window.
   bool banded() const { return causal || wl >= 0 || wr >= 0; }
   BandDiagonals band() const { return band_diagonals(sq, sk, bottom_right, causal, wl, wr); }
@@ -273,6 +277,70 @@ std::vector<float> alibi_slopes_of(const Case& c) {
   return a;
 }
 
+// A case's attention bias, (B, 1, Sq, Sk) row-major: element (b, i, j) hidden (bool false /
+// -inf) where a hash hits 0 mod 7 (key 0 never, so no row is empty), else a value in
+// [-2.2, 2.2] rounded to the kind's precision. value() is what the kernels read, in float64.
+struct Bias {
+  int kind = 0, sq = 0, sk = 0;
+  std::vector<unsigned char> bytes;
+  static int elsize(int kind) { return kind == 1 ? 1 : kind == 4 ? 4 : 2; }
+  Bias(const Case& c) : kind(c.bias), sq(c.sq), sk(c.sk) {
+    if (!kind) return;
+    bytes.assign(size_t(c.b) * sq * sk * elsize(kind), 0);
+    for (int b = 0; b < c.b; ++b)
+      for (int i = 0; i < sq; ++i)
+        for (int j = 0; j < sk; ++j) {
+          const uint32_t hsh = uint32_t(b) * 2654435761u ^ uint32_t(i) * 40503u ^ uint32_t(j) * 2246822519u;
+          const bool hidden = j > 0 && hsh % 7 == 0;
+          const float val = hidden ? -INFINITY : (float(hsh % 23) - 11.f) * 0.2f;
+          unsigned char* e = bytes.data() + ((size_t(b) * sq + i) * sk + j) * elsize(kind);
+          if (kind == 1) {
+            *e = hidden ? 0 : 1;
+          } else if (kind == 2) {
+            const __half hv = f2h(val);
+            std::memcpy(e, &hv, 2);
+          } else if (kind == 3) {
+            uint32_t u;
+            std::memcpy(&u, &val, 4);
+            const uint16_t hi = uint16_t(u >> 16);  // truncation: exactly representable below
+            std::memcpy(e, &hi, 2);
+          } else {
+            std::memcpy(e, &val, 4);
+          }
+        }
+  }
+  double value(int b, int i, int j) const {
+    const unsigned char* e = bytes.data() + ((size_t(b) * sq + i) * sk + j) * elsize(kind);
+    if (kind == 1) return *e ? 0.0 : -INFINITY;
+    if (kind == 2) {
+      __half hv;
+      std::memcpy(&hv, e, 2);
+      return double(__half2float(hv));
+    }
+    if (kind == 3) {
+      uint16_t hi;
+      std::memcpy(&hi, e, 2);
+      const uint32_t u = uint32_t(hi) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      return double(f);
+    }
+    float f;
+    std::memcpy(&f, e, 4);
+    return double(f);
+  }
+  // The kernel parameters set_params_bias fills.
+  void set(Flash_fwd_params& p, double scale) const {
+    if (!kind) return;
+    p.bias_ptr = bytes.data();
+    p.bias_kind = kind;
+    p.bias_scale = float(1.0 / scale);
+    p.bias_batch_stride = int64_t(sq) * sk, p.bias_head_stride = 0;
+    p.bias_row_stride = sk, p.bias_col_stride = 1;
+    p.bias_pairs = sk % 2 == 0;  // std::vector's storage is aligned far beyond 8 bytes
+  }
+};
+
 struct Result {
   std::vector<__half> dq, dk, dv;
   bool ok;
@@ -292,6 +360,9 @@ double reference_row(const HTensor& q, const HTensor& k, int b, int i, int h, in
   const bool banded = c.banded();
   const BandDiagonals band = c.band();
   const double slope = c.alibi ? alibi_slopes_of(c)[size_t(b) * c.h + h] : 0.0;
+  static thread_local std::unique_ptr<Bias> bias_cache;
+  static thread_local const Case* bias_case = nullptr;
+  if (c.bias && bias_case != &c) bias_cache = std::make_unique<Bias>(c), bias_case = &c;
   for (int j = 0; j < Sk; ++j) {
     if (!key_visible<true>(i, j, kr, banded, band.upper, band.lower)) continue;
     double acc = 0;
@@ -303,6 +374,8 @@ double reference_row(const HTensor& q, const HTensor& k, int b, int i, int h, in
       if (dcap) (*dcap)[j] = 1 - t * t;
     }
     s[j] -= slope * std::fabs(double(i + off - j));
+    if (c.bias) s[j] += bias_cache->value(b, i, j);
+    if (std::isinf(s[j])) continue;
     mx = std::max(mx, s[j]);
   }
   double l = 0;
@@ -343,9 +416,9 @@ Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const H
   const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && lse_inf_ok;
   if (verbose || !ok) {
     std::printf(
-        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d fwd only | "
+        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d bias=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d fwd only | "
         "o %.2e/%.2e lse %.2e inf_ok=%d\n",
-        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
+        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.bias, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
         c.layout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok);
     std::fflush(stdout);
   }
@@ -404,6 +477,8 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
     fp.alibi_slopes_batch_stride = H;
   }
   fp.alibi_offset = causal_offset(Sq, Sk, c.bottom_right);
+  const Bias bias(c);
+  bias.set(fp, scale);
   // As run_mha_fwd: score mods, then a band with a lower diagonal runs the local instantiation.
   dispatch_fwd_all(fp);
   if (c.fwd_only) return check_fwd_case(c, q, k, v, out, lse, lp, su, verbose);
@@ -493,16 +568,16 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   const bool ok = fwd_ok && (c.fwd_only || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) &&
                                             e_dv.ok(1e-2, 2e-3) && masked_zero_ok));
   if ((verbose || !ok) && c.fwd_only) {
-    std::printf("%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d | "
+    std::printf("%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d bias=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d | "
                 "o %.2e/%.2e lse %.2e inf_ok=%d | forward only\n",
-                ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.wl, c.wr, c.bottom_right, c.use_lp,
+                ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.bias, c.wl, c.wr, c.bottom_right, c.use_lp,
                 c.use_su, c.layout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok);
     std::fflush(stdout);
   } else if (verbose || !ok) {
     std::printf(
-        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d atomic=%d | "
+        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d bias=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d atomic=%d | "
         "o %.2e/%.2e lse %.2e inf_ok=%d | dq %.2e/%.2e dk %.2e/%.2e dv %.2e/%.2e masked0=%d\n",
-        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
+        ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.bias, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
         c.layout, c.atomic, e_o.err, e_o.ref, e_lse.err, lse_inf_ok, e_dq.err, e_dq.ref, e_dk.err,
         e_dk.ref, e_dv.err, e_dv.ref, masked_zero_ok);
     std::fflush(stdout);
@@ -1358,6 +1433,20 @@ int main(int argc, char** argv) {
       cases.back().softcap = cap, cases.back().alibi = alibi;
       cases.back().wl = wl, cases.back().wr = wr;
     };
+    // attn_bias (every kind; odd key counts take the per-element reads, even ones the paired
+    // and prefetched ones), no softcap (none in a bias's backward).
+    auto addb = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, int layout,
+                    bool atomic, int kind, bool alibi = false) {
+      add(b, sq, sk, h, hk, d, causal, true, false, false, layout, atomic);
+      cases.back().bias = kind, cases.back().alibi = alibi;
+    };
+    for (int d : mode == "quick" ? std::vector<int>{64} : std::vector<int>{64, 96, 128, 40}) {
+      addb(2, 150, 170, 4, 2, d, false, 1, d == 64, 1);
+      addb(1, 130, 128, 2, 1, d, true, 0, false, 2, true);
+      addb(2, 90, 131, 4, 2, d, false, 2, false, 3);
+      addb(1, 200, 200, 2, 2, d, true, 0, d == 64, 4);
+      addb(2, 1, 600, 6, 2, d, false, 2, false, 2);  // decode, splits
+    }
     // quick (CI, 2 cores): d = 64 only; the emulator's d = 256 cases take minutes.
     const std::vector<int> dims = mode == "quick" ? std::vector<int>{64}
                                                   : std::vector<int>{64, 96, 128, 256, 40, 200};
