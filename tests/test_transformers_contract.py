@@ -310,7 +310,7 @@ def test_sinks_raise_on_the_registered_function(name):
 
 
 @needs_op
-def test_zero_position_bias_runs_on_the_kernel_and_other_bias_falls_back():
+def test_zero_and_nonzero_position_bias_run_on_the_kernel():
     # T5's cross-attention passes position_bias = zeros (1, H, q_len, kv_len) with scaling 1.
     hf.configure(allow_cpu_reference=True)
     q, k, v = _qkv(2, 4, 4, 5, 7, 64, seed=12)
@@ -322,11 +322,37 @@ def test_zero_position_bias_runs_on_the_kernel_and_other_bias_falls_back():
     assert hf.get_stats()["kernel"] == 1
     torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)
     hf.reset_stats()
-    bias = zeros.clone()
-    bias[0, 1, 2, 3] = 0.5
-    out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, scaling=1.0, position_bias=bias)
-    ref, _ = sdpa_attention_forward(mod, q, k, v, None, scaling=1.0, position_bias=bias)
-    assert torch.equal(out, ref) and hf.get_stats()["fallback"] == 1
+    bias = torch.randn(1, 4, 5, 7).half()  # a relative-position bias: the kernel's attn_bias
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool)
+    mask[1, ..., 5:] = False
+    for m in (None, mask, torch.zeros(2, 1, 5, 7).half().masked_fill(~mask, -1e4)):
+        hf.reset_stats()
+        out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, m, scaling=1.0, position_bias=bias)
+        ref, _ = sdpa_attention_forward(mod, q.float(), k.float(), v.float(),
+                                        None if m is None else (m if m.dtype == torch.bool
+                                                                else m.float()),
+                                        scaling=1.0, position_bias=bias.float())
+        assert hf.get_stats()["kernel"] == 1 and hf.get_stats()["fallback"] == 0
+        torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=4e-3)
+    # causal (a decoder's self-attention without a mask), also into a longer cache (cropped)
+    for kv in (5, 7):
+        hf.reset_stats()
+        causal = _Attn(4, 4, is_causal=True)
+        out, _ = hf.flash_attention_sm75_forward(causal, q, k[:, :, :kv], v[:, :, :kv], None,
+                                                 scaling=1.0, position_bias=bias[..., :kv])
+        ref, _ = sdpa_attention_forward(causal, q.float(), k[:, :, :kv].float(),
+                                        v[:, :, :kv].float(), None, scaling=1.0,
+                                        position_bias=bias[..., :kv].float())
+        assert hf.get_stats()["kernel"] == 1
+        torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=4e-3)
+    # a learned bias that requires grad: no bias gradient in the kernel, so torch's path
+    hf.reset_stats()
+    learned = bias.clone().requires_grad_(True)
+    out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, scaling=1.0,
+                                             position_bias=learned)
+    (reason,) = hf.get_stats()["reasons"]
+    assert hf.get_stats()["fallback"] == 1 and "must not require grad" in reason, reason
+    assert out.requires_grad
 
 
 @needs_op
@@ -350,7 +376,18 @@ def test_t5_logits_match_sdpa():
     if stats["kernel"] + stats["fallback"] == 0:
         pytest.skip(f"T5 of transformers {transformers.__version__} does not call "
                     f"registered attention functions")
-    assert stats["kernel"] == 2, stats  # the two cross-attention layers (zero bias)
+    # every attention call: encoder and decoder self-attention (relative-position bias, the
+    # decoder's causal) and cross-attention (zero bias)
+    assert stats["kernel"] == 6 and stats["fallback"] == 0, stats
+    torch.testing.assert_close(a.float(), b, atol=2e-2, rtol=2e-2)
+    # a padded encoder batch: the mask and the bias together
+    am = torch.ones_like(ids)
+    am[1, 6:] = 0
+    hf.reset_stats()
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=am, decoder_input_ids=dec).logits
+        b = ref(input_ids=ids, attention_mask=am, decoder_input_ids=dec).logits
+    assert hf.get_stats()["fallback"] == 0, hf.get_stats()
     torch.testing.assert_close(a.float(), b, atol=2e-2, rtol=2e-2)
 
 

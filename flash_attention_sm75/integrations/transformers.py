@@ -380,7 +380,7 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
         return reason
     if bound["position_bias"] is not None and not _position_bias_is_zero(bound["position_bias"],
                                                                           query):
-        return "position_bias is not supported"
+        return "position_bias (a relative-position bias: _position_bias_attention runs it)"
     h, h_k = query.shape[1], key.shape[1]
     groups = getattr(module, "num_key_value_groups", None)
     if isinstance(groups, int) and groups >= 1 and h != h_k * groups:
@@ -736,6 +736,51 @@ def _packed_attention(fallback, module, query, key, value, attention_mask, bound
     return _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs)
 
 
+def _position_bias_attention(fallback, module, query, key, value, attention_mask, args, bound,
+                             kwargs, softcap: float):
+    """A call with a relative-position bias (T5's ``position_bias``, (1 or B, H, q_len, kv_len)):
+    the bias transformers' SDPA path adds, built by transformers' own
+    ``create_position_bias_mask`` (the position bias where the mask or causality lets a key be
+    seen, the dtype's minimum elsewhere), with that path's key crop for a causal call into a
+    longer cache, goes to the kernel as its ``attn_bias``. Training (a learned bias requires
+    grad: the kernel has no bias gradient), and anything else the kernel cannot run, falls back
+    to ``fallback`` with the original arguments."""
+    reason = _unsupported_reason(module, query, key, value, attention_mask,
+                                 dict(bound, position_bias=None), kwargs, softcap)
+    if reason is None:
+        try:
+            from transformers.integrations.sdpa_attention import create_position_bias_mask
+        except ImportError:  # pragma: no cover - transformers without it
+            create_position_bias_mask = None
+            reason = ("position_bias: this transformers version has no "
+                      "create_position_bias_mask")
+    if reason is None:
+        position_bias = bound["position_bias"]
+        q_len, kv_len = query.shape[2], key.shape[2]
+        is_causal = _is_causal(module, bound["is_causal"])
+        is_causal = q_len > 1 and attention_mask is None and is_causal
+        k, v = key, value
+        if is_causal and kv_len > q_len:  # transformers' crop (prefill into an empty cache)
+            k, v = key[:, :, :q_len], value[:, :, :q_len]
+            position_bias = position_bias[:, :, :, :q_len]
+        bias = create_position_bias_mask(position_bias, attention_mask, is_causal, query, k)
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                            or value.requires_grad)
+        problem = _rules.attn_bias_problem(bias, query, k.shape[2], layout="bhsd",
+                                           backward=grad, softcap=softcap, name="position_bias")
+        if problem is None:
+            info = MaskInfo(False, k.shape[2], None, None, "bias")
+            out, reason = _try_kernel(
+                lambda: _run_kernel(query, k, v, bound["scaling"], info, softcap, mask=bias),
+                q_len)
+            if out is not None:
+                return out, None
+        else:
+            reason = f"position_bias as the kernel's bias: {problem}"
+    _fall_back(reason)
+    return _call_fallback(fallback, module, query, key, value, attention_mask, *args, **kwargs)
+
+
 def _call_with_mask(fallback, module, query, key, value, mask, bound, kwargs):
     """``fallback`` (torch SDPA) with an explicit mask, in the flattened layout of the mask."""
     b, h, q_len, d = query.shape
@@ -1032,6 +1077,9 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
                 return packed
         reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
                                      softcap)
+        if reason is not None and reason.startswith("position_bias ("):
+            return _position_bias_attention(fallback, module, query, key, value, attention_mask,
+                                            args, bound, kwargs, softcap)
         info = None
         if reason is None:
             info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
@@ -1082,7 +1130,9 @@ def flash_attention_sm75_forward(
 
         * ``dropout`` (default 0.0; non-zero falls back), ``scaling`` (default ``1/sqrt(D)``),
           ``is_causal`` (default ``module.is_causal``), ``position_bias`` (all zeros, as T5's
-          cross-attention passes, runs on the kernel; any other bias falls back);
+          cross-attention passes, runs on the kernel without a bias; any other, T5's
+          relative-position bias, runs as the kernel's ``attn_bias`` combined with the mask by
+          transformers' ``create_position_bias_mask``; one that requires grad falls back);
         * ``cu_seq_lens_q``, ``cu_seq_lens_k`` (``max_length_q``/``max_length_k`` are only
           size hints): packed sequences, as transformers' FlashAttention path reads them; and
           ``position_ids`` of one batch row that restart (a new sequence wherever the position
