@@ -1040,6 +1040,29 @@ def add_table_bench_args(ap, d, n, tag):
     ap.add_argument("--rep-ms", type=float, default=40)
 
 
+def table_problems(args):
+    """The problems of a one-table benchmark: ``(d, n, generator, q, k, v, do)`` for every
+    head dim and length of ``args``, BSHD fp16 CUDA tensors of (batch, n, heads, d), seeded per
+    problem (the generator continues for what the benchmark draws next)."""
+    for d in args.d:
+        for n in args.n:
+            g = torch.Generator().manual_seed(n + d)
+            q, k, v, do = (torch.randn(args.batch, n, args.heads, d, generator=g)
+                           .to("cuda", torch.float16) for _ in range(4))
+            yield d, n, g, q, k, v, do
+
+
+def fwd_bwd_times(fn, q, k, v, dout, bench, backward=True):
+    """``(forward ms, backward ms or None)`` of ``fn(q, k, v)`` timed by ``bench``; the backward
+    is ``torch.autograd.grad`` of one recorded forward (with ``dout``), retained between runs."""
+    fwd = bench(lambda: fn(q, k, v))
+    if not backward:
+        return fwd, None
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    o = fn(qg, kg, vg)
+    return fwd, bench(lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True))
+
+
 def table_bench_setup(script):
     """The GPU check, the op and torch's efficient backend of a one-table benchmark: ``(fwd op,
     bwd op, efficient backend, env_info)``, or None (message printed) without a CUDA GPU."""

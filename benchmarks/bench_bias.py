@@ -60,54 +60,45 @@ def main(argv=None) -> int:
     op_fwd, op_bwd, efficient, env = setup
     bench = lambda fn: C.bench(fn, "cuda", args.warmup_ms, args.rep_ms)["ms"]  # noqa: E731
     rows, records = [], []
-    for d in args.d:
-        for n in args.n:
-            g = torch.Generator().manual_seed(n + d)
-            q, k, v, do = (torch.randn(args.batch, n, args.heads, d, generator=g)
-                           .to("cuda", torch.float16) for _ in range(4))
-            scale = d ** -0.5
-            flop = 4.0 * args.batch * args.heads * d * n * n
-            qb, kb, vb, dob = (t.transpose(1, 2) for t in (q, k, v, do))
-            for case in args.cases:
-                bias = make_bias(case, args.batch, args.heads, n, g)
-                slopes = torch.zeros(args.heads, device="cuda") if case == "ext" else None
-                call = lambda: op_fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0,  # noqa: E731
-                                      slopes, bias)
-                fwd = bench(call)
-                out, lse = call()
-                bwd = None if args.no_backward else bench(
-                    lambda: op_bwd(do, q, k, v, out, lse, scale, False, True, None, None, True,
-                                   None, -1, -1, 0.0, slopes, bias))
-                base_f = base_b = None
-                if bias is not None:
-                    try:
-                        with C.sdpa_context(efficient):
-                            sdpa = lambda a, b_, c: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                                a, b_, c, attn_mask=bias, scale=scale)
-                            base_f = bench(lambda: sdpa(qb, kb, vb))
-                            if not args.no_backward:
-                                qg, kg, vg = (t.detach().requires_grad_() for t in (qb, kb, vb))
-                                o = sdpa(qg, kg, vg)
-                                base_b = bench(lambda: torch.autograd.grad(
-                                    o, (qg, kg, vg), dob, retain_graph=True))
-                                del o, qg, kg, vg
-                    except RuntimeError as e:
-                        print(f"mem-efficient failed at d={d} N={n} {case}: {str(e)[:120]}")
-                ratio = lambda a, b_: None if a is None or b_ is None else b_ / a  # noqa: E731
-                fb = None if bwd is None else fwd + bwd
-                base_fb = None if base_f is None or base_b is None else base_f + base_b
-                rec = dict(d=d, n=n, case=case, batch=args.batch, heads=args.heads,
-                           ours_fwd_ms=fwd, ours_bwd_ms=bwd, eff_fwd_ms=base_f, eff_bwd_ms=base_b,
-                           ours_fwd_tflops=C.tflops(flop, fwd),
-                           ours_bwd_tflops=C.tflops(2.5 * flop, bwd),
-                           fwd_speedup=ratio(fwd, base_f), fwd_bwd_speedup=ratio(fb, base_fb))
-                records.append(rec)
-                rows.append([f"d={d}", n, case, C.fmt(fwd, ".3f"),
-                             C.fmt(rec["ours_fwd_tflops"], ".1f"), C.fmt(base_f, ".3f"),
-                             C.fmt(rec["fwd_speedup"], ".2f") + "x", C.fmt(bwd, ".3f"),
-                             C.fmt(base_b, ".3f"), C.fmt(rec["fwd_bwd_speedup"], ".2f") + "x"])
-                print(rows[-1], flush=True)
-                bias = None  # free the N x N tensor before the next case
+    for d, n, g, q, k, v, do in C.table_problems(args):
+        scale = d ** -0.5
+        flop = 4.0 * args.batch * args.heads * d * n * n
+        qb, kb, vb, dob = (t.transpose(1, 2) for t in (q, k, v, do))
+        for case in args.cases:
+            bias = make_bias(case, args.batch, args.heads, n, g)
+            slopes = torch.zeros(args.heads, device="cuda") if case == "ext" else None
+            call = lambda: op_fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0,  # noqa: E731
+                                  slopes, bias)
+            fwd = bench(call)
+            out, lse = call()
+            bwd = None if args.no_backward else bench(
+                lambda: op_bwd(do, q, k, v, out, lse, scale, False, True, None, None, True,
+                               None, -1, -1, 0.0, slopes, bias))
+            base_f = base_b = None
+            if bias is not None:
+                try:
+                    with C.sdpa_context(efficient):
+                        sdpa = lambda a, b_, c: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                            a, b_, c, attn_mask=bias, scale=scale)
+                        base_f, base_b = C.fwd_bwd_times(sdpa, qb, kb, vb, dob, bench,
+                                                         not args.no_backward)
+                except RuntimeError as e:
+                    print(f"mem-efficient failed at d={d} N={n} {case}: {str(e)[:120]}")
+            ratio = lambda a, b_: None if a is None or b_ is None else b_ / a  # noqa: E731
+            fb = None if bwd is None else fwd + bwd
+            base_fb = None if base_f is None or base_b is None else base_f + base_b
+            rec = dict(d=d, n=n, case=case, batch=args.batch, heads=args.heads,
+                       ours_fwd_ms=fwd, ours_bwd_ms=bwd, eff_fwd_ms=base_f, eff_bwd_ms=base_b,
+                       ours_fwd_tflops=C.tflops(flop, fwd),
+                       ours_bwd_tflops=C.tflops(2.5 * flop, bwd),
+                       fwd_speedup=ratio(fwd, base_f), fwd_bwd_speedup=ratio(fb, base_fb))
+            records.append(rec)
+            rows.append([f"d={d}", n, case, C.fmt(fwd, ".3f"),
+                         C.fmt(rec["ours_fwd_tflops"], ".1f"), C.fmt(base_f, ".3f"),
+                         C.fmt(rec["fwd_speedup"], ".2f") + "x", C.fmt(bwd, ".3f"),
+                         C.fmt(base_b, ".3f"), C.fmt(rec["fwd_bwd_speedup"], ".2f") + "x"])
+            print(rows[-1], flush=True)
+            bias = None  # free the N x N tensor before the next case
     head = (f"non-causal, fp16, B={args.batch}, H={args.heads}; ours = the op with attn_bias "
             f"(T4 plan), eff = torch SDPA memory-efficient with the same attn_mask; TF = "
             f"TFLOP/s; eff/ours = t_eff / t_ours, same run")

@@ -62,58 +62,49 @@ def main(argv=None) -> int:
     slopes = alibi_slopes(args.heads).cuda()
     bench = lambda fn: C.bench(fn, "cuda", args.warmup_ms, args.rep_ms)["ms"]  # noqa: E731
     rows, records = [], []
-    for d in args.d:
-        for n in args.n:
-            g = torch.Generator().manual_seed(n + d)
-            q, k, v, do = (torch.randn(args.batch, n, args.heads, d, generator=g)
-                           .to("cuda", torch.float16) for _ in range(4))
-            scale = d ** -0.5
-            flop = 2.0 * args.batch * args.heads * d * n * n
-            qb, kb, vb, dob = (t.transpose(1, 2) for t in (q, k, v, do))
-            for mod, cap, sl in (("plain", 0.0, None), ("softcap", GEMMA2_SOFTCAP, None),
-                                 ("alibi", 0.0, slopes)):
-                call = lambda: op_fwd(q, k, v, scale, True, True, None, None, -1, -1, cap, sl)  # noqa: E731
-                fwd = bench(call)
-                out, lse = call()
-                bwd = None if args.no_backward else bench(
-                    lambda: op_bwd(do, q, k, v, out, lse, scale, True, True, None, None, True,
-                                   None, -1, -1, cap, sl))
-                base_f = base_b = None
-                base_name = "-"
-                if not args.no_baselines and mod != "plain":
-                    try:
-                        if mod == "softcap":
-                            base_name = "eager"
-                            base = lambda a, b, c: eager_softcap(a, b, c, scale, cap)  # noqa: E731
-                            ctx = torch.enable_grad
-                        else:
-                            base_name = "eff+bias"
-                            bias = alibi_bias(slopes, n)
-                            base = lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                                a, b, c, attn_mask=bias)
-                            ctx = lambda: C.sdpa_context(efficient)  # noqa: E731
-                        with ctx():
-                            base_f = bench(lambda: base(qb, kb, vb))
-                            if not args.no_backward:
-                                qg, kg, vg = (t.detach().requires_grad_() for t in (qb, kb, vb))
-                                o = base(qg, kg, vg)
-                                base_b = bench(lambda: torch.autograd.grad(
-                                    o, (qg, kg, vg), dob, retain_graph=True))
-                                del o, qg, kg, vg
-                    except RuntimeError as e:  # out of memory for the N x N scores
-                        print(f"{base_name} failed at d={d} N={n}: {str(e)[:120]}")
-                rec = dict(d=d, n=n, mod=mod, ours_fwd_ms=fwd, ours_bwd_ms=bwd,
-                           baseline=base_name, baseline_fwd_ms=base_f, baseline_bwd_ms=base_b,
-                           ours_fwd_tflops=C.tflops(flop, fwd),
-                           ours_bwd_tflops=C.tflops(2.5 * flop, bwd))
-                records.append(rec)
-                ratio = lambda a, b: None if a is None or b is None else b / a  # noqa: E731
-                rows.append([f"d={d}", n, mod, C.fmt(fwd, ".3f"),
-                             C.fmt(rec["ours_fwd_tflops"], ".1f"), C.fmt(bwd, ".3f"),
-                             C.fmt(rec["ours_bwd_tflops"], ".1f"), base_name,
-                             C.fmt(base_f, ".3f"), C.fmt(ratio(fwd, base_f), ".2f") + "x",
-                             C.fmt(base_b, ".3f"), C.fmt(ratio(bwd, base_b), ".2f") + "x"])
-                print(rows[-1], flush=True)
+    for d, n, g, q, k, v, do in C.table_problems(args):
+        scale = d ** -0.5
+        flop = 2.0 * args.batch * args.heads * d * n * n
+        qb, kb, vb, dob = (t.transpose(1, 2) for t in (q, k, v, do))
+        for mod, cap, sl in (("plain", 0.0, None), ("softcap", GEMMA2_SOFTCAP, None),
+                             ("alibi", 0.0, slopes)):
+            call = lambda: op_fwd(q, k, v, scale, True, True, None, None, -1, -1, cap, sl)  # noqa: E731
+            fwd = bench(call)
+            out, lse = call()
+            bwd = None if args.no_backward else bench(
+                lambda: op_bwd(do, q, k, v, out, lse, scale, True, True, None, None, True,
+                               None, -1, -1, cap, sl))
+            base_f = base_b = None
+            base_name = "-"
+            if not args.no_baselines and mod != "plain":
+                try:
+                    if mod == "softcap":
+                        base_name = "eager"
+                        base = lambda a, b, c: eager_softcap(a, b, c, scale, cap)  # noqa: E731
+                        ctx = torch.enable_grad
+                    else:
+                        base_name = "eff+bias"
+                        bias = alibi_bias(slopes, n)
+                        base = lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                            a, b, c, attn_mask=bias)
+                        ctx = lambda: C.sdpa_context(efficient)  # noqa: E731
+                    with ctx():
+                        base_f, base_b = C.fwd_bwd_times(base, qb, kb, vb, dob, bench,
+                                                         not args.no_backward)
+                except RuntimeError as e:  # out of memory for the N x N scores
+                    print(f"{base_name} failed at d={d} N={n}: {str(e)[:120]}")
+            rec = dict(d=d, n=n, mod=mod, ours_fwd_ms=fwd, ours_bwd_ms=bwd,
+                       baseline=base_name, baseline_fwd_ms=base_f, baseline_bwd_ms=base_b,
+                       ours_fwd_tflops=C.tflops(flop, fwd),
+                       ours_bwd_tflops=C.tflops(2.5 * flop, bwd))
+            records.append(rec)
+            ratio = lambda a, b: None if a is None or b is None else b / a  # noqa: E731
+            rows.append([f"d={d}", n, mod, C.fmt(fwd, ".3f"),
+                         C.fmt(rec["ours_fwd_tflops"], ".1f"), C.fmt(bwd, ".3f"),
+                         C.fmt(rec["ours_bwd_tflops"], ".1f"), base_name,
+                         C.fmt(base_f, ".3f"), C.fmt(ratio(fwd, base_f), ".2f") + "x",
+                         C.fmt(base_b, ".3f"), C.fmt(ratio(bwd, base_b), ".2f") + "x"])
+            print(rows[-1], flush=True)
     head = (f"causal, fp16, B={args.batch}, H={args.heads}; softcap = {GEMMA2_SOFTCAP:g} "
             f"(Gemma 2), alibi = BLOOM's slopes; TF = TFLOP/s; baseline: 'eager' = transformers' "
             f"eager attention (what Gemma 2 runs with a softcap), 'eff+bias' = SDPA mem-efficient "

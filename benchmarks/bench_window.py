@@ -49,37 +49,33 @@ def main(argv=None) -> int:
         return 2
     op_fwd, op_bwd, efficient, env = setup
     rows, records = [], []
-    for d in args.d:
-        for n in args.n:
-            g = torch.Generator().manual_seed(n + d)
-            q, k, v, do = (torch.randn(args.batch, n, args.heads, d, generator=g)
-                           .to("cuda", torch.float16) for _ in range(4))
-            scale = d ** -0.5
-            for window in [None] + [w for w in args.window if w < n]:
-                ws = (-1, -1) if window is None else (window - 1, 0)
-                pairs = visible_pairs(n, window)
-                flop = 4.0 * args.batch * args.heads * d * pairs
-                fwd = C.bench(lambda: op_fwd(q, k, v, scale, True, True, None, None, *ws), "cuda",
-                              args.warmup_ms, args.rep_ms)["ms"]
-                out, lse = op_fwd(q, k, v, scale, True, True, None, None, *ws)
-                bwd = None if args.no_backward else C.bench(
-                    lambda: op_bwd(do, q, k, v, out, lse, scale, True, True, None, None, True,
-                                   None, *ws), "cuda", args.warmup_ms, args.rep_ms)["ms"]
-                qb, kb, vb, dob = (t.transpose(1, 2) for t in (q, k, v, do))
-                eff_f, eff_b = C.sdpa_fwd_bwd(efficient, qb, kb, vb, dob, args.warmup_ms,
-                                              args.rep_ms, backward=not args.no_backward,
-                                              attn_mask=band_mask(n, window, "cuda"))
-                rec = dict(d=d, n=n, window=window, pairs=pairs, ours_fwd_ms=fwd,
-                           ours_bwd_ms=bwd, efficient_fwd_ms=eff_f, efficient_bwd_ms=eff_b,
-                           ours_fwd_tflops=C.tflops(flop, fwd),
-                           ours_bwd_tflops=C.tflops(2.5 * flop, bwd))
-                records.append(rec)
-                rows.append([f"d={d}", n, "-" if window is None else window,
-                             C.fmt(fwd, ".3f"), C.fmt(rec["ours_fwd_tflops"], ".1f"),
-                             C.fmt(eff_f, ".3f"), C.fmt_speedup(fwd, eff_f),
-                             C.fmt(bwd, ".3f"), C.fmt(rec["ours_bwd_tflops"], ".1f"),
-                             C.fmt(eff_b, ".3f"), C.fmt_speedup(bwd, eff_b)])
-                print(rows[-1], flush=True)
+    for d, n, g, q, k, v, do in C.table_problems(args):
+        scale = d ** -0.5
+        for window in [None] + [w for w in args.window if w < n]:
+            ws = (-1, -1) if window is None else (window - 1, 0)
+            pairs = visible_pairs(n, window)
+            flop = 4.0 * args.batch * args.heads * d * pairs
+            fwd = C.bench(lambda: op_fwd(q, k, v, scale, True, True, None, None, *ws), "cuda",
+                          args.warmup_ms, args.rep_ms)["ms"]
+            out, lse = op_fwd(q, k, v, scale, True, True, None, None, *ws)
+            bwd = None if args.no_backward else C.bench(
+                lambda: op_bwd(do, q, k, v, out, lse, scale, True, True, None, None, True,
+                               None, *ws), "cuda", args.warmup_ms, args.rep_ms)["ms"]
+            qb, kb, vb, dob = (t.transpose(1, 2) for t in (q, k, v, do))
+            eff_f, eff_b = C.sdpa_fwd_bwd(efficient, qb, kb, vb, dob, args.warmup_ms,
+                                          args.rep_ms, backward=not args.no_backward,
+                                          attn_mask=band_mask(n, window, "cuda"))
+            rec = dict(d=d, n=n, window=window, pairs=pairs, ours_fwd_ms=fwd,
+                       ours_bwd_ms=bwd, efficient_fwd_ms=eff_f, efficient_bwd_ms=eff_b,
+                       ours_fwd_tflops=C.tflops(flop, fwd),
+                       ours_bwd_tflops=C.tflops(2.5 * flop, bwd))
+            records.append(rec)
+            rows.append([f"d={d}", n, "-" if window is None else window,
+                         C.fmt(fwd, ".3f"), C.fmt(rec["ours_fwd_tflops"], ".1f"),
+                         C.fmt(eff_f, ".3f"), C.fmt_speedup(fwd, eff_f),
+                         C.fmt(bwd, ".3f"), C.fmt(rec["ours_bwd_tflops"], ".1f"),
+                         C.fmt(eff_b, ".3f"), C.fmt_speedup(bwd, eff_b)])
+            print(rows[-1], flush=True)
     head = (f"causal sliding window, fp16, B={args.batch}, H={args.heads}; window W = "
             f"window_size (W - 1, 0), '-' = no window; TF = TFLOP/s over visible pairs; eff = "
             f"SDPA mem-efficient with the band as a bool mask, same run; eff/ours = t_eff / t_ours")
