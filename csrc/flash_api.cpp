@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
@@ -253,14 +254,17 @@ void set_params_bias(Flash_fwd_params& params, const at::Tensor& view, double so
     default: params.bias_kind = 4; break;  // float32 (check_attn_bias)
   }
   params.bias_scale = static_cast<float>(1.0 / softmax_scale);
+  params.bias_raw_max =
+      static_cast<float>(FLT_MAX / (2.0 * std::max(1.0, softmax_scale * M_LOG2E)));
   params.bias_batch_stride = view.stride(0);
   params.bias_head_stride = view.stride(1);
   params.bias_row_stride = view.stride(2);
   params.bias_col_stride = view.stride(3);
   const int64_t pair_bytes = 2 * static_cast<int64_t>(view.element_size());
-  params.bias_pairs = view.stride(3) == 1 && view.stride(0) % 2 == 0 && view.stride(1) % 2 == 0 &&
-                      view.stride(2) % 2 == 0 &&
-                      reinterpret_cast<uintptr_t>(view.data_ptr()) % pair_bytes == 0;
+  bool pairs = view.stride(3) == 1 &&
+               reinterpret_cast<uintptr_t>(view.data_ptr()) % pair_bytes == 0;
+  for (int i = 0; i < 3; ++i) pairs = pairs && (view.size(i) == 1 || view.stride(i) % 2 == 0);
+  params.bias_pairs = pairs;
 }
 
 at::Tensor cpu_bias(const at::Tensor& view) {

@@ -266,9 +266,9 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     added to the scaled scores in fp32), on q's device, of a shape that broadcasts to
     ``(batch, num_heads, seqlen_q, seqlen_k)`` as torch broadcasts (1-D to 4-D, trailing
     dimensions aligned, each of that size or 1), whose ``(seqlen_q, seqlen_k)`` slice spans
-    fewer than 2^31 elements through its strides. ``backward`` (a gradient will flow to q, k or
-    v): also no softcap with it, head_dim at most :data:`BIAS_BACKWARD_MAX_HEAD_DIM`, and the
-    bias itself not requiring grad (no bias gradient). ``name``: the argument as the door calls
+    at most 2^31 elements through its strides, and not requiring grad while grad mode is on (no
+    bias gradient). ``backward`` (a gradient will flow to q, k or v): also no softcap with it and
+    head_dim at most :data:`BIAS_BACKWARD_MAX_HEAD_DIM`. ``name``: the argument as the door calls
     it (``attn_mask`` in the SDPA wrapper). The C++ op checks the same (``check_attn_bias``,
     ``check_bias_backward``), except the gradient rule (``_ops.call_fwd`` states it)."""
     b = attn_bias
@@ -296,12 +296,12 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     rs = st[-2] if b.dim() >= 2 and b.shape[-2] != 1 else 0
     cs = st[-1] if b.shape[-1] != 1 else 0
     extent = (target[2] - 1) * rs + (target[3] - 1) * cs
-    if extent > MAX_EXTENT - 1 or rs < 0 or cs < 0:
+    if extent > MAX_EXTENT or rs < 0 or cs < 0:
         return (f"{name}'s (batch, head) slice spans {extent + 1} elements through its strides; "
                 f"the kernels address fewer than 2^31")
+    if b.requires_grad and torch.is_grad_enabled():
+        return _BIAS_GRAD.replace("attn_bias", name)
     if backward:
-        if b.requires_grad and torch.is_grad_enabled():
-            return _BIAS_GRAD.replace("attn_bias", name)
         if softcap:
             return (f"{name} with softcap has no backward here (softcap = {softcap}); pass "
                     f"softcap=0 or no {name}")

@@ -211,6 +211,13 @@ def test_bias_checks_name_the_argument():
         "attn_bias of shape [4, 7] does not broadcast")
     assert "head_dim 136" in _rules.attn_bias_problem(good[:3], q2, 3, backward=True)
     assert _rules.attn_bias_problem(good[:3], q2, 3) is None  # forward only: fine
+    # a slice of exactly 2^31 - 1 addressable elements passes (int32 offsets), one more does not
+    # (meta tensors: strides without memory)
+    qm = torch.empty(2, 5, 4, 16, dtype=torch.float16, device="meta")
+    big = torch.empty_strided((2, 1, 5, 7), (0, 0, 0, (2**31 - 1) // 6), device="meta")
+    assert _rules.attn_bias_problem(big, qm, 7) is None
+    bigger = torch.empty_strided((2, 1, 5, 7), (0, 0, 0, (2**31 - 1) // 6 + 1), device="meta")
+    assert "spans" in _rules.attn_bias_problem(bigger, qm, 7)
 
 
 def test_a_bias_that_requires_grad_is_refused_not_silently_zero():
@@ -400,3 +407,50 @@ def test_gpu_sdpa_wrapper_training_with_a_mask_matches_torch():
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
     for a, b in zip(got, refs):
         torch.testing.assert_close(a.double(), b, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_nan_bias_where_the_band_hides_keys_is_never_read_into_the_result(d):
+    # The mask wins over the bias at hidden positions (forward and both backward kernels): a
+    # bias buffer with garbage above the causal diagonal gives the result of a clean one.
+    q, k, v = qkv(2, 70, 90, 4, 2, d, "cuda", seed=61)
+    bias = make_bias("b1qk", torch.float16, 2, 4, 70, 90, "cuda", seed=62)
+    hidden = torch.ones(70, 90, dtype=torch.bool, device="cuda").triu(90 - 70 + 1)
+    dirty = bias.masked_fill(hidden, float("nan"))
+    clean = bias.masked_fill(hidden, 0.0)
+    for deterministic in (False, True):
+        with dq_mode("separate" if deterministic else "atomic"):
+            outs = []
+            for b_ in (dirty, clean):
+                out, lse = ops.fwd(q, k, v, None, True, True, None, None, -1, -1, 0.0, None, b_)
+                do = torch.ones_like(out)
+                grads = ops.bwd(do, q, k, v, out, lse, d ** -0.5, True, True, None, None,
+                                deterministic, None, -1, -1, 0.0, None, b_)
+                outs.append((out, lse) + tuple(grads))
+        for a, b_ in zip(*outs):
+            assert torch.isfinite(a).all() and torch.equal(a, b_)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scale", [0.125, 1.0, 4.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_dtype_minimum_rows_stay_finite_at_any_scale(scale, dtype):
+    # raw = bias / scale, and exponents take raw * scale * log2(e): at scale >= ln 2 a raw value
+    # clamped only at FLT_MAX would overflow there (inf - inf = NaN). T5 runs at scale 1.
+    q, k, v = qkv(2, 40, 60, 2, 2, 64, "cuda", seed=63)
+    mask = torch.ones(2, 1, 40, 60, dtype=torch.bool, device="cuda")
+    mask[0, :, 5] = False
+    bias = torch.zeros(mask.shape, dtype=dtype, device="cuda").masked_fill(
+        ~mask, torch.finfo(dtype).min)
+    out, lse = ops.fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0, None, bias)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    # the hidden row averages V (every score equal after the minimum), as torch's softmax
+    vmean = v.float().mean(1)[0]  # (h, d)
+    torch.testing.assert_close(out[0, 5].float(), vmean, atol=2e-3, rtol=0)
+    do = torch.randn_like(out)
+    grads = ops.bwd(do, q, k, v, out, lse, scale, False, True, None, None, True, None, -1, -1,
+                    0.0, None, bias)
+    assert all(torch.isfinite(g).all() for g in grads)

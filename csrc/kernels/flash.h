@@ -133,6 +133,10 @@ struct Flash_fwd_params {
   // Columns contiguous (bias_col_stride 1) and every even element 2-element aligned: the
   // forward reads pairs of columns with one load.
   int bias_pairs = 0;
+  // The largest magnitude of a finite bias in raw units: FLT_MAX / (2 max(1, scale_softmax_log2)),
+  // so that raw * scale_softmax_log2 (the exponents' units) and sums of two such values stay
+  // finite (bias_to_raw clamps to it).
+  float bias_raw_max = 1.7014117e38f;
 };
 
 // The largest head dim (bucket) whose backward kernels read an attention bias (the d = 256

@@ -19,6 +19,12 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
         "flash_attention_sm75: the backward kernels above head_dim 128 take no packed "
         "sequences (internal error: the caller must pad them)");
   }
+  // Nor an attention bias (kBwdBiasMaxHeadDim: the dK/dV kernel does not read it there).
+  if (head_dim_bucket(params.d) > kBwdBiasMaxHeadDim && params.bias_ptr != nullptr) {
+    throw std::invalid_argument(
+        "flash_attention_sm75: attn_bias has no backward above head_dim 128 (internal error: "
+        "the caller must refuse it)");
+  }
   HEADDIM_SWITCH(params.d, [&] {
     BOOL_SWITCH(needs_ext(params), Is_ext, [&] {
       if (has_window_lower(params)) return run_mha_bwd_<kHeadDim, true, true, Is_ext>(params, stream);

@@ -228,26 +228,12 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
                                         int causal_offset, int window_lower,
                                         const ScoreMod& smod, const Flash_fwd_params& params) {
   if constexpr (Is_ext) {
-    // Masked scores -> -inf first, in a loop of their own: with the ALiBi arithmetic in the same
-    // loop the d = 256 local kernel spilled (255 registers). A masked score's derivative is
-    // clamped to 0 (1 - inf^2), so P * derivative is 0, not 0 * -inf.
-    if (need_mask) {
-#pragma unroll
-      for (int nt = 0; nt < kWC / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key_g + (e >= 2 ? 8 : 0);
-          const int query = m0 + qc0 + 8 * nt + 2 * t + (e & 1);
-          if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) {
-            acc_s[nt][e] = -INFINITY;
-          }
-        }
-      }
-    }
-    // The bias, also in a loop of its own (in the main loop the d = 96 / 128 / 256 kernels
-    // spilled). Added before the softcap's derivative is read back from acc_s, so the host
-    // refuses a softcap with a bias in the backward. Not in the d = 256 kernel (32 bytes of
-    // spill even here): the host refuses a bias's backward there (kBwdBiasMaxHeadDim).
+    // The bias first, in a loop of its own (in the main loop the d = 96 / 128 / 256 kernels
+    // spilled), so that the mask below overwrites what it hides (a NaN or +inf bias at a hidden
+    // position must not survive as -inf + NaN, as the forward's mask overwrites it too). Added
+    // before the softcap's derivative is read back from acc_s, so the host refuses a softcap
+    // with a bias in the backward. Not in the d = 256 kernel (32 bytes of spill even here): the
+    // host refuses a bias's backward there (kBwdBiasMaxHeadDim).
     if (Has_bias && params.bias_ptr != nullptr) {
       const int rs = static_cast<int>(params.bias_row_stride);
       const int cs = static_cast<int>(params.bias_col_stride);
@@ -267,6 +253,22 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
           }
         }
       });
+    }
+    // Masked scores -> -inf, in a loop of their own: with the ALiBi arithmetic in the same
+    // loop the d = 256 local kernel spilled (255 registers). A masked score's derivative is
+    // clamped to 0 (1 - inf^2), so P * derivative is 0, not 0 * -inf.
+    if (need_mask) {
+#pragma unroll
+      for (int nt = 0; nt < kWC / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_g + (e >= 2 ? 8 : 0);
+          const int query = m0 + qc0 + 8 * nt + 2 * t + (e & 1);
+          if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) {
+            acc_s[nt][e] = -INFINITY;
+          }
+        }
+      }
     }
   }
 #pragma unroll

@@ -42,14 +42,16 @@ struct ScoreMod {
 // params.bias_kind: how the kernels read attn_bias (flash.h).
 enum BiasKind : int { kBiasNone = 0, kBiasBool = 1, kBiasHalf = 2, kBiasBf16 = 3, kBiasFloat = 4 };
 
-// A value b of the bias in raw-score units (b / scale). A finite bias whose raw value overflows
-// fp32 (a dtype-minimum padding mask, bias_scale > 1) is kept finite (+-FLT_MAX): torch's
-// softmax of finite scores is finite, and a row of only such keys averages them as torch does,
-// where -inf would give an empty row. -inf, +inf and NaN pass through as in torch.
+// A value b of the bias in raw-score units (b / scale). A finite bias whose raw value is too
+// large for the exponents' arithmetic (a dtype-minimum padding mask: fp32's -3.4e38 / scale
+// overflows, and raw * scale * log2(e) must stay finite too) is clamped to +-bias_raw_max:
+// torch's softmax of finite scores is finite, and a row of only such keys averages them as
+// torch does, where -inf would give an empty row (or inf - inf = NaN). -inf, +inf and NaN pass
+// through as in torch.
 template <int Kind>
 __device__ __forceinline__ float bias_to_raw(const Flash_fwd_params& p, float b) {
   const float v = b * p.bias_scale;
-  return (fabsf(v) == INFINITY && fabsf(b) != INFINITY) ? copysignf(FLT_MAX, v) : v;
+  return (fabsf(v) > p.bias_raw_max && fabsf(b) != INFINITY) ? copysignf(p.bias_raw_max, v) : v;
 }
 
 // Element `off` of the bias in raw-score units: a bool mask gives 0 (attend) or -inf.

@@ -747,6 +747,8 @@ def _position_bias_attention(fallback, module, query, key, value, attention_mask
     to ``fallback`` with the original arguments."""
     reason = _unsupported_reason(module, query, key, value, attention_mask,
                                  dict(bound, position_bias=None), kwargs, softcap)
+    if reason is None and query.shape[2] == 1 and not _SETTINGS["decode_on_kernel"]:
+        reason = "decode (q_len == 1) is configured to use torch SDPA"
     if reason is None:
         try:
             from transformers.integrations.sdpa_attention import create_position_bias_mask
@@ -1007,8 +1009,13 @@ def _decision_key(module, query, key, value, attention_mask, args, kwargs,
         grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                             or value.requires_grad)
         # stride() raises for nested and sparse tensors: the full path words their reason.
+        # The softcap: a bias plan's backward rule reads it (a float as transformers passes
+        # it; anything else takes the full path).
+        softcap = get("softcap")
+        if softcap is not None and type(softcap) is not float:
+            return None
         memo = (flash_semantics, _SETTINGS["decode_on_kernel"], _SETTINGS["allow_cpu_reference"],
-                window, is_causal, groups, mask, grad,
+                window, is_causal, groups, mask, grad, softcap,
                 qs, query.stride(), query.dtype, query.device,
                 key.shape, key.stride(), key.dtype, key.device,
                 value.shape, value.stride(), value.dtype, value.device)

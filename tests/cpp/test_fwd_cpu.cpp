@@ -205,7 +205,8 @@ using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::T
                                                   const at::Tensor&, std::optional<double>, bool,
                                                   bool, const std::optional<at::Tensor>&,
                                                   const std::optional<at::Tensor>&, int64_t,
-                                                  int64_t, double, const std::optional<at::Tensor>&);
+                                                  int64_t, double, const std::optional<at::Tensor>&,
+                                                  const std::optional<at::Tensor>&);
 
 TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   auto op = c10::Dispatcher::singleton()
@@ -216,7 +217,8 @@ TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   EXPECT_NE(schema.find("bool causal_bottom_right=True"), std::string::npos) << schema;
   EXPECT_NE(schema.find("int window_size_left=-1, int window_size_right=-1"), std::string::npos)
       << schema;
-  EXPECT_NE(schema.find("float softcap=0., Tensor? alibi_slopes=None"), std::string::npos)
+  EXPECT_NE(schema.find("float softcap=0., Tensor? alibi_slopes=None, Tensor? attn_bias=None"),
+            std::string::npos)
       << schema;
   EXPECT_NE(schema.find("-> (Tensor out, Tensor softmax_lse)"), std::string::npos) << schema;
 
@@ -225,7 +227,7 @@ TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   c.seqused = {21, 15};
   auto in = make_inputs(c);
   auto [out, lse] = op.call(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right, in.leftpad_k,
-                            in.seqused_k, 5, -1, 0.0, std::nullopt);
+                            in.seqused_k, 5, -1, 0.0, std::nullopt, std::nullopt);
   auto [want_out, want_lse] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, c.is_causal, c.bottom_right,
                                           in.leftpad_k, in.seqused_k, 5, -1);
   EXPECT_TRUE(at::equal(out, want_out));
@@ -294,3 +296,31 @@ TEST(FwdOp, ScoreModsOnTheCpuReference) {
 
 }  // namespace
 }  // namespace flash_sm75
+
+// attn_bias: a boolean mask that is a key range per batch row gives the key range's result, and
+// an additive bias of 0 / -inf the boolean mask's (the CPU reference; the kernels are compared
+// with it in tests/test_attn_bias.py).
+TEST(FwdCpuBias, KeyRangeMaskEqualsKeyRangeAndAdditiveEqualsBool) {
+  AttnCase c = mk(2, 10, 21, 4, 2, 64, false);
+  c.leftpad = {2, 0};
+  c.seqused = {21, 15};
+  auto in = make_inputs(c);
+  auto [want, want_lse] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, false, true, in.leftpad_k,
+                                      in.seqused_k);
+  const at::Tensor j = at::arange(21, at::TensorOptions().dtype(at::kInt)).view({1, 1, 1, 21});
+  const at::Tensor mask =
+      j.ge(in.leftpad_k->view({2, 1, 1, 1})).logical_and(j.lt(in.seqused_k->view({2, 1, 1, 1})));
+  auto [out, lse] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, false, true, std::nullopt,
+                                std::nullopt, -1, -1, 0.0, std::nullopt, mask);
+  EXPECT_TRUE(at::allclose(out.to(at::kFloat), want.to(at::kFloat), 0, 1e-3));
+  EXPECT_TRUE(at::allclose(lse, want_lse, 0, 1e-5));
+  const at::Tensor add = at::zeros({2, 1, 1, 21}).masked_fill(mask.logical_not(), -INFINITY);
+  auto [out2, lse2] = mha_fwd_cpu(in.q, in.k, in.v, c.scale, false, true, std::nullopt,
+                                  std::nullopt, -1, -1, 0.0, std::nullopt, add);
+  EXPECT_TRUE(at::equal(out2, out));
+  EXPECT_TRUE(at::allclose(lse2, lse, 0, 1e-6));
+  // A shape that does not broadcast: ValueError naming attn_bias, before anything runs.
+  EXPECT_THROW(mha_fwd_cpu(in.q, in.k, in.v, c.scale, false, true, std::nullopt, std::nullopt,
+                           -1, -1, 0.0, std::nullopt, at::zeros({3, 21})),
+               c10::ValueError);
+}

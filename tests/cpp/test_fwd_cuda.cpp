@@ -101,7 +101,8 @@ TEST(FwdCudaOp, DispatcherRoutesCudaTensorsToTheKernel) {
                                                  const at::Tensor&, std::optional<double>, bool,
                                                  bool, const std::optional<at::Tensor>&,
                                                  const std::optional<at::Tensor>&, int64_t,
-                                                 int64_t, double, const std::optional<at::Tensor>&);
+                                                 int64_t, double, const std::optional<at::Tensor>&,
+                                                 const std::optional<at::Tensor>&);
   auto op = c10::Dispatcher::singleton()
                 .findSchemaOrThrow("flash_attention_sm75::fwd", "")
                 .typed<Sig>();
@@ -109,7 +110,7 @@ TEST(FwdCudaOp, DispatcherRoutesCudaTensorsToTheKernel) {
   c.b = 1, c.sq = 64, c.sk = 64, c.h = 2, c.hk = 2, c.d = 64;
   auto in = make_inputs(c, at::Device(at::kCUDA, 0));
   auto [out, lse] = op.call(in.q, in.k, in.v, std::nullopt, false, true, std::nullopt,
-                            std::nullopt, -1, -1, 0.0, std::nullopt);
+                            std::nullopt, -1, -1, 0.0, std::nullopt, std::nullopt);
   auto [want_out, want_lse] = mha_fwd(in.q, in.k, in.v, std::nullopt, false, true, std::nullopt,
                                       std::nullopt);
   EXPECT_TRUE(out.is_cuda());

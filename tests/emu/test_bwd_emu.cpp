@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cfloat>
 #include <climits>
 #include <string>
 #include <cstring>
@@ -85,6 +86,11 @@ struct Case {
   float softcap = 0.f;    // score mods (score_mod.h): softcap > 0, ALiBi slopes per (b, h)
   bool alibi = false;
   int bias = 0;           // attn_bias kind (score_mod.h BiasKind; 0 none), (B, 1, Sq, Sk)
+  // Bias edge cases: NaN where the band hides a key (the mask must win), and every key of
+  // batch 0's row 1 at the kind's minimum (a finite "dtype minimum" row).
+  bool bias_edges = false;
+  double scale = 0;       // softmax_scale; 0: 1 / sqrt(d)
+  double softmax_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(double(d)); }
   bool score_mod() const { return softcap > 0 || alibi || bias != 0; }
   // The diagonal band the host gives the kernels (set_params_fprop): causal and / or window.
   bool banded() const { return causal || wl >= 0 || wr >= 0; }
@@ -287,12 +293,18 @@ struct Bias {
   Bias(const Case& c) : kind(c.bias), sq(c.sq), sk(c.sk) {
     if (!kind) return;
     bytes.assign(size_t(c.b) * sq * sk * elsize(kind), 0);
+    const BandDiagonals band = c.band();
+    const float kind_min = kind == 2 ? -65504.f : kind == 3 ? -3.3895314e38f : -FLT_MAX;
     for (int b = 0; b < c.b; ++b)
       for (int i = 0; i < sq; ++i)
         for (int j = 0; j < sk; ++j) {
           const uint32_t hsh = uint32_t(b) * 2654435761u ^ uint32_t(i) * 40503u ^ uint32_t(j) * 2246822519u;
           const bool hidden = j > 0 && hsh % 7 == 0;
-          const float val = hidden ? -INFINITY : (float(hsh % 23) - 11.f) * 0.2f;
+          float val = hidden ? -INFINITY : (float(hsh % 23) - 11.f) * 0.2f;
+          if (c.bias_edges && kind != 1) {
+            if (c.banded() && !(j <= i + band.upper && j >= i + band.lower)) val = NAN;
+            if (b == 0 && i == 1) val = kind_min;
+          }
           unsigned char* e = bytes.data() + ((size_t(b) * sq + i) * sk + j) * elsize(kind);
           if (kind == 1) {
             *e = hidden ? 0 : 1;
@@ -338,6 +350,7 @@ struct Bias {
     p.bias_batch_stride = int64_t(sq) * sk, p.bias_head_stride = 0;
     p.bias_row_stride = sk, p.bias_col_stride = 1;
     p.bias_pairs = sk % 2 == 0;  // std::vector's storage is aligned far beyond 8 bytes
+    p.bias_raw_max = float(FLT_MAX / (2.0 * std::max(1.0, scale * M_LOG2E)));
   }
 };
 
@@ -382,7 +395,9 @@ double reference_row(const HTensor& q, const HTensor& k, int b, int i, int h, in
   for (int j = 0; j < Sk; ++j) l += std::isinf(s[j]) ? 0.0 : std::exp(s[j] - mx);
   const double lse = l > 0 ? mx + std::log(l) : -INFINITY;
   p.assign(Sk, 0.0);
-  for (int j = 0; j < Sk; ++j) p[j] = l > 0 && !std::isinf(s[j]) ? std::exp(s[j] - lse) : 0.0;
+  // exp(s - max) / sum, not exp(s - lse): where max is huge (a dtype-minimum bias row,
+  // -3.4e38) lse rounds back to max and every p would be 1.
+  for (int j = 0; j < Sk; ++j) p[j] = l > 0 && !std::isinf(s[j]) ? std::exp(s[j] - mx) / l : 0.0;
   return lse;
 }
 
@@ -391,7 +406,7 @@ Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const H
                       const HTensor& out, const std::vector<float>& lse, const std::vector<int>& lp,
                       const std::vector<int>& su, bool verbose) {
   const int B = c.b, Sq = c.sq, Sk = c.sk, H = c.h, Hk = c.hk, D = c.d;
-  const double scale = 1.0 / std::sqrt(double(D));
+  const double scale = c.softmax_scale();
   const int off = causal_offset(Sq, Sk, c.bottom_right);
   Errors e_o, e_lse;
   bool lse_inf_ok = true;
@@ -404,6 +419,7 @@ Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const H
         const double lse_ref = reference_row(q, k, b, i, h, hk, kr, c, off, scale, prob);
         const float lse_got = lse[(size_t(b) * H + h) * Sq + i];
         if (std::isinf(lse_ref)) lse_inf_ok = lse_inf_ok && std::isinf(lse_got) && lse_got < 0;
+        else if (lse_ref < -1e30) lse_inf_ok = lse_inf_ok && lse_got < -1e30f && std::isfinite(lse_got);
         else e_lse.add(lse_got, lse_ref);
         for (int x = 0; x < D; ++x) {
           double o = 0;
@@ -413,7 +429,7 @@ Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const H
       }
     }
   }
-  const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && lse_inf_ok;
+  const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(2e-7, 2e-3) && lse_inf_ok;
   if (verbose || !ok) {
     std::printf(
         "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d bias=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d fwd only | "
@@ -442,7 +458,7 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
     su[b] = c.use_su ? std::max(lp[b], Sk - u(rng) / 2) : Sk;
   }
   if (c.use_lp && B > 1) lp[B - 1] = Sk;  // one batch entry with no visible key at all
-  const double scale = 1.0 / std::sqrt(double(D));
+  const double scale = c.softmax_scale();
 
   // ---- forward on the emulator
   HTensor out = make_tensor(B, Sq, H, D, 0);
@@ -520,6 +536,8 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
         const float lse_got = lse[(size_t(b) * H + h) * Sq + i];
         if (std::isinf(lse_ref)) {
           lse_inf_ok = lse_inf_ok && std::isinf(lse_got) && lse_got < 0;
+        } else if (lse_ref < -1e30) {  // a dtype-minimum row: the kernel's LSE is the clamped one
+          lse_inf_ok = lse_inf_ok && lse_got < -1e30f && std::isfinite(lse_got);
         } else {
           e_lse.add(lse_got, lse_ref);
         }
@@ -564,7 +582,7 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
           if ((j < kr.key_start || j >= kr.key_end) && (gk != 0.f || gv != 0.f)) masked_zero_ok = false;
         }
   }
-  const bool fwd_ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && lse_inf_ok;
+  const bool fwd_ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(2e-7, 2e-3) && lse_inf_ok;
   const bool ok = fwd_ok && (c.fwd_only || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) &&
                                             e_dv.ok(1e-2, 2e-3) && masked_zero_ok));
   if ((verbose || !ok) && c.fwd_only) {
@@ -802,7 +820,7 @@ bool run_varlen_case(const VarlenCase& vc) {
       for (int x = 0; x < D; ++x)
         untouched_ok = untouched_ok && dk.get(0, t, h, x) == 0.f && dv.get(0, t, h, x) == 0.f;
   }
-  const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(0, 2e-3) && inf_ok && untouched_ok &&
+  const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(2e-7, 2e-3) && inf_ok && untouched_ok &&
                   (!bwd || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) && e_dv.ok(1e-2, 2e-3)));
   std::printf("%s varlen b=%d max_q=%d max_k=%d h=%d hk=%d d=%d causal=%d w=(%d,%d) cap=%g alibi=%d su=%d "
               "atomic=%d | o %.2e/%.2e lse %.2e inf_ok=%d untouched=%d | dq %.2e/%.2e dk %.2e/%.2e "
@@ -1446,6 +1464,14 @@ int main(int argc, char** argv) {
       addb(2, 90, 131, 4, 2, d, false, 2, false, 3);
       addb(1, 200, 200, 2, 2, d, true, 0, d == 64, 4);
       addb(2, 1, 600, 6, 2, d, false, 2, false, 2);  // decode, splits
+      // NaN under the causal mask, a dtype-minimum row, softmax_scale 1 (T5's): raw * scale *
+      // log2(e) must stay finite there
+      for (int kind : {2, 4}) {
+        addb(2, 70, 90, 2, 1, d, true, 0, d == 64, kind);
+        cases.back().bias_edges = true;
+        addb(2, 70, 90, 2, 2, d, false, 1, false, kind);
+        cases.back().bias_edges = true, cases.back().scale = 1.0;
+      }
     }
     // quick (CI, 2 cores): d = 64 only; the emulator's d = 256 cases take minutes.
     const std::vector<int> dims = mode == "quick" ? std::vector<int>{64}
