@@ -86,9 +86,10 @@ struct Case {
   float softcap = 0.f;    // score mods (score_mod.h): softcap > 0, ALiBi slopes per (b, h)
   bool alibi = false;
   int bias = 0;           // attn_bias kind (score_mod.h BiasKind; 0 none), (B, 1, Sq, Sk)
-  // Bias edge cases: NaN where the band hides a key (the mask must win), and every key of
-  // batch 0's row 1 at the kind's minimum (a finite "dtype minimum" row).
-  bool bias_edges = false;
+  // Bias edge cases: NaN where the band hides a key (the mask must win); every key of batch 0's
+  // row 1 at the kind's minimum (a finite "dtype minimum" row; forward only: the backward
+  // recomputes P from an LSE that has lost log(n) next to -3.4e38, as torch's fused kernels do).
+  bool bias_nan_hidden = false, bias_min_row = false;
   double scale = 0;       // softmax_scale; 0: 1 / sqrt(d)
   double softmax_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(double(d)); }
   bool score_mod() const { return softcap > 0 || alibi || bias != 0; }
@@ -301,10 +302,11 @@ struct Bias {
           const uint32_t hsh = uint32_t(b) * 2654435761u ^ uint32_t(i) * 40503u ^ uint32_t(j) * 2246822519u;
           const bool hidden = j > 0 && hsh % 7 == 0;
           float val = hidden ? -INFINITY : (float(hsh % 23) - 11.f) * 0.2f;
-          if (c.bias_edges && kind != 1) {
-            if (c.banded() && !(j <= i + band.upper && j >= i + band.lower)) val = NAN;
-            if (b == 0 && i == 1) val = kind_min;
+          if (c.bias_nan_hidden && kind != 1 && c.banded() &&
+              !(j <= i + band.upper && j >= i + band.lower)) {
+            val = NAN;
           }
+          if (c.bias_min_row && kind != 1 && b == 0 && i == 1) val = kind_min;
           unsigned char* e = bytes.data() + ((size_t(b) * sq + i) * sk + j) * elsize(kind);
           if (kind == 1) {
             *e = hidden ? 0 : 1;
@@ -1468,9 +1470,11 @@ int main(int argc, char** argv) {
       // log2(e) must stay finite there
       for (int kind : {2, 4}) {
         addb(2, 70, 90, 2, 1, d, true, 0, d == 64, kind);
-        cases.back().bias_edges = true;
+        cases.back().bias_nan_hidden = true;
+        addb(2, 70, 90, 2, 1, d, true, 2, false, kind);
+        cases.back().bias_min_row = true, cases.back().fwd_only = true;
         addb(2, 70, 90, 2, 2, d, false, 1, false, kind);
-        cases.back().bias_edges = true, cases.back().scale = 1.0;
+        cases.back().bias_min_row = true, cases.back().scale = 1.0, cases.back().fwd_only = true;
       }
     }
     // quick (CI, 2 cores): d = 64 only; the emulator's d = 256 cases take minutes.
