@@ -238,13 +238,13 @@ TEST(FwdOp, RegisteredAndDispatchesToCpu) {
   EXPECT_FALSE(at::equal(lse, plain_lse));
 
   EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, 0.0, false, true, std::nullopt, std::nullopt, -1,
-                             -1, 0.0, std::nullopt),
+                             -1, 0.0, std::nullopt, std::nullopt),
                      "softmax_scale");
   EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, std::nullopt, false, true, std::nullopt,
-                             std::nullopt, -2, -1, 0.0, std::nullopt),
+                             std::nullopt, -2, -1, 0.0, std::nullopt, std::nullopt),
                      "window_size_left");
   EXPECT_VALUE_ERROR(op.call(in.q, in.k, in.v, std::nullopt, false, true, std::nullopt,
-                             std::nullopt, -1, -1, -1.0, std::nullopt),
+                             std::nullopt, -1, -1, -1.0, std::nullopt, std::nullopt),
                      "softcap");
 }
 
@@ -294,9 +294,6 @@ TEST(FwdOp, ScoreModsOnTheCpuReference) {
                      "seqused_k");
 }
 
-}  // namespace
-}  // namespace flash_sm75
-
 // attn_bias: a boolean mask that is a key range per batch row gives the key range's result, and
 // an additive bias of 0 / -inf the boolean mask's (the CPU reference; the kernels are compared
 // with it in tests/test_attn_bias.py).
@@ -324,3 +321,7 @@ TEST(FwdCpuBias, KeyRangeMaskEqualsKeyRangeAndAdditiveEqualsBool) {
                            -1, -1, 0.0, std::nullopt, at::zeros({3, 21})),
                c10::ValueError);
 }
+
+}  // namespace
+}  // namespace flash_sm75
+
