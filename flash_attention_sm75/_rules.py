@@ -37,6 +37,7 @@ __all__ = [
     "alibi_slopes_problem",
     "attn_bias_problem",
     "BIAS_DTYPES",
+    "gradient_flows",
     "check_inputs",
     "NO_WINDOW",
     "softcap_problem",
@@ -256,6 +257,12 @@ flash.h: the d = 256 dK/dV kernel has no registers left for it)."""
 
 _BIAS_GRAD = ("attn_bias must not require grad: the kernels compute no gradient for the bias "
               "(pass attn_bias.detach() to treat it as a constant)")
+
+
+def gradient_flows(*tensors) -> bool:
+    """Grad mode is on and one of ``tensors`` (None entries skipped) requires grad: a backward
+    will follow (the bias rule's backward limits apply)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
@@ -513,8 +520,7 @@ def not_supported_reason(
     if attn_bias is not None:
         r = attn_bias_problem(
             attn_bias, q, ks[3 - hd], layout=layout, softcap=softcap,
-            backward=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                  or v.requires_grad))
+            backward=gradient_flows(q, k, v))
         if r is not None:
             return r
 

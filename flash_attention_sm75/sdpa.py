@@ -209,8 +209,7 @@ def _bias_reason(query, key, value, attn_mask, plan_reason: str) -> Optional[str
     not (with why it is no key range either)."""
     problem = _rules.attn_bias_problem(
         attn_mask, query, key.shape[2], layout="bhsd", name="attn_mask",
-        backward=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                              or value.requires_grad))
+        backward=_rules.gradient_flows(query, key, value))
     if problem is None:
         return None
     return f"{plan_reason}; and the kernel cannot read it as a bias: {problem}"

@@ -380,7 +380,8 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
         return reason
     if bound["position_bias"] is not None and not _position_bias_is_zero(bound["position_bias"],
                                                                           query):
-        return "position_bias (a relative-position bias: _position_bias_attention runs it)"
+        # (Unpacked calls take _position_bias_attention before these rules.)
+        return "position_bias with packed sequences is not supported by the kernel"
     h, h_k = query.shape[1], key.shape[1]
     groups = getattr(module, "num_key_value_groups", None)
     if isinstance(groups, int) and groups >= 1 and h != h_k * groups:
@@ -438,20 +439,14 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
     info, reason = classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype,
                                            sliding_window=sliding_window)
     if info is None and isinstance(attention_mask, torch.Tensor):
-        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or (
-            value is not None and value.requires_grad))
         problem = _rules.attn_bias_problem(attention_mask, query, kv_len, layout="bhsd",
-                                           backward=grad, softcap=softcap,
+                                           backward=_rules.gradient_flows(query, key, value),
+                                           softcap=softcap,
                                            name="attention_mask")
-        if problem is None:
-            return _BIAS_INFO_CACHE.setdefault(kv_len, MaskInfo(False, kv_len, None, None,
-                                                                "bias")), None
+        if problem is None:  # (the plan holds no tensor: the mask is the call's own)
+            return MaskInfo(False, kv_len, None, None, "bias"), None
         reason = f"{reason}; and the kernel cannot read it as a bias: {problem}"
     return info, reason
-
-
-# One "bias" plan per key length (a MaskInfo holds no tensor: the mask is the call's own).
-_BIAS_INFO_CACHE: Dict[int, MaskInfo] = {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -766,10 +761,9 @@ def _position_bias_attention(fallback, module, query, key, value, attention_mask
             k, v = key[:, :, :q_len], value[:, :, :q_len]
             position_bias = position_bias[:, :, :, :q_len]
         bias = create_position_bias_mask(position_bias, attention_mask, is_causal, query, k)
-        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                            or value.requires_grad)
         problem = _rules.attn_bias_problem(bias, query, k.shape[2], layout="bhsd",
-                                           backward=grad, softcap=softcap, name="position_bias")
+                                           backward=_rules.gradient_flows(query, key, value),
+                                           softcap=softcap, name="position_bias")
         if problem is None:
             info = MaskInfo(False, k.shape[2], None, None, "bias")
             out, reason = _try_kernel(
@@ -1082,11 +1076,14 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
                                        bound, kwargs, softcap)
             if packed is not None:
                 return packed
+        position_bias = bound["position_bias"]
+        if position_bias is not None:
+            if not _position_bias_is_zero(position_bias, query):
+                return _position_bias_attention(fallback, module, query, key, value,
+                                                attention_mask, args, bound, kwargs, softcap)
+            bound = dict(bound, position_bias=None)  # all zeros: nothing to add (one host read)
         reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
                                      softcap)
-        if reason is not None and reason.startswith("position_bias ("):
-            return _position_bias_attention(fallback, module, query, key, value, attention_mask,
-                                            args, bound, kwargs, softcap)
         info = None
         if reason is None:
             info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
