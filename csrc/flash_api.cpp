@@ -4,7 +4,9 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "kernels/block_info.h"
+#include "kernels/dropout.h"
 #include "kernels/flash.h"
 #include "kernels/launch_plan.h"
 
@@ -267,6 +270,89 @@ void set_params_bias(Flash_fwd_params& params, const at::Tensor& view, double so
   params.bias_pairs = pairs;
 }
 
+void check_dropout_p(double dropout_p) {
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0,
+                    "flash_attention_sm75: dropout_p must be in [0, 1), got ", dropout_p);
+}
+
+void set_params_dropout(Flash_fwd_params& params, double dropout_p) {
+  params.dropout = 1;
+  params.dropout_keep_threshold = dropout_keep_threshold(dropout_p);
+  params.dropout_rp = static_cast<float>(1.0 / (1.0 - dropout_p));
+}
+
+void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(rng_state.scalar_type() == at::kLong && rng_state.dim() == 1 &&
+                        rng_state.size(0) == 2 && rng_state.is_contiguous(),
+                    "flash_attention_sm75: rng_state must be the forward's int64 tensor of 2 "
+                    "elements [seed, offset], got dtype ",
+                    rng_state.scalar_type(), " and shape ", rng_state.sizes());
+  TORCH_CHECK_VALUE(rng_state.device() == q.device() || rng_state.device().is_cpu(),
+                    "flash_attention_sm75: rng_state must be on q's device (", q.device(),
+                    ") or the CPU, got ", rng_state.device());
+}
+
+void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& rng_state,
+                            const at::Tensor& q) {
+  check_dropout_p(dropout_p);
+  if (dropout_p == 0.0) return;
+  TORCH_CHECK_VALUE(rng_state.has_value(),
+                    "flash_attention_sm75: dropout_p > 0 needs rng_state, the forward's third "
+                    "output (fwd_dropout)");
+  check_rng_state(*rng_state, q);
+  TORCH_CHECK_VALUE(q.size(3) <= kBwdDropoutMaxHeadDim,
+                    "flash_attention_sm75: dropout has no backward at head_dim ", q.size(3),
+                    " (at most ", kBwdDropoutMaxHeadDim, "); pass dropout_p=0");
+}
+
+// The forward's generator: 4 Philox counter units of torch's default CUDA generator (its
+// philox_cuda_state: values now, or device pointers read at each replay under graph capture).
+void set_params_dropout_rng_cuda(Flash_fwd_params& params, const at::Tensor& rng_state_out) {
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator());
+  at::PhiloxCudaState st;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    st = gen->philox_cuda_state(4);
+  }
+  if (st.captured_) {
+    params.dropout_seed_ptr = st.seed_.ptr;
+    params.dropout_offset_ptr = st.offset_.ptr;
+    params.dropout_offset_add = st.offset_intragraph_;
+  } else {
+    params.dropout_seed = st.seed_.val;
+    params.dropout_offset = st.offset_.val;
+  }
+  params.dropout_rng_state_out = rng_state_out.data_ptr<int64_t>();
+}
+
+at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
+                             int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
+  check_dropout_p(dropout_p);
+  TORCH_CHECK_VALUE(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
+                    "flash_attention_sm75: rng_state must be an int64 tensor [seed, offset]");
+  TORCH_CHECK_VALUE(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0,
+                    "flash_attention_sm75: dropout_mask sizes must be >= 0");
+  const at::Tensor st = rng_state.to(at::kCPU).contiguous();
+  const int64_t* v = st.data_ptr<int64_t>();
+  const DropoutRng rng =
+      dropout_rng_from(static_cast<uint64_t>(v[0]), static_cast<uint64_t>(v[1]));
+  at::Tensor mask = at::empty({batch, heads, seqlen_q, seqlen_k},
+                              at::TensorOptions().dtype(at::kBool));
+  bool* m = mask.data_ptr<bool>();
+  if (dropout_p == 0.0) return mask.fill_(true);
+  const uint32_t thr = dropout_keep_threshold(dropout_p);
+  for (int64_t bh = 0; bh < batch * heads; ++bh) {
+    for (int64_t i = 0; i < seqlen_q; ++i) {
+      for (int64_t j = 0; j < seqlen_k; ++j) {
+        *m++ = dropout_keep(rng, static_cast<uint32_t>(bh), static_cast<uint32_t>(i),
+                            static_cast<uint32_t>(j), thr);
+      }
+    }
+  }
+  return mask;
+}
+
 at::Tensor cpu_bias(const at::Tensor& view) {
   const at::Tensor v = view.to(at::kCPU);
   if (v.scalar_type() == at::kBool) {
@@ -360,21 +446,22 @@ void set_per_seq_diagonals(Flash_fwd_params& params, int64_t max_seqlen_q, int64
   params.alibi_offset = 0;
 }
 
-std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor& k,
-                                           const at::Tensor& v,
-                                           std::optional<double> softmax_scale, bool is_causal,
-                                           bool causal_bottom_right,
-                                           const std::optional<at::Tensor>& leftpad_k,
-                                           const std::optional<at::Tensor>& seqused_k,
-                                           int64_t window_size_left, int64_t window_size_right,
-                                           double softcap,
-                                           const std::optional<at::Tensor>& alibi_slopes,
-                                           const std::optional<at::Tensor>& attn_bias) {
+namespace {
+// mha_fwd / mha_fwd_dropout. dropout_p > 0: rng_state (int64 [seed, offset] on q's device) is
+// written by the kernel.
+std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    std::optional<double> softmax_scale, bool is_causal, bool causal_bottom_right,
+    const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
+    double dropout_p, at::Tensor* rng_state) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
   const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
                                                 : at::Tensor();
+  check_dropout_p(dropout_p);
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   check_alignment(q, "q");
   check_alignment(k, "k");
@@ -386,6 +473,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
                     "flash_attention_sm75: needs a GPU of compute capability >= 7.5 (Turing or "
                     "newer), got ",
                     props->major, ".", props->minor);
+  if (rng_state != nullptr) *rng_state = at::zeros({2}, q.options().dtype(at::kLong));
   if (zero_size(q, k)) return zero_size_fwd(q);
 
   const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
@@ -396,10 +484,44 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
                    seqused_k, window_size_left, window_size_right, softcap, alibi_slopes);
   if (bias.defined()) set_params_bias(params, bias, scale);
+  if (dropout_p > 0.0) {
+    set_params_dropout(params, dropout_p);
+    set_params_dropout_rng_cuda(params, *rng_state);
+  }
   set_plan_device(params, q.get_device());
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
-  run_fwd_planned(params, q, /*decode_allowed=*/true);
+  // The decode kernel has no dropout: the forward kernels run such a call.
+  run_fwd_planned(params, q, /*decode_allowed=*/dropout_p == 0.0);
   return {out, lse};
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v,
+                                           std::optional<double> softmax_scale, bool is_causal,
+                                           bool causal_bottom_right,
+                                           const std::optional<at::Tensor>& leftpad_k,
+                                           const std::optional<at::Tensor>& seqused_k,
+                                           int64_t window_size_left, int64_t window_size_right,
+                                           double softcap,
+                                           const std::optional<at::Tensor>& alibi_slopes,
+                                           const std::optional<at::Tensor>& attn_bias) {
+  return mha_fwd_impl(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
+                      seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
+                      attn_bias, 0.0, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_fwd_dropout(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    std::optional<double> softmax_scale, bool is_causal, bool causal_bottom_right,
+    const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias) {
+  at::Tensor rng_state;
+  auto [out, lse] = mha_fwd_impl(q, k, v, softmax_scale, is_causal, causal_bottom_right,
+                                 leftpad_k, seqused_k, window_size_left, window_size_right,
+                                 softcap, alibi_slopes, attn_bias, dropout_p, &rng_state);
+  return {out, lse, rng_state};
 }
 
 bool decode_enabled() { return env_decode_enabled(); }
@@ -507,21 +629,30 @@ at::Tensor cpu_mod_scores(const at::Tensor& s, double softcap,
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
-                                               const at::Tensor& v,
-                                               std::optional<double> softmax_scale,
-                                               bool is_causal, bool causal_bottom_right,
-                                               const std::optional<at::Tensor>& leftpad_k,
-                                               const std::optional<at::Tensor>& seqused_k,
-                                               int64_t window_size_left, int64_t window_size_right,
-                                               double softcap,
-                                               const std::optional<at::Tensor>& alibi_slopes,
-                                               const std::optional<at::Tensor>& attn_bias) {
+namespace {
+std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu_impl(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    std::optional<double> softmax_scale, bool is_causal, bool causal_bottom_right,
+    const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
+    double dropout_p, at::Tensor* rng_state) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
   const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
                                                 : at::Tensor();
+  check_dropout_p(dropout_p);
+  if (rng_state != nullptr) {
+    // The CPU's generator seeds it (torch.manual_seed reproduces the call), offset 0.
+    *rng_state = at::zeros({2}, at::TensorOptions().dtype(at::kLong));
+    if (dropout_p > 0.0) {
+      auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
+          std::nullopt, at::detail::getDefaultCPUGenerator());
+      std::lock_guard<std::mutex> lock(gen->mutex_);
+      rng_state->data_ptr<int64_t>()[0] = static_cast<int64_t>(gen->random64());
+    }
+  }
   if (zero_size(q, k)) return zero_size_fwd(q);
   // The ATen ops below must compute in float64 even under torch.autocast (which would run the
   // matmuls in bfloat16 and return a bfloat16 lse).
@@ -563,10 +694,48 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
   const at::Tensor row_sum = e.sum(-1, /*keepdim=*/true);
   // Rows that see no key give 0 (0 / 0 there); NaN/inf in the inputs still propagate, as in
   // torch SDPA.
-  const at::Tensor p = (e / row_sum).masked_fill(row_max.isneginf(), 0.0);
+  at::Tensor p = (e / row_sum).masked_fill(row_max.isneginf(), 0.0);
+  if (dropout_p > 0.0) {
+    p = cpu_dropout(p, *rng_state, dropout_p);
+  }
   at::Tensor out = at::matmul(p, vf).transpose(1, 2).to(at::kHalf).contiguous();
   at::Tensor lse = (m + at::log(row_sum)).squeeze(-1).to(at::kFloat);  // -inf: row sees nothing
   return {out, lse.contiguous()};
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v,
+                                               std::optional<double> softmax_scale,
+                                               bool is_causal, bool causal_bottom_right,
+                                               const std::optional<at::Tensor>& leftpad_k,
+                                               const std::optional<at::Tensor>& seqused_k,
+                                               int64_t window_size_left, int64_t window_size_right,
+                                               double softcap,
+                                               const std::optional<at::Tensor>& alibi_slopes,
+                                               const std::optional<at::Tensor>& attn_bias) {
+  return mha_fwd_cpu_impl(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
+                          seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
+                          attn_bias, 0.0, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_fwd_dropout_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    std::optional<double> softmax_scale, bool is_causal, bool causal_bottom_right,
+    const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias) {
+  at::Tensor rng_state;
+  auto [out, lse] = mha_fwd_cpu_impl(q, k, v, softmax_scale, is_causal, causal_bottom_right,
+                                     leftpad_k, seqused_k, window_size_left, window_size_right,
+                                     softcap, alibi_slopes, attn_bias, dropout_p, &rng_state);
+  return {out, lse, rng_state};
+}
+
+at::Tensor cpu_dropout(const at::Tensor& p, const at::Tensor& rng_state, double dropout_p) {
+  const at::Tensor keep =
+      dropout_keep_mask(rng_state, p.size(0), p.size(1), p.size(2), p.size(3), dropout_p);
+  return p * keep.to(p.scalar_type()) * (1.0 / (1.0 - dropout_p));
 }
 
 }  // namespace flash_sm75

@@ -53,6 +53,41 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
                                                const std::optional<at::Tensor>& attn_bias = std::nullopt);
 
+// Attention dropout (kernels/dropout.h): mha_fwd with P -> P * Z / (1 - dropout_p), Z_ij kept
+// with probability 1 - dropout_p from Philox4x32-7 seeded by torch's default CUDA generator
+// (the CPU reference: its default CPU generator, offset 0). dropout_p in [0, 1) (ValueError
+// otherwise). Returns (out, softmax_lse, rng_state): rng_state int64 (2,) [seed, offset] on q's
+// device, written by the kernel (so a CUDA-graph replay records what it drew), for mha_bwd.
+// The LSE is that of the undropped scores. Never takes the decode kernel.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_fwd_dropout(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    std::optional<double> softmax_scale, bool is_causal, bool causal_bottom_right,
+    const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_fwd_dropout_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    std::optional<double> softmax_scale, bool is_causal, bool causal_bottom_right,
+    const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias);
+// ValueError unless 0 <= dropout_p < 1.
+void check_dropout_p(double dropout_p);
+// The backward's dropout: dropout_p > 0 needs the forward's rng_state and head_dim <=
+// kBwdDropoutMaxHeadDim (kernels/flash.h). ValueError naming the argument otherwise.
+void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& rng_state,
+                            const at::Tensor& q);
+// ValueError unless rng_state is an int64 (2,) contiguous tensor on q's device or the CPU.
+void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q);
+// params.dropout, keep threshold and 1 / (1 - p).
+void set_params_dropout(Flash_fwd_params& params, double dropout_p);
+// The keep mask Z (bool, CPU, (batch, heads, seqlen_q, seqlen_k)) that the kernels draw for
+// rng_state: the reference of the kernels' generator (slice index batch * heads + head).
+at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
+                             int64_t seqlen_q, int64_t seqlen_k, double dropout_p);
+// p * Z / (1 - dropout_p) for p of shape (batch, heads, seqlen_q, seqlen_k) on the CPU.
+at::Tensor cpu_dropout(const at::Tensor& p, const at::Tensor& rng_state, double dropout_p);
+
 // attn_bias (torch SDPA's attn_mask): an additive bias or a boolean mask on the scaled scores,
 // softmax(softmax_scale * q.k + bias), added in fp32 after softcap and ALiBi; bool means True =
 // attend (False: -inf). dtype bool, float16, bfloat16 or float32; any shape that broadcasts to
@@ -168,7 +203,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1,
     double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-    const std::optional<at::Tensor>& attn_bias = std::nullopt);
+    const std::optional<at::Tensor>& attn_bias = std::nullopt, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& rng_state = std::nullopt);
 
 // The same contract computed with ATen ops in float32 on the CPU.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
@@ -178,7 +214,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left = -1, int64_t window_size_right = -1,
     double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-    const std::optional<at::Tensor>& attn_bias = std::nullopt);
+    const std::optional<at::Tensor>& attn_bias = std::nullopt, double dropout_p = 0.0,
+    const std::optional<at::Tensor>& rng_state = std::nullopt);
 
 // Launches the forward for filled params on q's stream: the decode kernel when plan_decode takes
 // the call (seqlen_q == 1, or seqlen_q * h / h_k <= max_multi_rows; decode_allowed;

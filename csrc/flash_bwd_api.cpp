@@ -175,7 +175,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& attn_bias) {
+    const std::optional<at::Tensor>& attn_bias, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   check_window_size(window_size_left, window_size_right);
   const at::Tensor q = to_kernel_layout(q_), k = to_kernel_layout(k_), v = to_kernel_layout(v_);
   const at::Tensor dout = to_kernel_layout(dout_), out = to_kernel_layout(out_);
@@ -185,6 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
                                                 : at::Tensor();
   check_bias_backward(attn_bias, softcap, q.size(3));
+  check_dropout_backward(dropout_p, rng_state, q);
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto* props = at::cuda::getDeviceProperties(q.get_device());
@@ -195,12 +197,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   if (zero_size(q, k)) return zero_size_bwd(q, k);
 
   Flash_bwd_params params{};
-  const bool dq_atomic = bwd_uses_atomic_dq(deterministic, q.size(3));
+  // A dropout's backward runs the dQ kernel (the atomic dK/dV kernels have no dropout).
+  const bool dq_atomic = dropout_p == 0.0 && bwd_uses_atomic_dq(deterministic, q.size(3));
   BwdBuffers bufs = prepare_bwd(params, dout, q, k, v, out, softmax_lse_, scale, is_causal,
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
                                 grad_softmax_lse, window_size_left, window_size_right, softcap,
                                 alibi_slopes);
   if (bias.defined()) set_params_bias(params, bias, scale);
+  at::Tensor rng;  // the forward's [seed, offset] on q's device, read by the kernels
+  if (dropout_p > 0.0) {
+    rng = rng_state->to(q.device()).contiguous();
+    set_params_dropout(params, dropout_p);
+    params.dropout_seed_ptr = rng.data_ptr<int64_t>();
+    params.dropout_offset_ptr = rng.data_ptr<int64_t>() + 1;
+  }
   launch_bwd(params, dq_atomic, q.get_device());
   return {bufs.dq, bufs.dk, bufs.dv};
 }
@@ -252,7 +262,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     const std::optional<at::Tensor>& seqused_k, bool /*deterministic: always*/,
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& attn_bias) {
+    const std::optional<at::Tensor>& attn_bias, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   check_window_size(window_size_left, window_size_right);
   // float32 ATen math even under torch.autocast (see mha_fwd_cpu).
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -264,6 +275,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
   const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
                                                 : at::Tensor();
   check_bias_backward(attn_bias, softcap, q.size(3));
+  check_dropout_backward(dropout_p, rng_state, q);
   if (zero_size(q, k)) return zero_size_bwd(q, k);
   const int64_t b = q.size(0), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);
@@ -300,11 +312,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
   const at::Tensor p = at::where(keep, at::exp(s - lse), at::zeros({}, s.options()));
   at::Tensor dsum = (dof * of).sum(-1, /*keepdim=*/true);
   if (grad_softmax_lse.has_value()) dsum = dsum - grad_softmax_lse->to(at::kFloat).unsqueeze(-1);
-  const at::Tensor dp = at::matmul(dof, vf.transpose(-1, -2));
+  at::Tensor dp = at::matmul(dof, vf.transpose(-1, -2));
+  at::Tensor p_drop = p;  // what O was made of: P Z / (1 - dropout_p)
+  if (dropout_p > 0.0) {
+    p_drop = cpu_dropout(p, *rng_state, dropout_p);
+    dp = cpu_dropout(dp, *rng_state, dropout_p);
+  }
   const at::Tensor ds = p * (dp - dsum) * dcap;
   const at::Tensor dq = at::matmul(ds, kf) * scale;                     // b, h, sq, d
   at::Tensor dk = at::matmul(ds.transpose(-1, -2), qf) * scale;         // b, h, sk, d
-  at::Tensor dv = at::matmul(p.transpose(-1, -2), dof);                 // b, h, sk, d
+  at::Tensor dv = at::matmul(p_drop.transpose(-1, -2), dof);            // b, h, sk, d
   dk = dk.view({b, h_k, ratio, seqlen_k, d}).sum(2);
   dv = dv.view({b, h_k, ratio, seqlen_k, d}).sum(2);
   if (outside.has_value()) {

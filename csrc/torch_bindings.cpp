@@ -20,6 +20,33 @@ TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) { m.impl("fwd", &flash_sm75::m
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) { m.impl("fwd", &flash_sm75::mha_fwd_cpu); }
 
+// ---- forward with attention dropout -----------------------------------------------------------
+// fwd's arguments with dropout_p (flash-attn's, in [0, 1)) after v; a third output rng_state,
+// int64 (2,) [seed, offset] on q's device (the forward's generator, written by the kernel), that
+// bwd takes with the same dropout_p to regenerate the mask (mha_fwd_dropout in flash_api.h).
+// dropout_mask: the keep mask (bool, CPU) those kernels draw, for tests and references.
+TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
+  m.def(
+      "fwd_dropout(Tensor q, Tensor k, Tensor v, float dropout_p, float? softmax_scale=None, "
+      "bool is_causal=False, bool causal_bottom_right=True, Tensor? leftpad_k=None, "
+      "Tensor? seqused_k=None, int window_size_left=-1, int window_size_right=-1, "
+      "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? attn_bias=None) -> "
+      "(Tensor out, Tensor softmax_lse, Tensor rng_state)");
+  m.def(
+      "dropout_mask(Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, "
+      "float dropout_p) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) {
+  m.impl("fwd_dropout", &flash_sm75::mha_fwd_dropout);
+  m.impl("dropout_mask", &flash_sm75::dropout_keep_mask);
+}
+
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) {
+  m.impl("fwd_dropout", &flash_sm75::mha_fwd_dropout_cpu);
+  m.impl("dropout_mask", &flash_sm75::dropout_keep_mask);
+}
+
 // ---- backward ----------------------------------------------------------------------------------
 // Gradients of fwd (functional, no mutation). dout/out like q, softmax_lse as returned by fwd,
 // softmax_scale the value fwd used. Returns dq (like q), dk, dv (like k, v), fp16 contiguous BSHD.
@@ -30,7 +57,8 @@ TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
       "float softmax_scale, bool is_causal, bool causal_bottom_right, Tensor? leftpad_k=None, "
       "Tensor? seqused_k=None, bool deterministic=False, Tensor? grad_softmax_lse=None, "
       "int window_size_left=-1, int window_size_right=-1, float softcap=0.0, "
-      "Tensor? alibi_slopes=None, Tensor? attn_bias=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0, "
+      "Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) { m.impl("bwd", &flash_sm75::mha_bwd); }

@@ -204,7 +204,8 @@ def autograd_reason(q, k, v, *, any_transform: bool = False) -> Optional[str]:
 
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
              seqused_k=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
-             alibi_slopes=None, attn_bias=None, *, deterministic: bool = False):
+             alibi_slopes=None, attn_bias=None, *, deterministic: bool = False,
+             dropout_p: float = 0.0):
     """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
     causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right, softcap,
     alibi_slopes, attn_bias)``, skipping the op's autograd kernel when no gradient can flow.
@@ -237,7 +238,16 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
     ``jacrev`` (see ``functorch_grad_active``), and ``ValueError`` for ``alibi_slopes`` or
     an ``attn_bias`` that require grad while grad mode is on (the op has no slope or bias
     gradient; flash-attn's none either, and a silent zero would be wrong), before the op runs.
+
+    ``dropout_p > 0`` runs ``fwd_dropout`` (attention dropout on P, torch's semantics, from
+    torch's default CUDA generator; its ``rng_state`` output is kept for the backward and not
+    returned). Returns ``(out, softmax_lse)`` either way.
     """
+    if dropout_p:
+        return _call("fwd_dropout", (q, k, v, float(dropout_p), softmax_scale, is_causal,
+                                     causal_bottom_right, leftpad_k, seqused_k, window_size_left,
+                                     window_size_right, softcap, alibi_slopes),
+                     deterministic, attn_bias)[:2]
     return _call("fwd", (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
                          seqused_k, window_size_left, window_size_right, softcap, alibi_slopes),
                  deterministic, attn_bias)
@@ -401,10 +411,25 @@ def _fwd_fake(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=
     return q.new_empty((b, seqlen_q, h, d)), q.new_empty((b, h, seqlen_q), dtype=torch.float32)
 
 
+def _fwd_dropout_fake(q, k, v, dropout_p, softmax_scale=None, is_causal=False,
+                      causal_bottom_right=True, leftpad_k=None, seqused_k=None,
+                      window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                      attn_bias=None):
+    out, lse = _fwd_fake(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
+                         seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
+                         attn_bias)
+    # The C++: at::zeros({2}, q.options().dtype(at::kLong)) (then written by the kernel).
+    return out, lse, q.new_empty((2,), dtype=torch.int64)
+
+
+def _dropout_mask_fake(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
+    return torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool, device="cpu")
+
+
 def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_bottom_right,
               leftpad_k=None, seqused_k=None, deterministic=False, grad_softmax_lse=None,
               window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-              attn_bias=None):
+              attn_bias=None, dropout_p=0.0, rng_state=None):
     _check_one_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse,
                       leftpad_k=leftpad_k, seqused_k=seqused_k, grad_softmax_lse=grad_softmax_lse,
                       alibi_slopes=alibi_slopes, attn_bias=attn_bias)
@@ -461,7 +486,7 @@ def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_
     return q.new_empty((b, seqlen_q, h, d)), q.new_empty((b, h, seqlen_q), dtype=torch.float32)
 
 
-def _fwd_setup_context(ctx, inputs, output, deterministic=False):
+def _fwd_setup_context(ctx, inputs, output, deterministic=False, extra=()):
     (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
      window_size_left, window_size_right, softcap, alibi_slopes) = inputs[:12]
     attn_bias = inputs[12] if len(inputs) > 12 else None
@@ -469,7 +494,7 @@ def _fwd_setup_context(ctx, inputs, output, deterministic=False):
     ctx.deterministic = deterministic
     out, softmax_lse = output
     ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes,
-                          attn_bias)
+                          attn_bias, *extra)
     ctx.n_inputs = len(inputs)
     ctx.softcap = float(softcap)
     ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
@@ -506,6 +531,41 @@ def _fwd_backward(ctx, grad_out, grad_lse):
 
 def _fwd_det_setup_context(ctx, inputs, output):
     _fwd_setup_context(ctx, inputs, output, deterministic=True)
+
+
+def _fwd_dropout_setup_context(ctx, inputs, output, deterministic=False):
+    # fwd's inputs without dropout_p (inputs[3]); rng_state (output[2]) kept for the backward.
+    _fwd_setup_context(ctx, inputs[:3] + inputs[4:], output[:2], deterministic,
+                       extra=(output[2],))
+    ctx.n_inputs = len(inputs)
+    ctx.dropout_p = float(inputs[3])
+
+
+def _fwd_dropout_det_setup_context(ctx, inputs, output):
+    _fwd_dropout_setup_context(ctx, inputs, output, deterministic=True)
+
+
+def _fwd_dropout_backward(ctx, grad_out, grad_lse, grad_rng_state):
+    (q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes, attn_bias,
+     rng_state) = ctx.saved_tensors
+    # dropout_p, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
+    # window_size_left, window_size_right, softcap, alibi_slopes (and attn_bias)
+    none = (None,) * (ctx.n_inputs - 3)
+    for i, arg in ((12, "alibi_slopes"), (13, "attn_bias")):
+        if len(ctx.needs_input_grad) > i and ctx.needs_input_grad[i]:
+            raise NotImplementedError(
+                f"flash_attention_sm75: no gradient for {arg}; pass {arg}.detach()")
+    if grad_out is None and grad_lse is None:
+        return (None, None, None) + none
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    kw = {} if attn_bias is None else {"attn_bias": attn_bias}
+    dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
+        grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
+        ctx.causal_bottom_right, leftpad_k, seqused_k,
+        ctx.deterministic or _deterministic_forced(), grad_lse, *ctx.window_size, ctx.softcap,
+        alibi_slopes, dropout_p=ctx.dropout_p, rng_state=rng_state, **kw)
+    return (dq, dk, dv) + none
 
 
 def _varlen_fwd_setup_context(ctx, inputs, output, deterministic=False):
@@ -548,7 +608,7 @@ def _varlen_fwd_det_setup_context(ctx, inputs, output):
 
 def _define_deterministic_twin(base: str) -> None:
     """Define ``flash_attention_sm75::<base>_deterministic_bwd``: the schema of ``<base>``
-    (``fwd`` or ``varlen_fwd``) under another name (read from the registered op, so the twin
+    (``fwd``, ``fwd_dropout`` or ``varlen_fwd``) under another name (read from the registered op, so the twin
     follows any change of it), computing with ``<base>`` itself; only its autograd formula
     differs (see :func:`call_fwd`). A CompositeExplicitAutograd kernel serves every backend that
     ``<base>`` has and keeps the twin one node in traced graphs (inductor calls it at run
@@ -593,6 +653,10 @@ def _has_op(name: str) -> bool:
     return True
 
 
+DROPOUT_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("fwd_dropout")
+"""Whether the compiled extension has attention dropout (``fwd_dropout``, ``dropout_mask`` and
+``bwd``'s ``dropout_p`` / ``rng_state``); False for an extension built from older sources."""
+
 VARLEN_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("varlen_fwd") and _has_op("varlen_bwd")
 """Whether the compiled extension has the varlen ops (``varlen_fwd`` / ``varlen_bwd``); False for
 an extension built from sources older than them (rebuild it)."""
@@ -636,6 +700,16 @@ if EXTENSION_AVAILABLE:
                                     setup_context=_fwd_det_setup_context)
     torch.library.register_autograd("flash_attention_sm75::bwd", _bwd_backward,
                                     setup_context=_bwd_setup_context)
+if DROPOUT_AVAILABLE:
+    _define_deterministic_twin("fwd_dropout")
+    for _name in ("fwd_dropout", "fwd_dropout_deterministic_bwd"):
+        torch.library.register_fake("flash_attention_sm75::" + _name)(_fwd_dropout_fake)
+    torch.library.register_fake("flash_attention_sm75::dropout_mask")(_dropout_mask_fake)
+    torch.library.register_autograd("flash_attention_sm75::fwd_dropout", _fwd_dropout_backward,
+                                    setup_context=_fwd_dropout_setup_context)
+    torch.library.register_autograd("flash_attention_sm75::fwd_dropout_deterministic_bwd",
+                                    _fwd_dropout_backward,
+                                    setup_context=_fwd_dropout_det_setup_context)
 if VARLEN_AVAILABLE:
     _define_deterministic_twin("varlen_fwd")
     for _name in ("varlen_fwd", "varlen_fwd_deterministic_bwd"):

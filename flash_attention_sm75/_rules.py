@@ -132,6 +132,8 @@ RULES: Tuple[str, ...] = (
     "attn_bias",       # None or BIAS_DTYPES, broadcasts to (batch, num_heads, seqlen_q,
                        # seqlen_k), q's device, slice < 2^31 elements; with a backward: no
                        # softcap, head_dim <= BIAS_BACKWARD_MAX_HEAD_DIM, not requiring grad
+    "dropout_p",       # a real number in [0, 1); with a backward: head_dim <=
+                       # DROPOUT_BACKWARD_MAX_HEAD_DIM
     "alignment",       # VECTOR_BYTES data pointer, strides of STRIDE_MULTIPLE
     "capability",      # MIN_COMPUTE_CAPABILITY
 )
@@ -318,6 +320,26 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     return None
 
 
+DROPOUT_BACKWARD_MAX_HEAD_DIM = 128
+"""The largest head_dim (bucket) whose backward applies dropout (``kBwdDropoutMaxHeadDim``; the
+d = 256 dK/dV kernel has no register left for the generator)."""
+
+
+def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False) -> Optional[str]:
+    """None if ``dropout_p`` is a dropout probability the kernels apply (a real number, not a
+    bool, in [0, 1); with ``backward``, a nonzero one only up to head_dim
+    :data:`DROPOUT_BACKWARD_MAX_HEAD_DIM`), else what is wrong. The C++ ops check the same
+    (``check_dropout_p``, ``check_dropout_backward``)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        return f"dropout_p must be a real number in [0, 1), got {type_name(dropout_p)}"
+    if not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p must be in [0, 1), got {dropout_p!r}"
+    if backward and dropout_p and head_dim_bucket(head_dim) > DROPOUT_BACKWARD_MAX_HEAD_DIM:
+        return (f"dropout has no backward at head_dim {head_dim} (the backward applies dropout "
+                f"up to head_dim {DROPOUT_BACKWARD_MAX_HEAD_DIM})")
+    return None
+
+
 def is_kernel_aligned(t: torch.Tensor) -> bool:
     """True if the kernels' 16-byte vector loads can read ``t`` (4-D, BSHD or BHSD view): last
     dimension contiguous, data pointer aligned (not read while torch.compile traces; the C++ op
@@ -406,6 +428,7 @@ def not_supported_reason(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     attn_bias: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
 ) -> Optional[str]:
     """None if the kernels accept these inputs, else the first rule they break, as a sentence
     that names the argument and the accepted values.
@@ -445,6 +468,9 @@ def not_supported_reason(
         An additive bias or boolean mask broadcasting to ``(batch, num_heads, seqlen_q,
         seqlen_k)`` (:func:`attn_bias_problem`; the backward's limits apply when grad mode is
         on and q, k or v requires grad).
+    dropout_p : float
+        Attention dropout probability in [0, 1) (:func:`dropout_problem`; the backward's head
+        dim limit applies when a gradient flows).
     """
     bhsd = layout == "bhsd"
     if not (isinstance(q, torch.Tensor) and not q.is_nested and q.layout is _STRIDED):
@@ -523,6 +549,10 @@ def not_supported_reason(
             backward=gradient_flows(q, k, v))
         if r is not None:
             return r
+    if type(dropout_p) is not float or dropout_p != 0.0:
+        r = dropout_problem(dropout_p, d, backward=gradient_flows(q, k, v))
+        if r is not None:
+            return r
 
     if dev_type == "cuda":
         if check_alignment:
@@ -541,7 +571,7 @@ def not_supported_reason(
 def check_inputs(q, k, v, softmax_scale=None, leftpad_k=None, seqused_k=None, *,
                  layout: str = "bshd", window_size: Sequence[int] = NO_WINDOW,
                  softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-                 attn_bias: Optional[torch.Tensor] = None) -> None:
+                 attn_bias: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> None:
     """Raise ``ValueError("flash_attention_sm75: <reason>")`` for inputs the kernels do not accept
     (:func:`not_supported_reason` with the op's devices: CUDA, CPU reference, meta), before any
     launch. ``layout`` is ``"bshd"`` (the op's own) or ``"bhsd"``."""
@@ -549,6 +579,7 @@ def check_inputs(q, k, v, softmax_scale=None, leftpad_k=None, seqused_k=None, *,
         raise ValueError(f"{PREFIX}layout must be 'bshd' or 'bhsd', got {layout!r}")
     reason = not_supported_reason(q, k, v, softmax_scale, leftpad_k, seqused_k, layout=layout,
                                   window_size=window_size, softcap=softcap,
-                                  alibi_slopes=alibi_slopes, attn_bias=attn_bias)
+                                  alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                                  dropout_p=dropout_p)
     if reason is not None:
         raise ValueError(PREFIX + reason)

@@ -10,7 +10,8 @@ Everything computed is exact attention (the op of docs/CONTRACT.md). What the ke
 have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and a
 ``ValueError``) naming the argument and the value that is accepted, before any kernel launch:
 
-* ``dropout_p > 0`` (accepted: 0.0);
+* ``dropout_p > 0`` in the varlen functions (accepted: 0.0; the dense ones run it), and
+  ``return_attn_probs=True`` with ``dropout_p > 0`` (flash-attn's ``S_dmask``);
 * ``flash_attn_with_kvcache`` where a gradient could flow (flash-attn has no backward there and
   would silently give none).
 
@@ -109,11 +110,13 @@ def _check_slopes(alibi_slopes, q: torch.Tensor, batch: int, num_heads: int) -> 
 
 def _check_options(*, causal, dropout_p=0.0,
                    window_size=(-1, -1), softcap=0.0, deterministic=False,
-                   bools: Sequence[Tuple[str, object]] = ()) -> Tuple[Tuple[int, int], float]:
+                   bools: Sequence[Tuple[str, object]] = (),
+                   allow_dropout: bool = False) -> Tuple[Tuple[int, int], float]:
     """Validate flash-attn's options; raise :class:`UnsupportedFeatureError` naming every
     feature asked for that the kernels do not have. Returns the window as the op's pair of
     ints (the kernels run sliding windows) and the softcap as the op's float (:func:`_softcap`);
-    ``alibi_slopes`` are the rulebook's (:func:`_check_slopes`)."""
+    ``alibi_slopes`` are the rulebook's (:func:`_check_slopes`). ``allow_dropout``: the caller runs
+    ``dropout_p > 0`` (the dense functions; the rulebook's ``dropout_p`` rule then applies)."""
     _rules.require_bool("causal", causal)
     _rules.require_bool("deterministic", deterministic)  # served by the backward (_run)
     for name, value in bools:
@@ -122,10 +125,9 @@ def _check_options(*, causal, dropout_p=0.0,
     cap = _softcap(softcap)
     left, right = _window(window_size)
     problems = []
-    if dropout != 0.0:
-        problems.append(f"dropout_p={dropout_p!r}: dropout is not implemented (accepted: 0.0; "
-                        f"transformers passes 0.0 in eval mode and config.attention_dropout "
-                        f"in training)")
+    if dropout != 0.0 and not allow_dropout:
+        problems.append(f"dropout_p={dropout_p!r}: dropout is not implemented for packed "
+                        f"(varlen) sequences (accepted: 0.0; the dense functions run it)")
     if problems:
         raise UnsupportedFeatureError(PREFIX + "not supported by the SM75 kernels: "
                                       + "; ".join(problems))
@@ -172,10 +174,11 @@ def _scale_for(softmax_scale, d_orig: int, padded: bool):
     return softmax_scale
 
 
-def _require_valid(q, k, v, softmax_scale, names=("q", "k", "v"), alibi_slopes=None) -> None:
+def _require_valid(q, k, v, softmax_scale, names=("q", "k", "v"), alibi_slopes=None,
+                   dropout_p=0.0) -> None:
     reason = _rules.not_supported_reason(q, k, v, softmax_scale, layout="bshd",
                                          check_alignment=False, names=tuple(names),
-                                         alibi_slopes=alibi_slopes)
+                                         alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     if reason is not None:
         raise ValueError(PREFIX + reason)
 
@@ -191,13 +194,13 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run(q, k, v, softmax_scale, causal, leftpad_k=None, seqused_k=None, window=(-1, -1),
-         softcap=0.0, alibi_slopes=None, deterministic=False):
+         softcap=0.0, alibi_slopes=None, deterministic=False, dropout_p=0.0):
     """The op on BSHD tensors (already validated), aligned for the kernels; ``deterministic``:
     flash-attn's flag, kept by autograd for this call's backward (``_ops.call_fwd``)."""
     scale = None if softmax_scale is None else float(softmax_scale)
     return _ops.call_fwd(_aligned(q), _aligned(k), _aligned(v), scale, causal, True,
                          leftpad_k, seqused_k, *window, softcap, alibi_slopes,
-                         deterministic=deterministic)
+                         deterministic=deterministic, dropout_p=float(dropout_p))
 
 
 def _attn_probs_placeholder(q: torch.Tensor) -> torch.Tensor:
@@ -214,13 +217,19 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
             _require_valid(q, k, v, softmax_scale, names)  # names the problem
     window, cap = _check_options(causal=causal, dropout_p=dropout_p, window_size=window_size,
                                  softcap=softcap, deterministic=deterministic,
-                                 bools=(("return_attn_probs", return_attn_probs),))
+                                 bools=(("return_attn_probs", return_attn_probs),),
+                                 allow_dropout=True)
+    if dropout_p and return_attn_probs:
+        raise UnsupportedFeatureError(
+            PREFIX + "not supported by the SM75 kernels: return_attn_probs=True with "
+            f"dropout_p={dropout_p!r} (flash-attn's S_dmask, a testing aid; accepted: "
+            "return_attn_probs=False, or dropout_p=0.0)")
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
-    _require_valid(qp, kp, vp, scale, names, alibi_slopes)
+    _require_valid(qp, kp, vp, scale, names, alibi_slopes, float(dropout_p))
     out, lse = _run(qp, kp, vp, scale, causal, window=window, softcap=cap,
-                    alibi_slopes=alibi_slopes, deterministic=deterministic)
+                    alibi_slopes=alibi_slopes, deterministic=deterministic, dropout_p=dropout_p)
     if padded:
         out = out[..., :d]
     if return_attn_probs:

@@ -22,14 +22,6 @@ def _as_float(softmax_scale: object) -> Optional[float]:
     return None if softmax_scale is None else float(softmax_scale)
 
 
-def _reject_dropout(dropout_p) -> None:
-    """ValueError unless FlashAttention-2's dropout_p is at its "off" value, 0 (dropout is not
-    implemented)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
-        raise ValueError(f"flash_attention_sm75: unsupported FlashAttention-2 option: "
-                         f"dropout_p={dropout_p!r} (only 0.0: dropout is not implemented)")
-
-
 def _window_args(window_size) -> Tuple[int, int]:
     # A validated window (the rulebook) as the op's two ints (numpy integers included).
     return int(window_size[0]), int(window_size[1])
@@ -61,10 +53,8 @@ def flash_attn_func(
     ``flash_attn.flash_attn_func(q, k, v, softmax_scale=..., causal=...)`` can switch by
     changing the import. FlashAttention-2's order has ``dropout_p`` before ``softmax_scale``:
     pass ``softmax_scale`` and ``causal`` by keyword when porting such calls. ``window_size``
-    (a sliding window), ``softcap`` (logit soft-capping) and ``alibi_slopes`` (ALiBi) are
-    computed as in FlashAttention-2. ``dropout_p`` is accepted as a keyword at its "off" value
-    only (so ``flash_attn_func(q, k, v, dropout_p=0.0, causal=True)`` runs unchanged); any other
-    value raises ``ValueError``.
+    (a sliding window), ``softcap`` (logit soft-capping), ``alibi_slopes`` (ALiBi) and
+    ``dropout_p`` (attention dropout, keyword-only here) are computed as in FlashAttention-2.
 
     Parameters
     ----------
@@ -94,8 +84,14 @@ def flash_attn_func(
     return_lse : bool, optional
         Default ``False``. If ``True``, also return the softmax log-sum-exp.
     dropout_p : float, optional, keyword-only
-        FlashAttention-2's dropout probability, accepted for porting at its default only: 0.
-        Dropout is not implemented; any other value raises ``ValueError``.
+        Attention dropout probability in ``[0, 1)`` (FlashAttention-2's and torch's semantics):
+        each element of the softmax's probabilities is kept with probability ``1 - dropout_p``
+        and scaled by ``1 / (1 - dropout_p)``, the others are zeroed, before ``@ v``; the LSE
+        is that of the undropped scores. The mask comes from a counter-based generator
+        (Philox4x32-7) seeded by torch's default CUDA generator, so ``torch.manual_seed``
+        reproduces a call bitwise and CUDA-graph replays draw new masks; the backward
+        regenerates the same mask. Default ``0.0``: none. The backward applies it up to
+        ``head_dim`` 128 (``ValueError`` above that when a gradient will flow).
     window_size : tuple of int, optional, keyword-only
         Sliding window ``(left, right)`` as in FlashAttention-2: query ``i`` sees key ``j`` only
         if ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (the
@@ -147,7 +143,8 @@ def flash_attn_func(
         ``return_lse`` not a bool, ``window_size`` not a pair of ints each -1 or >= 0,
         ``softcap`` not a finite real number >= 0, ``alibi_slopes`` not a float32 tensor of
         shape ``(num_heads,)`` / ``(batch_size, num_heads)`` with a contiguous last dimension
-        on ``q``'s device (or requiring grad under grad mode), or ``dropout_p`` not 0. The
+        on ``q``'s device (or requiring grad under grad mode), or ``dropout_p`` not a real
+        number in ``[0, 1)`` (or above 0 with ``head_dim > 128`` when a gradient will flow). The
         message
         names the argument. Also for a CUDA GPU of compute capability < 7.5. The rules are
         ``flash_attention_sm75._rules`` (one rulebook for every API); raised before any kernel
@@ -201,12 +198,12 @@ def flash_attn_func(
     _ops.require_extension()
     _rules.require_bool("causal", causal)
     _rules.require_bool("return_lse", return_lse)
-    _reject_dropout(dropout_p)
     _rules.check_inputs(q, k, v, softmax_scale, layout="bshd", window_size=window_size,
-                        softcap=softcap, alibi_slopes=alibi_slopes)
+                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     out, softmax_lse = _ops.call_fwd(q, k, v, _as_float(softmax_scale), causal, True,
                                      None, None, *_window_args(window_size),
-                                     _softcap_arg(softcap), alibi_slopes)
+                                     _softcap_arg(softcap), alibi_slopes,
+                                     dropout_p=float(dropout_p))
     if return_lse:
         return out, softmax_lse
     return out
@@ -223,6 +220,7 @@ def flash_attention_forward(
     window_size: Tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention with the FlashAttention-2 algorithm, BHSD layout.
 
@@ -270,6 +268,8 @@ def flash_attention_forward(
         query ``i`` and key ``j`` in head ``h`` gets ``-slope[h] * |i + seqlen_k - seqlen_q -
         j|``. Not differentiated (slopes requiring grad raise under grad mode). Default
         ``None``.
+    dropout_p : float, optional, keyword-only
+        Attention dropout as in :func:`flash_attn_func`: in ``[0, 1)``, default ``0.0``.
 
     Returns
     -------
@@ -355,11 +355,11 @@ def flash_attention_forward(
     _rules.require_bool("causal", causal)
     _rules.require_bool("return_lse", return_lse)
     _rules.check_inputs(q, k, v, softmax_scale, layout="bhsd", window_size=window_size,
-                        softcap=softcap, alibi_slopes=alibi_slopes)
+                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     out, softmax_lse = _ops.call_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                      _as_float(softmax_scale), causal, True, None, None,
                                      *_window_args(window_size), _softcap_arg(softcap),
-                                     alibi_slopes)
+                                     alibi_slopes, dropout_p=float(dropout_p))
     out = out.transpose(1, 2)
     if return_lse:
         return out, softmax_lse

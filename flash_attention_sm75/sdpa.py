@@ -159,8 +159,11 @@ def why_not_supported(
         computes its gradient; the kernel has none), a mask with ``is_causal=True`` (torch
         raises), and with a backward the bias's limits (head_dim above 128).
     dropout_p : float, optional
-        Default ``0.0``. Any nonzero value makes the call fall back (torch's SDPA applies dropout
-        whenever ``dropout_p > 0``, in training and in eval).
+        Default ``0.0``. Attention dropout, applied whenever ``dropout_p > 0`` (in training and
+        in eval, as torch's SDPA): run by the kernel (torch's semantics: keep with probability
+        ``1 - dropout_p``, scale ``1 / (1 - dropout_p)``; the mask from torch's default CUDA
+        generator, so ``torch.manual_seed`` reproduces it, though not torch's own draws). Falls
+        back: a value outside ``[0, 1)``, and with a backward a head_dim above 128.
     is_causal : bool, optional
         Default ``False``. Supported either way (top-left alignment, as torch).
     scale : float, optional
@@ -185,7 +188,7 @@ def why_not_supported(
     value of the same shape, equal batch sizes (no broadcasting), ``num_heads % num_heads_k ==
     0``, last dimension contiguous, data pointers 16-byte aligned, other strides divisible by 8
     elements, ``scale`` None or finite within [1.18e-38, 1.07e26]); and the wrapper's own rules:
-    ``attn_mask`` None or a mask as above; ``dropout_p == 0``; ``is_causal`` a
+    ``attn_mask`` None or a mask as above; ``dropout_p`` in ``[0, 1)``; ``is_causal`` a
     bool; ``scale`` a Python float or int; ``enable_gqa=True`` when ``num_heads !=
     num_heads_k``; no forward-mode AD tangent on any input; no ``torch.func`` transform
     (``grad``, ``vjp``, ``jacrev``, ``vmap``) active.
@@ -224,14 +227,17 @@ def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
         return f"the compiled extension flash_attention_sm75._C is not available ({_ops.EXTENSION_ERROR})"
     if type(is_causal) is not bool:
         return f"is_causal is a {_rules.type_name(is_causal)}; a bool is required (torch raises)"
-    if dropout_p != 0.0:
-        return (f"dropout_p={dropout_p!r}; dropout is not supported (torch SDPA applies dropout "
-                f"whenever dropout_p > 0, in eval mode too)")
+    if dropout_p != 0.0 and (isinstance(dropout_p, bool)
+                             or not isinstance(dropout_p, (int, float))):
+        return f"dropout_p is a {_rules.type_name(dropout_p)}; a Python float is required"
+    if type(dropout_p) is not float:
+        dropout_p = float(dropout_p)
     if scale is not None and type(scale) is not float and (
             not isinstance(scale, (int, float)) or isinstance(scale, bool)):
         return f"scale is a {_rules.type_name(scale)}; a Python float is required"
     reason = _rules.not_supported_reason(query, key, value, scale, layout="bhsd",
-                                         devices=(_KERNEL_DEVICE_TYPE,), names=_NAMES)
+                                         devices=(_KERNEL_DEVICE_TYPE,), names=_NAMES,
+                                         dropout_p=dropout_p)
     if reason is not None:
         return reason
     if not enable_gqa and query.shape[1] != key.shape[1]:
@@ -421,7 +427,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if reason is None:
         if attn_mask is None:
             out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
-                                   value.transpose(1, 2), scale, is_causal, False)
+                                   value.transpose(1, 2), scale, is_causal, False,
+                                   dropout_p=dropout_p)
             return out.transpose(1, 2)
         if _zero_size(query, key, value):  # no keys or no rows: nothing for the mask to select
             return _zero_size_attention(query, key, value, attn_mask, enable_gqa)
@@ -431,14 +438,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             if reason is None:  # the kernel reads the mask (broadcast, in place)
                 out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
                                        value.transpose(1, 2), scale, False, False,
-                                       attn_bias=attn_mask)
+                                       attn_bias=attn_mask, dropout_p=dropout_p)
                 return out.transpose(1, 2)
     if reason is None:
         if info.kv_len != key.shape[2]:
             key, value = key[:, :, :info.kv_len], value[:, :, :info.kv_len]
         out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                scale, info.causal, True, leftpad_k=info.leftpad_k,
-                               seqused_k=info.seqused_k)
+                               seqused_k=info.seqused_k, dropout_p=dropout_p)
         return out.transpose(1, 2)
     if is_strict():
         raise ValueError(f"flash_attention_sm75: cannot run scaled_dot_product_attention on the "

@@ -101,12 +101,11 @@ def rand(*shape, grad=False, seed=None):
 # ------------------------------------------------------------------------------- options
 BAD_OPTIONS = [
     (dict(dropout_p=0.1), "dropout_p=0.1", "accepted: 0.0"),
-]  # softcap and alibi_slopes run (tests/test_scoremod.py)
+]  # softcap and alibi_slopes run (tests/test_scoremod.py); dropout runs in the dense functions
 
 
 @pytest.mark.parametrize("api,kwargs,names,accepted", [
-    (api, *case) for api in ("func", "varlen", "kvcache") for case in BAD_OPTIONS
-    if not (api == "kvcache" and "dropout_p" in case[0])])  # kvcache has no dropout_p
+    (api, *case) for api in ("varlen",) for case in BAD_OPTIONS])
 def test_unsupported_feature_raises_naming_it(api, kwargs, names, accepted):
     q, k, v = rand(1, 6, 4, 16), rand(1, 9, 2, 16), rand(1, 9, 2, 16)
     with pytest.raises(fa2.UnsupportedFeatureError) as e:
@@ -123,19 +122,21 @@ def test_unsupported_feature_raises_naming_it(api, kwargs, names, accepted):
     assert names in msg and accepted in msg, msg
 
 
-def test_dropout_is_the_one_unsupported_feature_and_is_named(monkeypatch):
-    # softcap, ALiBi and deterministic=True (also under FLASH_SM75_BWD_DQ=atomic) all run now:
-    # the error names dropout alone.
+def test_dropout_with_packed_sequences_is_the_one_unsupported_feature_and_is_named(monkeypatch):
+    # softcap, ALiBi, deterministic=True (also under FLASH_SM75_BWD_DQ=atomic) and dense dropout
+    # all run: the varlen error names dropout alone.
     q = rand(1, 4, 2, 16)
     monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
+    cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(fa2.UnsupportedFeatureError, match="dropout_p=0.5") as e:
-        fa2.flash_attn_func(q, q, q, 0.5, softcap=1.0, alibi_slopes=torch.ones(2),
-                            deterministic=True)
+        fa2.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, 0.5, softcap=1.0,
+                                   alibi_slopes=torch.ones(2), deterministic=True)
     for name in ("softcap", "alibi", "deterministic"):
         assert name not in str(e.value), name
-    out = fa2.flash_attn_func(q, q, q, 0.0, softcap=1.0, alibi_slopes=torch.ones(2),
-                              deterministic=True)
-    assert out.shape == q.shape and torch.isfinite(out).all()
+    for p in (0.0, 0.5):
+        out = fa2.flash_attn_func(q, q, q, p, softcap=1.0, alibi_slopes=torch.ones(2),
+                                  deterministic=True)
+        assert out.shape == q.shape and torch.isfinite(out).all()
 
 
 @pytest.fixture

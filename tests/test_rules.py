@@ -273,6 +273,19 @@ ROWS = [
               attn_bias=torch.zeros(7, requires_grad=True)),
         r"attn_bias must not require grad: the kernels compute no gradient for the bias \(pass "
         r"attn_bias\.detach\(\) to treat it as a constant\)", cpp=False),
+    Row("dropout_p", "dropout_one", _with(lambda *t: t, dropout_p=1.0),
+        r"dropout_p must be in \[0, 1\), got 1\.0"),
+    Row("dropout_p", "dropout_negative", _with(lambda *t: t, dropout_p=-0.25),
+        r"dropout_p must be in \[0, 1\), got -0\.25"),
+    Row("dropout_p", "dropout_str", _with(lambda *t: t, dropout_p="0.1"),
+        r"dropout_p must be a real number in \[0, 1\), got str", cpp=False),
+    # The backward's head-dim limit, when a gradient will flow (the C++ backward checks it:
+    # tests/test_dropout.py).
+    Row("dropout_p", "dropout_backward_d256",
+        lambda device: ((lambda q, k, v: (q.requires_grad_(), k, v))(*bshd(d=256, device=device)),
+                        {"dropout_p": 0.1}),
+        r"dropout has no backward at head_dim 256 \(the backward applies dropout up to "
+        r"head_dim 128\)", cpp=False),
     # CPU tensors reach the op's CPU reference (the dispatcher's choice), never the C++ device
     # rule of the CUDA kernel; doors that run CUDA only ask the rulebook with devices=("cuda",).
     Row("device", "cpu_where_cuda_only", _base(), r"q must be a CUDA tensor, got device cpu",
@@ -320,12 +333,14 @@ def test_rulebook_reason(row):
 def test_cpp_check_gives_the_rulebook_message(row):
     (q, k, v), kwargs = _build(row)
     reason = _rules.not_supported_reason(q, k, v, **kwargs)
+    ops = torch.ops.flash_attention_sm75
+    # fwd_dropout: fwd's arguments with dropout_p after v
+    op, head = ((ops.fwd_dropout, (q, k, v, kwargs["dropout_p"])) if "dropout_p" in kwargs
+                else (ops.fwd, (q, k, v)))
     with pytest.raises(ValueError, match="^flash_attention_sm75: ") as cpp:
-        torch.ops.flash_attention_sm75.fwd(q, k, v, kwargs.get("softmax_scale"), False, True,
-                                           kwargs.get("leftpad_k"), kwargs.get("seqused_k"),
-                                           *kwargs.get("window_size", (-1, -1)),
-                                           kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"),
-                                           kwargs.get("attn_bias"))
+        op(*head, kwargs.get("softmax_scale"), False, True, kwargs.get("leftpad_k"),
+           kwargs.get("seqused_k"), *kwargs.get("window_size", (-1, -1)),
+           kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"), kwargs.get("attn_bias"))
     assert _head(str(cpp.value)) == _head("flash_attention_sm75: " + reason)
 
 
@@ -350,8 +365,9 @@ def test_direct_apis_raise_the_rulebook_reason_before_the_op(row, op_calls):
 # float scale) or that it never sees in this form.
 _SDPA_OWN = {"scale_tensor", "scale_str", "scale_bool", "cpu_where_cuda_only",
              "window_left_minus_2", "window_right_minus_5", "window_not_pair", "window_float"}
-# torch's SDPA has no soft-capping or ALiBi argument.
-_NOT_IN_SDPA = {"softcap", "alibi_slopes"}
+# torch's SDPA has no soft-capping or ALiBi argument; its dropout_p is the wrapper's own
+# argument (tests/test_dropout.py checks that door).
+_NOT_IN_SDPA = {"softcap", "alibi_slopes", "dropout_p"}
 
 
 @pytest.mark.parametrize("row", _params([r for r in _API_ROWS if r.id not in _SDPA_OWN

@@ -83,7 +83,7 @@ def _reason_cases():
                                         "is_causal": True}, "attn_mask and is_causal=True"),
         ("mask_int", (q, k, v), {"attn_mask": torch.ones(8, 8, dtype=torch.int64)},
          "attn_mask dtype torch.int64 is not bool, float32 or the query"),
-        ("dropout", (q, k, v), {"dropout_p": 0.1}, "dropout_p=0.1; dropout is not supported"),
+        ("dropout", (q, k, v), {"dropout_p": 1.0}, "dropout_p must be in [0, 1), got 1.0"),
         ("head_dim_12", bhsd(d=12), {}, "head_dim must be a multiple of 8 from 8 to "),
         ("head_dim_264", bhsd(d=264), {}, "got 264"),
         ("value_head_dim", bhsd(d_v=128), {},
@@ -609,14 +609,24 @@ def test_gpu_fallback_equals_torch(name, spec, reason):
 
 
 @pytest.mark.gpu
-def test_gpu_fallback_dropout_fixed_seed():
+def test_gpu_dropout_runs_on_the_kernel_and_a_refused_value_falls_back(op_calls):
+    # dropout_p in [0, 1) runs on the kernel (its own generator: tests/test_dropout.py); a value
+    # the rule refuses goes to torch with the call's arguments (same seed, same draws).
     q, k, v = bhsd(2, 4, 4, 64, 64, 64, device="cuda")
-    assert "dropout" in fa.why_not_supported(q, k, v, dropout_p=0.2)
+    assert fa.why_not_supported(q, k, v, dropout_p=0.2) is None
     torch.manual_seed(7)
     out = fa.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
     torch.manual_seed(7)
-    expected = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+    assert torch.equal(out, fa.scaled_dot_product_attention(q, k, v, dropout_p=0.2,
+                                                            is_causal=True))
+    assert not torch.equal(out, fa.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert "dropout_p must be in [0, 1)" in fa.why_not_supported(q, k, v, dropout_p=1.0)
+    torch.manual_seed(7)
+    out = fa.scaled_dot_product_attention(q, k, v, dropout_p=1.0, is_causal=True)
+    torch.manual_seed(7)
+    expected = F.scaled_dot_product_attention(q, k, v, dropout_p=1.0, is_causal=True)
     assert torch.equal(out, expected)
+    assert op_calls == []  # fwd itself is not called: dropout runs fwd_dropout
 
 
 @pytest.mark.gpu

@@ -137,11 +137,29 @@ struct Flash_fwd_params {
   // so that raw * scale_softmax_log2 (the exponents' units) and sums of two such values stay
   // finite (bias_to_raw clamps to it).
   float bias_raw_max = 1.7014117e38f;
+
+  // ---- attention dropout (dropout.h; the extended instantiations) ---------------------------
+  // dropout: P's elements kept iff their Philox word < dropout_keep_threshold, the kept ones
+  // scaled by dropout_rp = 1 / (1 - p) (the forward on O, the backward on dP and dV). Seed and
+  // offset: the values, or (CUDA-graph capture, the backward) read on the device from
+  // dropout_seed_ptr / dropout_offset_ptr (+ dropout_offset_add). The forward writes the pair it
+  // used to dropout_rng_state_out (int64 [seed, offset]).
+  int dropout = 0;
+  uint32_t dropout_keep_threshold = 0;
+  float dropout_rp = 1.f;
+  uint64_t dropout_seed = 0, dropout_offset = 0, dropout_offset_add = 0;
+  const int64_t* dropout_seed_ptr = nullptr;
+  const int64_t* dropout_offset_ptr = nullptr;
+  int64_t* dropout_rng_state_out = nullptr;
 };
 
 // The largest head dim (bucket) whose backward kernels read an attention bias (the d = 256
 // dK/dV kernel has no registers left for it); the host refuses larger ones.
 constexpr int kBwdBiasMaxHeadDim = 128;
+
+// The largest head dim (bucket) whose backward kernels apply dropout (the d = 256 dK/dV kernel
+// spilled with its generator); the host refuses a dropout's backward above it.
+constexpr int kBwdDropoutMaxHeadDim = 128;
 
 // Paged K/V needs a tile of kBlockN keys (and a decode warp's 32) inside one page.
 constexpr int kPageBlockMultiple = 64;
@@ -157,11 +175,12 @@ inline bool has_window_lower(const Flash_fwd_params& params) {
 }
 
 // The extended instantiations (Is_ext) run the call: a softcap, ALiBi slopes, packed (varlen)
-// sequences, per-sequence diagonals, paged K/V or an attention bias / mask. The plain ones compile exactly as without these.
+// sequences, per-sequence diagonals, paged K/V, an attention bias / mask or dropout. The plain ones compile exactly as without these.
 inline bool needs_ext(const Flash_fwd_params& params) {
   return params.softcap_in != 0.f || params.alibi_slopes_ptr != nullptr ||
          params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
-         params.per_seq_offset || params.block_table != nullptr || params.bias_ptr != nullptr;
+         params.per_seq_offset || params.block_table != nullptr || params.bias_ptr != nullptr ||
+         params.dropout != 0;
 }
 
 // One explicit specialization per generated instantiation file (instantiations/*.cu):

@@ -32,6 +32,7 @@
 #include "block_info.h"
 #include "bwd_block_info.h"
 #include "bwd_kernel_traits.h"
+#include "dropout.h"
 #include "flash_bwd.h"
 #include "fragment.h"
 #include "score_mod.h"
@@ -307,14 +308,23 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
 }
 
 // dS^T = P^T o (dP^T - D[query]) as fp16 A fragments (sDsum holds the tile's D).
-template <int kWC>
+// Dropout: acc_s holds P with the sign of its keep bit (dropout_sign_p), dS^T = P^T o (Z dP^T /
+// (1 - p) - D).
+template <int kWC, bool Dropout = false>
 __device__ __forceinline__ void dsoftmax_t(const float (&acc_s)[kWC / 8][4],
                                            const float (&acc_dp)[kWC / 8][4],
                                            uint32_t (&ds_frag)[kWC / 8][2], const float* sDsum,
-                                           int qc0, int t) {
+                                           int qc0, int t, float rp = 1.f) {
 #pragma unroll
   for (int nt = 0; nt < kWC / 8; ++nt) {
     const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + qc0 + 8 * nt + 2 * t);
+    if constexpr (Dropout) {
+      ds_frag[nt][0] = pack_half2(dropout_ds(acc_s[nt][0], acc_dp[nt][0], dsum2.x, rp),
+                                  dropout_ds(acc_s[nt][1], acc_dp[nt][1], dsum2.y, rp));
+      ds_frag[nt][1] = pack_half2(dropout_ds(acc_s[nt][2], acc_dp[nt][2], dsum2.x, rp),
+                                  dropout_ds(acc_s[nt][3], acc_dp[nt][3], dsum2.y, rp));
+      continue;
+    }
     ds_frag[nt][0] = pack_half2(acc_s[nt][0] * (acc_dp[nt][0] - dsum2.x),
                                 acc_s[nt][1] * (acc_dp[nt][1] - dsum2.y));
     ds_frag[nt][1] = pack_half2(acc_s[nt][2] * (acc_dp[nt][2] - dsum2.x),
@@ -372,6 +382,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr uint32_t kVfromK = Kt::kOffV - Kt::kOffK;     // byte offset sV - sK
   constexpr uint32_t kDofromQ = Kt::kOffDo - Kt::kOffQ;   // byte offset sdO - sQ
   constexpr int kDO = Kt::kDOut;  // dK / dV columns of a warp
+  // Dropout (dropout.h) in the deterministic-dQ kernels up to kBwdDropoutMaxHeadDim only: the
+  // atomic ones and d = 256 have no register left for it (spills); the host runs a dropout's
+  // backward with the dQ kernel and refuses it above that head dim.
+  constexpr bool kDropout = Is_ext && !Atomic_dq && kD <= kBwdDropoutMaxHeadDim;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kOffK);    // Bc x d (padded rows)
@@ -515,6 +529,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       const int m_block = tile_m_block(it);
       const int m0 = m_block * kBM;
       const bool has_next = it + 1 < total;
+      // Dropout's kept elements of this tile (dropout.h), bit 4 nt + e, taken before S^T and
+      // the next tile's staging registers are live.
+      static_assert(!kDropout || kWC <= 64, "dropout: one 32-bit mask of the thread's elements");
+      uint32_t keep = ~0u;
+      if (kDropout && params.dropout) {
+        keep = dropout_bits_cols<kWC / 8>(dropout_rng_saved(params),
+                                          static_cast<uint32_t>(bidb * params.h + head),
+                                          n0 + 16 * wn, m0 + qc0, g, t,
+                                          params.dropout_keep_threshold);
+      }
       // Next tile's global loads in flight during this tile's MMAs. Atomic mode issues them
       // later (before dQ = dS K), where fewer registers are live.
       if (!Atomic_dq && has_next) load_tile(it + 1);
@@ -556,6 +580,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                                                  si.causal_off(), si.window_lower(), smod,
                                                  params);
 
+      // Dropout (dropout.h): the kept P for dV (its 1 / (1 - p) at the end), the kept, scaled
+      // dP for dS; the bits were taken at the top of the iteration.
+      if (kDropout && params.dropout) {
+        dropout_apply_bits<kWC / 8>(p_frag, keep);
+        dropout_sign_p<kWC / 8>(acc_s, keep);
+      }
+
       // ---- dV += P^T dO (16 keys x d per warp; k = this warp's queries).
       gemm_rs_t<kWC, kDO, kRowB, false>(acc_dv, p_frag, q_t_addr + kDofromQ);
 
@@ -578,7 +609,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
       // ---- dS^T = P^T o (dP^T - D[query]) (fp16 A fragments; also to sdS in atomic mode).
       uint32_t ds_frag[kWC / 8][2];
-      dsoftmax_t<kWC>(acc_s, acc_dp, ds_frag, sDsum, qc0, t);
+      if (kDropout && params.dropout) {
+        dsoftmax_t<kWC, true>(acc_s, acc_dp, ds_frag, sDsum, qc0, t, params.dropout_rp);
+      } else {
+        dsoftmax_t<kWC>(acc_s, acc_dp, ds_frag, sDsum, qc0, t);
+      }
       if (Atomic_dq && ws == 0) {  // the column splits hold the same dS^T
 #pragma unroll
         for (int nt = 0; nt < kWC / 8; ++nt) {
@@ -657,6 +692,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
   }
 
+  if (kDropout && params.dropout) {  // dV = (P o Z)^T dO / (1 - p)
+#pragma unroll
+    for (int i = 0; i < kDO / 8; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc_dv[i][j] *= params.dropout_rp;
+    }
+  }
   // ---- epilogue: sum the kNWarpsM partial dK/dV of each key group through shared memory
   // (sRed aliases sK + sV, free now), then the wm == 0 warps write dK * scale and dV.
   if (Kt::kNWarpsM > 1) {
@@ -751,8 +793,6 @@ __global__ void __launch_bounds__(Kt::kNThreads)
                                                 si.causal_off(), si.window_lower());
   const int row0 = m_block * kBM;
   const float scale_log2 = params.scale_softmax_log2;
-  ScoreMod smod{};
-  if constexpr (Is_ext) smod = score_mod_for(params, bidb, bidh, si.alibi_off());
 
   // lse (log2 units; +inf for rows without keys or past seqlen_q) and D of rows g, g + 8.
   float lse_l2[2], dsum[2];
@@ -838,6 +878,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
           !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, si.causal_off(),
                                       si.window_lower());
       if constexpr (Is_ext) {
+        // Per tile, not once per CTA: kept across the loop its registers pushed the kernel
+        // past 255 with dropout's generator.
+        const ScoreMod smod = score_mod_for(params, bidb, bidh, si.alibi_off());
         softcap_scores<kBN>(acc_s, smod);
         // The bias before the softcap's derivative is read back (the host refuses a softcap
         // with a bias in the backward); the forward's layout, so the forward's reader.
@@ -886,6 +929,14 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
       store_tile_r2s<Kt>(stage, sV, tid);
       __syncthreads();  // V_j visible
+      if (Is_ext && params.dropout) {  // P carries its keep bit in its sign (dropout.h),
+        // between V_j's store and K_{j+1}'s loads, where no staging register is live
+        dropout_visit_rows<kBN / 8>(dropout_rng_saved(params), static_cast<uint32_t>(bh),
+                                    row0 + 16 * wr, n_block * kBN, g, t,
+                                    params.dropout_keep_threshold, [&](int nt, int e, bool k) {
+                                      if (!k) acc_s[nt][e] = -acc_s[nt][e];
+                                    });
+      }
       const bool has_next = n_block + 1 < nb.n_block_max;
       if (has_next) {  // K_{j+1}: global loads in flight during dP and dQ
         load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, (n_block + 1) * kBN, kr.key_start,
@@ -901,12 +952,27 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_dp, do_frag, v_lane_addr);
         }
+        if constexpr (Is_ext) {
+          // acc_s holds P with the sign of its dropout keep bit (dropout_sign_p; never negative
+          // without dropout, dropout_rp = 1): dS = P o (Z dP / (1 - p) - D), one form for both.
 #pragma unroll
-        for (int nt = 0; nt < kBN / 8; ++nt) {
-          ds_frag[nt][0] = pack_half2(acc_s[nt][0] * (acc_dp[nt][0] - dsum[0]),
-                                      acc_s[nt][1] * (acc_dp[nt][1] - dsum[0]));
-          ds_frag[nt][1] = pack_half2(acc_s[nt][2] * (acc_dp[nt][2] - dsum[1]),
-                                      acc_s[nt][3] * (acc_dp[nt][3] - dsum[1]));
+          for (int nt = 0; nt < kBN / 8; ++nt) {
+            float ds[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              ds[e] = dropout_ds(acc_s[nt][e], acc_dp[nt][e], dsum[e >> 1], params.dropout_rp);
+            }
+            ds_frag[nt][0] = pack_half2(ds[0], ds[1]);
+            ds_frag[nt][1] = pack_half2(ds[2], ds[3]);
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < kBN / 8; ++nt) {
+            ds_frag[nt][0] = pack_half2(acc_s[nt][0] * (acc_dp[nt][0] - dsum[0]),
+                                        acc_s[nt][1] * (acc_dp[nt][1] - dsum[0]));
+            ds_frag[nt][1] = pack_half2(acc_s[nt][2] * (acc_dp[nt][2] - dsum[1]),
+                                        acc_s[nt][3] * (acc_dp[nt][3] - dsum[1]));
+          }
         }
       }
 

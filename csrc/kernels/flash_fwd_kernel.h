@@ -27,6 +27,7 @@
 #include <cuda_fp16.h>
 
 #include "block_info.h"
+#include "dropout.h"
 #include "flash.h"
 #include "fragment.h"
 #include "kernel_traits.h"
@@ -119,6 +120,15 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
   // One m16 row tile per warp. [1][2] rather than [2]: the flat array changes ptxas's register
   // assignment of this kernel (d = 64), this shape keeps the SASS it had with warps of more tiles.
   float lse[1][2];
+  if constexpr (Is_ext) {
+    if (params.dropout) {  // the kept probabilities' 1 / (1 - p), once on O (dropout.h)
+#pragma unroll
+      for (int dt = 0; dt < kDCols / 8; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[dt][e] *= params.dropout_rp;
+      }
+    }
+  }
   softmax_normalize<kDCols>(acc_o, m_i, l_i, params.scale_softmax, lse[0]);
 #pragma unroll
   for (int dt = 0; dt < kDCols / 8; ++dt) {
@@ -191,6 +201,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   // Chunk pairs (16 columns) before this warp's columns: chunk_pair_addr moves any lane address
   // there, as it moves between the chunk pairs of a GEMM.
   const int kk0 = dpart * (kDCols / 16);
+  if constexpr (Is_ext) dropout_save_state(params);
   const FwdCta<Is_ext> c = fwd_cta<Kt, Is_causal, Is_local, Is_ext>(params);
   if (fwd_cta_idle<Kt>(c)) return;  // uniform over the CTA, before any barrier
   const int row0 = c.m_block * Kt::kBlockM;
@@ -286,6 +297,10 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kDCols, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
                                                             p_frag, exact_exp);
+        if (Is_ext && params.dropout) {  // both warps of the pair drop the same elements
+          dropout_p_frag<kBN / 8>(p_frag, dropout_rng(params), static_cast<uint32_t>(c.bh),
+                                  row0 + 16 * rw, n_block * kBN, params.dropout_keep_threshold);
+        }
         gemm_rs_t<kBN, kDCols, kRowBytes, !kPad>(acc_o, p_frag, v_lane_addr);  // O += P V
         if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
         __syncthreads();  // K_{j+1} visible; every warp is done with V_j and the slots
@@ -315,6 +330,11 @@ __global__ void __launch_bounds__(Kt::kNThreads,
                                                        exact_exp)) {
           rescale_o<kD>(acc_o, alpha);
         }
+        if (Is_ext && params.dropout) {
+          dropout_p_frag<kHalf / 8>(p_a, dropout_rng(params), static_cast<uint32_t>(c.bh),
+                                    row0 + 16 * warp, n_block * kBN,
+                                    params.dropout_keep_threshold);
+        }
         if constexpr (Is_ext) {
           mod_scores<kHalf, Kt::kBiasFastPath>(acc_sb, smod, row0 + 16 * warp,
                                                n_block * kBN + kHalf, params);
@@ -334,6 +354,11 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         if (softmax_step<kHalf, Kt::kRescaleThreshold>(acc_sb, m_i, l_i, scale_log2, p_b, alpha,
                                                        exact_exp)) {
           rescale_o<kD>(acc_o, alpha);
+        }
+        if (Is_ext && params.dropout) {
+          dropout_p_frag<kHalf / 8>(p_b, dropout_rng(params), static_cast<uint32_t>(c.bh),
+                                    row0 + 16 * warp, n_block * kBN + kHalf,
+                                    params.dropout_keep_threshold);
         }
         gemm_rs_t<kHalf, kD, kRowBytes, !kPad>(acc_o, p_b, v_lane_addr + kHalfBytes);
         if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
@@ -367,6 +392,10 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
                                                         p_frag, exact_exp);
+        if (Is_ext && params.dropout) {
+          dropout_p_frag<kBN / 8>(p_frag, dropout_rng(params), static_cast<uint32_t>(c.bh),
+                                  row0 + 16 * warp, n_block * kBN, params.dropout_keep_threshold);
+        }
 
         // Every warp finished reading sV in the previous iteration (last barrier below), so V_j
         // can be written now.

@@ -186,6 +186,9 @@ struct FwdTileD64SmallGrid : FwdTileDefaults {
   static constexpr int kHeadDim = 64, kBlockM = 64, kBlockN = 32, kNWarps = 4;
   static constexpr bool kQInSmem = true;
   static constexpr int kMinBlocksPerSm = 4;
+  // The extended kernel (score modifiers, bias, dropout's generator) spilled 8-24 bytes under
+  // the 128-register cap of 4 CTAs: 3 CTAs per SM (168 registers) for it.
+  static constexpr int kMinBlocksPerSmMod = 3;
   static constexpr bool kBiasFastPath = false;  // 8 bytes of spill under the 128-register cap
 };
 // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile. Split tile:

@@ -36,7 +36,8 @@ pattern limited to the last ``sliding_window`` keys (the kernel's window). Any o
 a CUDA graph captures (a static cache's decode step under ``mode="reduce-overhead"``), is read
 by the kernel itself as its ``attn_bias`` (bool or additive, broadcast over heads in place), as
 the rulebook's bias rule allows (with a backward: head_dim up to 128, no softcap). Any
-unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256], dropout,
+unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256], dropout in
+training above head_dim 128 or with packed sequences,
 ``output_attentions``, a keyword argument outside the allow-list, a mask the bias rule refuses)
 calls transformers' own ``sdpa_attention_forward`` with the original arguments (calls with Gemma
 2's ``softcap``, which runs on the kernel, fall back to that function with the soft-cap applied,
@@ -363,8 +364,8 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
     dropout = bound["dropout"]
     if dropout is None:
         dropout = 0.0
-    if not isinstance(dropout, (int, float)) or dropout != 0.0:
-        return f"dropout={dropout} (the kernel has no dropout)"
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        return f"dropout={dropout!r} is not a real number"
     if torch.jit.is_tracing():
         return "torch.jit tracing"
     if not _ops.EXTENSION_AVAILABLE:
@@ -375,7 +376,7 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
     reason = _rules.not_supported_reason(query, key, value, bound["scaling"], layout="bhsd",
                                          devices=devices, check_alignment=False,
                                          names=("query", "key", "value", "scaling"),
-                                         softcap=softcap)
+                                         softcap=softcap, dropout_p=float(dropout))
     if reason is not None:
         return reason
     if bound["position_bias"] is not None and not _position_bias_is_zero(bound["position_bias"],
@@ -716,6 +717,8 @@ def _packed_attention(fallback, module, query, key, value, attention_mask, bound
     window = window if no_mask else None
     reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
                                  softcap)
+    if reason is None and _dropout_of(bound):
+        reason = f"dropout={bound['dropout']} with packed sequences (the varlen op has no dropout)"
     plan = None
     if reason is None:
         plan, reason = _plan_varlen(packing, query, key, attention_mask, causal, window)
@@ -767,7 +770,8 @@ def _position_bias_attention(fallback, module, query, key, value, attention_mask
         if problem is None:
             info = MaskInfo(False, k.shape[2], None, None, "bias")
             out, reason = _try_kernel(
-                lambda: _run_kernel(query, k, v, bound["scaling"], info, softcap, mask=bias),
+                lambda: _run_kernel(query, k, v, bound["scaling"], info, softcap, mask=bias,
+                                    dropout_p=_dropout_of(bound)),
                 q_len)
             if out is not None:
                 return out, None
@@ -838,18 +842,27 @@ def _aligned_for_kernel(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
+def _dropout_of(bound: dict) -> float:
+    """The call's attention dropout (transformers passes ``dropout=module.attention_dropout``
+    in training, 0.0 in eval) as the op's float; the rules have checked it."""
+    dropout = bound["dropout"]
+    return 0.0 if dropout is None else float(dropout)
+
+
 def _run_kernel(query, key, value, scaling, info: MaskInfo, softcap: float = 0.0,
-                checked: bool = False, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                checked: bool = False, mask: Optional[torch.Tensor] = None,
+                dropout_p: float = 0.0) -> torch.Tensor:
     """The op on BHSD tensors as ``info`` plans it; ``checked``: the caller has established what
-    ``_ops.call_fwd_checked`` requires (a remembered decision, see ``_decision_key``); ``mask``:
-    the call's attention mask, the op's ``attn_bias`` for a ``"bias"`` plan."""
+    ``_ops.call_fwd_checked`` requires (a remembered decision, see ``_decision_key``, never with
+    dropout); ``mask``: the call's attention mask, the op's ``attn_bias`` for a ``"bias"`` plan;
+    ``dropout_p``: attention dropout on the kernel."""
     if info.kind == "bias":
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if q.is_cuda:
             q, k, v = _aligned_for_kernel(q), _aligned_for_kernel(k), _aligned_for_kernel(v)
         scale = None if scaling is None else float(scaling)
         out, _ = _ops.call_fwd(q, k, v, scale, False, True, None, None, -1, -1, softcap,
-                               None, mask)
+                               None, mask, dropout_p=dropout_p)
         return out
     kv_len = info.kv_len
     if kv_len != key.shape[2]:
@@ -859,6 +872,10 @@ def _run_kernel(query, key, value, scaling, info: MaskInfo, softcap: float = 0.0
     if q.is_cuda:  # _bshd_for_kernel's alignment rule (the rules put k and v on q's device)
         q, k, v = _aligned_for_kernel(q), _aligned_for_kernel(k), _aligned_for_kernel(v)
     scale = None if scaling is None else float(scaling)
+    if dropout_p:
+        out, _ = _ops.call_fwd(q, k, v, scale, info.causal, True, info.leftpad_k, info.seqused_k,
+                               *info.window_size, softcap, dropout_p=dropout_p)
+        return out
     call = _ops.call_fwd_checked if checked else _ops.call_fwd
     out, _ = call(q, k, v, scale, info.causal, True, info.leftpad_k, info.seqused_k,
                   *info.window_size, softcap)
@@ -1093,7 +1110,7 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
         if reason is None:
             out, reason = _try_kernel(
                 lambda: _run_kernel(query, key, value, bound["scaling"], info, softcap,
-                                    mask=attention_mask),
+                                    mask=attention_mask, dropout_p=_dropout_of(bound)),
                 query.shape[2])
             if out is not None:
                 return out, None
@@ -1132,7 +1149,10 @@ def flash_attention_sm75_forward(
         The arguments transformers passes (an allow-list; any other argument that is not
         ``None`` makes the call fall back, or raise in strict mode):
 
-        * ``dropout`` (default 0.0; non-zero falls back), ``scaling`` (default ``1/sqrt(D)``),
+        * ``dropout`` (default 0.0; transformers passes ``module.attention_dropout`` in
+          training: attention dropout on the kernel, as torch's semantics, from torch's CUDA
+          generator; falls back with packed sequences and, when a gradient will flow, above
+          head_dim 128), ``scaling`` (default ``1/sqrt(D)``),
           ``is_causal`` (default ``module.is_causal``), ``position_bias`` (all zeros, as T5's
           cross-attention passes, runs on the kernel without a bias; any other, T5's
           relative-position bias, runs as the kernel's ``attn_bias`` combined with the mask by
