@@ -19,6 +19,10 @@ a sequence's length NaN, unused pages too).
 (B, 1, Sq, Sk) with one query row and one key hidden entirely, or with ``--bias-float`` an fp32
 (Sq, Sk) bias with -inf entries; the backward only where it reads a bias (head_dim <= 128, no
 softcap).
+``--dropout P`` runs every dense launch with attention dropout (fwd_dropout; the backward with
+the forward's rng_state, head_dim <= 128): the forward's LSE (the undropped one) is checked
+against the CPU reference, its output only for finiteness (tests/test_dropout.py compares it
+with the mask), and the backward against the CPU reference op given the same rng_state.
 ``--window LEFT RIGHT`` runs every launch with that sliding window (flash-attn's window_size);
 ``--softcap X`` and ``--alibi`` with those score modifiers (the score-mod instantiations; ALiBi
 skips the key-range cases, which the op refuses with it).
@@ -103,10 +107,13 @@ def with_env(name, value, fn):
 
 
 def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode,
-            window=(-1, -1), softcap=0.0, slopes=None, bias=None):
-    """The backward op in one dQ mode (the mode is read from the environment at each call)."""
+            window=(-1, -1), softcap=0.0, slopes=None, bias=None, dropout=None):
+    """The backward op in one dQ mode (the mode is read from the environment at each call);
+    ``dropout``: (dropout_p, the forward's rng_state) or None."""
     s = scale if scale is not None else q.shape[-1] ** -0.5
     kw = {} if bias is None else {"attn_bias": bias}
+    if dropout is not None:
+        kw.update(dropout_p=dropout[0], rng_state=dropout[1])
     return with_env("FLASH_SM75_BWD_DQ", "atomic" if mode == "atomic" else "separate",
                     lambda: torch.ops.flash_attention_sm75.bwd(dout, q, k, v, out, lse, s, causal,
                                                                bottom_right, lpt, sut,
@@ -154,6 +161,8 @@ def main(argv=None):
                     help="a bool attention mask (attn_bias) on every dense launch")
     ap.add_argument("--bias-float", action="store_true",
                     help="an fp32 (Sq, Sk) attention bias with -inf entries on every dense launch")
+    ap.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                    help="attention dropout probability of every dense launch (0: none)")
     ap.add_argument("--varlen", action="store_true",
                     help="packed sequences (varlen_fwd / varlen_bwd) instead of the dense cases: "
                          "empty and one-token sequences, rows outside every sequence, seqused_k")
@@ -169,6 +178,19 @@ def main(argv=None):
     op = load_op()
     if op is None:
         return 2
+    if args.dropout:
+        fwd_plain = op
+        states = []
+
+        def op(q, k, v, **kw):  # fwd's keywords, with dropout; the state kept for the backward
+            kw.setdefault("attn_bias", None)
+            out, lse, state = torch.ops.flash_attention_sm75.fwd_dropout(
+                q, k, v, args.dropout, kw.pop("softmax_scale"), kw.pop("is_causal"),
+                kw.pop("causal_bottom_right"), kw.pop("leftpad_k"), kw.pop("seqused_k"),
+                kw.pop("window_size_left"), kw.pop("window_size_right"), kw.pop("softcap", 0.0),
+                kw.pop("alibi_slopes", None), kw.pop("attn_bias"))
+            states.append(state)
+            return out, lse
     dev = torch.device(args.device)
     gen = torch.Generator().manual_seed(1234)
     launches, failures = 0, []
@@ -200,6 +222,8 @@ def main(argv=None):
                         mods["attn_bias"] = bias
                     bwd_ok = bias is None or (d <= _rules.BIAS_BACKWARD_MAX_HEAD_DIM
                                               and not args.softcap)
+                    bwd_ok = bwd_ok and (not args.dropout or
+                                         d <= _rules.DROPOUT_BACKWARD_MAX_HEAD_DIM)
                     tag = (f"d={d} causal={causal} bottom_right={bottom_right} window={window} "
                            f"softcap={args.softcap:g} alibi={args.alibi} "
                            f"bias={'none' if bias is None else bias.dtype} {name} "
@@ -214,13 +238,14 @@ def main(argv=None):
                     if res is None:
                         continue
                     out, lse = res
+                    drop = (args.dropout, states[-1]) if args.dropout else None
                     launches += 1
                     if not args.no_bwd and tile == "never" and bwd_ok:  # no such tile there
                         dout = torch.randn(out.shape, generator=gen).to(torch.float16).to(dev)
                         for mode in ("deterministic", "atomic"):
                             grads = launch(f"{tag} bwd {mode}", failures, dev, lambda: run_bwd(
                                 dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut,
-                                mode, window, args.softcap, slopes, bias))
+                                mode, window, args.softcap, slopes, bias, drop))
                             if grads is None:
                                 continue
                             launches += 1
@@ -232,7 +257,8 @@ def main(argv=None):
                                           None if sut is None else sut.cpu(), "deterministic",
                                           window, args.softcap,
                                           None if slopes is None else slopes.cpu(),
-                                          None if bias is None else bias.cpu())
+                                          None if bias is None else bias.cpu(),
+                                          None if drop is None else (drop[0], drop[1].cpu()))
                             errs = [grad_error(g, r) for g, r in zip(grads, ref)]
                             ok = all(e <= 2e-2 for e in errs)
                             print(("ok  " if ok else "FAIL"), tag, f"bwd {mode}",
@@ -243,7 +269,8 @@ def main(argv=None):
                     if args.no_check:
                         print("ran ", tag, flush=True)
                         continue
-                    ro, rl = op(q.cpu(), k.cpu(), v.cpu(), softmax_scale=scale,
+                    ref_op = fwd_plain if args.dropout else op
+                    ro, rl = ref_op(q.cpu(), k.cpu(), v.cpu(), softmax_scale=scale,
                                 is_causal=causal, causal_bottom_right=bottom_right,
                                 leftpad_k=None if lpt is None else lpt.cpu(),
                                 seqused_k=None if sut is None else sut.cpu(),
@@ -251,7 +278,9 @@ def main(argv=None):
                                 softcap=args.softcap,
                                 alibi_slopes=None if slopes is None else slopes.cpu(),
                                 **({} if bias is None else {"attn_bias": bias.cpu()}))
-                    o_err = (out.cpu().float() - ro.float()).abs().max().item()
+                    # With dropout the LSE is the undropped one and is compared; out is not
+                    # (tests/test_dropout.py checks it against the mask), the backward is.
+                    o_err = 0.0 if args.dropout else (out.cpu().float() - ro.float()).abs().max().item()
                     lc, rlc = lse.cpu(), rl
                     same_inf = bool(torch.equal(torch.isinf(lc), torch.isinf(rlc)))
                     fin = torch.isfinite(rlc)
@@ -391,7 +420,9 @@ def run_kvcache(args, dev, gen, failures):
                     out, lse = res
                     same_cache = (torch.equal(kd.cpu().nan_to_num(), kr.nan_to_num())
                                   and torch.equal(vd.cpu().nan_to_num(), vr.nan_to_num()))
-                    o_err = (out.cpu().float() - ro.float()).abs().max().item()
+                    # With dropout the LSE is the undropped one and is compared; out is not
+                    # (tests/test_dropout.py checks it against the mask), the backward is.
+                    o_err = 0.0 if args.dropout else (out.cpu().float() - ro.float()).abs().max().item()
                     same_inf = bool(torch.equal(torch.isinf(lse.cpu()), torch.isinf(rl)))
                     fin = torch.isfinite(rl)
                     l_err = (lse.cpu()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0

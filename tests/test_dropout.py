@@ -409,3 +409,59 @@ def test_sdpa_wrapper_training_on_the_kernel(request):
                             for _ in range(64)]).mean(0)
         exact = sdpa.scaled_dot_product_attention(q, k, v).float()
     assert (mean - exact).abs().mean().item() < 0.02
+
+
+# ------------------------------------------------------------------------------- transformers
+def test_hf_training_with_attention_dropout_runs_on_the_kernel(request):
+    """A Llama-shaped model (head_dim 64, GQA, right-padded batch) with ``attention_dropout=0.1``
+    in train mode: every layer's attention runs on the kernel with dropout (transformers passes
+    ``dropout=0.1``), the loss and gradients are finite, a seed reproduces them bitwise, another
+    seed changes them, and eval mode (dropout 0) gives the undropped model's loss."""
+    for m in gpu:
+        request.applymarker(m)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("transformers")
+    from devtools.model_configs import build_random_model, make_config
+    from flash_attention_sm75.integrations import transformers as hf
+
+    cfg = make_config("llama", num_hidden_layers=2, hidden_size=512, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, intermediate_size=1024,
+                      vocab_size=4096, attention_dropout=0.1)
+    model = build_random_model(cfg, dtype=torch.float16, device="cuda", seed=0,
+                               attn_implementation="flash_attention_sm75").train()
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, 4096, (2, 150), generator=g).cuda()
+    am = torch.ones(2, 150, dtype=torch.long, device="cuda")
+    am[1, 100:] = 0
+    labels = ids.masked_fill(am == 0, -100)
+
+    def step(seed):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        logits = model(input_ids=ids, attention_mask=am).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                                 ignore_index=-100)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten().float() for p in model.parameters()
+                                       if p.grad is not None])
+
+    hf.reset_stats()
+    with _ops.deterministic_backward():
+        loss_a, grad_a = step(1)
+        stats = hf.get_stats()
+        assert stats["kernel_prefill"] == 2 and stats["fallback"] == 0, stats
+        loss_b, grad_b = step(1)
+        loss_c, grad_c = step(2)
+    assert math.isfinite(loss_a) and torch.isfinite(grad_a).all()
+    assert loss_a == loss_b and torch.equal(grad_a, grad_b)
+    assert loss_a != loss_c and not torch.equal(grad_a, grad_c)
+    model.eval()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        logits_eval = model(input_ids=ids, attention_mask=am).logits
+        model.config.attention_dropout = 0.0
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.0
+        logits_nodrop = model(input_ids=ids, attention_mask=am).logits
+    assert torch.equal(logits_eval, logits_nodrop)
