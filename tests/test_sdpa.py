@@ -619,8 +619,8 @@ def test_gpu_dropout_runs_on_the_kernel_and_a_refused_value_falls_back(op_calls)
     torch.manual_seed(7)
     assert torch.equal(out, fa.scaled_dot_product_attention(q, k, v, dropout_p=0.2,
                                                             is_causal=True))
-    assert not torch.equal(out, fa.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert op_calls == []  # fwd itself is not called: dropout runs fwd_dropout
+    assert not torch.equal(out, fa.scaled_dot_product_attention(q, k, v, is_causal=True))
     # A backward the rule refuses (dropout above head_dim 128): torch's kernel, torch's draws.
     q2, k2, v2 = (t.requires_grad_() for t in bhsd(2, 4, 4, 64, 64, 256, device="cuda"))
     assert "dropout has no backward at head_dim 256" in fa.why_not_supported(q2, k2, v2,
