@@ -112,7 +112,8 @@ inline uint32_t dropout_keep_threshold(double p) {
   return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
 }
 
-#if defined(__CUDACC__)
+// Device code: nvcc, or the CPU emulator of tests/emu (which defines threadIdx as a macro).
+#if defined(__CUDACC__) || defined(threadIdx)
 // This call's generator: from the device (a captured graph's replay, or the backward reading
 // the forward's rng_state) or from the values the host took.
 __device__ __forceinline__ DropoutRng dropout_rng(const Flash_fwd_params& p) {

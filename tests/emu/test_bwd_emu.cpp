@@ -91,8 +91,13 @@ struct Case {
   // recomputes P from an LSE that has lost log(n) next to -3.4e38, as torch's fused kernels do).
   bool bias_nan_hidden = false, bias_min_row = false;
   double scale = 0;       // softmax_scale; 0: 1 / sqrt(d)
+  double dropout = 0;     // attention dropout probability (dropout.h); 0: none
   double softmax_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(double(d)); }
   bool score_mod() const { return softcap > 0 || alibi || bias != 0; }
+  // The generator's state the host would take from torch's (seed, a multiple-of-4 offset): a
+  // 64-bit seed with both words in use and an offset past 2^34 (its high bits enter the key).
+  uint64_t dropout_seed() const { return 0x9E3779B97F4A7C15ull * (seed + 1); }
+  uint64_t dropout_offset() const { return (uint64_t(seed) << 34) + 4 * uint64_t(seed % 97); }
   // The diagonal band the host gives the kernels (set_params_fprop): causal and / or window.
   bool banded() const { return causal || wl >= 0 || wr >= 0; }
   BandDiagonals band() const { return band_diagonals(sq, sk, bottom_right, causal, wl, wr); }
@@ -173,7 +178,8 @@ void fwd_kernel_body(const Flash_fwd_params& p) {
 
 template <int kD, bool kCausal, bool kLocal = false, bool kMod = false>
 void run_forward(Flash_fwd_params& p) {
-  if (try_decode<decode_head_dim(kD), kMod>(p)) return;  // bucket 96 decodes on the 128 kernel
+  // bucket 96 decodes on the 128 kernel; a dropout call never decodes (mha_fwd_impl)
+  if (!p.dropout && try_decode<decode_head_dim(kD), kMod>(p)) return;
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
   using Kt = typename Fwd_tile_config<kD>::Traits;
   if constexpr (!std::is_void_v<Ks>) {
@@ -497,8 +503,21 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   fp.alibi_offset = causal_offset(Sq, Sk, c.bottom_right);
   const Bias bias(c);
   bias.set(fp, scale);
+  // Dropout as set_params_dropout / set_params_dropout_rng_cuda fill it (values, not captured);
+  // the forward writes the pair to rng_state, which the backward reads.
+  std::vector<int64_t> rng_state = {-1, -1};
+  if (c.dropout > 0) {
+    fp.dropout = 1;
+    fp.dropout_keep_threshold = dropout_keep_threshold(c.dropout);
+    fp.dropout_rp = float(1.0 / (1.0 - c.dropout));
+    fp.dropout_seed = c.dropout_seed(), fp.dropout_offset = c.dropout_offset();
+    fp.dropout_rng_state_out = rng_state.data();
+  }
   // As run_mha_fwd: score mods, then a band with a lower diagonal runs the local instantiation.
   dispatch_fwd_all(fp);
+  const bool rng_state_ok = c.dropout == 0 ||
+                            (uint64_t(rng_state[0]) == c.dropout_seed() &&
+                             uint64_t(rng_state[1]) == c.dropout_offset());
   if (c.fwd_only) return check_fwd_case(c, q, k, v, out, lse, lp, su, verbose);
 
   // ---- backward on the emulator
@@ -518,6 +537,10 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   bp.dlse_ptr = nullptr;
   bp.dq_accum_ptr = c.atomic ? dq_accum.data() : nullptr;
   bp.dq_atomic = c.atomic;
+  if (c.dropout > 0) {  // mha_bwd: the forward's rng_state, on the device
+    bp.dropout_seed_ptr = rng_state.data(), bp.dropout_offset_ptr = rng_state.data() + 1;
+    bp.dropout_seed = 0, bp.dropout_offset = 0, bp.dropout_rng_state_out = nullptr;
+  }
   if (!c.fwd_only) {
     dispatch_bwd_all(bp);
   }
@@ -543,7 +566,18 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
         } else {
           e_lse.add(lse_got, lse_ref);
         }
-        for (int j = 0; j < Sk; ++j) P[size_t(i) * Sk + j] = prob[j];
+        // Dropout: Z / (1 - p) per element (dropout.h's host reference); O and dV take the
+        // dropped P, dS = P (Z dP / (1 - p) - D).
+        std::vector<double> zr(Sk, 1.0);
+        if (c.dropout > 0) {
+          const DropoutRng drng = dropout_rng_from(c.dropout_seed(), c.dropout_offset());
+          const uint32_t thr = dropout_keep_threshold(c.dropout);
+          for (int j = 0; j < Sk; ++j) {
+            zr[j] = dropout_keep(drng, uint32_t(b * H + h), uint32_t(i), uint32_t(j), thr)
+                        ? 1.0 / (1.0 - c.dropout) : 0.0;
+          }
+        }
+        for (int j = 0; j < Sk; ++j) P[size_t(i) * Sk + j] = prob[j] * zr[j];
         double dsum_i = 0;
         for (int x = 0; x < D; ++x) {
           double o = 0;
@@ -554,7 +588,7 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
         for (int j = 0; j < Sk; ++j) {
           double acc = 0;
           for (int x = 0; x < D; ++x) acc += double(dout.get(b, i, h, x)) * v.get(b, j, hk, x);
-          dP[size_t(i) * Sk + j] = P[size_t(i) * Sk + j] * (acc - dsum_i) * dcap[j];  // dS
+          dP[size_t(i) * Sk + j] = prob[j] * (zr[j] * acc - dsum_i) * dcap[j];  // dS
         }
       }
       // dq = scale dS K; dk += scale dS^T Q; dv += P^T dO
@@ -584,7 +618,7 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
           if ((j < kr.key_start || j >= kr.key_end) && (gk != 0.f || gv != 0.f)) masked_zero_ok = false;
         }
   }
-  const bool fwd_ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(2e-7, 2e-3) && lse_inf_ok;
+  const bool fwd_ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(2e-7, 2e-3) && lse_inf_ok && rng_state_ok;
   const bool ok = fwd_ok && (c.fwd_only || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) &&
                                             e_dv.ok(1e-2, 2e-3) && masked_zero_ok));
   if ((verbose || !ok) && c.fwd_only) {
@@ -595,10 +629,10 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
     std::fflush(stdout);
   } else if (verbose || !ok) {
     std::printf(
-        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d bias=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d atomic=%d | "
-        "o %.2e/%.2e lse %.2e inf_ok=%d | dq %.2e/%.2e dk %.2e/%.2e dv %.2e/%.2e masked0=%d\n",
+        "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d bias=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d atomic=%d drop=%g | "
+        "o %.2e/%.2e lse %.2e inf_ok=%d rng=%d | dq %.2e/%.2e dk %.2e/%.2e dv %.2e/%.2e masked0=%d\n",
         ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.bias, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
-        c.layout, c.atomic, e_o.err, e_o.ref, e_lse.err, lse_inf_ok, e_dq.err, e_dq.ref, e_dk.err,
+        c.layout, c.atomic, c.dropout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok, rng_state_ok, e_dq.err, e_dq.ref, e_dk.err,
         e_dk.ref, e_dv.err, e_dv.ref, masked_zero_ok);
     std::fflush(stdout);
   }
@@ -1476,6 +1510,27 @@ int main(int argc, char** argv) {
         addb(2, 70, 90, 2, 2, d, false, 1, false, kind);
         cases.back().bias_min_row = true, cases.back().scale = 1.0, cases.back().fwd_only = true;
       }
+    }
+    // Attention dropout (dropout.h) with every variant it meets: plain, causal (both
+    // alignments), GQA, key ranges, a window, softcap + ALiBi (forward; the backward too), a
+    // bias, odd lengths and strides; the deterministic dQ mode (a dropout's backward never runs
+    // the atomic one); d = 256 forward only (its backward is refused).
+    auto addd = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, bool br, bool lp,
+                    bool su, int layout, double p) {
+      add(b, sq, sk, h, hk, d, causal, br, lp, su, layout, false);
+      cases.back().dropout = p;
+      cases.back().fwd_only = d > 128;
+    };
+    for (int d : mode == "quick" ? std::vector<int>{64} : std::vector<int>{64, 96, 128, 40, 256}) {
+      addd(2, 150, 170, 4, 2, d, false, true, false, false, 1, 0.3);
+      addd(1, 130, 97, 2, 1, d, true, true, false, false, 0, 0.1);
+      addd(2, 90, 130, 4, 2, d, true, false, false, false, 2, 0.5);
+      addd(1, 200, 200, 2, 2, d, true, true, true, true, 2, 0.2);
+      addd(1, 160, 160, 2, 1, d, true, true, false, false, 0, 0.25);
+      cases.back().wl = 40, cases.back().softcap = 1.5f, cases.back().alibi = true;
+      addd(2, 70, 90, 2, 1, d, false, true, false, false, 0, 0.15);
+      cases.back().bias = 2;
+      addd(1, 1, 300, 4, 4, d, false, true, false, false, 0, 0.3);  // q_len 1: the forward kernel
     }
     // quick (CI, 2 cores): d = 64 only; the emulator's d = 256 cases take minutes.
     const std::vector<int> dims = mode == "quick" ? std::vector<int>{64}
