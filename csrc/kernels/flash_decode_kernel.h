@@ -216,6 +216,25 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     // The warp's 32 keys lie in one page (flash.h, kPageBlockMultiple; the host sends paged
     // calls whose key ranges and splits start at multiples of 32, or one page for all rows):
     // k_step / v_step + key * row_stride address them there.
+    // A step whose 32 keys the bias hides from every row (-inf / false: a static cache's
+    // unfilled slots, left padding) is skipped before any K/V load: its P would be 0 for every
+    // row, so m, l and O stay as they are. Warp-uniform (a vote), before the warp's barriers.
+    if constexpr (Is_ext) {
+      if (params.bias_ptr != nullptr) {
+        const int key = static_cast<int>(base) + lane;
+        bool live = false;
+        if (key < end) {
+          const int64_t kc = static_cast<int64_t>(key) * params.bias_col_stride;
+          with_bias_kind(params, [&](auto kind) {
+#pragma unroll
+            for (int h = 0; h < kR; ++h) {
+              live = live || bias_raw<decltype(kind)::value>(params, sRowBias[h] + kc) != -INFINITY;
+            }
+          });
+        }
+        if (!warp_any(live)) continue;
+      }
+    }
     const __half* k_step = k_base;
     const __half* v_step = v_base;
     if (paged) {

@@ -90,6 +90,9 @@ struct Case {
   // row 1 at the kind's minimum (a finite "dtype minimum" row; forward only: the backward
   // recomputes P from an LSE that has lost log(n) next to -3.4e38, as torch's fused kernels do).
   bool bias_nan_hidden = false, bias_min_row = false;
+  // Whole key blocks hidden from every row: batch 0 keys >= sk / 3 (a static cache's unfilled
+  // slots), batch 1 keys < sk / 2 (left padding): the decode kernel skips such 32-key steps.
+  bool bias_pad = false;
   double scale = 0;       // softmax_scale; 0: 1 / sqrt(d)
   double dropout = 0;     // attention dropout probability (dropout.h); 0: none
   double softmax_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(double(d)); }
@@ -306,7 +309,8 @@ struct Bias {
       for (int i = 0; i < sq; ++i)
         for (int j = 0; j < sk; ++j) {
           const uint32_t hsh = uint32_t(b) * 2654435761u ^ uint32_t(i) * 40503u ^ uint32_t(j) * 2246822519u;
-          const bool hidden = j > 0 && hsh % 7 == 0;
+          const bool hidden = (j > 0 && hsh % 7 == 0) ||
+                              (c.bias_pad && ((b == 0 && j >= sk / 3) || (b == 1 && j < sk / 2)));
           float val = hidden ? -INFINITY : (float(hsh % 23) - 11.f) * 0.2f;
           if (c.bias_nan_hidden && kind != 1 && c.banded() &&
               !(j <= i + band.upper && j >= i + band.lower)) {
@@ -1500,6 +1504,10 @@ int main(int argc, char** argv) {
       addb(2, 90, 131, 4, 2, d, false, 2, false, 3);
       addb(1, 200, 200, 2, 2, d, true, 0, d == 64, 4);
       addb(2, 1, 600, 6, 2, d, false, 2, false, 2);  // decode, splits
+      for (int kind : {1, 4}) {  // decode skipping the steps the mask hides from every row
+        addb(2, 1, 900, 4, 1, d, false, 0, false, kind);
+        cases.back().bias_pad = true;
+      }
       // NaN under the causal mask, a dtype-minimum row, softmax_scale 1 (T5's): raw * scale *
       // log2(e) must stay finite there
       for (int kind : {2, 4}) {
