@@ -101,7 +101,7 @@ def _generate(model, ids, am, new_tokens, grad_mode):
 @pytest.mark.parametrize("grad_mode", [torch.inference_mode, torch.no_grad],
                          ids=["inference_mode", "no_grad"])
 @pytest.mark.parametrize("name", [hf.ATTENTION_NAME_PLAIN, "patched sdpa"])
-def test_a_padded_generate_classifies_each_mask_once(name, grad_mode, classifications,
+def test_a_padded_generate_classifies_the_prefill_mask_once_and_no_decode_mask(name, grad_mode, classifications,
                                                      reads_per_call):
     hf.configure(allow_cpu_reference=True)
     layers, new = 3, 4
@@ -114,12 +114,13 @@ def test_a_padded_generate_classifies_each_mask_once(name, grad_mode, classifica
     stats = hf.get_stats()
     assert stats["kernel_prefill"] == layers and stats["kernel_decode"] == layers * (new - 1)
     assert stats["fallback"] == 0, stats
-    # one mask per forward (prefill and each decode step), each classified once: by layer 0
-    assert len(classifications) == new, classifications
+    # the prefill's mask classified once (by layer 0); the decode steps' masks never: the
+    # decode kernel reads them as its bias, so a decode step reads nothing on the host
+    assert len(classifications) == 1 and classifications[0][0][2] > 1, classifications
     assert not any(inference for _, inference in classifications)
     decode = [(layer, names) for q_len, layer, names in reads_per_call if q_len == 1]
     assert len(decode) == layers * (new - 1)
-    assert all(names == (["tolist"] if layer == 0 else []) for layer, names in decode), decode
+    assert all(names == [] for layer, names in decode), decode
 
 
 @needs_op
@@ -495,6 +496,25 @@ def _decode_qkv(b, kv_len, seed=0):
 
 
 @needs_op
+def test_classify_decode_masks_true_classifies_each_decode_mask_once(classifications,
+                                                                     reads_per_call):
+    # The opt-in: every forward's mask classified once (by layer 0), decode steps included.
+    hf.configure(allow_cpu_reference=True, classify_decode_masks=True)
+    layers, new = 3, 4
+    model = build_random_model("qwen2", dtype=torch.float16, seed=1, num_hidden_layers=layers,
+                               attn_implementation=hf.ATTENTION_NAME_PLAIN)
+    ids, am = _padded_batch([9, 4, 7], seed=2)
+    plain = _generate(model, ids, am, new, torch.no_grad)
+    assert len(classifications) == new, classifications
+    decode = [(layer, names) for q_len, layer, names in reads_per_call if q_len == 1]
+    assert all(names == (["tolist"] if layer == 0 else []) for layer, names in decode), decode
+    # the same tokens as the default (the mask read by the decode kernel)
+    hf.configure(classify_decode_masks=False)
+    again = _generate(model, ids, am, new, torch.no_grad)
+    assert torch.equal(plain.sequences, again.sequences)
+
+
+@needs_op
 def test_the_remembered_decision_serves_the_other_layers():
     hf.configure(allow_cpu_reference=True)
     layers = [_Layer() for _ in range(3)]
@@ -509,7 +529,8 @@ def test_the_remembered_decision_serves_the_other_layers():
 
 @needs_op
 def test_a_new_mask_in_the_next_forward_is_decided_again(outcome):
-    hf.configure(allow_cpu_reference=True)
+    # decode masks classified on the host (as prefill masks are): the memo under test
+    hf.configure(allow_cpu_reference=True, classify_decode_masks=True)
     layers = [_Layer(), _Layer()]
     q, k, v = _decode_qkv(2, 6)
     first = _decode_mask([6, 3], 6).clone()
@@ -535,7 +556,7 @@ def test_a_new_mask_with_the_freed_ones_id_address_and_version_is_decided_again(
     # hands the next mask the freed one's memory, and Python often the freed object's id, so a
     # new mask can match every number in the key. Simulated: one storage for both masks (the
     # same address and version count), and every object's id the same in the module.
-    hf.configure(allow_cpu_reference=True)
+    hf.configure(allow_cpu_reference=True, classify_decode_masks=True)  # as above
     monkeypatch.setattr(hf, "id", lambda obj: 1, raising=False)
     layers = [_Layer(), _Layer()]
     q, k, v = _decode_qkv(2, 6)
@@ -558,7 +579,7 @@ def test_a_new_mask_with_the_freed_ones_id_address_and_version_is_decided_again(
 @needs_op
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_a_mask_changed_in_place_between_forwards_is_decided_again(outcome, mode):
-    hf.configure(allow_cpu_reference=True)
+    hf.configure(allow_cpu_reference=True, classify_decode_masks=True)  # as above
     layers = [_Layer(), _Layer()]
     q, k, v = _decode_qkv(2, 6)
     mask = _decode_mask([6, 3], 6).clone()  # an ordinary tensor, as our mask builder gives
@@ -577,7 +598,8 @@ def test_a_mask_changed_in_place_between_forwards_is_decided_again(outcome, mode
 
 @needs_op
 def test_inference_tensor_masks_are_never_remembered(outcome):
-    hf.configure(allow_cpu_reference=True)
+    # decode masks classified on the host (as prefill masks are): the memo under test
+    hf.configure(allow_cpu_reference=True, classify_decode_masks=True)
     layers = [_Layer(), _Layer()]
     q, k, v = _decode_qkv(2, 6)
     with torch.inference_mode():

@@ -118,8 +118,11 @@ DEFAULT_PATCH_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 # ----------------------------------------------------------------------------------------------
 
 _SETTINGS: Dict[str, bool] = {
-    # q_len == 1 (decode with a KV cache) runs on the kernel when the mask classifies.
+    # q_len == 1 (decode with a KV cache) runs on the kernel.
     "decode_on_kernel": True,
+    # Decode masks: False reads them in the decode kernel (its bias), True classifies them into
+    # key ranges on the host first (configure's docstring).
+    "classify_decode_masks": False,
     # Testing aid: run the op's CPU reference implementation for CPU fp16 tensors
     # instead of falling back (lets the whole classification -> op path run without a GPU).
     "allow_cpu_reference": False,
@@ -181,14 +184,21 @@ def _count_fallback(reason: str) -> None:
 
 
 def configure(*, decode_on_kernel: Optional[bool] = None,
-              allow_cpu_reference: Optional[bool] = None) -> Dict[str, bool]:
+              allow_cpu_reference: Optional[bool] = None,
+              classify_decode_masks: Optional[bool] = None) -> Dict[str, bool]:
     """Change the integration's settings; arguments left as ``None`` are unchanged.
 
     Parameters
     ----------
     decode_on_kernel : bool, optional
-        Run ``q_len == 1`` calls (decode with a KV cache) on the kernel when the mask is a pure
-        key range (default ``True``). ``False`` sends every decode step to torch SDPA.
+        Run ``q_len == 1`` calls (decode with a KV cache) on the kernel (default ``True``).
+        ``False`` sends every decode step to torch SDPA.
+    classify_decode_masks : bool, optional
+        Default ``False``: a decode step's mask goes to the decode kernel as its bias, never
+        read on the host (no host synchronisation per forward; the kernel skips the key blocks
+        the mask hides from every row). ``True``: it is classified into per-row key ranges on
+        the host first, as prefill masks are (one host synchronisation per forward; the plain
+        decode kernel then reads only the range's keys, 2-7 us per call less on an H200).
     allow_cpu_reference : bool, optional
         Run the op's CPU reference implementation for CPU fp16 inputs instead of falling
         back (default ``False``). A testing aid: it is slow, but exercises mask classification and
@@ -205,7 +215,8 @@ def configure(*, decode_on_kernel: Optional[bool] = None,
         If a setting is given as anything but ``True``, ``False`` or ``None`` (nothing changes).
     """
     for name, value in (("decode_on_kernel", decode_on_kernel),
-                        ("allow_cpu_reference", allow_cpu_reference)):
+                        ("allow_cpu_reference", allow_cpu_reference),
+                        ("classify_decode_masks", classify_decode_masks)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"flash_attention_sm75: configure({name}=...) must be True, False or "
                              f"None, got {_rules.type_name(value)} {value!r}")
@@ -214,6 +225,8 @@ def configure(*, decode_on_kernel: Optional[bool] = None,
         _SETTINGS["decode_on_kernel"] = decode_on_kernel
     if allow_cpu_reference is not None:
         _SETTINGS["allow_cpu_reference"] = allow_cpu_reference
+    if classify_decode_masks is not None:
+        _SETTINGS["classify_decode_masks"] = classify_decode_masks
     return previous
 
 
@@ -437,6 +450,18 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
         if kv_len < q_len:
             return None, f"causal without a mask and kv_len {kv_len} < q_len {q_len}"
         return MaskInfo(True, q_len, None, None, "causal"), None
+    if q_len == 1 and isinstance(attention_mask, torch.Tensor) \
+            and not _SETTINGS["classify_decode_masks"] \
+            and not _rules.gradient_flows(query, key, value):
+        # Decode: the mask goes to the decode kernel as its bias, never read on the host.
+        # Classifying it into key ranges cost a host synchronisation per forward (H200: 0.2-0.9
+        # ms with the sync, and the CPU stops queueing work); reading it costs the kernel 2-7 us
+        # per call, and it skips the 32-key steps the mask hides from every row (left padding,
+        # a static cache's unfilled slots) as key ranges would.
+        problem = _rules.attn_bias_problem(attention_mask, query, kv_len, layout="bhsd",
+                                           softcap=softcap, name="attention_mask")
+        if problem is None:
+            return MaskInfo(False, kv_len, None, None, "bias"), None
     info, reason = classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype,
                                            sliding_window=sliding_window)
     if info is None and isinstance(attention_mask, torch.Tensor):
@@ -1026,6 +1051,7 @@ def _decision_key(module, query, key, value, attention_mask, args, kwargs,
         if softcap is not None and type(softcap) is not float:
             return None
         memo = (flash_semantics, _SETTINGS["decode_on_kernel"], _SETTINGS["allow_cpu_reference"],
+                _SETTINGS["classify_decode_masks"],
                 window, is_causal, groups, mask, grad, softcap,
                 qs, query.stride(), query.dtype, query.device,
                 key.shape, key.stride(), key.dtype, key.device,
