@@ -496,6 +496,7 @@ def _fwd_setup_context(ctx, inputs, output, deterministic=False, extra=()):
     ctx.save_for_backward(q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes,
                           attn_bias, *extra)
     ctx.n_inputs = len(inputs)
+    ctx.dropout_p = 0.0  # fwd_dropout's setup sets its own
     ctx.softcap = float(softcap)
     ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
     ctx.is_causal = bool(is_causal)
@@ -505,12 +506,16 @@ def _fwd_setup_context(ctx, inputs, output, deterministic=False, extra=()):
     ctx.set_materialize_grads(False)
 
 
-def _fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes, attn_bias = ctx.saved_tensors
+def _fwd_backward(ctx, grad_out, grad_lse, grad_rng_state=None):
+    """The backward of ``fwd`` and ``fwd_dropout`` (whose inputs have ``dropout_p`` after v and
+    whose saved tensors end with its ``rng_state``)."""
+    saved = ctx.saved_tensors
+    q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes, attn_bias = saved[:9]
     # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k, window_size_left,
-    # window_size_right, softcap, alibi_slopes (and attn_bias)
+    # window_size_right, softcap, alibi_slopes (and attn_bias; fwd_dropout: dropout_p first)
     none = (None,) * (ctx.n_inputs - 3)
-    for i, arg in ((11, "alibi_slopes"), (12, "attn_bias")):
+    shift = 1 if ctx.dropout_p else 0
+    for i, arg in ((11 + shift, "alibi_slopes"), (12 + shift, "attn_bias")):
         if len(ctx.needs_input_grad) > i and ctx.needs_input_grad[i]:
             # The doors refuse slopes / a bias that require grad (call_fwd); the raw op must
             # not return a silent zero either.
@@ -521,6 +526,8 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     kw = {} if attn_bias is None else {"attn_bias": attn_bias}
+    if ctx.dropout_p:
+        kw.update(dropout_p=ctx.dropout_p, rng_state=saved[9])
     dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
         grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
         ctx.causal_bottom_right, leftpad_k, seqused_k,
@@ -543,29 +550,6 @@ def _fwd_dropout_setup_context(ctx, inputs, output, deterministic=False):
 
 def _fwd_dropout_det_setup_context(ctx, inputs, output):
     _fwd_dropout_setup_context(ctx, inputs, output, deterministic=True)
-
-
-def _fwd_dropout_backward(ctx, grad_out, grad_lse, grad_rng_state):
-    (q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes, attn_bias,
-     rng_state) = ctx.saved_tensors
-    # dropout_p, softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
-    # window_size_left, window_size_right, softcap, alibi_slopes (and attn_bias)
-    none = (None,) * (ctx.n_inputs - 3)
-    for i, arg in ((12, "alibi_slopes"), (13, "attn_bias")):
-        if len(ctx.needs_input_grad) > i and ctx.needs_input_grad[i]:
-            raise NotImplementedError(
-                f"flash_attention_sm75: no gradient for {arg}; pass {arg}.detach()")
-    if grad_out is None and grad_lse is None:
-        return (None, None, None) + none
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    kw = {} if attn_bias is None else {"attn_bias": attn_bias}
-    dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
-        grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
-        ctx.causal_bottom_right, leftpad_k, seqused_k,
-        ctx.deterministic or _deterministic_forced(), grad_lse, *ctx.window_size, ctx.softcap,
-        alibi_slopes, dropout_p=ctx.dropout_p, rng_state=rng_state, **kw)
-    return (dq, dk, dv) + none
 
 
 def _varlen_fwd_setup_context(ctx, inputs, output, deterministic=False):
@@ -705,10 +689,10 @@ if DROPOUT_AVAILABLE:
     for _name in ("fwd_dropout", "fwd_dropout_deterministic_bwd"):
         torch.library.register_fake("flash_attention_sm75::" + _name)(_fwd_dropout_fake)
     torch.library.register_fake("flash_attention_sm75::dropout_mask")(_dropout_mask_fake)
-    torch.library.register_autograd("flash_attention_sm75::fwd_dropout", _fwd_dropout_backward,
+    torch.library.register_autograd("flash_attention_sm75::fwd_dropout", _fwd_backward,
                                     setup_context=_fwd_dropout_setup_context)
     torch.library.register_autograd("flash_attention_sm75::fwd_dropout_deterministic_bwd",
-                                    _fwd_dropout_backward,
+                                    _fwd_backward,
                                     setup_context=_fwd_dropout_det_setup_context)
 if VARLEN_AVAILABLE:
     _define_deterministic_twin("varlen_fwd")

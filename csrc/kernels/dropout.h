@@ -144,44 +144,29 @@ __device__ __forceinline__ void dropout_save_state(const Flash_fwd_params& p) {
   }
 }
 
-// Visits the kept / dropped state of every element a thread holds in the row-major accumulator
-// layout (the forward, the dQ kernel): kNT tiles of 8 keys from key col0 (16-aligned) for the
-// warp's 16 queries from row16 (16-aligned); f(nt, e, keep) with e as in the accumulator
-// (0, 1: query g, keys 2t, 2t + 1; 2, 3: query g + 8).
-template <int kNT, typename F>
-__device__ __forceinline__ void dropout_visit_rows(const DropoutRng& rng, uint32_t bh, int row16,
-                                                   int col0, int g, int t, uint32_t thr, F&& f) {
-  static_assert(kNT % 2 == 0, "dropout: whole 16-key blocks");
+// Visits the kept / dropped state of every element a thread holds in an accumulator layout:
+// kNT tiles of 8 columns from column col0 (16-aligned) for the warp's 16 rows from row16
+// (16-aligned); f(nt, e, keep) with e as in the accumulator (0, 1: row g, columns 2t, 2t + 1;
+// 2, 3: row g + 8). kKeyRows = false: rows are queries, columns keys (the forward, the dQ
+// kernel); true: rows are keys, columns queries (the dK/dV kernel's S^T). Either way the lane
+// holds whole cells (see the file comment): (g, 2t + x) resp. (2t + x, g) of each 16 x 16 block.
+template <int kNT, bool kKeyRows, typename F>
+__device__ __forceinline__ void dropout_visit(const DropoutRng& rng, uint32_t bh, int row16,
+                                              int col0, int g, int t, uint32_t thr, F&& f) {
+  static_assert(kNT % 2 == 0, "dropout: whole 16 x 16 blocks");
+  const uint32_t rb = static_cast<uint32_t>(row16) >> 4, cb = static_cast<uint32_t>(col0) >> 4;
 #pragma unroll
   for (int m = 0; m < kNT / 2; ++m) {
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
-      const Philox4 r = dropout_cell(rng, bh, static_cast<uint32_t>(row16) >> 4,
-                                     (static_cast<uint32_t>(col0) >> 4) + m, g, 2 * t + x);
+      // words (a, b), (a + 8, b), (a, b + 8), (a + 8, b + 8) of query a, key b
+      const Philox4 r = kKeyRows ? dropout_cell(rng, bh, cb + m, rb, 2 * t + x, g)
+                                 : dropout_cell(rng, bh, rb, cb + m, g, 2 * t + x);
+      // query + 8 is the next column tile (key rows) or the lower row half (query rows); key
+      // + 8 the other way round
       f(2 * m, x, r.x < thr);
-      f(2 * m, 2 + x, r.y < thr);
-      f(2 * m + 1, x, r.z < thr);
-      f(2 * m + 1, 2 + x, r.w < thr);
-    }
-  }
-}
-
-// The same for the transposed layout of the dK/dV kernel (rows = keys): kNT tiles of 8 queries
-// from query q0 (16-aligned) for the warp's 16 keys from key16; e: 0, 1: key g, queries 2t,
-// 2t + 1; 2, 3: key g + 8.
-template <int kNT, typename F>
-__device__ __forceinline__ void dropout_visit_cols(const DropoutRng& rng, uint32_t bh, int key16,
-                                                   int q0, int g, int t, uint32_t thr, F&& f) {
-  static_assert(kNT % 2 == 0, "dropout: whole 16-query blocks");
-#pragma unroll
-  for (int m = 0; m < kNT / 2; ++m) {
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const Philox4 r = dropout_cell(rng, bh, (static_cast<uint32_t>(q0) >> 4) + m,
-                                     static_cast<uint32_t>(key16) >> 4, 2 * t + x, g);
-      f(2 * m, x, r.x < thr);
-      f(2 * m + 1, x, r.y < thr);
-      f(2 * m, 2 + x, r.z < thr);
+      f(kKeyRows ? 2 * m + 1 : 2 * m, kKeyRows ? x : 2 + x, r.y < thr);
+      f(kKeyRows ? 2 * m : 2 * m + 1, kKeyRows ? 2 + x : x, r.z < thr);
       f(2 * m + 1, 2 + x, r.w < thr);
     }
   }
@@ -189,24 +174,12 @@ __device__ __forceinline__ void dropout_visit_cols(const DropoutRng& rng, uint32
 
 // The kept / dropped state of the thread's elements as bits 4 nt + e (kNT <= 8 tiles): taken at
 // the top of a backward iteration, where few registers are live, and carried in one register.
-template <int kNT>
-__device__ __forceinline__ uint32_t dropout_bits_rows(const DropoutRng& rng, uint32_t bh,
-                                                      int row16, int col0, int g, int t,
-                                                      uint32_t thr) {
+template <int kNT, bool kKeyRows>
+__device__ __forceinline__ uint32_t dropout_bits(const DropoutRng& rng, uint32_t bh, int row16,
+                                                 int col0, int g, int t, uint32_t thr) {
   static_assert(kNT <= 8, "dropout: one 32-bit mask");
   uint32_t bits = 0u;
-  dropout_visit_rows<kNT>(rng, bh, row16, col0, g, t, thr, [&](int nt, int e, bool k) {
-    if (k) bits |= 1u << (4 * nt + e);
-  });
-  return bits;
-}
-template <int kNT>
-__device__ __forceinline__ uint32_t dropout_bits_cols(const DropoutRng& rng, uint32_t bh,
-                                                      int key16, int q0, int g, int t,
-                                                      uint32_t thr) {
-  static_assert(kNT <= 8, "dropout: one 32-bit mask");
-  uint32_t bits = 0u;
-  dropout_visit_cols<kNT>(rng, bh, key16, q0, g, t, thr, [&](int nt, int e, bool k) {
+  dropout_visit<kNT, kKeyRows>(rng, bh, row16, col0, g, t, thr, [&](int nt, int e, bool k) {
     if (k) bits |= 1u << (4 * nt + e);
   });
   return bits;
@@ -249,10 +222,10 @@ template <int kNT>
 __device__ __forceinline__ void dropout_p_frag(uint32_t (&p)[kNT][2], const DropoutRng& rng,
                                                uint32_t bh, int row16, int col0, uint32_t thr) {
   const int lane = threadIdx.x % 32;
-  dropout_visit_rows<kNT>(rng, bh, row16, col0, lane / 4, lane % 4, thr,
-                          [&](int nt, int e, bool keep) {
-                            if (!keep) p[nt][e >> 1] &= (e & 1) ? 0x0000FFFFu : 0xFFFF0000u;
-                          });
+  dropout_visit<kNT, false>(rng, bh, row16, col0, lane / 4, lane % 4, thr,
+                            [&](int nt, int e, bool keep) {
+                              if (!keep) p[nt][e >> 1] &= (e & 1) ? 0x0000FFFFu : 0xFFFF0000u;
+                            });
 }
 #endif
 

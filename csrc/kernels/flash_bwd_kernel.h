@@ -534,7 +534,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       static_assert(!kDropout || kWC <= 64, "dropout: one 32-bit mask of the thread's elements");
       uint32_t keep = ~0u;
       if (kDropout && params.dropout) {
-        keep = dropout_bits_cols<kWC / 8>(dropout_rng_saved(params),
+        keep = dropout_bits<kWC / 8, true>(dropout_rng_saved(params),
                                           static_cast<uint32_t>(bidb * params.h + head),
                                           n0 + 16 * wn, m0 + qc0, g, t,
                                           params.dropout_keep_threshold);
@@ -931,7 +931,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       __syncthreads();  // V_j visible
       if (Is_ext && params.dropout) {  // P carries its keep bit in its sign (dropout.h),
         // between V_j's store and K_{j+1}'s loads, where no staging register is live
-        dropout_visit_rows<kBN / 8>(dropout_rng_saved(params), static_cast<uint32_t>(bh),
+        dropout_visit<kBN / 8, false>(dropout_rng_saved(params), static_cast<uint32_t>(bh),
                                     row0 + 16 * wr, n_block * kBN, g, t,
                                     params.dropout_keep_threshold, [&](int nt, int e, bool k) {
                                       if (!k) acc_s[nt][e] = -acc_s[nt][e];
