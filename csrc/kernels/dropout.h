@@ -53,7 +53,9 @@ FLASH_SM75_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
 
 template <int Rounds>
 FLASH_SM75_HD Philox4 philox4x32(Philox4 c, uint32_t k0, uint32_t k1) {
+#if defined(__CUDACC__)
 #pragma unroll
+#endif
   for (int r = 0; r < Rounds; ++r) {
     if (r > 0) {
       k0 += 0x9E3779B9u;
