@@ -244,6 +244,11 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
     returned). Returns ``(out, softmax_lse)`` either way.
     """
     if dropout_p:
+        if not DROPOUT_AVAILABLE:
+            require_extension()
+            raise RuntimeError("flash_attention_sm75: the compiled extension has no dropout op "
+                               "(torch.ops.flash_attention_sm75.fwd_dropout): it was built from "
+                               "older sources; " + BUILD_HINT)
         return _call("fwd_dropout", (q, k, v, float(dropout_p), softmax_scale, is_causal,
                                      causal_bottom_right, leftpad_k, seqused_k, window_size_left,
                                      window_size_right, softcap, alibi_slopes),
@@ -497,6 +502,7 @@ def _fwd_setup_context(ctx, inputs, output, deterministic=False, extra=()):
                           attn_bias, *extra)
     ctx.n_inputs = len(inputs)
     ctx.dropout_p = 0.0  # fwd_dropout's setup sets its own
+    ctx.dropout_op = False
     ctx.softcap = float(softcap)
     ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
     ctx.is_causal = bool(is_causal)
@@ -514,7 +520,7 @@ def _fwd_backward(ctx, grad_out, grad_lse, grad_rng_state=None):
     # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k, window_size_left,
     # window_size_right, softcap, alibi_slopes (and attn_bias; fwd_dropout: dropout_p first)
     none = (None,) * (ctx.n_inputs - 3)
-    shift = 1 if ctx.dropout_p else 0
+    shift = 1 if ctx.dropout_op else 0  # fwd_dropout's inputs: dropout_p after v
     for i, arg in ((11 + shift, "alibi_slopes"), (12 + shift, "attn_bias")):
         if len(ctx.needs_input_grad) > i and ctx.needs_input_grad[i]:
             # The doors refuse slopes / a bias that require grad (call_fwd); the raw op must
@@ -546,6 +552,7 @@ def _fwd_dropout_setup_context(ctx, inputs, output, deterministic=False):
                        extra=(output[2],))
     ctx.n_inputs = len(inputs)
     ctx.dropout_p = float(inputs[3])
+    ctx.dropout_op = True
 
 
 def _fwd_dropout_det_setup_context(ctx, inputs, output):

@@ -125,6 +125,8 @@ def _check_options(*, causal, dropout_p=0.0,
     cap = _softcap(softcap)
     left, right = _window(window_size)
     problems = []
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{PREFIX}dropout_p must be in [0, 1), got {dropout_p!r}")
     if dropout != 0.0 and not allow_dropout:
         problems.append(f"dropout_p={dropout_p!r}: dropout is not implemented for packed "
                         f"(varlen) sequences (accepted: 0.0; the dense functions run it)")
@@ -205,7 +207,7 @@ def _run(q, k, v, softmax_scale, causal, leftpad_k=None, seqused_k=None, window=
 
 def _attn_probs_placeholder(q: torch.Tensor) -> torch.Tensor:
     # flash-attn returns S_dmask only when dropout_p > 0; with dropout_p == 0 (the only value
-    # accepted here) it returns this empty tensor.
+    # served with return_attn_probs here) it returns this empty tensor.
     return q.new_empty((0,))
 
 
@@ -255,13 +257,16 @@ _COMMON_DOC = """
     ``causal``; a negative side is unbounded), run by the kernels' local instantiations.
     ``softcap > 0`` maps each scaled score ``s`` to ``softcap * tanh(s / softcap)`` (Gemma 2's
     logit soft-capping; ``softcap <= 0`` is off, as in flash-attn; NaN or infinite raises
-    ``ValueError``). ``alibi_slopes``: see ALiBi below. Options the kernels do not have raise
-    :class:`UnsupportedFeatureError` (a ``NotImplementedError`` and a ``ValueError``) naming
-    them: ``dropout_p`` other than 0.0. Invalid tensors raise ``ValueError`` naming the argument.
+    ``ValueError``). ``alibi_slopes``: see ALiBi below. ``dropout_p`` in [0, 1): attention
+    dropout on the kernels (torch's semantics; the mask from torch's CUDA generator, the
+    backward up to head_dim 128; not while torch.compile traces). Options the kernels do not
+    have raise :class:`UnsupportedFeatureError` (a ``NotImplementedError`` and a
+    ``ValueError``) naming them: ``return_attn_probs=True`` with ``dropout_p > 0``. Invalid
+    tensors raise ``ValueError`` naming the argument.
 
-    Returns ``out``, or with ``return_attn_probs=True`` the tuple ``(out, softmax_lse,
-    S_dmask)``: ``softmax_lse`` is float32, natural log; ``S_dmask`` is an empty tensor, which
-    is what flash-attn returns when ``dropout_p == 0``.
+    Returns ``out``, or with ``return_attn_probs=True`` (``dropout_p == 0`` only) the tuple
+    ``(out, softmax_lse, S_dmask)``: ``softmax_lse`` is float32, natural log; ``S_dmask`` is an
+    empty tensor, which is what flash-attn returns when ``dropout_p == 0``.
 """
 
 _ALIBI_DOC = """

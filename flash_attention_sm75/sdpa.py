@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import os
 from typing import Iterator, Optional
 
@@ -163,7 +164,8 @@ def why_not_supported(
         in eval, as torch's SDPA): run by the kernel (torch's semantics: keep with probability
         ``1 - dropout_p``, scale ``1 / (1 - dropout_p)``; the mask from torch's default CUDA
         generator, so ``torch.manual_seed`` reproduces it, though not torch's own draws). Falls
-        back: a value outside ``[0, 1)``, and with a backward a head_dim above 128.
+        back: a value outside ``[0, 1)``, with a backward a head_dim above 128, and any call
+        while torch.compile traces (the compiler cannot see the kernel's random state).
     is_causal : bool, optional
         Default ``False``. Supported either way (top-left alignment, as torch).
     scale : float, optional
@@ -228,7 +230,7 @@ def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
     if type(is_causal) is not bool:
         return f"is_causal is a {_rules.type_name(is_causal)}; a bool is required (torch raises)"
     if dropout_p != 0.0 and (isinstance(dropout_p, bool)
-                             or not isinstance(dropout_p, (int, float))):
+                             or not isinstance(dropout_p, numbers.Real)):
         return f"dropout_p is a {_rules.type_name(dropout_p)}; a Python float is required"
     if type(dropout_p) is not float:
         dropout_p = float(dropout_p)
@@ -373,7 +375,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         result.
     dropout_p : float, optional
         Default ``0.0``. Dropout probability, applied as torch does (whenever > 0, also in eval
-        mode); any nonzero value uses the fallback.
+        mode), on the kernel (its own generator, seeded from torch's CUDA generator); a value
+        outside [0, 1), a backward above head_dim 128, and dropout under torch.compile fall
+        back.
     is_causal : bool, optional
         Default ``False``. If ``True``, a causal mask aligned to the **top-left** corner, as in
         torch: query ``i`` sees key ``j`` iff ``j <= i`` (see Notes).

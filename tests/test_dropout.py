@@ -263,16 +263,40 @@ def test_sdpa_wrapper_accepts_dropout_and_falls_back_outside_the_rule(monkeypatc
         assert sdpa.why_not_supported(q2, k2, v2, dropout_p=0.1) is None
 
 
-def test_compile_traces_the_dropout_op():
+def test_dropout_under_torch_compile_is_refused_not_miscompiled():
+    """The op draws its seed inside itself, which the compiler cannot see: it could merge two
+    dropout calls or recompute the forward (checkpointing) with another seed, silently. The
+    rulebook refuses dropout while compiling: the direct APIs raise, never a wrong gradient."""
     q, k, v = qkv(1, 16, 16, 2, 2, 64, "cpu", grad=True)
 
     def f(q, k, v):
         return fa.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
 
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    out = compiled(q, k, v)
-    out.float().sum().backward()
-    assert out.shape == q.shape and q.grad is not None and torch.isfinite(q.grad).all()
+    with pytest.raises(Exception, match="dropout_p > 0 under torch.compile is not supported|"
+                                        "Observed exception"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    with pytest.raises(ValueError, match="dropout_p > 0 under torch.compile is not supported"):
+        torch.compile(f, backend="aot_eager")(q, k, v)
+    # without dropout the same call compiles
+    g = lambda q, k, v: fa.flash_attn_func(q, k, v, dropout_p=0.0, causal=True)  # noqa: E731
+    out = torch.compile(g, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert out.shape == q.shape
+
+
+def test_numpy_scalars_and_the_backward_of_a_raw_zero_dropout_call():
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv(1, 8, 8, 2, 2, 64, "cpu")
+    for p in (np.float32(0.25), np.float64(0.25), np.int64(0)):
+        assert _rules.dropout_problem(p, 64) is None
+        fa.flash_attn_func(q, k, v, dropout_p=p)
+    # fwd_dropout with p = 0 and a bias that requires grad: the raw op's autograd raises (its
+    # inputs carry dropout_p after v whatever its value), never a silent None gradient
+    bias = torch.zeros(8, 8, requires_grad=True)
+    qg = q.clone().requires_grad_()
+    out, _, _ = ops.fwd_dropout(qg, k, v, 0.0, None, False, True, None, None, -1, -1, 0.0,
+                                None, bias)
+    with pytest.raises(NotImplementedError, match="no gradient for attn_bias"):
+        out.float().sum().backward()
 
 
 # ------------------------------------------------------------------------------------ kernels

@@ -377,7 +377,7 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
     dropout = bound["dropout"]
     if dropout is None:
         dropout = 0.0
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
         return f"dropout={dropout!r} is not a real number"
     if torch.jit.is_tracing():
         return "torch.jit tracing"

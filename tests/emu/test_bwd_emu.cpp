@@ -413,6 +413,21 @@ double reference_row(const HTensor& q, const HTensor& k, int b, int i, int h, in
   return lse;
 }
 
+// Z / (1 - p) of row i of (batch b, head h) under the case's dropout (dropout.h's host
+// reference), 1 without dropout.
+std::vector<double> dropout_row(const Case& c, int b, int h, int i) {
+  std::vector<double> zr(c.sk, 1.0);
+  if (c.dropout > 0) {
+    const DropoutRng drng = dropout_rng_from(c.dropout_seed(), c.dropout_offset());
+    const uint32_t thr = dropout_keep_threshold(c.dropout);
+    for (int j = 0; j < c.sk; ++j) {
+      zr[j] = dropout_keep(drng, uint32_t(b * c.h + h), uint32_t(i), uint32_t(j), thr)
+                  ? 1.0 / (1.0 - c.dropout) : 0.0;
+    }
+  }
+  return zr;
+}
+
 // O and LSE of a forward-only case against the float64 reference (run_case's forward half).
 Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const HTensor& v,
                       const HTensor& out, const std::vector<float>& lse, const std::vector<int>& lp,
@@ -429,6 +444,8 @@ Result check_fwd_case(const Case& c, const HTensor& q, const HTensor& k, const H
       std::vector<double> prob;
       for (int i = 0; i < Sq; ++i) {
         const double lse_ref = reference_row(q, k, b, i, h, hk, kr, c, off, scale, prob);
+        const std::vector<double> zr = dropout_row(c, b, h, i);
+        for (int j = 0; j < Sk; ++j) prob[j] *= zr[j];
         const float lse_got = lse[(size_t(b) * H + h) * Sq + i];
         if (std::isinf(lse_ref)) lse_inf_ok = lse_inf_ok && std::isinf(lse_got) && lse_got < 0;
         else if (lse_ref < -1e30) lse_inf_ok = lse_inf_ok && lse_got < -1e30f && std::isfinite(lse_got);
@@ -522,7 +539,11 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   const bool rng_state_ok = c.dropout == 0 ||
                             (uint64_t(rng_state[0]) == c.dropout_seed() &&
                              uint64_t(rng_state[1]) == c.dropout_offset());
-  if (c.fwd_only) return check_fwd_case(c, q, k, v, out, lse, lp, su, verbose);
+  if (c.fwd_only) {
+    Result r = check_fwd_case(c, q, k, v, out, lse, lp, su, verbose);
+    r.ok = r.ok && rng_state_ok;
+    return r;
+  }
 
   // ---- backward on the emulator
   HTensor dq = make_tensor(B, Sq, H, D, 0), dk = make_tensor(B, Sk, Hk, D, 0),
@@ -572,15 +593,7 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
         }
         // Dropout: Z / (1 - p) per element (dropout.h's host reference); O and dV take the
         // dropped P, dS = P (Z dP / (1 - p) - D).
-        std::vector<double> zr(Sk, 1.0);
-        if (c.dropout > 0) {
-          const DropoutRng drng = dropout_rng_from(c.dropout_seed(), c.dropout_offset());
-          const uint32_t thr = dropout_keep_threshold(c.dropout);
-          for (int j = 0; j < Sk; ++j) {
-            zr[j] = dropout_keep(drng, uint32_t(b * H + h), uint32_t(i), uint32_t(j), thr)
-                        ? 1.0 / (1.0 - c.dropout) : 0.0;
-          }
-        }
+        const std::vector<double> zr = dropout_row(c, b, h, i);
         for (int j = 0; j < Sk; ++j) P[size_t(i) * Sk + j] = prob[j] * zr[j];
         double dsum_i = 0;
         for (int x = 0; x < D; ++x) {
