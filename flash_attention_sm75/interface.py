@@ -88,10 +88,12 @@ def flash_attn_func(
         each element of the softmax's probabilities is kept with probability ``1 - dropout_p``
         and scaled by ``1 / (1 - dropout_p)``, the others are zeroed, before ``@ v``; the LSE
         is that of the undropped scores. The mask comes from a counter-based generator
-        (Philox4x32-7) seeded by torch's default CUDA generator, so ``torch.manual_seed``
-        reproduces a call bitwise and CUDA-graph replays draw new masks; the backward
-        regenerates the same mask. Default ``0.0``: none. The backward applies it up to
-        ``head_dim`` 128 (``ValueError`` above that when a gradient will flow).
+        (Philox4x32-7) seeded by torch's default CUDA generator (CPU tensors: the CPU
+        generator), so ``torch.manual_seed`` reproduces a call bitwise and CUDA-graph replays
+        draw new masks; the backward regenerates the same mask. Default ``0.0``: none. The
+        backward applies it up to ``head_dim`` 128 (``ValueError`` above that when a gradient
+        will flow); ``ValueError`` while torch.compile traces (the compiler cannot see the
+        kernel's random state).
     window_size : tuple of int, optional, keyword-only
         Sliding window ``(left, right)`` as in FlashAttention-2: query ``i`` sees key ``j`` only
         if ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (the
