@@ -283,6 +283,37 @@ def test_dropout_under_torch_compile_is_refused_not_miscompiled():
     assert out.shape == q.shape
 
 
+def test_sdpa_wrapper_under_torch_compile_falls_back_with_dropout(monkeypatch):
+    """The SDPA wrapper asks the same rule while compiling: a dropout call falls back to torch's
+    SDPA (which the compiler knows how to seed) instead of raising, and strict mode names the
+    reason; without dropout the compiled call runs the kernel's op."""
+    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
+    q, k, v = (t.transpose(1, 2).requires_grad_() for t in qkv(1, 16, 16, 2, 2, 64, "cpu"))
+    calls = []
+    real = sdpa._torch_sdpa
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("dropout_p", args[4] if len(args) > 4 else None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "_torch_sdpa", spy)
+    f = lambda q, k, v: sdpa.scaled_dot_product_attention(q, k, v, dropout_p=0.3)  # noqa: E731
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="aot_eager")(q, k, v)
+    out.float().sum().backward()
+    assert out.shape == q.shape and torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert calls == [0.3], calls  # traced once, through the fallback, with the caller's p
+    torch._dynamo.reset()
+    with sdpa.strict(), pytest.raises(Exception, match="under torch.compile is not supported"):
+        torch.compile(f, backend="aot_eager")(q, k, v)
+    calls.clear()
+    torch._dynamo.reset()
+    g = lambda q, k, v: sdpa.scaled_dot_product_attention(q, k, v, dropout_p=0.0)  # noqa: E731
+    with sdpa.strict():
+        out = torch.compile(g, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert out.shape == q.shape and calls == []
+
+
 def test_numpy_scalars_and_the_backward_of_a_raw_zero_dropout_call():
     np = pytest.importorskip("numpy")
     q, k, v = qkv(1, 8, 8, 2, 2, 64, "cpu")
