@@ -105,6 +105,13 @@ at::Tensor cpu_bias(const at::Tensor& bias_view);
 // The backward's limits with a bias: no softcap with it, head_dim <= kBwdBiasMaxHeadDim
 // (kernels/flash.h). ValueError naming attn_bias otherwise.
 void check_bias_backward(const std::optional<at::Tensor>& attn_bias, double softcap, int64_t head_dim);
+// mha_bwd_with's bias-gradient output, if requested: attn_bias given, no sliding window's left
+// edge, seqlen_q * seqlen_k <= kMaxDbiasSlice (the kernel's 32-bit offsets in a (batch, head)
+// slice); then allocated zero-filled (float32 (batch, h, seqlen_q, seqlen_k) on q's device; q, k
+// in the kernel layout).
+constexpr int64_t kMaxDbiasSlice = (int64_t{1} << 31) - 1;
+void make_dbias(at::Tensor* dbias, const std::optional<at::Tensor>& attn_bias, const at::Tensor& q,
+                const at::Tensor& k, int64_t window_size_left);
 
 // Score modifiers (flash-attn's), applied to the scaled scores s = softmax_scale * q.k before the
 // mask and the softmax (kernels/score_mod.h):
@@ -194,10 +201,13 @@ void set_params_fprop(Flash_fwd_params& params, const at::Tensor& q, const at::T
 // that recomputes S/P/dP, ~1.4x the matmul work of atomic dQ accumulation). The separate dQ
 // kernel is also the default for deterministic=false unless FLASH_SM75_BWD_DQ=atomic.
 // grad_softmax_lse: optional gradient flowing into softmax_lse (batch x h x seqlen_q float32).
+// dbias (first argument; nullptr: none): receives the gradient of attn_bias before the sum over
+// its broadcast dimensions, float32 (batch, h, seqlen_q, seqlen_k) contiguous, dS where a query
+// row sees a key and 0 elsewhere; needs attn_bias. It runs the dQ kernel (never atomic dQ).
 // Inputs not in the kernel layout (last dim contiguous, 16-byte aligned, strides % 8) are
 // copied, not rejected.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_with(
+    at::Tensor* dbias, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
@@ -207,8 +217,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const std::optional<at::Tensor>& rng_state = std::nullopt);
 
 // The same contract computed with ATen ops in float32 on the CPU.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_with(
+    at::Tensor* dbias, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
@@ -216,6 +226,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     double softcap = 0.0, const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
     const std::optional<at::Tensor>& attn_bias = std::nullopt, double dropout_p = 0.0,
     const std::optional<at::Tensor>& rng_state = std::nullopt);
+
+// Without a bias gradient (the op `bwd`): mha_bwd_with / mha_bwd_cpu_with(nullptr, ...).
+template <typename... A>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(A&&... a) {
+  return mha_bwd_with(nullptr, std::forward<A>(a)...);
+}
+template <typename... A>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(A&&... a) {
+  return mha_bwd_cpu_with(nullptr, std::forward<A>(a)...);
+}
 
 // Launches the forward for filled params on q's stream: the decode kernel when plan_decode takes
 // the call (seqlen_q == 1, or seqlen_q * h / h_k <= max_multi_rows; decode_allowed;

@@ -168,8 +168,22 @@ double check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::T
   return scale;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
-    const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+void make_dbias(at::Tensor* dbias, const std::optional<at::Tensor>& attn_bias,
+                const at::Tensor& q, const at::Tensor& k, int64_t window_size_left) {
+  if (dbias == nullptr) return;
+  TORCH_CHECK_VALUE(attn_bias.has_value(), "flash_attention_sm75: bwd_dbias needs attn_bias "
+                    "(its output is the bias's gradient)");
+  TORCH_CHECK_VALUE(window_size_left < 0, "flash_attention_sm75: no attn_bias gradient with a "
+                    "sliding window (window_size_left = ", window_size_left, "); pass "
+                    "window_size_left=-1 or attn_bias.detach()");
+  TORCH_CHECK_VALUE(q.size(1) * k.size(1) <= kMaxDbiasSlice, "flash_attention_sm75: no "
+                    "attn_bias gradient for seqlen_q * seqlen_k = ", q.size(1) * k.size(1),
+                    " (at most ", kMaxDbiasSlice, ")");
+  *dbias = at::zeros({q.size(0), q.size(2), q.size(1), k.size(1)}, q.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_with(
+    at::Tensor* dbias, const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
     const at::Tensor& out_, const at::Tensor& softmax_lse_, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool deterministic,
@@ -187,6 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
                                                 : at::Tensor();
   check_bias_backward(attn_bias, softcap, q.size(3));
   check_dropout_backward(dropout_p, rng_state, q);
+  make_dbias(dbias, attn_bias, q, k, window_size_left);
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto* props = at::cuda::getDeviceProperties(q.get_device());
@@ -197,13 +212,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   if (zero_size(q, k)) return zero_size_bwd(q, k);
 
   Flash_bwd_params params{};
-  // A dropout's backward runs the dQ kernel (the atomic dK/dV kernels have no dropout).
-  const bool dq_atomic = dropout_p == 0.0 && bwd_uses_atomic_dq(deterministic, q.size(3));
+  // A dropout's backward runs the dQ kernel (the atomic dK/dV kernels have no dropout), and so
+  // does a bias gradient (the dQ kernel writes it).
+  const bool dq_atomic = dropout_p == 0.0 && dbias == nullptr &&
+                         bwd_uses_atomic_dq(deterministic, q.size(3));
   BwdBuffers bufs = prepare_bwd(params, dout, q, k, v, out, softmax_lse_, scale, is_causal,
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
                                 grad_softmax_lse, window_size_left, window_size_right, softcap,
                                 alibi_slopes);
   if (bias.defined()) set_params_bias(params, bias, scale);
+  if (dbias != nullptr) params.dbias_ptr = dbias->data_ptr<float>();
   at::Tensor rng;  // the forward's [seed, offset] on q's device, read by the kernels
   if (dropout_p > 0.0) {
     rng = rng_state->to(q.device()).contiguous();
@@ -255,8 +273,8 @@ void launch_bwd(Flash_bwd_params& params, bool dq_atomic, int device) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_with(
+    at::Tensor* dbias, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& seqused_k, bool /*deterministic: always*/,
@@ -276,6 +294,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
                                                 : at::Tensor();
   check_bias_backward(attn_bias, softcap, q.size(3));
   check_dropout_backward(dropout_p, rng_state, q);
+  make_dbias(dbias, attn_bias, to_kernel_layout(q), to_kernel_layout(k), window_size_left);
   if (zero_size(q, k)) return zero_size_bwd(q, k);
   const int64_t b = q.size(0), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);
@@ -319,6 +338,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(
     dp = cpu_dropout(dp, *rng_state, dropout_p);
   }
   const at::Tensor ds = p * (dp - dsum) * dcap;
+  if (dbias != nullptr) dbias->copy_(ds);  // b, h, sq, sk: dS where P is nonzero, else 0
   const at::Tensor dq = at::matmul(ds, kf) * scale;                     // b, h, sq, d
   at::Tensor dk = at::matmul(ds.transpose(-1, -2), qf) * scale;         // b, h, sk, d
   at::Tensor dv = at::matmul(p_drop.transpose(-1, -2), dof);            // b, h, sk, d

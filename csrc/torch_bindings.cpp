@@ -4,6 +4,41 @@
 
 #include "flash_api.h"
 
+namespace {
+
+using Bwd3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// The two backward ops over one implementation Impl(dbias, args...) (mha_bwd_with /
+// mha_bwd_cpu_with): `bwd` passes no bias gradient, `bwd_dbias` also returns it.
+template <typename Sig>
+struct BwdEntries;
+template <typename... A>
+struct BwdEntries<Bwd3(at::Tensor*, A...)> {
+  template <Bwd3 (*Impl)(at::Tensor*, A...)>
+  static Bwd3 plain(A... a) {
+    return Impl(nullptr, a...);
+  }
+  template <Bwd3 (*Impl)(at::Tensor*, A...)>
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_dbias(A... a) {
+    at::Tensor dbias;
+    auto [dq, dk, dv] = Impl(&dbias, a...);
+    return {dq, dk, dv, dbias};
+  }
+};
+using BwdCuda = BwdEntries<decltype(flash_sm75::mha_bwd_with)>;
+using BwdCpu = BwdEntries<decltype(flash_sm75::mha_bwd_cpu_with)>;
+
+// bwd's arguments (bwd_dbias has the same).
+#define FLASH_SM75_BWD_ARGS                                                                       \
+  "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "                  \
+  "float softmax_scale, bool is_causal, bool causal_bottom_right, Tensor? leftpad_k=None, "        \
+  "Tensor? seqused_k=None, bool deterministic=False, Tensor? grad_softmax_lse=None, "              \
+  "int window_size_left=-1, int window_size_right=-1, float softcap=0.0, "                         \
+  "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0, "                       \
+  "Tensor? rng_state=None)"
+
+}  // namespace
+
 TORCH_LIBRARY(flash_attention_sm75, m) {
   // q: (b, seqlen_q, h, d) fp16; k, v: (b, seqlen_k, h_k, d) fp16; any strides, last dim contiguous.
   // Returns out (b, seqlen_q, h, d) fp16 contiguous and softmax_lse (b, h, seqlen_q) fp32.
@@ -51,19 +86,23 @@ TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) {
 // Gradients of fwd (functional, no mutation). dout/out like q, softmax_lse as returned by fwd,
 // softmax_scale the value fwd used. Returns dq (like q), dk, dv (like k, v), fp16 contiguous BSHD.
 // grad_softmax_lse: optional gradient flowing into fwd's softmax_lse output.
+// bwd_dbias: the same, and a fourth output dbias, the gradient of attn_bias (required) before
+// the sum over its broadcast dimensions: float32 (b, h, seqlen_q, seqlen_k), dS where a row sees
+// a key, 0 elsewhere (the caller sums it to the bias's shape).
 TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
-  m.def(
-      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
-      "float softmax_scale, bool is_causal, bool causal_bottom_right, Tensor? leftpad_k=None, "
-      "Tensor? seqused_k=None, bool deterministic=False, Tensor? grad_softmax_lse=None, "
-      "int window_size_left=-1, int window_size_right=-1, float softcap=0.0, "
-      "Tensor? alibi_slopes=None, Tensor? attn_bias=None, float dropout_p=0.0, "
-      "Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("bwd" FLASH_SM75_BWD_ARGS " -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("bwd_dbias" FLASH_SM75_BWD_ARGS " -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)");
 }
 
-TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) { m.impl("bwd", &flash_sm75::mha_bwd); }
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) {
+  m.impl("bwd", &BwdCuda::plain<&flash_sm75::mha_bwd_with>);
+  m.impl("bwd_dbias", &BwdCuda::with_dbias<&flash_sm75::mha_bwd_with>);
+}
 
-TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) { m.impl("bwd", &flash_sm75::mha_bwd_cpu); }
+TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) {
+  m.impl("bwd", &BwdCpu::plain<&flash_sm75::mha_bwd_cpu_with>);
+  m.impl("bwd_dbias", &BwdCpu::with_dbias<&flash_sm75::mha_bwd_cpu_with>);
+}
 
 // ---- packed sequences (varlen) -----------------------------------------------------------------
 // flash-attn's varlen layout and semantics (mha_varlen_fwd / mha_varlen_bwd in flash_api.h):

@@ -44,7 +44,7 @@ from typing import Iterator, Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from ._rules import _BIAS_GRAD, _SLOPES_GRAD, require_bool
+from ._rules import _SLOPES_GRAD, require_bool
 
 __all__ = [
     "EXTENSION_AVAILABLE",
@@ -235,9 +235,11 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
 
     Raises ``NotImplementedError`` for inputs carrying a forward-mode AD tangent (no jvp formula;
     the tangent would otherwise be silently wrong) and inside ``torch.func.grad`` / ``vjp`` /
-    ``jacrev`` (see ``functorch_grad_active``), and ``ValueError`` for ``alibi_slopes`` or
-    an ``attn_bias`` that require grad while grad mode is on (the op has no slope or bias
-    gradient; flash-attn's none either, and a silent zero would be wrong), before the op runs.
+    ``jacrev`` (see ``functorch_grad_active``), and ``ValueError`` for ``alibi_slopes`` that
+    require grad while grad mode is on (the op has no slope gradient; flash-attn's none either,
+    and a silent zero would be wrong), before the op runs. An ``attn_bias`` that requires grad
+    gets its gradient (the backward's dS, float32, summed over the dimensions the bias
+    broadcasts along, in the bias's dtype).
 
     ``dropout_p > 0`` runs ``fwd_dropout`` (attention dropout on P, torch's semantics, from
     torch's default CUDA generator; its ``rng_state`` output is kept for the backward and not
@@ -382,12 +384,11 @@ def _autograd_must_run(q, k, v, alibi_slopes, attn_bias=None) -> bool:
             "falls back to torch's SDPA inside torch.func transforms")
     if (alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()):
         raise ValueError("flash_attention_sm75: " + _SLOPES_GRAD)
-    if (attn_bias is not None and attn_bias.requires_grad and torch.is_grad_enabled()):
-        raise ValueError("flash_attention_sm75: " + _BIAS_GRAD)
     return bool(torch.compiler.is_compiling() or transforms
                 or torch._C._is_torch_function_mode_enabled()
                 or (torch.is_grad_enabled()
-                    and (q.requires_grad or k.requires_grad or v.requires_grad)))
+                    and (q.requires_grad or k.requires_grad or v.requires_grad
+                         or (attn_bias is not None and attn_bias.requires_grad))))
 
 
 def _check_one_device(q, **others) -> None:
@@ -442,6 +443,13 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, softmax_scale, is_causal, causal_
     torch._check(out.shape == q.shape, lambda: "flash_attention_sm75: out must have the shape of q")
     # The C++: at::empty({b, sq, h, d}, q.options()) and at::empty({b, sk, h_k, d}, ...) twice.
     return q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
+
+
+def _bwd_dbias_fake(dout, q, k, v, out, softmax_lse, *args, **kwargs):
+    dq, dk, dv = _bwd_fake(dout, q, k, v, out, softmax_lse, *args, **kwargs)
+    # The C++: at::zeros({b, h, sq, sk}, float32) on q's device.
+    b, s_q, h = q.shape[:3]
+    return dq, dk, dv, q.new_empty((b, h, s_q, k.shape[1]), dtype=torch.float32)
 
 
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -519,27 +527,44 @@ def _fwd_backward(ctx, grad_out, grad_lse, grad_rng_state=None):
     q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes, attn_bias = saved[:9]
     # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k, window_size_left,
     # window_size_right, softcap, alibi_slopes (and attn_bias; fwd_dropout: dropout_p first)
-    none = (None,) * (ctx.n_inputs - 3)
+    rest = [None] * (ctx.n_inputs - 3)
     shift = 1 if ctx.dropout_op else 0  # fwd_dropout's inputs: dropout_p after v
-    for i, arg in ((11 + shift, "alibi_slopes"), (12 + shift, "attn_bias")):
-        if len(ctx.needs_input_grad) > i and ctx.needs_input_grad[i]:
-            # The doors refuse slopes / a bias that require grad (call_fwd); the raw op must
-            # not return a silent zero either.
-            raise NotImplementedError(
-                f"flash_attention_sm75: no gradient for {arg}; pass {arg}.detach()")
+    bias_at = 12 + shift
+    if len(ctx.needs_input_grad) > 11 + shift and ctx.needs_input_grad[11 + shift]:
+        # The doors refuse slopes that require grad (call_fwd); the raw op must not return a
+        # silent zero either.
+        raise NotImplementedError(
+            "flash_attention_sm75: no gradient for alibi_slopes; pass alibi_slopes.detach()")
+    want_dbias = len(ctx.needs_input_grad) > bias_at and ctx.needs_input_grad[bias_at]
     if grad_out is None and grad_lse is None:
-        return (None, None, None) + none
+        return (None, None, None) + tuple(rest)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     kw = {} if attn_bias is None else {"attn_bias": attn_bias}
     if ctx.dropout_p:
         kw.update(dropout_p=ctx.dropout_p, rng_state=saved[9])
-    dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
+    # bwd_dbias also returns dS for every (batch, head, query, key) (0 where a row sees no key);
+    # the bias's gradient sums it over the dimensions the bias broadcasts along.
+    if want_dbias and not _has_op("bwd_dbias"):
+        raise RuntimeError("flash_attention_sm75: the compiled extension has no bias gradient "
+                           "(torch.ops.flash_attention_sm75.bwd_dbias): it was built from older "
+                           "sources; " + BUILD_HINT)
+    grads = getattr(torch.ops.flash_attention_sm75, "bwd_dbias" if want_dbias else "bwd")(
         grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
         ctx.causal_bottom_right, leftpad_k, seqused_k,
         ctx.deterministic or _deterministic_forced(), grad_lse, *ctx.window_size, ctx.softcap,
         alibi_slopes, **kw)
-    return (dq, dk, dv) + none
+    if want_dbias:
+        rest[bias_at - 3] = reduce_dbias(grads[3], attn_bias)
+    return tuple(grads[:3]) + tuple(rest)
+
+
+def reduce_dbias(dbias: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``attn_bias`` from the kernel's (batch, heads, seqlen_q, seqlen_k) float32
+    dS: summed over the dimensions the bias broadcasts along (its size-1 and missing leading
+    ones; a stride-0 expanded bias has its full shape, and autograd's expand sums the rest), in
+    the bias's dtype."""
+    return dbias.sum_to_size(attn_bias.shape).to(attn_bias.dtype)
 
 
 def _fwd_det_setup_context(ctx, inputs, output):
@@ -690,6 +715,10 @@ if EXTENSION_AVAILABLE:
     torch.library.register_autograd("flash_attention_sm75::fwd_deterministic_bwd", _fwd_backward,
                                     setup_context=_fwd_det_setup_context)
     torch.library.register_autograd("flash_attention_sm75::bwd", _bwd_backward,
+                                    setup_context=_bwd_setup_context)
+if EXTENSION_AVAILABLE and _has_op("bwd_dbias"):
+    torch.library.register_fake("flash_attention_sm75::bwd_dbias")(_bwd_dbias_fake)
+    torch.library.register_autograd("flash_attention_sm75::bwd_dbias", _bwd_backward,
                                     setup_context=_bwd_setup_context)
 if DROPOUT_AVAILABLE:
     _define_deterministic_twin("fwd_dropout")

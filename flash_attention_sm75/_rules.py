@@ -130,8 +130,9 @@ RULES: Tuple[str, ...] = (
     "alibi_slopes",    # None or float32 (num_heads,) / (batch, num_heads), last dim contiguous,
                        # q's device, no key ranges, not requiring grad (under grad mode)
     "attn_bias",       # None or BIAS_DTYPES, broadcasts to (batch, num_heads, seqlen_q,
-                       # seqlen_k), q's device, slice < 2^31 elements; with a backward: no
-                       # softcap, head_dim <= BIAS_BACKWARD_MAX_HEAD_DIM, not requiring grad
+                       # seqlen_k), q's device, slice < 2^31 elements; with a backward (or
+                       # the bias requiring grad): no softcap, head_dim <=
+                       # BIAS_BACKWARD_MAX_HEAD_DIM
     "dropout_p",       # a real number in [0, 1); with a backward: head_dim <=
                        # DROPOUT_BACKWARD_MAX_HEAD_DIM
     "alignment",       # VECTOR_BYTES data pointer, strides of STRIDE_MULTIPLE
@@ -257,8 +258,9 @@ BIAS_BACKWARD_MAX_HEAD_DIM = 128
 """The backward reads a bias up to this head dim bucket (``kBwdBiasMaxHeadDim``, csrc/kernels/
 flash.h: the d = 256 dK/dV kernel has no registers left for it)."""
 
-_BIAS_GRAD = ("attn_bias must not require grad: the kernels compute no gradient for the bias "
-              "(pass attn_bias.detach() to treat it as a constant)")
+MAX_DBIAS_SLICE = 2 ** 31 - 1
+"""The largest seqlen_q * seqlen_k with a bias gradient (``kMaxDbiasSlice``: the dQ kernel writes
+a (batch, head) slice of it with 32-bit offsets)."""
 
 
 def gradient_flows(*tensors) -> bool:
@@ -269,17 +271,20 @@ def gradient_flows(*tensors) -> bool:
 
 def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
                       layout: str = "bshd", backward: bool = False, softcap: float = 0.0,
-                      name: str = "attn_bias") -> Optional[str]:
+                      name: str = "attn_bias", window_left: int = -1) -> Optional[str]:
     """None if ``attn_bias`` (not None) is a bias the kernels read, else what is wrong with it:
     a dense tensor of :data:`BIAS_DTYPES` (bool: True = attend; float16 / bfloat16 / float32:
     added to the scaled scores in fp32), on q's device, of a shape that broadcasts to
     ``(batch, num_heads, seqlen_q, seqlen_k)`` as torch broadcasts (1-D to 4-D, trailing
     dimensions aligned, each of that size or 1), whose ``(seqlen_q, seqlen_k)`` slice spans
-    at most 2^31 elements through its strides, and not requiring grad while grad mode is on (no
-    bias gradient). ``backward`` (a gradient will flow to q, k or v): also no softcap with it and
-    head_dim at most :data:`BIAS_BACKWARD_MAX_HEAD_DIM`. ``name``: the argument as the door calls
-    it (``attn_mask`` in the SDPA wrapper). The C++ op checks the same (``check_attn_bias``,
-    ``check_bias_backward``), except the gradient rule (``_ops.call_fwd`` states it)."""
+    at most 2^31 elements through its strides. ``backward`` (a gradient will flow to q, k or v),
+    or the bias itself requiring grad while grad mode is on (the backward computes its gradient,
+    dS summed over the broadcast dimensions): also no softcap with it and head_dim at most
+    :data:`BIAS_BACKWARD_MAX_HEAD_DIM`; and for the bias's own gradient no sliding window's left
+    edge (``window_left``, the call's ``window_size[0]``, must be -1) and seqlen_q * seqlen_k at
+    most :data:`MAX_DBIAS_SLICE`. ``name``: the argument as the door calls it (``attn_mask`` in
+    the SDPA wrapper). The C++ op checks the same (``check_attn_bias``, ``check_bias_backward``,
+    ``make_dbias``)."""
     b = attn_bias
     if not isinstance(b, torch.Tensor):
         return f"{name} must be a torch.Tensor or None, got {type_name(b)}"
@@ -309,7 +314,14 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
         return (f"{name}'s (batch, head) slice spans {extent + 1} elements through its strides; "
                 f"the kernels address fewer than 2^31")
     if b.requires_grad and torch.is_grad_enabled():
-        return _BIAS_GRAD.replace("attn_bias", name)
+        if window_left >= 0:
+            return (f"{name} requires grad with a sliding window (window_size[0] = "
+                    f"{window_left}): the kernels compute no bias gradient in a window's band; "
+                    f"pass {name}.detach() or no window")
+        if target[2] * target[3] > MAX_DBIAS_SLICE:
+            return (f"{name} requires grad and seqlen_q * seqlen_k = {target[2] * target[3]} "
+                    f"exceeds {MAX_DBIAS_SLICE} (the bias gradient's per-head slice)")
+        backward = True
     if backward:
         if softcap:
             return (f"{name} with softcap has no backward here (softcap = {softcap}); pass "
@@ -552,7 +564,7 @@ def not_supported_reason(
     if attn_bias is not None:
         r = attn_bias_problem(
             attn_bias, q, ks[3 - hd], layout=layout, softcap=softcap,
-            backward=gradient_flows(q, k, v))
+            backward=gradient_flows(q, k, v), window_left=window_size[0])
         if r is not None:
             return r
     if type(dropout_p) is not float or dropout_p != 0.0:

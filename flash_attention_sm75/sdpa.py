@@ -156,9 +156,11 @@ def why_not_supported(
         masks; found by reading the mask once, cached per mask object) runs as key ranges,
         which skip the hidden keys' tiles; any other mask, and every mask while torch.compile
         traces or a CUDA graph captures, is read by the kernel itself as an additive bias
-        (through its strides, never expanded). Falls back: a mask that requires grad (torch
-        computes its gradient; the kernel has none), a mask with ``is_causal=True`` (torch
-        raises), and with a backward the bias's limits (head_dim above 128).
+        (through its strides, never expanded). A float mask that requires grad (a learned
+        position bias, e.g. Swin's) is always read as a bias and gets its gradient (the
+        backward's dS summed over its broadcast dimensions). Falls back: a mask with
+        ``is_causal=True`` (torch raises), and with a backward the bias's limits (head_dim
+        above 128).
     dropout_p : float, optional
         Default ``0.0``. Attention dropout, applied whenever ``dropout_p > 0`` (in training and
         in eval, as torch's SDPA): run by the kernel (torch's semantics: keep with probability
@@ -264,8 +266,6 @@ def _mask_metadata_problem(query, key, attn_mask, is_causal) -> Optional[str]:
     if not (attn_mask.dtype in (torch.bool, torch.float32) or attn_mask.dtype == query.dtype):
         return (f"attn_mask dtype {attn_mask.dtype} is not bool, float32 or the query's "
                 f"{query.dtype} (torch raises an error for this)")
-    if attn_mask.requires_grad and torch.is_grad_enabled():
-        return "attn_mask requires grad (no bias gradient in the kernel)"
     if attn_mask.device != query.device:
         return f"attn_mask is on {attn_mask.device}, query on {query.device}"
     if not 2 <= attn_mask.dim() <= 4:
@@ -283,6 +283,9 @@ def _mask_plan(query, key, attn_mask):
     """``(MaskInfo, None)`` when ``attn_mask`` is exactly a per-row key range (optionally AND a
     bottom-right causal diagonal), else ``(None, reason)``. One host synchronisation; refused
     (reason) while torch.compile traces or a CUDA graph captures."""
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        # As key ranges the mask would leave the graph: its gradient must come from the bias.
+        return None, "attn_mask requires grad (the kernel reads it as a bias for its gradient)"
     b, _, s_q, _ = query.shape
     s_k = key.shape[2]
     mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))

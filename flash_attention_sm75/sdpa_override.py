@@ -320,8 +320,11 @@ def _backward_reason(grad_out, query, key, value, attn_bias, out, logsumexp, dro
     if reason is not None:
         return reason
     if attn_bias is not None:
-        if bias_requires_grad:
-            return "attn_bias requires grad (torch's kernel computes its gradient)"
+        if bias_requires_grad and query.shape[2] * key.shape[2] > _rules.MAX_DBIAS_SLICE:
+            return (f"attn_bias requires grad and seqlen_q * seqlen_k exceeds "
+                    f"{_rules.MAX_DBIAS_SLICE}")
+        if bias_requires_grad and not _ops._has_op("bwd_dbias"):
+            return "attn_bias requires grad and the extension has no bwd_dbias (older build)"
         reason = _rules.attn_bias_problem(attn_bias, query, key.shape[2], layout="bhsd",
                                           backward=True)
         if reason is not None:
@@ -404,12 +407,14 @@ def _backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_see
     s_q = query.shape[2]
     lse = logsumexp if logsumexp.shape[2] == s_q else logsumexp[:, :, :s_q]
     softmax_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    dq, dk, dv = torch.ops.flash_attention_sm75.bwd(
+    want_dbias = attn_bias is not None and bool(grad_input_mask[3])
+    grads = getattr(torch.ops.flash_attention_sm75, "bwd_dbias" if want_dbias else "bwd")(
         grad_out.transpose(1, 2), query.transpose(1, 2), key.transpose(1, 2),
         value.transpose(1, 2), out.transpose(1, 2), lse, softmax_scale, is_causal, False, None,
         None, _ops._deterministic_forced(), None,
         **({} if attn_bias is None else {"attn_bias": attn_bias}))
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+    grad_bias = _ops.reduce_dbias(grads[3], attn_bias) if want_dbias else None
+    return grads[0].transpose(1, 2), grads[1].transpose(1, 2), grads[2].transpose(1, 2), grad_bias
 
 
 # ------------------------------------------------------------------ torch's kernels, reached

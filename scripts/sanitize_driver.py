@@ -107,18 +107,19 @@ def with_env(name, value, fn):
 
 
 def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode,
-            window=(-1, -1), softcap=0.0, slopes=None, bias=None, dropout=None):
+            window=(-1, -1), softcap=0.0, slopes=None, bias=None, dropout=None, dbias=False):
     """The backward op in one dQ mode (the mode is read from the environment at each call);
-    ``dropout``: (dropout_p, the forward's rng_state) or None."""
+    ``dropout``: (dropout_p, the forward's rng_state) or None; ``dbias``: ``bwd_dbias`` (the
+    bias gradient too, a fourth result) when there is a bias."""
     s = scale if scale is not None else q.shape[-1] ** -0.5
     kw = {} if bias is None else {"attn_bias": bias}
     if dropout is not None:
         kw.update(dropout_p=dropout[0], rng_state=dropout[1])
     return with_env("FLASH_SM75_BWD_DQ", "atomic" if mode == "atomic" else "separate",
-                    lambda: torch.ops.flash_attention_sm75.bwd(dout, q, k, v, out, lse, s, causal,
-                                                               bottom_right, lpt, sut,
-                                                               mode == "deterministic", None,
-                                                               *window, softcap, slopes, **kw))
+                    lambda: getattr(torch.ops.flash_attention_sm75,
+                                    "bwd_dbias" if dbias and bias is not None else "bwd")(
+                        dout, q, k, v, out, lse, s, causal, bottom_right, lpt, sut,
+                        mode == "deterministic", None, *window, softcap, slopes, **kw))
 
 
 def make_bias(args, b, sq, sk, dev, gen):
@@ -161,6 +162,9 @@ def main(argv=None):
                     help="a bool attention mask (attn_bias) on every dense launch")
     ap.add_argument("--bias-float", action="store_true",
                     help="an fp32 (Sq, Sk) attention bias with -inf entries on every dense launch")
+    ap.add_argument("--dbias", action="store_true",
+                    help="with --bias / --bias-float: the backward also computes the bias "
+                         "gradient (bwd_dbias)")
     ap.add_argument("--dropout", type=float, default=0.0, metavar="P",
                     help="attention dropout probability of every dense launch (0: none)")
     ap.add_argument("--varlen", action="store_true",
@@ -245,7 +249,7 @@ def main(argv=None):
                         for mode in ("deterministic", "atomic"):
                             grads = launch(f"{tag} bwd {mode}", failures, dev, lambda: run_bwd(
                                 dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut,
-                                mode, window, args.softcap, slopes, bias, drop))
+                                mode, window, args.softcap, slopes, bias, drop, args.dbias))
                             if grads is None:
                                 continue
                             launches += 1
@@ -258,11 +262,12 @@ def main(argv=None):
                                           window, args.softcap,
                                           None if slopes is None else slopes.cpu(),
                                           None if bias is None else bias.cpu(),
-                                          None if drop is None else (drop[0], drop[1].cpu()))
+                                          None if drop is None else (drop[0], drop[1].cpu()),
+                                          args.dbias)
                             errs = [grad_error(g, r) for g, r in zip(grads, ref)]
                             ok = all(e <= 2e-2 for e in errs)
                             print(("ok  " if ok else "FAIL"), tag, f"bwd {mode}",
-                                  "rel err dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs),
+                                  "rel err dq/dk/dv(/dbias) " + " ".join(f"{e:.1e}" for e in errs),
                                   flush=True)
                             if not ok:
                                 failures.append(f"{tag} bwd {mode}")

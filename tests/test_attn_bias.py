@@ -220,20 +220,68 @@ def test_bias_checks_name_the_argument():
     assert "spans" in _rules.attn_bias_problem(bigger, qm, 7)
 
 
-def test_a_bias_that_requires_grad_is_refused_not_silently_zero():
+def check_bias_gradient(kind, dtype, causal, device, b=2, sq=37, sk=45, h=4, h_k=2, d=64,
+                        layout="plain", deterministic=False):
+    """The bias's gradient (and q, k, v's) through ``_ops.call_fwd``'s autograd against the
+    float64 autograd of :func:`bias_ref` with the bias as a leaf, FlashAttention's criterion
+    (the fp16 baseline: the same definition in fp16 with its bias in ``dtype``)."""
+    from flash_attention_sm75 import _ops
+
+    seed = seed_from(kind, str(dtype), causal, layout, d)
+    q, k, v = (t.requires_grad_(True) for t in qkv(b, sq, sk, h, h_k, d, device, seed=seed))
+    base = make_bias(kind, dtype, b, h, sq, sk, device, seed=seed + 1,
+                     layout="plain" if layout == "expanded" else layout)
+    leaf = base.detach().clone().requires_grad_(True)
+    bias = leaf.expand(b, h, sq, sk) if layout == "expanded" else leaf
+    with poisoned_cuda_memory() if q.is_cuda else _Null():
+        out, _ = _ops.call_fwd(q, k, v, None, causal, True, attn_bias=bias,
+                               deterministic=deterministic)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(out)
+    got = torch.autograd.grad(out, (q, k, v, leaf), g)
+    assert got[3].dtype == leaf.dtype and got[3].shape == leaf.shape
+    results = {}
+    for rdtype in (torch.float64, torch.float16):
+        leaves = [x.detach().to(rdtype).requires_grad_(True) for x in (q, k, v)]
+        bl = base.detach().to(torch.float64 if rdtype == torch.float64 else dtype)
+        bl.requires_grad_(True)
+        bx = bl.expand(b, h, sq, sk) if layout == "expanded" else bl
+        o = bias_ref(*leaves, bx, causal, True, rdtype)
+        results[rdtype] = torch.autograd.grad(o, leaves + [bl], g.to(o.dtype))
+    for name, ours, ref, pt in zip(("dq", "dk", "dv", "dbias"), got, results[torch.float64],
+                                   results[torch.float16]):
+        assert torch.isfinite(ours).all(), name
+        err = (ours.double() - ref).abs().max().item()
+        err_pt = (pt.double() - ref).abs().max().item()
+        print(f"{name}: ours {err:.3e} pt fp16 {err_pt:.3e}")
+        assert err <= 2 * err_pt + 1e-3, f"{name}: ours {err:.3e} vs pytorch fp16 {err_pt:.3e}"
+    return got
+
+
+@pytest.mark.parametrize("kind", ["k", "qk", "b11k", "1h1k", "bhqk"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias_gradient_cpu_reference(kind, causal):
+    check_bias_gradient(kind, torch.float32, causal, "cpu", d=16)
+
+
+def test_bias_gradient_rules_and_the_raw_op_cpu():
+    """A bias that requires grad gets its gradient; the rule's limits apply to it even when q,
+    k and v do not require grad; the raw op refuses it in a sliding window's band."""
     from flash_attention_sm75 import _ops
 
     q, k, v = qkv(1, 3, 4, 2, 2, 16, "cpu")
-    q.requires_grad_(True)
-    bias = torch.zeros(4, requires_grad=True)
-    with pytest.raises(ValueError, match="attn_bias must not require grad"):
-        _ops.call_fwd(q, k, v, None, False, True, attn_bias=bias)
+    bias = torch.randn(4, requires_grad=True)
+    out, _ = _ops.call_fwd(q, k, v, None, False, True, attn_bias=bias)  # only the bias learns
+    (gb,) = torch.autograd.grad(out.float().sum(), bias)
+    assert gb.shape == (4,) and torch.isfinite(gb).all()
     with torch.no_grad():  # no gradient can flow: fine
         _ops.call_fwd(q, k, v, None, False, True, attn_bias=bias)
-    # the raw op through autograd: an error at backward, never a silent zero
-    out, _ = ops.fwd(q, k, v, None, False, True, None, None, -1, -1, 0.0, None, bias)
-    with pytest.raises(NotImplementedError, match="no gradient for attn_bias"):
-        out.sum().backward()
+    assert "no bias gradient in a window's band" in _rules.not_supported_reason(
+        q, k, v, attn_bias=bias, window_size=(2, 0), devices=("cpu",))
+    out, _ = ops.fwd(q, k, v, None, True, True, None, None, 2, 0, 0.0, None, bias)
+    with pytest.raises(ValueError, match="no attn_bias gradient with a sliding window"):
+        out.float().sum().backward()
+    with pytest.raises(ValueError, match="bwd_dbias needs attn_bias"):
+        ops.bwd_dbias(out, q, k, v, out, torch.zeros(1, 2, 3), 0.25, False, True)
 
 
 def test_autograd_through_the_op_with_a_bias_cpu():
@@ -360,6 +408,137 @@ def test_gpu_backward(d, dtype, deterministic):
     check_backward(q, k, v, bias, causal=False, deterministic=deterministic)
     check_backward(q, k, v, make_bias("k", dtype, 2, 4, 131, 197, "cuda", seed=d + 1),
                    causal=True, bottom_right=False, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("kind", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bias_gradient(d, kind, dtype, causal):
+    """The bias's gradient from the dQ kernel (dS, summed over the broadcast dimensions) and
+    q, k, v's, every shape and float dtype, odd and unequal lengths, GQA."""
+    check_bias_gradient(kind, dtype, causal, "cuda", b=2, sq=131, sk=197, h=4, h_k=2, d=d)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["transposed", "expanded"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_bias_gradient_strides_and_modes(layout, deterministic):
+    check_bias_gradient("b1qk", torch.float16, True, "cuda", b=3, sq=200, sk=77, h=6, h_k=3,
+                        d=64, layout=layout, deterministic=deterministic)
+    # one query row, a key tail past every 64-key tile
+    check_bias_gradient("hqk", torch.float32, False, "cuda", b=1, sq=1, sk=1000, h=8, h_k=1,
+                        d=128, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_bias_gradient_with_dropout_hidden_rows_and_bitwise_repeats():
+    """With dropout the gradient is the dropped dS (checked against the mask's definition
+    through finite totals and seeds); rows the bias hides give zero gradient; a repeat is
+    bitwise equal (the dQ kernel writes each element once, no atomics)."""
+    from flash_attention_sm75 import _ops
+
+    q, k, v = (t.requires_grad_(True) for t in qkv(2, 150, 150, 4, 4, 64, "cuda", seed=31))
+    bias = make_bias("b1qk", torch.float32, 2, 4, 150, 150, "cuda", seed=32)
+    bias[0, :, 5] = -math.inf  # a row that sees no key
+    leaf = bias.clone().requires_grad_(True)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(33)).to(q)
+
+    def grads(p, seed=0):
+        torch.manual_seed(seed)
+        out, _ = _ops.call_fwd(q, k, v, None, False, True, attn_bias=leaf, dropout_p=p)
+        return torch.autograd.grad(out, (q, k, v, leaf), g)
+
+    a, b = grads(0.0), grads(0.0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert (a[3][0, :, 5] == 0).all() and (a[0][0, 5] == 0).all()
+    assert torch.isfinite(a[3]).all() and a[3].abs().sum() > 0
+    # hidden positions (-inf) get 0
+    assert (a[3][torch.isneginf(bias)] == 0).all()
+    d1, d1b, d2 = grads(0.2, seed=1), grads(0.2, seed=1), grads(0.2, seed=2)
+    assert torch.equal(d1[3], d1b[3]) and not torch.equal(d1[3], d2[3])
+    # dropout's dS is dS of the same call's dQ: sum_k dS_qk * k_k * scale = dq
+    dq_from_dbias = torch.einsum("bhqk,bkhd->bqhd", d1[3].double(), k.double()) / 8.0
+    torch.testing.assert_close(dq_from_dbias, d1[0].double(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_sdpa_wrapper_learned_position_bias_trains_on_the_kernel():
+    """A Swin / T5-style learned relative-position bias (1, H, S, S) passed as SDPA's
+    attn_mask: on the kernel in strict mode, gradients of q, k, v and the bias against
+    float64 torch SDPA with FlashAttention's criterion (fp16 torch SDPA as the baseline)."""
+    from flash_attention_sm75 import sdpa
+
+    g = torch.Generator().manual_seed(41)
+    q, k, v = (torch.randn(3, 6, 49, 32, generator=g).half().cuda().requires_grad_(True)
+               for _ in range(3))
+    table = (torch.randn(1, 6, 49, 49, generator=g) * 0.5).half().cuda().requires_grad_(True)
+    dout = torch.randn(3, 6, 49, 32, generator=g).half().cuda()
+    with sdpa.strict():
+        out = sdpa.scaled_dot_product_attention(q, k, v, attn_mask=table)
+    got = torch.autograd.grad(out, (q, k, v, table), dout)
+    res = {}
+    for dt in (torch.float64, torch.float16):
+        leaves = [x.detach().to(dt).requires_grad_(True) for x in (q, k, v, table)]
+        o = F.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3])
+        res[dt] = torch.autograd.grad(o, leaves, dout.to(dt))
+    for name, ours, ref, pt in zip(("dq", "dk", "dv", "dbias"), got, res[torch.float64],
+                                   res[torch.float16]):
+        err = (ours.double() - ref).abs().max().item()
+        err_pt = (pt.double() - ref).abs().max().item()
+        assert err <= 2 * err_pt + 1e-3, f"{name}: ours {err:.3e} vs pytorch fp16 {err_pt:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_t5_training_runs_the_learned_bias_on_the_kernel():
+    """A tiny T5 in train mode (dropout off to compare): every attention call on the kernel,
+    the loss and every gradient, the relative-attention embedding's included, as stock SDPA's
+    (float32 model) to fp16 accuracy."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from flash_attention_sm75.integrations import transformers as hf
+
+    cfg = T5Config(vocab_size=128, d_model=256, d_kv=64, d_ff=256, num_layers=2,
+                   num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
+                   dropout_rate=0.0)
+    torch.manual_seed(17)
+    ref = T5ForConditionalGeneration(cfg).cuda().train()
+    ours = copy.deepcopy(ref).half()
+    ref.set_attn_implementation("sdpa")
+    ours.set_attn_implementation("sm75_attention")
+    g = torch.Generator().manual_seed(18)
+    ids = torch.randint(1, 128, (2, 70), generator=g).cuda()
+    am = torch.ones_like(ids)
+    am[1, 50:] = 0
+    labels = torch.randint(1, 128, (2, 33), generator=g).cuda()
+    hf.reset_stats()
+    loss_ours = ours(input_ids=ids, attention_mask=am, labels=labels).loss
+    stats = hf.get_stats()
+    if stats["kernel"] + stats["fallback"] == 0:
+        pytest.skip(f"T5 of transformers {transformers.__version__} does not call "
+                    f"registered attention functions")
+    assert stats["fallback"] == 0, stats
+    loss_ours.backward()
+    loss_ref = ref(input_ids=ids, attention_mask=am, labels=labels).loss
+    loss_ref.backward()
+    assert abs(loss_ours.item() - loss_ref.item()) < 2e-2 * abs(loss_ref.item())
+    for (name, p_ours), p_ref in zip(ours.named_parameters(), ref.parameters()):
+        if p_ref.grad is None:
+            continue
+        assert p_ours.grad is not None and torch.isfinite(p_ours.grad).all(), name
+        rel = ((p_ours.grad.float() - p_ref.grad).norm() / p_ref.grad.norm().clamp_min(1e-12))
+        assert rel.item() < 5e-2, f"{name}: relative gradient error {rel.item():.3e}"
+    emb = [n for n, _ in ours.named_parameters() if "relative_attention_bias" in n]
+    assert emb  # the learned bias is among the parameters compared above
 
 
 @pytest.mark.gpu

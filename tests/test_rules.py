@@ -268,11 +268,17 @@ ROWS = [
         _with(lambda q, k, v: (q.requires_grad_(), k, v), attn_bias=torch.zeros(7), softcap=5.0),
         r"attn_bias with softcap has no backward here \(softcap = 5\.0\); pass softcap=0 or "
         r"no attn_bias", cpp=False),
-    Row("attn_bias", "bias_requires_grad",
-        _with(lambda q, k, v: (q.requires_grad_(), k, v),
-              attn_bias=torch.zeros(7, requires_grad=True)),
-        r"attn_bias must not require grad: the kernels compute no gradient for the bias \(pass "
-        r"attn_bias\.detach\(\) to treat it as a constant\)", cpp=False),
+    # A bias that requires grad gets its gradient, except in a sliding window's band (the
+    # C++ backward refuses it too: tests/test_attn_bias.py); and it takes the backward's limits
+    # even when q, k and v do not require grad.
+    Row("attn_bias", "bias_grad_window",
+        _with(lambda *t: t, attn_bias=torch.zeros(7, requires_grad=True), window_size=(3, 0)),
+        r"attn_bias requires grad with a sliding window \(window_size\[0\] = 3\): the kernels "
+        r"compute no bias gradient in a window's band; pass attn_bias\.detach\(\) or no "
+        r"window", cpp=False),
+    Row("attn_bias", "bias_grad_softcap",
+        _with(lambda *t: t, attn_bias=torch.zeros(7, requires_grad=True), softcap=5.0),
+        r"attn_bias with softcap has no backward here", cpp=False),
     Row("dropout_p", "dropout_one", _with(lambda *t: t, dropout_p=1.0),
         r"dropout_p must be in \[0, 1\), got 1\.0"),
     Row("dropout_p", "dropout_negative", _with(lambda *t: t, dropout_p=-0.25),

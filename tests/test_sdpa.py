@@ -781,12 +781,25 @@ def test_mask_that_is_not_a_key_range_runs_as_a_bias_cpu(name, kernel_device_cpu
     torch.testing.assert_close(out, _sdpa64(q, k, v, mask))
 
 
-def test_mask_that_requires_grad_falls_back_cpu(kernel_device_cpu):
+def test_mask_that_requires_grad_runs_as_a_bias_with_its_gradient_cpu(kernel_device_cpu):
+    """A learned mask (a relative-position bias) is never turned into key ranges, which would
+    drop it from the graph: it reaches the kernel as a bias, even all zeros (a key range's
+    look), and its gradient is torch's."""
     q, k, v = bhsd(s_q=7, s_k=12, seed=3)
-    mask = torch.zeros(7, 12, dtype=torch.float16, requires_grad=True)
-    assert "requires grad" in fa.why_not_supported(q, k, v, attn_mask=mask)
-    assert torch.equal(fa.scaled_dot_product_attention(q, k, v, attn_mask=mask),
-                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    g = torch.Generator().manual_seed(4)
+    for init in (torch.zeros(7, 12), torch.randn(2, 1, 7, 12, generator=g)):
+        mask = init.half().requires_grad_(True)
+        assert fa.why_not_supported(q, k, v, attn_mask=mask) is None
+        with fa.strict():
+            out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        dout = torch.randn(out.shape, generator=g).half()
+        (got,) = torch.autograd.grad(out, mask, dout)
+        leaf = init.double().requires_grad_(True)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=leaf)
+        (want,) = torch.autograd.grad(ref, leaf, dout.double())
+        assert got.dtype == torch.float16 and got.shape == mask.shape
+        torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
+        assert want.abs().max() > 0.1
 
 
 def test_mask_under_torch_compile_runs_as_a_bias(kernel_device_cpu):

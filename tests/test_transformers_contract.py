@@ -345,14 +345,23 @@ def test_zero_and_nonzero_position_bias_run_on_the_kernel():
                                         position_bias=bias[..., :kv].float())
         assert hf.get_stats()["kernel"] == 1
         torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=4e-3)
-    # a learned bias that requires grad: no bias gradient in the kernel, so torch's path
-    hf.reset_stats()
-    learned = bias.clone().requires_grad_(True)
-    out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, scaling=1.0,
-                                             position_bias=learned)
-    (reason,) = hf.get_stats()["reasons"]
-    assert hf.get_stats()["fallback"] == 1 and "must not require grad" in reason, reason
-    assert out.requires_grad
+    # a learned bias that requires grad runs on the kernel and gets the gradient torch's path
+    # gives it (through create_position_bias_mask), with the mask's hidden keys at 0
+    for m in (None, mask):
+        hf.reset_stats()
+        learned = bias.float().clone().requires_grad_(True)
+        out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, m, scaling=1.0,
+                                                 position_bias=learned)
+        assert hf.get_stats()["kernel"] == 1 and hf.get_stats()["fallback"] == 0
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+        (got,) = torch.autograd.grad(out, learned, g)
+        ref_leaf = bias.double().clone().requires_grad_(True)
+        ref, _ = sdpa_attention_forward(mod, q.double(), k.double(), v.double(), m,
+                                        scaling=1.0, position_bias=ref_leaf)
+        (want,) = torch.autograd.grad(ref, ref_leaf, g.double())
+        # (the op returns fp16 out, which D = rowsum(dO o O) reads: ~1e-3 of rounding)
+        torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
+        assert want.abs().max() > 0.1
 
 
 @needs_op

@@ -32,6 +32,11 @@ struct Flash_bwd_params : public Flash_fwd_params {
   // instantiation's head dim), zero-initialised, contiguous; the main kernel adds every key
   // block's dS K into it, a final kernel scales and converts columns < d to fp16.
   float* dq_accum_ptr;
+  // Gradient of attn_bias, or nullptr: batch x h x seqlen_q x seqlen_k fp32, contiguous,
+  // zero-initialised; the dQ kernel writes dS (the gradient of the scores the bias is added to)
+  // of every element its tiles visit, once (the host runs the dQ kernel, never atomic dQ). The
+  // host sums it over the bias's broadcast dimensions.
+  float* dbias_ptr = nullptr;
 
   // true: dQ accumulated with fp32 atomics inside the dK/dV kernel (fast, not bitwise
   // reproducible). false: dQ from a separate kernel over query tiles that recomputes S/P/dP

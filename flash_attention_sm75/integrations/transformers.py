@@ -765,9 +765,10 @@ def _position_bias_attention(fallback, module, query, key, value, attention_mask
     the bias transformers' SDPA path adds, built by transformers' own
     ``create_position_bias_mask`` (the position bias where the mask or causality lets a key be
     seen, the dtype's minimum elsewhere), with that path's key crop for a causal call into a
-    longer cache, goes to the kernel as its ``attn_bias``. Training (a learned bias requires
-    grad: the kernel has no bias gradient), and anything else the kernel cannot run, falls back
-    to ``fallback`` with the original arguments."""
+    longer cache, goes to the kernel as its ``attn_bias``; in training the learned bias gets
+    its gradient from the kernel's backward (through ``create_position_bias_mask`` to the
+    relative-attention embedding). Anything the kernel cannot run falls back to ``fallback``
+    with the original arguments."""
     reason = _unsupported_reason(module, query, key, value, attention_mask,
                                  dict(bound, position_bias=None), kwargs, softcap)
     if reason is None and query.shape[2] == 1 and not _SETTINGS["decode_on_kernel"]:
@@ -1182,7 +1183,7 @@ def flash_attention_sm75_forward(
           ``is_causal`` (default ``module.is_causal``), ``position_bias`` (all zeros, as T5's
           cross-attention passes, runs on the kernel without a bias; any other, T5's
           relative-position bias, runs as the kernel's ``attn_bias`` combined with the mask by
-          transformers' ``create_position_bias_mask``; one that requires grad falls back);
+          transformers' ``create_position_bias_mask``, with its gradient in training);
         * ``cu_seq_lens_q``, ``cu_seq_lens_k`` (``max_length_q``/``max_length_k`` are only
           size hints): packed sequences, as transformers' FlashAttention path reads them; and
           ``position_ids`` of one batch row that restart (a new sequence wherever the position
