@@ -10,10 +10,12 @@ Cases (non-causal, fp16 q/k/v, B x H x N x N scores):
 * ``pad-b11n``: a bool (B, 1, 1, N) key-padding mask (the kernel reads it as a bias here; the
   SDPA wrapper would run it as key ranges);
 * ``none``: our kernel without a bias; ``ext``: the extended instantiation (the one that reads
-  biases) without one (zero ALiBi slopes): with ``none``, what the bias's reads cost.
+  biases) without one (zero ALiBi slopes): with ``none``, what the bias's reads cost;
+* ``grad-bhnn`` / ``grad-1hnn``: an fp16 (B, H, N, N) / (1, H, N, N) bias that requires grad (a
+  learned position bias: T5, Swin): both sides also compute its gradient (ours: ``bwd_dbias``
+  and the sum over the broadcast batch; mem-efficient: its grad_bias).
 
-Times: forward, and forward + backward (the bias's gradient is not computed by either side:
-the mask does not require grad). The plan is the Turing one (``FLASH_SM75_DEVICE_PROFILE=t4``,
+Times: forward, and forward + backward (the bias's gradient only in the ``grad-*`` cases). The plan is the Turing one (``FLASH_SM75_DEVICE_PROFILE=t4``,
 the benchmarks' default). TFLOP/s count 4 * B * H * N^2 * d forward, 2.5x that backward.
 
     python benchmarks/bench_bias.py [--d 64 128] [--n 1024 4096] [--batch 4] [--heads 16]
@@ -31,7 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-CASES = ("none", "ext", "pad-b11n", "mask-b1nn", "bias-b1nn", "bias-bhnn")
+CASES = ("none", "ext", "pad-b11n", "mask-b1nn", "bias-b1nn", "bias-bhnn", "grad-bhnn",
+         "grad-1hnn")
 
 
 def make_bias(case: str, b: int, h: int, n: int, gen: torch.Generator):
@@ -44,8 +47,20 @@ def make_bias(case: str, b: int, h: int, n: int, gen: torch.Generator):
         m = torch.rand(b, 1, n, n, generator=gen) > 0.1
         m[..., 0] = True
         return m.cuda()
+    if case.startswith("grad"):
+        lead = b if case == "grad-bhnn" else 1
+        return torch.randn(lead, h, n, n, generator=gen).to("cuda", torch.float16)
     heads = h if case == "bias-bhnn" else 1
     return torch.randn(b, heads, n, n, generator=gen).to("cuda", torch.float16)
+
+
+def times_with_bias_grad(fn, q, k, v, bias, dout, bench):
+    """``(forward ms, backward ms)`` of ``fn(q, k, v, bias)`` with the gradients of q, k, v and
+    the bias (``C.fwd_bwd_times`` asks for q, k, v's only, so the bias's is never computed)."""
+    fwd = bench(lambda: fn(q, k, v, bias))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+    o = fn(*leaves)
+    return fwd, bench(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
 
 
 def main(argv=None) -> int:
@@ -58,6 +73,7 @@ def main(argv=None) -> int:
     if setup is None:
         return 2
     op_fwd, op_bwd, efficient, env = setup
+    from flash_attention_sm75._ops import reduce_dbias
     bench = lambda fn: C.bench(fn, "cuda", args.warmup_ms, args.rep_ms)["ms"]  # noqa: E731
     rows, records = [], []
     for d, n, g, q, k, v, do in C.table_problems(args):
@@ -71,17 +87,30 @@ def main(argv=None) -> int:
                                   slopes, bias)
             fwd = bench(call)
             out, lse = call()
-            bwd = None if args.no_backward else bench(
-                lambda: op_bwd(do, q, k, v, out, lse, scale, False, True, None, None, True,
-                               None, -1, -1, 0.0, slopes, bias))
+            grad = case.startswith("grad")
+
+            def backward():
+                if not grad:
+                    return op_bwd(do, q, k, v, out, lse, scale, False, True, None, None, True,
+                                  None, -1, -1, 0.0, slopes, bias)
+                res = torch.ops.flash_attention_sm75.bwd_dbias(
+                    do, q, k, v, out, lse, scale, False, True, None, None, True, None, -1, -1,
+                    0.0, slopes, bias)
+                return res[:3] + (reduce_dbias(res[3], bias),)
+
+            bwd = None if args.no_backward else bench(backward)
             base_f = base_b = None
             if bias is not None:
                 try:
                     with C.sdpa_context(efficient):
-                        sdpa = lambda a, b_, c: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                            a, b_, c, attn_mask=bias, scale=scale)
-                        base_f, base_b = C.fwd_bwd_times(sdpa, qb, kb, vb, dob, bench,
-                                                         not args.no_backward)
+                        sdpa = lambda a, b_, c, m=bias: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731,E501
+                            a, b_, c, attn_mask=m, scale=scale)
+                        if grad and not args.no_backward:
+                            base_f, base_b = times_with_bias_grad(sdpa, qb, kb, vb, bias, dob,
+                                                                  bench)
+                        else:
+                            base_f, base_b = C.fwd_bwd_times(sdpa, qb, kb, vb, dob, bench,
+                                                             not args.no_backward)
                 except RuntimeError as e:
                     print(f"mem-efficient failed at d={d} N={n} {case}: {str(e)[:120]}")
             ratio = lambda a, b_: None if a is None or b_ is None else b_ / a  # noqa: E731
