@@ -443,7 +443,8 @@ def test_gpu_bias_gradient_with_dropout_hidden_rows_and_bitwise_repeats():
     from flash_attention_sm75 import _ops
 
     q, k, v = (t.requires_grad_(True) for t in qkv(2, 150, 150, 4, 4, 64, "cuda", seed=31))
-    bias = make_bias("b1qk", torch.float32, 2, 4, 150, 150, "cuda", seed=32)
+    # full (B, H, Sq, Sk): its gradient is dS itself, per head
+    bias = make_bias("bhqk", torch.float32, 2, 4, 150, 150, "cuda", seed=32)
     bias[0, :, 5] = -math.inf  # a row that sees no key
     leaf = bias.clone().requires_grad_(True)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(33)).to(q)

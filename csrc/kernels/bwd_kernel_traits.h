@@ -103,8 +103,12 @@ struct Flash_bwd_kernel_traits {
 //    ldmatrix for every K/V tile. smem [Q | dO | K | V], dQ staged through Q.
 //  kDSplit: the warps of one 16-row group (kDSplit of them) each own kDOut = d / kDSplit columns
 //    of dQ and compute the same S and dP over the whole d (needs kQInSmem).
-template <int kHeadDim_, int kBlockN_, int kNWarps_, int kDSplit_ = 1, bool kQInSmem_ = false>
+template <int kHeadDim_, int kBlockN_, int kNWarps_, int kDSplit_ = 1, bool kQInSmem_ = false,
+          bool kDbias_ = true>
 struct Flash_bwd_dq_kernel_traits {
+  // The extended kernels store the bias gradient when asked (params.dbias_ptr); false: not
+  // compiled (a head dim whose bias-gradient calls run other traits, DqBiasTraits).
+  static constexpr bool kDbias = kDbias_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
@@ -161,7 +165,11 @@ struct Bwd_tile_config;
 template <>
 struct Bwd_tile_config<64> {
   using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
-  using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4>;
+  using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4, 1, false, false>;
+  // The dQ kernel of a call with a bias gradient (params.dbias_ptr; the extended, non-band
+  // instantiations): Bc = 32, as at d = 96 / 128. Its fp32 dS stores spilled the Bc = 64 one,
+  // whose Q and dO fragments stay in registers (255 before them; 168 / 193 here).
+  using DqBiasTraits = Flash_bwd_dq_kernel_traits<64, 32, 4>;
   static constexpr bool kAtomicDq = true;  // the atomic dQ mode exists (else: deterministic)
 };
 // d = 96 (runs d = 72 .. 96). dK/dV: the d = 64 shape, Br = 64 (32 query columns per warp):
@@ -172,18 +180,21 @@ template <>
 struct Bwd_tile_config<96> {
   using Traits = Flash_bwd_kernel_traits<96, 64, 64, 8>;
   using DqTraits = Flash_bwd_dq_kernel_traits<96, 32, 4>;
+  using DqBiasTraits = DqTraits;
   static constexpr bool kAtomicDq = true;
 };
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
+  using DqBiasTraits = DqTraits;
   static constexpr bool kAtomicDq = true;
 };
 template <>
 struct Bwd_tile_config<256> {
   using Traits = Flash_bwd_kernel_traits<256, 16, 32, 4, 2>;
   using DqTraits = Flash_bwd_dq_kernel_traits<256, 16, 4, 2, true>;
+  using DqBiasTraits = DqTraits;  // no bias backward here (kBwdBiasMaxHeadDim)
   // No atomic dQ mode: the dK/dV kernel with the dQ = dS K tile and its atomics spills 12-84
   // bytes at 255 registers (deterministic 252 / 253). Requests for it run the deterministic
   // kernels (bwd_atomic_dq_supported).

@@ -714,22 +714,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 // A warp's dS fragments (fp16 A layout: rows row, row + 8; keys col + 8 nt, + 1) of (batch,
 // head) bh into the fp32 bias gradient. Scalar stores: seqlen_k may be odd, and a warp's stores
 // still fill whole 32-byte sectors (8 rows x 8 keys per pair of stores).
-template <int kBN>
 __device__ __forceinline__ void store_dbias(const Flash_bwd_params& params, int64_t bh, int row,
-                                            int col, const uint32_t (&ds_frag)[kBN / 8][2]) {
+                                            int col, const float (&ds)[4]) {
   // 32-bit offsets inside the (batch, head) slice: the host keeps seqlen_q * seqlen_k < 2^31.
   float* slice = params.dbias_ptr + bh * params.seqlen_q * params.seqlen_k;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = row + 8 * half;
     if (r < params.seqlen_q) {
-#pragma unroll
-      for (int nt = 0; nt < kBN / 8; ++nt) {
-        const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&ds_frag[nt][half]));
-        const int c = col + 8 * nt;
-        if (c < params.seqlen_k) slice[r * params.seqlen_k + c] = v.x;
-        if (c + 1 < params.seqlen_k) slice[r * params.seqlen_k + c + 1] = v.y;
-      }
+      if (col < params.seqlen_k) slice[r * params.seqlen_k + col] = ds[2 * half];
+      if (col + 1 < params.seqlen_k) slice[r * params.seqlen_k + col + 1] = ds[2 * half + 1];
     }
   }
 }
@@ -961,13 +955,14 @@ __global__ void __launch_bounds__(Kt::kNThreads)
                                     });
       }
       const bool has_next = n_block + 1 < nb.n_block_max;
-      // The bias gradient is dS itself (the bias is added to the scores unscaled), stored from
-      // the fp16 A fragments (the rounding of torch's fp16 bias gradient) before K_{j+1}'s loads
-      // are issued: with those in flight, or from the fp32 values, the d = 64 / 128 kernels
-      // spilled. Not compiled where the host refuses a bias gradient (above kBwdBiasMaxHeadDim;
-      // the band kernels of a sliding window, where the d = 64 one spilled even so).
-      const bool dbias_tile =
-          Is_ext && !Is_local && kD <= kBwdBiasMaxHeadDim && params.dbias_ptr != nullptr;
+      // The bias gradient is dS itself (the bias is added to the scores unscaled), stored in
+      // fp32 as it is computed (fp16-rounded dS summed over broadcast rows missed
+      // FlashAttention's criterion); K_{j+1}'s loads are then issued after it: with them in
+      // flight the d = 128 kernel spilled. Not compiled where the host refuses a bias gradient
+      // (above kBwdBiasMaxHeadDim; the band kernels of a sliding window, where d = 64 spilled)
+      // nor in traits without kDbias (d = 64's Bc = 64 tile, which spilled: DqBiasTraits).
+      const bool dbias_tile = Kt::kDbias && Is_ext && !Is_local && kD <= kBwdBiasMaxHeadDim &&
+                              params.dbias_ptr != nullptr;
       if (has_next && !dbias_tile) {  // K_{j+1}: global loads in flight during dP and dQ
         load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, (n_block + 1) * kBN, kr.key_start,
                           kr.key_end, tid, dc);
@@ -992,13 +987,13 @@ __global__ void __launch_bounds__(Kt::kNThreads)
             for (int e = 0; e < 4; ++e) {
               ds[e] = dropout_ds(acc_s[nt][e], acc_dp[nt][e], dsum[e >> 1], params.dropout_rp);
             }
+            if (dbias_tile && ws == 0) {  // column split 0 (the others recompute the same dS)
+              store_dbias(params, bh, row0 + 16 * wr + g, n_block * kBN + 8 * nt + 2 * t, ds);
+            }
             ds_frag[nt][0] = pack_half2(ds[0], ds[1]);
             ds_frag[nt][1] = pack_half2(ds[2], ds[3]);
           }
-          if (dbias_tile) {  // by column split 0 (the others recompute the same dS)
-            if (ws == 0) {
-              store_dbias<kBN>(params, bh, row0 + 16 * wr + g, n_block * kBN + 2 * t, ds_frag);
-            }
+          if (dbias_tile) {
             if (has_next) {
               load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, (n_block + 1) * kBN,
                                 kr.key_start, kr.key_end, tid, dc);

@@ -1,6 +1,8 @@
 // Launch sequence of the backward pass for one (head dim, causal, local) instantiation.
 #pragma once
 
+#include <type_traits>
+
 #include "bwd_kernel_traits.h"
 #include "flash_bwd.h"
 #include "flash_bwd_kernel.h"
@@ -49,7 +51,17 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false, Is_local, Is_ext>;
     set_max_dynamic_smem(kernel, plan.dkdv_smem);
     auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal, Is_local, Is_ext>;
-    set_max_dynamic_smem(dq_kernel, plan.dq_smem);
+    int dq_smem = plan.dq_smem;
+    // A bias gradient's dQ kernel (Bwd_tile_config::DqBiasTraits): the same grid and threads.
+    using Kqb = typename C::DqBiasTraits;
+    if constexpr (Is_ext && !Is_local && !std::is_same_v<Kq, Kqb>) {
+      static_assert(Kqb::kBlockM == Kq::kBlockM && Kqb::kNThreads == Kq::kNThreads);
+      if (params.dbias_ptr != nullptr) {
+        dq_kernel = &flash_bwd_dq_kernel<Kqb, Is_causal, Is_local, Is_ext>;
+        dq_smem = Kqb::kSmemSize;
+      }
+    }
+    set_max_dynamic_smem(dq_kernel, dq_smem);
     // Fork after the preprocess (both kernels read D), dK/dV launched first (launching dQ first
     // measured the same), join before returning (see Flash_bwd_params::dq_stream).
     const bool fork = params.dq_stream != nullptr;
@@ -59,7 +71,7 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     }
     kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
              stream>>>(params);
-    dq_kernel<<<static_cast<unsigned>(plan.dq_blocks), plan.dq_threads, plan.dq_smem,
+    dq_kernel<<<static_cast<unsigned>(plan.dq_blocks), plan.dq_threads, dq_smem,
                 fork ? params.dq_stream : stream>>>(params);
     if (fork) {
       check_cuda(cudaEventRecord(params.dq_join, params.dq_stream), "cudaEventRecord");
