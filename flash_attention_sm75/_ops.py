@@ -158,8 +158,9 @@ def is_deterministic_backward() -> bool:
     return _deterministic_forced() or os.environ.get("FLASH_SM75_BWD_DQ", "") != "atomic"
 
 
-def forward_ad_input(q, k, v) -> Optional[str]:
-    """Name of the first of q, k, v that carries a forward-mode AD tangent, else None.
+def forward_ad_input(q, k, v, attn_bias=None, bias_name: str = "attn_bias") -> Optional[str]:
+    """Name of the first of q, k, v (and ``attn_bias``, as ``bias_name``) that carries a
+    forward-mode AD tangent, else None.
 
     Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) has no formula for the
     op: without a check its tangent would silently come back as zeros or be dropped. Outside a
@@ -167,7 +168,7 @@ def forward_ad_input(q, k, v) -> Optional[str]:
     """
     if getattr(_forward_ad, "_current_level", 0) < 0:
         return None
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v), (bias_name, attn_bias)):
         if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
             return name
     return None
@@ -187,12 +188,14 @@ def functorch_grad_active() -> bool:
     return top is not None and top.key() == torch._C._functorch.TransformType.Grad
 
 
-def autograd_reason(q, k, v, *, any_transform: bool = False) -> Optional[str]:
-    """Why the op cannot run under the caller's autograd mode, or None: an input carrying a
-    forward-mode AD tangent (no jvp formula), a ``torch.func`` reverse-mode transform (the
-    formula is ``register_autograd``'s, which they cannot use), or with ``any_transform`` any
-    active ``torch.func`` transform (for doors whose fallback has batching rules)."""
-    name = forward_ad_input(q, k, v)
+def autograd_reason(q, k, v, *, any_transform: bool = False, attn_bias=None,
+                    bias_name: str = "attn_bias") -> Optional[str]:
+    """Why the op cannot run under the caller's autograd mode, or None: an input (q, k, v, or
+    the door's bias / mask ``attn_bias``, named ``bias_name``) carrying a forward-mode AD
+    tangent (no jvp formula), a ``torch.func`` reverse-mode transform (the formula is
+    ``register_autograd``'s, which they cannot use), or with ``any_transform`` any active
+    ``torch.func`` transform (for doors whose fallback has batching rules)."""
+    name = forward_ad_input(q, k, v, attn_bias, bias_name)
     if name is not None:
         return (f"{name} carries a forward-mode AD tangent (torch.func.jvp / forward_ad); the op "
                 f"has no jvp formula")
@@ -367,7 +370,7 @@ def call_fwd_checked(q, k, v, softmax_scale, is_causal, causal_bottom_right, lef
 def _autograd_must_run(q, k, v, alibi_slopes, attn_bias=None) -> bool:
     """The checks of :func:`call_fwd` / :func:`call_varlen_fwd` before the op (they raise), then
     whether the op must be called through its autograd kernel (see :func:`call_fwd`)."""
-    name = forward_ad_input(q, k, v)
+    name = forward_ad_input(q, k, v, attn_bias)
     if name is not None:
         raise NotImplementedError(
             f"flash_attention_sm75: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) "

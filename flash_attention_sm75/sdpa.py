@@ -252,7 +252,8 @@ def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
         if reason is not None:
             return reason
     # torch's SDPA has batching rules and a jvp; the op has neither.
-    return _ops.autograd_reason(query, key, value, any_transform=True)
+    return _ops.autograd_reason(query, key, value, any_transform=True,
+                                attn_bias=attn_mask, bias_name="attn_mask")
 
 
 def _mask_metadata_problem(query, key, attn_mask, is_causal) -> Optional[str]:
@@ -271,7 +272,10 @@ def _mask_metadata_problem(query, key, attn_mask, is_causal) -> Optional[str]:
     if not 2 <= attn_mask.dim() <= 4:
         # torch 2.11's SDPA rejects a 1-D mask (IndexError); it must do so for every such mask.
         return f"attn_mask is {attn_mask.dim()}-D; 2- to 4-D masks broadcast to (B, H, Sq, Sk)"
-    if attn_mask.dim() >= 3 and attn_mask.shape[-3] not in (1, query.shape[1]):
+    # (== comparisons: under torch.compile(dynamic=True) `n in (1, SymInt)` is False for an
+    # equal size)
+    if attn_mask.dim() >= 3 and attn_mask.shape[-3] != 1 \
+            and attn_mask.shape[-3] != query.shape[1]:
         # torch broadcasts the mask against the query's heads (also with enable_gqa): a head
         # count other than 1 or num_heads is an error there, never a per-kv-head mask.
         return (f"attn_mask has {attn_mask.shape[-3]} heads; it must broadcast to the query's "

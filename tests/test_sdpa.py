@@ -212,6 +212,37 @@ def test_forward_mode_ad_falls_back(kernel_device_cpu):
         assert "forward-mode AD" in sdpa.why_not_supported(qd, k, v)
 
 
+def test_forward_mode_ad_on_the_mask_falls_back(kernel_device_cpu):
+    # A tangent on the mask alone must not be dropped either (the op has no jvp formula).
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = bhsd(s_q=5, s_k=9)
+    mask = torch.randn(5, 9).half()
+    with fwAD.dual_level():
+        md = fwAD.make_dual(mask, torch.ones_like(mask))
+        assert "attn_mask carries a forward-mode AD tangent" in sdpa.why_not_supported(
+            q, k, v, attn_mask=md)
+    from flash_attention_sm75 import _ops
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="attn_bias carries"):
+        _ops.call_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, False,
+                      True, attn_bias=fwAD.make_dual(mask, torch.ones_like(mask)))
+
+
+def test_learned_mask_head_check_under_dynamic_compile(kernel_device_cpu):
+    # Under torch.compile(dynamic=True) a Parameter's head count is a SymInt; `n in (1, h)`
+    # evaluated False for an equal one, which refused the mask with a self-contradicting reason.
+    q, k, v = bhsd(h=4, h_k=4, s_q=12, s_k=12)
+    mask = torch.nn.Parameter(torch.randn(1, 4, 12, 12).half())
+    f = torch.compile(lambda q, k, v, m: sdpa.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                      backend="aot_eager", fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    with sdpa.strict():
+        out = f(q, k, v, mask)
+    (g,) = torch.autograd.grad(out.float().sum(), mask)
+    assert g.shape == mask.shape and torch.isfinite(g).all() and g.abs().sum() > 0
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_torch_func_transforms_fall_back_to_torch(transform, kernel_device_cpu, monkeypatch):
     # A drop-in SDPA must work under torch.func: the kernel's register_autograd formula cannot

@@ -365,6 +365,54 @@ def test_zero_and_nonzero_position_bias_run_on_the_kernel():
 
 
 @needs_op
+@pytest.mark.parametrize("case", ["zeros", "key_padding", "position_bias_zeros"])
+def test_learned_masks_and_biases_keep_their_gradient(case):
+    """A mask or position bias that requires grad is the kernel's bias, never key ranges or
+    "nothing to add": all zeros and key-padding-shaped ones too (their gradient is not zero)."""
+    hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(2, 4, 4, 6, 6, 64, seed=21)
+    mod = _Attn(4, 4, is_causal=False)
+    base = torch.zeros(2, 1, 6, 6)
+    if case == "key_padding":
+        base[1, ..., 4:] = torch.finfo(torch.float32).min
+    if case == "position_bias_zeros":
+        base = torch.zeros(1, 4, 6, 6)
+    leaf = base.clone().requires_grad_(True)
+    kw = dict(position_bias=leaf, scaling=1.0) if case == "position_bias_zeros" else {}
+    mask = None if case == "position_bias_zeros" else leaf
+    out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, mask, **kw)
+    assert hf.get_stats()["kernel"] == 1 and hf.get_stats()["fallback"] == 0, hf.get_stats()
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(22)).to(out.dtype)
+    (got,) = torch.autograd.grad(out, leaf, g)
+    ref_leaf = base.double().clone().requires_grad_(True)
+    ref_kw = dict(position_bias=ref_leaf, scaling=1.0) if case == "position_bias_zeros" else {}
+    ref, _ = sdpa_attention_forward(mod, q.double(), k.double(), v.double(),
+                                    None if mask is None else ref_leaf, **ref_kw)
+    (want,) = torch.autograd.grad(ref, ref_leaf, g.double())
+    assert want.abs().max() > 0.05
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
+
+
+@needs_op
+def test_remembered_decision_knows_the_mask_requires_grad():
+    """The per-forward memo: a learned mask planned as a bias under no_grad (no backward
+    limits) must not be reused when grad mode is on and the backward cannot take it (head_dim
+    256): that call falls back, with torch's gradient."""
+    hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(1, 2, 2, 5, 5, 256, seed=23)
+    mod = _Attn(2, 2)
+    mask = torch.randn(1, 1, 5, 5).requires_grad_(True)
+    with torch.no_grad():
+        hf.flash_attention_sm75_forward(mod, q, k, v, mask)
+    assert hf.get_stats()["kernel"] == 1
+    hf.reset_stats()
+    out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, mask)
+    assert hf.get_stats()["fallback"] == 1, hf.get_stats()
+    (g,) = torch.autograd.grad(out.float().sum(), mask)
+    assert torch.isfinite(g).all() and g.abs().sum() > 0
+
+
+@needs_op
 def test_t5_logits_match_sdpa():
     from transformers import T5Config, T5ForConditionalGeneration
 

@@ -296,9 +296,12 @@ def _unknown_kwargs(kwargs: dict) -> list:
 
 
 def _position_bias_is_zero(position_bias: torch.Tensor, query: torch.Tensor) -> bool:
-    """T5's cross-attention passes a bias of zeros, (1, H, q_len, kv_len): nothing to add."""
+    """T5's cross-attention passes a bias of zeros, (1, H, q_len, kv_len): nothing to add. Not
+    one that requires grad (a learned bias that is zero now still needs its gradient)."""
     if not (isinstance(position_bias, torch.Tensor) and position_bias.device == query.device
             and _host_reads_allowed(position_bias)):
+        return False
+    if position_bias.requires_grad and torch.is_grad_enabled():
         return False
     return not bool(position_bias.any())  # one host read
 
@@ -406,7 +409,9 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
             return f"attention_mask of type {type(attention_mask).__name__}"
         if attention_mask.device != query.device:
             return "attention_mask is on another device"
-    return _ops.autograd_reason(query, key, value, any_transform=True)
+    return _ops.autograd_reason(query, key, value, any_transform=True,
+                                attn_bias=attention_mask if isinstance(attention_mask, torch.Tensor)
+                                else None, bias_name="attention_mask")
 
 
 def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
@@ -462,6 +467,15 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
                                            softcap=softcap, name="attention_mask")
         if problem is None:
             return MaskInfo(False, kv_len, None, None, "bias"), None
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.requires_grad \
+            and torch.is_grad_enabled():
+        # A learned mask: as key ranges it would leave the graph; its gradient comes from the
+        # kernel's bias.
+        problem = _rules.attn_bias_problem(attention_mask, query, kv_len, layout="bhsd",
+                                           softcap=softcap, name="attention_mask")
+        if problem is None:
+            return MaskInfo(False, kv_len, None, None, "bias"), None
+        return None, f"attention_mask requires grad and the kernel cannot read it: {problem}"
     info, reason = classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype,
                                            sliding_window=sliding_window)
     if info is None and isinstance(attention_mask, torch.Tensor):
@@ -1042,9 +1056,11 @@ def _decision_key(module, query, key, value, attention_mask, args, kwargs,
         else:
             return None
         qs = query.shape
-        # Whether a gradient will flow: a bias plan's rules depend on it (its backward's limits).
+        # Whether a gradient will flow: a bias plan's rules depend on it (its backward's limits),
+        # and a mask that requires grad is never classified into key ranges.
         grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                            or value.requires_grad)
+                                            or value.requires_grad
+                                            or (mask is not None and attention_mask.requires_grad))
         # stride() raises for nested and sparse tensors: the full path words their reason.
         # The softcap: a bias plan's backward rule reads it (a float as transformers passes
         # it; anything else takes the full path).
