@@ -8,6 +8,7 @@
 // Nothing here runs on a GPU: only the traits' constexpr values are read.
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
 #include "kernels/bwd_kernel_traits.h"
 #include "kernels/flash_decode_kernel.h"
@@ -38,6 +39,16 @@ void emit_fwd(const char* tile_name) {
 
 std::string b(bool v) { return v ? "true" : "false"; }
 
+// flash_bwd_dq_kernel<Kq, ...>: its traits' threads and shared memory.
+template <typename Kq>
+void emit_dq() {
+  const std::string kq = "Flash_bwd_dq_kernel_traits<" + std::to_string(Kq::kHeadDim) + ", " +
+                         std::to_string(Kq::kBlockN) + ", " + std::to_string(Kq::kNWarps) +
+                         ", " + std::to_string(Kq::kDSplit) + ", " + b(Kq::kQInSmem) + ", " +
+                         b(Kq::kDbias) + ">";
+  emit("^flash_bwd_dq_kernel<" + kq + ",", Kq::kNThreads, Kq::kSmemSize);
+}
+
 // flash_bwd_dkdv_kernel<Kt, Is_causal, Atomic_dq, ...> (shared memory by the dQ mode),
 // flash_bwd_dq_kernel<Kq, ...>, and the 256-thread preprocess / convert kernels
 // (flash_bwd_launch_template.h).
@@ -54,10 +65,11 @@ void emit_bwd() {
     emit("^flash_bwd_dkdv_kernel<" + kt + ", (true|false), " + b(atomic) + ",", Kt::kNThreads,
          atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq);
   }
-  const std::string kq = "Flash_bwd_dq_kernel_traits<" + std::to_string(Kq::kHeadDim) + ", " +
-                         std::to_string(Kq::kBlockN) + ", " + std::to_string(Kq::kNWarps) +
-                         ", " + std::to_string(Kq::kDSplit) + ", " + b(Kq::kQInSmem) + ">";
-  emit("^flash_bwd_dq_kernel<" + kq + ",", Kq::kNThreads, Kq::kSmemSize);
+  emit_dq<Kq>();
+  // a bias gradient's dQ kernel (the extended instantiations), where it has its own traits
+  if constexpr (!std::is_same_v<Kq, typename C::DqBiasTraits>) {
+    emit_dq<typename C::DqBiasTraits>();
+  }
   emit("^flash_bwd_preprocess_kernel<" + std::to_string(kD) + ">$", fs::kBwdAuxThreads, 0);
   emit("^flash_bwd_convert_dq_kernel<" + std::to_string(kD) + ">$", fs::kBwdAuxThreads, 0);
 }

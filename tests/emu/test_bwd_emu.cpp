@@ -95,6 +95,9 @@ struct Case {
   bool bias_pad = false;
   double scale = 0;       // softmax_scale; 0: 1 / sqrt(d)
   double dropout = 0;     // attention dropout probability (dropout.h); 0: none
+  // The bias's gradient (params.dbias_ptr, bwd_dbias): dS of every (b, h, i, j), checked
+  // against the reference's dS; deterministic dQ (the host never runs atomic dQ with it).
+  bool dbias = false;
   double softmax_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(double(d)); }
   bool score_mod() const { return softcap > 0 || alibi || bias != 0; }
   // The generator's state the host would take from torch's (seed, a multiple-of-4 offset): a
@@ -215,6 +218,7 @@ void run_backward(Flash_bwd_params& p) {
   using C = Bwd_tile_config<kD>;
   using Kt = typename C::Traits;
   using Kq = typename C::DqTraits;
+  using Kqb = typename C::DqBiasTraits;
   const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k,
                                                    p.dq_atomic && C::kAtomicDq);
   emu::launch(static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads,
@@ -232,6 +236,14 @@ void run_backward(Flash_bwd_params& p) {
   if (!ran_atomic) {
     emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
                 [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal, kMod>(p); });
+    // As run_mha_bwd_hdim: a bias gradient's dQ kernel (DqBiasTraits; same grid and threads).
+    if constexpr (kMod && !kLocal && !std::is_same_v<Kq, Kqb>) {
+      if (p.dbias_ptr != nullptr) {
+        emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
+                    [&] { flash_bwd_dq_kernel<Kqb, kCausal, kLocal, kMod>(p); });
+        return;
+      }
+    }
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
                 [&] { flash_bwd_dq_kernel<Kq, kCausal, kLocal, kMod>(p); });
   }
@@ -566,12 +578,15 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
     bp.dropout_seed_ptr = rng_state.data(), bp.dropout_offset_ptr = rng_state.data() + 1;
     bp.dropout_seed = 0, bp.dropout_offset = 0, bp.dropout_rng_state_out = nullptr;
   }
+  // mha_bwd_with: the bias gradient, zero-filled (B, H, Sq, Sk) float32, never atomic dQ.
+  std::vector<float> dbias(c.dbias ? size_t(B) * H * Sq * Sk : 0, 0.f);
+  if (c.dbias) bp.dbias_ptr = dbias.data(), bp.dq_atomic = false;
   if (!c.fwd_only) {
     dispatch_bwd_all(bp);
   }
 
   // ---- float64 reference
-  Errors e_o, e_lse, e_dq, e_dk, e_dv;
+  Errors e_o, e_lse, e_dq, e_dk, e_dv, e_db;
   bool lse_inf_ok = true, masked_zero_ok = true;
   std::vector<double> dk_ref(size_t(B) * Sk * Hk * D, 0.0), dv_ref(size_t(B) * Sk * Hk * D, 0.0);
   const int off = causal_offset(Sq, Sk, c.bottom_right);
@@ -608,6 +623,11 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
           dP[size_t(i) * Sk + j] = prob[j] * (zr[j] * acc - dsum_i) * dcap[j];  // dS
         }
       }
+      if (c.dbias) {  // dbias = dS (0 where a row sees no key)
+        for (size_t ij = 0; ij < size_t(Sq) * Sk; ++ij) {
+          e_db.add(dbias[(size_t(b) * H + h) * Sq * Sk + ij], dP[ij]);
+        }
+      }
       // dq = scale dS K; dk += scale dS^T Q; dv += P^T dO
       for (int i = 0; i < Sq; ++i)
         for (int x = 0; x < D; ++x) {
@@ -637,7 +657,8 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   }
   const bool fwd_ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(2e-7, 2e-3) && lse_inf_ok && rng_state_ok;
   const bool ok = fwd_ok && (c.fwd_only || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) &&
-                                            e_dv.ok(1e-2, 2e-3) && masked_zero_ok));
+                                            e_dv.ok(1e-2, 2e-3) && masked_zero_ok &&
+                                            e_db.ok(1e-2, 2e-3)));
   if ((verbose || !ok) && c.fwd_only) {
     std::printf("%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d bias=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d | "
                 "o %.2e/%.2e lse %.2e inf_ok=%d | forward only\n",
@@ -647,10 +668,11 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
   } else if (verbose || !ok) {
     std::printf(
         "%s b=%d sq=%d sk=%d h=%d hk=%d d=%d causal=%d cap=%g alibi=%d bias=%d w=(%d,%d) br=%d lp=%d su=%d layout=%d atomic=%d drop=%g | "
-        "o %.2e/%.2e lse %.2e inf_ok=%d rng=%d | dq %.2e/%.2e dk %.2e/%.2e dv %.2e/%.2e masked0=%d\n",
+        "o %.2e/%.2e lse %.2e inf_ok=%d rng=%d | dq %.2e/%.2e dk %.2e/%.2e dv %.2e/%.2e masked0=%d%s",
         ok ? "OK " : "BAD", B, Sq, Sk, H, Hk, D, c.causal, c.softcap, c.alibi, c.bias, c.wl, c.wr, c.bottom_right, c.use_lp, c.use_su,
         c.layout, c.atomic, c.dropout, e_o.err, e_o.ref, e_lse.err, lse_inf_ok, rng_state_ok, e_dq.err, e_dq.ref, e_dk.err,
-        e_dk.ref, e_dv.err, e_dv.ref, masked_zero_ok);
+        e_dk.ref, e_dv.err, e_dv.ref, masked_zero_ok, c.dbias ? "" : "\n");
+    if (c.dbias) std::printf(" dbias %.2e/%.2e\n", e_db.err, e_db.ref);
     std::fflush(stdout);
   }
   return {dq.data, dk.data, dv.data, ok};
@@ -1517,6 +1539,16 @@ int main(int argc, char** argv) {
       addb(2, 90, 131, 4, 2, d, false, 2, false, 3);
       addb(1, 200, 200, 2, 2, d, true, 0, d == 64, 4);
       addb(2, 1, 600, 6, 2, d, false, 2, false, 2);  // decode, splits
+      // the bias's gradient (bwd_dbias): fp16 with GQA and odd keys, fp32 causal with ALiBi,
+      // bf16 with key ranges, fp16 with dropout
+      addb(2, 90, 131, 4, 2, d, false, 2, false, 2);
+      cases.back().dbias = true;
+      addb(1, 130, 128, 2, 1, d, true, 0, false, 4, true);
+      cases.back().dbias = true;
+      add(1, 200, 199, 2, 2, d, true, true, true, true, 2, false);
+      cases.back().bias = 3, cases.back().dbias = true;
+      add(2, 70, 90, 2, 1, d, false, true, false, false, 0, false);
+      cases.back().bias = 2, cases.back().dbias = true, cases.back().dropout = 0.15;
       for (int kind : {1, 4}) {  // decode skipping the steps the mask hides from every row
         addb(2, 1, 900, 4, 1, d, false, 0, false, kind);
         cases.back().bias_pad = true;
