@@ -419,6 +419,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         if k.shape[0] == 0:
             raise ValueError(f"{PREFIX}k must hold at least one block with block_table")
     _ops.require_varlen()
+    if k.shape != v.shape:  # worded with the caller's shapes (the rulebook sees 4-D views)
+        raise ValueError(f"{PREFIX}k and v must have the same shape, got k {list(k.shape)} and "
+                         f"v {list(v.shape)}" + (_rules._VALUE_HEAD_DIM
+                                                 if k.shape[-1] != v.shape[-1] else ""))
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)

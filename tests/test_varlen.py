@@ -387,6 +387,12 @@ def test_errors_before_the_op(below_autograd):
         torch.func.grad(lambda v_: fa2.flash_attn_varlen_func(
             q, k, v_, cu_q, cu_k, 4, 4).float().sum())(v)
     assert below_autograd == []
+    # shapes in the caller's packed layout, not the 4-D views the rulebook checks
+    with pytest.raises(ValueError, match=re.escape("got k [7, 2, 16] and v [7, 2, 8] (a value "
+                                                   "head_dim different")):
+        fa2.flash_attn_varlen_func(q, k, v[..., :8], cu_q, cu_k, 4, 4)
+    with pytest.raises(ValueError, match=re.escape("got k [7, 2, 16] and v [7, 1, 16]")):
+        fa2.flash_attn_varlen_func(q, k, v[:, :1], cu_q, cu_k, 4, 4)
     # the raw op refuses a slope gradient rather than return a silent zero
     slopes = torch.ones(4, requires_grad=True)
     out, _ = _varlen_fwd()(q.requires_grad_(True), k, v, cu_q, cu_k, 4, 4, None, False, None, -1,
