@@ -684,7 +684,9 @@ def flash_attn_with_kvcache(
         ``[0, seqlen_cache - seqlen_new]`` (the new keys must fit in the cache).
         ``cache_leftpad`` is clamped into the cache like the op's key ranges.
     cache_batch_idx : int32 (batch,), optional. Cache row of batch entry b, in ``[0,
-        k_cache.shape[0])`` (read in place, as a one-page-per-sequence table).
+        k_cache.shape[0])`` (read in place, as a one-page-per-sequence table); no row twice when
+        ``k`` / ``v`` are appended (two entries would write the same slots; flash-attn does not
+        check it).
     cache_leftpad : int32 (batch,), optional. First valid cache row.
     block_table : int32 (batch, max_num_blocks_per_seq), optional. Paged cache, read in place by
         the kernels when ``page_block_size`` is a multiple of 64 (flash-attn 2 requires 256);
@@ -928,6 +930,13 @@ def _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos
             ((cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0])).all(),
             f"{PREFIX}cache_batch_idx must hold cache rows in [0, k_cache.shape[0] = "
             f"{k_cache.shape[0]}), got a value outside")
+        if seqlen_new > 0 and cache_batch_idx.numel() > 1:
+            # two batch entries appending to one cache row would race on its slots
+            s = torch.sort(cache_batch_idx).values
+            _packing.check_on_device(
+                (s[1:] != s[:-1]).all(),
+                f"{PREFIX}cache_batch_idx must not repeat a cache row when k / v are appended "
+                f"(two batch entries would write the same row), got a repeated value")
     if block_table is not None:
         _packing.check_block_table(block_table, end, k_cache.shape[1], k_cache.shape[0])
 

@@ -289,6 +289,20 @@ def test_op_errors_name_the_caches():
     assert out.shape == (2, 1, 2, 16)
 
 
+def test_appends_through_a_repeated_cache_batch_idx_are_refused():
+    # Two batch entries appending to one cache row would race on its slots; reading one row
+    # twice (no k / v) stays allowed (test_op_errors_name_the_caches).
+    q, k = rand(2, 1, 2, 16), rand(2, 1, 2, 16)
+    kc, vc = torch.zeros(3, 16, 2, 16, dtype=F16), torch.zeros(3, 16, 2, 16, dtype=F16)
+    with pytest.raises(ValueError, match="cache_batch_idx must not repeat a cache row"):
+        fa2.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=2,
+                                    cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32))
+    assert not kc.any() and not vc.any()
+    out = fa2.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=2,
+                                      cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
+    assert out.shape == q.shape and kc[2, 2].equal(k[0, 0]) and kc[0, 2].equal(k[1, 0])
+
+
 def test_appends_into_an_expanded_cache_are_refused():
     q, k = rand(2, 1, 1, 8), rand(2, 1, 1, 8)
     kc = torch.zeros(1, 16, 1, 8, dtype=F16).expand(2, -1, -1, -1)
