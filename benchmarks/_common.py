@@ -1052,15 +1052,17 @@ def table_problems(args):
             yield d, n, g, q, k, v, do
 
 
-def fwd_bwd_times(fn, q, k, v, dout, bench, backward=True):
-    """``(forward ms, backward ms or None)`` of ``fn(q, k, v)`` timed by ``bench``; the backward
-    is ``torch.autograd.grad`` of one recorded forward (with ``dout``), retained between runs."""
-    fwd = bench(lambda: fn(q, k, v))
+def fwd_bwd_times(fn, q, k, v, dout, bench, backward=True, extra=()):
+    """``(forward ms, backward ms or None)`` of ``fn(q, k, v, *extra)`` timed by ``bench``; the
+    backward is ``torch.autograd.grad`` of one recorded forward (with ``dout``), retained between
+    runs, with respect to q, k, v and the ``extra`` tensors (e.g. a bias whose gradient is
+    wanted)."""
+    fwd = bench(lambda: fn(q, k, v, *extra))
     if not backward:
         return fwd, None
-    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    o = fn(qg, kg, vg)
-    return fwd, bench(lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, *extra)]
+    o = fn(*leaves)
+    return fwd, bench(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
 
 
 def table_bench_setup(script):

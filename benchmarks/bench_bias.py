@@ -54,14 +54,6 @@ def make_bias(case: str, b: int, h: int, n: int, gen: torch.Generator):
     return torch.randn(b, heads, n, n, generator=gen).to("cuda", torch.float16)
 
 
-def times_with_bias_grad(fn, q, k, v, bias, dout, bench):
-    """``(forward ms, backward ms)`` of ``fn(q, k, v, bias)`` with the gradients of q, k, v and
-    the bias (``C.fwd_bwd_times`` asks for q, k, v's only, so the bias's is never computed)."""
-    fwd = bench(lambda: fn(q, k, v, bias))
-    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
-    o = fn(*leaves)
-    return fwd, bench(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -105,12 +97,10 @@ def main(argv=None) -> int:
                     with C.sdpa_context(efficient):
                         sdpa = lambda a, b_, c, m=bias: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731,E501
                             a, b_, c, attn_mask=m, scale=scale)
-                        if grad and not args.no_backward:
-                            base_f, base_b = times_with_bias_grad(sdpa, qb, kb, vb, bias, dob,
-                                                                  bench)
-                        else:
-                            base_f, base_b = C.fwd_bwd_times(sdpa, qb, kb, vb, dob, bench,
-                                                             not args.no_backward)
+                        # grad-*: the bias a leaf too (its gradient computed, as ours)
+                        base_f, base_b = C.fwd_bwd_times(sdpa, qb, kb, vb, dob, bench,
+                                                         not args.no_backward,
+                                                         (bias,) if grad else ())
                 except RuntimeError as e:
                     print(f"mem-efficient failed at d={d} N={n} {case}: {str(e)[:120]}")
             ratio = lambda a, b_: None if a is None or b_ is None else b_ / a  # noqa: E731

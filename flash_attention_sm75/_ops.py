@@ -548,7 +548,7 @@ def _fwd_backward(ctx, grad_out, grad_lse, grad_rng_state=None):
         kw.update(dropout_p=ctx.dropout_p, rng_state=saved[9])
     # bwd_dbias also returns dS for every (batch, head, query, key) (0 where a row sees no key);
     # the bias's gradient sums it over the dimensions the bias broadcasts along.
-    if want_dbias and not _has_op("bwd_dbias"):
+    if want_dbias and not DBIAS_AVAILABLE:
         raise RuntimeError("flash_attention_sm75: the compiled extension has no bias gradient "
                            "(torch.ops.flash_attention_sm75.bwd_dbias): it was built from older "
                            "sources; " + BUILD_HINT)
@@ -676,6 +676,10 @@ DROPOUT_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("fwd_dropout")
 """Whether the compiled extension has attention dropout (``fwd_dropout``, ``dropout_mask`` and
 ``bwd``'s ``dropout_p`` / ``rng_state``); False for an extension built from older sources."""
 
+DBIAS_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("bwd_dbias")
+"""Whether the compiled extension has the bias gradient (``bwd_dbias``); False for an extension
+built from older sources."""
+
 VARLEN_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("varlen_fwd") and _has_op("varlen_bwd")
 """Whether the compiled extension has the varlen ops (``varlen_fwd`` / ``varlen_bwd``); False for
 an extension built from sources older than them (rebuild it)."""
@@ -719,7 +723,7 @@ if EXTENSION_AVAILABLE:
                                     setup_context=_fwd_det_setup_context)
     torch.library.register_autograd("flash_attention_sm75::bwd", _bwd_backward,
                                     setup_context=_bwd_setup_context)
-if EXTENSION_AVAILABLE and _has_op("bwd_dbias"):
+if DBIAS_AVAILABLE:
     torch.library.register_fake("flash_attention_sm75::bwd_dbias")(_bwd_dbias_fake)
     torch.library.register_autograd("flash_attention_sm75::bwd_dbias", _bwd_backward,
                                     setup_context=_bwd_setup_context)

@@ -271,7 +271,8 @@ def gradient_flows(*tensors) -> bool:
 
 def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
                       layout: str = "bshd", backward: bool = False, softcap: float = 0.0,
-                      name: str = "attn_bias", window_left: int = -1) -> Optional[str]:
+                      name: str = "attn_bias", window_left: int = -1,
+                      bias_grad: Optional[bool] = None) -> Optional[str]:
     """None if ``attn_bias`` (not None) is a bias the kernels read, else what is wrong with it:
     a dense tensor of :data:`BIAS_DTYPES` (bool: True = attend; float16 / bfloat16 / float32:
     added to the scaled scores in fp32), on q's device, of a shape that broadcasts to
@@ -282,7 +283,9 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     dS summed over the broadcast dimensions): also no softcap with it and head_dim at most
     :data:`BIAS_BACKWARD_MAX_HEAD_DIM`; and for the bias's own gradient no sliding window's left
     edge (``window_left``, the call's ``window_size[0]``, must be -1) and seqlen_q * seqlen_k at
-    most :data:`MAX_DBIAS_SLICE`. ``name``: the argument as the door calls it (``attn_mask`` in
+    most :data:`MAX_DBIAS_SLICE`. ``bias_grad``: whether the bias's gradient is wanted (None:
+    it requires grad while grad mode is on; a backward formula, which runs without grad mode,
+    says it). ``name``: the argument as the door calls it (``attn_mask`` in
     the SDPA wrapper). The C++ op checks the same (``check_attn_bias``, ``check_bias_backward``,
     ``make_dbias``)."""
     b = attn_bias
@@ -313,7 +316,9 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     if extent > MAX_EXTENT or rs < 0 or cs < 0:
         return (f"{name}'s (batch, head) slice spans {extent + 1} elements through its strides; "
                 f"the kernels address fewer than 2^31")
-    if b.requires_grad and torch.is_grad_enabled():
+    if bias_grad is None:
+        bias_grad = b.requires_grad and torch.is_grad_enabled()
+    if bias_grad:
         if window_left >= 0:
             return (f"{name} requires grad with a sliding window (window_size[0] = "
                     f"{window_left}): the kernels compute no bias gradient in a window's band; "

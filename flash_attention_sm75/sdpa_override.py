@@ -320,13 +320,10 @@ def _backward_reason(grad_out, query, key, value, attn_bias, out, logsumexp, dro
     if reason is not None:
         return reason
     if attn_bias is not None:
-        if bias_requires_grad and query.shape[2] * key.shape[2] > _rules.MAX_DBIAS_SLICE:
-            return (f"attn_bias requires grad and seqlen_q * seqlen_k exceeds "
-                    f"{_rules.MAX_DBIAS_SLICE}")
-        if bias_requires_grad and not _ops._has_op("bwd_dbias"):
+        if bias_requires_grad and not _ops.DBIAS_AVAILABLE:
             return "attn_bias requires grad and the extension has no bwd_dbias (older build)"
         reason = _rules.attn_bias_problem(attn_bias, query, key.shape[2], layout="bhsd",
-                                          backward=True)
+                                          backward=True, bias_grad=bias_requires_grad)
         if reason is not None:
             return reason
     b, h, s_q = query.shape[:3]

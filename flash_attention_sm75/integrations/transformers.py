@@ -455,27 +455,23 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
         if kv_len < q_len:
             return None, f"causal without a mask and kv_len {kv_len} < q_len {q_len}"
         return MaskInfo(True, q_len, None, None, "causal"), None
-    if q_len == 1 and isinstance(attention_mask, torch.Tensor) \
-            and not _SETTINGS["classify_decode_masks"] \
-            and not _rules.gradient_flows(query, key, value):
-        # Decode: the mask goes to the decode kernel as its bias, never read on the host.
-        # Classifying it into key ranges cost a host synchronisation per forward (H200: 0.2-0.9
-        # ms with the sync, and the CPU stops queueing work); reading it costs the kernel 2-7 us
-        # per call, and it skips the 32-key steps the mask hides from every row (left padding,
-        # a static cache's unfilled slots) as key ranges would.
+    # A learned mask: as key ranges it would leave the graph; its gradient comes from the
+    # kernel's bias. Decode: the mask goes to the decode kernel as its bias, never read on the
+    # host. Classifying it into key ranges cost a host synchronisation per forward (H200:
+    # 0.2-0.9 ms with the sync, and the CPU stops queueing work); reading it costs the kernel
+    # 2-7 us per call, and it skips the 32-key steps the mask hides from every row (left
+    # padding, a static cache's unfilled slots) as key ranges would.
+    learned = isinstance(attention_mask, torch.Tensor) and attention_mask.requires_grad \
+        and torch.is_grad_enabled()
+    if learned or (q_len == 1 and isinstance(attention_mask, torch.Tensor)
+                   and not _SETTINGS["classify_decode_masks"]
+                   and not _rules.gradient_flows(query, key, value)):
         problem = _rules.attn_bias_problem(attention_mask, query, kv_len, layout="bhsd",
                                            softcap=softcap, name="attention_mask")
         if problem is None:
             return MaskInfo(False, kv_len, None, None, "bias"), None
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.requires_grad \
-            and torch.is_grad_enabled():
-        # A learned mask: as key ranges it would leave the graph; its gradient comes from the
-        # kernel's bias.
-        problem = _rules.attn_bias_problem(attention_mask, query, kv_len, layout="bhsd",
-                                           softcap=softcap, name="attention_mask")
-        if problem is None:
-            return MaskInfo(False, kv_len, None, None, "bias"), None
-        return None, f"attention_mask requires grad and the kernel cannot read it: {problem}"
+        if learned:
+            return None, f"attention_mask requires grad and the kernel cannot read it: {problem}"
     info, reason = classify_attention_mask(attention_mask, b, q_len, kv_len, query.dtype,
                                            sliding_window=sliding_window)
     if info is None and isinstance(attention_mask, torch.Tensor):
