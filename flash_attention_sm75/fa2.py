@@ -898,8 +898,15 @@ def _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos
     (:func:`_packing.check_on_device`: the values live on the GPU, and reading them would cost a
     host synchronisation per call and break CUDA-graph capture), enqueued before the writes so
     that they do not run when it fails. ``q_positions``: how many rotary positions q takes from
-    ``cache_seqlens[b]`` on. ``rotary_only``: only the rotary positions (the KV-cache op checks
-    the rest itself)."""
+    ``cache_seqlens[b]`` on. ``rotary_only``: only the rotary positions and cache_batch_idx's
+    repeats (the KV-cache op checks the rest itself, on the device, before its writes)."""
+    if cache_batch_idx is not None and seqlen_new > 0 and cache_batch_idx.numel() > 1:
+        # two batch entries appending to one cache row would race on its slots
+        s = torch.sort(cache_batch_idx).values
+        _packing.check_on_device(
+            (s[1:] != s[:-1]).all(),
+            f"{PREFIX}cache_batch_idx must not repeat a cache row when k / v are appended "
+            f"(two batch entries would write the same row), got a repeated value")
     if rotary_only:
         if rotary_cos is not None:
             _packing.check_on_device(
@@ -930,13 +937,6 @@ def _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos
             ((cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0])).all(),
             f"{PREFIX}cache_batch_idx must hold cache rows in [0, k_cache.shape[0] = "
             f"{k_cache.shape[0]}), got a value outside")
-        if seqlen_new > 0 and cache_batch_idx.numel() > 1:
-            # two batch entries appending to one cache row would race on its slots
-            s = torch.sort(cache_batch_idx).values
-            _packing.check_on_device(
-                (s[1:] != s[:-1]).all(),
-                f"{PREFIX}cache_batch_idx must not repeat a cache row when k / v are appended "
-                f"(two batch entries would write the same row), got a repeated value")
     if block_table is not None:
         _packing.check_block_table(block_table, end, k_cache.shape[1], k_cache.shape[0])
 

@@ -241,6 +241,19 @@ dev, f16 = "cuda", torch.float16
 q = torch.randn(2, 1, 4, 64, device=dev, dtype=f16)
 k, v = torch.randn(2, 2, 2, 64, device=dev, dtype=f16), torch.randn(2, 2, 2, 64, device=dev, dtype=f16)
 case = sys.argv[1]
+if case == "repeat":  # two batch entries appending to one cache row (they would race)
+    from flash_attention_sm75 import fa2
+    kc, vc = (torch.randn(3, 16, 2, 64, device=dev, dtype=f16) for _ in range(2))
+    try:
+        fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=2,
+                                    cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32,
+                                                                 device=dev))
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        print("ERR", "device-side assert" in str(e))
+        sys.exit(3)
+    print("no error")
+    sys.exit(0)
 if case == "seqlens":
     kc, vc = (torch.randn(2, 128, 2, 64, device=dev, dtype=f16) for _ in range(2))
     lens, table = torch.tensor([0, 127], dtype=torch.int32, device=dev), None
@@ -258,11 +271,12 @@ print("no error")
 """
 
 
-@pytest.mark.parametrize("case", ["seqlens", "table"])
+@pytest.mark.parametrize("case", ["seqlens", "table", "repeat"])
 def test_kvcache_bad_index_values_are_a_device_side_assertion(case, tmp_path):
     """cache_seqlens past the cache / a table entry outside the pages (of a page that holds keys;
-    the -1 of a page without keys is fine): a device-side assertion before any write, never a
-    silent out-of-bounds access (in a subprocess: it leaves the CUDA context unusable)."""
+    the -1 of a page without keys is fine) / a cache_batch_idx repeating a row that k / v are
+    appended to: a device-side assertion before any write, never a silent out-of-bounds access
+    or race (in a subprocess: it leaves the CUDA context unusable)."""
     import os
     import subprocess
     import sys
