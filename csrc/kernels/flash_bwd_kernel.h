@@ -222,12 +222,35 @@ __device__ __forceinline__ float recompute_p(float s, float scale_log2, float ls
 // m0 + qc0 + 8 nt + 2 t + (e & 1); sLse holds the tile's lse * log2(e).
 // Is_ext: acc_s holds softcapped scores (softcap_scores); ALiBi is added here, and acc_s keeps
 // P times the softcap's derivative (the factor dS needs; p_frag keeps P for dV).
-template <int kWC, bool Is_causal, bool Is_local, bool Is_ext = false, bool Has_bias = false>
+// The raw bias bits of a lane's elements of one S^T tile (bias_gather): element (nt, e) is
+// key key_g + 8 (e >= 2), query q_w + 8 nt + 2 t + (e & 1), q_w the warp's first query. A
+// lane's elements are never adjacent in memory (its pairs run along queries, Sk apart), so
+// these are scalar loads, all of the tile's issued before any is used.
+template <int Kind, int kWC>
+__device__ __forceinline__ void bias_gather_t(uint32_t (&w)[kWC / 2], const Flash_fwd_params& p,
+                                              int64_t bias_off, int key_g, int q_w, int t) {
+  const bool inside = q_w + kWC <= p.seqlen_q && key_g + 8 < p.seqlen_k;
+  const int q0 = q_w + 2 * t;
+  auto coord = [&](int i) {
+    return make_int2(q0 + 8 * (i / 4) + (i & 1), key_g + ((i & 3) >= 2 ? 8 : 0));
+  };
+  if (inside) {  // uniform per thread: the common case without per-element bounds
+    bias_gather<Kind, kWC / 2>(w, p, bias_off, true, coord);
+  } else {
+    bias_gather<Kind, kWC / 2>(w, p, bias_off, false, coord);
+  }
+}
+
+// Bias_ahead: the tile's bias bits were gathered one tile ahead (bias_w, bias_gather_t);
+// otherwise probs_t reads them here.
+template <int kWC, bool Is_causal, bool Is_local, bool Is_ext = false, bool Has_bias = false,
+          bool Bias_ahead = false>
 __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p_frag)[kWC / 8][2],
                                         const float* sLse, int qc0, int t, float scale_log2,
                                         bool need_mask, int key_g, int m0, const KeyRange& kr,
                                         int causal_offset, int window_lower,
-                                        const ScoreMod& smod, const Flash_fwd_params& params) {
+                                        const ScoreMod& smod, const Flash_fwd_params& params,
+                                        const uint32_t (&bias_w)[kWC / 2]) {
   if constexpr (Is_ext) {
     // The bias first, in a loop of its own (in the main loop the d = 96 / 128 / 256 kernels
     // spilled), so that the mask below overwrites what it hides (a NaN or +inf bias at a hidden
@@ -236,24 +259,17 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
     // with a bias in the backward. Not in the d = 256 kernel (32 bytes of spill even here): the
     // host refuses a bias's backward there (kBwdBiasMaxHeadDim).
     if (Has_bias && params.bias_ptr != nullptr) {
-      const int rs = static_cast<int>(params.bias_row_stride);
-      const int cs = static_cast<int>(params.bias_col_stride);
-      // This thread's queries and both keys inside the bias: no per-element bounds.
-      const bool inside = m0 + qc0 + kWC <= params.seqlen_q && key_g + 8 < params.seqlen_k;
-      with_bias_kind(params, [&](auto kind) {
-        constexpr int K = decltype(kind)::value;
-#pragma unroll
-        for (int nt = 0; nt < kWC / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = key_g + (e >= 2 ? 8 : 0);
-            const int query = m0 + qc0 + 8 * nt + 2 * t + (e & 1);
-            if (inside || (query < params.seqlen_q && key < params.seqlen_k)) {
-              acc_s[nt][e] += bias_raw<K>(params, smod.bias_off + (query * rs + key * cs));
-            }
-          }
-        }
-      });
+      if constexpr (Bias_ahead) {
+        with_bias_kind(params, [&](auto kind) {
+          bias_add_raw<decltype(kind)::value, kWC / 2>(&acc_s[0][0], bias_w, params);
+        });
+      } else {
+        with_bias_kind(params, [&](auto kind) {
+          uint32_t w[kWC / 2];
+          bias_gather_t<decltype(kind)::value, kWC>(w, params, smod.bias_off, key_g, m0 + qc0, t);
+          bias_add_raw<decltype(kind)::value, kWC / 2>(&acc_s[0][0], w, params);
+        });
+      }
     }
     // Masked scores -> -inf, in a loop of their own: with the ALiBi arithmetic in the same
     // loop the d = 256 local kernel spilled (255 registers). A masked score's derivative is
@@ -509,6 +525,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     };
     load_tile(0);
     store_tile();
+
+    // The bias of a tile, gathered one tile ahead where registers allow (d = 64: 16 of them, the
+    // kernel at ~200 of 255): issued after the previous tile's P^T, its loads are in flight
+    // through that tile's dV, dP^T, dS^T, dK and this tile's S^T, where read in probs_t each
+    // tile waited one memory latency (8 warps per SM on the Turing plan: too few to cover it).
+    constexpr bool kBiasAhead = Is_ext && kD <= 64;
+    uint32_t bias_w[kWC / 2];
+    auto bias_ahead = [&](int it2) {
+      if (!kBiasAhead || params.bias_ptr == nullptr) return;
+      const int head2 = bidh_k * ratio + it2 / num_m;
+      const int64_t off = static_cast<int64_t>(bidb) * params.bias_batch_stride +
+                          static_cast<int64_t>(head2) * params.bias_head_stride;
+      with_bias_kind(params, [&](auto kind) {
+        bias_gather_t<decltype(kind)::value, kWC>(bias_w, params, off, n0 + 16 * wn + g,
+                                                  tile_m_block(it2) * kBM + qc0, t);
+      });
+    };
+    bias_ahead(0);
     __syncthreads();
 
     // Per-lane ldmatrix base addresses; k-steps / n-tiles are constant offsets from them.
@@ -574,11 +608,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         softcap_scores<kWC>(acc_s, smod);
       }
       uint32_t p_frag[kWC / 8][2];
-      probs_t<kWC, Is_causal, Is_local, Is_ext, Is_ext && kD <= kBwdBiasMaxHeadDim>(
-          acc_s, p_frag, sLse, qc0, t, scale_log2,
-                                                 need_mask, n0 + 16 * wn + g, m0, kr,
-                                                 si.causal_off(), si.window_lower(), smod,
-                                                 params);
+      probs_t<kWC, Is_causal, Is_local, Is_ext, Is_ext && kD <= kBwdBiasMaxHeadDim, kBiasAhead>(
+          acc_s, p_frag, sLse, qc0, t, scale_log2, need_mask, n0 + 16 * wn + g, m0, kr,
+          si.causal_off(), si.window_lower(), smod, params, bias_w);
+      if (has_next) bias_ahead(it + 1);
 
       // Dropout (dropout.h): the kept P for dV (its 1 / (1 - p) at the end), the kept, scaled
       // dP for dS; the bits were taken at the top of the iteration.
@@ -902,7 +935,10 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         // The bias before the softcap's derivative is read back (the host refuses a softcap
         // with a bias in the backward); the forward's layout, so the forward's reader.
         if (params.bias_ptr != nullptr) {
-          bias_scores<kBN>(acc_s, params, smod, row0 + 16 * wr, n_block * kBN);
+          // Scalar reads (no aligned column pairs, edge tiles) 4 at a time; one at a time in
+          // d = 64's Bc = 64 tile, whose causal kernel spilled with 4 in flight.
+          constexpr int kGather = kD <= 64 && kBN == 64 ? 0 : 4;
+          bias_scores<kBN, true, kGather>(acc_s, params, smod, row0 + 16 * wr, n_block * kBN);
         }
 #pragma unroll
         for (int nt = 0; nt < kBN / 8; ++nt) {

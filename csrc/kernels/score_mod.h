@@ -152,16 +152,84 @@ __device__ __forceinline__ void softcap_scores(float (&acc_s)[kBN / 8][4], const
   }
 }
 
+// Scalar bias reads, gathered: the raw bits of kN elements (element i at row / column
+// coord(i), a pair of ints) loaded first, all of them, then converted and added (bias_add_raw).
+// Read and added element by element, ptxas chained the loads, one memory latency per element:
+// the dK/dV kernel's reads (16 per lane and tile at d = 64) took it to 3.5x its time without a
+// bias. Bits zero-extended; an element outside the bias (`inside` false and coord past seqlen_q
+// / seqlen_k) gets the bits that add 0 (a bool's true): what lies past the ends is masked or
+// never stored, and must not turn into -inf + inf there.
+template <int Kind, int kN, typename Coord>
+__device__ __forceinline__ void bias_gather(uint32_t (&w)[kN], const Flash_fwd_params& p,
+                                            int64_t bias_off, bool inside, Coord coord) {
+  using Elem = std::conditional_t<Kind == kBiasBool, unsigned char,
+                                  std::conditional_t<Kind == kBiasFloat, uint32_t, uint16_t>>;
+  const Elem* base = static_cast<const Elem*>(p.bias_ptr) + bias_off;
+  // Offsets within the (batch, head) slice in 32 bits (the host checks its extent).
+  const int rs = static_cast<int>(p.bias_row_stride);
+  const int cs = static_cast<int>(p.bias_col_stride);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int2 rc = coord(i);
+    const bool ok = inside || (rc.x < p.seqlen_q && rc.y < p.seqlen_k);
+    w[i] = ok ? static_cast<uint32_t>(base[rc.x * rs + rc.y * cs]) : (Kind == kBiasBool ? 1u : 0u);
+  }
+}
+
+template <int Kind, int kN>
+__device__ __forceinline__ void bias_add_raw(float* acc, const uint32_t (&w)[kN],
+                                             const Flash_fwd_params& p) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    float r;
+    if constexpr (Kind == kBiasBool) {
+      r = w[i] ? 0.f : -INFINITY;  // added, as bias_raw: a NaN score stays NaN
+    } else if constexpr (Kind == kBiasHalf) {
+      r = bias_to_raw<Kind>(p, __half2float(__ushort_as_half(static_cast<unsigned short>(w[i]))));
+    } else if constexpr (Kind == kBiasBf16) {
+      r = bias_to_raw<Kind>(p, __uint_as_float(w[i] << 16));
+    } else {
+      r = bias_to_raw<Kind>(p, __uint_as_float(w[i]));
+    }
+    acc[i] += r;
+  }
+}
+
+// A fragment's worth of scalar bias reads (bias_gather, bias_add_raw) in chunks of kChunk
+// elements (acc viewed flat: element i is acc[i / 4][i % 4]): one exposed latency per chunk;
+// the chunk bounds the registers the raw bits hold at once.
+template <int Kind, int kN, int kChunk, typename Coord>
+__device__ __forceinline__ void bias_add_gathered(float (&acc)[kN / 4][4],
+                                                  const Flash_fwd_params& p, int64_t bias_off,
+                                                  bool inside, Coord coord) {
+  static_assert(kN % kChunk == 0 && kChunk % 4 == 0, "whole fragments per chunk");
+  // Two copies of the loop, so that the common case (`inside`) has no per-element bounds.
+  auto run = [&](auto in) {
+#pragma unroll
+    for (int c = 0; c < kN; c += kChunk) {
+      uint32_t w[kChunk];
+      bias_gather<Kind, kChunk>(w, p, bias_off, decltype(in)::value,
+                                [&](int i) { return coord(c + i); });
+      bias_add_raw<Kind, kChunk>(&acc[c / 4][0], w, p);
+    }
+  };
+  if (inside) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
+  }
+}
+
 // The attention bias over one warp's m16 x kBN fragments in the forward's layout (rows row_w +
 // lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1)); elements past seqlen_q / seqlen_k
 // are not read (they are masked or never stored).
-template <int kBN, bool Fast = true>
+template <int kBN, bool Fast = true, int kGather = 8>
 __device__ __forceinline__ void bias_scores(float (&acc_s)[kBN / 8][4], const Flash_fwd_params& p,
                                             const ScoreMod& m, int row_w, int col0) {
   const int lane = threadIdx.x % 32;
   const int r0 = row_w + lane / 4, c0 = col0 + 2 * (lane % 4);
   // Offsets within the (batch, head) slice in 32 bits (the host checks its extent).
-  const int rs = static_cast<int>(p.bias_row_stride), cs = static_cast<int>(p.bias_col_stride);
+  const int rs = static_cast<int>(p.bias_row_stride);
   // The warp's 16 x kBN block inside the bias (warp-uniform): no per-element bounds; with
   // column pairs contiguous and aligned (bias_pairs), one load per pair.
   const bool inside = Fast && row_w + 16 <= p.seqlen_q && col0 + kBN <= p.seqlen_k;
@@ -178,22 +246,21 @@ __device__ __forceinline__ void bias_scores(float (&acc_s)[kBN / 8][4], const Fl
           acc_s[nt][2 * half + 1] += b.y;
         }
       }
-    } else if (Fast && inside) {
-#pragma unroll
-      for (int nt = 0; nt < kBN / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = r0 + (e >= 2 ? 8 : 0), c = c0 + 8 * nt + (e & 1);
-          acc_s[nt][e] += bias_raw<K>(p, m.bias_off + (r * rs + c * cs));
-        }
-      }
+    } else if constexpr (kGather > 0) {
+      // kGather elements in flight at once: the forward's split tile and the dQ kernel have
+      // few registers to spare.
+      bias_add_gathered<K, kBN / 2, kGather>(acc_s, p, m.bias_off, inside, [&](int i) {
+        return make_int2(r0 + ((i & 3) >= 2 ? 8 : 0), c0 + 8 * (i / 4) + (i & 1));
+      });
     } else {
+      // One element at a time (one latency each): where even 4 in flight spilled.
+      const int cs = static_cast<int>(p.bias_col_stride);
 #pragma unroll
       for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = r0 + (e >= 2 ? 8 : 0), c = c0 + 8 * nt + (e & 1);
-          if (r < p.seqlen_q && c < p.seqlen_k) {
+          if (inside || (r < p.seqlen_q && c < p.seqlen_k)) {
             acc_s[nt][e] += bias_raw<K>(p, m.bias_off + (r * rs + c * cs));
           }
         }
