@@ -264,10 +264,13 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
           bias_add_raw<decltype(kind)::value, kWC / 2>(&acc_s[0][0], bias_w, params);
         });
       } else {
+        const int q0 = m0 + qc0 + 2 * t;
+        const bool inside = m0 + qc0 + kWC <= params.seqlen_q && key_g + 8 < params.seqlen_k;
         with_bias_kind(params, [&](auto kind) {
-          uint32_t w[kWC / 2];
-          bias_gather_t<decltype(kind)::value, kWC>(w, params, smod.bias_off, key_g, m0 + qc0, t);
-          bias_add_raw<decltype(kind)::value, kWC / 2>(&acc_s[0][0], w, params);
+          bias_add_gathered<decltype(kind)::value, kWC / 2, kWC / 2>(
+              acc_s, params, smod.bias_off, inside, [&](int i) {
+                return make_int2(q0 + 8 * (i / 4) + (i & 1), key_g + ((i & 3) >= 2 ? 8 : 0));
+              });
         });
       }
     }
@@ -916,6 +919,18 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, n_block * kBN, kr.key_start,
                         kr.key_end, tid, dc);
 
+      // A bias's block loaded before the S MMAs (BiasPrefetch, kBN / 4 + 1 registers), where
+      // registers allow: d = 64's Bc = 32 tile and d = 96, not d = 64's Bc = 64 tile (254 of
+      // 255 without) nor d = 128 (28-44 bytes of spill).
+      constexpr bool kBiasAhead = Is_ext && (kD == 96 || (kD <= 64 && kBN <= 32));
+      BiasPrefetch<kBN> pf;
+      pf.ok = false;
+      if (kBiasAhead && params.bias_ptr != nullptr) {
+        ScoreMod at{};
+        at.bias_off = static_cast<int64_t>(bidb) * params.bias_batch_stride +
+                      static_cast<int64_t>(bidh) * params.bias_head_stride;
+        bias_prefetch<kBN>(pf, params, at, row0 + 16 * wr, n_block * kBN);
+      }
       float acc_s[kBN / 8][4];
       if constexpr (kQS) {
         gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_a_addr, k_lane_addr);
@@ -935,10 +950,16 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         // The bias before the softcap's derivative is read back (the host refuses a softcap
         // with a bias in the backward); the forward's layout, so the forward's reader.
         if (params.bias_ptr != nullptr) {
-          // Scalar reads (no aligned column pairs, edge tiles) 4 at a time; one at a time in
-          // d = 64's Bc = 64 tile, whose causal kernel spilled with 4 in flight.
-          constexpr int kGather = kD <= 64 && kBN == 64 ? 0 : 4;
-          bias_scores<kBN, true, kGather>(acc_s, params, smod, row0 + 16 * wr, n_block * kBN);
+          // Scalar reads (no aligned column pairs, edge tiles) 4 at a time (d = 64's Bc = 32
+          // tile 8); one at a time in d = 64's Bc = 64 tile, whose causal kernel spilled with 4
+          // in flight: the host runs the Bc = 32 one for a bias without column pairs.
+          constexpr int kGather = kD > 64 ? 4 : (kBN == 64 ? 0 : 8);
+          if constexpr (kBiasAhead) {
+            bias_apply<kBN, true, kGather>(acc_s, pf, params, smod, row0 + 16 * wr,
+                                           n_block * kBN);
+          } else {
+            bias_scores<kBN, true, kGather>(acc_s, params, smod, row0 + 16 * wr, n_block * kBN);
+          }
         }
 #pragma unroll
         for (int nt = 0; nt < kBN / 8; ++nt) {

@@ -53,10 +53,12 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal, Is_local, Is_ext>;
     int dq_smem = plan.dq_smem;
     // A bias gradient's dQ kernel (Bwd_tile_config::DqBiasTraits): the same grid and threads.
+    // Also a bias read by scalar loads (no aligned column pairs: an odd Sk, a column stride),
+    // which the other tile makes one at a time (flash_bwd_dq_kernel's kGather).
     using Kqb = typename C::DqBiasTraits;
     if constexpr (Is_ext && !Is_local && !std::is_same_v<Kq, Kqb>) {
       static_assert(Kqb::kBlockM == Kq::kBlockM && Kqb::kNThreads == Kq::kNThreads);
-      if (params.dbias_ptr != nullptr) {
+      if (params.dbias_ptr != nullptr || (params.bias_ptr != nullptr && !params.bias_pairs)) {
         dq_kernel = &flash_bwd_dq_kernel<Kqb, Is_causal, Is_local, Is_ext>;
         dq_smem = Kqb::kSmemSize;
       }

@@ -314,16 +314,24 @@ __global__ void __launch_bounds__(Kt::kNThreads,
                                n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
-        // No bias prefetch here (BiasPrefetch): at 255 registers it cost the extended kernel
-        // 9-12% without a bias (softcap, ALiBi, packed and paged calls) on the H200.
+        // A bias's half block loaded before the MMAs of its half (BiasPrefetch, 9 registers;
+        // half a's before S_a, half b's before S_b).
+        BiasPrefetch<kHalf> pf;
+        pf.ok = false;
+        if (Is_ext && Kt::kBiasFastPath && params.bias_ptr != nullptr) {
+          bias_prefetch<kHalf>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
+        }
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
         if constexpr (Is_ext) {
           mod_scores<kHalf, Kt::kBiasFastPath>(acc_sa, smod, row0 + 16 * warp, n_block * kBN,
-                                               params);
+                                               params, Kt::kBiasFastPath ? &pf : nullptr);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
                                                    row0 + 16 * warp, c.si.causal_off(),
                                                    c.si.window_lower());
+        if (Is_ext && Kt::kBiasFastPath && params.bias_ptr != nullptr) {
+          bias_prefetch<kHalf>(pf, params, smod, row0 + 16 * warp, n_block * kBN + kHalf);
+        }
         // S_b = Q K_b^T beside the softmax of half a.
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sb, q_frag, k_lane_addr + kHalfBytes);
         if (softmax_step<kHalf, Kt::kRescaleThreshold>(acc_sa, m_i, l_i, scale_log2, p_a, alpha,
@@ -337,7 +345,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         }
         if constexpr (Is_ext) {
           mod_scores<kHalf, Kt::kBiasFastPath>(acc_sb, smod, row0 + 16 * warp,
-                                               n_block * kBN + kHalf, params);
+                                               n_block * kBN + kHalf, params,
+                                               Kt::kBiasFastPath ? &pf : nullptr);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sb, c.m_block, 2 * n_block + 1, c.kr,
                                                    row0 + 16 * warp, c.si.causal_off(),

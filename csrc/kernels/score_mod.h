@@ -311,13 +311,13 @@ __device__ __forceinline__ void bias_prefetch(BiasPrefetch<kCols>& pf, const Fla
 }
 
 // Adds a prefetched block (bias_prefetch) to the scores, or reads it (bias_scores).
-template <int kCols, bool Fast>
+template <int kCols, bool Fast, int kGather = 8>
 __device__ __forceinline__ void bias_apply(float (&acc_s)[kCols / 8][4],
                                            const BiasPrefetch<kCols>& pf,
                                            const Flash_fwd_params& p, const ScoreMod& m,
                                            int row_w, int col0) {
   if (!pf.ok) {
-    bias_scores<kCols, Fast>(acc_s, p, m, row_w, col0);
+    bias_scores<kCols, Fast, kGather>(acc_s, p, m, row_w, col0);
     return;
   }
   if (p.bias_kind == kBiasBool) {

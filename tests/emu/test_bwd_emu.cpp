@@ -236,9 +236,10 @@ void run_backward(Flash_bwd_params& p) {
   if (!ran_atomic) {
     emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
                 [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal, kMod>(p); });
-    // As run_mha_bwd_hdim: a bias gradient's dQ kernel (DqBiasTraits; same grid and threads).
+    // As run_mha_bwd_hdim: a bias gradient's, or a bias without column pairs', dQ kernel
+    // (DqBiasTraits; same grid and threads).
     if constexpr (kMod && !kLocal && !std::is_same_v<Kq, Kqb>) {
-      if (p.dbias_ptr != nullptr) {
+      if (p.dbias_ptr != nullptr || (p.bias_ptr != nullptr && !p.bias_pairs)) {
         emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
                     [&] { flash_bwd_dq_kernel<Kqb, kCausal, kLocal, kMod>(p); });
         return;
