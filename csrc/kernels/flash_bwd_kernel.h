@@ -263,7 +263,16 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
         with_bias_kind(params, [&](auto kind) {
           bias_add_raw<decltype(kind)::value, kWC / 2>(&acc_s[0][0], bias_w, params);
         });
+      } else if constexpr (!Is_local) {
+        with_bias_kind(params, [&](auto kind) {
+          uint32_t w[kWC / 2];
+          bias_gather_t<decltype(kind)::value, kWC>(w, params, smod.bias_off, key_g, m0 + qc0, t);
+          bias_add_raw<decltype(kind)::value, kWC / 2>(&acc_s[0][0], w, params);
+        });
       } else {
+        // The band kernels: the form above spilled d = 128's (4 bytes); ptxas keeps fewer of
+        // these loads in flight (d = 128, H200: the form above 10.2 ms, this 13.3 ms for the
+        // dK/dV kernel at B 4, H 16, N 4096 with a (B, H, N, N) bias).
         const int q0 = m0 + qc0 + 2 * t;
         const bool inside = m0 + qc0 + kWC <= params.seqlen_q && key_g + 8 < params.seqlen_k;
         with_bias_kind(params, [&](auto kind) {
