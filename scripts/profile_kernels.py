@@ -4,20 +4,24 @@ Runs a few forward + backward steps of one shape under ``torch.profiler`` and pr
 kernel, the total and per-call time, so a slow pass can be attributed to one kernel (e.g. the
 backward's dK/dV kernel vs its separate dQ kernel vs the preprocess) before tuning it.
 
-    python scripts/profile_kernels.py --d 128 --n 4096 [--causal] [--steps 5]
+    python scripts/profile_kernels.py --d 128 --n 4096 [--causal] [--steps 5] [--bias bhnn]
 
 Needs a CUDA GPU and the built extension. No L2 flush: these are steady-state times.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
+# The Turing plan, as the benchmarks (benchmarks/_common.py): the launches a T4 would run.
+os.environ.setdefault("FLASH_SM75_DEVICE_PROFILE", "t4")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -30,6 +34,10 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--steps", type=int, default=5, help="profiled fwd+bwd steps per backend")
+    ap.add_argument("--bias", choices=("none", "bhnn", "b1nn"), default="none",
+                    help="an fp16 additive bias of shape (B, H, N, N) / (B, 1, N, N), random "
+                         "normal: ours through the SDPA wrapper as attn_mask (the kernels' "
+                         "attn_bias), mem-efficient with the same attn_mask")
     return ap.parse_args(argv)
 
 
@@ -71,18 +79,28 @@ def main(argv=None):
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16, generator=g)
                .requires_grad_(True) for _ in range(3))
     do = torch.randn(shape, device="cuda", dtype=torch.float16, generator=g)
+    bias = None
+    if args.bias != "none":
+        heads = args.heads if args.bias == "bhnn" else 1
+        bias = torch.randn((args.batch, heads, args.n, args.n), device="cuda",
+                           dtype=torch.float16, generator=g)
 
     def ours():
-        out = fa.flash_attention_forward(q, k, v, causal=args.causal)
+        if bias is None:
+            out = fa.flash_attention_forward(q, k, v, causal=args.causal)
+        else:
+            with fa.strict():  # a fallback to torch would profile torch's kernels
+                out = fa.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                                      is_causal=args.causal)
         torch.autograd.grad(out, (q, k, v), do)
 
     def efficient():
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=args.causal)
         torch.autograd.grad(out, (q, k, v), do)
 
     print(f"B={args.batch} H={args.heads} N={args.n} d={args.d} causal={args.causal} "
-          f"gpu={torch.cuda.get_device_name()}")
+          f"bias={args.bias} gpu={torch.cuda.get_device_name()}")
     report("ours", kernel_times(ours, args.steps), args.steps)
     report("SDPA mem-efficient", kernel_times(efficient, args.steps), args.steps)
     return 0
