@@ -455,13 +455,14 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
     const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
     int64_t window_size_left, int64_t window_size_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
-    double dropout_p, at::Tensor* rng_state) {
+    double dropout_p, at::Tensor* rng_state, const at::Tensor* rng_in = nullptr) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
   const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
                                                 : at::Tensor();
   check_dropout_p(dropout_p);
+  if (rng_in != nullptr) check_rng_state(*rng_in, q);
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   check_alignment(q, "q");
   check_alignment(k, "k");
@@ -484,9 +485,19 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
                    seqused_k, window_size_left, window_size_right, softcap, alibi_slopes);
   if (bias.defined()) set_params_bias(params, bias, scale);
+  // A given rng_state is read on the device by the kernel (as a captured graph's generator
+  // state), so it is copied there first if it lives on the CPU; nothing is written back.
+  at::Tensor rng_dev;
   if (dropout_p > 0.0) {
     set_params_dropout(params, dropout_p);
-    set_params_dropout_rng_cuda(params, *rng_state);
+    if (rng_in != nullptr) {
+      rng_dev = rng_in->to(q.device()).contiguous();
+      params.dropout_seed_ptr = rng_dev.data_ptr<int64_t>();
+      params.dropout_offset_ptr = rng_dev.data_ptr<int64_t>() + 1;
+      params.dropout_offset_add = 0;
+    } else {
+      set_params_dropout_rng_cuda(params, *rng_state);
+    }
   }
   set_plan_device(params, q.get_device());
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
@@ -522,6 +533,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_fwd_dropout(
                                  leftpad_k, seqused_k, window_size_left, window_size_right,
                                  softcap, alibi_slopes, attn_bias, dropout_p, &rng_state);
   return {out, lse, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias) {
+  return mha_fwd_impl(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
+                      seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
+                      attn_bias, dropout_p, nullptr, &rng_state);
 }
 
 bool decode_enabled() { return env_decode_enabled(); }
@@ -636,14 +659,20 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu_impl(
     const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
     int64_t window_size_left, int64_t window_size_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
-    double dropout_p, at::Tensor* rng_state) {
+    double dropout_p, at::Tensor* rng_state, const at::Tensor* rng_in = nullptr) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
   const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
                                                 : at::Tensor();
   check_dropout_p(dropout_p);
-  if (rng_state != nullptr) {
+  at::Tensor given;
+  if (rng_in != nullptr) {
+    check_rng_state(*rng_in, q);
+    given = rng_in->to(at::kCPU).contiguous();
+    rng_state = &given;
+  }
+  if (rng_state != nullptr && rng_in == nullptr) {
     // The CPU's generator seeds it (torch.manual_seed reproduces the call), offset 0.
     *rng_state = at::zeros({2}, at::TensorOptions().dtype(at::kLong));
     if (dropout_p > 0.0) {
@@ -717,6 +746,18 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu(const at::Tensor& q, const at::Te
   return mha_fwd_cpu_impl(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
                           seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
                           attn_bias, 0.0, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias) {
+  return mha_fwd_cpu_impl(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
+                          seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
+                          attn_bias, dropout_p, nullptr, &rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_fwd_dropout_cpu(

@@ -71,6 +71,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_fwd_dropout_cpu(
     const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
     int64_t window_size_left, int64_t window_size_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias);
+// mha_fwd_dropout drawing from a given rng_state (int64 (2,) [seed, offset], on q's device or
+// the CPU) instead of torch's generator: a pure function of its inputs, for torch.compile,
+// whose graph draws rng_state with a random op it knows (_ops.call_fwd). The same mask as
+// mha_fwd_dropout's call that returned that rng_state. Returns (out, softmax_lse).
+std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias);
+std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias);
 // ValueError unless 0 <= dropout_p < 1.
 void check_dropout_p(double dropout_p);
 // The backward's dropout: dropout_p > 0 needs the forward's rng_state and head_dim <=

@@ -70,15 +70,25 @@ TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
   m.def(
       "dropout_mask(Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, "
       "float dropout_p) -> Tensor");
+  // fwd_dropout drawing from a given rng_state (a pure function of its inputs, for
+  // torch.compile: the graph draws rng_state with a random op the compiler knows).
+  m.def(
+      "fwd_dropout_seeded(Tensor q, Tensor k, Tensor v, float dropout_p, Tensor rng_state, "
+      "float? softmax_scale=None, bool is_causal=False, bool causal_bottom_right=True, "
+      "Tensor? leftpad_k=None, Tensor? seqused_k=None, int window_size_left=-1, "
+      "int window_size_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+      "Tensor? attn_bias=None) -> (Tensor out, Tensor softmax_lse)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) {
   m.impl("fwd_dropout", &flash_sm75::mha_fwd_dropout);
+  m.impl("fwd_dropout_seeded", &flash_sm75::mha_fwd_dropout_seeded);
   m.impl("dropout_mask", &flash_sm75::dropout_keep_mask);
 }
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) {
   m.impl("fwd_dropout", &flash_sm75::mha_fwd_dropout_cpu);
+  m.impl("fwd_dropout_seeded", &flash_sm75::mha_fwd_dropout_seeded_cpu);
   m.impl("dropout_mask", &flash_sm75::dropout_keep_mask);
 }
 

@@ -246,7 +246,11 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
 
     ``dropout_p > 0`` runs ``fwd_dropout`` (attention dropout on P, torch's semantics, from
     torch's default CUDA generator; its ``rng_state`` output is kept for the backward and not
-    returned). Returns ``(out, softmax_lse)`` either way.
+    returned); while torch.compile traces, ``fwd_dropout_seeded`` on an ``rng_state`` that the
+    graph draws with ``torch.randint`` (a random op the compiler knows: two calls never merge,
+    a recomputed forward reuses the saved draw, ``torch.manual_seed`` reproduces a compiled
+    run; the masks differ from an eager run's under the same seed). Returns ``(out,
+    softmax_lse)`` either way.
     """
     if dropout_p:
         if not DROPOUT_AVAILABLE:
@@ -254,10 +258,23 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
             raise RuntimeError("flash_attention_sm75: the compiled extension has no dropout op "
                                "(torch.ops.flash_attention_sm75.fwd_dropout): it was built from "
                                "older sources; " + BUILD_HINT)
-        return _call("fwd_dropout", (q, k, v, float(dropout_p), softmax_scale, is_causal,
-                                     causal_bottom_right, leftpad_k, seqused_k, window_size_left,
-                                     window_size_right, softcap, alibi_slopes),
-                     deterministic, attn_bias)[:2]
+        rest = (softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
+                window_size_left, window_size_right, softcap, alibi_slopes)
+        if torch.compiler.is_compiling():
+            # fwd_dropout draws from torch's generator inside itself, which a compiled graph
+            # cannot see (it would merge two such calls, or recompute one with another seed):
+            # the graph draws the [seed, offset] pair with torch.randint instead, a random op
+            # the compiler keeps, saves rather than recomputes, and seeds from torch's
+            # generator (torch.manual_seed reproduces a compiled run), and the kernel reads it.
+            if not SEEDED_DROPOUT_AVAILABLE:
+                raise RuntimeError("flash_attention_sm75: dropout under torch.compile needs "
+                                   "the op fwd_dropout_seeded, which the compiled extension "
+                                   "lacks (built from older sources); " + BUILD_HINT)
+            rng_state = torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=q.device)
+            return _call("fwd_dropout_seeded", (q, k, v, float(dropout_p), rng_state) + rest,
+                         deterministic, attn_bias)
+        return _call("fwd_dropout", (q, k, v, float(dropout_p)) + rest, deterministic,
+                     attn_bias)[:2]
     return _call("fwd", (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
                          seqused_k, window_size_left, window_size_right, softcap, alibi_slopes),
                  deterministic, attn_bias)
@@ -431,6 +448,17 @@ def _fwd_dropout_fake(q, k, v, dropout_p, softmax_scale=None, is_causal=False,
     return out, lse, q.new_empty((2,), dtype=torch.int64)
 
 
+def _fwd_dropout_seeded_fake(q, k, v, dropout_p, rng_state, softmax_scale=None,
+                             is_causal=False, causal_bottom_right=True, leftpad_k=None,
+                             seqused_k=None, window_size_left=-1, window_size_right=-1,
+                             softcap=0.0, alibi_slopes=None, attn_bias=None):
+    torch._check(rng_state.dtype == torch.int64 and rng_state.shape == (2,),
+                 lambda: "flash_attention_sm75: rng_state must be an int64 tensor of 2 elements")
+    return _fwd_fake(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
+                     seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
+                     attn_bias)
+
+
 def _dropout_mask_fake(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
     return torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool, device="cpu")
 
@@ -513,7 +541,7 @@ def _fwd_setup_context(ctx, inputs, output, deterministic=False, extra=()):
                           attn_bias, *extra)
     ctx.n_inputs = len(inputs)
     ctx.dropout_p = 0.0  # fwd_dropout's setup sets its own
-    ctx.dropout_op = False
+    ctx.shift = 0  # inputs between v and softmax_scale (fwd_dropout: 1, fwd_dropout_seeded: 2)
     ctx.softcap = float(softcap)
     ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
     ctx.is_causal = bool(is_causal)
@@ -524,14 +552,16 @@ def _fwd_setup_context(ctx, inputs, output, deterministic=False, extra=()):
 
 
 def _fwd_backward(ctx, grad_out, grad_lse, grad_rng_state=None):
-    """The backward of ``fwd`` and ``fwd_dropout`` (whose inputs have ``dropout_p`` after v and
-    whose saved tensors end with its ``rng_state``)."""
+    """The backward of ``fwd``, ``fwd_dropout`` and ``fwd_dropout_seeded`` (whose inputs have
+    ``dropout_p`` / ``dropout_p, rng_state`` after v and whose saved tensors end with the
+    ``rng_state`` the forward drew from)."""
     saved = ctx.saved_tensors
     q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes, attn_bias = saved[:9]
     # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k, window_size_left,
-    # window_size_right, softcap, alibi_slopes (and attn_bias; fwd_dropout: dropout_p first)
+    # window_size_right, softcap, alibi_slopes (and attn_bias; the dropout ops: dropout_p (and
+    # rng_state) first)
     rest = [None] * (ctx.n_inputs - 3)
-    shift = 1 if ctx.dropout_op else 0  # fwd_dropout's inputs: dropout_p after v
+    shift = ctx.shift
     bias_at = 12 + shift
     if len(ctx.needs_input_grad) > 11 + shift and ctx.needs_input_grad[11 + shift]:
         # The doors refuse slopes that require grad (call_fwd); the raw op must not return a
@@ -580,11 +610,24 @@ def _fwd_dropout_setup_context(ctx, inputs, output, deterministic=False):
                        extra=(output[2],))
     ctx.n_inputs = len(inputs)
     ctx.dropout_p = float(inputs[3])
-    ctx.dropout_op = True
+    ctx.shift = 1
 
 
 def _fwd_dropout_det_setup_context(ctx, inputs, output):
     _fwd_dropout_setup_context(ctx, inputs, output, deterministic=True)
+
+
+def _fwd_dropout_seeded_setup_context(ctx, inputs, output, deterministic=False):
+    # fwd's inputs without dropout_p, rng_state (inputs[3:5]); the given rng_state kept.
+    _fwd_setup_context(ctx, inputs[:3] + inputs[5:], output, deterministic,
+                       extra=(inputs[4],))
+    ctx.n_inputs = len(inputs)
+    ctx.dropout_p = float(inputs[3])
+    ctx.shift = 2
+
+
+def _fwd_dropout_seeded_det_setup_context(ctx, inputs, output):
+    _fwd_dropout_seeded_setup_context(ctx, inputs, output, deterministic=True)
 
 
 def _varlen_fwd_setup_context(ctx, inputs, output, deterministic=False):
@@ -676,6 +719,11 @@ DROPOUT_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("fwd_dropout")
 """Whether the compiled extension has attention dropout (``fwd_dropout``, ``dropout_mask`` and
 ``bwd``'s ``dropout_p`` / ``rng_state``); False for an extension built from older sources."""
 
+SEEDED_DROPOUT_AVAILABLE: bool = DROPOUT_AVAILABLE and _has_op("fwd_dropout_seeded")
+"""Whether the compiled extension has ``fwd_dropout_seeded`` (dropout from a given
+``rng_state``: what a torch.compile graph runs); False for an extension built from older
+sources (dropout is then refused while compiling)."""
+
 DBIAS_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("bwd_dbias")
 """Whether the compiled extension has the bias gradient (``bwd_dbias``); False for an extension
 built from older sources."""
@@ -737,6 +785,15 @@ if DROPOUT_AVAILABLE:
     torch.library.register_autograd("flash_attention_sm75::fwd_dropout_deterministic_bwd",
                                     _fwd_backward,
                                     setup_context=_fwd_dropout_det_setup_context)
+if SEEDED_DROPOUT_AVAILABLE:
+    _define_deterministic_twin("fwd_dropout_seeded")
+    for _name in ("fwd_dropout_seeded", "fwd_dropout_seeded_deterministic_bwd"):
+        torch.library.register_fake("flash_attention_sm75::" + _name)(_fwd_dropout_seeded_fake)
+    torch.library.register_autograd("flash_attention_sm75::fwd_dropout_seeded", _fwd_backward,
+                                    setup_context=_fwd_dropout_seeded_setup_context)
+    torch.library.register_autograd("flash_attention_sm75::fwd_dropout_seeded_deterministic_bwd",
+                                    _fwd_backward,
+                                    setup_context=_fwd_dropout_seeded_det_setup_context)
 if VARLEN_AVAILABLE:
     _define_deterministic_twin("varlen_fwd")
     for _name in ("varlen_fwd", "varlen_fwd_deterministic_bwd"):

@@ -263,30 +263,129 @@ def test_sdpa_wrapper_accepts_dropout_and_falls_back_outside_the_rule(monkeypatc
         assert sdpa.why_not_supported(q2, k2, v2, dropout_p=0.1) is None
 
 
-def test_dropout_under_torch_compile_is_refused_not_miscompiled():
-    """The op draws its seed inside itself, which the compiler cannot see: it could merge two
-    dropout calls or recompute the forward (checkpointing) with another seed, silently. The
-    rulebook refuses dropout while compiling: the direct APIs raise, never a wrong gradient."""
-    q, k, v = qkv(1, 16, 16, 2, 2, 64, "cpu", grad=True)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_seeded_op_is_fwd_dropout_given_its_rng_state(device):
+    """fwd_dropout_seeded (what compiled graphs run) draws the mask an rng_state names: the
+    same output, LSE and gradients as the fwd_dropout call that returned that rng_state (on
+    CUDA also with that rng_state on the CPU)."""
+    q, k, v = qkv(2, 24, 40, 4, 2, 64, device, seed=3)
+    bias = torch.randn(24, 40, device=device)
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse, rng = ops.fwd_dropout(qe, ke, ve, 0.3, None, True, True, None, None, -1, -1, 0.0,
+                                    None, bias)
+    out2, lse2 = ops.fwd_dropout_seeded(qs, ks, vs, 0.3, rng, None, True, True, None, None, -1,
+                                        -1, 0.0, None, bias)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    do = torch.randn_like(out)
+    ge = torch.autograd.grad(out, (qe, ke, ve), do)
+    gs = torch.autograd.grad(out2, (qs, ks, vs), do)
+    for a, b in zip(ge, gs):
+        assert torch.equal(a, b)
+    for b in gs:  # the backward regenerated the forward's mask, not another
+        assert torch.isfinite(b).all()
+    out_cpu_rng, _ = ops.fwd_dropout_seeded(q, k, v, 0.3, rng.cpu(), None, True, True, None, None,
+                                            -1, -1, 0.0, None, bias)
+    assert torch.equal(out_cpu_rng, out)
+    other = torch.tensor([rng[0].item() + 1, rng[1].item()], device=device)
+    out3, _ = ops.fwd_dropout_seeded(q, k, v, 0.3, other, None, True, True, None, None, -1, -1,
+                                     0.0, None, bias)
+    assert not torch.equal(out3, out)
+    with pytest.raises(Exception, match="rng_state"):
+        ops.fwd_dropout_seeded(q, k, v, 0.3, torch.zeros(3, dtype=torch.int64, device=device))
+
+
+def _compiled(fn, backend="aot_eager"):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True)
+
+
+@pytest.mark.parametrize("device,backend", [("cpu", "aot_eager"),
+                                            pytest.param("cuda", "inductor", marks=gpu)])
+def test_dropout_under_torch_compile_runs_the_kernel_op_with_the_graphs_draw(device, backend):
+    """Compiled, a dropout call runs fwd_dropout_seeded on an rng_state the graph draws with
+    torch.randint, which the compiler keeps apart per call (two identical calls are two
+    masks, not one merged call) and seeds from torch's generator (manual_seed reproduces the
+    compiled run bitwise, another seed gives another mask)."""
+    q, k, v = qkv(1, 32, 32, 2, 2, 64, device, grad=True)
+
+    def two_calls(q, k, v):
+        a = fa.flash_attn_func(q, k, v, dropout_p=0.5, causal=True)
+        b = fa.flash_attn_func(q, k, v, dropout_p=0.5, causal=True)
+        return a, b
+
+    f = _compiled(two_calls, backend)
+    torch.manual_seed(0)
+    a, b = f(q, k, v)
+    assert not torch.equal(a, b)  # never merged into one draw
+    torch.manual_seed(0)
+    a2, b2 = f(q, k, v)
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    torch.manual_seed(1)
+    a3, _ = f(q, k, v)
+    assert not torch.equal(a, a3)
+    # the compiled op is the seeded one, and its gradient flows
+    (a.float().sum() + b.float().sum()).backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+def test_dropout_under_torch_compile_with_checkpointing_keeps_one_mask():
+    """Activation checkpointing recomputes the forward in the backward: the recomputed call must
+    draw the mask the first one drew (else silently wrong gradients). Compiled with and
+    without checkpointing under one seed: bitwise equal outputs and gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    q0, k0, v0 = qkv(1, 48, 48, 2, 1, 64, "cpu", seed=5)
+
+    def attn(q, k, v):
+        return fa.flash_attn_func(q, k, v, dropout_p=0.4).float().square().sum()
+
+    def plain(q, k, v):
+        return attn(q, k, v)
+
+    def ckpt(q, k, v):
+        return checkpoint(attn, q, k, v, use_reentrant=False)
+
+    results = []
+    for fn in (plain, ckpt):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        torch.manual_seed(7)
+        loss = _compiled(fn)(q, k, v)
+        loss.backward()
+        results.append((loss.detach(), q.grad, k.grad, v.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_dropout_under_torch_compile_matches_the_op_on_the_same_mask(device):
+    """The compiled call's output and gradients are those of the eager seeded op given the same
+    rng_state (recovered here by drawing it as the graph does, under the same seed: aot_eager
+    runs the graph's torch.randint as it is; inductor draws with its own generator, see the
+    two-call test)."""
+    q0, k0, v0 = qkv(2, 20, 36, 4, 2, 64, device, seed=9)
+    do = torch.randn(2, 20, 4, 64, device=device).half()
 
     def f(q, k, v):
-        return fa.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+        return fa.flash_attn_func(q, k, v, dropout_p=0.25)
 
-    with pytest.raises(Exception, match="dropout_p > 0 under torch.compile is not supported|"
-                                        "Observed exception"):
-        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
-    with pytest.raises(ValueError, match="dropout_p > 0 under torch.compile is not supported"):
-        torch.compile(f, backend="aot_eager")(q, k, v)
-    # without dropout the same call compiles
-    g = lambda q, k, v: fa.flash_attn_func(q, k, v, dropout_p=0.0, causal=True)  # noqa: E731
-    out = torch.compile(g, backend="aot_eager", fullgraph=True)(q, k, v)
-    assert out.shape == q.shape
+    q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    torch.manual_seed(11)
+    out = _compiled(f)(q, k, v)
+    out.backward(do)
+    torch.manual_seed(11)
+    rng = torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    ref, _ = ops.fwd_dropout_seeded(qe, ke, ve, 0.25, rng)
+    ref.backward(do)
+    assert torch.equal(out, ref)
+    for a, b in ((q.grad, qe.grad), (k.grad, ke.grad), (v.grad, ve.grad)):
+        assert torch.equal(a, b)
 
 
-def test_sdpa_wrapper_under_torch_compile_falls_back_with_dropout(monkeypatch):
-    """The SDPA wrapper asks the same rule while compiling: a dropout call falls back to torch's
-    SDPA (which the compiler knows how to seed) instead of raising, and strict mode names the
-    reason; without dropout the compiled call runs the kernel's op."""
+def test_sdpa_wrapper_under_torch_compile_runs_dropout_on_the_kernel(monkeypatch):
+    """The SDPA wrapper asks the same rule while compiling: a dropout call runs the kernel's
+    seeded op (torch's SDPA is never called), in strict mode too."""
     monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
     q, k, v = (t.transpose(1, 2).requires_grad_() for t in qkv(1, 16, 16, 2, 2, 64, "cpu"))
     calls = []
@@ -298,20 +397,23 @@ def test_sdpa_wrapper_under_torch_compile_falls_back_with_dropout(monkeypatch):
 
     monkeypatch.setattr(sdpa, "_torch_sdpa", spy)
     f = lambda q, k, v: sdpa.scaled_dot_product_attention(q, k, v, dropout_p=0.3)  # noqa: E731
-    torch._dynamo.reset()
-    out = torch.compile(f, backend="aot_eager")(q, k, v)
+    with sdpa.strict():
+        out = _compiled(f)(q, k, v)
     out.float().sum().backward()
     assert out.shape == q.shape and torch.isfinite(out).all() and torch.isfinite(q.grad).all()
-    assert calls == [0.3], calls  # traced once, through the fallback, with the caller's p
+    assert calls == []
+
+
+def test_dropout_under_torch_compile_is_refused_by_an_extension_without_the_seeded_op(
+        monkeypatch):
+    """An extension built before fwd_dropout_seeded: the rulebook refuses dropout while
+    compiling (the direct APIs raise), never the unseeded op in a graph."""
+    monkeypatch.setattr(_ops, "SEEDED_DROPOUT_AVAILABLE", False)
+    q, k, v = qkv(1, 16, 16, 2, 2, 64, "cpu", grad=True)
+    f = lambda q, k, v: fa.flash_attn_func(q, k, v, dropout_p=0.3)  # noqa: E731
     torch._dynamo.reset()
-    with sdpa.strict(), pytest.raises(Exception, match="under torch.compile is not supported"):
+    with pytest.raises(ValueError, match="under torch.compile is not supported by this build"):
         torch.compile(f, backend="aot_eager")(q, k, v)
-    calls.clear()
-    torch._dynamo.reset()
-    g = lambda q, k, v: sdpa.scaled_dot_product_attention(q, k, v, dropout_p=0.0)  # noqa: E731
-    with sdpa.strict():
-        out = torch.compile(g, backend="aot_eager", fullgraph=True)(q, k, v)
-    assert out.shape == q.shape and calls == []
 
 
 def test_numpy_scalars_and_the_backward_of_a_raw_zero_dropout_call():
