@@ -205,6 +205,18 @@ def autograd_reason(q, k, v, *, any_transform: bool = False, attn_bias=None,
     return None
 
 
+def graph_tracing() -> bool:
+    """True while a graph is traced: torch.compile / torch.export (dynamo), and traces without
+    dynamo that AOTAutograd's partitioner may still rewrite (``make_fx``,
+    ``functorch.compile.aot_function``: a proxy, fake or functional dispatch mode is active).
+    A random draw inside an op is invisible to such a graph."""
+    if torch.compiler.is_compiling():
+        return True
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(getattr(keys, name)) is not None
+               for name in ("PROXY", "FAKE", "FUNCTIONAL") if hasattr(keys, name))
+
+
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
              seqused_k=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
              alibi_slopes=None, attn_bias=None, *, deterministic: bool = False,
@@ -246,8 +258,8 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
 
     ``dropout_p > 0`` runs ``fwd_dropout`` (attention dropout on P, torch's semantics, from
     torch's default CUDA generator; its ``rng_state`` output is kept for the backward and not
-    returned); while torch.compile traces, ``fwd_dropout_seeded`` on an ``rng_state`` that the
-    graph draws with ``torch.randint`` (a random op the compiler knows: two calls never merge,
+    returned); while a graph is traced (:func:`graph_tracing`), ``fwd_dropout_seeded`` on an
+    ``rng_state`` that the graph draws with ``torch.randint`` (a random op the compiler knows: two calls never merge,
     a recomputed forward reuses the saved draw, ``torch.manual_seed`` reproduces a compiled
     run; the masks differ from an eager run's under the same seed). Returns ``(out,
     softmax_lse)`` either way.
@@ -260,7 +272,7 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
                                "older sources; " + BUILD_HINT)
         rest = (softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k,
                 window_size_left, window_size_right, softcap, alibi_slopes)
-        if torch.compiler.is_compiling():
+        if graph_tracing():
             # fwd_dropout draws from torch's generator inside itself, which a compiled graph
             # cannot see (it would merge two such calls, or recompute one with another seed):
             # the graph draws the [seed, offset] pair with torch.randint instead, a random op
@@ -454,6 +466,9 @@ def _fwd_dropout_seeded_fake(q, k, v, dropout_p, rng_state, softmax_scale=None,
                              softcap=0.0, alibi_slopes=None, attn_bias=None):
     torch._check(rng_state.dtype == torch.int64 and rng_state.shape == (2,),
                  lambda: "flash_attention_sm75: rng_state must be an int64 tensor of 2 elements")
+    torch._check(rng_state.device == q.device or rng_state.device.type == "cpu",
+                 lambda: f"flash_attention_sm75: rng_state must be on q's device ({q.device}) or "
+                         f"the CPU, got {rng_state.device}")
     return _fwd_fake(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
                      seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
                      attn_bias)

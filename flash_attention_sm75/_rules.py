@@ -348,24 +348,44 @@ def _seeded_dropout_available() -> bool:
     return _ops.SEEDED_DROPOUT_AVAILABLE
 
 
+def _graph_tracing() -> bool:
+    from . import _ops
+
+    return _ops.graph_tracing()
+
+
 def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False) -> Optional[str]:
     """None if ``dropout_p`` is a dropout probability the kernels apply (a real number, not a
-    bool, in [0, 1); while torch.compile traces, only with an extension that has
-    ``fwd_dropout_seeded``; with ``backward``, a nonzero one only up to
+    bool, in [0, 1); while a graph is traced (``_ops.graph_tracing``), only with an extension
+    that has ``fwd_dropout_seeded`` and a ``torch._functorch.config.activation_memory_budget``
+    of 1; with ``backward``, a nonzero one only up to
     head_dim :data:`DROPOUT_BACKWARD_MAX_HEAD_DIM`), else what is wrong. The C++ ops check the
     range and the head dim (``check_dropout_p``, ``check_dropout_backward``)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         return f"dropout_p must be a real number in [0, 1), got {type_name(dropout_p)}"
     if not 0.0 <= dropout_p < 1.0:
         return f"dropout_p must be in [0, 1), got {dropout_p!r}"
-    if dropout_p and torch.compiler.is_compiling() and not _seeded_dropout_available():
-        # fwd_dropout draws its seed from torch's generator inside itself, which the compiler
-        # does not know: it may merge two dropout calls into one or recompute the forward
-        # (activation checkpointing, memory budgets) with another seed, silently. Compiled
-        # graphs run fwd_dropout_seeded (_ops.call_fwd), which an older build lacks.
-        return ("dropout_p > 0 under torch.compile is not supported by this build (its "
-                "extension lacks the op fwd_dropout_seeded; rebuild it, or run the call "
-                "eagerly)")
+    if dropout_p and _graph_tracing():
+        if not _seeded_dropout_available():
+            # fwd_dropout draws its seed from torch's generator inside itself, which the
+            # compiler does not know: it may merge two dropout calls into one or recompute the
+            # forward (activation checkpointing) with another seed, silently. Traced graphs run
+            # fwd_dropout_seeded (_ops.call_fwd), which an older build lacks.
+            return ("dropout_p > 0 under torch.compile is not supported by this build (its "
+                    "extension lacks the op fwd_dropout_seeded; rebuild it, or run the call "
+                    "eagerly)")
+        from torch._functorch import config as functorch_config
+
+        budget = getattr(functorch_config, "activation_memory_budget", 1.0)
+        if budget < 1.0:
+            # With a memory budget the min-cut partitioner may recompute the graph's random
+            # draw (torch.randint) in the backward, which then regenerates another mask
+            # (pytorch/pytorch#190758; torch's own dropout is affected too): silently wrong
+            # gradients.
+            return (f"dropout_p > 0 under torch.compile with "
+                    f"torch._functorch.config.activation_memory_budget = {budget} < 1 is not "
+                    f"supported (the partitioner may recompute the random draw in the backward, "
+                    f"pytorch/pytorch#190758: the backward would regenerate another mask)")
     if backward and dropout_p and head_dim_bucket(head_dim) > DROPOUT_BACKWARD_MAX_HEAD_DIM:
         return (f"dropout has no backward at head_dim {head_dim} (the backward applies dropout "
                 f"up to head_dim {DROPOUT_BACKWARD_MAX_HEAD_DIM})")

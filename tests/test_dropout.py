@@ -383,6 +383,64 @@ def test_dropout_under_torch_compile_matches_the_op_on_the_same_mask(device):
         assert torch.equal(a, b)
 
 
+def test_dropout_traced_without_dynamo_also_draws_in_the_graph():
+    """Graphs traced without dynamo (functorch.compile.aot_function, make_fx), whose partitioner
+    may merge or recompute calls as torch.compile's does, get the seeded op too: two calls stay
+    two masks."""
+    from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+
+    q, k, v = qkv(1, 16, 16, 2, 2, 64, "cpu", seed=2, grad=True)
+    targets = []
+
+    def two(q, k, v):
+        return (fa.flash_attn_func(q, k, v, dropout_p=0.5),
+                fa.flash_attn_func(q, k, v, dropout_p=0.5))
+
+    def fw(gm, _):
+        targets.extend(str(n.target) for n in gm.graph.nodes if "flash" in str(n.target))
+        return make_boxed_func(gm.forward)
+
+    a, b = aot_function(two, fw_compiler=fw, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                        partition_fn=min_cut_rematerialization_partition)(q, k, v)
+    assert not torch.equal(a, b)
+    assert targets and all("fwd_dropout_seeded" in t for t in targets), targets
+
+
+def test_dropout_under_torch_compile_with_a_memory_budget_is_refused(monkeypatch):
+    """With activation_memory_budget < 1 the partitioner may recompute the graph's random draw
+    in the backward (pytorch/pytorch#190758), which would regenerate another mask: the
+    direct APIs raise, the SDPA wrapper falls back (to torch's SDPA)."""
+    import torch._functorch.config as functorch_config
+
+    q, k, v = qkv(1, 16, 16, 2, 2, 64, "cpu", grad=True)
+    f = lambda q, k, v: fa.flash_attn_func(q, k, v, dropout_p=0.3)  # noqa: E731
+    torch._dynamo.reset()
+    with functorch_config.patch(activation_memory_budget=0.5):
+        with pytest.raises(ValueError, match="activation_memory_budget = 0.5 < 1"):
+            torch.compile(f, backend="aot_eager")(q, k, v)
+    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
+    calls = []
+    real = sdpa._torch_sdpa
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "_torch_sdpa", spy)
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+    g = lambda q, k, v: sdpa.scaled_dot_product_attention(q, k, v, dropout_p=0.3)  # noqa: E731
+    torch._dynamo.reset()
+    with functorch_config.patch(activation_memory_budget=0.5):
+        out = torch.compile(g, backend="aot_eager")(qb, kb, vb)
+    assert calls and out.shape == qb.shape
+
+
+def test_seeded_op_fake_checks_the_rng_states_device():
+    q, k, v = qkv(1, 8, 8, 2, 2, 64, "cpu")
+    with pytest.raises(Exception, match="rng_state must be on q's device"):
+        ops.fwd_dropout_seeded(q, k, v, 0.3, torch.zeros(2, dtype=torch.int64, device="meta"))
+
+
 def test_sdpa_wrapper_under_torch_compile_runs_dropout_on_the_kernel(monkeypatch):
     """The SDPA wrapper asks the same rule while compiling: a dropout call runs the kernel's
     seeded op (torch's SDPA is never called), in strict mode too."""
