@@ -342,18 +342,6 @@ DROPOUT_BACKWARD_MAX_HEAD_DIM = 128
 d = 256 dK/dV kernel has no register left for the generator)."""
 
 
-def _seeded_dropout_available() -> bool:
-    from . import _ops  # not at import time: _ops imports this module
-
-    return _ops.SEEDED_DROPOUT_AVAILABLE
-
-
-def _graph_tracing() -> bool:
-    from . import _ops
-
-    return _ops.graph_tracing()
-
-
 def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False) -> Optional[str]:
     """None if ``dropout_p`` is a dropout probability the kernels apply (a real number, not a
     bool, in [0, 1); while a graph is traced (``_ops.graph_tracing``), only with an extension
@@ -365,8 +353,10 @@ def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False)
         return f"dropout_p must be a real number in [0, 1), got {type_name(dropout_p)}"
     if not 0.0 <= dropout_p < 1.0:
         return f"dropout_p must be in [0, 1), got {dropout_p!r}"
-    if dropout_p and _graph_tracing():
-        if not _seeded_dropout_available():
+    from . import _ops  # not at import time: _ops imports this module
+
+    if dropout_p and _ops.graph_tracing():
+        if not _ops.SEEDED_DROPOUT_AVAILABLE:
             # fwd_dropout draws its seed from torch's generator inside itself, which the
             # compiler does not know: it may merge two dropout calls into one or recompute the
             # forward (activation checkpointing) with another seed, silently. Traced graphs run
