@@ -297,11 +297,12 @@ void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& r
   check_dropout_p(dropout_p);
   if (dropout_p == 0.0) return;
   TORCH_CHECK_VALUE(rng_state.has_value(),
-                    "flash_attention_sm75: dropout_p > 0 needs rng_state, the forward's third "
-                    "output (fwd_dropout)");
+                    "flash_attention_sm75: dropout_p > 0 needs rng_state, the one the forward "
+                    "drew from (fwd_dropout's third output, or the rng_state given to "
+                    "fwd_dropout_seeded / varlen_fwd_dropout)");
   check_rng_state(*rng_state, q);
-  TORCH_CHECK_VALUE(q.size(3) <= kBwdDropoutMaxHeadDim,
-                    "flash_attention_sm75: dropout has no backward at head_dim ", q.size(3),
+  TORCH_CHECK_VALUE(q.size(-1) <= kBwdDropoutMaxHeadDim,
+                    "flash_attention_sm75: dropout has no backward at head_dim ", q.size(-1),
                     " (at most ", kBwdDropoutMaxHeadDim, "); pass dropout_p=0");
 }
 
@@ -328,6 +329,12 @@ void set_params_dropout_rng_cuda(Flash_fwd_params& params, const at::Tensor& rng
 
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
                              int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
+  return dropout_keep_mask_at(rng_state, 0, batch, heads, seqlen_q, seqlen_k, dropout_p);
+}
+
+at::Tensor dropout_keep_mask_at(const at::Tensor& rng_state, int64_t bh0, int64_t batch,
+                                int64_t heads, int64_t seqlen_q, int64_t seqlen_k,
+                                double dropout_p) {
   check_dropout_p(dropout_p);
   TORCH_CHECK_VALUE(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
                     "flash_attention_sm75: rng_state must be an int64 tensor [seed, offset]");
@@ -342,7 +349,7 @@ at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t
   bool* m = mask.data_ptr<bool>();
   if (dropout_p == 0.0) return mask.fill_(true);
   const uint32_t thr = dropout_keep_threshold(dropout_p);
-  for (int64_t bh = 0; bh < batch * heads; ++bh) {
+  for (int64_t bh = bh0; bh < bh0 + batch * heads; ++bh) {
     for (int64_t i = 0; i < seqlen_q; ++i) {
       for (int64_t j = 0; j < seqlen_k; ++j) {
         *m++ = dropout_keep(rng, static_cast<uint32_t>(bh), static_cast<uint32_t>(i),
@@ -659,7 +666,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu_impl(
     const std::optional<at::Tensor>& leftpad_k, const std::optional<at::Tensor>& seqused_k,
     int64_t window_size_left, int64_t window_size_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& attn_bias,
-    double dropout_p, at::Tensor* rng_state, const at::Tensor* rng_in = nullptr) {
+    double dropout_p, at::Tensor* rng_state, const at::Tensor* rng_in = nullptr,
+    int64_t dropout_bh0 = 0) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
@@ -725,7 +733,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu_impl(
   // torch SDPA.
   at::Tensor p = (e / row_sum).masked_fill(row_max.isneginf(), 0.0);
   if (dropout_p > 0.0) {
-    p = cpu_dropout(p, *rng_state, dropout_p);
+    p = cpu_dropout(p, *rng_state, dropout_p, dropout_bh0);
   }
   at::Tensor out = at::matmul(p, vf).transpose(1, 2).to(at::kHalf).contiguous();
   at::Tensor lse = (m + at::log(row_sum)).squeeze(-1).to(at::kFloat);  // -inf: row sees nothing
@@ -755,9 +763,22 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu(
     const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
     int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& attn_bias) {
+  return mha_fwd_dropout_seeded_cpu_at(q, k, v, dropout_p, rng_state, softmax_scale, is_causal,
+                                       causal_bottom_right, leftpad_k, seqused_k,
+                                       window_size_left, window_size_right, softcap,
+                                       alibi_slopes, attn_bias, 0);
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu_at(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias, int64_t dropout_bh0) {
   return mha_fwd_cpu_impl(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
                           seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
-                          attn_bias, dropout_p, nullptr, &rng_state);
+                          attn_bias, dropout_p, nullptr, &rng_state, dropout_bh0);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_fwd_dropout_cpu(
@@ -773,9 +794,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_fwd_dropout_cpu(
   return {out, lse, rng_state};
 }
 
-at::Tensor cpu_dropout(const at::Tensor& p, const at::Tensor& rng_state, double dropout_p) {
-  const at::Tensor keep =
-      dropout_keep_mask(rng_state, p.size(0), p.size(1), p.size(2), p.size(3), dropout_p);
+at::Tensor cpu_dropout(const at::Tensor& p, const at::Tensor& rng_state, double dropout_p,
+                       int64_t bh0) {
+  const at::Tensor keep = dropout_keep_mask_at(rng_state, bh0, p.size(0), p.size(1), p.size(2),
+                                               p.size(3), dropout_p);
   return p * keep.to(p.scalar_type()) * (1.0 / (1.0 - dropout_p));
 }
 

@@ -91,8 +91,9 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu(
     const std::optional<at::Tensor>& attn_bias);
 // ValueError unless 0 <= dropout_p < 1.
 void check_dropout_p(double dropout_p);
-// The backward's dropout: dropout_p > 0 needs the forward's rng_state and head_dim <=
-// kBwdDropoutMaxHeadDim (kernels/flash.h). ValueError naming the argument otherwise.
+// The backward's dropout: dropout_p > 0 needs the forward's rng_state and head_dim (q's last
+// size; q BSHD or packed) <= kBwdDropoutMaxHeadDim (kernels/flash.h). ValueError naming the
+// argument otherwise.
 void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& rng_state,
                             const at::Tensor& q);
 // ValueError unless rng_state is an int64 (2,) contiguous tensor on q's device or the CPU.
@@ -103,8 +104,24 @@ void set_params_dropout(Flash_fwd_params& params, double dropout_p);
 // rng_state: the reference of the kernels' generator (slice index batch * heads + head).
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
                              int64_t seqlen_q, int64_t seqlen_k, double dropout_p);
-// p * Z / (1 - dropout_p) for p of shape (batch, heads, seqlen_q, seqlen_k) on the CPU.
-at::Tensor cpu_dropout(const at::Tensor& p, const at::Tensor& rng_state, double dropout_p);
+// The same mask for slices bh0 .. bh0 + batch * heads - 1 of the kernels' numbering (one
+// sequence of a packed call is slices b * heads + head: bh0 = b * heads, batch = 1).
+at::Tensor dropout_keep_mask_at(const at::Tensor& rng_state, int64_t bh0, int64_t batch,
+                                int64_t heads, int64_t seqlen_q, int64_t seqlen_k,
+                                double dropout_p);
+// p * Z / (1 - dropout_p) for p of shape (batch, heads, seqlen_q, seqlen_k) on the CPU, Z from
+// slices bh0 onwards (dropout_keep_mask_at).
+at::Tensor cpu_dropout(const at::Tensor& p, const at::Tensor& rng_state, double dropout_p,
+                       int64_t bh0 = 0);
+// mha_fwd_dropout_seeded_cpu whose mask starts at slice dropout_bh0 (dropout_keep_mask_at): the
+// CPU reference of one sequence of a packed call (mha_varlen_fwd_dropout_cpu).
+std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu_at(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias, int64_t dropout_bh0);
 
 // attn_bias (torch SDPA's attn_mask): an additive bias or a boolean mask on the scaled scores,
 // softmax(softmax_scale * q.k + bias), added in fp32 after softcap and ALiBi; bool means True =
@@ -245,6 +262,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_with(
     const std::optional<at::Tensor>& attn_bias = std::nullopt, double dropout_p = 0.0,
     const std::optional<at::Tensor>& rng_state = std::nullopt);
 
+// mha_bwd_cpu_with whose dropout mask starts at slice dropout_bh0 (dropout_keep_mask_at): the
+// CPU reference of one sequence of a packed call (mha_varlen_bwd_cpu).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_at(
+    at::Tensor* dbias, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, bool deterministic,
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias, double dropout_p,
+    const std::optional<at::Tensor>& rng_state, int64_t dropout_bh0);
+
 // Without a bias gradient (the op `bwd`): mha_bwd_with / mha_bwd_cpu_with(nullptr, ...).
 template <typename... A>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(A&&... a) {
@@ -296,9 +325,29 @@ std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_cpu(
     std::optional<double> softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
     int64_t window_size_left, int64_t window_size_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes);
+// mha_varlen_fwd with attention dropout (kernels/dropout.h) drawn from rng_state, int64 (2,)
+// [seed, offset] on q's device or the CPU, read on the device by the kernels (the Python door
+// draws it from torch's generator per call: torch.manual_seed reproduces a run, a CUDA graph's
+// replay draws anew, a compiled graph sees the draw). Sequence b's mask is the kernels' slices b
+// * num_heads + head with its own query / key positions. mha_varlen_bwd takes the same
+// dropout_p and rng_state. Returns (out, softmax_lse); the LSE is that of the undropped scores.
+std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_dropout(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes);
+std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_dropout_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes);
 // Gradients of mha_varlen_fwd: dq (total_q, num_heads, head_dim), dk, dv (total_k, num_heads_k,
 // head_dim) float16, 0 for tokens of no sequence. softmax_lse / grad_softmax_lse: (num_heads,
 // total_q) float32. Other layouts of dout / out / q / k / v are copied, not rejected.
+// dropout_p > 0: the forward's dropout_p and rng_state (mha_varlen_fwd_dropout), head_dim <=
+// kBwdDropoutMaxHeadDim (check_dropout_backward).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
@@ -306,7 +355,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
     double softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
     bool deterministic, const std::optional<at::Tensor>& grad_softmax_lse,
     int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes);
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
@@ -314,7 +364,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
     double softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
     bool deterministic, const std::optional<at::Tensor>& grad_softmax_lse,
     int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes);
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state);
 
 // ---- KV cache (csrc/flash_kvcache_api.cpp) -----------------------------------------------------
 // flash-attn's flash_attn_with_kvcache after its rotary embedding. q: (batch, seqlen_q, num_heads,

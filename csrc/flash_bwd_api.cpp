@@ -277,11 +277,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_with(
     at::Tensor* dbias, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
     bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
-    const std::optional<at::Tensor>& seqused_k, bool /*deterministic: always*/,
+    const std::optional<at::Tensor>& seqused_k, bool deterministic,
     const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left, int64_t window_size_right,
     double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& attn_bias, double dropout_p,
     const std::optional<at::Tensor>& rng_state) {
+  return mha_bwd_cpu_at(dbias, dout, q, k, v, out, softmax_lse, softmax_scale, is_causal,
+                        causal_bottom_right, leftpad_k, seqused_k, deterministic,
+                        grad_softmax_lse, window_size_left, window_size_right, softcap,
+                        alibi_slopes, attn_bias, dropout_p, rng_state, 0);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_at(
+    at::Tensor* dbias, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool is_causal,
+    bool causal_bottom_right, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& seqused_k, bool /*deterministic: always*/,
+    const std::optional<at::Tensor>& grad_softmax_lse, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_bias, double dropout_p,
+    const std::optional<at::Tensor>& rng_state, int64_t dropout_bh0) {
   check_window_size(window_size_left, window_size_right);
   // float32 ATen math even under torch.autocast (see mha_fwd_cpu).
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -334,8 +349,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_with(
   at::Tensor dp = at::matmul(dof, vf.transpose(-1, -2));
   at::Tensor p_drop = p;  // what O was made of: P Z / (1 - dropout_p)
   if (dropout_p > 0.0) {
-    p_drop = cpu_dropout(p, *rng_state, dropout_p);
-    dp = cpu_dropout(dp, *rng_state, dropout_p);
+    p_drop = cpu_dropout(p, *rng_state, dropout_p, dropout_bh0);
+    dp = cpu_dropout(dp, *rng_state, dropout_p, dropout_bh0);
   }
   const at::Tensor ds = p * (dp - dsum) * dcap;
   if (dbias != nullptr) dbias->copy_(ds);  // b, h, sq, sk: dS where P is nonzero, else 0

@@ -238,15 +238,19 @@ at::Tensor lse_to_padded(const at::Tensor& lse, const at::Tensor& rows, int64_t 
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd(
+namespace {
+// mha_varlen_fwd; dropout_p > 0: from rng_in (mha_varlen_fwd_dropout).
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     std::optional<double> softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
     int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, const at::Tensor* rng_in) {
   const VarlenShape vs = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, softmax_scale, seqused_k, window_size_left,
                                       window_size_right, softcap, alibi_slopes);
+  check_dropout_p(dropout_p);
+  if (rng_in != nullptr) check_rng_state(*rng_in, q);
   check_gpu(q);
   const at::Tensor q4 = q.unsqueeze(0), k4 = k.unsqueeze(0), v4 = v.unsqueeze(0);
   check_alignment(q4, "q");
@@ -266,6 +270,16 @@ std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd(
                    window_size_right, softcap, alibi_slopes);
   set_varlen_params(params, vs.batch, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
                     seqused_k, is_causal, window_size_left, window_size_right);
+  // The generator's [seed, offset] read on the device by the kernels (kernels/dropout.h);
+  // named: params points into it until the launch is queued.
+  at::Tensor rng_dev;
+  if (dropout_p > 0.0) {
+    set_params_dropout(params, dropout_p);
+    rng_dev = rng_in->to(q.device()).contiguous();
+    params.dropout_seed_ptr = rng_dev.data_ptr<int64_t>();
+    params.dropout_offset_ptr = rng_dev.data_ptr<int64_t>() + 1;
+    params.dropout_offset_add = 0;
+  }
   set_plan_device(params, q.get_device());
   params.small_grid_tile = 0;
   try {
@@ -276,6 +290,29 @@ std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    std::optional<double> softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  return varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, is_causal, seqused_k, window_size_left,
+                         window_size_right, softcap, alibi_slopes, 0.0, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_dropout(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  return varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, is_causal, seqused_k, window_size_left,
+                         window_size_right, softcap, alibi_slopes, dropout_p, &rng_state);
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
     const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
@@ -284,7 +321,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
     double softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
     bool deterministic, const std::optional<at::Tensor>& grad_softmax_lse,
     int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   // 3-D first (packed_kernel_layout reads two strides); everything else after the copies.
   check_packed(q_, "q", "num_heads");
   check_packed(dout_, "dout", "num_heads");
@@ -298,6 +336,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                           seqused_k, grad_softmax_lse, window_size_left,
                                           window_size_right, softcap, alibi_slopes);
+  check_dropout_backward(dropout_p, rng_state, q);
   check_gpu(q);
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto f16 = q.options();
@@ -306,8 +345,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
   }
 
   Flash_bwd_params params{};
-  const bool dq_atomic = bwd_uses_atomic_dq(deterministic, q.size(2));
+  // A dropout's backward runs the dQ kernel (the atomic dK/dV kernels have no dropout).
+  const bool dq_atomic = dropout_p == 0.0 && bwd_uses_atomic_dq(deterministic, q.size(2));
   if (head_dim_bucket(q.size(2)) > kMaxBwdSeqHeadDim) {
+    // A padded copy moves each sequence's rows, and so its dropout mask: no dropout here
+    // (check_dropout_backward: kBwdDropoutMaxHeadDim <= kMaxBwdSeqHeadDim).
+    static_assert(kBwdDropoutMaxHeadDim <= kMaxBwdSeqHeadDim, "varlen dropout: padded backward");
     // The d = 256 backward kernels take no packed sequences (kernels/seq_info.h): the dense
     // kernels on a right-aligned padded copy, where the single bottom-right offset of the
     // padded batch is every sequence's own (causal, window, ALiBi distance), the key range
@@ -355,6 +398,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
                     seqused_k, is_causal, window_size_left, window_size_right);
   params.do_batch_stride = params.dq_batch_stride = 0;
   params.dk_batch_stride = params.dv_batch_stride = 0;
+  at::Tensor rng;  // the forward's [seed, offset] on q's device, read by the kernels
+  if (dropout_p > 0.0) {
+    rng = rng_state->to(q.device()).contiguous();
+    set_params_dropout(params, dropout_p);
+    params.dropout_seed_ptr = rng.data_ptr<int64_t>();
+    params.dropout_offset_ptr = rng.data_ptr<int64_t>() + 1;
+  }
   launch_bwd(params, dq_atomic, q.get_device());
   return {bufs.dq.squeeze(0), bufs.dk.squeeze(0), bufs.dv.squeeze(0)};
 }
@@ -389,15 +439,18 @@ std::optional<at::Tensor> slopes_of(const std::optional<at::Tensor>& alibi_slope
 }
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_cpu(
+namespace {
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     std::optional<double> softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
     int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, const at::Tensor* rng_in) {
   const VarlenShape vs = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, softmax_scale, seqused_k, window_size_left,
                                       window_size_right, softcap, alibi_slopes);
+  check_dropout_p(dropout_p);
+  if (rng_in != nullptr) check_rng_state(*rng_in, q);
   const int64_t total_q = q.size(0), h = q.size(1), d = q.size(2);
   at::Tensor out = at::zeros({total_q, h, d}, q.options());
   at::Tensor lse = at::full({h, total_q}, -std::numeric_limits<double>::infinity(),
@@ -407,16 +460,47 @@ std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_cpu(
   for (size_t b = 0; b < seqs.size(); ++b) {
     const CpuSeq& s = seqs[b];
     if (s.q1 == s.q0) continue;
-    auto [o, l] = mha_fwd_cpu(q.slice(0, s.q0, s.q1).unsqueeze(0),
-                              k.slice(0, s.k0, s.k1).unsqueeze(0),
-                              v.slice(0, s.k0, s.k1).unsqueeze(0), vs.scale, is_causal,
-                              /*causal_bottom_right=*/true, std::nullopt, std::nullopt,
-                              window_size_left, window_size_right, softcap,
-                              slopes_of(alibi_slopes, static_cast<int64_t>(b)));
+    const at::Tensor qb = q.slice(0, s.q0, s.q1).unsqueeze(0);
+    const at::Tensor kb = k.slice(0, s.k0, s.k1).unsqueeze(0);
+    const at::Tensor vb = v.slice(0, s.k0, s.k1).unsqueeze(0);
+    const auto slopes = slopes_of(alibi_slopes, static_cast<int64_t>(b));
+    // The kernels number sequence b's heads b * h + head (its mask's slices).
+    auto [o, l] = dropout_p > 0.0
+                      ? mha_fwd_dropout_seeded_cpu_at(
+                            qb, kb, vb, dropout_p, *rng_in, vs.scale, is_causal,
+                            /*causal_bottom_right=*/true, std::nullopt, std::nullopt,
+                            window_size_left, window_size_right, softcap, slopes, std::nullopt,
+                            static_cast<int64_t>(b) * h)
+                      : mha_fwd_cpu(qb, kb, vb, vs.scale, is_causal, /*causal_bottom_right=*/true,
+                                    std::nullopt, std::nullopt, window_size_left,
+                                    window_size_right, softcap, slopes);
     out.slice(0, s.q0, s.q1).copy_(o[0]);
     lse.slice(1, s.q0, s.q1).copy_(l[0]);
   }
   return {out, lse};
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    std::optional<double> softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  return varlen_fwd_cpu_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, is_causal, seqused_k, window_size_left,
+                             window_size_right, softcap, alibi_slopes, 0.0, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_dropout_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+    const at::Tensor& rng_state, std::optional<double> softmax_scale, bool is_causal,
+    const std::optional<at::Tensor>& seqused_k, int64_t window_size_left,
+    int64_t window_size_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  return varlen_fwd_cpu_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, is_causal, seqused_k, window_size_left,
+                             window_size_right, softcap, alibi_slopes, dropout_p, &rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
@@ -426,11 +510,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
     double softmax_scale, bool is_causal, const std::optional<at::Tensor>& seqused_k,
     bool deterministic, const std::optional<at::Tensor>& grad_softmax_lse,
     int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   const VarlenShape vs = check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q,
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                           seqused_k, grad_softmax_lse, window_size_left,
                                           window_size_right, softcap, alibi_slopes);
+  check_dropout_backward(dropout_p, rng_state, q);
   at::Tensor dq = at::zeros(q.sizes(), q.options());
   at::Tensor dk = at::zeros(k.sizes(), q.options());
   at::Tensor dv = at::zeros(k.sizes(), q.options());
@@ -443,14 +529,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
     if (grad_softmax_lse.has_value()) {
       dlse = grad_softmax_lse->slice(1, s.q0, s.q1).unsqueeze(0).contiguous();
     }
-    auto [gq, gk, gv] = mha_bwd_cpu(
-        dout.slice(0, s.q0, s.q1).unsqueeze(0), q.slice(0, s.q0, s.q1).unsqueeze(0),
+    auto [gq, gk, gv] = mha_bwd_cpu_at(
+        nullptr, dout.slice(0, s.q0, s.q1).unsqueeze(0), q.slice(0, s.q0, s.q1).unsqueeze(0),
         k.slice(0, s.k0, s.k1).unsqueeze(0), v.slice(0, s.k0, s.k1).unsqueeze(0),
         out.slice(0, s.q0, s.q1).unsqueeze(0),
         softmax_lse.slice(1, s.q0, s.q1).unsqueeze(0).contiguous(), vs.scale, is_causal,
         /*causal_bottom_right=*/true, std::nullopt, std::nullopt, deterministic, dlse,
         window_size_left, window_size_right, softcap,
-        slopes_of(alibi_slopes, static_cast<int64_t>(b)));
+        slopes_of(alibi_slopes, static_cast<int64_t>(b)), std::nullopt, dropout_p, rng_state,
+        static_cast<int64_t>(b) * q.size(1));
     dq.slice(0, s.q0, s.q1).copy_(gq[0]);
     dk.slice(0, s.k0, s.k1).copy_(gk[0]);
     dv.slice(0, s.k0, s.k1).copy_(gv[0]);

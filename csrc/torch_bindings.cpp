@@ -129,17 +129,29 @@ TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
       "float softmax_scale, bool is_causal, Tensor? seqused_k=None, bool deterministic=False, "
       "Tensor? grad_softmax_lse=None, int window_size_left=-1, int window_size_right=-1, "
-      "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "float softcap=0.0, Tensor? alibi_slopes=None, float dropout_p=0.0, "
+      "Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // varlen_fwd with attention dropout drawn from rng_state (int64 (2,) [seed, offset], which
+  // the caller draws per call and passes to varlen_bwd with the same dropout_p); dropout_p in
+  // flash-attn's varlen position, after max_seqlen_k.
+  m.def(
+      "varlen_fwd_dropout(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p, "
+      "Tensor rng_state, float? softmax_scale=None, bool is_causal=False, "
+      "Tensor? seqused_k=None, int window_size_left=-1, int window_size_right=-1, "
+      "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor softmax_lse)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CUDA, m) {
   m.impl("varlen_fwd", &flash_sm75::mha_varlen_fwd);
   m.impl("varlen_bwd", &flash_sm75::mha_varlen_bwd);
+  m.impl("varlen_fwd_dropout", &flash_sm75::mha_varlen_fwd_dropout);
 }
 
 TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) {
   m.impl("varlen_fwd", &flash_sm75::mha_varlen_fwd_cpu);
   m.impl("varlen_bwd", &flash_sm75::mha_varlen_bwd_cpu);
+  m.impl("varlen_fwd_dropout", &flash_sm75::mha_varlen_fwd_dropout_cpu);
 }
 
 // ---- KV cache ----------------------------------------------------------------------------------

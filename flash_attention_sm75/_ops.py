@@ -4,7 +4,8 @@ the one entry every door calls the op through.
 ``import flash_attention_sm75._C`` runs the C++ static registrars (``TORCH_LIBRARY``), which
 define ``torch.ops.flash_attention_sm75.fwd`` and ``bwd`` (padded BSHD batches) and
 ``varlen_fwd`` and ``varlen_bwd`` (flash-attn's packed varlen layout: ``(total, heads,
-head_dim)`` tokens split by ``cu_seqlens``) with CUDA and CPU implementations
+head_dim)`` tokens split by ``cu_seqlens``), their dropout forms (``fwd_dropout``,
+``fwd_dropout_seeded``, ``varlen_fwd_dropout``), with CUDA and CPU implementations
 (docs/CONTRACT.md). This module registers, side by side for both pairs:
 
 * the fakes of ``fwd`` / ``bwd`` / ``varlen_fwd`` / ``varlen_bwd`` (``torch.compile`` /
@@ -52,6 +53,7 @@ __all__ = [
     "KVCACHE_AVAILABLE",
     "PAGE_BLOCK_MULTIPLE",
     "VARLEN_AVAILABLE",
+    "VARLEN_DROPOUT_AVAILABLE",
     "autograd_reason",
     "call_fwd",
     "call_kvcache_fwd",
@@ -295,7 +297,7 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
 def call_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale=None, is_causal=False, seqused_k=None, window_size_left=-1,
                     window_size_right=-1, softcap=0.0, alibi_slopes=None, *,
-                    deterministic: bool = False):
+                    deterministic: bool = False, dropout_p: float = 0.0):
     """``torch.ops.flash_attention_sm75.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, softmax_scale, is_causal, seqused_k, window_size_left,
     window_size_right, softcap, alibi_slopes)`` (packed sequences, flash-attn's varlen layout:
@@ -305,12 +307,27 @@ def call_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     ``deterministic=True`` and autograd records the call, and the same errors before the op
     runs (forward-mode AD, torch.func reverse-mode transforms, slopes that require grad).
 
+    ``dropout_p > 0`` runs ``varlen_fwd_dropout`` on an ``rng_state`` drawn here with
+    ``torch.randint`` on q's device, in every mode: from torch's generator (``torch.manual_seed``
+    reproduces a run), a new draw at each replay of a captured CUDA graph, and a random op that
+    a compiled graph keeps per call (as :func:`call_fwd` does while tracing). Sequence ``b``'s
+    mask is the kernels' slices ``b * num_heads + head`` at its own query / key positions.
+
     The op does not read ``cu_seqlens_*`` against ``max_seqlen_*`` (a longer sequence is
     undefined behaviour): callers check them first (``_packing.check_cu_seqlens``)."""
     require_varlen()
-    return _call("varlen_fwd", (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                softmax_scale, is_causal, seqused_k, window_size_left,
-                                window_size_right, softcap, alibi_slopes), deterministic)
+    rest = (softmax_scale, is_causal, seqused_k, window_size_left, window_size_right, softcap,
+            alibi_slopes)
+    meta = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if dropout_p:
+        if not VARLEN_DROPOUT_AVAILABLE:
+            raise RuntimeError("flash_attention_sm75: the compiled extension has no packed "
+                               "dropout op (torch.ops.flash_attention_sm75.varlen_fwd_dropout): "
+                               "it was built from older sources; " + BUILD_HINT)
+        rng_state = torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=q.device)
+        return _call("varlen_fwd_dropout", meta + (float(dropout_p), rng_state) + rest,
+                     deterministic)
+    return _call("varlen_fwd", meta + rest, deterministic)
 
 
 def call_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_leftpad=None,
@@ -460,15 +477,21 @@ def _fwd_dropout_fake(q, k, v, dropout_p, softmax_scale=None, is_causal=False,
     return out, lse, q.new_empty((2,), dtype=torch.int64)
 
 
-def _fwd_dropout_seeded_fake(q, k, v, dropout_p, rng_state, softmax_scale=None,
-                             is_causal=False, causal_bottom_right=True, leftpad_k=None,
-                             seqused_k=None, window_size_left=-1, window_size_right=-1,
-                             softcap=0.0, alibi_slopes=None, attn_bias=None):
+def _check_rng_state_fake(rng_state, q) -> None:
+    # The C++ check_rng_state's conditions (a fake tensor on another device would otherwise
+    # trace a graph the op then refuses).
     torch._check(rng_state.dtype == torch.int64 and rng_state.shape == (2,),
                  lambda: "flash_attention_sm75: rng_state must be an int64 tensor of 2 elements")
     torch._check(rng_state.device == q.device or rng_state.device.type == "cpu",
                  lambda: f"flash_attention_sm75: rng_state must be on q's device ({q.device}) or "
                          f"the CPU, got {rng_state.device}")
+
+
+def _fwd_dropout_seeded_fake(q, k, v, dropout_p, rng_state, softmax_scale=None,
+                             is_causal=False, causal_bottom_right=True, leftpad_k=None,
+                             seqused_k=None, window_size_left=-1, window_size_right=-1,
+                             softcap=0.0, alibi_slopes=None, attn_bias=None):
+    _check_rng_state_fake(rng_state, q)
     return _fwd_fake(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
                      seqused_k, window_size_left, window_size_right, softcap, alibi_slopes,
                      attn_bias)
@@ -517,10 +540,20 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return q.new_empty((total_q, h, d)), q.new_empty((h, total_q), dtype=torch.float32)
 
 
+def _varlen_fwd_dropout_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p, rng_state, softmax_scale=None, is_causal=False,
+                             seqused_k=None, window_size_left=-1, window_size_right=-1,
+                             softcap=0.0, alibi_slopes=None):
+    _check_rng_state_fake(rng_state, q)
+    return _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            softmax_scale, is_causal, seqused_k, window_size_left,
+                            window_size_right, softcap, alibi_slopes)
+
+
 def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, is_causal, seqused_k=None, deterministic=False,
                      grad_softmax_lse=None, window_size_left=-1, window_size_right=-1,
-                     softcap=0.0, alibi_slopes=None):
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     _check_one_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                       grad_softmax_lse=grad_softmax_lse, alibi_slopes=alibi_slopes)
@@ -645,13 +678,16 @@ def _fwd_dropout_seeded_det_setup_context(ctx, inputs, output):
     _fwd_dropout_seeded_setup_context(ctx, inputs, output, deterministic=True)
 
 
-def _varlen_fwd_setup_context(ctx, inputs, output, deterministic=False):
+def _varlen_fwd_setup_context(ctx, inputs, output, deterministic=False, extra=()):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
      seqused_k, window_size_left, window_size_right, softcap, alibi_slopes) = inputs
     ctx.deterministic = deterministic  # as _fwd_setup_context
     out, softmax_lse = output
     ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                          alibi_slopes)
+                          alibi_slopes, *extra)
+    ctx.n_inputs = len(inputs)
+    ctx.dropout_p = 0.0  # varlen_fwd_dropout's setup sets its own
+    ctx.shift = 0  # inputs between max_seqlen_k and softmax_scale (varlen_fwd_dropout: 2)
     ctx.max_seqlen = (int(max_seqlen_q), int(max_seqlen_k))
     ctx.softcap = float(softcap)
     ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
@@ -661,21 +697,28 @@ def _varlen_fwd_setup_context(ctx, inputs, output, deterministic=False):
 
 
 def _varlen_fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, softmax_lse, cu_q, cu_k, seqused_k, alibi_slopes = ctx.saved_tensors
-    # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
-    # seqused_k, window_size_left, window_size_right, softcap, alibi_slopes
-    none = (None,) * 11
-    if len(ctx.needs_input_grad) > 13 and ctx.needs_input_grad[13]:
+    """The backward of ``varlen_fwd`` and ``varlen_fwd_dropout`` (whose inputs have
+    ``dropout_p, rng_state`` after max_seqlen_k and whose saved tensors end with that
+    ``rng_state``)."""
+    saved = ctx.saved_tensors
+    q, k, v, out, softmax_lse, cu_q, cu_k, seqused_k, alibi_slopes = saved[:9]
+    # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, (dropout_p, rng_state,)
+    # softmax_scale, is_causal, seqused_k, window_size_left, window_size_right, softcap,
+    # alibi_slopes
+    none = (None,) * (ctx.n_inputs - 3)
+    slopes_at = 13 + ctx.shift
+    if len(ctx.needs_input_grad) > slopes_at and ctx.needs_input_grad[slopes_at]:
         raise NotImplementedError(
             "flash_attention_sm75: no gradient for alibi_slopes; pass alibi_slopes.detach()")
     if grad_out is None and grad_lse is None:
         return (None, None, None) + none
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    kw = dict(dropout_p=ctx.dropout_p, rng_state=saved[9]) if ctx.dropout_p else {}
     dq, dk, dv = torch.ops.flash_attention_sm75.varlen_bwd(
         grad_out, q, k, v, out, softmax_lse, cu_q, cu_k, *ctx.max_seqlen, ctx.softmax_scale,
         ctx.is_causal, seqused_k, ctx.deterministic or _deterministic_forced(), grad_lse,
-        *ctx.window_size, ctx.softcap, alibi_slopes)
+        *ctx.window_size, ctx.softcap, alibi_slopes, **kw)
     return (dq, dk, dv) + none
 
 
@@ -683,9 +726,22 @@ def _varlen_fwd_det_setup_context(ctx, inputs, output):
     _varlen_fwd_setup_context(ctx, inputs, output, deterministic=True)
 
 
+def _varlen_fwd_dropout_setup_context(ctx, inputs, output, deterministic=False):
+    # varlen_fwd's inputs without dropout_p, rng_state (inputs[7:9]); the rng_state kept.
+    _varlen_fwd_setup_context(ctx, inputs[:7] + inputs[9:], output, deterministic,
+                              extra=(inputs[8],))
+    ctx.n_inputs = len(inputs)
+    ctx.dropout_p = float(inputs[7])
+    ctx.shift = 2
+
+
+def _varlen_fwd_dropout_det_setup_context(ctx, inputs, output):
+    _varlen_fwd_dropout_setup_context(ctx, inputs, output, deterministic=True)
+
+
 def _define_deterministic_twin(base: str) -> None:
     """Define ``flash_attention_sm75::<base>_deterministic_bwd``: the schema of ``<base>``
-    (``fwd``, ``fwd_dropout`` or ``varlen_fwd``) under another name (read from the registered op, so the twin
+    (``fwd``, ``fwd_dropout``, ``varlen_fwd``, ...) under another name (read from the registered op, so the twin
     follows any change of it), computing with ``<base>`` itself; only its autograd formula
     differs (see :func:`call_fwd`). A CompositeExplicitAutograd kernel serves every backend that
     ``<base>`` has and keeps the twin one node in traced graphs (inductor calls it at run
@@ -746,6 +802,12 @@ built from older sources."""
 VARLEN_AVAILABLE: bool = EXTENSION_AVAILABLE and _has_op("varlen_fwd") and _has_op("varlen_bwd")
 """Whether the compiled extension has the varlen ops (``varlen_fwd`` / ``varlen_bwd``); False for
 an extension built from sources older than them (rebuild it)."""
+
+
+VARLEN_DROPOUT_AVAILABLE: bool = VARLEN_AVAILABLE and _has_op("varlen_fwd_dropout")
+"""Whether the compiled extension has dropout for packed sequences (``varlen_fwd_dropout`` and
+``varlen_bwd``'s ``dropout_p`` / ``rng_state``); False for an extension built from older
+sources."""
 
 
 def require_varlen() -> None:
@@ -821,5 +883,15 @@ if VARLEN_AVAILABLE:
                                     setup_context=_varlen_fwd_det_setup_context)
     torch.library.register_autograd("flash_attention_sm75::varlen_bwd", _bwd_backward,
                                     setup_context=_bwd_setup_context)
+if VARLEN_DROPOUT_AVAILABLE:
+    _define_deterministic_twin("varlen_fwd_dropout")
+    for _name in ("varlen_fwd_dropout", "varlen_fwd_dropout_deterministic_bwd"):
+        torch.library.register_fake("flash_attention_sm75::" + _name)(_varlen_fwd_dropout_fake)
+    torch.library.register_autograd("flash_attention_sm75::varlen_fwd_dropout",
+                                    _varlen_fwd_backward,
+                                    setup_context=_varlen_fwd_dropout_setup_context)
+    torch.library.register_autograd("flash_attention_sm75::varlen_fwd_dropout_deterministic_bwd",
+                                    _varlen_fwd_backward,
+                                    setup_context=_varlen_fwd_dropout_det_setup_context)
 if KVCACHE_AVAILABLE:
     torch.library.register_fake("flash_attention_sm75::kvcache_fwd")(_kvcache_fwd_fake)

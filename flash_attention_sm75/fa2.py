@@ -10,8 +10,7 @@ Everything computed is exact attention (the op of docs/CONTRACT.md). What the ke
 have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and a
 ``ValueError``) naming the argument and the value that is accepted, before any kernel launch:
 
-* ``dropout_p > 0`` in the varlen functions (accepted: 0.0; the dense ones run it), and
-  ``return_attn_probs=True`` with ``dropout_p > 0`` (flash-attn's ``S_dmask``);
+* ``return_attn_probs=True`` with ``dropout_p > 0`` (flash-attn's ``S_dmask``);
 * ``flash_attn_with_kvcache`` where a gradient could flow (flash-attn has no backward there and
   would silently give none).
 
@@ -62,7 +61,7 @@ PREFIX = _rules.PREFIX
 
 
 class UnsupportedFeatureError(NotImplementedError, ValueError):
-    """A flash-attn feature the SM75 kernels do not implement (dropout, a gradient through
+    """A flash-attn feature the SM75 kernels do not implement (``S_dmask``, a gradient through
     ``flash_attn_with_kvcache``, ...). Both a ``NotImplementedError`` (the feature is missing
     here) and a ``ValueError`` (the value given cannot be served; what ``flash_attention_sm75``'s own APIs
     raise for the same options), so either ``except`` catches it."""
@@ -110,13 +109,12 @@ def _check_slopes(alibi_slopes, q: torch.Tensor, batch: int, num_heads: int) -> 
 
 def _check_options(*, causal, dropout_p=0.0,
                    window_size=(-1, -1), softcap=0.0, deterministic=False,
-                   bools: Sequence[Tuple[str, object]] = (),
-                   allow_dropout: bool = False) -> Tuple[Tuple[int, int], float]:
-    """Validate flash-attn's options; raise :class:`UnsupportedFeatureError` naming every
-    feature asked for that the kernels do not have. Returns the window as the op's pair of
-    ints (the kernels run sliding windows) and the softcap as the op's float (:func:`_softcap`);
-    ``alibi_slopes`` are the rulebook's (:func:`_check_slopes`). ``allow_dropout``: the caller runs
-    ``dropout_p > 0`` (the dense functions; the rulebook's ``dropout_p`` rule then applies)."""
+                   bools: Sequence[Tuple[str, object]] = ()) -> Tuple[Tuple[int, int], float]:
+    """Validate flash-attn's options (``ValueError`` naming the argument). Returns the window as
+    the op's pair of ints (the kernels run sliding windows) and the softcap as the op's float
+    (:func:`_softcap`); ``alibi_slopes`` are the rulebook's (:func:`_check_slopes`), and so is
+    what ``dropout_p`` needs beyond its range (``_rules.dropout_problem``, asked through
+    :func:`_require_valid`)."""
     _rules.require_bool("causal", causal)
     _rules.require_bool("deterministic", deterministic)  # served by the backward (_run)
     for name, value in bools:
@@ -124,16 +122,19 @@ def _check_options(*, causal, dropout_p=0.0,
     dropout = _real("dropout_p", dropout_p)
     cap = _softcap(softcap)
     left, right = _window(window_size)
-    problems = []
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"{PREFIX}dropout_p must be in [0, 1), got {dropout_p!r}")
-    if dropout != 0.0 and not allow_dropout:
-        problems.append(f"dropout_p={dropout_p!r}: dropout is not implemented for packed "
-                        f"(varlen) sequences (accepted: 0.0; the dense functions run it)")
-    if problems:
-        raise UnsupportedFeatureError(PREFIX + "not supported by the SM75 kernels: "
-                                      + "; ".join(problems))
     return (left, right), cap
+
+
+def _check_attn_probs(dropout_p, return_attn_probs) -> None:
+    """flash-attn's ``S_dmask`` (``return_attn_probs=True`` with dropout, a testing aid) is not
+    produced: :class:`UnsupportedFeatureError` naming both arguments."""
+    if dropout_p and return_attn_probs:
+        raise UnsupportedFeatureError(
+            PREFIX + "not supported by the SM75 kernels: return_attn_probs=True with "
+            f"dropout_p={dropout_p!r} (flash-attn's S_dmask, a testing aid; accepted: "
+            "return_attn_probs=False, or dropout_p=0.0)")
 
 
 # ------------------------------------------------------------------------------- the kernel call
@@ -219,13 +220,8 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
             _require_valid(q, k, v, softmax_scale, names)  # names the problem
     window, cap = _check_options(causal=causal, dropout_p=dropout_p, window_size=window_size,
                                  softcap=softcap, deterministic=deterministic,
-                                 bools=(("return_attn_probs", return_attn_probs),),
-                                 allow_dropout=True)
-    if dropout_p and return_attn_probs:
-        raise UnsupportedFeatureError(
-            PREFIX + "not supported by the SM75 kernels: return_attn_probs=True with "
-            f"dropout_p={dropout_p!r} (flash-attn's S_dmask, a testing aid; accepted: "
-            "return_attn_probs=False, or dropout_p=0.0)")
+                                 bools=(("return_attn_probs", return_attn_probs),))
+    _check_attn_probs(dropout_p, return_attn_probs)
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
@@ -412,6 +408,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                                  window_size=window_size, softcap=softcap,
                                  deterministic=deterministic,
                                  bools=(("return_attn_probs", return_attn_probs),))
+    _check_attn_probs(dropout_p, return_attn_probs)
     batch = cu_q.shape[0] - 1
     _check_slopes(alibi_slopes, q, batch, q.shape[1])
     if paged:
@@ -427,7 +424,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
     k4, v4 = (kp[:1], vp[:1]) if paged else (kp.unsqueeze(0), vp.unsqueeze(0))
-    _require_valid(qp.unsqueeze(0), k4, v4, scale)
+    _require_valid(qp.unsqueeze(0), k4, v4, scale, dropout_p=float(dropout_p))
     # The op reads cu_seqlens as given: a sequence longer than max_seqlen_* must be caught
     # before it runs, on the device (no host synchronisation).
     _packing.check_cu_seqlens(cu_q, q.shape[0], max_q, "cu_seqlens_q")
@@ -439,7 +436,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     out, lse = _ops.call_varlen_fwd(
         _aligned(qp), _aligned(kp), _aligned(vp), cu_q, cu_k, max_q, max_k,
         None if scale is None else float(scale), causal, seqused, *window, cap, alibi_slopes,
-        deterministic=deterministic)
+        deterministic=deterministic, dropout_p=float(dropout_p))
     if padded:
         out = out[..., :d]
     if not return_attn_probs:
@@ -503,6 +500,14 @@ _VARLEN_DOC = """
     caught on the device before the op runs (``ValueError`` on the CPU, ``RuntimeError`` on the
     CPU in a torch.compile'd graph, a device-side assertion on CUDA) instead of giving a wrong
     result.
+
+    ``dropout_p`` in [0, 1): attention dropout on the kernels, as in :func:`flash_attn_func`
+    (torch's semantics; the backward regenerates the mask; a backward at head dims above 128
+    raises ``ValueError`` before the forward). The mask is drawn per call from an ``[seed,
+    offset]`` pair that ``torch.randint`` takes from torch's generator (``varlen_fwd_dropout``):
+    ``torch.manual_seed`` reproduces a run, each replay of a captured CUDA graph and each call
+    of a compiled graph draws a new one; each sequence's mask depends on its index in the batch
+    and its own query / key positions, not on where it sits in the packed tensor.
 
     Returns ``out`` ``(total_q, nheads, headdim)`` float16, or with ``return_attn_probs=True``
     ``(out, softmax_lse, S_dmask)`` with ``softmax_lse`` float32 ``(nheads, total_q)``

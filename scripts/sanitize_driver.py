@@ -22,7 +22,9 @@ softcap).
 ``--dropout P`` runs every dense launch with attention dropout (fwd_dropout; the backward with
 the forward's rng_state, head_dim <= 128): the forward's LSE (the undropped one) is checked
 against the CPU reference, its output only for finiteness (tests/test_dropout.py compares it
-with the mask), and the backward against the CPU reference op given the same rng_state.
+with the mask), and the backward against the CPU reference op given the same rng_state; with
+``--varlen`` the packed launches (varlen_fwd_dropout on a fixed rng_state, which the CPU
+reference op draws the same mask from: output, LSE and backward all compared).
 ``--window LEFT RIGHT`` runs every launch with that sliding window (flash-attn's window_size);
 ``--softcap X`` and ``--alibi`` with those score modifiers (the score-mod instantiations; ALiBi
 skips the key-range cases, which the op refuses with it).
@@ -166,7 +168,8 @@ def main(argv=None):
                     help="with --bias / --bias-float: the backward also computes the bias "
                          "gradient (bwd_dbias)")
     ap.add_argument("--dropout", type=float, default=0.0, metavar="P",
-                    help="attention dropout probability of every dense launch (0: none)")
+                    help="attention dropout probability of every dense (or, with --varlen, packed) "
+                         "launch (0: none)")
     ap.add_argument("--varlen", action="store_true",
                     help="packed sequences (varlen_fwd / varlen_bwd) instead of the dense cases: "
                          "empty and one-token sequences, rows outside every sequence, seqused_k")
@@ -328,14 +331,21 @@ def run_varlen(args, dev, gen, failures):
                 su = None if used is None else torch.tensor(used, dtype=torch.int32)
                 mq, mk = max(lens_q), max(lens_k)
                 tag = (f"varlen d={d} causal={causal} window={tuple(args.window)} "
-                       f"softcap={args.softcap:g} alibi={args.alibi} lens_q={lens_q} "
+                       f"softcap={args.softcap:g} alibi={args.alibi} dropout={args.dropout:g} "
+                       f"lens_q={lens_q} "
                        f"lens_k={lens_k} seqused_k={used}")
 
+                # With dropout the CPU reference draws the same mask from the same state.
+                state = torch.tensor([12345 + d, 8], dtype=torch.int64)
+                drop = (args.dropout, state) if args.dropout else None
+
                 def fwd(t):
-                    return ops.varlen_fwd(*(x.to(t) for x in (q, k, v, cu_q, cu_k)), mq, mk, None,
-                                          causal, None if su is None else su.to(t),
-                                          *args.window, args.softcap,
-                                          None if slopes is None else slopes.to(t))
+                    meta = tuple(x.to(t) for x in (q, k, v, cu_q, cu_k)) + (mq, mk)
+                    rest = (None, causal, None if su is None else su.to(t), *args.window,
+                            args.softcap, None if slopes is None else slopes.to(t))
+                    if drop is not None:
+                        return ops.varlen_fwd_dropout(*meta, drop[0], drop[1].to(t), *rest)
+                    return ops.varlen_fwd(*meta, *rest)
                 res = launch(tag, failures, dev, lambda: fwd(dev))
                 if res is None:
                     continue
@@ -351,17 +361,18 @@ def run_varlen(args, dev, gen, failures):
                       f"max|lse-ref|={l_err:.2e}", flush=True)
                 if not ok:
                     failures.append(tag)
-                if args.no_bwd:
+                if args.no_bwd or (drop is not None and d > 128):  # no dropout backward there
                     continue
 
                 def bwd(t, o, l, mode):
+                    kw = {} if drop is None else dict(dropout_p=drop[0], rng_state=drop[1].to(t))
                     return with_env(
                         "FLASH_SM75_BWD_DQ", "atomic" if mode == "atomic" else "separate",
                         lambda: ops.varlen_bwd(
                             *(x.to(t) for x in (dout, q, k, v, o, l, cu_q, cu_k)), mq, mk,
                             d ** -0.5, causal, None if su is None else su.to(t),
                             mode == "deterministic", None, *args.window, args.softcap,
-                            None if slopes is None else slopes.to(t)))
+                            None if slopes is None else slopes.to(t), **kw))
                 ref = bwd("cpu", ro, rl, "deterministic")
                 for mode in ("deterministic", "atomic"):
                     grads = launch(f"{tag} bwd {mode}", failures, dev,

@@ -11,6 +11,7 @@ is 1, same seed bitwise equal, other seeds differ, CUDA-graph replays draw new m
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -246,9 +247,6 @@ def test_flash_attn_func_and_fa2_run_dropout_on_cpu():
     assert torch.equal(b, out)
     with pytest.raises(NotImplementedError, match="return_attn_probs=True with dropout_p"):
         fa2.flash_attn_func(q, k, v, 0.4, return_attn_probs=True)
-    cu = torch.tensor([0, 9], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="packed"):
-        fa2.flash_attn_varlen_func(q[0], k[0, :9], v[0, :9], cu, cu, 9, 9, 0.4)
 
 
 def test_sdpa_wrapper_accepts_dropout_and_falls_back_outside_the_rule(monkeypatch):
@@ -628,11 +626,14 @@ def test_sdpa_wrapper_training_on_the_kernel(request):
 
 
 # ------------------------------------------------------------------------------- transformers
-def test_hf_training_with_attention_dropout_runs_on_the_kernel(request):
-    """A Llama-shaped model (head_dim 64, GQA, right-padded batch) with ``attention_dropout=0.1``
-    in train mode: every layer's attention runs on the kernel with dropout (transformers passes
-    ``dropout=0.1``), the loss and gradients are finite, a seed reproduces them bitwise, another
-    seed changes them, and eval mode (dropout 0) gives the undropped model's loss."""
+@pytest.mark.parametrize("batch", ["padded", "packed"])
+def test_hf_training_with_attention_dropout_runs_on_the_kernel(batch, request):
+    """A Llama-shaped model (head_dim 64, GQA) with ``attention_dropout=0.1`` in train mode, on a
+    right-padded batch or a packed row (``DataCollatorWithFlattening``: restarting
+    ``position_ids``, the varlen op): every layer's attention runs on the kernel with dropout
+    (transformers passes ``dropout=0.1``), the loss and gradients are finite, a seed reproduces
+    them bitwise, another seed changes them, and eval mode (dropout 0) gives the undropped
+    model's loss."""
     for m in gpu:
         request.applymarker(m)
     if not HAS_CUDA:
@@ -650,12 +651,18 @@ def test_hf_training_with_attention_dropout_runs_on_the_kernel(request):
     ids = torch.randint(1, 4096, (2, 150), generator=g).cuda()
     am = torch.ones(2, 150, dtype=torch.long, device="cuda")
     am[1, 100:] = 0
+    inputs = dict(input_ids=ids, attention_mask=am)
+    if batch == "packed":  # documents of 150 and 100 tokens in one row
+        pos = torch.cat([torch.arange(150), torch.arange(100)])[None].cuda()
+        ids = torch.cat([ids[0], ids[1, :100]])[None]
+        am = torch.ones_like(ids)
+        inputs = dict(input_ids=ids, position_ids=pos)
     labels = ids.masked_fill(am == 0, -100)
 
     def step(seed):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
-        logits = model(input_ids=ids, attention_mask=am).logits
+        logits = model(**inputs).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                                  ignore_index=-100)
         loss.backward()
@@ -675,9 +682,250 @@ def test_hf_training_with_attention_dropout_runs_on_the_kernel(request):
     model.eval()
     with torch.no_grad():
         torch.manual_seed(1)
-        logits_eval = model(input_ids=ids, attention_mask=am).logits
+        logits_eval = model(**inputs).logits
         model.config.attention_dropout = 0.0
         for layer in model.model.layers:
             layer.self_attn.attention_dropout = 0.0
-        logits_nodrop = model(input_ids=ids, attention_mask=am).logits
+        logits_nodrop = model(**inputs).logits
     assert torch.equal(logits_eval, logits_nodrop)
+
+
+# ---------------------------------------------------------------------- packed (varlen) sequences
+def packed_qkv(lens_q, lens_k, h, h_k, d, device, seed=0):
+    """Packed q (sum(lens_q), h, d), k / v (sum(lens_k), h_k, d) and int32 cu_seqlens."""
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda n, heads: torch.randn(n, heads, d, generator=g).to(device, torch.float16)  # noqa
+    cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)),  # noqa
+                                   dtype=torch.int32, device=device)
+    return (mk(sum(lens_q), h), mk(sum(lens_k), h_k), mk(sum(lens_k), h_k), cu(lens_q),
+            cu(lens_k))
+
+
+def run_and_check_varlen(lens_q, lens_k, h, h_k, d, p, device, *, causal=False,
+                         window=(-1, -1), backward=True, seed=0):
+    """``varlen_fwd_dropout`` (forward, and backward through autograd) against each sequence's
+    float64 reference with its part of the mask ``dropout_mask`` reports for the call's
+    ``rng_state`` (sequence b: slices b * h + head, at its own query / key positions);
+    FlashAttention's criterion on the packed out, dq, dk, dv."""
+    q, k, v, cu_q, cu_k = packed_qkv(lens_q, lens_k, h, h_k, d, device, seed)
+    max_q, max_k = max(lens_q), max(lens_k)
+    state = torch.tensor([1000003 * seed + 17, 4 * seed + 8], dtype=torch.int64, device=device)
+    q, k, v = (t.requires_grad_(backward) for t in (q, k, v))
+    with poisoned_cuda_memory() if q.is_cuda else _Null():
+        out, lse = ops.varlen_fwd_dropout(q, k, v, cu_q, cu_k, max_q, max_k, p, state, None,
+                                          causal, None, *window)
+    keep = ops.dropout_mask(state, len(lens_q), h, max_q, max_k, p).to(device)
+    leaves = {}
+    for dtype in (torch.float64, torch.float16):  # the reference, PyTorch's fp16 baseline
+        qr, kr, vr = (t.detach().requires_grad_(backward) for t in (q, k, v))
+        parts = []
+        q0 = k0 = 0
+        for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+            if lq:
+                parts.append(dropout_ref(qr[None, q0:q0 + lq], kr[None, k0:k0 + lk],
+                                         vr[None, k0:k0 + lk], keep[b:b + 1, :, :lq, :lk], p,
+                                         dtype=dtype, causal=causal, window=window)[0])
+            q0, k0 = q0 + lq, k0 + lk
+        leaves[dtype] = (torch.cat(parts), (qr, kr, vr))
+    (ref, ref_in), (pt, pt_in) = leaves[torch.float64], leaves[torch.float16]
+    assert_close_fa(out, ref, pt)
+    if not backward:
+        return out, lse
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, ref_in, do.double())
+    pt_grads = torch.autograd.grad(pt, pt_in, do)
+    for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        assert_close_fa(g, r, t, name=name)
+    return out, lse
+
+
+# Empty and one-token sequences, unequal q / k lengths (causal rows that see no key).
+VARLEN_LENS = ([5, 1, 0, 17, 9, 2], [7, 1, 0, 17, 3, 30])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_cpu_reference_applies_each_sequences_mask(causal):
+    run_and_check_varlen(*VARLEN_LENS, 4, 2, 32, 0.3, "cpu", causal=causal)
+    run_and_check_varlen(*VARLEN_LENS, 2, 2, 16, 0.5, "cpu", window=(4, 2), seed=1)
+
+
+def _spy_varlen_states(monkeypatch):
+    """The rng_state of every varlen_fwd_dropout call (the doors look the op up per call)."""
+    states = []
+    real = ops.varlen_fwd_dropout
+    monkeypatch.setattr(ops, "varlen_fwd_dropout",
+                        lambda *a, **kw: states.append(a[8]) or real(*a, **kw))
+    return states
+
+
+def test_varlen_door_draws_a_mask_per_call_from_torchs_generator(monkeypatch):
+    from flash_attention_sm75 import fa2
+
+    q, k, v, cu_q, cu_k = packed_qkv(*VARLEN_LENS, 4, 2, 64, "cpu", seed=2)
+    args = (q, k, v, cu_q, cu_k, max(VARLEN_LENS[0]), max(VARLEN_LENS[1]), 0.4)
+    states = _spy_varlen_states(monkeypatch)
+    torch.manual_seed(5)
+    a = fa2.flash_attn_varlen_func(*args, causal=True)
+    b = fa2.flash_attn_varlen_func(*args, causal=True)
+    torch.manual_seed(5)
+    a2 = fa2.flash_attn_varlen_func(*args, causal=True)
+    assert torch.equal(a, a2) and not torch.equal(a, b)
+    assert len(states) == 3 and torch.equal(states[0], states[2])
+    assert states[0].dtype == torch.int64 and states[0].device == q.device
+    # the door's result is the op's on the drawn state
+    ref, _ = ops.varlen_fwd_dropout(*args[:7], 0.4, states[0], None, True)
+    assert torch.equal(a, ref)
+    # dropout_p = 0 is the plain op; S_dmask and a backward above head_dim 128 are refused
+    torch.testing.assert_close(fa2.flash_attn_varlen_func(*args[:7], 0.0),
+                               ops.varlen_fwd(*args[:7])[0], atol=0, rtol=0)
+    with pytest.raises(NotImplementedError, match="return_attn_probs=True with dropout_p"):
+        fa2.flash_attn_varlen_func(*args, return_attn_probs=True)
+    q2, k2, v2, cu2, _ = packed_qkv([3, 4], [3, 4], 2, 2, 256, "cpu")
+    with pytest.raises(ValueError, match="dropout has no backward at head_dim 256"):
+        fa2.flash_attn_varlen_func(q2.requires_grad_(), k2, v2, cu2, cu2, 4, 4, 0.2)
+    with torch.no_grad():  # no backward: the forward runs
+        assert fa2.flash_attn_varlen_func(q2, k2, v2, cu2, cu2, 4, 4, 0.2).shape == q2.shape
+
+
+def test_varlen_backward_checks_its_rng_state():
+    q, k, v, cu_q, cu_k = packed_qkv([3, 5], [4, 5], 2, 2, 32, "cpu")
+    state = torch.tensor([3, 4])
+    out, lse = ops.varlen_fwd_dropout(q, k, v, cu_q, cu_k, 5, 5, 0.2, state)
+    args = (out, q, k, v, out, lse, cu_q, cu_k, 5, 5, 32 ** -0.5, False)
+    with pytest.raises(ValueError, match="dropout_p > 0 needs rng_state"):
+        ops.varlen_bwd(*args, dropout_p=0.2)
+    with pytest.raises(ValueError, match="rng_state must be"):
+        ops.varlen_bwd(*args, dropout_p=0.2, rng_state=state.float())
+    with pytest.raises(ValueError, match="rng_state must be"):
+        ops.varlen_fwd_dropout(q, k, v, cu_q, cu_k, 5, 5, 0.2, state[:1])
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        ops.varlen_fwd_dropout(q, k, v, cu_q, cu_k, 5, 5, 1.0, state)
+
+
+def test_varlen_dropout_under_torch_compile_draws_in_the_graph():
+    from flash_attention_sm75 import fa2
+
+    q, k, v, cu_q, cu_k = packed_qkv(*VARLEN_LENS, 2, 2, 32, "cpu", seed=4)
+    mq, mk = max(VARLEN_LENS[0]), max(VARLEN_LENS[1])
+
+    def f(q, k, v):
+        a = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, 0.5, causal=True)
+        b = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, 0.5, causal=True)
+        return a, b
+
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+
+    def run(seed):
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(seed)
+        a, b = cf(*leaves)
+        (a.float().sum() + 2 * b.float().sum()).backward()
+        return a, b, [t.grad for t in leaves]
+
+    a, b, grads = run(0)
+    a2, b2, grads2 = run(0)
+    assert not torch.equal(a, b)  # two calls, two masks: the graph kept both draws
+    assert torch.equal(a, a2) and torch.equal(b, b2)  # torch.manual_seed reproduces the run
+    for g, g2 in zip(grads, grads2):
+        assert torch.isfinite(g).all() and torch.equal(g, g2)
+
+
+def test_hf_packed_call_with_dropout_runs_on_the_varlen_op(hf_state, monkeypatch):
+    from flash_attention_sm75 import fa2
+    from flash_attention_sm75.integrations import transformers as hf
+
+    hf.configure(allow_cpu_reference=True)
+
+    class Attn(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 2
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, h, 24, 64, generator=g).half().requires_grad_()
+               for h in (4, 2, 2))
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    states = _spy_varlen_states(monkeypatch)
+    torch.manual_seed(8)
+    out, _ = hf.flash_attention_sm75_forward(Attn(), q, k, v, None, dropout=0.3,
+                                             position_ids=pos)
+    stats = hf.get_stats()
+    assert stats["kernel"] == 1 and stats["fallback"] == 0, stats
+    assert len(states) == 1
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    torch.manual_seed(8)
+    ref = fa2.flash_attn_varlen_func(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, 14, 14,
+                                     0.3, causal=True)
+    assert torch.equal(out[0], ref)
+    out.float().sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_kernels_forward_and_backward_against_float64(d, causal, request):
+    for m in gpu:
+        request.applymarker(m)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    lens_q = [130, 1, 0, 77, 256, 3]
+    lens_k = [201, 1, 0, 77, 129, 40]
+    run_and_check_varlen(lens_q, lens_k, 4, 2, d, 0.17, "cuda", causal=causal, seed=d,
+                         backward=d <= _rules.DROPOUT_BACKWARD_MAX_HEAD_DIM)
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "atomic"])
+def test_varlen_kernels_backward_in_both_dq_modes_and_a_window(mode, request):
+    for m in gpu:
+        request.applymarker(m)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    with dq_mode(mode):  # atomic mode runs a dropout's backward with the dQ kernel
+        run_and_check_varlen([300, 17, 64], [300, 40, 90], 4, 4, 64, 0.1, "cuda", causal=True)
+        run_and_check_varlen([300, 17, 64], [300, 40, 90], 4, 1, 128, 0.3, "cuda",
+                             window=(33, 5), seed=1)
+
+
+def test_varlen_kernels_seed_and_graph_replay(request):
+    for m in gpu:
+        request.applymarker(m)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    from flash_attention_sm75 import fa2
+
+    lens = [256, 100, 1, 200]
+    q, k, _, cu, _ = packed_qkv(lens, lens, 4, 4, 64, "cuda")
+    ones = torch.ones_like(k)
+    args = (q, k, ones, cu, cu, 256, 256, 0.3)
+    # E[out] = 1 with V = 1
+    torch.manual_seed(1)
+    outs = torch.stack([fa2.flash_attn_varlen_func(*args).float() for _ in range(8)])
+    assert abs(outs.mean().item() - 1.0) < 0.01
+    torch.manual_seed(2)
+    a = fa2.flash_attn_varlen_func(*args)
+    c = fa2.flash_attn_varlen_func(*args)
+    torch.manual_seed(2)
+    assert torch.equal(a, fa2.flash_attn_varlen_func(*args)) and not torch.equal(a, c)
+    # the GPU kernels draw the CPU reference's mask for the same rng_state
+    state = torch.tensor([77, 12], dtype=torch.int64)
+    gpu_out, _ = ops.varlen_fwd_dropout(q, k, ones, cu, cu, 256, 256, 0.3, state.cuda())
+    cpu_out, _ = ops.varlen_fwd_dropout(q.cpu(), k.cpu(), ones.cpu(), cu.cpu(), cu.cpu(), 256,
+                                        256, 0.3, state)
+    assert (gpu_out.cpu().double() - cpu_out.double()).abs().max().item() < 2e-3
+    # CUDA graph: every replay draws a new mask
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fa2.flash_attn_varlen_func(*args)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fa2.flash_attn_varlen_func(*args)
+    seen = []
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(static).all()
+        seen.append(static.clone())
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+    assert abs(torch.stack(seen).float().mean().item() - 1.0) < 0.02

@@ -100,8 +100,9 @@ def rand(*shape, grad=False, seed=None):
 
 # ------------------------------------------------------------------------------- options
 BAD_OPTIONS = [
-    (dict(dropout_p=0.1), "dropout_p=0.1", "accepted: 0.0"),
-]  # softcap and alibi_slopes run (tests/test_scoremod.py); dropout runs in the dense functions
+    (dict(dropout_p=0.1, return_attn_probs=True), "return_attn_probs=True with dropout_p=0.1",
+     "accepted: return_attn_probs=False"),
+]  # softcap, alibi_slopes (tests/test_scoremod.py) and dropout (tests/test_dropout.py) run
 
 
 @pytest.mark.parametrize("api,kwargs,names,accepted", [
@@ -122,21 +123,20 @@ def test_unsupported_feature_raises_naming_it(api, kwargs, names, accepted):
     assert names in msg and accepted in msg, msg
 
 
-def test_dropout_with_packed_sequences_is_the_one_unsupported_feature_and_is_named(monkeypatch):
-    # softcap, ALiBi, deterministic=True (also under FLASH_SM75_BWD_DQ=atomic) and dense dropout
-    # all run: the varlen error names dropout alone.
+def test_every_option_runs_together_in_dense_and_packed_calls(monkeypatch):
+    # softcap, ALiBi, deterministic=True (also under FLASH_SM75_BWD_DQ=atomic) and dropout run
+    # together, dense and packed, forward and backward.
     q = rand(1, 4, 2, 16)
     monkeypatch.setenv("FLASH_SM75_BWD_DQ", "atomic")
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(fa2.UnsupportedFeatureError, match="dropout_p=0.5") as e:
-        fa2.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, 0.5, softcap=1.0,
-                                   alibi_slopes=torch.ones(2), deterministic=True)
-    for name in ("softcap", "alibi", "deterministic"):
-        assert name not in str(e.value), name
     for p in (0.0, 0.5):
-        out = fa2.flash_attn_func(q, q, q, p, softcap=1.0, alibi_slopes=torch.ones(2),
-                                  deterministic=True)
-        assert out.shape == q.shape and torch.isfinite(out).all()
+        kw = dict(softcap=1.0, alibi_slopes=torch.ones(2), deterministic=True)
+        leaf = q.detach().requires_grad_()
+        dense = fa2.flash_attn_func(leaf, leaf, leaf, p, **kw)
+        packed = fa2.flash_attn_varlen_func(leaf[0], leaf[0], leaf[0], cu, cu, 4, 4, p, **kw)
+        (dense.float().sum() + packed.float().sum()).backward()
+        for out in (dense, packed[None], leaf.grad):
+            assert out.shape == q.shape and torch.isfinite(out).all()
 
 
 @pytest.fixture

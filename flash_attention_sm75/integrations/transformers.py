@@ -37,7 +37,7 @@ a CUDA graph captures (a static cache's decode step under ``mode="reduce-overhea
 by the kernel itself as its ``attn_bias`` (bool or additive, broadcast over heads in place), as
 the rulebook's bias rule allows (with a backward: head_dim up to 128, no softcap). Any
 unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256], dropout in
-training above head_dim 128 or with packed sequences,
+training above head_dim 128,
 ``output_attentions``, a keyword argument outside the allow-list, a mask the bias rule refuses)
 calls transformers' own ``sdpa_attention_forward`` with the original arguments (calls with Gemma
 2's ``softcap``, which runs on the kernel, fall back to that function with the soft-cap applied,
@@ -714,9 +714,10 @@ def _plan_varlen(packing: _Packing, query, key, attention_mask, causal: bool,
     return _VarlenPlan(cu_q, cu_k, max_q, max_k, causal, w), None
 
 
-def _run_varlen(query, key, value, scaling, plan: _VarlenPlan, softcap: float = 0.0):
-    """The varlen op on the flattened tokens of BHSD ``query``, ``key``, ``value``; returns
-    ``(B, q_len, H, D)``."""
+def _run_varlen(query, key, value, scaling, plan: _VarlenPlan, softcap: float = 0.0,
+                dropout_p: float = 0.0):
+    """The varlen op on the flattened tokens of BHSD ``query``, ``key``, ``value`` (with
+    attention dropout ``dropout_p``: ``varlen_fwd_dropout``); returns ``(B, q_len, H, D)``."""
     b, h, q_len, d = query.shape
     kv_len, h_k = key.shape[2], key.shape[1]
     q = _bshd_for_kernel(query).reshape(b * q_len, h, d)
@@ -724,7 +725,8 @@ def _run_varlen(query, key, value, scaling, plan: _VarlenPlan, softcap: float = 
     v = _bshd_for_kernel(value).reshape(b * kv_len, h_k, d)
     scale = None if scaling is None else float(scaling)
     out, _ = _ops.call_varlen_fwd(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale,
-                                  plan.causal, None, *plan.window_size, softcap)
+                                  plan.causal, None, *plan.window_size, softcap,
+                                  dropout_p=dropout_p)
     return out.view(b, q_len, h, d)
 
 
@@ -752,14 +754,13 @@ def _packed_attention(fallback, module, query, key, value, attention_mask, bound
     window = window if no_mask else None
     reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
                                  softcap)
-    if reason is None and _dropout_of(bound):
-        reason = f"dropout={bound['dropout']} with packed sequences (the varlen op has no dropout)"
     plan = None
     if reason is None:
         plan, reason = _plan_varlen(packing, query, key, attention_mask, causal, window)
     if reason is None:
         out, reason = _try_kernel(
-            lambda: _run_varlen(query, key, value, bound["scaling"], plan, softcap),
+            lambda: _run_varlen(query, key, value, bound["scaling"], plan, softcap,
+                                _dropout_of(bound)),
             query.shape[2])
         if out is not None:
             return out, None

@@ -6,8 +6,8 @@ flash-attn in that environment (its build refuses while one is installed), and t
 ``attn_implementation="flash_attention_2"`` runs these functions.
 The code lives in ``flash_attention_sm75.fa2`` (functions) and ``flash_attention_sm75.bert_padding``;
 see their docstrings for shapes, dtypes and the errors raised for features the SM75 kernels do
-not have (:class:`UnsupportedFeatureError`: dropout with packed sequences; sliding windows,
-soft-capping, ALiBi and dense dropout run).
+not have (:class:`UnsupportedFeatureError`: ``return_attn_probs=True`` with dropout; sliding
+windows, soft-capping, ALiBi and dropout, dense and packed, run).
 
 flash-attention-sm75 is not a declared dependency (it is not on PyPI, and a requirement of its
 name could be met by someone else's upload there): importing this package checks that it is
