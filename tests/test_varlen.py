@@ -57,8 +57,11 @@ BWD_SCHEMA = (
     "Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
     "int max_seqlen_k, float softmax_scale, bool is_causal, Tensor? seqused_k=None, "
     "bool deterministic=False, Tensor? grad_softmax_lse=None, int window_size_left=-1, "
-    "int window_size_right=-1, float softcap=0., Tensor? alibi_slopes=None) "
-    "-> (Tensor dq, Tensor dk, Tensor dv)")
+    "int window_size_right=-1, float softcap=0., Tensor? alibi_slopes=None, "
+    "float dropout_p=0., Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)")
+# varlen_fwd's with dropout_p and rng_state in flash-attn's varlen position (after max_seqlen_k)
+DROPOUT_SCHEMA = FWD_SCHEMA.replace("::varlen_fwd(", "::varlen_fwd_dropout(").replace(
+    "int max_seqlen_k, ", "int max_seqlen_k, float dropout_p, Tensor rng_state, ")
 
 
 def _varlen_fwd():
@@ -140,6 +143,8 @@ def test_schemas():
     assert str(_varlen_bwd().default._schema) == BWD_SCHEMA
     twin = torch.ops.flash_attention_sm75.varlen_fwd_deterministic_bwd.default._schema
     assert str(twin) == FWD_SCHEMA.replace("::varlen_fwd(", "::varlen_fwd_deterministic_bwd(")
+    drop = torch.ops.flash_attention_sm75.varlen_fwd_dropout.default._schema
+    assert str(drop) == DROPOUT_SCHEMA
 
 
 # ------------------------------------------------------------------------------- the CPU op
