@@ -140,13 +140,13 @@ at::Tensor cpu_bias(const at::Tensor& bias_view);
 // The backward's limits with a bias: no softcap with it, head_dim <= kBwdBiasMaxHeadDim
 // (kernels/flash.h). ValueError naming attn_bias otherwise.
 void check_bias_backward(const std::optional<at::Tensor>& attn_bias, double softcap, int64_t head_dim);
-// mha_bwd_with's bias-gradient output, if requested: attn_bias given, no sliding window's left
-// edge, seqlen_q * seqlen_k <= kMaxDbiasSlice (the kernel's 32-bit offsets in a (batch, head)
-// slice); then allocated zero-filled (float32 (batch, h, seqlen_q, seqlen_k) on q's device; q, k
-// in the kernel layout).
+// mha_bwd_with's bias-gradient output, if requested: attn_bias given, seqlen_q * seqlen_k <=
+// kMaxDbiasSlice (the kernel's 32-bit offsets in a (batch, head) slice); then allocated
+// zero-filled (float32 (batch, h, seqlen_q, seqlen_k) on q's device; q, k in the kernel layout):
+// the tiles a causal mask or a sliding window prunes are never visited and keep their zeros.
 constexpr int64_t kMaxDbiasSlice = (int64_t{1} << 31) - 1;
 void make_dbias(at::Tensor* dbias, const std::optional<at::Tensor>& attn_bias, const at::Tensor& q,
-                const at::Tensor& k, int64_t window_size_left);
+                const at::Tensor& k);
 
 // Score modifiers (flash-attn's), applied to the scaled scores s = softmax_scale * q.k before the
 // mask and the softmax (kernels/score_mod.h):

@@ -169,13 +169,10 @@ double check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::T
 }
 
 void make_dbias(at::Tensor* dbias, const std::optional<at::Tensor>& attn_bias,
-                const at::Tensor& q, const at::Tensor& k, int64_t window_size_left) {
+                const at::Tensor& q, const at::Tensor& k) {
   if (dbias == nullptr) return;
   TORCH_CHECK_VALUE(attn_bias.has_value(), "flash_attention_sm75: bwd_dbias needs attn_bias "
                     "(its output is the bias's gradient)");
-  TORCH_CHECK_VALUE(window_size_left < 0, "flash_attention_sm75: no attn_bias gradient with a "
-                    "sliding window (window_size_left = ", window_size_left, "); pass "
-                    "window_size_left=-1 or attn_bias.detach()");
   TORCH_CHECK_VALUE(q.size(1) * k.size(1) <= kMaxDbiasSlice, "flash_attention_sm75: no "
                     "attn_bias gradient for seqlen_q * seqlen_k = ", q.size(1) * k.size(1),
                     " (at most ", kMaxDbiasSlice, ")");
@@ -201,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_with(
                                                 : at::Tensor();
   check_bias_backward(attn_bias, softcap, q.size(3));
   check_dropout_backward(dropout_p, rng_state, q);
-  make_dbias(dbias, attn_bias, q, k, window_size_left);
+  make_dbias(dbias, attn_bias, q, k);
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto* props = at::cuda::getDeviceProperties(q.get_device());
@@ -309,7 +306,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_at(
                                                 : at::Tensor();
   check_bias_backward(attn_bias, softcap, q.size(3));
   check_dropout_backward(dropout_p, rng_state, q);
-  make_dbias(dbias, attn_bias, to_kernel_layout(q), to_kernel_layout(k), window_size_left);
+  make_dbias(dbias, attn_bias, to_kernel_layout(q), to_kernel_layout(k));
   if (zero_size(q, k)) return zero_size_bwd(q, k);
   const int64_t b = q.size(0), h = q.size(2), d = q.size(3);
   const int64_t seqlen_k = k.size(1), h_k = k.size(2);

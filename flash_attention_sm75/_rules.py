@@ -271,7 +271,7 @@ def gradient_flows(*tensors) -> bool:
 
 def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
                       layout: str = "bshd", backward: bool = False, softcap: float = 0.0,
-                      name: str = "attn_bias", window_left: int = -1,
+                      name: str = "attn_bias",
                       bias_grad: Optional[bool] = None) -> Optional[str]:
     """None if ``attn_bias`` (not None) is a bias the kernels read, else what is wrong with it:
     a dense tensor of :data:`BIAS_DTYPES` (bool: True = attend; float16 / bfloat16 / float32:
@@ -281,8 +281,7 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     at most 2^31 elements through its strides. ``backward`` (a gradient will flow to q, k or v),
     or the bias itself requiring grad while grad mode is on (the backward computes its gradient,
     dS summed over the broadcast dimensions): also no softcap with it and head_dim at most
-    :data:`BIAS_BACKWARD_MAX_HEAD_DIM`; and for the bias's own gradient no sliding window's left
-    edge (``window_left``, the call's ``window_size[0]``, must be -1) and seqlen_q * seqlen_k at
+    :data:`BIAS_BACKWARD_MAX_HEAD_DIM`; and for the bias's own gradient seqlen_q * seqlen_k at
     most :data:`MAX_DBIAS_SLICE`. ``bias_grad``: whether the bias's gradient is wanted (None:
     it requires grad while grad mode is on; a backward formula, which runs without grad mode,
     says it). ``name``: the argument as the door calls it (``attn_mask`` in
@@ -319,10 +318,6 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     if bias_grad is None:
         bias_grad = b.requires_grad and torch.is_grad_enabled()
     if bias_grad:
-        if window_left >= 0:
-            return (f"{name} requires grad with a sliding window (window_size[0] = "
-                    f"{window_left}): the kernels compute no bias gradient in a window's band; "
-                    f"pass {name}.detach() or no window")
         if target[2] * target[3] > MAX_DBIAS_SLICE:
             return (f"{name} requires grad and seqlen_q * seqlen_k = {target[2] * target[3]} "
                     f"exceeds {MAX_DBIAS_SLICE} (the bias gradient's per-head slice)")
@@ -588,7 +583,7 @@ def not_supported_reason(
     if attn_bias is not None:
         r = attn_bias_problem(
             attn_bias, q, ks[3 - hd], layout=layout, softcap=softcap,
-            backward=gradient_flows(q, k, v), window_left=window_size[0])
+            backward=gradient_flows(q, k, v))
         if r is not None:
             return r
     if type(dropout_p) is not float or dropout_p != 0.0:

@@ -221,7 +221,7 @@ def test_bias_checks_name_the_argument():
 
 
 def check_bias_gradient(kind, dtype, causal, device, b=2, sq=37, sk=45, h=4, h_k=2, d=64,
-                        layout="plain", deterministic=False):
+                        layout="plain", deterministic=False, window=(-1, -1)):
     """The bias's gradient (and q, k, v's) through ``_ops.call_fwd``'s autograd against the
     float64 autograd of ``attention_ref`` with the bias as a leaf, FlashAttention's criterion
     (the baseline: ``attention_ref(upcast=False, reorder_ops=True)``, the fp16 computation of
@@ -240,8 +240,8 @@ def check_bias_gradient(kind, dtype, causal, device, b=2, sq=37, sk=45, h=4, h_k
     leaf = base.detach().clone().requires_grad_(True)
     bias = leaf.expand(b, h, sq, sk) if layout == "expanded" else leaf
     with poisoned_cuda_memory() if q.is_cuda else _Null():
-        out, _ = _ops.call_fwd(q, k, v, None, causal, True, attn_bias=bias,
-                               deterministic=deterministic)
+        out, _ = _ops.call_fwd(q, k, v, None, causal, True, None, None, *window,
+                               attn_bias=bias, deterministic=deterministic)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(out)
     got = torch.autograd.grad(out, (q, k, v, leaf), g)
     assert got[3].dtype == leaf.dtype and got[3].shape == leaf.shape
@@ -252,7 +252,7 @@ def check_bias_gradient(kind, dtype, causal, device, b=2, sq=37, sk=45, h=4, h_k
         bl = base.detach().to(torch.float64 if upcast else dtype).requires_grad_(True)
         bx = bl.expand(b, h, sq, sk) if layout == "expanded" else bl
         o, _ = attention_ref(*leaves, causal=causal, attn_bias=bx, upcast=upcast,
-                             reorder_ops=not upcast)
+                             reorder_ops=not upcast, window_size=window)
         results[upcast] = torch.autograd.grad(o, leaves + [bl], g.to(o.dtype))
     for name, ours, ref, pt in zip(("dq", "dk", "dv", "dbias"), got, results[True],
                                    results[False]):
@@ -268,11 +268,13 @@ def check_bias_gradient(kind, dtype, causal, device, b=2, sq=37, sk=45, h=4, h_k
 @pytest.mark.parametrize("causal", [False, True])
 def test_bias_gradient_cpu_reference(kind, causal):
     check_bias_gradient(kind, torch.float32, causal, "cpu", d=16)
+    # in a sliding window's band: 0 outside it (causal: the window's left edge only)
+    check_bias_gradient(kind, torch.float16, causal, "cpu", d=16, window=(9, -1 if causal else 4))
 
 
 def test_bias_gradient_rules_and_the_raw_op_cpu():
-    """A bias that requires grad gets its gradient; the rule's limits apply to it even when q,
-    k and v do not require grad; the raw op refuses it in a sliding window's band."""
+    """A bias that requires grad gets its gradient, also in a sliding window's band; the rule's
+    limits apply to it even when q, k and v do not require grad."""
     from flash_attention_sm75 import _ops
 
     q, k, v = qkv(1, 3, 4, 2, 2, 16, "cpu")
@@ -282,11 +284,11 @@ def test_bias_gradient_rules_and_the_raw_op_cpu():
     assert gb.shape == (4,) and torch.isfinite(gb).all()
     with torch.no_grad():  # no gradient can flow: fine
         _ops.call_fwd(q, k, v, None, False, True, attn_bias=bias)
-    assert "no bias gradient in a window's band" in _rules.not_supported_reason(
-        q, k, v, attn_bias=bias, window_size=(2, 0), devices=("cpu",))
+    assert _rules.not_supported_reason(q, k, v, attn_bias=bias, window_size=(2, 0),
+                                       devices=("cpu",)) is None
     out, _ = ops.fwd(q, k, v, None, True, True, None, None, 2, 0, 0.0, None, bias)
-    with pytest.raises(ValueError, match="no attn_bias gradient with a sliding window"):
-        out.float().sum().backward()
+    (gw,) = torch.autograd.grad(out.float().sum(), bias)
+    assert gw.shape == (4,) and torch.isfinite(gw).all()
     with pytest.raises(ValueError, match="bwd_dbias needs attn_bias"):
         ops.bwd_dbias(out, q, k, v, out, torch.zeros(1, 2, 3), 0.25, False, True)
 
@@ -427,6 +429,19 @@ def test_gpu_bias_gradient(d, kind, dtype, causal):
     """The bias's gradient from the dQ kernel (dS, summed over the broadcast dimensions) and
     q, k, v's, every shape and float dtype, odd and unequal lengths, GQA."""
     check_bias_gradient(kind, dtype, causal, "cuda", b=2, sq=131, sk=197, h=4, h_k=2, d=d)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [40, 64, 96, 128])
+@pytest.mark.parametrize("kind", ["k", "b11k", "bhqk"])
+@pytest.mark.parametrize("window", [(37, 0), (20, 9), (0, 70)], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bias_gradient_in_a_sliding_window(d, kind, window, causal):
+    """The band kernels (a window's left edge) store dS too; the tiles the band prunes keep
+    the buffer's zeros."""
+    check_bias_gradient(kind, torch.float16 if kind != "bhqk" else torch.float32, causal,
+                        "cuda", b=2, sq=131, sk=197, h=4, h_k=2, d=d, window=window)
 
 
 @pytest.mark.gpu

@@ -268,14 +268,9 @@ ROWS = [
         _with(lambda q, k, v: (q.requires_grad_(), k, v), attn_bias=torch.zeros(7), softcap=5.0),
         r"attn_bias with softcap has no backward here \(softcap = 5\.0\); pass softcap=0 or "
         r"no attn_bias", cpp=False),
-    # A bias that requires grad gets its gradient, except in a sliding window's band (the
-    # C++ backward refuses it too: tests/test_attn_bias.py); and it takes the backward's limits
-    # even when q, k and v do not require grad.
-    Row("attn_bias", "bias_grad_window",
-        _with(lambda *t: t, attn_bias=torch.zeros(7, requires_grad=True), window_size=(3, 0)),
-        r"attn_bias requires grad with a sliding window \(window_size\[0\] = 3\): the kernels "
-        r"compute no bias gradient in a window's band; pass attn_bias\.detach\(\) or no "
-        r"window", cpp=False),
+    # A bias that requires grad gets its gradient (also in a sliding window's band:
+    # tests/test_attn_bias.py); it takes the backward's limits even when q, k and v do not
+    # require grad.
     Row("attn_bias", "bias_grad_softcap",
         _with(lambda *t: t, attn_bias=torch.zeros(7, requires_grad=True), softcap=5.0),
         r"attn_bias with softcap has no backward here", cpp=False),

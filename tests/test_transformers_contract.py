@@ -181,6 +181,84 @@ def _docs(lengths, vocab=128, seed=0):
     return [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
 
 
+@needs_op
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float16])
+def test_a_mask_stating_the_documents_runs_on_the_varlen_op(mask_dtype, monkeypatch):
+    # transformers builds a per-document mask from packed position_ids when there is no cache
+    # (use_cache=False, gradient checkpointing): that mask says nothing the varlen op does
+    # not, so the call runs there (checked once per mask object); any other mask falls back.
+    hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(1, 4, 2, 24, 24, 64, seed=31)
+    cu = [0, 10, 24]
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    docs = torch.zeros(24, 24, dtype=torch.bool)
+    docs[:10, :10] = docs[10:, 10:] = True
+    docs &= torch.ones(24, 24, dtype=torch.bool).tril()
+    mask = docs[None, None]
+    if mask_dtype != torch.bool:
+        mask = torch.zeros(1, 1, 24, 24, dtype=mask_dtype).masked_fill(
+            ~mask, torch.finfo(mask_dtype).min)
+    built = []
+    real = hf._explicit_mask
+    monkeypatch.setattr(hf, "_explicit_mask", lambda *a: built.append(a[3]) or real(*a))
+    plain, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, None, position_ids=pos)
+    for _ in range(3):  # layers of one forward: the same mask object
+        out, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, mask, position_ids=pos)
+        assert torch.equal(out, plain)
+    stats = hf.get_stats()
+    assert stats["kernel"] == 4 and stats["fallback"] == 0, stats
+    assert built == [None]  # the documents mask, built for the one comparison
+    torch.testing.assert_close(out.float(), _per_document(q, k, v, cu, cu, True),
+                               atol=2e-3, rtol=2e-3)
+    # One more hidden key, or a bidirectional module under this causal mask: not the documents
+    other = mask.clone()
+    if mask_dtype == torch.bool:
+        other[..., 15, 12] = False
+    else:
+        other[..., 15, 12] = torch.finfo(mask_dtype).min
+    hf.reset_stats()
+    out2, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, other, position_ids=pos)
+    out3, _ = hf.flash_attention_sm75_forward(_Attn(4, 2, is_causal=False), q, k, v, mask,
+                                              position_ids=pos)
+    stats = hf.get_stats()
+    assert stats["kernel"] == 0 and stats["fallback"] == 2, stats
+    assert not torch.equal(out2, plain)
+    torch.testing.assert_close(out3, out, atol=2e-3, rtol=2e-3)  # the mask's result still
+
+
+@needs_op
+def test_packed_training_without_a_cache_runs_on_the_varlen_op():
+    # DataCollatorWithFlattening-style rows, use_cache=False and gradient checkpointing (which
+    # turns the cache off): every layer on the varlen op, the same loss and gradients as with
+    # the cache (where transformers builds no mask).
+    hf.configure(allow_cpu_reference=True)
+    model = build_random_model("llama", dtype=torch.float16, seed=5,
+                               attn_implementation="flash_attention_sm75").train()
+    docs = _docs([9, 14, 5], seed=6)
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    n_layers = model.config.num_hidden_layers
+
+    def step(**extra):
+        model.zero_grad(set_to_none=True)
+        hf.reset_stats()
+        loss = model(input_ids=ids, position_ids=pos, labels=ids, **extra).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()], hf.get_stats()
+
+    ref_loss, ref_grads, stats = step(use_cache=True)
+    assert stats["kernel"] == n_layers and stats["fallback"] == 0, stats
+    for extra, checkpointing in ((dict(use_cache=False), False), ({}, True)):
+        if checkpointing:
+            model.activation_checkpointing_enable() if hasattr(
+                model, "activation_checkpointing_enable") else model.gradient_checkpointing_enable()
+        loss, grads, stats = step(**extra)
+        assert stats["kernel"] >= n_layers and stats["fallback"] == 0, stats
+        assert torch.equal(loss, ref_loss)
+        for g, r in zip(grads, ref_grads):
+            assert torch.equal(g, r)
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("name", ["flash_attention_sm75", "sm75_attention"])
 def test_packed_row_logits_equal_each_document_alone(name, use_cache):

@@ -15,7 +15,9 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
+#include "flash.h"
 #include "kernel_traits.h"
 
 namespace flash_sm75 {
@@ -199,6 +201,38 @@ struct Bwd_tile_config<256> {
   // bytes at 255 registers (deterministic 252 / 253). Requests for it run the deterministic
   // kernels (bwd_atomic_dq_supported).
   static constexpr bool kAtomicDq = false;
+};
+
+// The dQ kernel a launch runs (run_mha_bwd_hdim and the CPU emulator's mirror of it). Plain:
+// DqTraits, and in a sliding window's band kernels (Is_local) DqTraits without the bias
+// gradient's stores (kDbias = false: the band kernels of calls without a bias gradient keep the
+// code they had before the band stored it). Bias: DqBiasTraits, for a call with a bias gradient,
+// or with a bias read by scalar loads (no aligned column pairs) where DqBiasTraits is another
+// tile (d = 64: its Bc = 64 tile reads those one at a time); kBiasTile: whether Bias is a second
+// kernel at all.
+template <int kHeadDim, bool Is_local, bool Is_ext>
+struct DqLaunchTraits {
+  using C = Bwd_tile_config<kHeadDim>;
+  using K = typename C::DqTraits;
+  using Plain = std::conditional_t<
+      Is_local && Is_ext,
+      Flash_bwd_dq_kernel_traits<K::kHeadDim, K::kBlockN, K::kNWarps, K::kDSplit, K::kQInSmem,
+                                 false>,
+      K>;
+  using Bias = typename C::DqBiasTraits;
+  static constexpr bool kBiasTile =
+      Is_ext && kHeadDim <= kBwdBiasMaxHeadDim && !std::is_same_v<Plain, Bias>;
+  template <typename Params>
+  static bool use_bias_tile(const Params& p) {
+    if constexpr (!kBiasTile) {
+      return false;
+    } else {
+      static_assert(Bias::kBlockM == Plain::kBlockM && Bias::kNThreads == Plain::kNThreads,
+                    "the bias tile runs the plain tile's grid and threads");
+      return p.dbias_ptr != nullptr ||
+             (p.bias_ptr != nullptr && !p.bias_pairs && !std::is_same_v<K, Bias>);
+    }
+  }
 };
 
 // Preprocess / convert kernels: 256 threads, 8 elements (16 bytes of fp16) per thread.

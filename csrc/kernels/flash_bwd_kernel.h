@@ -1025,9 +1025,9 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       // fp32 as it is computed (fp16-rounded dS summed over broadcast rows missed
       // FlashAttention's criterion); K_{j+1}'s loads are then issued after it: with them in
       // flight the d = 128 kernel spilled. Not compiled where the host refuses a bias gradient
-      // (above kBwdBiasMaxHeadDim; the band kernels of a sliding window, where d = 64 spilled)
-      // nor in traits without kDbias (d = 64's Bc = 64 tile, which spilled: DqBiasTraits).
-      const bool dbias_tile = Kt::kDbias && Is_ext && !Is_local && kD <= kBwdBiasMaxHeadDim &&
+      // (above kBwdBiasMaxHeadDim) nor in traits without kDbias (d = 64's Bc = 64 tile, which
+      // spilled: DqBiasTraits, also in a sliding window's band).
+      const bool dbias_tile = Kt::kDbias && Is_ext && kD <= kBwdBiasMaxHeadDim &&
                               params.dbias_ptr != nullptr;
       if (has_next && !dbias_tile) {  // K_{j+1}: global loads in flight during dP and dQ
         load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, (n_block + 1) * kBN, kr.key_start,

@@ -50,17 +50,17 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   {
     auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false, Is_local, Is_ext>;
     set_max_dynamic_smem(kernel, plan.dkdv_smem);
-    auto dq_kernel = &flash_bwd_dq_kernel<Kq, Is_causal, Is_local, Is_ext>;
+    // The dQ tile (DqLaunchTraits): a bias gradient's (Bwd_tile_config::DqBiasTraits), the
+    // same grid and threads, also for a bias read by scalar loads (no aligned column pairs: an
+    // odd Sk, a column stride), which d = 64's other tile makes one at a time (kGather).
+    using Dq = DqLaunchTraits<kHeadDim, Is_local, Is_ext>;
+    static_assert(Dq::Plain::kSmemSize == Kq::kSmemSize, "plan.dq_smem is the plain tile's");
+    auto dq_kernel = &flash_bwd_dq_kernel<typename Dq::Plain, Is_causal, Is_local, Is_ext>;
     int dq_smem = plan.dq_smem;
-    // A bias gradient's dQ kernel (Bwd_tile_config::DqBiasTraits): the same grid and threads.
-    // Also a bias read by scalar loads (no aligned column pairs: an odd Sk, a column stride),
-    // which the other tile makes one at a time (flash_bwd_dq_kernel's kGather).
-    using Kqb = typename C::DqBiasTraits;
-    if constexpr (Is_ext && !Is_local && !std::is_same_v<Kq, Kqb>) {
-      static_assert(Kqb::kBlockM == Kq::kBlockM && Kqb::kNThreads == Kq::kNThreads);
-      if (params.dbias_ptr != nullptr || (params.bias_ptr != nullptr && !params.bias_pairs)) {
-        dq_kernel = &flash_bwd_dq_kernel<Kqb, Is_causal, Is_local, Is_ext>;
-        dq_smem = Kqb::kSmemSize;
+    if constexpr (Dq::kBiasTile) {
+      if (Dq::use_bias_tile(params)) {
+        dq_kernel = &flash_bwd_dq_kernel<typename Dq::Bias, Is_causal, Is_local, Is_ext>;
+        dq_smem = Dq::Bias::kSmemSize;
       }
     }
     set_max_dynamic_smem(dq_kernel, dq_smem);

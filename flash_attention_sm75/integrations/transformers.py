@@ -44,8 +44,10 @@ calls transformers' own ``sdpa_attention_forward`` with the original arguments (
 since torch SDPA has none), and the reason is logged at DEBUG
 on the ``"flash_attention_sm75"`` logger and counted in :func:`get_stats`. Packed sequences
 (``cu_seq_lens_q/k`` or restarting ``position_ids``, as transformers' FlashAttention path reads
-them) run on the varlen op, each document attending to itself, in one call; where the kernel
-cannot run them (the reasons above, an ``attention_mask`` given with them, packed
+them) run on the varlen op, each document attending to itself, in one call, also with the
+per-document mask transformers builds for them without a cache (``use_cache=False``, gradient
+checkpointing: recognised by one comparison per mask object); where the kernel cannot run them
+(the reasons above, an ``attention_mask`` that says more than the documents, packed
 ``position_ids`` while tracing or capturing) they run on that fallback with a per-document mask.
 While ``torch.compile`` traces or a CUDA graph captures, nothing is read on the host: a mask
 goes to the kernel as its bias, read on the device at every replay.
@@ -668,6 +670,43 @@ def _explicit_mask(packing: _Packing, query, key, attention_mask, causal: bool,
     return mask
 
 
+# Whether a mask states exactly a packing's documents (_mask_is_the_documents), per mask object.
+_DOCUMENT_MASK_CACHE = _masks.PerTensorCache()
+
+
+def _mask_is_the_documents(packing: _Packing, query, key, attention_mask, causal: bool,
+                           window: Optional[int], source: torch.Tensor) -> bool:
+    """Whether ``attention_mask`` says exactly what the packing's documents say (each document
+    attending to itself, ``causal`` and ``window`` within it; :func:`_explicit_mask` without a
+    mask): the mask transformers builds from restarting ``position_ids`` when it builds one (no
+    cache: training with ``use_cache=False``, gradient checkpointing). Then the varlen op gives
+    that mask's result at the documents' cost. Bool masks, or float ones of 0 and ``-inf`` /
+    the dtype's minimum only, of one batch row (any head count), on the query's device; one host
+    read per mask object (``source``: the packing's tensor, part of the cache key), never while
+    tracing or capturing (False there: the caller falls back with the mask)."""
+    b, _, q_len, _ = query.shape
+    m = attention_mask
+    if not (isinstance(m, torch.Tensor) and m.dim() == 4 and m.shape[0] == 1 and b == 1
+            and m.shape[-2:] == (q_len, key.shape[2]) and m.device == query.device
+            and (m.dtype == torch.bool or m.dtype.is_floating_point)
+            and _host_reads_allowed(m)):
+        return False
+    extra = ("documents", id(source), source.data_ptr(), source._version
+             if not source.is_inference() else None, causal, window)
+    hit = _DOCUMENT_MASK_CACHE.get(m, extra)
+    if hit is None:
+        docs = _explicit_mask(packing, query, key, None, causal, window)
+        if m.dtype == torch.bool:
+            same = (m == docs).all()
+        else:
+            seen = m == 0
+            hidden = (m == float("-inf")) | (m == torch.finfo(m.dtype).min)
+            same = ((seen | hidden) & (seen == docs)).all()
+        hit = bool(same)  # the one host read
+        _DOCUMENT_MASK_CACHE.put(m, extra, hit)
+    return hit
+
+
 class _VarlenPlan(NamedTuple):
     """The varlen op's arguments for a packed call (flattened tokens)."""
 
@@ -751,12 +790,23 @@ def _packed_attention(fallback, module, query, key, value, attention_mask, bound
     # from is_causal / module.is_causal and sliding_window, as in transformers' FlashAttention.
     no_mask = attention_mask is None
     causal = no_mask and _is_causal(module, bound["is_causal"]) and query.shape[2] > 1
-    window = window if no_mask else None
     reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
                                  softcap)
+    varlen_mask = attention_mask
+    if reason is None and not no_mask:
+        # A mask that states exactly the documents (transformers' own, built from the packed
+        # position_ids when there is no cache) says nothing the varlen op does not.
+        doc_causal = _is_causal(module, bound["is_causal"]) and query.shape[2] > 1
+        # the tensor transformers hands every layer (the cache key's part of the packing)
+        source = next((kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
+                       if kwargs.get(n) is not None), None)
+        if isinstance(source, torch.Tensor) and _mask_is_the_documents(
+                packing, query, key, attention_mask, doc_causal, window, source):
+            varlen_mask, causal = None, doc_causal
+    window = window if no_mask or varlen_mask is None else None
     plan = None
     if reason is None:
-        plan, reason = _plan_varlen(packing, query, key, attention_mask, causal, window)
+        plan, reason = _plan_varlen(packing, query, key, varlen_mask, causal, window)
     if reason is None:
         out, reason = _try_kernel(
             lambda: _run_varlen(query, key, value, bound["scaling"], plan, softcap,

@@ -218,7 +218,6 @@ void run_backward(Flash_bwd_params& p) {
   using C = Bwd_tile_config<kD>;
   using Kt = typename C::Traits;
   using Kq = typename C::DqTraits;
-  using Kqb = typename C::DqBiasTraits;
   const BwdLaunchPlan plan = make_bwd_plan<Kt, Kq>(p.b, p.h, p.h_k, p.seqlen_q, p.seqlen_k,
                                                    p.dq_atomic && C::kAtomicDq);
   emu::launch(static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads,
@@ -236,17 +235,18 @@ void run_backward(Flash_bwd_params& p) {
   if (!ran_atomic) {
     emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
                 [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal, kMod>(p); });
-    // As run_mha_bwd_hdim: a bias gradient's, or a bias without column pairs', dQ kernel
-    // (DqBiasTraits; same grid and threads).
-    if constexpr (kMod && !kLocal && !std::is_same_v<Kq, Kqb>) {
-      if (p.dbias_ptr != nullptr || (p.bias_ptr != nullptr && !p.bias_pairs)) {
+    // As run_mha_bwd_hdim: the dQ tile DqLaunchTraits picks (a bias gradient's, or a bias
+    // without column pairs', DqBiasTraits; same grid and threads).
+    using Dq = DqLaunchTraits<kD, kLocal, kMod>;
+    if constexpr (Dq::kBiasTile) {
+      if (Dq::use_bias_tile(p)) {
         emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
-                    [&] { flash_bwd_dq_kernel<Kqb, kCausal, kLocal, kMod>(p); });
+                    [&] { flash_bwd_dq_kernel<typename Dq::Bias, kCausal, kLocal, kMod>(p); });
         return;
       }
     }
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
-                [&] { flash_bwd_dq_kernel<Kq, kCausal, kLocal, kMod>(p); });
+                [&] { flash_bwd_dq_kernel<typename Dq::Plain, kCausal, kLocal, kMod>(p); });
   }
 }
 
@@ -1550,6 +1550,11 @@ int main(int argc, char** argv) {
       cases.back().bias = 3, cases.back().dbias = true;
       add(2, 70, 90, 2, 1, d, false, true, false, false, 0, false);
       cases.back().bias = 2, cases.back().dbias = true, cases.back().dropout = 0.15;
+      // ...in a sliding window's band (the local kernels), causal and not
+      addb(2, 150, 170, 4, 2, d, true, 0, false, 1);
+      cases.back().dbias = true, cases.back().wl = 37, cases.back().wr = 0;
+      addb(1, 131, 97, 2, 1, d, false, 1, false, 3);
+      cases.back().dbias = true, cases.back().wl = 20, cases.back().wr = 9;
       for (int kind : {1, 4}) {  // decode skipping the steps the mask hides from every row
         addb(2, 1, 900, 4, 1, d, false, 0, false, kind);
         cases.back().bias_pad = true;
