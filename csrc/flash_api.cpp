@@ -284,9 +284,10 @@ void set_params_dropout(Flash_fwd_params& params, double dropout_p) {
 void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q) {
   TORCH_CHECK_VALUE(rng_state.scalar_type() == at::kLong && rng_state.dim() == 1 &&
                         rng_state.size(0) == 2 && rng_state.is_contiguous(),
-                    "flash_attention_sm75: rng_state must be the forward's int64 tensor of 2 "
-                    "elements [seed, offset], got dtype ",
-                    rng_state.scalar_type(), " and shape ", rng_state.sizes());
+                    "flash_attention_sm75: rng_state must be the forward's contiguous int64 "
+                    "tensor of 2 elements [seed, offset], got dtype ",
+                    rng_state.scalar_type(), ", shape ", rng_state.sizes(), " and strides ",
+                    rng_state.strides());
   TORCH_CHECK_VALUE(rng_state.device() == q.device() || rng_state.device().is_cpu(),
                     "flash_attention_sm75: rng_state must be on q's device (", q.device(),
                     ") or the CPU, got ", rng_state.device());

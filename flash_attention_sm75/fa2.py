@@ -127,6 +127,22 @@ def _check_options(*, causal, dropout_p=0.0,
     return (left, right), cap
 
 
+def _check_dropout_head_dim(dropout_p, q, k, v) -> None:
+    """The rulebook's dropout rule (``ValueError``) before :func:`_pad_head_dim` pads the head
+    dim: asked with the padded one, the error names the one the caller passed."""
+    if not (dropout_p and isinstance(q, torch.Tensor) and q.dim() >= 1):
+        return
+    d = q.shape[-1]
+    padded = -(-d // 8) * 8 if d % 8 and 0 < d < _rules.MAX_HEAD_DIM else d
+    reason = _rules.dropout_problem(float(dropout_p), padded,
+                                    backward=_rules.gradient_flows(q, k, v))
+    if reason is not None:
+        if padded != d:
+            reason = reason.replace(f"head_dim {padded} ", f"head_dim {d} (padded to {padded}) ",
+                                    1)
+        raise ValueError(PREFIX + reason)
+
+
 def _check_attn_probs(dropout_p, return_attn_probs) -> None:
     """flash-attn's ``S_dmask`` (``return_attn_probs=True`` with dropout, a testing aid) is not
     produced: :class:`UnsupportedFeatureError` naming both arguments."""
@@ -222,6 +238,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
                                  softcap=softcap, deterministic=deterministic,
                                  bools=(("return_attn_probs", return_attn_probs),))
     _check_attn_probs(dropout_p, return_attn_probs)
+    _check_dropout_head_dim(dropout_p, q, k, v)
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
@@ -420,6 +437,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         raise ValueError(f"{PREFIX}k and v must have the same shape, got k {list(k.shape)} and "
                          f"v {list(v.shape)}" + (_rules._VALUE_HEAD_DIM
                                                  if k.shape[-1] != v.shape[-1] else ""))
+    _check_dropout_head_dim(dropout_p, q, k, v)
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)

@@ -223,7 +223,7 @@ def test_backward_needs_rng_state_and_refuses_d256():
     args = (out, q, k, v, out, lse, 0.125, False, True)
     with pytest.raises(ValueError, match="dropout_p > 0 needs rng_state"):
         ops.bwd(*args, dropout_p=0.2)
-    with pytest.raises(ValueError, match="rng_state must be the forward's int64 tensor"):
+    with pytest.raises(ValueError, match="rng_state must be the forward's contiguous int64 tensor"):
         ops.bwd(*args, dropout_p=0.2, rng_state=state.float())
     q2, k2, v2 = qkv(1, 8, 8, 2, 2, 256, "cpu")
     o2, l2, s2 = ops.fwd_dropout(q2, k2, v2, 0.2)
@@ -786,6 +786,12 @@ def test_varlen_door_draws_a_mask_per_call_from_torchs_generator(monkeypatch):
         fa2.flash_attn_varlen_func(q2.requires_grad_(), k2, v2, cu2, cu2, 4, 4, 0.2)
     with torch.no_grad():  # no backward: the forward runs
         assert fa2.flash_attn_varlen_func(q2, k2, v2, cu2, cu2, 4, 4, 0.2).shape == q2.shape
+    # a head dim the door pads (130 -> 136) is named as the caller passed it
+    q3 = torch.randn(7, 2, 130, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(ValueError, match="dropout has no backward at head_dim 130 "):
+        fa2.flash_attn_varlen_func(q3, q3, q3, cu2, cu2, 4, 4, 0.2)
+    with pytest.raises(ValueError, match="dropout has no backward at head_dim 130 "):
+        fa2.flash_attn_func(q3[None], q3[None], q3[None], 0.2)
 
 
 def test_varlen_backward_checks_its_rng_state():
