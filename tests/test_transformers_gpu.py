@@ -381,6 +381,11 @@ TRAIN_CONFIGS = {
     "llama-hd128": ("llama", dict(hidden_size=1024, num_attention_heads=8,
                                   num_key_value_heads=8, head_dim=128, intermediate_size=2816,
                                   vocab_size=8192)),
+    # Mistral's sliding window (the kernel's window in forward and backward; stock: its mask).
+    "mistral-hd128-window": ("mistral", dict(hidden_size=1024, num_attention_heads=8,
+                                             num_key_value_heads=2, head_dim=128,
+                                             intermediate_size=2816, vocab_size=8192,
+                                             sliding_window=64)),
     # The models' own head dims (256, 96, 80) with fewer heads and a smaller vocabulary.
     "gemma3-hd256": ("gemma-3-1b", dict(vocab_size=8192)),
     "phi3-hd96": ("phi-3-mini", dict(hidden_size=768, num_attention_heads=8,
@@ -420,7 +425,8 @@ def _rel_err(a, b):
 @pytest.mark.parametrize("name,batch", [("llama-hd64-gqa", "b2"), ("llama-hd128", "b2"),
                                         ("llama-hd64-gqa", "b2-right-padded"),
                                         ("gemma3-hd256", "b2-right-padded"), ("phi3-hd96", "b2"),
-                                        ("phi2-hd80", "b2-right-padded")])
+                                        ("phi2-hd80", "b2-right-padded"),
+                                        ("mistral-hd128-window", "b2-right-padded")])
 def test_training_gradients_match_stock_sdpa(name, batch):
     """loss.backward() through the kernel gives every parameter the gradient stock SDPA gives.
 
@@ -468,7 +474,14 @@ def test_training_gradients_match_stock_sdpa(name, batch):
     del model
     loss_32, g_32 = _train_grads(ref, ids, am, labels, math_sdpa=True)
     del ref
+    _assert_gradients_as_close_as_stock(f"{name} {batch}", loss_ours, g_ours, loss_stock, g_stock,
+                                        loss_32, g_32)
 
+
+def _assert_gradients_as_close_as_stock(label, loss_ours, g_ours, loss_stock, g_stock, loss_32,
+                                        g_32):
+    """Per parameter ``||g - g32|| / ||g32||``: ours <= 2 x stock's + 5e-3, and the loss (see
+    test_training_gradients_match_stock_sdpa)."""
     assert math.isfinite(loss_ours)
     worst = (0.0, "")
     for pname, g32 in g_32.items():
@@ -480,10 +493,54 @@ def test_training_gradients_match_stock_sdpa(name, batch):
                      torch.cat([g.flatten() for g in g_32.values()]))
     e_all_stock = _rel_err(torch.cat([g_stock[p].flatten() for p in g_32]),
                            torch.cat([g.flatten() for g in g_32.values()]))
-    print(f"\n[{name} {batch} train] loss ours {loss_ours:.6f} stock {loss_stock:.6f} fp32 "
+    print(f"\n[{label} train] loss ours {loss_ours:.6f} stock {loss_stock:.6f} fp32 "
           f"{loss_32:.6f} | all-parameter gradient rel. error ours {e_all:.3g} stock "
           f"{e_all_stock:.3g} | worst ours/stock ratio {worst[0]:.3g} ({worst[1]})")
     assert abs(loss_ours - loss_32) <= 2 * abs(loss_stock - loss_32) + 5e-3
+
+
+def test_gemma2_softcap_training_gradients_match_stock_eager():
+    """Gemma 2 training (issue 20): softcap on every call, a sliding layer (window 64) and a
+    full one, head_dim 256, a right-padded batch: every layer's forward and backward on the
+    kernel, each parameter's gradient as close to the float32 eager model's as stock fp16
+    eager attention's (Gemma 2 has no SDPA path). q / k projections scaled as in the prefill
+    test so that the cap of 5 bends the scores."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "gemma2", hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, intermediate_size=2048, vocab_size=4096,
+        max_position_embeddings=1024, query_pre_attn_scalar=256, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = build_random_model(config, dtype=torch.float16, device=DEVICE, seed=0,
+                               attn_implementation="flash_attention_sm75").train()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    lengths = TRAIN_LENGTHS["b2-right-padded"]
+    g = torch.Generator().manual_seed(8)
+    s = max(lengths)
+    ids = torch.randint(1, config.vocab_size, (len(lengths), s), generator=g)
+    labels = torch.randint(0, config.vocab_size, (len(lengths), s), generator=g)
+    am = torch.zeros(len(lengths), s, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        am[b, :n] = 1
+    ids, labels = ids.masked_fill(am == 0, 0), labels.masked_fill(am == 0, -100)
+    ids, labels, am = ids.to(DEVICE), labels.to(DEVICE), am.to(DEVICE)
+    hf.reset_stats()
+    loss_ours, g_ours = _train_grads(model, ids, am, labels)
+    stats = hf.get_stats()
+    assert stats["kernel_prefill"] == 2 and stats["fallback"] == 0, stats
+    model.set_attn_implementation("eager")
+    loss_stock, g_stock = _train_grads(model, ids, am, labels)
+    ref = copy.deepcopy(model).float()
+    del model
+    loss_32, g_32 = _train_grads(ref, ids, am, labels)
+    del ref
+    _assert_gradients_as_close_as_stock("gemma2 softcap", loss_ours, g_ours, loss_stock, g_stock,
+                                        loss_32, g_32)
 
 
 # ---------------------------------------------------------------------------------------------
