@@ -294,7 +294,7 @@ void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q) {
 }
 
 void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& rng_state,
-                            const at::Tensor& q) {
+                            const at::Tensor& q, bool packed) {
   check_dropout_p(dropout_p);
   if (dropout_p == 0.0) return;
   TORCH_CHECK_VALUE(rng_state.has_value(),
@@ -302,9 +302,10 @@ void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& r
                     "drew from (fwd_dropout's third output, or the rng_state given to "
                     "fwd_dropout_seeded / varlen_fwd_dropout)");
   check_rng_state(*rng_state, q);
-  TORCH_CHECK_VALUE(q.size(-1) <= kBwdDropoutMaxHeadDim,
-                    "flash_attention_sm75: dropout has no backward at head_dim ", q.size(-1),
-                    " (at most ", kBwdDropoutMaxHeadDim, "); pass dropout_p=0");
+  TORCH_CHECK_VALUE(!packed || q.size(-1) <= kBwdPackedDropoutMaxHeadDim,
+                    "flash_attention_sm75: dropout has no backward for packed sequences at "
+                    "head_dim ", q.size(-1), " (at most ", kBwdPackedDropoutMaxHeadDim,
+                    "); pass dropout_p=0, or pad the batch");
 }
 
 // The forward's generator: 4 Philox counter units of torch's default CUDA generator (its

@@ -91,11 +91,11 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu(
     const std::optional<at::Tensor>& attn_bias);
 // ValueError unless 0 <= dropout_p < 1.
 void check_dropout_p(double dropout_p);
-// The backward's dropout: dropout_p > 0 needs the forward's rng_state and head_dim (q's last
-// size; q BSHD or packed) <= kBwdDropoutMaxHeadDim (kernels/flash.h). ValueError naming the
-// argument otherwise.
+// The backward's dropout: dropout_p > 0 needs the forward's rng_state, and for packed
+// sequences (q packed) head_dim (q's last size) <= kBwdPackedDropoutMaxHeadDim
+// (kernels/flash.h). ValueError naming the argument otherwise.
 void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& rng_state,
-                            const at::Tensor& q);
+                            const at::Tensor& q, bool packed = false);
 // ValueError unless rng_state is an int64 (2,) contiguous tensor on q's device or the CPU.
 void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q);
 // params.dropout, keep threshold and 1 / (1 - p).
@@ -347,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_dropout_cpu(
 // head_dim) float16, 0 for tokens of no sequence. softmax_lse / grad_softmax_lse: (num_heads,
 // total_q) float32. Other layouts of dout / out / q / k / v are copied, not rejected.
 // dropout_p > 0: the forward's dropout_p and rng_state (mha_varlen_fwd_dropout), head_dim <=
-// kBwdDropoutMaxHeadDim (check_dropout_backward).
+// kBwdPackedDropoutMaxHeadDim (check_dropout_backward).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,

@@ -336,7 +336,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                           seqused_k, grad_softmax_lse, window_size_left,
                                           window_size_right, softcap, alibi_slopes);
-  check_dropout_backward(dropout_p, rng_state, q);
+  check_dropout_backward(dropout_p, rng_state, q, /*packed=*/true);
   check_gpu(q);
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto f16 = q.options();
@@ -349,8 +349,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
   const bool dq_atomic = dropout_p == 0.0 && bwd_uses_atomic_dq(deterministic, q.size(2));
   if (head_dim_bucket(q.size(2)) > kMaxBwdSeqHeadDim) {
     // A padded copy moves each sequence's rows, and so its dropout mask: no dropout here
-    // (check_dropout_backward: kBwdDropoutMaxHeadDim <= kMaxBwdSeqHeadDim).
-    static_assert(kBwdDropoutMaxHeadDim <= kMaxBwdSeqHeadDim, "varlen dropout: padded backward");
+    // (check_dropout_backward: kBwdPackedDropoutMaxHeadDim <= kMaxBwdSeqHeadDim).
+    static_assert(kBwdPackedDropoutMaxHeadDim <= kMaxBwdSeqHeadDim,
+                  "varlen dropout: padded backward");
     // The d = 256 backward kernels take no packed sequences (kernels/seq_info.h): the dense
     // kernels on a right-aligned padded copy, where the single bottom-right offset of the
     // padded batch is every sequence's own (causal, window, ALiBi distance), the key range
@@ -516,7 +517,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                           seqused_k, grad_softmax_lse, window_size_left,
                                           window_size_right, softcap, alibi_slopes);
-  check_dropout_backward(dropout_p, rng_state, q);
+  check_dropout_backward(dropout_p, rng_state, q, /*packed=*/true);
   at::Tensor dq = at::zeros(q.sizes(), q.options());
   at::Tensor dk = at::zeros(k.sizes(), q.options());
   at::Tensor dv = at::zeros(k.sizes(), q.options());

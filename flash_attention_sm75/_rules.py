@@ -133,8 +133,8 @@ RULES: Tuple[str, ...] = (
                        # seqlen_k), q's device, slice < 2^31 elements; with a backward (or
                        # the bias requiring grad): no softcap, head_dim <=
                        # BIAS_BACKWARD_MAX_HEAD_DIM
-    "dropout_p",       # a real number in [0, 1); with a backward: head_dim <=
-                       # DROPOUT_BACKWARD_MAX_HEAD_DIM
+    "dropout_p",       # a real number in [0, 1); with a backward of packed sequences:
+                       # head_dim <= PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM
     "alignment",       # VECTOR_BYTES data pointer, strides of STRIDE_MULTIPLE
     "capability",      # MIN_COMPUTE_CAPABILITY
 )
@@ -332,17 +332,19 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     return None
 
 
-DROPOUT_BACKWARD_MAX_HEAD_DIM = 128
-"""The largest head_dim (bucket) whose backward applies dropout (``kBwdDropoutMaxHeadDim``; the
-d = 256 dK/dV kernel has no register left for the generator)."""
+PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM = 128
+"""The largest head_dim (bucket) whose backward applies dropout to packed (varlen) sequences
+(``kBwdPackedDropoutMaxHeadDim``: above it the backward runs on a padded copy, which moves each
+sequence's rows and so its mask). Padded batches have a dropout backward at every head dim."""
 
 
-def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False) -> Optional[str]:
+def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False,
+                    packed: bool = False) -> Optional[str]:
     """None if ``dropout_p`` is a dropout probability the kernels apply (a real number, not a
     bool, in [0, 1); while a graph is traced (``_ops.graph_tracing``), only with an extension
     that has ``fwd_dropout_seeded`` and a ``torch._functorch.config.activation_memory_budget``
-    of 1; with ``backward``, a nonzero one only up to
-    head_dim :data:`DROPOUT_BACKWARD_MAX_HEAD_DIM`), else what is wrong. The C++ ops check the
+    of 1; with ``backward`` of ``packed`` sequences, a nonzero one only up to head_dim
+    :data:`PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM`), else what is wrong. The C++ ops check the
     range and the head dim (``check_dropout_p``, ``check_dropout_backward``)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         return f"dropout_p must be a real number in [0, 1), got {type_name(dropout_p)}"
@@ -371,9 +373,11 @@ def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False)
                     f"torch._functorch.config.activation_memory_budget = {budget} < 1 is not "
                     f"supported (the partitioner may recompute the random draw in the backward, "
                     f"pytorch/pytorch#190758: the backward would regenerate another mask)")
-    if backward and dropout_p and head_dim_bucket(head_dim) > DROPOUT_BACKWARD_MAX_HEAD_DIM:
-        return (f"dropout has no backward at head_dim {head_dim} (the backward applies dropout "
-                f"up to head_dim {DROPOUT_BACKWARD_MAX_HEAD_DIM})")
+    if (backward and packed and dropout_p
+            and head_dim_bucket(head_dim) > PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM):
+        return (f"dropout has no backward for packed sequences at head_dim {head_dim} (the "
+                f"packed backward applies dropout up to head_dim "
+                f"{PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM}; pad the batch, or pass dropout_p=0)")
     return None
 
 
@@ -506,8 +510,8 @@ def not_supported_reason(
         seqlen_k)`` (:func:`attn_bias_problem`; the backward's limits apply when grad mode is
         on and q, k or v requires grad).
     dropout_p : float
-        Attention dropout probability in [0, 1) (:func:`dropout_problem`; the backward's head
-        dim limit applies when a gradient flows).
+        Attention dropout probability in [0, 1) (:func:`dropout_problem`; padded batches, so
+        no head dim limit).
     """
     bhsd = layout == "bhsd"
     if not (isinstance(q, torch.Tensor) and not q.is_nested and q.layout is _STRIDED):

@@ -90,10 +90,11 @@ def flash_attn_func(
         is that of the undropped scores. The mask comes from a counter-based generator
         (Philox4x32-7) seeded by torch's default CUDA generator (CPU tensors: the CPU
         generator), so ``torch.manual_seed`` reproduces a call bitwise and CUDA-graph replays
-        draw new masks; the backward regenerates the same mask. Default ``0.0``: none. The
-        backward applies it up to ``head_dim`` 128 (``ValueError`` above that when a gradient
-        will flow); ``ValueError`` while torch.compile traces (the compiler cannot see the
-        kernel's random state).
+        draw new masks; the backward regenerates the same mask (every ``head_dim``). Default
+        ``0.0``: none. Under torch.compile the graph draws the seed pair (``torch.randint``:
+        two calls never share a mask, a recomputed forward reuses its draw); ``ValueError``
+        there with ``torch._functorch.config.activation_memory_budget < 1`` (the partitioner
+        may recompute the draw in the backward, pytorch/pytorch#190758).
     window_size : tuple of int, optional, keyword-only
         Sliding window ``(left, right)`` as in FlashAttention-2: query ``i`` sees key ``j`` only
         if ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (the
@@ -146,8 +147,7 @@ def flash_attn_func(
         ``softcap`` not a finite real number >= 0, ``alibi_slopes`` not a float32 tensor of
         shape ``(num_heads,)`` / ``(batch_size, num_heads)`` with a contiguous last dimension
         on ``q``'s device (or requiring grad under grad mode), or ``dropout_p`` not a real
-        number in ``[0, 1)`` (or above 0 with ``head_dim > 128`` when a gradient will flow). The
-        message
+        number in ``[0, 1)``. The message
         names the argument. Also for a CUDA GPU of compute capability < 7.5. The rules are
         ``flash_attention_sm75._rules`` (one rulebook for every API); raised before any kernel
         launch.

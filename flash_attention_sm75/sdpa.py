@@ -383,8 +383,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dropout_p : float, optional
         Default ``0.0``. Dropout probability, applied as torch does (whenever > 0, also in eval
         mode), on the kernel (its own generator, seeded from torch's CUDA generator); a value
-        outside [0, 1), a backward above head_dim 128, and dropout under torch.compile fall
-        back.
+        outside [0, 1), and dropout under torch.compile with
+        ``torch._functorch.config.activation_memory_budget < 1``, fall back.
     is_causal : bool, optional
         Default ``False``. If ``True``, a causal mask aligned to the **top-left** corner, as in
         torch: query ``i`` sees key ``j`` iff ``j <= i`` (see Notes).

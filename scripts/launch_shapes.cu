@@ -52,23 +52,39 @@ void emit_dq() {
 // flash_bwd_dkdv_kernel<Kt, Is_causal, Atomic_dq, ...> (shared memory by the dQ mode),
 // flash_bwd_dq_kernel<Kq, ...>, and the 256-thread preprocess / convert kernels
 // (flash_bwd_launch_template.h).
+template <typename Kt>
+std::string dkdv_traits() {
+  return "Flash_bwd_kernel_traits<" + std::to_string(Kt::kHeadDim) + ", " +
+         std::to_string(Kt::kBlockM) + ", " + std::to_string(Kt::kBlockN) + ", " +
+         std::to_string(Kt::kNWarps) + ", " + std::to_string(Kt::kDSplit) + ", " +
+         b(Kt::kDropout) + ">";
+}
+
 template <int kD>
 void emit_bwd() {
   using C = fs::Bwd_tile_config<kD>;
   using Kt = typename C::Traits;
   using Kq = typename C::DqTraits;
-  const std::string kt = "Flash_bwd_kernel_traits<" + std::to_string(Kt::kHeadDim) + ", " +
-                         std::to_string(Kt::kBlockM) + ", " + std::to_string(Kt::kBlockN) +
-                         ", " + std::to_string(Kt::kNWarps) + ", " +
-                         std::to_string(Kt::kDSplit) + ">";
   for (bool atomic : {false, true}) {
-    emit("^flash_bwd_dkdv_kernel<" + kt + ", (true|false), " + b(atomic) + ",", Kt::kNThreads,
-         atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq);
+    emit("^flash_bwd_dkdv_kernel<" + dkdv_traits<Kt>() + ", (true|false), " + b(atomic) + ",",
+         Kt::kNThreads, atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq);
+  }
+  // a dropout's dK/dV kernel (the extended instantiations), where it has its own traits
+  using Dk = fs::DkdvLaunchTraits<kD, true>;
+  if constexpr (Dk::kDropoutTile) {
+    using Kd = typename Dk::Dropout;
+    emit("^flash_bwd_dkdv_kernel<" + dkdv_traits<Kd>() + ", (true|false), false,",
+         Kd::kNThreads, Kd::kSmemSizeNoDq);
   }
   emit_dq<Kq>();
-  // a bias gradient's dQ kernel (the extended instantiations), where it has its own traits
+  // a bias gradient's dQ kernel (the extended instantiations), where it has its own traits,
+  // and the band kernels' tile without its stores (DqLaunchTraits)
   if constexpr (!std::is_same_v<Kq, typename C::DqBiasTraits>) {
     emit_dq<typename C::DqBiasTraits>();
+  }
+  using Band = typename fs::DqLaunchTraits<kD, true, true>::Plain;
+  if constexpr (!std::is_same_v<Band, Kq> && !std::is_same_v<Band, typename C::DqBiasTraits>) {
+    emit_dq<Band>();
   }
   emit("^flash_bwd_preprocess_kernel<" + std::to_string(kD) + ">$", fs::kBwdAuxThreads, 0);
   emit("^flash_bwd_convert_dq_kernel<" + std::to_string(kD) + ">$", fs::kBwdAuxThreads, 0);

@@ -20,7 +20,7 @@ a sequence's length NaN, unused pages too).
 (Sq, Sk) bias with -inf entries; the backward only where it reads a bias (head_dim <= 128, no
 softcap).
 ``--dropout P`` runs every dense launch with attention dropout (fwd_dropout; the backward with
-the forward's rng_state, head_dim <= 128): the forward's LSE (the undropped one) is checked
+the forward's rng_state, every head dim; d = 256 on its dropout tile): the forward's LSE (the undropped one) is checked
 against the CPU reference, its output only for finiteness (tests/test_dropout.py compares it
 with the mask), and the backward against the CPU reference op given the same rng_state; with
 ``--varlen`` the packed launches (varlen_fwd_dropout on a fixed rng_state, which the CPU
@@ -229,8 +229,6 @@ def main(argv=None):
                         mods["attn_bias"] = bias
                     bwd_ok = bias is None or (d <= _rules.BIAS_BACKWARD_MAX_HEAD_DIM
                                               and not args.softcap)
-                    bwd_ok = bwd_ok and (not args.dropout or
-                                         d <= _rules.DROPOUT_BACKWARD_MAX_HEAD_DIM)
                     tag = (f"d={d} causal={causal} bottom_right={bottom_right} window={window} "
                            f"softcap={args.softcap:g} alibi={args.alibi} "
                            f"bias={'none' if bias is None else bias.dtype} {name} "
@@ -315,6 +313,8 @@ VARLEN_CASES = [
 
 
 def run_varlen(args, dev, gen, failures):
+    from flash_attention_sm75 import _rules
+
     ops = torch.ops.flash_attention_sm75
     launches = 0
     for d in args.d:
@@ -361,7 +361,9 @@ def run_varlen(args, dev, gen, failures):
                       f"max|lse-ref|={l_err:.2e}", flush=True)
                 if not ok:
                     failures.append(tag)
-                if args.no_bwd or (drop is not None and d > 128):  # no dropout backward there
+                # the packed dropout backward's limit (_rules.PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM)
+                if args.no_bwd or (drop is not None and
+                                   d > _rules.PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM):
                     continue
 
                 def bwd(t, o, l, mode):

@@ -217,7 +217,7 @@ def test_invalid_dropout_p_is_refused_by_every_door(p):
     assert _rules.dropout_problem(p, 64) is not None
 
 
-def test_backward_needs_rng_state_and_refuses_d256():
+def test_backward_needs_rng_state_and_runs_at_d256():
     q, k, v = qkv(1, 8, 8, 2, 2, 64, "cpu")
     out, lse, state = ops.fwd_dropout(q, k, v, 0.2)
     args = (out, q, k, v, out, lse, 0.125, False, True)
@@ -225,13 +225,13 @@ def test_backward_needs_rng_state_and_refuses_d256():
         ops.bwd(*args, dropout_p=0.2)
     with pytest.raises(ValueError, match="rng_state must be the forward's contiguous int64 tensor"):
         ops.bwd(*args, dropout_p=0.2, rng_state=state.float())
-    q2, k2, v2 = qkv(1, 8, 8, 2, 2, 256, "cpu")
-    o2, l2, s2 = ops.fwd_dropout(q2, k2, v2, 0.2)
-    with pytest.raises(ValueError, match="dropout has no backward at head_dim 256"):
-        ops.bwd(o2, q2, k2, v2, o2, l2, 0.0625, False, True, dropout_p=0.2, rng_state=s2)
+    # head_dim 256: against the float64 definition with the call's own mask (the CPU op)
+    q2, k2, v2 = qkv(2, 19, 23, 4, 2, 256, "cpu", seed=4)
+    run_and_check(q2, k2, v2, 0.2, causal=True)
     q2.requires_grad_()
-    with pytest.raises(ValueError, match="dropout has no backward at head_dim 256"):
-        fa.flash_attn_func(q2, k2, v2, dropout_p=0.2)
+    out = fa.flash_attn_func(q2, k2, v2, dropout_p=0.2)
+    (g,) = torch.autograd.grad(out.float().sum(), q2)
+    assert torch.isfinite(g).all()
 
 
 def test_flash_attn_func_and_fa2_run_dropout_on_cpu():
@@ -256,9 +256,7 @@ def test_sdpa_wrapper_accepts_dropout_and_falls_back_outside_the_rule(monkeypatc
     assert "dropout_p must be in [0, 1)" in sdpa.why_not_supported(q, k, v, dropout_p=1.0)
     assert "a Python float is required" in sdpa.why_not_supported(q, k, v, dropout_p="0.1")
     q2, k2, v2 = (t.transpose(1, 2).requires_grad_() for t in qkv(1, 8, 8, 2, 2, 256, "cpu"))
-    assert "no backward at head_dim 256" in sdpa.why_not_supported(q2, k2, v2, dropout_p=0.1)
-    with torch.no_grad():
-        assert sdpa.why_not_supported(q2, k2, v2, dropout_p=0.1) is None
+    assert sdpa.why_not_supported(q2, k2, v2, dropout_p=0.1) is None  # backward at d = 256 too
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
@@ -500,7 +498,7 @@ def test_kernels_forward_and_backward_against_float64(d, causal, shape, request)
         pytest.skip("needs a CUDA GPU")
     b, sq, sk, h, h_k = shape
     q, k, v = qkv(b, sq, sk, h, h_k, d, "cuda", seed=d + sq)
-    run_and_check(q, k, v, 0.17, causal=causal, backward=d <= _rules.DROPOUT_BACKWARD_MAX_HEAD_DIM)
+    run_and_check(q, k, v, 0.17, causal=causal)
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "atomic"])
@@ -782,16 +780,16 @@ def test_varlen_door_draws_a_mask_per_call_from_torchs_generator(monkeypatch):
     with pytest.raises(NotImplementedError, match="return_attn_probs=True with dropout_p"):
         fa2.flash_attn_varlen_func(*args, return_attn_probs=True)
     q2, k2, v2, cu2, _ = packed_qkv([3, 4], [3, 4], 2, 2, 256, "cpu")
-    with pytest.raises(ValueError, match="dropout has no backward at head_dim 256"):
+    with pytest.raises(ValueError, match="dropout has no backward for packed sequences at "
+                                         "head_dim 256"):
         fa2.flash_attn_varlen_func(q2.requires_grad_(), k2, v2, cu2, cu2, 4, 4, 0.2)
     with torch.no_grad():  # no backward: the forward runs
         assert fa2.flash_attn_varlen_func(q2, k2, v2, cu2, cu2, 4, 4, 0.2).shape == q2.shape
     # a head dim the door pads (130 -> 136) is named as the caller passed it
     q3 = torch.randn(7, 2, 130, dtype=torch.float16, requires_grad=True)
-    with pytest.raises(ValueError, match="dropout has no backward at head_dim 130 "):
+    with pytest.raises(ValueError, match="dropout has no backward for packed sequences at "
+                                         "head_dim 130 "):
         fa2.flash_attn_varlen_func(q3, q3, q3, cu2, cu2, 4, 4, 0.2)
-    with pytest.raises(ValueError, match="dropout has no backward at head_dim 130 "):
-        fa2.flash_attn_func(q3[None], q3[None], q3[None], 0.2)
 
 
 def test_varlen_backward_checks_its_rng_state():
@@ -807,6 +805,12 @@ def test_varlen_backward_checks_its_rng_state():
         ops.varlen_fwd_dropout(q, k, v, cu_q, cu_k, 5, 5, 0.2, state[:1])
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
         ops.varlen_fwd_dropout(q, k, v, cu_q, cu_k, 5, 5, 1.0, state)
+    # the packed backward above head_dim 128 runs on a padded copy, where the mask would move
+    q2, k2, v2, cu2, _ = packed_qkv([3, 5], [3, 5], 2, 2, 256, "cpu")
+    o2, l2 = ops.varlen_fwd_dropout(q2, k2, v2, cu2, cu2, 5, 5, 0.2, state)
+    with pytest.raises(ValueError, match="no backward for packed sequences at head_dim 256"):
+        ops.varlen_bwd(o2, q2, k2, v2, o2, l2, cu2, cu2, 5, 5, 0.0625, False, dropout_p=0.2,
+                       rng_state=state)
 
 
 def test_varlen_dropout_under_torch_compile_draws_in_the_graph():
@@ -865,6 +869,15 @@ def test_hf_packed_call_with_dropout_runs_on_the_varlen_op(hf_state, monkeypatch
     assert torch.equal(out[0], ref)
     out.float().sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    # head_dim 256 in training: the packed backward has no dropout there (a padded copy): the
+    # call falls back, saying why
+    q2, k2, v2 = (torch.randn(1, h, 24, 256, generator=g).half().requires_grad_()
+                  for h in (4, 2, 2))
+    hf.reset_stats()
+    hf.flash_attention_sm75_forward(Attn(), q2, k2, v2, None, dropout=0.3, position_ids=pos)
+    stats = hf.get_stats()
+    assert stats["kernel"] == 0 and stats["fallback"] == 1, stats
+    assert any("packed sequences at head_dim 256" in r for r in stats["reasons"]), stats
 
 
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
@@ -877,7 +890,7 @@ def test_varlen_kernels_forward_and_backward_against_float64(d, causal, request)
     lens_q = [130, 1, 0, 77, 256, 3]
     lens_k = [201, 1, 0, 77, 129, 40]
     run_and_check_varlen(lens_q, lens_k, 4, 2, d, 0.17, "cuda", causal=causal, seed=d,
-                         backward=d <= _rules.DROPOUT_BACKWARD_MAX_HEAD_DIM)
+                         backward=d <= _rules.PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM)
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "atomic"])

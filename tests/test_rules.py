@@ -280,13 +280,8 @@ ROWS = [
         r"dropout_p must be in \[0, 1\), got -0\.25"),
     Row("dropout_p", "dropout_str", _with(lambda *t: t, dropout_p="0.1"),
         r"dropout_p must be a real number in \[0, 1\), got str", cpp=False),
-    # The backward's head-dim limit, when a gradient will flow (the C++ backward checks it:
-    # tests/test_dropout.py).
-    Row("dropout_p", "dropout_backward_d256",
-        lambda device: ((lambda q, k, v: (q.requires_grad_(), k, v))(*bshd(d=256, device=device)),
-                        {"dropout_p": 0.1}),
-        r"dropout has no backward at head_dim 256 \(the backward applies dropout up to "
-        r"head_dim 128\)", cpp=False),
+    # (A dropout's backward runs at every head dim of a padded batch; the packed limit is
+    # tests/test_dropout.py's.)
     # CPU tensors reach the op's CPU reference (the dispatcher's choice), never the C++ device
     # rule of the CUDA kernel; doors that run CUDA only ask the rulebook with devices=("cuda",).
     Row("device", "cpu_where_cuda_only", _base(), r"q must be a CUDA tensor, got device cpu",

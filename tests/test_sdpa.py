@@ -640,9 +640,9 @@ def test_gpu_fallback_equals_torch(name, spec, reason):
 
 
 @pytest.mark.gpu
-def test_gpu_dropout_runs_on_the_kernel_and_a_refused_value_falls_back(op_calls):
-    # dropout_p in [0, 1) runs on the kernel (its own generator: tests/test_dropout.py); a value
-    # the rule refuses goes to torch with the call's arguments (same seed, same draws).
+def test_gpu_dropout_runs_on_the_kernel_with_its_backward_at_every_head_dim(op_calls):
+    # dropout_p in [0, 1) runs on the kernel (its own generator: tests/test_dropout.py), its
+    # backward too, at head_dim 256 as well.
     q, k, v = bhsd(2, 4, 4, 64, 64, 64, device="cuda")
     assert fa.why_not_supported(q, k, v, dropout_p=0.2) is None
     torch.manual_seed(7)
@@ -652,15 +652,16 @@ def test_gpu_dropout_runs_on_the_kernel_and_a_refused_value_falls_back(op_calls)
                                                             is_causal=True))
     assert op_calls == []  # fwd itself is not called: dropout runs fwd_dropout
     assert not torch.equal(out, fa.scaled_dot_product_attention(q, k, v, is_causal=True))
-    # A backward the rule refuses (dropout above head_dim 128): torch's kernel, torch's draws.
+    # head_dim 256 with a backward (its dK/dV kernel's dropout tile): the kernel, reproducible
     q2, k2, v2 = (t.requires_grad_() for t in bhsd(2, 4, 4, 64, 64, 256, device="cuda"))
-    assert "dropout has no backward at head_dim 256" in fa.why_not_supported(q2, k2, v2,
-                                                                            dropout_p=0.2)
-    torch.manual_seed(7)
-    out = fa.scaled_dot_product_attention(q2, k2, v2, dropout_p=0.2, is_causal=True)
-    torch.manual_seed(7)
-    expected = F.scaled_dot_product_attention(q2, k2, v2, dropout_p=0.2, is_causal=True)
-    assert torch.equal(out, expected)
+    assert fa.why_not_supported(q2, k2, v2, dropout_p=0.2) is None
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        out = fa.scaled_dot_product_attention(q2, k2, v2, dropout_p=0.2, is_causal=True)
+        grads.append(torch.autograd.grad(out.float().sum(), (q2, k2, v2)))
+    for a, b in zip(*grads):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
 @pytest.mark.gpu

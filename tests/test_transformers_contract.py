@@ -224,6 +224,24 @@ def test_a_mask_stating_the_documents_runs_on_the_varlen_op(mask_dtype, monkeypa
     assert stats["kernel"] == 0 and stats["fallback"] == 2, stats
     assert not torch.equal(out2, plain)
     torch.testing.assert_close(out3, out, atol=2e-3, rtol=2e-3)  # the mask's result still
+    # A learned mask (requires grad) equal to the documents still gets its gradient: the
+    # fallback with the mask, never the varlen op without it
+    if mask_dtype != torch.bool:
+        learned = torch.zeros(1, 4, 1, 24, dtype=mask_dtype, requires_grad=True)
+        qg = q.detach().requires_grad_()
+        out4, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), qg, k, v, learned + mask,
+                                                  position_ids=pos)
+        (g,) = torch.autograd.grad(out4.float().sum(), learned)
+        assert g.abs().sum() > 0
+    # Under inference_mode the mask (an inference tensor) is compared once too
+    built.clear()
+    with torch.inference_mode():
+        inf_mask = mask.clone()
+        for _ in range(3):
+            out5, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, inf_mask,
+                                                      position_ids=pos)
+            assert torch.equal(out5, plain)
+    assert built == [None]
 
 
 @needs_op

@@ -33,8 +33,13 @@ namespace flash_sm75 {
 // and keep only their share of the dK/dV columns: 1 / kDSplit of the d/2 + d/2 fp32 accumulator
 // registers, for S^T / dP^T MMAs done kDSplit times (d = 256: the dK/dV accumulators alone
 // would take all 255 registers).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDSplit_ = 1>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDSplit_ = 1,
+          bool kDropout_ = true>
 struct Flash_bwd_kernel_traits {
+  // The extended deterministic kernel applies attention dropout (dropout.h); false: not compiled
+  // (d = 256's tile, whose dK / dV accumulators leave no register for the generator: the
+  // dropout calls run Bwd_tile_config::DropoutTraits).
+  static constexpr bool kDropout = kDropout_;
   static constexpr int kHeadDim = kHeadDim_;  // d
   static constexpr int kBlockM = kBlockM_;    // Br: query rows per tile of the inner loop
   static constexpr int kBlockN = kBlockN_;    // Bc: keys per CTA
@@ -167,6 +172,7 @@ struct Bwd_tile_config;
 template <>
 struct Bwd_tile_config<64> {
   using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
+  using DropoutTraits = Traits;  // dropout.h's generator fits the dK/dV kernel
   using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4, 1, false, false>;
   // The dQ kernel of a call with a bias gradient (params.dbias_ptr; the extended, non-band
   // instantiations): Bc = 32, as at d = 96 / 128. Its fp32 dS stores spilled the Bc = 64 one,
@@ -181,6 +187,7 @@ struct Bwd_tile_config<64> {
 template <>
 struct Bwd_tile_config<96> {
   using Traits = Flash_bwd_kernel_traits<96, 64, 64, 8>;
+  using DropoutTraits = Traits;  // dropout.h's generator fits the dK/dV kernel
   using DqTraits = Flash_bwd_dq_kernel_traits<96, 32, 4>;
   using DqBiasTraits = DqTraits;
   static constexpr bool kAtomicDq = true;
@@ -188,13 +195,21 @@ struct Bwd_tile_config<96> {
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
+  using DropoutTraits = Traits;  // dropout.h's generator fits the dK/dV kernel
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
   using DqBiasTraits = DqTraits;
   static constexpr bool kAtomicDq = true;
 };
 template <>
 struct Bwd_tile_config<256> {
-  using Traits = Flash_bwd_kernel_traits<256, 16, 32, 4, 2>;
+  using Traits = Flash_bwd_kernel_traits<256, 16, 32, 4, 2, /*kDropout=*/false>;
+  // The dK/dV kernel of a dropout's backward: Traits' 255 registers (its dK / dV accumulators, d
+  // / 2 columns per warp) left none for dropout.h's generator (32-36 bytes of spill). Four
+  // column splits instead of two halve the accumulators (d / 4 = 64 columns per warp: 163-165
+  // registers, 0 spills) for S^T / dP^T computed four times per key group instead of twice; 8
+  // warps of one CTA per SM as Traits' 4 warps of one (50.8 KiB of shared memory each: the same
+  // tiles, Bc = 32, Br = 16).
+  using DropoutTraits = Flash_bwd_kernel_traits<256, 16, 32, 8, 4>;
   using DqTraits = Flash_bwd_dq_kernel_traits<256, 16, 4, 2, true>;
   using DqBiasTraits = DqTraits;  // no bias backward here (kBwdBiasMaxHeadDim)
   // No atomic dQ mode: the dK/dV kernel with the dQ = dS K tile and its atomics spills 12-84
@@ -232,6 +247,24 @@ struct DqLaunchTraits {
       return p.dbias_ptr != nullptr ||
              (p.bias_ptr != nullptr && !p.bias_pairs && !std::is_same_v<K, Bias>);
     }
+  }
+};
+
+// The dK/dV kernel a launch runs (run_mha_bwd_hdim and the CPU emulator's mirror of it): Plain
+// (Bwd_tile_config::Traits), or DropoutTraits for a dropout's backward where that is another
+// tile (d = 256; kDropoutTile: whether it is), on the same grid (its keys per CTA are Plain's).
+template <int kHeadDim, bool Is_ext>
+struct DkdvLaunchTraits {
+  using C = Bwd_tile_config<kHeadDim>;
+  using Plain = typename C::Traits;
+  using Dropout = typename C::DropoutTraits;
+  static constexpr bool kDropoutTile = Is_ext && !std::is_same_v<Plain, Dropout>;
+  static_assert(Dropout::kBlockN == Plain::kBlockN && Dropout::kBlockM == Plain::kBlockM &&
+                    Dropout::kDropout,
+                "the dropout tile runs the plain tile's grid and applies dropout");
+  template <typename Params>
+  static bool use_dropout_tile(const Params& p) {
+    return kDropoutTile && p.dropout;
   }
 };
 

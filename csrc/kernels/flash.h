@@ -157,9 +157,11 @@ struct Flash_fwd_params {
 // dK/dV kernel has no registers left for it); the host refuses larger ones.
 constexpr int kBwdBiasMaxHeadDim = 128;
 
-// The largest head dim (bucket) whose backward kernels apply dropout (the d = 256 dK/dV kernel
-// spilled with its generator); the host refuses a dropout's backward above it.
-constexpr int kBwdDropoutMaxHeadDim = 128;
+// The largest head dim (bucket) whose backward applies dropout to packed sequences: above it
+// (d = 256) the backward runs on a right-aligned padded copy (kMaxBwdSeqHeadDim), which moves a
+// sequence's rows and so its mask; the host refuses those. Padded batches apply it at every head
+// dim (d = 256's dK/dV kernel through Bwd_tile_config<256>::DropoutTraits).
+constexpr int kBwdPackedDropoutMaxHeadDim = 128;
 
 // Paged K/V needs a tile of kBlockN keys (and a decode warp's 32) inside one page.
 constexpr int kPageBlockMultiple = 64;

@@ -410,10 +410,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr uint32_t kVfromK = Kt::kOffV - Kt::kOffK;     // byte offset sV - sK
   constexpr uint32_t kDofromQ = Kt::kOffDo - Kt::kOffQ;   // byte offset sdO - sQ
   constexpr int kDO = Kt::kDOut;  // dK / dV columns of a warp
-  // Dropout (dropout.h) in the deterministic-dQ kernels up to kBwdDropoutMaxHeadDim only: the
-  // atomic ones and d = 256 have no register left for it (spills); the host runs a dropout's
-  // backward with the dQ kernel and refuses it above that head dim.
-  constexpr bool kDropout = Is_ext && !Atomic_dq && kD <= kBwdDropoutMaxHeadDim;
+  // Dropout (dropout.h) in the deterministic-dQ kernels of traits with kDropout: the atomic ones
+  // and d = 256's plain tile have no register left for it (spills); the host runs a dropout's
+  // backward with the dQ kernel, at d = 256 on Bwd_tile_config<256>::DropoutTraits.
+  constexpr bool kDropout = Is_ext && !Atomic_dq && Kt::kDropout;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kOffK);    // Bc x d (padded rows)

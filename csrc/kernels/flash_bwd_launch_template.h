@@ -48,8 +48,19 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     }
   }
   {
+    // The dK/dV tile (DkdvLaunchTraits): a dropout's (Bwd_tile_config::DropoutTraits, d = 256),
+    // the same grid.
+    using Dk = DkdvLaunchTraits<kHeadDim, Is_ext>;
     auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false, Is_local, Is_ext>;
-    set_max_dynamic_smem(kernel, plan.dkdv_smem);
+    int dkdv_threads = plan.dkdv_threads, dkdv_smem = plan.dkdv_smem;
+    if constexpr (Dk::kDropoutTile) {
+      if (Dk::use_dropout_tile(params)) {
+        kernel = &flash_bwd_dkdv_kernel<typename Dk::Dropout, Is_causal, false, Is_local, Is_ext>;
+        dkdv_threads = Dk::Dropout::kNThreads;
+        dkdv_smem = Dk::Dropout::kSmemSizeNoDq;
+      }
+    }
+    set_max_dynamic_smem(kernel, dkdv_smem);
     // The dQ tile (DqLaunchTraits): a bias gradient's (Bwd_tile_config::DqBiasTraits), the
     // same grid and threads, also for a bias read by scalar loads (no aligned column pairs: an
     // odd Sk, a column stride), which d = 64's other tile makes one at a time (kGather).
@@ -71,8 +82,7 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
       check_cuda(cudaEventRecord(params.dq_fork, stream), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(params.dq_stream, params.dq_fork, 0), "cudaStreamWaitEvent");
     }
-    kernel<<<static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads, plan.dkdv_smem,
-             stream>>>(params);
+    kernel<<<static_cast<unsigned>(plan.dkdv_blocks), dkdv_threads, dkdv_smem, stream>>>(params);
     dq_kernel<<<static_cast<unsigned>(plan.dq_blocks), plan.dq_threads, dq_smem,
                 fork ? params.dq_stream : stream>>>(params);
     if (fork) {

@@ -37,7 +37,7 @@ a CUDA graph captures (a static cache's decode step under ``mode="reduce-overhea
 by the kernel itself as its ``attn_bias`` (bool or additive, broadcast over heads in place), as
 the rulebook's bias rule allows (with a backward: head_dim up to 128, no softcap). Any
 unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256], dropout in
-training above head_dim 128,
+training of packed sequences above head_dim 128,
 ``output_attentions``, a keyword argument outside the allow-list, a mask the bias rule refuses)
 calls transformers' own ``sdpa_attention_forward`` with the original arguments (calls with Gemma
 2's ``softcap``, which runs on the kernel, fall back to that function with the soft-cap applied,
@@ -246,6 +246,7 @@ _POSITION_IDS_CACHE = _masks.POSITION_IDS_CACHE
 def _clear_classification_cache() -> None:
     """Forget every cached classification and every remembered decision (tests, benchmarks)."""
     _masks.clear_caches()
+    _DOCUMENT_MASK_CACHE.clear()
     _clear_decisions()
 
 
@@ -670,8 +671,9 @@ def _explicit_mask(packing: _Packing, query, key, attention_mask, causal: bool,
     return mask
 
 
-# Whether a mask states exactly a packing's documents (_mask_is_the_documents), per mask object.
-_DOCUMENT_MASK_CACHE = _masks.PerTensorCache()
+# Whether a mask states exactly a packing's documents (_mask_is_the_documents), per mask object
+# (inference masks too: a hit checks their values against a copy on the device, no host read).
+_DOCUMENT_MASK_CACHE = _masks.PerTensorCache(verify_inference=True)
 
 
 def _mask_is_the_documents(packing: _Packing, query, key, attention_mask, causal: bool,
@@ -681,19 +683,25 @@ def _mask_is_the_documents(packing: _Packing, query, key, attention_mask, causal
     mask): the mask transformers builds from restarting ``position_ids`` when it builds one (no
     cache: training with ``use_cache=False``, gradient checkpointing). Then the varlen op gives
     that mask's result at the documents' cost. Bool masks, or float ones of 0 and ``-inf`` /
-    the dtype's minimum only, of one batch row (any head count), on the query's device; one host
-    read per mask object (``source``: the packing's tensor, part of the cache key), never while
-    tracing or capturing (False there: the caller falls back with the mask)."""
+    the dtype's minimum only, of one batch row (any head count), on the query's device, not
+    requiring grad under grad mode (a learned mask's gradient needs the mask on the kernel);
+    one host read per mask object (``source``: the packing's tensor, part of the cache key),
+    never while tracing or capturing (False there: the caller falls back with the mask)."""
     b, _, q_len, _ = query.shape
     m = attention_mask
     if not (isinstance(m, torch.Tensor) and m.dim() == 4 and m.shape[0] == 1 and b == 1
             and m.shape[-2:] == (q_len, key.shape[2]) and m.device == query.device
             and (m.dtype == torch.bool or m.dtype.is_floating_point)
+            and not (m.requires_grad and torch.is_grad_enabled())
             and _host_reads_allowed(m)):
         return False
-    extra = ("documents", id(source), source.data_ptr(), source._version
-             if not source.is_inference() else None, causal, window)
-    hit = _DOCUMENT_MASK_CACHE.get(m, extra)
+    # An inference tensor has no version counter: restarting position_ids are checked against
+    # their cached values at each use (_packed_position_ids), inference cu_seq_lens are not, so
+    # those are compared again at every call.
+    cacheable = not source.is_inference() or packing.cu_q is None
+    extra = ("documents", id(source), source.data_ptr(),
+             None if source.is_inference() else source._version, causal, window)
+    hit = _DOCUMENT_MASK_CACHE.get(m, extra) if cacheable else None
     if hit is None:
         docs = _explicit_mask(packing, query, key, None, causal, window)
         if m.dtype == torch.bool:
@@ -703,7 +711,8 @@ def _mask_is_the_documents(packing: _Packing, query, key, attention_mask, causal
             hidden = (m == float("-inf")) | (m == torch.finfo(m.dtype).min)
             same = ((seen | hidden) & (seen == docs)).all()
         hit = bool(same)  # the one host read
-        _DOCUMENT_MASK_CACHE.put(m, extra, hit)
+        if cacheable:
+            _DOCUMENT_MASK_CACHE.put(m, extra, hit)
     return hit
 
 
@@ -792,6 +801,10 @@ def _packed_attention(fallback, module, query, key, value, attention_mask, bound
     causal = no_mask and _is_causal(module, bound["is_causal"]) and query.shape[2] > 1
     reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
                                  softcap)
+    if reason is None:  # the packed backward's own dropout limit
+        reason = _rules.dropout_problem(_dropout_of(bound), query.shape[-1],
+                                        backward=_rules.gradient_flows(query, key, value),
+                                        packed=True)
     varlen_mask = attention_mask
     if reason is None and not no_mask:
         # A mask that states exactly the documents (transformers' own, built from the packed

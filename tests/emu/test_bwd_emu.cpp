@@ -233,8 +233,21 @@ void run_backward(Flash_bwd_params& p) {
     }
   }
   if (!ran_atomic) {
-    emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
-                [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal, kMod>(p); });
+    // As run_mha_bwd_hdim: the dK/dV tile DkdvLaunchTraits picks (a dropout's, d = 256).
+    using Dk = DkdvLaunchTraits<kD, kMod>;
+    bool ran_dropout_tile = false;
+    if constexpr (Dk::kDropoutTile) {
+      if (Dk::use_dropout_tile(p)) {
+        emu::launch(static_cast<unsigned>(plan.dkdv_blocks), Dk::Dropout::kNThreads, [&] {
+          flash_bwd_dkdv_kernel<typename Dk::Dropout, kCausal, false, kLocal, kMod>(p);
+        });
+        ran_dropout_tile = true;
+      }
+    }
+    if (!ran_dropout_tile) {
+      emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
+                  [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal, kMod>(p); });
+    }
     // As run_mha_bwd_hdim: the dQ tile DqLaunchTraits picks (a bias gradient's, or a bias
     // without column pairs', DqBiasTraits; same grid and threads).
     using Dq = DqLaunchTraits<kD, kLocal, kMod>;
@@ -1573,13 +1586,15 @@ int main(int argc, char** argv) {
     // Attention dropout (dropout.h) with every variant it meets: plain, causal (both
     // alignments), GQA, key ranges, a window, softcap + ALiBi (forward; the backward too), a
     // bias, odd lengths and strides; the deterministic dQ mode (a dropout's backward never runs
-    // the atomic one); d = 256 forward only (its backward is refused).
+    // the atomic one); d = 256's backward on its dropout tile (DkdvLaunchTraits).
     auto addd = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, bool br, bool lp,
                     bool su, int layout, double p) {
       add(b, sq, sk, h, hk, d, causal, br, lp, su, layout, false);
       cases.back().dropout = p;
-      cases.back().fwd_only = d > 128;
     };
+    // quick: one small d = 256 case (the dropout tile's four column splits, GQA, causal, odd
+    // lengths, a key range)
+    addd(1, 40, 57, 4, 2, 256, true, true, true, true, 1, 0.3);
     for (int d : mode == "quick" ? std::vector<int>{64} : std::vector<int>{64, 96, 128, 40, 256}) {
       addd(2, 150, 170, 4, 2, d, false, true, false, false, 1, 0.3);
       addd(1, 130, 97, 2, 1, d, true, true, false, false, 0, 0.1);
