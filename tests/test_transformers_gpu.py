@@ -265,12 +265,10 @@ def test_sliding_window_prefill_and_generate_run_the_kernel_window(name, window)
            max_slack=0.03, mean_slack=2e-3)
 
 
-def test_gemma2_softcap_prefill_and_generate_run_on_the_kernel():
-    # Gemma 2's attention (softcap=attn_logit_softcapping on every call, a sliding layer with a
-    # window shorter than the prompts, a full layer, head_dim 256) runs on the kernel, prefill
-    # and decode, and matches stock fp16 eager attention (Gemma 2 has no SDPA path) against the
-    # fp32 eager model. The q/k projections are scaled so that random-weight scores reach a few
-    # units, where a cap of 5 bends them.
+def _gemma2_softcap_model():
+    """A Gemma-2-shaped fp16 model with random weights: a sliding layer (window 64) and a full
+    one, head_dim 256, attention softcap 5, its q / k projections scaled by 4 so that the
+    random-weight scores reach a few units, where the cap bends them."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(
@@ -285,6 +283,17 @@ def test_gemma2_softcap_prefill_and_generate_run_on_the_kernel():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4.0)
             layer.self_attn.k_proj.weight.mul_(4.0)
+    return model
+
+
+def test_gemma2_softcap_prefill_and_generate_run_on_the_kernel():
+    # Gemma 2's attention (softcap=attn_logit_softcapping on every call, a sliding layer with a
+    # window shorter than the prompts, a full layer, head_dim 256) runs on the kernel, prefill
+    # and decode, and matches stock fp16 eager attention (Gemma 2 has no SDPA path) against the
+    # fp32 eager model. The q/k projections are scaled so that random-weight scores reach a few
+    # units, where a cap of 5 bends them.
+    model = _gemma2_softcap_model()
+    config = model.config
     ids, am = _left_padded(PADDED_LENGTHS, config.vocab_size, seed=6)
     hf.reset_stats()
     ours = _logits(model, "flash_attention_sm75", ids, am)
@@ -505,20 +514,8 @@ def test_gemma2_softcap_training_gradients_match_stock_eager():
     kernel, each parameter's gradient as close to the float32 eager model's as stock fp16
     eager attention's (Gemma 2 has no SDPA path). q / k projections scaled as in the prefill
     test so that the cap of 5 bends the scores."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(
-        "gemma2", hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=256, intermediate_size=2048, vocab_size=4096,
-        max_position_embeddings=1024, query_pre_attn_scalar=256, sliding_window=64,
-        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=5.0,
-        final_logit_softcapping=30.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = build_random_model(config, dtype=torch.float16, device=DEVICE, seed=0,
-                               attn_implementation="flash_attention_sm75").train()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
+    model = _gemma2_softcap_model().train()
+    config = model.config
     lengths = TRAIN_LENGTHS["b2-right-padded"]
     g = torch.Generator().manual_seed(8)
     s = max(lengths)
