@@ -269,6 +269,18 @@ def gradient_flows(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def backward_may_follow(*tensors, dropout_p: object = 0.0) -> bool:
+    """The backward's limits apply to a call: a gradient flows (:func:`gradient_flows`), or the
+    call has dropout. A dropout call's decision must not depend on grad mode: a reentrant
+    checkpoint runs the forward without grad and recomputes it with grad, and both runs must
+    take the same path, since the kernels' mask and torch's come from different generators (a
+    no-grad kernel run and a recomputed fallback would pair one mask's output with another's
+    gradients)."""
+    dropout = (isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool)
+               and dropout_p != 0)
+    return dropout or gradient_flows(*tensors)
+
+
 def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
                       layout: str = "bshd", backward: bool = False, softcap: float = 0.0,
                       name: str = "attn_bias",
@@ -587,11 +599,12 @@ def not_supported_reason(
     if attn_bias is not None:
         r = attn_bias_problem(
             attn_bias, q, ks[3 - hd], layout=layout, softcap=softcap,
-            backward=gradient_flows(q, k, v))
+            backward=backward_may_follow(q, k, v, dropout_p=dropout_p))
         if r is not None:
             return r
     if type(dropout_p) is not float or dropout_p != 0.0:
-        r = dropout_problem(dropout_p, d, backward=gradient_flows(q, k, v))
+        r = dropout_problem(dropout_p, d, backward=backward_may_follow(q, k, v,
+                                                                       dropout_p=dropout_p))
         if r is not None:
             return r
 

@@ -166,8 +166,10 @@ def why_not_supported(
         in eval, as torch's SDPA): run by the kernel (torch's semantics: keep with probability
         ``1 - dropout_p``, scale ``1 / (1 - dropout_p)``; the mask from torch's default CUDA
         generator, so ``torch.manual_seed`` reproduces it, though not torch's own draws). Falls
-        back: a value outside ``[0, 1)``, with a backward a head_dim above 128, and any call
-        while torch.compile traces (the compiler cannot see the kernel's random state).
+        back: a value outside ``[0, 1)``, a mask the kernels cannot read with a backward (a
+        dropout call is decided as if a gradient flows, so that a reentrant checkpoint's
+        recompute takes the same path), and dropout while torch.compile traces with
+        ``torch._functorch.config.activation_memory_budget < 1``.
     is_causal : bool, optional
         Default ``False``. Supported either way (top-left alignment, as torch).
     scale : float, optional
@@ -206,17 +208,19 @@ def why_not_supported(
     if reason is None and attn_mask is not None and not _zero_size(query, key, value):
         info, reason = _mask_plan(query, key, attn_mask)
         if info is None:
-            reason = _bias_reason(query, key, value, attn_mask, reason)
+            reason = _bias_reason(query, key, value, attn_mask, reason, dropout_p)
     return reason
 
 
-def _bias_reason(query, key, value, attn_mask, plan_reason: str) -> Optional[str]:
+def _bias_reason(query, key, value, attn_mask, plan_reason: str,
+                 dropout_p: float = 0.0) -> Optional[str]:
     """None when the kernel reads ``attn_mask`` itself as its ``attn_bias`` (a mask that is
     not a key range, or one not read on the host: torch.compile, CUDA-graph capture), else why
-    not (with why it is no key range either)."""
+    not (with why it is no key range either). With dropout the backward's limits apply even
+    without a gradient (``_rules.backward_may_follow``)."""
     problem = _rules.attn_bias_problem(
         attn_mask, query, key.shape[2], layout="bhsd", name="attn_mask",
-        backward=_rules.gradient_flows(query, key, value))
+        backward=_rules.backward_may_follow(query, key, value, dropout_p=dropout_p))
     if problem is None:
         return None
     return f"{plan_reason}; and the kernel cannot read it as a bias: {problem}"
@@ -445,7 +449,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             return _zero_size_attention(query, key, value, attn_mask, enable_gqa)
         info, reason = _mask_plan(query, key, attn_mask)
         if info is None:
-            reason = _bias_reason(query, key, value, attn_mask, reason)
+            reason = _bias_reason(query, key, value, attn_mask, reason, dropout_p)
             if reason is None:  # the kernel reads the mask (broadcast, in place)
                 out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
                                        value.transpose(1, 2), scale, False, False,

@@ -948,3 +948,35 @@ def test_varlen_kernels_seed_and_graph_replay(request):
         seen.append(static.clone())
     assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
     assert abs(torch.stack(seen).float().mean().item() - 1.0) < 0.02
+
+
+def test_a_dropout_call_is_decided_as_if_a_gradient_flows(monkeypatch, hf_state):
+    # A reentrant checkpoint runs the forward without grad and recomputes it with grad: both
+    # must take the same path, since the kernels' mask and torch's come from different
+    # generators. So a dropout call gets the backward's limits whatever the grad mode.
+    from flash_attention_sm75.integrations import transformers as hf
+
+    q, k, v = qkv(1, 9, 11, 2, 2, 256, "cpu")
+    bias = torch.randn(9, 11)  # a float bias: no key ranges; no bias backward at d = 256
+    with torch.no_grad():
+        assert _rules.not_supported_reason(q, k, v, attn_bias=bias, devices=("cpu",)) is None
+        r = _rules.not_supported_reason(q, k, v, attn_bias=bias, dropout_p=0.1, devices=("cpu",))
+        assert "no backward at head_dim 256" in r, r
+        monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
+        qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+        assert sdpa.why_not_supported(qb, kb, vb, attn_mask=bias) is None
+        assert "no backward at head_dim 256" in sdpa.why_not_supported(qb, kb, vb,
+                                                                      attn_mask=bias,
+                                                                      dropout_p=0.1)
+        # the HF packed path above head_dim 128: the fallback in both runs
+        hf.configure(allow_cpu_reference=True)
+
+        class Attn(torch.nn.Module):
+            is_causal = True
+            num_key_value_groups = 1
+
+        pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]])
+        qh = torch.randn(1, 2, 11, 256).half()
+        hf.flash_attention_sm75_forward(Attn(), qh, qh, qh, None, dropout=0.2, position_ids=pos)
+        stats = hf.get_stats()
+        assert stats["kernel"] == 0 and stats["fallback"] == 1, stats

@@ -418,7 +418,8 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
 
 
 def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
-          flash_semantics=False, value=None, softcap: float = 0.0) -> "_Classification":
+          flash_semantics=False, value=None, softcap: float = 0.0,
+          dropout: float = 0.0) -> "_Classification":
     """Map the call onto the op (``MaskInfo``) or return the reason to fall back.
 
     A mask that is no key range (or one not read on the host: torch.compile tracing, CUDA-graph
@@ -468,7 +469,7 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
         and torch.is_grad_enabled()
     if learned or (q_len == 1 and isinstance(attention_mask, torch.Tensor)
                    and not _SETTINGS["classify_decode_masks"]
-                   and not _rules.gradient_flows(query, key, value)):
+                   and not _rules.backward_may_follow(query, key, value, dropout_p=dropout)):
         problem = _rules.attn_bias_problem(attention_mask, query, kv_len, layout="bhsd",
                                            softcap=softcap, name="attention_mask")
         if problem is None:
@@ -479,7 +480,8 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
                                            sliding_window=sliding_window)
     if info is None and isinstance(attention_mask, torch.Tensor):
         problem = _rules.attn_bias_problem(attention_mask, query, kv_len, layout="bhsd",
-                                           backward=_rules.gradient_flows(query, key, value),
+                                           backward=_rules.backward_may_follow(
+                                               query, key, value, dropout_p=dropout),
                                            softcap=softcap,
                                            name="attention_mask")
         if problem is None:  # (the plan holds no tensor: the mask is the call's own)
@@ -801,9 +803,9 @@ def _packed_attention(fallback, module, query, key, value, attention_mask, bound
     causal = no_mask and _is_causal(module, bound["is_causal"]) and query.shape[2] > 1
     reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
                                  softcap)
-    if reason is None:  # the packed backward's own dropout limit
-        reason = _rules.dropout_problem(_dropout_of(bound), query.shape[-1],
-                                        backward=_rules.gradient_flows(query, key, value),
+    if reason is None:  # the packed backward's own dropout limit (whatever the grad mode:
+        # _rules.backward_may_follow)
+        reason = _rules.dropout_problem(_dropout_of(bound), query.shape[-1], backward=True,
                                         packed=True)
     varlen_mask = attention_mask
     if reason is None and not no_mask:
@@ -865,7 +867,8 @@ def _position_bias_attention(fallback, module, query, key, value, attention_mask
             position_bias = position_bias[:, :, :, :q_len]
         bias = create_position_bias_mask(position_bias, attention_mask, is_causal, query, k)
         problem = _rules.attn_bias_problem(bias, query, k.shape[2], layout="bhsd",
-                                           backward=_rules.gradient_flows(query, key, value),
+                                           backward=_rules.backward_may_follow(
+                                               query, key, value, dropout_p=_dropout_of(bound)),
                                            softcap=softcap, name="position_bias")
         if problem is None:
             info = MaskInfo(False, k.shape[2], None, None, "bias")
@@ -1207,7 +1210,8 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
         info = None
         if reason is None:
             info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
-                                 kwargs.get("sliding_window"), flash_semantics, value, softcap)
+                                 kwargs.get("sliding_window"), flash_semantics, value, softcap,
+                                 _dropout_of(bound))
         if memo is not None:
             _remember(memo, attention_mask, info, reason)
         if reason is None:
@@ -1254,8 +1258,10 @@ def flash_attention_sm75_forward(
 
         * ``dropout`` (default 0.0; transformers passes ``module.attention_dropout`` in
           training: attention dropout on the kernel, as torch's semantics, from torch's CUDA
-          generator; falls back with packed sequences and, when a gradient will flow, above
-          head_dim 128), ``scaling`` (default ``1/sqrt(D)``),
+          generator; packed sequences above head_dim 128 fall back, in training and out of
+          it alike, as do calls whose mask needs a bias backward the kernels lack: a dropout
+          call decides as if a gradient flows, so that a reentrant checkpoint's recompute
+          takes the same path), ``scaling`` (default ``1/sqrt(D)``),
           ``is_causal`` (default ``module.is_causal``), ``position_bias`` (all zeros, as T5's
           cross-attention passes, runs on the kernel without a bias; any other, T5's
           relative-position bias, runs as the kernel's ``attn_bias`` combined with the mask by
