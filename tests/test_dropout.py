@@ -980,3 +980,25 @@ def test_a_dropout_call_is_decided_as_if_a_gradient_flows(monkeypatch, hf_state)
         hf.flash_attention_sm75_forward(Attn(), qh, qh, qh, None, dropout=0.2, position_ids=pos)
         stats = hf.get_stats()
         assert stats["kernel"] == 0 and stats["fallback"] == 1, stats
+
+
+def test_the_packed_dropout_limit_is_one_number_in_python_and_cpp():
+    import pathlib
+    import re
+
+    header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "kernels" /
+              "flash.h").read_text()
+    cpp = int(re.search(r"kBwdPackedDropoutMaxHeadDim = (\d+);", header).group(1))
+    assert cpp == _rules.PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM
+    # and the C++ op's limit is that one: the largest bucket under it runs, the next refuses
+    for d, ok in ((cpp, True), (cpp + 8, False)):
+        q, k, v, cu, _ = packed_qkv([3, 5], [3, 5], 2, 2, d, "cpu")
+        state = torch.tensor([5, 8])
+        out, lse = ops.varlen_fwd_dropout(q, k, v, cu, cu, 5, 5, 0.2, state)
+        call = lambda: ops.varlen_bwd(out, q, k, v, out, lse, cu, cu, 5, 5, d ** -0.5,  # noqa
+                                      False, dropout_p=0.2, rng_state=state)
+        if ok:
+            assert all(torch.isfinite(g).all() for g in call())
+        else:
+            with pytest.raises(ValueError, match="no backward for packed sequences"):
+                call()
