@@ -305,7 +305,7 @@ void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& r
   TORCH_CHECK_VALUE(!packed || q.size(-1) <= kBwdPackedDropoutMaxHeadDim,
                     "flash_attention_sm75: dropout has no backward for packed sequences at "
                     "head_dim ", q.size(-1), " (at most ", kBwdPackedDropoutMaxHeadDim,
-                    "); pass dropout_p=0, or pad the batch");
+                    "); pass dropout_p=0, or run the batch padded");
 }
 
 // The forward's generator: 4 Philox counter units of torch's default CUDA generator (its

@@ -389,7 +389,10 @@ def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False,
             and head_dim_bucket(head_dim) > PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM):
         return (f"dropout has no backward for packed sequences at head_dim {head_dim} (the "
                 f"packed backward applies dropout up to head_dim "
-                f"{PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM}; pad the batch, or pass dropout_p=0)")
+                f"{PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM}): pass dropout_p=0, or run the batch "
+                f"padded (flash_attn_func, the SDPA wrapper, or attn_implementation="
+                f"\"flash_attention_sm75\" in transformers, whose flash_attention_2 path "
+                f"unpads it)")
     return None
 
 
