@@ -281,6 +281,16 @@ void set_params_dropout(Flash_fwd_params& params, double dropout_p) {
   params.dropout_rp = static_cast<float>(1.0 / (1.0 - dropout_p));
 }
 
+at::Tensor set_params_dropout_from(Flash_fwd_params& params, double dropout_p,
+                                   const at::Tensor& rng_state, const at::Tensor& q) {
+  set_params_dropout(params, dropout_p);
+  at::Tensor rng = rng_state.to(q.device()).contiguous();
+  params.dropout_seed_ptr = rng.data_ptr<int64_t>();
+  params.dropout_offset_ptr = rng.data_ptr<int64_t>() + 1;
+  params.dropout_offset_add = 0;
+  return rng;
+}
+
 void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q) {
   TORCH_CHECK_VALUE(rng_state.scalar_type() == at::kLong && rng_state.dim() == 1 &&
                         rng_state.size(0) == 2 && rng_state.is_contiguous(),
@@ -294,7 +304,7 @@ void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q) {
 }
 
 void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& rng_state,
-                            const at::Tensor& q, bool packed) {
+                            const at::Tensor& q) {
   check_dropout_p(dropout_p);
   if (dropout_p == 0.0) return;
   TORCH_CHECK_VALUE(rng_state.has_value(),
@@ -302,10 +312,6 @@ void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& r
                     "drew from (fwd_dropout's third output, or the rng_state given to "
                     "fwd_dropout_seeded / varlen_fwd_dropout)");
   check_rng_state(*rng_state, q);
-  TORCH_CHECK_VALUE(!packed || q.size(-1) <= kBwdPackedDropoutMaxHeadDim,
-                    "flash_attention_sm75: dropout has no backward for packed sequences at "
-                    "head_dim ", q.size(-1), " (at most ", kBwdPackedDropoutMaxHeadDim,
-                    "); pass dropout_p=0, or run the batch padded");
 }
 
 // The forward's generator: 4 Philox counter units of torch's default CUDA generator (its
@@ -498,13 +504,10 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
   // state), so it is copied there first if it lives on the CPU; nothing is written back.
   at::Tensor rng_dev;
   if (dropout_p > 0.0) {
-    set_params_dropout(params, dropout_p);
     if (rng_in != nullptr) {
-      rng_dev = rng_in->to(q.device()).contiguous();
-      params.dropout_seed_ptr = rng_dev.data_ptr<int64_t>();
-      params.dropout_offset_ptr = rng_dev.data_ptr<int64_t>() + 1;
-      params.dropout_offset_add = 0;
+      rng_dev = set_params_dropout_from(params, dropout_p, *rng_in, q);
     } else {
+      set_params_dropout(params, dropout_p);
       set_params_dropout_rng_cuda(params, *rng_state);
     }
   }

@@ -91,15 +91,20 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu(
     const std::optional<at::Tensor>& attn_bias);
 // ValueError unless 0 <= dropout_p < 1.
 void check_dropout_p(double dropout_p);
-// The backward's dropout: dropout_p > 0 needs the forward's rng_state, and for packed
-// sequences (q packed) head_dim (q's last size) <= kBwdPackedDropoutMaxHeadDim
-// (kernels/flash.h). ValueError naming the argument otherwise.
+// The backward's dropout: dropout_p > 0 needs the forward's rng_state. ValueError naming the
+// argument otherwise.
 void check_dropout_backward(double dropout_p, const std::optional<at::Tensor>& rng_state,
-                            const at::Tensor& q, bool packed = false);
+                            const at::Tensor& q);
 // ValueError unless rng_state is an int64 (2,) contiguous tensor on q's device or the CPU.
 void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q);
 // params.dropout, keep threshold and 1 / (1 - p).
 void set_params_dropout(Flash_fwd_params& params, double dropout_p);
+// set_params_dropout with a given [seed, offset] (rng_state: int64 (2,), checked by
+// check_rng_state) read on the device by the kernels (kernels/dropout.h): copied to q's device
+// if it lives on the CPU. Returns that device tensor, which the caller keeps alive until the
+// launches are queued (params points into it); nothing is written back.
+at::Tensor set_params_dropout_from(Flash_fwd_params& params, double dropout_p,
+                                   const at::Tensor& rng_state, const at::Tensor& q);
 // The keep mask Z (bool, CPU, (batch, heads, seqlen_q, seqlen_k)) that the kernels draw for
 // rng_state: the reference of the kernels' generator (slice index batch * heads + head).
 at::Tensor dropout_keep_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
@@ -346,8 +351,7 @@ std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_dropout_cpu(
 // Gradients of mha_varlen_fwd: dq (total_q, num_heads, head_dim), dk, dv (total_k, num_heads_k,
 // head_dim) float16, 0 for tokens of no sequence. softmax_lse / grad_softmax_lse: (num_heads,
 // total_q) float32. Other layouts of dout / out / q / k / v are copied, not rejected.
-// dropout_p > 0: the forward's dropout_p and rng_state (mha_varlen_fwd_dropout), head_dim <=
-// kBwdPackedDropoutMaxHeadDim (check_dropout_backward).
+// dropout_p > 0: the forward's dropout_p and rng_state (mha_varlen_fwd_dropout).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,

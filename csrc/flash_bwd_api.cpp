@@ -220,12 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_with(
   if (bias.defined()) set_params_bias(params, bias, scale);
   if (dbias != nullptr) params.dbias_ptr = dbias->data_ptr<float>();
   at::Tensor rng;  // the forward's [seed, offset] on q's device, read by the kernels
-  if (dropout_p > 0.0) {
-    rng = rng_state->to(q.device()).contiguous();
-    set_params_dropout(params, dropout_p);
-    params.dropout_seed_ptr = rng.data_ptr<int64_t>();
-    params.dropout_offset_ptr = rng.data_ptr<int64_t>() + 1;
-  }
+  if (dropout_p > 0.0) rng = set_params_dropout_from(params, dropout_p, *rng_state, q);
   launch_bwd(params, dq_atomic, q.get_device());
   return {bufs.dq, bufs.dk, bufs.dv};
 }

@@ -273,13 +273,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_impl(
   // The generator's [seed, offset] read on the device by the kernels (kernels/dropout.h);
   // named: params points into it until the launch is queued.
   at::Tensor rng_dev;
-  if (dropout_p > 0.0) {
-    set_params_dropout(params, dropout_p);
-    rng_dev = rng_in->to(q.device()).contiguous();
-    params.dropout_seed_ptr = rng_dev.data_ptr<int64_t>();
-    params.dropout_offset_ptr = rng_dev.data_ptr<int64_t>() + 1;
-    params.dropout_offset_add = 0;
-  }
+  if (dropout_p > 0.0) rng_dev = set_params_dropout_from(params, dropout_p, *rng_in, q);
   set_plan_device(params, q.get_device());
   params.small_grid_tile = 0;
   try {
@@ -336,7 +330,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                           seqused_k, grad_softmax_lse, window_size_left,
                                           window_size_right, softcap, alibi_slopes);
-  check_dropout_backward(dropout_p, rng_state, q, /*packed=*/true);
+  check_dropout_backward(dropout_p, rng_state, q);
   check_gpu(q);
   c10::cuda::CUDAGuard device_guard{q.device()};
   const auto f16 = q.options();
@@ -347,15 +341,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
   Flash_bwd_params params{};
   // A dropout's backward runs the dQ kernel (the atomic dK/dV kernels have no dropout).
   const bool dq_atomic = dropout_p == 0.0 && bwd_uses_atomic_dq(deterministic, q.size(2));
-  if (head_dim_bucket(q.size(2)) > kMaxBwdSeqHeadDim) {
-    // A padded copy moves each sequence's rows, and so its dropout mask: no dropout here
-    // (check_dropout_backward: kBwdPackedDropoutMaxHeadDim <= kMaxBwdSeqHeadDim).
-    static_assert(kBwdPackedDropoutMaxHeadDim <= kMaxBwdSeqHeadDim,
-                  "varlen dropout: padded backward");
-    // The d = 256 backward kernels take no packed sequences (kernels/seq_info.h): the dense
-    // kernels on a right-aligned padded copy, where the single bottom-right offset of the
-    // padded batch is every sequence's own (causal, window, ALiBi distance), the key range
-    // [max_seqlen_k - used, max_seqlen_k) its keys, and padded query rows (lse -inf) see none.
+  if (!bwd_takes_packed(head_dim_bucket(q.size(2)), dropout_p > 0.0)) {
+    // The d = 256 backward kernels without dropout take no packed sequences
+    // (kernels/seq_info.h): the dense kernels on a right-aligned padded copy, where the single
+    // bottom-right offset of the padded batch is every sequence's own (causal, window, ALiBi
+    // distance), the key range [max_seqlen_k - used, max_seqlen_k) its keys, and padded query
+    // rows (lse -inf) see none. (A dropout's backward never comes here: the copy would move each
+    // sequence's rows, and so its mask; its d = 256 tile takes packed sequences.)
     const int64_t b = vs.batch;
     const at::Tensor rows_q = padded_rows(cu_seqlens_q, q.size(0), max_seqlen_q, std::nullopt);
     const at::Tensor rows_k = padded_rows(cu_seqlens_k, k.size(0), max_seqlen_k, seqused_k);
@@ -400,12 +392,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd(
   params.do_batch_stride = params.dq_batch_stride = 0;
   params.dk_batch_stride = params.dv_batch_stride = 0;
   at::Tensor rng;  // the forward's [seed, offset] on q's device, read by the kernels
-  if (dropout_p > 0.0) {
-    rng = rng_state->to(q.device()).contiguous();
-    set_params_dropout(params, dropout_p);
-    params.dropout_seed_ptr = rng.data_ptr<int64_t>();
-    params.dropout_offset_ptr = rng.data_ptr<int64_t>() + 1;
-  }
+  if (dropout_p > 0.0) rng = set_params_dropout_from(params, dropout_p, *rng_state, q);
   launch_bwd(params, dq_atomic, q.get_device());
   return {bufs.dq.squeeze(0), bufs.dk.squeeze(0), bufs.dv.squeeze(0)};
 }
@@ -517,7 +504,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_varlen_bwd_cpu(
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                           seqused_k, grad_softmax_lse, window_size_left,
                                           window_size_right, softcap, alibi_slopes);
-  check_dropout_backward(dropout_p, rng_state, q, /*packed=*/true);
+  check_dropout_backward(dropout_p, rng_state, q);
   at::Tensor dq = at::zeros(q.sizes(), q.options());
   at::Tensor dk = at::zeros(k.sizes(), q.options());
   at::Tensor dv = at::zeros(k.sizes(), q.options());

@@ -133,8 +133,7 @@ RULES: Tuple[str, ...] = (
                        # seqlen_k), q's device, slice < 2^31 elements; with a backward (or
                        # the bias requiring grad): no softcap, head_dim <=
                        # BIAS_BACKWARD_MAX_HEAD_DIM
-    "dropout_p",       # a real number in [0, 1); with a backward of packed sequences:
-                       # head_dim <= PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM
+    "dropout_p",       # a real number in [0, 1) (traced: the seeded op, a full memory budget)
     "alignment",       # VECTOR_BYTES data pointer, strides of STRIDE_MULTIPLE
     "capability",      # MIN_COMPUTE_CAPABILITY
 )
@@ -344,20 +343,12 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     return None
 
 
-PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM = 128
-"""The largest head_dim (bucket) whose backward applies dropout to packed (varlen) sequences
-(``kBwdPackedDropoutMaxHeadDim``: above it the backward runs on a padded copy, which moves each
-sequence's rows and so its mask). Padded batches have a dropout backward at every head dim."""
-
-
-def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False,
-                    packed: bool = False) -> Optional[str]:
-    """None if ``dropout_p`` is a dropout probability the kernels apply (a real number, not a
-    bool, in [0, 1); while a graph is traced (``_ops.graph_tracing``), only with an extension
-    that has ``fwd_dropout_seeded`` and a ``torch._functorch.config.activation_memory_budget``
-    of 1; with ``backward`` of ``packed`` sequences, a nonzero one only up to head_dim
-    :data:`PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM`), else what is wrong. The C++ ops check the
-    range and the head dim (``check_dropout_p``, ``check_dropout_backward``)."""
+def dropout_problem(dropout_p: object) -> Optional[str]:
+    """None if ``dropout_p`` is a dropout probability the kernels apply, forward and backward,
+    padded or packed, at every head dim (a real number, not a bool, in [0, 1); while a graph is
+    traced (``_ops.graph_tracing``), only with an extension that has ``fwd_dropout_seeded`` and
+    a ``torch._functorch.config.activation_memory_budget`` of 1), else what is wrong. The C++
+    ops check the range (``check_dropout_p``)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         return f"dropout_p must be a real number in [0, 1), got {type_name(dropout_p)}"
     if not 0.0 <= dropout_p < 1.0:
@@ -385,14 +376,6 @@ def dropout_problem(dropout_p: object, head_dim: int, *, backward: bool = False,
                     f"torch._functorch.config.activation_memory_budget = {budget} < 1 is not "
                     f"supported (the partitioner may recompute the random draw in the backward, "
                     f"pytorch/pytorch#190758: the backward would regenerate another mask)")
-    if (backward and packed and dropout_p
-            and head_dim_bucket(head_dim) > PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM):
-        return (f"dropout has no backward for packed sequences at head_dim {head_dim} (the "
-                f"packed backward applies dropout up to head_dim "
-                f"{PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM}): pass dropout_p=0, or run the batch "
-                f"padded (flash_attn_func, the SDPA wrapper, or attn_implementation="
-                f"\"flash_attention_sm75\" in transformers, whose flash_attention_2 path "
-                f"unpads it)")
     return None
 
 
@@ -525,8 +508,7 @@ def not_supported_reason(
         seqlen_k)`` (:func:`attn_bias_problem`; the backward's limits apply when grad mode is
         on and q, k or v requires grad).
     dropout_p : float
-        Attention dropout probability in [0, 1) (:func:`dropout_problem`; padded batches, so
-        no head dim limit).
+        Attention dropout probability in [0, 1) (:func:`dropout_problem`; no head dim limit).
     """
     bhsd = layout == "bhsd"
     if not (isinstance(q, torch.Tensor) and not q.is_nested and q.layout is _STRIDED):
@@ -606,8 +588,7 @@ def not_supported_reason(
         if r is not None:
             return r
     if type(dropout_p) is not float or dropout_p != 0.0:
-        r = dropout_problem(dropout_p, d, backward=backward_may_follow(q, k, v,
-                                                                       dropout_p=dropout_p))
+        r = dropout_problem(dropout_p)
         if r is not None:
             return r
 

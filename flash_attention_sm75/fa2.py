@@ -127,23 +127,6 @@ def _check_options(*, causal, dropout_p=0.0,
     return (left, right), cap
 
 
-def _check_dropout_head_dim(dropout_p, q, k, v, packed: bool = False) -> None:
-    """The rulebook's dropout rule (``ValueError``; ``packed``: for packed sequences) before
-    :func:`_pad_head_dim` pads the head dim: asked with the padded one, the error names the one
-    the caller passed."""
-    if not (dropout_p and isinstance(q, torch.Tensor) and q.dim() >= 1):
-        return
-    d = q.shape[-1]
-    padded = -(-d // 8) * 8 if d % 8 and 0 < d < _rules.MAX_HEAD_DIM else d
-    reason = _rules.dropout_problem(float(dropout_p), padded,
-                                    backward=_rules.gradient_flows(q, k, v), packed=packed)
-    if reason is not None:
-        if padded != d:
-            reason = reason.replace(f"head_dim {padded} ", f"head_dim {d} (padded to {padded}) ",
-                                    1)
-        raise ValueError(PREFIX + reason)
-
-
 def _check_attn_probs(dropout_p, return_attn_probs) -> None:
     """flash-attn's ``S_dmask`` (``return_attn_probs=True`` with dropout, a testing aid) is not
     produced: :class:`UnsupportedFeatureError` naming both arguments."""
@@ -239,7 +222,6 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
                                  softcap=softcap, deterministic=deterministic,
                                  bools=(("return_attn_probs", return_attn_probs),))
     _check_attn_probs(dropout_p, return_attn_probs)
-    _check_dropout_head_dim(dropout_p, q, k, v)
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
@@ -439,7 +421,6 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         raise ValueError(f"{PREFIX}k and v must have the same shape, got k {list(k.shape)} and "
                          f"v {list(v.shape)}" + (_rules._VALUE_HEAD_DIM
                                                  if k.shape[-1] != v.shape[-1] else ""))
-    _check_dropout_head_dim(dropout_p, q, k, v, packed=True)
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
@@ -522,9 +503,7 @@ _VARLEN_DOC = """
     result.
 
     ``dropout_p`` in [0, 1): attention dropout on the kernels, as in :func:`flash_attn_func`
-    (torch's semantics; the backward regenerates the mask; a backward at head dims above 128
-    raises ``ValueError`` before the forward: the packed backward runs those on a padded copy,
-    where each sequence's rows, and so its mask, move). The mask is drawn per call from an ``[seed,
+    (torch's semantics; the backward regenerates the mask, at every head dim). The mask is drawn per call from an ``[seed,
     offset]`` pair that ``torch.randint`` takes from torch's generator (``varlen_fwd_dropout``):
     ``torch.manual_seed`` reproduces a run, each replay of a captured CUDA graph and each call
     of a compiled graph draws a new one; each sequence's mask depends on its index in the batch

@@ -214,7 +214,7 @@ def test_invalid_dropout_p_is_refused_by_every_door(p):
         fa.flash_attn_func(q, k, v, dropout_p=p)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
         fa.flash_attention_forward(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=p)
-    assert _rules.dropout_problem(p, 64) is not None
+    assert _rules.dropout_problem(p) is not None
 
 
 def test_backward_needs_rng_state_and_runs_at_d256():
@@ -474,7 +474,7 @@ def test_numpy_scalars_and_the_backward_of_a_raw_zero_dropout_call():
     np = pytest.importorskip("numpy")
     q, k, v = qkv(1, 8, 8, 2, 2, 64, "cpu")
     for p in (np.float32(0.25), np.float64(0.25), np.int64(0)):
-        assert _rules.dropout_problem(p, 64) is None
+        assert _rules.dropout_problem(p) is None
         fa.flash_attn_func(q, k, v, dropout_p=p)
     # fwd_dropout with p = 0 and a bias that requires grad: the raw op's autograd finds the
     # bias after dropout_p (its inputs carry it whatever its value), never a None gradient
@@ -774,22 +774,17 @@ def test_varlen_door_draws_a_mask_per_call_from_torchs_generator(monkeypatch):
     # the door's result is the op's on the drawn state
     ref, _ = ops.varlen_fwd_dropout(*args[:7], 0.4, states[0], None, True)
     assert torch.equal(a, ref)
-    # dropout_p = 0 is the plain op; S_dmask and a backward above head_dim 128 are refused
+    # dropout_p = 0 is the plain op; S_dmask is refused
     torch.testing.assert_close(fa2.flash_attn_varlen_func(*args[:7], 0.0),
                                ops.varlen_fwd(*args[:7])[0], atol=0, rtol=0)
     with pytest.raises(NotImplementedError, match="return_attn_probs=True with dropout_p"):
         fa2.flash_attn_varlen_func(*args, return_attn_probs=True)
-    q2, k2, v2, cu2, _ = packed_qkv([3, 4], [3, 4], 2, 2, 256, "cpu")
-    with pytest.raises(ValueError, match="dropout has no backward for packed sequences at "
-                                         "head_dim 256"):
-        fa2.flash_attn_varlen_func(q2.requires_grad_(), k2, v2, cu2, cu2, 4, 4, 0.2)
-    with torch.no_grad():  # no backward: the forward runs
-        assert fa2.flash_attn_varlen_func(q2, k2, v2, cu2, cu2, 4, 4, 0.2).shape == q2.shape
-    # a head dim the door pads (130 -> 136) is named as the caller passed it
-    q3 = torch.randn(7, 2, 130, dtype=torch.float16, requires_grad=True)
-    with pytest.raises(ValueError, match="dropout has no backward for packed sequences at "
-                                         "head_dim 130 "):
-        fa2.flash_attn_varlen_func(q3, q3, q3, cu2, cu2, 4, 4, 0.2)
+    # every head dim has the packed backward: 256, and 130 (the door pads it to 136)
+    for d in (256, 130):
+        q2, k2, v2, cu2, _ = packed_qkv([3, 4], [3, 4], 2, 2, d, "cpu")
+        q2.requires_grad_()
+        fa2.flash_attn_varlen_func(q2, k2, v2, cu2, cu2, 4, 4, 0.2).float().sum().backward()
+        assert q2.grad.shape == q2.shape and torch.isfinite(q2.grad).all()
 
 
 def test_varlen_backward_checks_its_rng_state():
@@ -805,12 +800,6 @@ def test_varlen_backward_checks_its_rng_state():
         ops.varlen_fwd_dropout(q, k, v, cu_q, cu_k, 5, 5, 0.2, state[:1])
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
         ops.varlen_fwd_dropout(q, k, v, cu_q, cu_k, 5, 5, 1.0, state)
-    # the packed backward above head_dim 128 runs on a padded copy, where the mask would move
-    q2, k2, v2, cu2, _ = packed_qkv([3, 5], [3, 5], 2, 2, 256, "cpu")
-    o2, l2 = ops.varlen_fwd_dropout(q2, k2, v2, cu2, cu2, 5, 5, 0.2, state)
-    with pytest.raises(ValueError, match="no backward for packed sequences at head_dim 256"):
-        ops.varlen_bwd(o2, q2, k2, v2, o2, l2, cu2, cu2, 5, 5, 0.0625, False, dropout_p=0.2,
-                       rng_state=state)
 
 
 def test_varlen_dropout_under_torch_compile_draws_in_the_graph():
@@ -869,15 +858,16 @@ def test_hf_packed_call_with_dropout_runs_on_the_varlen_op(hf_state, monkeypatch
     assert torch.equal(out[0], ref)
     out.float().sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
-    # head_dim 256 in training: the packed backward has no dropout there (a padded copy): the
-    # call falls back, saying why
+    # head_dim 256 in training (Gemma-sized heads): the varlen op too, forward and backward
     q2, k2, v2 = (torch.randn(1, h, 24, 256, generator=g).half().requires_grad_()
                   for h in (4, 2, 2))
     hf.reset_stats()
-    hf.flash_attention_sm75_forward(Attn(), q2, k2, v2, None, dropout=0.3, position_ids=pos)
+    out2, _ = hf.flash_attention_sm75_forward(Attn(), q2, k2, v2, None, dropout=0.3,
+                                              position_ids=pos)
     stats = hf.get_stats()
-    assert stats["kernel"] == 0 and stats["fallback"] == 1, stats
-    assert any("packed sequences at head_dim 256" in r for r in stats["reasons"]), stats
+    assert stats["kernel"] == 1 and stats["fallback"] == 0, stats
+    out2.float().sum().backward()
+    assert torch.isfinite(q2.grad).all() and torch.isfinite(v2.grad).all()
 
 
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
@@ -889,8 +879,7 @@ def test_varlen_kernels_forward_and_backward_against_float64(d, causal, request)
         pytest.skip("needs a CUDA GPU")
     lens_q = [130, 1, 0, 77, 256, 3]
     lens_k = [201, 1, 0, 77, 129, 40]
-    run_and_check_varlen(lens_q, lens_k, 4, 2, d, 0.17, "cuda", causal=causal, seed=d,
-                         backward=d <= _rules.PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM)
+    run_and_check_varlen(lens_q, lens_k, 4, 2, d, 0.17, "cuda", causal=causal, seed=d)
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "atomic"])
@@ -950,12 +939,10 @@ def test_varlen_kernels_seed_and_graph_replay(request):
     assert abs(torch.stack(seen).float().mean().item() - 1.0) < 0.02
 
 
-def test_a_dropout_call_is_decided_as_if_a_gradient_flows(monkeypatch, hf_state):
+def test_a_dropout_call_is_decided_as_if_a_gradient_flows(monkeypatch):
     # A reentrant checkpoint runs the forward without grad and recomputes it with grad: both
     # must take the same path, since the kernels' mask and torch's come from different
     # generators. So a dropout call gets the backward's limits whatever the grad mode.
-    from flash_attention_sm75.integrations import transformers as hf
-
     q, k, v = qkv(1, 9, 11, 2, 2, 256, "cpu")
     bias = torch.randn(9, 11)  # a float bias: no key ranges; no bias backward at d = 256
     with torch.no_grad():
@@ -968,37 +955,11 @@ def test_a_dropout_call_is_decided_as_if_a_gradient_flows(monkeypatch, hf_state)
         assert "no backward at head_dim 256" in sdpa.why_not_supported(qb, kb, vb,
                                                                       attn_mask=bias,
                                                                       dropout_p=0.1)
-        # the HF packed path above head_dim 128: the fallback in both runs
-        hf.configure(allow_cpu_reference=True)
-
-        class Attn(torch.nn.Module):
-            is_causal = True
-            num_key_value_groups = 1
-
-        pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]])
-        qh = torch.randn(1, 2, 11, 256).half()
-        hf.flash_attention_sm75_forward(Attn(), qh, qh, qh, None, dropout=0.2, position_ids=pos)
-        stats = hf.get_stats()
-        assert stats["kernel"] == 0 and stats["fallback"] == 1, stats
 
 
-def test_the_packed_dropout_limit_is_one_number_in_python_and_cpp():
-    import pathlib
-    import re
-
-    header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "kernels" /
-              "flash.h").read_text()
-    cpp = int(re.search(r"kBwdPackedDropoutMaxHeadDim = (\d+);", header).group(1))
-    assert cpp == _rules.PACKED_DROPOUT_BACKWARD_MAX_HEAD_DIM
-    # and the C++ op's limit is that one: the largest bucket under it runs, the next refuses
-    for d, ok in ((cpp, True), (cpp + 8, False)):
-        q, k, v, cu, _ = packed_qkv([3, 5], [3, 5], 2, 2, d, "cpu")
-        state = torch.tensor([5, 8])
-        out, lse = ops.varlen_fwd_dropout(q, k, v, cu, cu, 5, 5, 0.2, state)
-        call = lambda: ops.varlen_bwd(out, q, k, v, out, lse, cu, cu, 5, 5, d ** -0.5,  # noqa
-                                      False, dropout_p=0.2, rng_state=state)
-        if ok:
-            assert all(torch.isfinite(g).all() for g in call())
-        else:
-            with pytest.raises(ValueError, match="no backward for packed sequences"):
-                call()
+@pytest.mark.parametrize("d", [256, 200])
+def test_packed_dropout_backward_at_head_dims_above_128(d):
+    # (d = 256's dropout tile takes packed sequences; the other d = 256 packed backward calls
+    # run on a padded copy, which would move each sequence's mask.) The op's CPU reference
+    # against each sequence's float64 reference with its part of the mask.
+    run_and_check_varlen(*VARLEN_LENS, 4, 2, d, 0.3, "cpu", causal=True, seed=d)

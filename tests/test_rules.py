@@ -280,8 +280,7 @@ ROWS = [
         r"dropout_p must be in \[0, 1\), got -0\.25"),
     Row("dropout_p", "dropout_str", _with(lambda *t: t, dropout_p="0.1"),
         r"dropout_p must be a real number in \[0, 1\), got str", cpp=False),
-    # (A dropout's backward runs at every head dim of a padded batch; the packed limit is
-    # tests/test_dropout.py's.)
+    # (A dropout's backward runs at every head dim, padded or packed.)
     # CPU tensors reach the op's CPU reference (the dispatcher's choice), never the C++ device
     # rule of the CUDA kernel; doors that run CUDA only ask the rulebook with devices=("cuda",).
     Row("device", "cpu_where_cuda_only", _base(), r"q must be a CUDA tensor, got device cpu",

@@ -47,6 +47,11 @@ struct Flash_bwd_kernel_traits {
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kDSplit = kDSplit_;              // column splits of dK / dV
   static constexpr int kDOut = kHeadDim / kDSplit;      // dK / dV columns per warp
+  // Its extended kernels take packed sequences and per-sequence diagonals (SeqInfo<true>,
+  // seq_info.h): every tile up to kMaxBwdSeqHeadDim, and above it a tile of at most 64 dK / dV
+  // columns per warp (d = 256's dropout tile, 168-170 registers with them), not d = 256's
+  // plain tile (255 registers without them; every form of them spilled 16-48 bytes).
+  static constexpr bool kPackedSeq = kHeadDim <= kMaxBwdSeqHeadDim || kDOut <= 64;
 
   static constexpr int kNWarpsN = kBlockN / 16;                   // key groups
   static constexpr int kNWarpsM = kNWarps / (kNWarpsN * kDSplit);  // query splits
@@ -123,6 +128,10 @@ struct Flash_bwd_dq_kernel_traits {
   static constexpr int kDSplit = kDSplit_;
   static constexpr bool kQInSmem = kQInSmem_;
   static constexpr int kDOut = kHeadDim / kDSplit;  // dQ columns per warp
+  // Its extended kernels take packed sequences and per-sequence diagonals (SeqInfo<true>): every
+  // dQ tile (d = 256's: 174-180 registers without them), so that packed calls whose dK/dV tile
+  // takes them (Flash_bwd_kernel_traits::kPackedSeq) run natively.
+  static constexpr bool kPackedSeq = true;
   static constexpr int kRowGroups = kNWarps / kDSplit;
   static constexpr int kBlockM = 16 * kRowGroups;
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "multiples of 16");
@@ -205,7 +214,7 @@ struct Bwd_tile_config<256> {
   using Traits = Flash_bwd_kernel_traits<256, 16, 32, 4, 2, /*kDropout=*/false>;
   // The dK/dV kernel of a dropout's backward: Traits' 255 registers (its dK / dV accumulators, d
   // / 2 columns per warp) left none for dropout.h's generator (32-36 bytes of spill). Four
-  // column splits instead of two halve the accumulators (d / 4 = 64 columns per warp: 163-165
+  // column splits instead of two halve the accumulators (d / 4 = 64 columns per warp: 168-170
   // registers, 0 spills) for S^T / dP^T computed four times per key group instead of twice; 8
   // warps of one CTA per SM as Traits' 4 warps of one (50.8 KiB of shared memory each: the same
   // tiles, Bc = 32, Br = 16).

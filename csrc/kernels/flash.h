@@ -157,11 +157,19 @@ struct Flash_fwd_params {
 // dK/dV kernel has no registers left for it); the host refuses larger ones.
 constexpr int kBwdBiasMaxHeadDim = 128;
 
-// The largest head dim (bucket) whose backward applies dropout to packed sequences: above it
-// (d = 256) the backward runs on a right-aligned padded copy (kMaxBwdSeqHeadDim), which moves a
-// sequence's rows and so its mask; the host refuses those. Padded batches apply it at every head
-// dim (d = 256's dK/dV kernel through Bwd_tile_config<256>::DropoutTraits).
-constexpr int kBwdPackedDropoutMaxHeadDim = 128;
+// The largest head-dim bucket whose backward kernels all take packed sequences and per-sequence
+// diagonals (kernels/seq_info.h). Above it (d = 256) only a dropout's backward does (its dK/dV
+// tile, Bwd_tile_config<256>::DropoutTraits, has the registers: kPackedSeq in
+// bwd_kernel_traits.h); the host runs other packed calls there on a right-aligned padded copy,
+// which a dropout's backward cannot use (it would move each sequence's rows and so its mask).
+constexpr int kMaxBwdSeqHeadDim = 128;
+
+// Whether the backward's kernels take these packed sequences / per-sequence diagonals natively
+// at head dim d (else the host pads them): every call up to kMaxBwdSeqHeadDim, a dropout's
+// above it.
+inline bool bwd_takes_packed(int head_dim_bucket, bool dropout) {
+  return head_dim_bucket <= kMaxBwdSeqHeadDim || dropout;
+}
 
 // Paged K/V needs a tile of kBlockN keys (and a decode warp's 32) inside one page.
 constexpr int kPageBlockMultiple = 64;

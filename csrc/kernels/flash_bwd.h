@@ -54,9 +54,6 @@ struct Flash_bwd_params : public Flash_fwd_params {
   cudaEvent_t dq_join;
 };
 
-// The largest head-dim bucket whose backward kernels take packed sequences and per-sequence
-// diagonals (kernels/seq_info.h); above it packed calls run on a padded copy.
-constexpr int kMaxBwdSeqHeadDim = 128;
 
 // Host entry: dispatches on head dim and causal flag (flash_bwd_dispatch.cpp).
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);

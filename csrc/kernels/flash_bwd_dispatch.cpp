@@ -10,14 +10,15 @@
 namespace flash_sm75 {
 
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
-  // The d = 256 backward kernels take no packed sequences or per-sequence diagonals (no register
-  // to spare, kernels/seq_info.h): mha_varlen_bwd runs those on a padded copy. Never silently.
-  if (head_dim_bucket(params.d) > kMaxBwdSeqHeadDim &&
+  // Above kMaxBwdSeqHeadDim only a dropout's backward takes packed sequences or per-sequence
+  // diagonals (its dK/dV tile has the registers, kernels/seq_info.h): mha_varlen_bwd runs the
+  // others on a padded copy. Never silently.
+  if (!bwd_takes_packed(head_dim_bucket(params.d), params.dropout != 0) &&
       (params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
        params.per_seq_offset)) {
     throw std::invalid_argument(
-        "flash_attention_sm75: the backward kernels above head_dim 128 take no packed "
-        "sequences (internal error: the caller must pad them)");
+        "flash_attention_sm75: the backward kernels above head_dim 128 take packed sequences "
+        "only with dropout (internal error: the caller must pad the others)");
   }
   // Nor an attention bias (kBwdBiasMaxHeadDim: the dK/dV kernel does not read it there).
   if (head_dim_bucket(params.d) > kBwdBiasMaxHeadDim && params.bias_ptr != nullptr) {

@@ -445,8 +445,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int ratio = params.h_h_k_ratio;
   const int n0 = n_block * kBN;
 
-  // Packed sequences up to kMaxBwdSeqHeadDim (seq_info.h: d = 256 has no register to spare).
-  constexpr bool kSeq = Is_ext && kD <= kMaxBwdSeqHeadDim;
+  // Packed sequences where the tile has the registers (kPackedSeq: not d = 256's plain tile).
+  constexpr bool kSeq = Is_ext && Kt::kPackedSeq;
   const SeqInfo<kSeq> si(params, bidb);
   // A packed entry shorter than the grid's longest: blocks past its keys hold none of its keys
   // (their rows belong to other entries); uniform over the CTA, before any barrier.
@@ -827,7 +827,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   const int bidh = static_cast<int>(bh % params.h);
   const int bidh_k = bidh / params.h_h_k_ratio;
 
-  constexpr bool kSeq = Is_ext && kD <= kMaxBwdSeqHeadDim;  // as the dK/dV kernel
+  constexpr bool kSeq = Is_ext && Kt::kPackedSeq;
   const SeqInfo<kSeq> si(params, bidb);
   // A packed entry shorter than the grid's longest: its tiles past its rows have nothing to do
   // (uniform over the CTA, before any barrier).

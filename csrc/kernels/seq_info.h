@@ -43,8 +43,9 @@ struct SeqInfo {
   // backward's dK/dV kernels run at the 255-register cap. The d = 256 backward has no register
   // to spare at all (its extended dK/dV kernel uses exactly 255): every form of these values
   // tried there spilled 16-48 bytes (kept in registers, re-read, or parked in shared memory),
-  // so its kernels take SeqInfo<false> (score modifiers only) and packed calls at d = 256 run
-  // the backward on a padded copy (flash_varlen_api.cpp).
+  // so that tile takes SeqInfo<false> (score modifiers only) and packed calls at d = 256 run
+  // the backward on a padded copy (flash_varlen_api.cpp), except a dropout's, whose dK/dV tile
+  // and the dQ kernel have the registers (Flash_bwd_kernel_traits::kPackedSeq).
   const Flash_fwd_params& p;
   int key_start_, key_end_, sq_, q_row0_;  // Is_ext only
   int bidb_;

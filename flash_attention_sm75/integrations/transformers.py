@@ -36,8 +36,7 @@ pattern limited to the last ``sliding_window`` keys (the kernel's window). Any o
 a CUDA graph captures (a static cache's decode step under ``mode="reduce-overhead"``), is read
 by the kernel itself as its ``attn_bias`` (bool or additive, broadcast over heads in place), as
 the rulebook's bias rule allows (with a backward: head_dim up to 128, no softcap). Any
-unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256], dropout in
-training of packed sequences above head_dim 128,
+unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256],
 ``output_attentions``, a keyword argument outside the allow-list, a mask the bias rule refuses)
 calls transformers' own ``sdpa_attention_forward`` with the original arguments (calls with Gemma
 2's ``softcap``, which runs on the kernel, fall back to that function with the soft-cap applied,
@@ -803,10 +802,6 @@ def _packed_attention(fallback, module, query, key, value, attention_mask, bound
     causal = no_mask and _is_causal(module, bound["is_causal"]) and query.shape[2] > 1
     reason = _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs,
                                  softcap)
-    if reason is None:  # the packed backward's own dropout limit (whatever the grad mode:
-        # _rules.backward_may_follow)
-        reason = _rules.dropout_problem(_dropout_of(bound), query.shape[-1], backward=True,
-                                        packed=True)
     varlen_mask = attention_mask
     if reason is None and not no_mask:
         # A mask that states exactly the documents (transformers' own, built from the packed
@@ -1258,8 +1253,8 @@ def flash_attention_sm75_forward(
 
         * ``dropout`` (default 0.0; transformers passes ``module.attention_dropout`` in
           training: attention dropout on the kernel, as torch's semantics, from torch's CUDA
-          generator; packed sequences above head_dim 128 fall back, in training and out of
-          it alike, as do calls whose mask needs a bias backward the kernels lack: a dropout
+          generator, padded and packed calls at every head dim; calls whose mask needs a bias
+          backward the kernels lack fall back, in training and out of it alike: a dropout
           call decides as if a gradient flows, so that a reentrant checkpoint's recompute
           takes the same path), ``scaling`` (default ``1/sqrt(D)``),
           ``is_causal`` (default ``module.is_causal``), ``position_bias`` (all zeros, as T5's

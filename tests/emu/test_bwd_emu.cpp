@@ -697,7 +697,8 @@ Result run_case(const Case& c, bool verbose, uint32_t sched_seed = 0) {
 // fill the parameters: packed q (total_q, h, d) and k / v, int32 offsets with a gap before the
 // first sequence and after the last (those rows must stay untouched: 0 in out / dq / dk / dv,
 // -inf in the LSE), empty and one-token sequences, per-sequence bottom-right diagonals and
-// ALiBi, the packed (h, total_q) LSE. Checked per sequence against reference_row.
+// ALiBi, the packed (h, total_q) LSE, dropout (the generator's counters sequence-relative: entry
+// b * h + head, the sequence's own rows and columns). Checked per sequence against reference_row.
 struct VarlenCase {
   std::vector<int> len_q, len_k, used_k;  // used_k: seqused_k (-1: not passed)
   int h, hk, d;
@@ -706,6 +707,7 @@ struct VarlenCase {
   float softcap;
   bool alibi, atomic;
   uint32_t seed;
+  double dropout = 0;  // 0: none (a dropout's backward never runs the atomic dQ mode)
 };
 
 bool run_varlen_case(const VarlenCase& vc) {
@@ -736,6 +738,7 @@ bool run_varlen_case(const VarlenCase& vc) {
   const double scale = 1.0 / std::sqrt(double(D));
   Case cb{B, max_q, max_k, H, Hk, D, vc.causal, true, false, use_su, 2, vc.atomic, vc.seed};
   cb.softcap = vc.softcap, cb.alibi = vc.alibi, cb.wl = vc.wl, cb.wr = vc.wr;
+  cb.dropout = vc.dropout;
   const std::vector<float> slopes = alibi_slopes_of(cb);
 
   Flash_fwd_params fp{};
@@ -764,14 +767,23 @@ bool run_varlen_case(const VarlenCase& vc) {
   }
   if (vc.alibi) fp.alibi_slopes_ptr = slopes.data(), fp.alibi_slopes_batch_stride = H;
   fp.small_grid_tile = -1;
+  // Dropout as mha_varlen_fwd_dropout fills it (the caller's [seed, offset], on the device).
+  std::vector<int64_t> rng_state = {int64_t(cb.dropout_seed()), int64_t(cb.dropout_offset())};
+  if (vc.dropout > 0) {
+    fp.dropout = 1;
+    fp.dropout_keep_threshold = dropout_keep_threshold(vc.dropout);
+    fp.dropout_rp = float(1.0 / (1.0 - vc.dropout));
+    fp.dropout_seed_ptr = rng_state.data(), fp.dropout_offset_ptr = rng_state.data() + 1;
+  }
   dispatch_fwd_all(fp);  // max_q > 1: never the decode kernel, as mha_varlen_fwd
 
   HTensor dq = make_tensor(1, total_q, H, D, 0), dk = make_tensor(1, total_k, Hk, D, 0),
           dv = make_tensor(1, total_k, Hk, D, 0);
   for (HTensor* t : {&dq, &dk, &dv}) for (auto& x : t->data) x = f2h(0.f);  // as the host zeroes them
-  // Above kMaxBwdSeqHeadDim the host runs packed backward calls on a padded copy with the dense
-  // kernels (flash_varlen_api.cpp; tested on the GPU): forward only here.
-  const bool bwd = head_dim_bucket(D) <= kMaxBwdSeqHeadDim;
+  // Where the kernels take no packed sequences (d = 256 without dropout, bwd_takes_packed) the
+  // host runs the backward on a padded copy with the dense kernels (flash_varlen_api.cpp;
+  // tested on the GPU): forward only here.
+  const bool bwd = bwd_takes_packed(head_dim_bucket(D), vc.dropout > 0);
   std::vector<float> dsum(size_t(H) * total_q, NAN);
   std::vector<float> dq_accum(vc.atomic ? size_t(H) * total_q * head_dim_bucket(D) : 0, 0.f);
   Flash_bwd_params bp{};
@@ -784,7 +796,7 @@ bool run_varlen_case(const VarlenCase& vc) {
   bp.dv_row_stride = dv.strides[1], bp.dv_head_stride = dv.strides[2];
   bp.dsoftmax_sum = dsum.data();
   bp.dq_accum_ptr = vc.atomic ? dq_accum.data() : nullptr;
-  bp.dq_atomic = vc.atomic;
+  bp.dq_atomic = vc.atomic && vc.dropout == 0;  // as mha_varlen_bwd
   if (bwd) {
     // As run_mha_bwd_hdim: the row-wise kernels see one entry of total_q rows.
     Flash_bwd_params rows = bp;
@@ -794,11 +806,11 @@ bool run_varlen_case(const VarlenCase& vc) {
       constexpr int KD = decltype(kd)::value;
       using C = Bwd_tile_config<KD>;
       const BwdLaunchPlan rp = make_bwd_plan<typename C::Traits, typename C::DqTraits>(
-          1, H, Hk, total_q, max_k, vc.atomic && C::kAtomicDq);
+          1, H, Hk, total_q, max_k, bp.dq_atomic && C::kAtomicDq);
       emu::launch(unsigned(rp.preprocess_blocks), kBwdAuxThreads,
                   [&] { flash_bwd_preprocess_kernel<KD>(rows); });
       const BwdLaunchPlan plan = make_bwd_plan<typename C::Traits, typename C::DqTraits>(
-          B, H, Hk, max_q, max_k, vc.atomic && C::kAtomicDq);
+          B, H, Hk, max_q, max_k, bp.dq_atomic && C::kAtomicDq);
       dispatch_band<true>(bp, [&](auto causal, auto local) {
         constexpr bool kC = decltype(causal)::value, kL = decltype(local)::value;
         if constexpr (C::kAtomicDq) {
@@ -811,16 +823,28 @@ bool run_varlen_case(const VarlenCase& vc) {
             return;
           }
         }
-        emu::launch(unsigned(plan.dkdv_blocks), plan.dkdv_threads,
-                    [&] { flash_bwd_dkdv_kernel<typename C::Traits, kC, false, kL, true>(bp); });
+        // The tiles run_mha_bwd_hdim picks: a dropout's dK/dV tile (d = 256), the dQ tile of
+        // the band or not (no bias here).
+        using Dk = DkdvLaunchTraits<KD, true>;
+        if (Dk::use_dropout_tile(bp)) {
+          emu::launch(unsigned(plan.dkdv_blocks), Dk::Dropout::kNThreads, [&] {
+            flash_bwd_dkdv_kernel<typename Dk::Dropout, kC, false, kL, true>(bp);
+          });
+        } else {
+          emu::launch(unsigned(plan.dkdv_blocks), plan.dkdv_threads, [&] {
+            flash_bwd_dkdv_kernel<typename C::Traits, kC, false, kL, true>(bp);
+          });
+        }
+        using Dq = DqLaunchTraits<KD, kL, true>;
         emu::launch(unsigned(plan.dq_blocks), plan.dq_threads,
-                    [&] { flash_bwd_dq_kernel<typename C::DqTraits, kC, kL, true>(bp); });
+                    [&] { flash_bwd_dq_kernel<typename Dq::Plain, kC, kL, true>(bp); });
       });
     };
     switch (kD) {
       case 64: with_rows(std::integral_constant<int, 64>{}); break;
       case 96: with_rows(std::integral_constant<int, 96>{}); break;
       case 128: with_rows(std::integral_constant<int, 128>{}); break;
+      case 256: with_rows(std::integral_constant<int, 256>{}); break;
       default: throw_bad_head_dim(D);
     }
   }
@@ -853,18 +877,21 @@ bool run_varlen_case(const VarlenCase& vc) {
         const float lse_got = lse[size_t(h) * total_q + cu_q[b] + i];
         if (std::isinf(lse_ref)) inf_ok = inf_ok && std::isinf(lse_got) && lse_got < 0;
         else e_lse.add(lse_got, lse_ref);
+        // Dropout: Z / (1 - p) of the sequence's row i (its own rows and columns; O, dV and
+        // dP take it, D = rowsum(dO O) of the dropped O).
+        const std::vector<double> zr = dropout_row(c, b, h, i);
         double dsum_i = 0;
         for (int x = 0; x < D; ++x) {
           double o = 0;
-          for (int j = 0; j < lk; ++j) o += prob[j] * v.get(0, cu_k[b] + j, hk, x);
+          for (int j = 0; j < lk; ++j) o += prob[j] * zr[j] * v.get(0, cu_k[b] + j, hk, x);
           e_o.add(out.get(0, cu_q[b] + i, h, x), o);
           dsum_i += o * dout.get(0, cu_q[b] + i, h, x);
         }
         for (int j = 0; j < lk; ++j) {
           double acc = 0;
           for (int x = 0; x < D; ++x) acc += double(dout.get(0, cu_q[b] + i, h, x)) * v.get(0, cu_k[b] + j, hk, x);
-          P[size_t(i) * lk + j] = prob[j];
-          dS[size_t(i) * lk + j] = prob[j] * (acc - dsum_i) * dcap[j];
+          P[size_t(i) * lk + j] = prob[j] * zr[j];
+          dS[size_t(i) * lk + j] = prob[j] * (zr[j] * acc - dsum_i) * dcap[j];
         }
       }
       for (int i = 0; i < lq; ++i)
@@ -912,10 +939,10 @@ bool run_varlen_case(const VarlenCase& vc) {
   const bool ok = e_o.ok(5e-3, 2e-3) && e_lse.ok(2e-7, 2e-3) && inf_ok && untouched_ok &&
                   (!bwd || (e_dq.ok(1e-2, 2e-3) && e_dk.ok(1e-2, 2e-3) && e_dv.ok(1e-2, 2e-3)));
   std::printf("%s varlen b=%d max_q=%d max_k=%d h=%d hk=%d d=%d causal=%d w=(%d,%d) cap=%g alibi=%d su=%d "
-              "atomic=%d | o %.2e/%.2e lse %.2e inf_ok=%d untouched=%d | dq %.2e/%.2e dk %.2e/%.2e "
+              "atomic=%d drop=%g | o %.2e/%.2e lse %.2e inf_ok=%d untouched=%d | dq %.2e/%.2e dk %.2e/%.2e "
               "dv %.2e/%.2e%s\n",
               ok ? "OK " : "BAD", B, max_q, max_k, H, Hk, D, vc.causal, vc.wl, vc.wr, vc.softcap,
-              vc.alibi, use_su, vc.atomic, e_o.err, e_o.ref, e_lse.err, inf_ok, untouched_ok,
+              vc.alibi, use_su, vc.atomic, vc.dropout, e_o.err, e_o.ref, e_lse.err, inf_ok, untouched_ok,
               e_dq.err, e_dq.ref, e_dk.err, e_dk.ref, e_dv.err, e_dv.ref,
               bwd ? "" : " (forward only: padded backward)");
   std::fflush(stdout);
@@ -1636,6 +1663,27 @@ int main(int argc, char** argv) {
                                 1.5f, true, false, vseed++}) ? 0 : 1;
       fails += run_varlen_case({{66, 90}, {120, 40}, {}, 2, 1, d, false, 20, 7, 0.f, true,
                                 d == 64, vseed++}) ? 0 : 1;
+      // dropout: empty and one-token sequences, GQA, causal; a window with softcap + ALiBi and
+      // key ranges (an atomic request runs the deterministic dQ kernel, as mha_varlen_bwd)
+      fails += run_varlen_case({{70, 0, 1, 33}, {50, 3, 0, 90}, {}, 4, 2, d, true, -1, -1, 0.f,
+                                false, true, vseed++, 0.3}) ? 0 : 1;
+      fails += run_varlen_case({{40, 1, 75}, {40, 60, 75}, {30, -5, 200}, 4, 1, d, true, 16, -1,
+                                1.5f, true, false, vseed++, 0.2}) ? 0 : 1;
+    }
+    // quick: d = 256's packed dropout backward (its dropout tile takes packed sequences; the
+    // other d = 256 packed calls run a padded copy), small: GQA, causal, odd and empty lengths
+    if (mode == "quick") {
+      fails += run_varlen_case({{23, 0, 17}, {31, 4, 17}, {}, 4, 2, 256, true, -1, -1, 0.f,
+                                false, false, vseed++, 0.25}) ? 0 : 1;
+    } else {
+      // and not causal: an empty sequence; a window (20, 7) with ALiBi; d = 200 (the 256
+      // bucket's tail) with softcap, key ranges and an atomic request
+      fails += run_varlen_case({{17, 100, 5, 0}, {80, 100, 9, 3}, {}, 4, 2, 256, false, -1, -1,
+                                0.f, false, false, vseed++, 0.3}) ? 0 : 1;
+      fails += run_varlen_case({{66, 90, 1}, {120, 40, 1}, {}, 2, 1, 256, false, 20, 7, 0.f,
+                                true, false, vseed++, 0.25}) ? 0 : 1;
+      fails += run_varlen_case({{40, 1, 75}, {40, 60, 75}, {30, -5, 200}, 4, 1, 200, false, -1,
+                                -1, 2.0f, false, true, vseed++, 0.5}) ? 0 : 1;
     }
   }
   if (mode != "tails" && mode != "decode" && mode != "window" && mode != "scoremod" &&
