@@ -389,12 +389,14 @@ def run_varlen(args, dev, gen, failures):
 
 def run_kvcache(args, dev, gen, failures):
     """The KV-cache op on the device against its CPU implementation (the same inputs, each with
-    its own copy of the caches): the appended caches equal, the outputs close."""
+    its own copy of the caches): the appended caches equal, the outputs close. One and five
+    queries run the decode kernel; 70 queries against 1280 keys the prefill kernels with key
+    splits and their merge (plan_fwd_splits: 12-24 CTAs, 2 splits; none with a window)."""
     ops = torch.ops.flash_attention_sm75
     launches = 0
-    page, b, s, h, hk, new = 64, 3, 256, 4, 2, 2
+    page, b, h, hk, new = 64, 3, 4, 2, 2
     for d in args.d:
-        for sq in (1, 5):
+        for sq, s in ((1, 256), (5, 256), (70, 1280)):
             for causal in (False, True):
                 for paged in (False, True):
                     q = torch.randn(b, sq, h, d, generator=gen).half()
@@ -415,7 +417,7 @@ def run_kvcache(args, dev, gen, failures):
                         pk[perm], pv[perm] = (c.reshape(n, page, hk, d) for c in (kc, vc))
                         kc, vc, table = pk, pv, perm.view(b, s // page).to(torch.int32)
                     slopes = torch.rand(b, h, generator=gen) if args.alibi else None
-                    tag = (f"kvcache d={d} sq={sq} causal={causal} paged={paged} "
+                    tag = (f"kvcache d={d} sq={sq} keys={s} causal={causal} paged={paged} "
                            f"window={tuple(args.window)} softcap={args.softcap:g} "
                            f"alibi={args.alibi}")
 

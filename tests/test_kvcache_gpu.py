@@ -5,7 +5,8 @@ paged caches in place, against float64 per sequence with FlashAttention's criter
 * q_len 1, 2, 7, 64; head dims of every bucket and a tail (40); GQA; lengths 0, 1, odd and the
   full cache; every slot past a sequence's length and every unused page NaN (never read);
 * paged equal to plain bit for bit (pages shuffled; page sizes 64 and 256);
-* long caches on the split-KV decode kernel (several splits and their merge);
+* long caches on the split-KV decode kernel (several splits and their merge), and longer queries
+  (chunked prefill) on the prefill kernels with key splits and the same merge;
 * CUDA-graph capture, then replays after the lengths (and q / k / v) changed in place;
 * torch.compile(fullgraph=True) of an append-and-attend step (the op's declared writes).
 Sanitizers: scripts/sanitize_driver.py --kvcache.
@@ -311,6 +312,64 @@ def test_kvcache_causal_short_queries_take_the_split_kv_decode_kernel(seqlen_q, 
 
     names = cuda_kernels_run(run, "flash_fwd")
     assert any("decode_kernel" in n for n in names) == decode, names
-    assert any("merge" in n for n in names) == decode, names
+    # 2 x 16 query tiles (decode: rows) over up to 4000 keys: key splits either way
+    assert any("merge" in n for n in names), names
     out, lse = run()
     _check(out, lse, q, kc, vc, torch.zeros(B), seqlens, True, slopes=slopes)
+
+
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 256])
+@pytest.mark.parametrize("mod", MODS, ids=[m[0] for m in MODS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_chunked_prefill_splits_the_cache_keys(d, mod, causal):
+    """Queries too many for the decode kernel's rows (a prefill chunk, a long speculative
+    draft) against a long cache with few sequences: the prefill kernel's grid is short of a
+    wave, so its keys are split (plan_fwd_splits) and the splits merged; plain and paged equal
+    bit for bit, every slot past a length NaN, lengths 0, 1 and odd (splits past a sequence's
+    keys are empty)."""
+    name, opts = mod
+    B, S, h, hk, new, page, sq = 3, 6144, 4, 2, 70, 256, 70
+    q, kc, vc, k, v, seqlens = _case(B, S, h, hk, d, sq, new,
+                                     seed_from("kvcache_split", d, causal, name))
+    seqlens[2] = S - new  # one sequence over the whole cache: every split holds keys
+    kc[2, :S], vc[2, :S] = _rand(S, hk, d), _rand(S, hk, d)
+    slopes = torch.rand(B, h, device=DEV) if opts.get("alibi") else None
+    window = opts.get("window", (-1, -1))
+    args = (None, causal, *window, opts.get("softcap", 0.0), slopes)
+    pk, table = _paged(kc, page)
+    pv = torch.full_like(pk, NAN)
+    pv[table.long().flatten()] = vc.reshape(-1, page, hk, d)
+    plain_k, plain_v = kc.clone(), vc.clone()
+
+    def run():
+        return _ops.call_kvcache_fwd(q, plain_k, plain_v, seqlens, k, v, None, None, *args)
+
+    names = cuda_kernels_run(run, "flash_fwd")
+    # (a window: no splits, its keys sit at each sequence's own end)
+    assert any("merge" in n for n in names) == (name != "window"), names
+    assert not any("decode_kernel" in n for n in names), names
+    out, lse = run()  # the same append again: same rows, same values
+    pout, plse = _ops.call_kvcache_fwd(q, pk, pv, seqlens, k, v, None, table, *args)
+    assert torch.equal(pout, out) and torch.equal(plse, lse)
+    exp_k, exp_v = kc.clone(), vc.clone()
+    for b in range(B):
+        exp_k[b, seqlens[b]:seqlens[b] + new] = k[b]
+        exp_v[b, seqlens[b]:seqlens[b] + new] = v[b]
+    _check(out, lse, q, exp_k, exp_v, torch.zeros(B), seqlens + new, causal, window,
+           opts.get("softcap", 0.0), slopes)
+
+
+def test_kvcache_prefill_of_a_full_wave_keeps_one_split():
+    """A grid that fills the GPU already runs without key splits (no merge)."""
+    B, S, h, hk, d, sq = 16, 4096, 32, 8, 64, 256
+    torch.manual_seed(seed_from("kvcache_nosplit"))
+    q, kc, vc = _rand(B, sq, h, d), _rand(B, S, hk, d), _rand(B, S, hk, d)
+    seqlens = torch.full((B,), S, dtype=torch.int32, device=DEV)
+
+    def run():
+        return _ops.call_kvcache_fwd(q, kc, vc, seqlens, None, None, None, None, None, True)
+
+    names = cuda_kernels_run(run, "flash_fwd")
+    assert not any("merge" in n for n in names), names
+    out, lse = run()
+    _check(out[:2], lse[:2], q[:2], kc, vc, torch.zeros(2), seqlens[:2], True)

@@ -94,12 +94,17 @@ struct Flash_fwd_params {
                         // (prefer_small_grid_tile), 1 = always, -1 = never
 
   // ---- decode (seqlen_q == 1, run_mha_fwd_decode; plan_decode) -------------------------
+  // The key splits are also the forward kernel's (its extended instantiations, plan_fwd_splits:
+  // the KV-cache op's queries against a long cache); keys_per_split is then a multiple of
+  // kFwdSplitKeyMultiple (launch_plan.h). num_splits <= 1: no split.
   int decode_ratio_bucket;   // q-heads per CTA, compile time: 1, 2, 4, 8, 16
   int num_splits;            // key splits per (batch, kv head)
   int keys_per_split;
-  float* oaccum_ptr;         // num_splits x batch x h x d fp32 (num_splits > 1), O of each split
-  float* softmax_lseaccum_ptr;  // 2 x num_splits x batch x h fp32: each split's raw max score m,
-                                // then its sum l = sum exp2((s - m) * scale_softmax_log2)
+  float* oaccum_ptr;         // num_splits x batch x h x seqlen_q x d fp32 (num_splits > 1), O
+                             // of each split
+  float* softmax_lseaccum_ptr;  // 2 x num_splits x batch x h x seqlen_q fp32: each split's raw
+                                // max score m, then its sum l = sum exp2((s - m) *
+                                // scale_softmax_log2)
 
   // ---- paged K/V (KV cache; the extended instantiations, forward and decode) -------------
   // With block_table, k / v are pages (num_pages, page_block_size, h_k, d) and batch entry b's

@@ -31,6 +31,7 @@
 #include "flash.h"
 #include "fragment.h"
 #include "kernel_traits.h"
+#include "launch_plan.h"  // kFwdSplitKeyMultiple
 #include "mask.h"
 #include "score_mod.h"
 #include "seq_info.h"
@@ -44,9 +45,15 @@ namespace flash_sm75 {
 // batch x heads is not limited by gridDim.y/z. Causal: the heaviest query tiles (last rows) are
 // scheduled first. Packed sequences (Is_ext): the grid covers the longest one; a CTA whose
 // tile lies past its own entry's length has nothing to do (fwd_cta_idle).
+// Key splits (Is_ext, params.num_splits > 1: the KV-cache op's queries against a long cache,
+// plan_fwd_splits): the grid is num_splits copies of the tiles, split s (the slowest index)
+// taking the key blocks of keys [s * keys_per_split, (s + 1) * keys_per_split) of its tile's
+// range (none: an empty split, which still writes its rows); store_output writes each split's
+// (m, l, O) to the workspace that flash_fwd_decode_merge_kernel combines.
 template <bool Is_ext>
 struct FwdCta {
   int m_block, bidb, bidh;
+  int split;  // key split (0 unless Is_ext with num_splits > 1)
   int64_t bh;
   const __half *q_base, *k_base, *v_base;
   __half* o_base;
@@ -59,7 +66,15 @@ template <typename Kt, bool Is_causal, bool Is_local, bool Is_ext>
 __device__ __forceinline__ FwdCta<Is_ext> fwd_cta(const Flash_fwd_params& params) {
   const int num_m_blocks = ceil_div(params.seqlen_q, Kt::kBlockM);
   const int64_t num_bh = static_cast<int64_t>(params.b) * params.h;
-  const int64_t linear = blockIdx.x;
+  int64_t linear = blockIdx.x;
+  int split = 0;
+  if constexpr (Is_ext) {
+    if (params.num_splits > 1) {
+      const int64_t tiles = static_cast<int64_t>(num_m_blocks) * num_bh;
+      split = static_cast<int>(linear / tiles);
+      linear -= split * tiles;
+    }
+  }
   int m_block;
   int64_t bh;
   if (Is_causal) {
@@ -71,8 +86,8 @@ __device__ __forceinline__ FwdCta<Is_ext> fwd_cta(const Flash_fwd_params& params
     bh = linear / num_m_blocks;
   }
   const int bidb = static_cast<int>(bh / params.h);
-  FwdCta<Is_ext> c{m_block, bidb, static_cast<int>(bh % params.h), bh, nullptr, nullptr, nullptr,
-                   nullptr, SeqInfo<Is_ext>(params, bidb), KeyRange{}, BlockRange{}};
+  FwdCta<Is_ext> c{m_block, bidb, static_cast<int>(bh % params.h), split, bh, nullptr, nullptr,
+                   nullptr, nullptr, SeqInfo<Is_ext>(params, bidb), KeyRange{}, BlockRange{}};
   const int bidh_k = c.bidh / params.h_h_k_ratio;  // GQA: no K/V copy, just index the shared head
   c.q_base = static_cast<const __half*>(params.q_ptr) +
              c.si.q_offset(c.bidb, params.q_batch_stride, params.q_row_stride) +
@@ -89,6 +104,14 @@ __device__ __forceinline__ FwdCta<Is_ext> fwd_cta(const Flash_fwd_params& params
   c.kr = c.si.keys(bidb);
   c.nb = n_block_range<Is_local>(c.m_block, Kt::kBlockM, Kt::kBlockN, c.si.seqlen_q(), c.kr,
                                  Is_causal, c.si.causal_off(), c.si.window_lower());
+  if constexpr (Is_ext) {
+    if (params.num_splits > 1) {  // keys_per_split: a multiple of kFwdSplitKeyMultiple
+      static_assert(kFwdSplitKeyMultiple % Kt::kBlockN == 0, "a split is whole key blocks");
+      const int per = params.keys_per_split / Kt::kBlockN;
+      c.nb.n_block_min = imax(c.nb.n_block_min, split * per);
+      c.nb.n_block_max = imin(c.nb.n_block_max, (split + 1) * per);
+    }
+  }
   return c;
 }
 
@@ -117,6 +140,43 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
   const int rw = Kt::kDSplit > 1 ? warp % Kt::kRowWarps : warp;
   const int ch0 = Kt::kDSplit > 1 ? warp / Kt::kRowWarps * (kDCols / 8) : 0;
   const int row0 = c.m_block * Kt::kBlockM;
+  if constexpr (Is_ext) {
+    if (params.num_splits > 1) {
+      // A key split: its raw max m, its sum l (relative to m) and its normalised O (fp32) per
+      // row, in flash_fwd_decode_merge_kernel's workspace (rows (split, b, h, seqlen_q), O
+      // indexed with d): m and l rather than one LSE, which in fp32 loses log(l) once |m scale|
+      // is large (flash_decode_kernel.h). No dropout here (the host splits no dropout call).
+      float l_sum[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l_sum[r] = quad_allreduce_sum(l_i[r]);
+      float lse_unused[2];
+      softmax_normalize<kDCols>(acc_o, m_i, l_i, params.scale_softmax, lse_unused);
+      const int64_t rows = static_cast<int64_t>(params.num_splits) * params.b * params.h *
+                           params.seqlen_q;
+      const int64_t row_base =
+          ((static_cast<int64_t>(c.split) * params.b + c.bidb) * params.h + c.bidh) *
+          params.seqlen_q;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 16 * rw + g + 8 * r;
+        if (row >= c.si.seqlen_q()) continue;
+        float* o_ws = params.oaccum_ptr + (row_base + row) * params.d;
+#pragma unroll
+        for (int dt = 0; dt < kDCols / 8; ++dt) {
+          const int col = (ch0 + dt) * 8 + 2 * t;  // d is a multiple of 8: col + 1 < d too
+          if (Kt::kFullHeadDimOnly || col < params.d) {
+            *reinterpret_cast<float2*>(o_ws + col) =
+                make_float2(acc_o[dt][2 * r], acc_o[dt][2 * r + 1]);
+          }
+        }
+        if (t == 0 && ch0 == 0) {  // kDSplit: the pair holds the same m and l
+          params.softmax_lseaccum_ptr[row_base + row] = m_i[r];
+          params.softmax_lseaccum_ptr[rows + row_base + row] = l_sum[r];
+        }
+      }
+      return;
+    }
+  }
   // One m16 row tile per warp. [1][2] rather than [2]: the flat array changes ptxas's register
   // assignment of this kernel (d = 64), this shape keeps the SASS it had with warps of more tiles.
   float lse[1][2];

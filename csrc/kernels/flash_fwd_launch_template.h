@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "flash.h"
+#include "flash_decode_kernel.h"  // flash_fwd_decode_merge_kernel: the key splits' merge
 #include "flash_fwd_kernel.h"
 #include "launch_plan.h"
 #include "launch_utils.h"
@@ -20,12 +21,28 @@ auto fwd_kernel() {
   return kernel;
 }
 
+// Key splits (the extended kernels, params.num_splits > 1): num_splits copies of the grid, then
+// the decode path's merge of the splits (flash_fwd_decode_merge_kernel, one warp per (b, h,
+// query) row of the workspace the host allocated).
 template <typename Kt, bool Is_causal, bool Is_local, bool Is_ext>
 void run_flash_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const FwdLaunchPlan plan = make_fwd_plan<Kt>(params.b, params.h, params.seqlen_q);
   auto kernel = fwd_kernel<Kt, Is_causal, Is_local, Is_ext>();
-  kernel<<<dim3(static_cast<unsigned>(plan.num_blocks)), plan.num_threads, plan.smem_bytes,
-           stream>>>(params);
+  const bool split = Is_ext && params.num_splits > 1;
+  const int64_t blocks = plan.num_blocks * (split ? params.num_splits : 1);
+  if (blocks > INT32_MAX) {
+    throw std::invalid_argument("flash_attention_sm75: the forward's key splits exceed the "
+                                "2^31-1 grid limit");
+  }
+  kernel<<<dim3(static_cast<unsigned>(blocks)), plan.num_threads, plan.smem_bytes, stream>>>(
+      params);
+  if constexpr (Is_ext) {
+    if (split) {
+      const int64_t rows = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
+      flash_fwd_decode_merge_kernel<decode_head_dim(Kt::kHeadDim)>
+          <<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(params);
+    }
+  }
 }
 
 // Resident CTAs per SM of the forward kernel of Kt on the current device (occupancy API, cached
@@ -73,7 +90,9 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
   }
   if constexpr (!std::is_void_v<Ks>) {
     bool small = params.small_grid_tile > 0;
-    if (params.small_grid_tile == 0 && params.num_sms > 0) {
+    // Key splits were planned for the default tile's grid (plan_fwd_splits).
+    const bool split = Is_ext && params.num_splits > 1;
+    if (params.small_grid_tile == 0 && params.num_sms > 0 && !split) {
       const FwdLaunchPlan pd = make_fwd_plan<Kt>(params.b, params.h, params.seqlen_q);
       const FwdLaunchPlan ps = make_fwd_plan<Ks>(params.b, params.h, params.seqlen_q);
       // A grid of at most one CTA per SM is one wave on any GPU: no occupancy queries.

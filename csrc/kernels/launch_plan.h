@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernel_traits.h"
 
@@ -154,6 +155,82 @@ inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k,
                                 " exceeds the 2^31-1 grid limit");
   }
   return p;
+}
+
+// Key splits of the forward kernel's extended instantiations, for the KV-cache op's calls that
+// the decode kernel does not take (more (query, q-head) rows per kv head than its
+// decode_max_multi_rows, or a window): chunked prefill and long speculative queries against a
+// long cache, where b * h * ceil(seqlen_q / Br) CTAs leave most of the GPU idle while each
+// streams every key. The keys are cut into num_splits chunks of keys_per_split (a multiple of
+// kFwdSplitKeyMultiple), each at least kFwdMinKeysPerSplit keys, at most kDecodeMaxSplits, none
+// up to kFwdMinKeysToSplit keys (the merge launch and its workspace cost more than a split saves
+// there) or when the grid fills a wave already. The count: a split CTA takes 1 / s of
+// the keys, so s splits run in ceil(ctas s / slots) / s of the unsplit time (`slots` = CTAs the
+// GPU holds at once); its wave efficiency (ctas s / slots) / ceil(ctas s / slots) decides, the
+// fewest splits within 85% of the best (FlashAttention-2's num_splits heuristic: a full last
+// wave, not the most CTAs). The merge is the decode path's kernel.
+constexpr int kFwdMinKeysToSplit = 1024;
+// Splits are whole key blocks of every forward tile (kBlockN <= 128 divides it).
+constexpr int kFwdSplitKeyMultiple = 128;
+constexpr int kFwdMinKeysPerSplit = 512;
+struct FwdSplitPlan {
+  int num_splits;      // 1: no split
+  int keys_per_split;  // 0 without a split
+};
+inline FwdSplitPlan plan_fwd_splits(int64_t ctas, int64_t slots, int64_t seqlen_k) {
+  FwdSplitPlan p{1, 0};
+  if (ctas <= 0 || slots <= 0 || seqlen_k <= kFwdMinKeysToSplit) return p;
+  if (ctas >= slots) return p;  // a wave or more
+  constexpr int64_t kUnit = kFwdSplitKeyMultiple;
+  const int64_t units = (seqlen_k + kUnit - 1) / kUnit;
+  int64_t most = seqlen_k / kFwdMinKeysPerSplit;  // >= 2 past kFwdMinKeysToSplit
+  most = most < kDecodeMaxSplits ? most : kDecodeMaxSplits;
+  auto efficiency = [&](int64_t s) {
+    const int64_t ctas_s = ctas * s;
+    const int64_t waves = (ctas_s + slots - 1) / slots;
+    return static_cast<double>(ctas_s) / static_cast<double>(waves * slots);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= most; ++s) best = efficiency(s) > best ? efficiency(s) : best;
+  int64_t want = 1;
+  while (want < most && efficiency(want) < 0.85 * best) ++want;
+  if (want < 2) return p;
+  const int64_t units_per_split = (units + want - 1) / want;
+  p.num_splits = static_cast<int>((units + units_per_split - 1) / units_per_split);
+  if (p.num_splits < 2) return FwdSplitPlan{1, 0};
+  p.keys_per_split = static_cast<int>(units_per_split * kUnit);
+  return p;
+}
+
+// CTAs per SM of the bucket's default forward tile in its extended instantiations on a Turing
+// SM, at least: the registers ptxas was bound to (kMinBlocksPerSmMod), 64 KiB of shared memory,
+// 1024 threads. The slots plan_fwd_splits fills are this times the SMs planned for.
+template <typename Kt>
+constexpr int fwd_ext_ctas_per_turing_sm() {
+  int n = Kt::kMinBlocksPerSmMod;
+  const int by_smem = (64 * 1024) / ((Kt::kSmemSize + 255) / 256 * 256);
+  const int by_threads = 1024 / Kt::kNThreads;
+  n = n < by_smem ? n : by_smem;
+  n = n < by_threads ? n : by_threads;
+  return n > 1 ? n : 1;
+}
+
+// The default tile's grid (CTAs, key splits absent) and slots on `num_sms` Turing SMs at head
+// dim d: plan_fwd_splits' inputs.
+inline std::pair<int64_t, int64_t> fwd_split_grid(int d, int b, int h, int seqlen_q, int num_sms) {
+  auto of = [&](auto tile) {
+    using Kt = decltype(tile);
+    return std::pair<int64_t, int64_t>(
+        make_fwd_plan<Kt>(b, h, seqlen_q).num_blocks,
+        static_cast<int64_t>(fwd_ext_ctas_per_turing_sm<Kt>()) * (num_sms > 0 ? num_sms : 0));
+  };
+  switch (head_dim_bucket(d)) {
+    case 64: return of(Fwd_tile_config<64>::Traits{});
+    case 96: return of(Fwd_tile_config<96>::Traits{});
+    case 128: return of(Fwd_tile_config<128>::Traits{});
+    case 256: return of(Fwd_tile_config<256>::Traits{});
+    default: throw_bad_head_dim(d);
+  }
 }
 
 inline FwdLaunchPlan plan_fwd_launch(int d, int b, int h, int seqlen_q) {

@@ -184,10 +184,33 @@ void fwd_kernel_body(const Flash_fwd_params& p) {
 
 template <int kD, bool kCausal, bool kLocal = false, bool kMod = false>
 void run_forward(Flash_fwd_params& p) {
-  // bucket 96 decodes on the 128 kernel; a dropout call never decodes (mha_fwd_impl)
-  if (!p.dropout && try_decode<decode_head_dim(kD), kMod>(p)) return;
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
   using Kt = typename Fwd_tile_config<kD>::Traits;
+  // Key splits (the caller set num_splits, keys_per_split and the workspace, as the KV-cache op
+  // does): as run_flash_fwd, the default tile (the tail's tile where it runs only full head
+  // dims) on num_splits copies of the grid, then the decode path's merge.
+  if constexpr (kMod) {
+    if (p.num_splits > 1) {
+      auto go = [&](auto tile) {
+        using K = decltype(tile);
+        const FwdLaunchPlan plan = make_fwd_plan<K>(p.b, p.h, p.seqlen_q);
+        emu::launch(static_cast<unsigned>(plan.num_blocks * p.num_splits), plan.num_threads,
+                    [&] { fwd_kernel_body<K, kCausal, kLocal, kMod>(p); });
+      };
+      if constexpr (!std::is_void_v<Ks>) {
+        if (Kt::kFullHeadDimOnly && p.d != kD) go(Ks{});
+        else go(Kt{});
+      } else {
+        go(Kt{});
+      }
+      const int64_t rows = int64_t(p.b) * p.h * p.seqlen_q;
+      emu::launch(static_cast<unsigned>((rows + 3) / 4), 128,
+                  [&] { flash_fwd_decode_merge_kernel<decode_head_dim(kD)>(p); });
+      return;
+    }
+  }
+  // bucket 96 decodes on the 128 kernel; a dropout call never decodes (mha_fwd_impl)
+  if (!p.dropout && try_decode<decode_head_dim(kD), kMod>(p)) return;
   if constexpr (!std::is_void_v<Ks>) {
     // A full-head-dim-only tile leaves the head dims below kD to the small-grid tile, as
     // run_mha_fwd_hdim does.
@@ -1170,8 +1193,11 @@ int check_decode_split_merge(float a, bool nan_key) {
 // causal rows bottom-right on them, GQA groups over several head parts, key splits; against a
 // float64 reference per (batch, query, head).
 template <int kD>
+// splits > 0: the same rows through the forward kernel with that many key splits, as the
+// KV-cache op runs calls the decode kernel does not take (per-sequence bottom-right diagonals,
+// plan_fwd_splits' workspace and merge); otherwise the decode kernel's rows (try_decode).
 int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, uint32_t seed,
-                      bool alibi = false) {
+                      bool alibi = false, int splits = 0, int window_left = -1) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<__half> q(size_t(b) * sq * h * d), k(size_t(b) * sk * hk * d),
@@ -1204,7 +1230,30 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
     p.alibi_slopes_ptr = slopes.data();
     p.alibi_slopes_batch_stride = h;
   }
-  const bool ran = try_decode<kD, true>(p, decode_max_multi_rows(kD));
+  std::vector<float> oacc, lacc;
+  bool ran;
+  if (splits > 0) {
+    // set_per_seq_diagonals (flash_api.cpp) with a window's left side if given
+    const int lim = sq + sk + 1;
+    p.per_seq_offset = true;
+    p.is_causal = causal || window_left >= 0;
+    p.causal_offset = causal ? 0 : lim;
+    p.window_lower = window_left >= 0 ? -window_left : kNoWindowLower;
+    p.alibi_offset = 0;
+    p.num_splits = splits;
+    p.keys_per_split = (sk + splits - 1) / splits;
+    p.keys_per_split = (p.keys_per_split + kFwdSplitKeyMultiple - 1) / kFwdSplitKeyMultiple *
+                       kFwdSplitKeyMultiple;
+    const int64_t rows = int64_t(b) * h * sq;
+    oacc.assign(size_t(splits) * rows * d, NAN);
+    lacc.assign(2 * size_t(splits) * rows, NAN);
+    p.oaccum_ptr = oacc.data(), p.softmax_lseaccum_ptr = lacc.data();
+    p.small_grid_tile = -1;
+    dispatch_fwd_all(p);
+    ran = true;
+  } else {
+    ran = try_decode<kD, true>(p, decode_max_multi_rows(kD));
+  }
   Errors eo, el;
   bool empty_ok = true;
   for (int bi = 0; bi < b; ++bi)
@@ -1212,9 +1261,12 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
       for (int hh = 0; hh < h; ++hh) {
         const int kvh = hh / (h / hk);
         const int lim = causal ? used[bi] - (sq - 1 - i) : used[bi];
+        // a window's left side: keys from the row's diagonal (key lim - 1, bottom-right) minus
+        // window_left
+        const int lo = window_left >= 0 ? std::max(lim - 1 - window_left, 0) : 0;
         std::vector<double> s;
         double mx = -INFINITY;
-        for (int j = 0; j < std::max(lim, 0); ++j) {
+        for (int j = lo; j < std::max(lim, 0); ++j) {
           double acc = 0;
           for (int c = 0; c < d; ++c)
             acc += double(__half2float(q[((size_t(bi) * sq + i) * h + hh) * d + c])) *
@@ -1230,18 +1282,19 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
         const float got_lse = lse[(size_t(bi) * h + hh) * sq + i];
         for (int c = 0; c < d; ++c) {
           double ref = 0;
-          for (size_t j = 0; j < s.size(); ++j)
-            ref += std::exp(s[j] - mx) / sum *
-                   double(__half2float(v[((size_t(bi) * sk + j) * hk + kvh) * d + c]));
+          for (size_t jj = 0; jj < s.size(); ++jj)
+            ref += std::exp(s[jj] - mx) / sum *
+                   double(__half2float(v[((size_t(bi) * sk + lo + jj) * hk + kvh) * d + c]));
           eo.add(__half2float(o[((size_t(bi) * sq + i) * h + hh) * d + c]), s.empty() ? 0.0 : ref);
         }
         if (s.empty()) empty_ok = empty_ok && std::isinf(got_lse) && got_lse < 0;
         else el.add(got_lse, mx + std::log(sum));
       }
   const bool ok = ran && eo.ok(2e-3, 2e-3) && el.ok(1e-5, 1e-4) && empty_ok;
-  std::printf("%s decode rows d=%d (kD %d) b=%d sq=%d h=%d hk=%d sk=%d causal=%d alibi=%d: kR %d, parts %d, "
-              "splits %d, out err %.2e, lse err %.2e\n", ok ? "OK " : "BAD", d, kD, b, sq, h, hk,
-              sk, int(causal), int(alibi), p.decode_ratio_bucket,
+  std::printf("%s %s d=%d (kD %d) b=%d sq=%d h=%d hk=%d sk=%d causal=%d alibi=%d wl=%d: kR %d, "
+              "parts %d, splits %d, out err %.2e, lse err %.2e\n", ok ? "OK " : "BAD",
+              splits > 0 ? "fwd key splits" : "decode rows", d, kD, b, sq, h, hk, sk, int(causal),
+              int(alibi), window_left, p.decode_ratio_bucket,
               (h / hk * sq + p.decode_ratio_bucket - 1) / std::max(p.decode_ratio_bucket, 1),
               p.num_splits, eo.err, el.err);
   return ok ? 0 : 1;
@@ -1259,6 +1312,21 @@ int check_decode_rows_all() {
     fails += check_decode_rows<128>(3, 5, 4, 2, 128, 400, causal, seed++, true);  // ALiBi
     fails += check_decode_rows<256>(2, 1, 8, 1, 256, 300, causal, seed++, true);  // ALiBi, 1 row
   }
+  return fails;
+}
+
+// The forward kernel's key splits (plan_fwd_splits; the KV-cache op's queries the decode kernel
+// does not take): every bucket (d = 120 and 40: tails), causal and not, GQA, query tiles of
+// several splits and splits past a sequence's used keys (empty: m = -inf, l = 0), ALiBi, a
+// window's left side.
+int check_fwd_splits_all() {
+  int fails = 0;
+  uint32_t seed = 300;
+  fails += check_decode_rows<64>(2, 70, 8, 2, 64, 700, true, seed++, false, 3);
+  fails += check_decode_rows<64>(2, 65, 2, 1, 40, 300, false, seed++, false, 2);
+  fails += check_decode_rows<128>(2, 40, 4, 1, 120, 520, true, seed++, false, 4);
+  fails += check_decode_rows<128>(2, 36, 2, 2, 96, 300, true, seed++, false, 3, 100);
+  fails += check_decode_rows<256>(3, 33, 4, 2, 256, 400, false, seed++, true, 2);
   return fails;
 }
 
@@ -1695,6 +1763,7 @@ int main(int argc, char** argv) {
       mode != "varlen") {
     fails += check_decode_split_merges();
     fails += check_decode_rows_all();
+    fails += check_fwd_splits_all();
   }
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
