@@ -706,7 +706,13 @@ def add_sweep_args(p, backends, n_default_help, tag):
     p.add_argument("--batch", type=positive_int, default=None, help="batch size (default 4)")
     p.add_argument("--heads", type=positive_int, default=None,
                    help="heads (default: 16; 32 at d = 80 and 96, 8 at d = 256, as the models)")
-    p.add_argument("--backends", default=",".join(backends), help=f"comma list from {backends}")
+    import _peer
+
+    default = list(backends) + ([_peer.NAME] if _peer.build_found() else [])
+    p.add_argument("--backends", default=",".join(default),
+                   help=f"comma list from {list(backends) + [_peer.NAME]} (default: all; "
+                        f"{_peer.NAME}, the SM75 peer ssiu/flash-attention-turing, when "
+                        f"scripts/build_peer.py has built it: benchmarks/_peer.py)")
     p.add_argument("--out-dir", default="bench_out")
     p.add_argument("--tag", default=tag, help="output file name stem")
     p.add_argument("--warmup-ms", type=float, default=None)
@@ -744,9 +750,12 @@ def finish_sweep_args(p, a, backends, n_full, timing_full, timing_quick=(10, 40)
     a.rep_ms = a.rep_ms if a.rep_ms is not None else rep
     a.causal_list = {"off": [False], "on": [True], "both": [False, True]}[a.causal]
     a.backend_list = [b.strip() for b in a.backends.split(",") if b.strip()]
-    bad = [b for b in a.backend_list if b not in backends]
+    import _peer
+
+    allowed = list(backends) + [_peer.NAME]
+    bad = [b for b in a.backend_list if b not in allowed]
     if bad:
-        p.error(f"unknown backends {bad}; choose from {backends}")
+        p.error(f"unknown backends {bad}; choose from {allowed}")
     from flash_attention_sm75 import _rules
     for dd in a.d:
         if dd not in _rules.HEAD_DIMS:
@@ -832,6 +841,19 @@ class SweepRunner:
         be = self.sdpa[name]
         return sdpa_bhsd, (lambda be=be: sdpa_context(be)), None
 
+    def peer_impl(self, autograd=False):
+        """impl() of the SM75 peer (benchmarks/_peer.py): its forward, or (``autograd``) its
+        forward and backward behind torch.autograd."""
+        import _peer
+
+        peer = _peer.load()
+        if not peer.available:
+            return None, None, peer.error
+        if self.a.device != "cuda":
+            return None, None, "the peer runs on CUDA only"
+        fn = peer.autograd_bhsd() if autograd else peer.bhsd
+        return fn, contextlib.nullcontext, f"commit {peer.info.get('commit')}"
+
     def sync(self):
         if self.a.device == "cuda":
             torch.cuda.synchronize()
@@ -901,6 +923,12 @@ def log_header(log, args, env, runner, ours_note="", notes=()):
         f"cuda={env['torch_cuda']} triton={env['triton']} commit={git.get('commit')} "
         f"({git.get('commit_source')})")
     log(f"ours: {runner.ours.entry or 'UNAVAILABLE: ' + str(runner.ours.error)}{ours_note}")
+    peer = peer_info(args)
+    if peer is not None:
+        log("peer ssiu: " + (f"UNAVAILABLE: {peer['error']}" if peer["error"] else
+                             f"{peer.get('repo')} commit {peer.get('commit')} (cutlass "
+                             f"{peer.get('cutlass_commit')}, built with torch {peer.get('torch')}, "
+                             f"{peer.get('arch_list')})"))
     for line in notes:
         log(line)
     if args.device == "cuda":
@@ -964,8 +992,20 @@ def sweep_result(benchmark, args, env, runner):
         "commit": env["git"].get("commit"),
         "ours_entry": runner.ours.entry,
         "ours_error": runner.ours.error,
+        "peer": peer_info(args),
         "timing_method": runner.timing_method,
     }
+
+
+def peer_info(args):
+    """What the peer backend ran (its build's PEER_INFO.json: repo, commit, cutlass commit,
+    torch), or None when the run did not ask for it."""
+    import _peer
+
+    if _peer.NAME not in getattr(args, "backend_list", ()):
+        return None
+    peer = _peer.load()
+    return dict(peer.info, error=peer.error)
 
 
 def report_path(args) -> str:

@@ -156,6 +156,8 @@ class Runner(C.SweepRunner):
             if not self.ours.available:
                 return None, None, self.ours.error
             return self.ours.bhsd, (lambda m=dq_mode: dq_env(m)), None
+        if name == "ssiu":
+            return self.peer_impl(autograd=True)
         return self.sdpa_impl(name)
 
     def peak_memory(self, fn):
@@ -313,11 +315,13 @@ def max_diff(c):
 def tables(cases, args):
     variants = [n for n, _ in args.ours_variants]
     has_eff = "efficient" in args.series
+    has_peer = "ssiu" in args.series
     out = {}
     for key, label in (("bwd", "bwd"), ("fwdbwd", "fwd+bwd")):
         headers = ["kernel", "N"] + [f"{v} ms" for v in variants] + \
                   (["efficient ms"] if has_eff else []) + [f"{s} TF" for s in args.series] + \
-                  ([f"eff/{v}" for v in variants] if has_eff else [])
+                  ([f"eff/{v}" for v in variants] if has_eff else []) + \
+                  ([f"ssiu/{v}" for v in variants] if has_peer else [])
         if key == "bwd":
             headers += ["bar", "maxdiff"]
         rows = []
@@ -330,6 +334,8 @@ def tables(cases, args):
             row += [C.fmt_tf(bk.get(s, {}).get(f"{key}_tflops")) for s in args.series]
             if has_eff:
                 row += [C.fmt_ratio(c["ratios_vs_efficient"][v][key]) for v in variants]
+            if has_peer:  # t_ssiu / t_ours
+                row += [C.fmt_ratio(C.ratio(c, "ssiu", v, f"{key}_ms")) for v in variants]
             if key == "bwd":
                 row += [bar_cell(c), C.fmt(max_diff(c), ".1e")]
             rows.append(row)

@@ -96,6 +96,8 @@ class Runner(C.SweepRunner):
             if self.ours.op_bhsd is None:
                 return None, None, self.ours.error or "raw op unavailable"
             return self.ours.op_bhsd, contextlib.nullcontext, None
+        if name == "ssiu":
+            return self.peer_impl()
         return self.sdpa_impl(name)
 
     def measure(self, name, q, k, v, causal, flop, ref=None, loop_calls=0):
@@ -195,8 +197,9 @@ def run_decode(args, runner, log):
 
 
 def forward_tables(cases, backends, ceiling):
+    peer = "ssiu" in backends
     perf_headers = ["kernel", "N", "ours ms"] + [f"{b} TF" for b in backends] + \
-                   ["ours/eff", "%ceil", "maxdiff"]
+                   ["ours/eff"] + (["ours/ssiu"] if peer else []) + ["%ceil", "maxdiff"]
     perf_rows, mem_rows = [], []
     mem_backends = [b for b in backends]
     mem_headers = ["kernel", "N"] + [f"{b} MiB" for b in mem_backends] + ["eff/ours mem"]
@@ -207,12 +210,16 @@ def forward_tables(cases, backends, ceiling):
         pct = None if (ceiling is None or ours.get("tflops") is None) else \
             100.0 * ours["tflops"] / ceiling
         c["ratio_ours_vs_efficient"] = r
+        rp = C.ratio(c, "ssiu", "ours") if peer else None  # t_ssiu / t_ours
+        if peer:
+            c["ratio_ours_vs_ssiu"] = rp
         c["pct_of_sm75_ceiling"] = pct
         diffs = [v.get("max_abs_diff_vs_ours") for n, v in bk.items()
                  if v.get("max_abs_diff_vs_ours") is not None]
         perf_rows.append([c["kernel"], c["n"], C.fmt(ours.get("ms"), ".3f")] +
                          [C.fmt_tf(bk.get(b, {}).get("tflops")) for b in backends] +
-                         [C.fmt_ratio(r), C.fmt(pct, ".1f"),
+                         [C.fmt_ratio(r)] + ([C.fmt_ratio(rp)] if peer else []) +
+                         [C.fmt(pct, ".1f"),
                           C.fmt(max(diffs) if diffs else None, ".1e")])
         om = bk.get("ours", {}).get("peak_extra_bytes")
         em = bk.get("efficient", {}).get("peak_extra_bytes")

@@ -253,3 +253,57 @@ def test_varlen_documents_total_the_tokens_within_the_length_bounds(total, lo, h
     assert all(x <= hi + lo for x in lens)  # a folded remainder adds < lo to one document
     assert all(x >= lo for x in lens) or len(lens) == 1
     assert lens == load_script("benchmarks/bench_varlen.py").doc_lengths(total, lo, hi, seed)
+
+
+def test_peer_backend_is_optional_and_records_its_build(tmp_path, monkeypatch):
+    """The SM75 peer (benchmarks/_peer.py): without a build the sweeps list it as unavailable,
+    saying how to build one; with a build its PEER_INFO.json is what the report records; its
+    adapter copies BHSD inputs to BSHD once per input (outside the timed calls) and passes BSHD
+    views through."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _peer
+
+    monkeypatch.setenv(_peer.ENV_DIR, str(tmp_path / "none"))
+    monkeypatch.setattr(_peer, "_LOADED", None)
+    assert not _peer.build_found()
+    assert "scripts/build_peer.py" in _peer.load().error
+    r = run("benchmarks/bench_forward.py", "--dry-run", "--no-mma-peak", "--backends",
+            "ours,ssiu", "--out-dir", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "out" / "bench_forward.json").read_text())
+    assert res["cases"][0]["backends"]["ssiu"]["status"].startswith("unavailable: no build")
+    assert "ours/ssiu" in (tmp_path / "out" / "bench_forward.txt").read_text()
+
+    build = tmp_path / "build"
+    build.mkdir()
+    info = {"repo": "https://github.com/ssiu/flash-attention-turing", "commit": "c" * 40}
+    (build / _peer.INFO_FILE).write_text(json.dumps(info))
+    monkeypatch.setenv(_peer.ENV_DIR, str(build))
+    monkeypatch.setattr(_peer, "_LOADED", None)
+    assert _peer.build_found()
+    peer = _peer.load()
+    assert peer.info["commit"] == "c" * 40 and not peer.available  # no module in it
+    assert "import flash_attn_turing" in peer.error
+
+    cache = _peer._BshdCache()
+    q = torch.randn(1, 2, 5, 8)  # BHSD, contiguous: copied once
+    (a,) = cache.get(q)
+    assert a.is_contiguous() and torch.equal(a, q.transpose(1, 2))
+    assert cache.get(q)[0] is a
+    q.add_(1)  # in place: a new copy
+    assert cache.get(q)[0] is not a
+    s = torch.randn(1, 5, 2, 8)  # BSHD storage seen as BHSD: passed through
+    assert cache.get(s.transpose(1, 2))[0].data_ptr() == s.data_ptr()
+
+
+def test_build_peer_checks_its_source_tree(tmp_path):
+    r = run("scripts/build_peer.py", "--src", str(tmp_path))
+    assert r.returncode == 2 and "not a flash-attention-turing checkout" in r.stderr
+    (tmp_path / "setup.py").write_text("")
+    (tmp_path / "csrc" / "flash_attn").mkdir(parents=True)
+    r = run("scripts/build_peer.py", "--src", str(tmp_path))
+    assert r.returncode == 2 and "csrc/cutlass has no include/cute" in r.stderr
