@@ -8,6 +8,8 @@ For each shape, times flash_attn_with_kvcache (the flash_attn drop-in, fa2.py) w
   * ours: the call as users make it (one KV-cache op call on the cache in place);
   * paged: the same call on the same rows as shuffled pages of 256 keys (block_table), read in
     place by the kernels;
+  * 1 split: ours with FLASH_SM75_FWD_SPLITS=never (the prefill kernels' calls without key
+    splits; the same as ours where the decode kernel runs or the plan takes no split);
   * eff: torch SDPA mem-efficient on the cache with K/V expanded to the q-heads beforehand
     (untimed) and a bool mask of each sequence's visible keys (its causal band).
 Appends nothing to the cache (k = v = None), so repetitions are identical. The decode sweep
@@ -71,6 +73,16 @@ def main(argv=None) -> int:
                         paged = C.bench(lambda: fa2.flash_attn_with_kvcache(
                             q, pk, pv, block_table=table, **kw), "cuda", args.warmup_ms,
                             args.rep_ms)["ms"]
+                        prev = os.environ.get("FLASH_SM75_FWD_SPLITS")
+                        os.environ["FLASH_SM75_FWD_SPLITS"] = "never"
+                        try:
+                            one = C.bench(lambda: fa2.flash_attn_with_kvcache(q, kc, vc, **kw),
+                                          "cuda", args.warmup_ms, args.rep_ms)["ms"]
+                        finally:
+                            if prev is None:
+                                os.environ.pop("FLASH_SM75_FWD_SPLITS")
+                            else:
+                                os.environ["FLASH_SM75_FWD_SPLITS"] = prev
                         # mem-efficient: expanded K/V, the per-sequence band as a bool mask
                         kx, vx = (t.repeat_interleave(h // hk, 2).transpose(1, 2)
                                   for t in (kc, vc))
@@ -91,19 +103,21 @@ def main(argv=None) -> int:
                         del kx, vx, mask
                     rec = dict(d=d, cache=cache, seqlen_q=sq, mode=mode, batch=b, heads=h,
                                heads_k=hk, lengths=lens.tolist(), ours_ms=ours,
-                               paged_ms=paged, efficient_ms=eff)
+                               paged_ms=paged, one_split_ms=one, efficient_ms=eff)
                     records.append(rec)
                     rows.append([f"d={d}", cache, sq, mode, C.fmt(ours, ".3f"),
                                  C.fmt(paged, ".3f"), C.fmt(paged / ours, ".2f"),
+                                 C.fmt(one, ".3f"), C.fmt_speedup(ours, one),
                                  C.fmt(eff, ".3f"), C.fmt_speedup(ours, eff)])
                     print(rows[-1], flush=True)
     head = (f"flash_attn_with_kvcache with cache_seqlens, fp16, B={b}, H={h}, H_k={hk}, no "
             f"append; ours = one KV-cache op call in place; paged = the same rows as shuffled "
-            f"pages of 256 keys (time / ours); eff = SDPA mem-efficient, K/V expanded "
-            f"(untimed), per-sequence mask; ratios = t_other / t_ours; host time included")
+            f"pages of 256 keys (time / ours); 1 split = ours with FLASH_SM75_FWD_SPLITS=never; "
+            f"eff = SDPA mem-efficient, K/V expanded (untimed), per-sequence mask; ratios = "
+            f"t_other / t_ours; host time included")
     C.write_table_bench(args, env, "bench_kvcache.py", head,
                         ["case", "cache", "q", "mode", "ours ms", "paged ms", "paged/ours",
-                         "eff ms", "eff/ours"], rows, records)
+                         "1 split ms", "1 split/ours", "eff ms", "eff/ours"], rows, records)
     return 0
 
 

@@ -179,6 +179,12 @@ static bool env_decode_enabled() {
   return env_choice("FLASH_SM75_DECODE", {"auto", "never"}) == 0;
 }
 
+// FLASH_SM75_FWD_SPLITS: 'auto' (or unset) gives the KV-cache op's prefill-kernel calls key splits
+// where plan_fwd_splits finds them worth it, 'never' none (comparisons: bench_kvcache.py).
+bool fwd_splits_enabled() {
+  return env_choice("FLASH_SM75_FWD_SPLITS", {"auto", "never"}) == 0;
+}
+
 void check_window_size(int64_t window_size_left, int64_t window_size_right) {
   TORCH_CHECK_VALUE(window_size_left >= -1,
                     "flash_attention_sm75: window_size_left must be -1 (no limit) or >= 0, got ",
@@ -561,9 +567,24 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded(
 
 bool decode_enabled() { return env_decode_enabled(); }
 
+std::pair<at::Tensor, at::Tensor> set_split_workspace(Flash_fwd_params& params,
+                                                      const at::Tensor& q, int num_splits,
+                                                      int keys_per_split) {
+  params.num_splits = num_splits;
+  params.keys_per_split = keys_per_split;
+  if (num_splits <= 1) return {};
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor oaccum =
+      at::empty({num_splits, params.b, params.h, params.seqlen_q, params.d}, f32);
+  at::Tensor lseaccum = at::empty({2, num_splits, params.b, params.h, params.seqlen_q}, f32);
+  params.oaccum_ptr = oaccum.data_ptr<float>();
+  params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();
+  return {oaccum, lseaccum};
+}
+
 void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_allowed,
                      int max_multi_rows) {
-  at::Tensor oaccum, lseaccum;  // decode split workspace, alive until the launches are queued
+  std::pair<at::Tensor, at::Tensor> ws;  // decode split workspace, alive until the launches
   try {
     const DecodePlan dp =
         plan_decode(params.b, params.h, params.h_k, params.seqlen_q, params.seqlen_k,
@@ -571,18 +592,8 @@ void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_
                     params.num_sms, decode_allowed && env_decode_enabled(), 8, max_multi_rows);
     if (dp.use) {
       params.decode_ratio_bucket = dp.ratio_bucket;
-      params.num_splits = dp.num_splits;
-      params.keys_per_split = dp.keys_per_split;
-      if (dp.num_splits > 1) {
-        const auto f32 = q.options().dtype(at::kFloat);
-        // indexed with d, not the bucket; rows (b, h, seqlen_q): seqlen_q > 1 only with
-        // max_multi_rows
-        oaccum = at::empty({dp.num_splits, params.b, params.h, params.seqlen_q, params.d}, f32);
-        // each split's max m, then sum l
-        lseaccum = at::empty({2, dp.num_splits, params.b, params.h, params.seqlen_q}, f32);
-        params.oaccum_ptr = oaccum.data_ptr<float>();
-        params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();
-      }
+      // rows (b, h, seqlen_q): seqlen_q > 1 only with max_multi_rows
+      ws = set_split_workspace(params, q, dp.num_splits, dp.keys_per_split);
       run_mha_fwd_decode(params, at::cuda::getCurrentCUDAStream().stream());
     } else {
       run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());

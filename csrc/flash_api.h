@@ -9,6 +9,7 @@
 #include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "kernels/flash.h"
 
@@ -289,6 +290,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu(A&&... a) {
   return mha_bwd_cpu_with(nullptr, std::forward<A>(a)...);
 }
 
+// Key splits (num_splits > 1, keys_per_split: the decode kernel's; the forward kernel divides
+// each CTA's own key blocks): set into params with their workspace, the (split,
+// b, h, seqlen_q) rows of each split's O (fp32, indexed with d) and of its m then l, which the
+// merge kernel reads; the returned tensors stay alive until the launches are queued (params
+// points into them). num_splits <= 1: no split, nothing allocated.
+std::pair<at::Tensor, at::Tensor> set_split_workspace(Flash_fwd_params& params,
+                                                      const at::Tensor& q, int num_splits,
+                                                      int keys_per_split);
+
 // Launches the forward for filled params on q's stream: the decode kernel when plan_decode takes
 // the call (seqlen_q == 1, or seqlen_q * h / h_k <= max_multi_rows; decode_allowed;
 // FLASH_SM75_DECODE not off), with its split workspace, else run_mha_fwd. Kernel errors raise
@@ -297,6 +307,8 @@ void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_
                      int max_multi_rows = 0);
 // FLASH_SM75_DECODE is not 'never' (ValueError for an unknown value).
 bool decode_enabled();
+// FLASH_SM75_FWD_SPLITS is not 'never' (the KV-cache op's prefill-kernel key splits).
+bool fwd_splits_enabled();
 
 // The band's diagonals and ALiBi's offset relative to each batch entry's bottom-right corner
 // (params.per_seq_offset: flash-attn's varlen and KV-cache semantics), for entries of at most

@@ -272,23 +272,16 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
                           window_size_right);
   }
   // The prefill kernels' key splits (plan_fwd_splits): a grid short of one wave over a long
-  // cache. Not with a window: the splits cut absolute key positions, and each sequence's window
-  // sits at its own end, so most splits would hold none of its keys. Workspace alive until the
-  // launches are queued.
-  at::Tensor oaccum, lseaccum;
-  if (!decode && !windowed) {
+  // cache. Each CTA splits the key blocks its rows see, so a window's keys split as well; the
+  // count is planned for the keys a row may see (a window's left side bounds them). Workspace
+  // alive until the launches are queued.
+  std::pair<at::Tensor, at::Tensor> ws;
+  if (!decode && fwd_splits_enabled()) {
+    int64_t keys = params.seqlen_k;
+    if (window_size_left >= 0) keys = std::min<int64_t>(keys, window_size_left + sq + 1);
     const auto [ctas, slots] = fwd_split_grid(static_cast<int>(d), params.b, params.h,
                                               params.seqlen_q, params.num_sms);
-    const FwdSplitPlan sp = plan_fwd_splits(ctas, slots, params.seqlen_k);
-    params.num_splits = sp.num_splits;
-    params.keys_per_split = sp.keys_per_split;
-    if (sp.num_splits > 1) {
-      const auto f32 = q.options().dtype(at::kFloat);
-      oaccum = at::empty({sp.num_splits, params.b, params.h, params.seqlen_q, params.d}, f32);
-      lseaccum = at::empty({2, sp.num_splits, params.b, params.h, params.seqlen_q}, f32);
-      params.oaccum_ptr = oaccum.data_ptr<float>();
-      params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();
-    }
+    ws = set_split_workspace(params, q, plan_fwd_splits(ctas, slots, keys), 0);
   }
   run_fwd_planned(params, q, decode, decode_max_multi_rows(kd));
   return {out, lse};

@@ -391,7 +391,8 @@ def run_kvcache(args, dev, gen, failures):
     """The KV-cache op on the device against its CPU implementation (the same inputs, each with
     its own copy of the caches): the appended caches equal, the outputs close. One and five
     queries run the decode kernel; 70 queries against 1280 keys the prefill kernels with key
-    splits and their merge (plan_fwd_splits: 12-24 CTAs, 2 splits; none with a window)."""
+    splits and their merge (plan_fwd_splits: 12-24 CTAs, 2 splits; none with a window under
+    ~1000 keys)."""
     ops = torch.ops.flash_attention_sm75
     launches = 0
     page, b, h, hk, new = 64, 3, 4, 2, 2

@@ -318,8 +318,11 @@ def test_kvcache_causal_short_queries_take_the_split_kv_decode_kernel(seqlen_q, 
     _check(out, lse, q, kc, vc, torch.zeros(B), seqlens, True, slopes=slopes)
 
 
+SPLIT_MODS = MODS + [("long_window", {"window": (2000, 0)})]
+
+
 @pytest.mark.parametrize("d", [40, 64, 96, 128, 256])
-@pytest.mark.parametrize("mod", MODS, ids=[m[0] for m in MODS])
+@pytest.mark.parametrize("mod", SPLIT_MODS, ids=[m[0] for m in SPLIT_MODS])
 @pytest.mark.parametrize("causal", [False, True])
 def test_kvcache_chunked_prefill_splits_the_cache_keys(d, mod, causal):
     """Queries too many for the decode kernel's rows (a prefill chunk, a long speculative
@@ -345,7 +348,7 @@ def test_kvcache_chunked_prefill_splits_the_cache_keys(d, mod, causal):
         return _ops.call_kvcache_fwd(q, plain_k, plain_v, seqlens, k, v, None, None, *args)
 
     names = cuda_kernels_run(run, "flash_fwd")
-    # (a window: no splits, its keys sit at each sequence's own end)
+    # (a window of 40 keys: 111 keys a row may see, too few to split; 2000 keys split)
     assert any("merge" in n for n in names) == (name != "window"), names
     assert not any("decode_kernel" in n for n in names), names
     out, lse = run()  # the same append again: same rows, same values
@@ -357,6 +360,27 @@ def test_kvcache_chunked_prefill_splits_the_cache_keys(d, mod, causal):
         exp_v[b, seqlens[b]:seqlens[b] + new] = v[b]
     _check(out, lse, q, exp_k, exp_v, torch.zeros(B), seqlens + new, causal, window,
            opts.get("softcap", 0.0), slopes)
+
+
+def test_kvcache_prefill_splits_can_be_switched_off(monkeypatch):
+    """FLASH_SM75_FWD_SPLITS=never: the same call without key splits (no merge), the same
+    result within the fp16 criterion; a bad value is a ValueError naming the variable."""
+    B, S, h, hk, d, sq = 2, 4096, 4, 2, 128, 64
+    torch.manual_seed(seed_from("kvcache_split_env"))
+    q, kc, vc = _rand(B, sq, h, d), _rand(B, S, hk, d), _rand(B, S, hk, d)
+    seqlens = torch.tensor([S, 3000], dtype=torch.int32, device=DEV)
+
+    def run():
+        return _ops.call_kvcache_fwd(q, kc, vc, seqlens, None, None, None, None, None, True)
+
+    assert any("merge" in n for n in cuda_kernels_run(run, "flash_fwd"))
+    monkeypatch.setenv("FLASH_SM75_FWD_SPLITS", "never")
+    assert not any("merge" in n for n in cuda_kernels_run(run, "flash_fwd"))
+    out, lse = run()
+    _check(out, lse, q, kc, vc, torch.zeros(B), seqlens, True)
+    monkeypatch.setenv("FLASH_SM75_FWD_SPLITS", "sometimes")
+    with pytest.raises(ValueError, match="FLASH_SM75_FWD_SPLITS"):
+        run()
 
 
 def test_kvcache_prefill_of_a_full_wave_keeps_one_split():

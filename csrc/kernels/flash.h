@@ -95,8 +95,8 @@ struct Flash_fwd_params {
 
   // ---- decode (seqlen_q == 1, run_mha_fwd_decode; plan_decode) -------------------------
   // The key splits are also the forward kernel's (its extended instantiations, plan_fwd_splits:
-  // the KV-cache op's queries against a long cache); keys_per_split is then a multiple of
-  // kFwdSplitKeyMultiple (launch_plan.h). num_splits <= 1: no split.
+  // the KV-cache op's queries against a long cache), which cut each CTA's own key blocks into
+  // num_splits runs (keys_per_split unused there). num_splits <= 1: no split.
   int decode_ratio_bucket;   // q-heads per CTA, compile time: 1, 2, 4, 8, 16
   int num_splits;            // key splits per (batch, kv head)
   int keys_per_split;

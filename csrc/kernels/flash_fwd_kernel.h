@@ -31,7 +31,6 @@
 #include "flash.h"
 #include "fragment.h"
 #include "kernel_traits.h"
-#include "launch_plan.h"  // kFwdSplitKeyMultiple
 #include "mask.h"
 #include "score_mod.h"
 #include "seq_info.h"
@@ -47,9 +46,11 @@ namespace flash_sm75 {
 // tile lies past its own entry's length has nothing to do (fwd_cta_idle).
 // Key splits (Is_ext, params.num_splits > 1: the KV-cache op's queries against a long cache,
 // plan_fwd_splits): the grid is num_splits copies of the tiles, split s (the slowest index)
-// taking the key blocks of keys [s * keys_per_split, (s + 1) * keys_per_split) of its tile's
-// range (none: an empty split, which still writes its rows); store_output writes each split's
-// (m, l, O) to the workspace that flash_fwd_decode_merge_kernel combines.
+// taking the s-th of num_splits equal runs of its tile's own key blocks (the sequence's keys
+// that the tile's rows see, not the cache's capacity: a long static cache with short sequences
+// still spreads their keys; a run past them is an empty split, which still writes its rows);
+// store_output writes each split's (m, l, O) to the workspace that
+// flash_fwd_decode_merge_kernel combines.
 template <bool Is_ext>
 struct FwdCta {
   int m_block, bidb, bidh;
@@ -105,11 +106,10 @@ __device__ __forceinline__ FwdCta<Is_ext> fwd_cta(const Flash_fwd_params& params
   c.nb = n_block_range<Is_local>(c.m_block, Kt::kBlockM, Kt::kBlockN, c.si.seqlen_q(), c.kr,
                                  Is_causal, c.si.causal_off(), c.si.window_lower());
   if constexpr (Is_ext) {
-    if (params.num_splits > 1) {  // keys_per_split: a multiple of kFwdSplitKeyMultiple
-      static_assert(kFwdSplitKeyMultiple % Kt::kBlockN == 0, "a split is whole key blocks");
-      const int per = params.keys_per_split / Kt::kBlockN;
-      c.nb.n_block_min = imax(c.nb.n_block_min, split * per);
-      c.nb.n_block_max = imin(c.nb.n_block_max, (split + 1) * per);
+    if (params.num_splits > 1) {
+      const int per = ceil_div(imax(c.nb.n_block_max - c.nb.n_block_min, 0), params.num_splits);
+      c.nb.n_block_min += split * per;
+      c.nb.n_block_max = imin(c.nb.n_block_max, c.nb.n_block_min + per);
     }
   }
   return c;
@@ -126,11 +126,12 @@ __device__ __forceinline__ bool fwd_cta_idle(const FwdCta<Is_ext>& c) {
 // Epilogue: O = acc_o / l, LSE = m * scale + log(l); rows that saw no key get O = 0 and
 // LSE = -inf (never NaN). The fp16 O tile is staged through shared memory sO (Br x d, free for
 // this warp's rows when called) so the global stores are 16-byte, row-contiguous, coalesced.
+// exact_exp: the warp's last exponents took the exact path (softmax_rescale; key splits only).
 template <typename Kt, bool Is_ext>
 __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
                                              const float (&m_i)[2], const float (&l_i)[2],
                                              const Flash_fwd_params& params, const FwdCta<Is_ext>& c,
-                                             __half* sO) {
+                                             __half* sO, bool exact_exp) {
   constexpr int kDCols = Kt::kDCols;
   constexpr int kCPR = Kt::kChunksPerRow;
   using L = SmemRows<kCPR, Kt::kPaddedRows>;
@@ -149,6 +150,24 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
       float l_sum[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) l_sum[r] = quad_allreduce_sum(l_i[r]);
+      if (!Kt::kSplitTile && !exact_exp) {
+        // These tiles' exponents are measured from rn(m c) (c = scale_softmax_log2: FFMA(s, c,
+        // -rn(m c)), softmax.h); the merge weighs a split by exp2((m_s - M) c), from the exact
+        // m c. Within one kernel the shift cancels; across splits it does not (up to half an
+        // ulp of |m c| in the exponent: 1e-2 errors in O at scores ~2^21). So l is moved to
+        // the exact shift by the residual m c - rn(m c). The split tile's exponents already
+        // take the residual (ExpForm::kResidual). On the exact path (|m c| >= 2^24, rn(s c) -
+        // rn(m c)) the residual is an ulp of 2 or more, far from the grid those exponents use:
+        // l stays as it is there (exact for tied maxima across splits, as the unsplit kernel's
+        // own exponents are there; tests/emu check_huge_scores).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (m_i[r] != -INFINITY) {
+            const float sm = __fmul_rn(m_i[r], params.scale_softmax_log2);
+            l_sum[r] *= exp2f(-fmaf(m_i[r], params.scale_softmax_log2, -sm));
+          }
+        }
+      }
       float lse_unused[2];
       softmax_normalize<kDCols>(acc_o, m_i, l_i, params.scale_softmax, lse_unused);
       const int64_t rows = static_cast<int64_t>(params.num_splits) * params.b * params.h *
@@ -486,7 +505,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   // O staged through sQ (each warp only ever read its own 16 rows there) or the K+V space (free
   // after the loop's last barrier).
   if (Kt::kQInSmem) __syncwarp();
-  store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK);
+  store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK, exact_exp);
 }
 
 }  // namespace flash_sm75

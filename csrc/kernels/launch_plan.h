@@ -161,28 +161,21 @@ inline DecodePlan plan_decode(int b, int h, int h_k, int seqlen_q, int seqlen_k,
 // the decode kernel does not take (more (query, q-head) rows per kv head than its
 // decode_max_multi_rows, or a window): chunked prefill and long speculative queries against a
 // long cache, where b * h * ceil(seqlen_q / Br) CTAs leave most of the GPU idle while each
-// streams every key. The keys are cut into num_splits chunks of keys_per_split (a multiple of
-// kFwdSplitKeyMultiple), each at least kFwdMinKeysPerSplit keys, at most kDecodeMaxSplits, none
-// up to kFwdMinKeysToSplit keys (the merge launch and its workspace cost more than a split saves
-// there) or when the grid fills a wave already. The count: a split CTA takes 1 / s of
-// the keys, so s splits run in ceil(ctas s / slots) / s of the unsplit time (`slots` = CTAs the
-// GPU holds at once); its wave efficiency (ctas s / slots) / ceil(ctas s / slots) decides, the
-// fewest splits within 85% of the best (FlashAttention-2's num_splits heuristic: a full last
-// wave, not the most CTAs). The merge is the decode path's kernel.
+// streams every key. Each CTA's key blocks (those its tile's rows see) are cut into num_splits
+// equal runs (flash_fwd_kernel.h: on the device, so a long static cache holding short sequences
+// splits their keys, not its capacity); the count is planned from the keys the call may hold
+// (seqlen_k): none up to kFwdMinKeysToSplit keys (the merge launch and its workspace cost more
+// than a split saves there) or when the grid fills a wave already; at most kDecodeMaxSplits and
+// seqlen_k / kFwdMinKeysPerSplit. A split CTA takes 1 / s of the keys, so s splits run in
+// ceil(ctas s / slots) / s of the unsplit time (`slots` = CTAs the GPU holds at once): its wave
+// efficiency (ctas s / slots) / ceil(ctas s / slots) decides, the fewest splits within 85% of
+// the best (FlashAttention-2's num_splits heuristic: a full last wave, not the most CTAs). The
+// merge is the decode path's kernel. Returns the count (1: no split).
 constexpr int kFwdMinKeysToSplit = 1024;
-// Splits are whole key blocks of every forward tile (kBlockN <= 128 divides it).
-constexpr int kFwdSplitKeyMultiple = 128;
 constexpr int kFwdMinKeysPerSplit = 512;
-struct FwdSplitPlan {
-  int num_splits;      // 1: no split
-  int keys_per_split;  // 0 without a split
-};
-inline FwdSplitPlan plan_fwd_splits(int64_t ctas, int64_t slots, int64_t seqlen_k) {
-  FwdSplitPlan p{1, 0};
-  if (ctas <= 0 || slots <= 0 || seqlen_k <= kFwdMinKeysToSplit) return p;
-  if (ctas >= slots) return p;  // a wave or more
-  constexpr int64_t kUnit = kFwdSplitKeyMultiple;
-  const int64_t units = (seqlen_k + kUnit - 1) / kUnit;
+inline int plan_fwd_splits(int64_t ctas, int64_t slots, int64_t seqlen_k) {
+  if (ctas <= 0 || slots <= 0 || seqlen_k <= kFwdMinKeysToSplit) return 1;
+  if (ctas >= slots) return 1;  // a wave or more
   int64_t most = seqlen_k / kFwdMinKeysPerSplit;  // >= 2 past kFwdMinKeysToSplit
   most = most < kDecodeMaxSplits ? most : kDecodeMaxSplits;
   auto efficiency = [&](int64_t s) {
@@ -194,12 +187,7 @@ inline FwdSplitPlan plan_fwd_splits(int64_t ctas, int64_t slots, int64_t seqlen_
   for (int64_t s = 1; s <= most; ++s) best = efficiency(s) > best ? efficiency(s) : best;
   int64_t want = 1;
   while (want < most && efficiency(want) < 0.85 * best) ++want;
-  if (want < 2) return p;
-  const int64_t units_per_split = (units + want - 1) / want;
-  p.num_splits = static_cast<int>((units + units_per_split - 1) / units_per_split);
-  if (p.num_splits < 2) return FwdSplitPlan{1, 0};
-  p.keys_per_split = static_cast<int>(units_per_split * kUnit);
-  return p;
+  return static_cast<int>(want);
 }
 
 // CTAs per SM of the bucket's default forward tile in its extended instantiations on a Turing

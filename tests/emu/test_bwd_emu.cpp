@@ -186,9 +186,9 @@ template <int kD, bool kCausal, bool kLocal = false, bool kMod = false>
 void run_forward(Flash_fwd_params& p) {
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
   using Kt = typename Fwd_tile_config<kD>::Traits;
-  // Key splits (the caller set num_splits, keys_per_split and the workspace, as the KV-cache op
-  // does): as run_flash_fwd, the default tile (the tail's tile where it runs only full head
-  // dims) on num_splits copies of the grid, then the decode path's merge.
+  // Key splits (the caller set num_splits and the workspace, as the KV-cache op does): as
+  // run_flash_fwd, the default tile (the tail's tile where it runs only full head dims) on
+  // num_splits copies of the grid, then the decode path's merge.
   if constexpr (kMod) {
     if (p.num_splits > 1) {
       auto go = [&](auto tile) {
@@ -977,9 +977,10 @@ bool run_varlen_case(const VarlenCase& vc) {
 // One (batch, head) of contiguous BSHD q (Sq x d), k, v (Sk x d) through Kt's forward kernel
 // (not causal): o (Sq x d) and lse (Sq) written.
 template <typename Kt>
+// splits > 1: the extended kernel with that many key splits and their merge (run_flash_fwd).
 void run_fwd_one_head(std::vector<__half>& q, std::vector<__half>& k, std::vector<__half>& v,
                       std::vector<__half>& o, std::vector<float>& lse, int Sq, int Sk,
-                      double scale) {
+                      double scale, int splits = 1) {
   constexpr int D = Kt::kHeadDim;
   Flash_fwd_params p{};
   p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data();
@@ -992,6 +993,15 @@ void run_fwd_one_head(std::vector<__half>& q, std::vector<__half>& k, std::vecto
   p.scale_softmax = float(scale);
   p.scale_softmax_log2 = float(scale * M_LOG2E);
   const FwdLaunchPlan plan = make_fwd_plan<Kt>(p.b, p.h, p.seqlen_q);
+  if (splits > 1) {
+    std::vector<float> oacc(size_t(splits) * Sq * D, NAN), lacc(2 * size_t(splits) * Sq, NAN);
+    p.num_splits = splits, p.oaccum_ptr = oacc.data(), p.softmax_lseaccum_ptr = lacc.data();
+    emu::launch(static_cast<unsigned>(plan.num_blocks * splits), plan.num_threads,
+                [&] { fwd_kernel_body<Kt, false, false, true>(p); });
+    emu::launch(static_cast<unsigned>((Sq + 3) / 4), 128,
+                [&] { flash_fwd_decode_merge_kernel<decode_head_dim(D)>(p); });
+    return;
+  }
   emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
               [&] { fwd_kernel_body<Kt, false>(p); });
 }
@@ -1011,7 +1021,8 @@ void run_fwd_one_head(std::vector<__half>& q, std::vector<__half>& k, std::vecto
 //            a / 64 instead of a, so neighbouring warps' rows sit at different magnitudes (one
 //            may take the exact path, the other not).
 template <typename Kt>
-int check_huge_scores_case(float a, bool rising, uint32_t seed, bool two_mags = false) {
+int check_huge_scores_case(float a, bool rising, uint32_t seed, bool two_mags = false,
+                           int splits = 1) {
   constexpr int D = Kt::kHeadDim;
   const int Sq = rising ? 1 : (two_mags ? 48 : 16), Sk = 256;
   std::mt19937 rng(seed);
@@ -1034,7 +1045,7 @@ int check_huge_scores_case(float a, bool rising, uint32_t seed, bool two_mags = 
   for (auto& x : v) x = f2h(nd(rng));
   std::vector<float> lse(Sq, NAN);
   const double scale = 1.0 / std::sqrt(double(D));
-  run_fwd_one_head<Kt>(q, k, v, o, lse, Sq, Sk, scale);
+  run_fwd_one_head<Kt>(q, k, v, o, lse, Sq, Sk, scale, splits);
   double err = 0;
   for (int i = 0; i < Sq; ++i) {
     long best = LONG_MIN;
@@ -1056,8 +1067,9 @@ int check_huge_scores_case(float a, bool rising, uint32_t seed, bool two_mags = 
     }
   }
   const bool ok = err < 2e-3;  // fp16 output of an average of N(0,1) values
-  std::printf("%s huge scores d=%d %s a=%g %s: max |out - ref| / max(1, |ref|) %.2e\n", ok ? "OK " : "BAD", D,
-              tile_name<Kt>(), a, rising ? "rising" : (two_mags ? "two-mag" : "mixed"), err);
+  std::printf("%s huge scores d=%d %s a=%g %s splits=%d: max |out - ref| / max(1, |ref|) %.2e\n",
+              ok ? "OK " : "BAD", D, tile_name<Kt>(), a,
+              rising ? "rising" : (two_mags ? "two-mag" : "mixed"), splits, err);
   return ok ? 0 : 1;
 }
 
@@ -1081,6 +1093,20 @@ int check_huge_scores() {
     fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, false, seed256++);
     fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, true, seed256++);
     fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, false, seed256++, true);
+    // Key splits (tied best keys in different splits: "rising" has them in tiles 0 and 2 /
+    // 1 and 3 of 64 keys).
+    for (int splits : {2, 4}) {
+      for (bool rising : {false, true}) {
+        fails += check_huge_scores_case<Fwd_tile_config<128>::Traits>(a, rising, seed++, false,
+                                                                      splits);
+        fails += check_huge_scores_case<Fwd_tile_config<64>::Traits>(a, rising, seed++, false,
+                                                                     splits);
+        fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, rising, seed256++,
+                                                                      false, splits);
+        fails += check_huge_scores_case<Fwd_tile_config<96>::Traits>(a, rising, seed96++, false,
+                                                                     splits);
+      }
+    }
   }
   return fails;
 }
@@ -1092,7 +1118,7 @@ int check_huge_scores() {
 // carries the rounding error of rn(m * scale_log2) (~1 ulp of 2^21) puts 1e-2..7e-2 errors into
 // O, which this catches; the reference is float64.
 template <typename Kt>
-int check_large_spread_case(float a, bool rising, uint32_t seed) {
+int check_large_spread_case(float a, bool rising, uint32_t seed, int splits = 1) {
   constexpr int D = Kt::kHeadDim;
   const int Sq = 16, Sk = 256;
   std::mt19937 rng(seed);
@@ -1105,7 +1131,7 @@ int check_large_spread_case(float a, bool rising, uint32_t seed) {
   for (auto& x : v) x = f2h(nd(rng));
   std::vector<float> lse(Sq, NAN);
   const double scale = 1.0 / std::sqrt(double(D));
-  run_fwd_one_head<Kt>(q, k, v, o, lse, Sq, Sk, scale);
+  run_fwd_one_head<Kt>(q, k, v, o, lse, Sq, Sk, scale, splits);
   // Reference: weights exp((delta_j - max delta) * scale), the same for every row.
   const int dmax = *std::max_element(delta.begin(), delta.end());
   std::vector<double> w(Sk);
@@ -1124,9 +1150,9 @@ int check_large_spread_case(float a, bool rising, uint32_t seed) {
     lse_err = std::max(lse_err, std::fabs(lse[i] - lse_ref) / lse_ref);
   }
   const bool ok = err < 2e-3 && lse_err < 1e-6;  // fp16 P and output; fp32 LSE
-  std::printf("%s large spread scores d=%d %s a=%g %s: max |out - ref| %.2e, lse rel %.1e\n",
-              ok ? "OK " : "BAD", D, tile_name<Kt>(), a,
-              rising ? "rising" : "spread", err, lse_err);
+  std::printf("%s large spread scores d=%d %s a=%g %s splits=%d: max |out - ref| %.2e, lse rel "
+              "%.1e\n", ok ? "OK " : "BAD", D, tile_name<Kt>(), a,
+              rising ? "rising" : "spread", splits, err, lse_err);
   return ok ? 0 : 1;
 }
 
@@ -1139,6 +1165,16 @@ int check_large_spread_scores() {
       fails += check_large_spread_case<Fwd_tile_config<64>::Traits>(a, rising, seed++);
       fails += check_large_spread_case<Fwd_tile_config<256>::Traits>(a, rising, seed256++);
       fails += check_large_spread_case<Fwd_tile_config<96>::Traits>(a, rising, seed96++);
+    }
+    // Key splits (the KV-cache op's prefill calls): the splits' maxima differ, so each split's
+    // sum must be relative to the exact shift the merge weighs it by.
+    for (int splits : {2, 3}) {
+      fails += check_large_spread_case<Fwd_tile_config<128>::Traits>(a, true, seed++, splits);
+      fails += check_large_spread_case<Fwd_tile_config<64>::Traits>(a, true, seed++, splits);
+      fails += check_large_spread_case<Fwd_tile_config<64>::SmallGridTraits>(a, true, seed++,
+                                                                             splits);
+      fails += check_large_spread_case<Fwd_tile_config<256>::Traits>(a, true, seed256++, splits);
+      fails += check_large_spread_case<Fwd_tile_config<96>::Traits>(a, true, seed96++, splits);
     }
   }
   return fails;
@@ -1241,9 +1277,6 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
     p.window_lower = window_left >= 0 ? -window_left : kNoWindowLower;
     p.alibi_offset = 0;
     p.num_splits = splits;
-    p.keys_per_split = (sk + splits - 1) / splits;
-    p.keys_per_split = (p.keys_per_split + kFwdSplitKeyMultiple - 1) / kFwdSplitKeyMultiple *
-                       kFwdSplitKeyMultiple;
     const int64_t rows = int64_t(b) * h * sq;
     oacc.assign(size_t(splits) * rows * d, NAN);
     lacc.assign(2 * size_t(splits) * rows, NAN);
