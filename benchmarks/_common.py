@@ -708,11 +708,12 @@ def add_sweep_args(p, backends, n_default_help, tag):
                    help="heads (default: 16; 32 at d = 80 and 96, 8 at d = 256, as the models)")
     import _peer
 
-    default = list(backends) + ([_peer.NAME] if _peer.build_found() else [])
-    p.add_argument("--backends", default=",".join(default),
-                   help=f"comma list from {list(backends) + [_peer.NAME]} (default: all; "
-                        f"{_peer.NAME}, the SM75 peer ssiu/flash-attention-turing, when "
-                        f"scripts/build_peer.py has built it: benchmarks/_peer.py)")
+    # The peer only when asked: a sticky CUDA error in its kernels would end the whole sweep.
+    p.add_argument("--backends", default=",".join(backends),
+                   help=f"comma list from {list(backends) + [_peer.NAME]} (default: "
+                        f"{','.join(backends)}; {_peer.NAME}: the SM75 peer "
+                        f"ssiu/flash-attention-turing from the build scripts/build_peer.py "
+                        f"makes, benchmarks/_peer.py)")
     p.add_argument("--out-dir", default="bench_out")
     p.add_argument("--tag", default=tag, help="output file name stem")
     p.add_argument("--warmup-ms", type=float, default=None)

@@ -9,7 +9,10 @@ BSHD fp16, head_dim 64 or 128) and records the commit the build script wrote nex
 
 The adapter takes the benchmarks' BHSD views. A view of BSHD storage (``bench_backward.py
 --layout bshd``) is passed as is; contiguous BHSD inputs (``bench_forward.py``) are copied to
-BSHD once per input tensor, outside the timed calls, so the peer is timed on its own layout.
+BSHD once per input tensor, outside the timed calls, so the peer is timed on its own layout
+(the backward's dO too with ``--layout bshd``; with ``bhsd`` its copy is inside the timed
+backward). The backend runs only when named in ``--backends`` (its kernels run on the legacy
+default stream, and a sticky CUDA error there would end the sweep for every backend).
 """
 from __future__ import annotations
 
@@ -36,8 +39,7 @@ def peer_dir() -> Path:
 
 
 def build_found() -> bool:
-    """Whether a build (its info file) is in :func:`peer_dir`: the sweeps add the backend to
-    their default list only then."""
+    """Whether a build (its info file) is in :func:`peer_dir`."""
     return (peer_dir() / INFO_FILE).is_file()
 
 

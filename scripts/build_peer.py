@@ -3,7 +3,8 @@
 
     python scripts/build_peer.py --src /path/to/flash-attention-turing [--out .peer/ssiu]
 
-``--src`` is a checkout of https://github.com/ssiu/flash-attention-turing with its submodule
+``--src`` is a checkout (outside this repository, or under the ignored ``.peer/``: the peer's
+code must never be committed) of https://github.com/ssiu/flash-attention-turing with its submodule
 ``csrc/cutlass`` at the commit the checkout pins (``git submodule update --init``, or an export
 of NVIDIA/cutlass at that commit). The extension is built for ``TORCH_CUDA_ARCH_LIST=7.5+PTX``
 as ours (a GPU newer than Turing JIT-compiles the compute_75 PTX) with the system compiler, into
@@ -11,7 +12,7 @@ as ours (a GPU newer than Turing JIT-compiles the compute_75 PTX) with the syste
 binaries are never committed), next to ``PEER_INFO.json`` (its commit, cutlass's, the torch and
 nvcc it was built with), which ``benchmarks/_peer.py`` reads and the benchmarks record with
 their numbers. A GPU run carries ``.peer`` along; ``bench_forward.py`` / ``bench_backward.py``
-then time the backend ``ssiu`` in the same run.
+with ``--backends ours,efficient,ssiu`` then time it in the same run.
 """
 from __future__ import annotations
 

@@ -331,11 +331,11 @@ def test_kvcache_chunked_prefill_splits_the_cache_keys(d, mod, causal):
     bit for bit, every slot past a length NaN, lengths 0, 1 and odd (splits past a sequence's
     keys are empty)."""
     name, opts = mod
-    B, S, h, hk, new, page, sq = 3, 6144, 4, 2, 70, 256, 70
+    B, S, h, hk, new, page, sq = 4, 6144, 4, 2, 70, 256, 70
     q, kc, vc, k, v, seqlens = _case(B, S, h, hk, d, sq, new,
                                      seed_from("kvcache_split", d, causal, name))
-    seqlens[2] = S - new  # one sequence over the whole cache: every split holds keys
-    kc[2, :S], vc[2, :S] = _rand(S, hk, d), _rand(S, hk, d)
+    seqlens[3] = S - new  # one sequence over the whole cache: every split holds keys
+    kc[3, :S], vc[3, :S] = _rand(S, hk, d), _rand(S, hk, d)
     slopes = torch.rand(B, h, device=DEV) if opts.get("alibi") else None
     window = opts.get("window", (-1, -1))
     args = (None, causal, *window, opts.get("softcap", 0.0), slopes)
