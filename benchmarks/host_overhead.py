@@ -9,6 +9,7 @@ host overhead. ``--real-op`` keeps the C++ kernel. Runs anywhere:
 
     python3 benchmarks/host_overhead.py                  # table, best of --repeats runs
     python3 benchmarks/host_overhead.py --profile NAME   # cProfile of one case (e.g. flash_attn_func)
+    python3 benchmarks/host_overhead.py --fwd-bwd        # forward + backward steps (grad)
     python3 benchmarks/host_overhead.py --hf             # the transformers integration, per stage
     python3 benchmarks/host_overhead.py --hf --profile padded-decode   # cProfile of one HF call
 
@@ -93,6 +94,42 @@ def install_stub() -> None:
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
         lib.impl("fwd", _stub_cpu_kernel, "CPU")
     install_stub.lib = lib  # the registration lives as long as the Library object
+
+
+def _stub_cpu_bwd(dout, q, k, v, *rest, **kwargs):
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def install_bwd_stub() -> None:
+    lib = torch.library.Library("flash_attention_sm75", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl("bwd", _stub_cpu_bwd, "CPU")
+    install_bwd_stub.lib = lib
+
+
+def fwd_bwd_cases():
+    """name -> one forward + ``torch.autograd.grad`` step (inputs require grad), B=1 H=1 S=1
+    d=64 fp16 CPU tensors. "op fwd (registered autograd kernel)" is the raw op through the
+    formula ``torch.library.register_autograd`` registers (what every door ran before the
+    eager autograd functions, ``_ops._eager_function``); the doors take those functions."""
+    bhsd = [torch.randn(1, 1, 1, 64, dtype=torch.float16, requires_grad=True) for _ in range(3)]
+    bshd = [torch.randn(1, 1, 1, 64, dtype=torch.float16, requires_grad=True) for _ in range(3)]
+    dout = torch.randn(1, 1, 1, 64, dtype=torch.float16)
+    op = torch.ops.flash_attention_sm75.fwd
+
+    def step(f, inputs):
+        return lambda: torch.autograd.grad(f(*inputs), inputs, dout)
+
+    return {
+        "op fwd (registered autograd kernel)": step(lambda q, k, v: op(q, k, v, None, True, True)[0],
+                                                    bshd),
+        "flash_attn_func": step(lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True), bshd),
+        "flash_attention_forward": step(
+            lambda q, k, v: fa.flash_attention_forward(q, k, v, causal=True), bhsd),
+        "sdpa (kernel path)": step(
+            lambda q, k, v: fa.scaled_dot_product_attention(q, k, v, is_causal=True), bhsd),
+    }
 
 
 def _below_autograd(op, q, k, v):
@@ -455,6 +492,9 @@ def main() -> None:
                         "time.thread_time, this thread's CPU time, which other processes on a "
                         "busy machine disturb less (the default of --hf; the op is stubbed, "
                         "so the call is all CPU)")
+    p.add_argument("--fwd-bwd", action="store_true",
+                   help="time forward + backward steps instead (fwd and bwd ops stubbed; "
+                        "see fwd_bwd_cases)")
     p.add_argument("--hf", action="store_true",
                    help="time the transformers integration's stages instead (see the docstring)")
     p.add_argument("--hf-model", default="qwen2-0.5b",
@@ -474,6 +514,23 @@ def main() -> None:
         install_stub()
     if args.hf:
         hf_main(args)
+        return
+    if args.fwd_bwd:
+        if not args.real_op:
+            install_bwd_stub()
+        clock = args.clock or "wall"
+        print(f"torch {torch.__version__}, us per forward + backward step ({clock} clock), best "
+              f"of {args.repeats} x {args.n} steps, B=1 H=1 S=1 d=64 fp16 CPU, causal, "
+              f"{'C++ CPU kernels' if args.real_op else 'stub CPU kernels'}")
+        print("| case | fwd + bwd |")
+        print("|---|---|")
+        with _sdpa_kernel_path_on_cpu():
+            fns = fwd_bwd_cases()
+            if args.profile:
+                profile(fns[args.profile], args.n)
+                return
+            for name, fn in fns.items():
+                print(f"| {name} | {time_per_call(fn, args.n, args.repeats, clock):.1f} |")
         return
 
     if args.profile:

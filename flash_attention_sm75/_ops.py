@@ -212,22 +212,21 @@ def graph_tracing() -> bool:
     dynamo that AOTAutograd's partitioner may still rewrite (``make_fx``,
     ``functorch.compile.aot_function``: a proxy, fake or functional dispatch mode is active).
     A random draw inside an op is invisible to such a graph."""
-    if torch.compiler.is_compiling():
-        return True
-    keys = torch._C._TorchDispatchModeKey
-    return any(torch._C._get_dispatch_mode(getattr(keys, name)) is not None
-               for name in ("PROXY", "FAKE", "FUNCTIONAL") if hasattr(keys, name))
+    return torch.compiler.is_compiling() or _dispatch_mode_tracing()
 
 
 def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
              seqused_k=None, window_size_left=-1, window_size_right=-1, softcap=0.0,
              alibi_slopes=None, attn_bias=None, *, deterministic: bool = False,
-             dropout_p: float = 0.0):
+             dropout_p: float = 0.0, bhsd_inputs: bool = False):
     """``torch.ops.flash_attention_sm75.fwd(q, k, v, softmax_scale, is_causal,
     causal_bottom_right, leftpad_k, seqused_k, window_size_left, window_size_right, softcap,
     alibi_slopes, attn_bias)``, skipping the op's autograd kernel when no gradient can flow.
     ``attn_bias`` is passed only when given (an extension built before it still runs the
-    rest).
+    rest). ``bhsd_inputs=True``: q, k, v are ``(batch, heads, seq, head_dim)`` (the BHSD doors),
+    passed to the op as ``transpose(1, 2)`` views (inside the eager autograd function, where
+    autograd records no view; the gradients come back BHSD); the results are the op's (``out``
+    BSHD).
 
     ``deterministic=True`` (flash-attn's per-call flag) makes this call's backward
     deterministic whatever the global setting is when it runs: where autograd records the call,
@@ -286,12 +285,12 @@ def call_fwd(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=N
                                    "lacks (built from older sources); " + BUILD_HINT)
             rng_state = torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=q.device)
             return _call("fwd_dropout_seeded", (q, k, v, float(dropout_p), rng_state) + rest,
-                         deterministic, attn_bias)
+                         deterministic, attn_bias, bhsd_inputs)
         return _call("fwd_dropout", (q, k, v, float(dropout_p)) + rest, deterministic,
-                     attn_bias)[:2]
+                     attn_bias, bhsd_inputs)[:2]
     return _call("fwd", (q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k,
                          seqused_k, window_size_left, window_size_right, softcap, alibi_slopes),
-                 deterministic, attn_bias)
+                 deterministic, attn_bias, bhsd_inputs)
 
 
 def call_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -366,12 +365,14 @@ def call_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_l
         return torch.ops.flash_attention_sm75.kvcache_fwd(*args)
 
 
-def _call(name: str, args: tuple, deterministic: bool, attn_bias=None):
+def _call(name: str, args: tuple, deterministic: bool, attn_bias=None,
+          bhsd_inputs: bool = False):
     """``torch.ops.flash_attention_sm75.<name>(*args)`` (``fwd`` or ``varlen_fwd``; q, k, v
     first, the slopes last; ``attn_bias``, ``fwd`` only, as a keyword when given) as
     :func:`call_fwd` describes: the checks first, then through the autograd kernel (the twin
-    ``<name>_deterministic_bwd`` for ``deterministic``) or below it. The op is looked up per
-    call: tests spy on the attribute."""
+    ``<name>_deterministic_bwd`` for ``deterministic``), through the same formula as an eager
+    ``autograd.Function`` (:func:`_eager_function`), or below autograd. ``bhsd_inputs``: q, k,
+    v are BHSD (:func:`call_fwd`). The op is looked up per call: tests spy on the attribute."""
     q, k, v, alibi_slopes = args[0], args[1], args[2], args[-1]
     kw = {} if attn_bias is None else {"attn_bias": attn_bias}
     if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.numel():
@@ -383,7 +384,13 @@ def _call(name: str, args: tuple, deterministic: bool, attn_bias=None):
                                  "flash_attention_sm75: alibi_slopes must be finite, got a NaN "
                                  "or infinite slope")
     ns = torch.ops.flash_attention_sm75
-    if _autograd_must_run(q, k, v, alibi_slopes, attn_bias):
+    path = _autograd_path(q, k, v, alibi_slopes, attn_bias)
+    if path == _EAGER:
+        return _EAGER_FUNCTIONS[name, deterministic, bhsd_inputs].apply(
+            *(args if attn_bias is None else args + (attn_bias,)))
+    if bhsd_inputs:
+        args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)) + args[3:]
+    if path == _OP:
         return getattr(ns, name + "_deterministic_bwd" if deterministic else name)(*args, **kw)
     # No gradient can flow, so there is no backward for `deterministic` to reach.
     with torch._C._AutoDispatchBelowAutograd():
@@ -393,7 +400,7 @@ def _call(name: str, args: tuple, deterministic: bool, attn_bias=None):
 def call_fwd_checked(q, k, v, softmax_scale, is_causal, causal_bottom_right, leftpad_k=None,
                      seqused_k=None, window_size_left=-1, window_size_right=-1, softcap=0.0):
     """:func:`call_fwd` without slopes and ``deterministic=False``, for a caller that has
-    established in this same call what :func:`_autograd_must_run` would otherwise test first:
+    established in this same call what :func:`_autograd_path` would otherwise test first:
     nothing traces (``torch.compiler.is_compiling()`` and ``torch.jit.is_tracing()`` are
     False), no forward-mode AD level is open and no ``torch.func`` transform is active (the
     transformers integration's per-forward decision, ``_decision_key``). What is left to decide
@@ -406,16 +413,26 @@ def call_fwd_checked(q, k, v, softmax_scale, is_causal, causal_bottom_right, lef
             window_size_left, window_size_right, softcap, None)
     # Inference mode excludes the autograd dispatch keys itself: the guard below would only
     # cost its ~0.5 us (generate() under torch.inference_mode()).
-    if torch.is_inference_mode_enabled() or torch._C._is_torch_function_mode_enabled() or (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if torch.is_inference_mode_enabled() or torch._C._is_torch_function_mode_enabled():
         return ns.fwd(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if _dispatch_mode_tracing():
+            return ns.fwd(*args)
+        return _EAGER_FUNCTIONS["fwd", False, False].apply(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return ns.fwd(*args)
 
 
-def _autograd_must_run(q, k, v, alibi_slopes, attn_bias=None) -> bool:
+_OP = "op"
+_EAGER = "eager"
+
+
+def _autograd_path(q, k, v, alibi_slopes, attn_bias=None) -> Optional[str]:
     """The checks of :func:`call_fwd` / :func:`call_varlen_fwd` before the op (they raise), then
-    whether the op must be called through its autograd kernel (see :func:`call_fwd`)."""
+    how the op must be called (see :func:`call_fwd`): ``_OP`` through its autograd kernel (a
+    graph is traced, a ``torch.func`` transform or a ``__torch_function__`` mode is active),
+    ``_EAGER`` through the same formula as an eager ``autograd.Function`` (a gradient can flow,
+    nothing traces), or None below autograd (no gradient can flow)."""
     name = forward_ad_input(q, k, v, attn_bias)
     if name is not None:
         raise NotImplementedError(
@@ -433,11 +450,30 @@ def _autograd_must_run(q, k, v, alibi_slopes, attn_bias=None) -> bool:
             "falls back to torch's SDPA inside torch.func transforms")
     if (alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()):
         raise ValueError("flash_attention_sm75: " + _SLOPES_GRAD)
-    return bool(torch.compiler.is_compiling() or transforms
-                or torch._C._is_torch_function_mode_enabled()
-                or (torch.is_grad_enabled()
-                    and (q.requires_grad or k.requires_grad or v.requires_grad
-                         or (attn_bias is not None and attn_bias.requires_grad))))
+    if (torch.compiler.is_compiling() or transforms
+            or torch._C._is_torch_function_mode_enabled()):
+        return _OP
+    if (torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad
+                 or (attn_bias is not None and attn_bias.requires_grad))):
+        return _OP if _dispatch_mode_tracing() or torch._C._is_tracing() else _EAGER
+    return None
+
+
+_TRACING_MODE_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, name)
+                           for name in ("PROXY", "FAKE", "FUNCTIONAL")
+                           if hasattr(torch._C._TorchDispatchModeKey, name))
+
+
+def _dispatch_mode_tracing() -> bool:
+    """A proxy, fake or functional dispatch mode is active (``make_fx``, AOTAutograd without
+    dynamo, FakeTensorMode): such tracers get the op with its registered autograd formula (as
+    ``torch.jit.trace`` does, tested beside this), never the eager autograd function."""
+    get = torch._C._get_dispatch_mode
+    for key in _TRACING_MODE_KEYS:
+        if get(key) is not None:
+            return True
+    return False
 
 
 def _check_one_device(q, **others) -> None:
@@ -630,14 +666,25 @@ def _fwd_backward(ctx, grad_out, grad_lse, grad_rng_state=None):
         raise RuntimeError("flash_attention_sm75: the compiled extension has no bias gradient "
                            "(torch.ops.flash_attention_sm75.bwd_dbias): it was built from older "
                            "sources; " + BUILD_HINT)
-    grads = getattr(torch.ops.flash_attention_sm75, "bwd_dbias" if want_dbias else "bwd")(
-        grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
-        ctx.causal_bottom_right, leftpad_k, seqused_k,
-        ctx.deterministic or _deterministic_forced(), grad_lse, *ctx.window_size, ctx.softcap,
-        alibi_slopes, **kw)
+    grads = _call_bwd("bwd_dbias" if want_dbias else "bwd",
+                      grad_out, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.is_causal,
+                      ctx.causal_bottom_right, leftpad_k, seqused_k,
+                      ctx.deterministic or _deterministic_forced(), grad_lse, *ctx.window_size,
+                      ctx.softcap, alibi_slopes, **kw)
     if want_dbias:
         rest[bias_at - 3] = reduce_dbias(grads[3], attn_bias)
     return tuple(grads[:3]) + tuple(rest)
+
+
+def _call_bwd(name: str, *args, **kw):
+    """``torch.ops.flash_attention_sm75.<name>`` (a backward op) from an autograd formula: below
+    autograd unless grad mode is on (``create_graph=True``, where the op's own formula refuses a
+    double backward); the same call as through the op's Python autograd kernel, without it."""
+    op = getattr(torch.ops.flash_attention_sm75, name)  # per call: tests spy on it
+    if torch.is_grad_enabled():
+        return op(*args, **kw)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args, **kw)
 
 
 def reduce_dbias(dbias: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
@@ -715,10 +762,10 @@ def _varlen_fwd_backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     kw = dict(dropout_p=ctx.dropout_p, rng_state=saved[9]) if ctx.dropout_p else {}
-    dq, dk, dv = torch.ops.flash_attention_sm75.varlen_bwd(
-        grad_out, q, k, v, out, softmax_lse, cu_q, cu_k, *ctx.max_seqlen, ctx.softmax_scale,
-        ctx.is_causal, seqused_k, ctx.deterministic or _deterministic_forced(), grad_lse,
-        *ctx.window_size, ctx.softcap, alibi_slopes, **kw)
+    dq, dk, dv = _call_bwd(
+        "varlen_bwd", grad_out, q, k, v, out, softmax_lse, cu_q, cu_k, *ctx.max_seqlen,
+        ctx.softmax_scale, ctx.is_causal, seqused_k, ctx.deterministic or _deterministic_forced(),
+        grad_lse, *ctx.window_size, ctx.softcap, alibi_slopes, **kw)
     return (dq, dk, dv) + none
 
 
@@ -776,6 +823,63 @@ def _bwd_backward(ctx, *grads):
 
 
 _libraries = []
+
+_EAGER_FUNCTIONS: dict = {}
+"""(op name, deterministic, bhsd_inputs) -> the eager autograd.Function of that op
+(:func:`_register_autograd`)."""
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)
+
+
+def _eager_function(name: str, setup_context, backward, bhsd_inputs: bool):
+    """An ``autograd.Function`` that runs ``torch.ops.flash_attention_sm75.<name>`` below autograd
+    and records ``backward`` with the context ``setup_context`` fills: the formula that
+    ``torch.library.register_autograd`` registers for the op, without that kernel's per-call
+    Python (``fill_defaults`` rebuilds the schema's argument list per argument, and
+    ``op.redispatch``). The doors use it when a gradient can flow and nothing traces
+    (``_autograd_path``); graphs, ``torch.func`` transforms and ``__torch_function__`` modes
+    keep the op and its registered kernel. The arguments are the op's, positional, in schema
+    order (omitted trailing defaults stay omitted: the setup and the backward read
+    ``len(inputs)``). ``bhsd_inputs``: q, k, v come BHSD and go to the op as ``transpose(1,
+    2)`` views made here, where autograd records no view node (three fewer nodes in the forward
+    and the backward), and their gradients go back BHSD. The outputs are the op's either way
+    (the BHSD doors transpose ``out`` outside, as a view autograd records, as before). Host
+    time of an eager forward + backward: benchmarks/NOTES.md ("Host time of forward +
+    backward")."""
+
+    def forward(ctx, *args):
+        if bhsd_inputs:
+            args = (_bshd(args[0]), _bshd(args[1]), _bshd(args[2])) + args[3:]
+        with torch._C._AutoDispatchBelowAutograd():
+            output = getattr(torch.ops.flash_attention_sm75, name)(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    if bhsd_inputs:
+        def backward_bhsd(ctx, *grads):
+            res = backward(ctx, *grads)
+            return tuple(None if g is None else _bshd(g) for g in res[:3]) + tuple(res[3:])
+        formula = backward_bhsd
+    else:
+        formula = backward
+    return type(f"FlashAttentionSm75_{name}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(formula)})
+
+
+def _register_autograd(name: str, backward, setup_context, det_setup_context) -> None:
+    """The autograd formula of ``<name>`` and of its twin ``<name>_deterministic_bwd`` (whose
+    context asks the backward for determinism): registered on the ops (graphs, transforms,
+    the raw op) and as the eager functions of :func:`_eager_function` (the doors)."""
+    for op_name, setup, det in ((name, setup_context, False),
+                                (name + "_deterministic_bwd", det_setup_context, True)):
+        torch.library.register_autograd("flash_attention_sm75::" + op_name, backward,
+                                        setup_context=setup)
+        # The twin computes with the base op (_define_deterministic_twin): below autograd the
+        # eager function calls the base op itself.
+        for bhsd in (False, True):
+            _EAGER_FUNCTIONS[name, det, bhsd] = _eager_function(name, setup, backward, bhsd)
 
 
 def _has_op(name: str) -> bool:
@@ -842,10 +946,7 @@ if EXTENSION_AVAILABLE:
     torch.library.register_fake("flash_attention_sm75::fwd")(_fwd_fake)
     torch.library.register_fake("flash_attention_sm75::fwd_deterministic_bwd")(_fwd_fake)
     torch.library.register_fake("flash_attention_sm75::bwd")(_bwd_fake)
-    torch.library.register_autograd("flash_attention_sm75::fwd", _fwd_backward,
-                                    setup_context=_fwd_setup_context)
-    torch.library.register_autograd("flash_attention_sm75::fwd_deterministic_bwd", _fwd_backward,
-                                    setup_context=_fwd_det_setup_context)
+    _register_autograd("fwd", _fwd_backward, _fwd_setup_context, _fwd_det_setup_context)
     torch.library.register_autograd("flash_attention_sm75::bwd", _bwd_backward,
                                     setup_context=_bwd_setup_context)
 if DBIAS_AVAILABLE:
@@ -857,41 +958,28 @@ if DROPOUT_AVAILABLE:
     for _name in ("fwd_dropout", "fwd_dropout_deterministic_bwd"):
         torch.library.register_fake("flash_attention_sm75::" + _name)(_fwd_dropout_fake)
     torch.library.register_fake("flash_attention_sm75::dropout_mask")(_dropout_mask_fake)
-    torch.library.register_autograd("flash_attention_sm75::fwd_dropout", _fwd_backward,
-                                    setup_context=_fwd_dropout_setup_context)
-    torch.library.register_autograd("flash_attention_sm75::fwd_dropout_deterministic_bwd",
-                                    _fwd_backward,
-                                    setup_context=_fwd_dropout_det_setup_context)
+    _register_autograd("fwd_dropout", _fwd_backward, _fwd_dropout_setup_context,
+                       _fwd_dropout_det_setup_context)
 if SEEDED_DROPOUT_AVAILABLE:
     _define_deterministic_twin("fwd_dropout_seeded")
     for _name in ("fwd_dropout_seeded", "fwd_dropout_seeded_deterministic_bwd"):
         torch.library.register_fake("flash_attention_sm75::" + _name)(_fwd_dropout_seeded_fake)
-    torch.library.register_autograd("flash_attention_sm75::fwd_dropout_seeded", _fwd_backward,
-                                    setup_context=_fwd_dropout_seeded_setup_context)
-    torch.library.register_autograd("flash_attention_sm75::fwd_dropout_seeded_deterministic_bwd",
-                                    _fwd_backward,
-                                    setup_context=_fwd_dropout_seeded_det_setup_context)
+    _register_autograd("fwd_dropout_seeded", _fwd_backward, _fwd_dropout_seeded_setup_context,
+                       _fwd_dropout_seeded_det_setup_context)
 if VARLEN_AVAILABLE:
     _define_deterministic_twin("varlen_fwd")
     for _name in ("varlen_fwd", "varlen_fwd_deterministic_bwd"):
         torch.library.register_fake("flash_attention_sm75::" + _name)(_varlen_fwd_fake)
     torch.library.register_fake("flash_attention_sm75::varlen_bwd")(_varlen_bwd_fake)
-    torch.library.register_autograd("flash_attention_sm75::varlen_fwd", _varlen_fwd_backward,
-                                    setup_context=_varlen_fwd_setup_context)
-    torch.library.register_autograd("flash_attention_sm75::varlen_fwd_deterministic_bwd",
-                                    _varlen_fwd_backward,
-                                    setup_context=_varlen_fwd_det_setup_context)
+    _register_autograd("varlen_fwd", _varlen_fwd_backward, _varlen_fwd_setup_context,
+                       _varlen_fwd_det_setup_context)
     torch.library.register_autograd("flash_attention_sm75::varlen_bwd", _bwd_backward,
                                     setup_context=_bwd_setup_context)
 if VARLEN_DROPOUT_AVAILABLE:
     _define_deterministic_twin("varlen_fwd_dropout")
     for _name in ("varlen_fwd_dropout", "varlen_fwd_dropout_deterministic_bwd"):
         torch.library.register_fake("flash_attention_sm75::" + _name)(_varlen_fwd_dropout_fake)
-    torch.library.register_autograd("flash_attention_sm75::varlen_fwd_dropout",
-                                    _varlen_fwd_backward,
-                                    setup_context=_varlen_fwd_dropout_setup_context)
-    torch.library.register_autograd("flash_attention_sm75::varlen_fwd_dropout_deterministic_bwd",
-                                    _varlen_fwd_backward,
-                                    setup_context=_varlen_fwd_dropout_det_setup_context)
+    _register_autograd("varlen_fwd_dropout", _varlen_fwd_backward,
+                       _varlen_fwd_dropout_setup_context, _varlen_fwd_dropout_det_setup_context)
 if KVCACHE_AVAILABLE:
     torch.library.register_fake("flash_attention_sm75::kvcache_fwd")(_kvcache_fwd_fake)

@@ -358,10 +358,9 @@ def flash_attention_forward(
     _rules.require_bool("return_lse", return_lse)
     _rules.check_inputs(q, k, v, softmax_scale, layout="bhsd", window_size=window_size,
                         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-    out, softmax_lse = _ops.call_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                     _as_float(softmax_scale), causal, True, None, None,
+    out, softmax_lse = _ops.call_fwd(q, k, v, _as_float(softmax_scale), causal, True, None, None,
                                      *_window_args(window_size), _softcap_arg(softcap),
-                                     alibi_slopes, dropout_p=float(dropout_p))
+                                     alibi_slopes, dropout_p=float(dropout_p), bhsd_inputs=True)
     out = out.transpose(1, 2)
     if return_lse:
         return out, softmax_lse

@@ -441,9 +441,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                               enable_gqa)
     if reason is None:
         if attn_mask is None:
-            out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
-                                   value.transpose(1, 2), scale, is_causal, False,
-                                   dropout_p=dropout_p)
+            out, _ = _ops.call_fwd(query, key, value, scale, is_causal, False,
+                                   dropout_p=dropout_p, bhsd_inputs=True)
             return out.transpose(1, 2)
         if _zero_size(query, key, value):  # no keys or no rows: nothing for the mask to select
             return _zero_size_attention(query, key, value, attn_mask, enable_gqa)
@@ -451,16 +450,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if info is None:
             reason = _bias_reason(query, key, value, attn_mask, reason, dropout_p)
             if reason is None:  # the kernel reads the mask (broadcast, in place)
-                out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2),
-                                       value.transpose(1, 2), scale, False, False,
-                                       attn_bias=attn_mask, dropout_p=dropout_p)
+                out, _ = _ops.call_fwd(query, key, value, scale, False, False,
+                                       attn_bias=attn_mask, dropout_p=dropout_p,
+                                       bhsd_inputs=True)
                 return out.transpose(1, 2)
     if reason is None:
         if info.kv_len != key.shape[2]:
             key, value = key[:, :, :info.kv_len], value[:, :, :info.kv_len]
-        out, _ = _ops.call_fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                               scale, info.causal, True, leftpad_k=info.leftpad_k,
-                               seqused_k=info.seqused_k, dropout_p=dropout_p)
+        out, _ = _ops.call_fwd(query, key, value, scale, info.causal, True,
+                               leftpad_k=info.leftpad_k, seqused_k=info.seqused_k,
+                               dropout_p=dropout_p, bhsd_inputs=True)
         return out.transpose(1, 2)
     if is_strict():
         raise ValueError(f"flash_attention_sm75: cannot run scaled_dot_product_attention on the "

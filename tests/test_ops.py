@@ -387,18 +387,82 @@ def below_autograd(monkeypatch):
 @needs_ext
 @pytest.mark.parametrize("path", PUBLIC_PATHS)
 def test_gradients_flow_when_inputs_require_grad(path, monkeypatch, below_autograd):
-    # Fails if the fast path were taken while a gradient is needed: the result would have no
-    # grad_fn and q, k, v no gradients.
+    # Fails if the no-grad fast path were taken while a gradient is needed: the result would
+    # have no grad_fn and q, k, v no gradients. Eager calls run the op below autograd inside
+    # the eager autograd function (_ops._eager_function), whose gradients must be the
+    # registered formula's, bit for bit.
     f = _public_paths(monkeypatch)[path]
     q, k, v = (t.requires_grad_() for t in qkv(2, 7, 7, 4, 2, 64))
     out = f(q, k, v)
-    assert below_autograd == [False]
+    assert len(below_autograd) == 1
     assert out.requires_grad and out.grad_fn is not None
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
     want = torch.autograd.grad(real_fwd(q, k, v)[0], (q, k, v), g)
     for got, w in zip(grads, want):
         assert got.abs().max() > 0 and torch.equal(got, w)
+
+
+@needs_ext
+@pytest.mark.parametrize("path", PUBLIC_PATHS)
+def test_output_modified_in_place_fails_the_backward_loudly(path, monkeypatch):
+    # The backward reads the forward's output: modified in place, autograd's version check
+    # refuses the backward (never a gradient of the modified values). The BHSD doors' output is
+    # a view autograd records, transposed outside the eager autograd function.
+    f = _public_paths(monkeypatch)[path]
+    q, k, v = (t.requires_grad_() for t in qkv(2, 7, 7, 4, 2, 64))
+    out = f(q, k, v)
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+@needs_ext
+@pytest.mark.parametrize("path", PUBLIC_PATHS)
+def test_double_backward_raises_on_every_door(path, monkeypatch):
+    f = _public_paths(monkeypatch)[path]
+    q, k, v = (t.requires_grad_() for t in qkv(1, 5, 5, 2, 2, 64))
+    (dq,) = torch.autograd.grad(f(q, k, v).float().sum(), (q,), create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        dq.float().sum().backward()
+
+
+@needs_ext
+def test_make_fx_traces_the_op_and_its_registered_formula():
+    # Tracers without dynamo (make_fx, AOTAutograd) get the op through its registered autograd
+    # kernel, not the eager function: a fwd and a bwd node, the eager gradients.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = (t.requires_grad_() for t in qkv(1, 5, 7, 4, 2, 64))
+    g = torch.randn(1, 5, 4, 64, dtype=torch.float16)
+
+    def step(q, k, v, g):
+        out = fa.flash_attn_func(q, k, v, causal=True)
+        return torch.autograd.grad(out, (q, k, v), g)
+
+    gm = make_fx(step)(q, k, v, g)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.flash_attention_sm75.fwd.default in targets
+    assert torch.ops.flash_attention_sm75.bwd.default in targets
+    for got, want in zip(gm(q, k, v, g), step(q, k, v, g)):
+        assert got.abs().max() > 0 and torch.equal(got, want)
+
+
+@needs_ext
+@pytest.mark.filterwarnings("ignore:`torch.jit")
+def test_jit_trace_records_the_op():
+    # torch.jit.trace records dispatcher ops: with inputs that require grad the doors call the
+    # op through its registered autograd kernel there, never the eager autograd function
+    # (which the trace would not contain); the traced function keeps its gradients.
+    q, k, v = (t.requires_grad_() for t in qkv(1, 5, 5, 2, 2, 64))
+    traced = torch.jit.trace(lambda q_, k_, v_: fa.flash_attn_func(q_, k_, v_, causal=True),
+                             (q, k, v), check_trace=False)
+    assert "flash_attention_sm75::fwd" in [n.kind() for n in traced.graph.nodes()]
+    g = torch.randn(1, 5, 2, 64, dtype=torch.float16)
+    got = torch.autograd.grad(traced(q, k, v), (q, k, v), g)
+    want = torch.autograd.grad(real_fwd(q, k, v)[0], (q, k, v), g)
+    for a, b in zip(got, want):
+        assert a.abs().max() > 0 and torch.equal(a, b)
 
 
 def real_fwd(q, k, v):

@@ -374,9 +374,16 @@ def test_fast_path_below_autograd_only_when_no_gradient_can_flow(below_autograd)
     with torch.no_grad():
         fast = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 4, causal=True)
     out = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 4, causal=True)
-    assert below_autograd == [True, True, False]
+    # With a gradient to flow, the op runs below autograd inside the eager autograd function
+    # (_ops._eager_function), whose gradient must be the registered formula's.
+    assert below_autograd == [True, True, True]
     assert torch.equal(fast, ref) and torch.equal(out, ref)
     assert fast.grad_fn is None and out.grad_fn is not None
+    g = torch.randn_like(out)
+    want = torch.autograd.grad(torch.ops.flash_attention_sm75.varlen_fwd(
+        q, k, v, cu_q, cu_k, 4, 4, None, True)[0], q, g)[0]
+    got = torch.autograd.grad(out, q, g)[0]
+    assert got.abs().max() > 0 and torch.equal(got, want)
 
 
 def test_errors_before_the_op(below_autograd):
