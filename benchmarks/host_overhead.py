@@ -81,7 +81,7 @@ def _sdpa_kernel_path_on_cpu():
 
 
 def _stub_cpu_kernel(q, k, v, softmax_scale=None, is_causal=False, causal_bottom_right=True,
-                     leftpad_k=None, seqused_k=None, *rest):
+                     leftpad_k=None, seqused_k=None, *rest, **kwargs):
     # Zeros, not empty memory: in a whole model the next layers compute on the output, and
     # garbage (denormals, NaN) would change their CPU time.
     b, s, h, _ = q.shape

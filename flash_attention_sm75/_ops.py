@@ -641,6 +641,10 @@ def _fwd_backward(ctx, grad_out, grad_lse, grad_rng_state=None):
     ``rng_state`` the forward drew from)."""
     saved = ctx.saved_tensors
     q, k, v, out, softmax_lse, leftpad_k, seqused_k, alibi_slopes, attn_bias = saved[:9]
+    # The eager functions of the BHSD doors save q, k, v BHSD (_eager_function).
+    bhsd = getattr(ctx, "bhsd_inputs", False)
+    if bhsd:
+        q, k, v = _bshd(q), _bshd(k), _bshd(v)
     # softmax_scale, is_causal, causal_bottom_right, leftpad_k, seqused_k, window_size_left,
     # window_size_right, softcap, alibi_slopes (and attn_bias; the dropout ops: dropout_p (and
     # rng_state) first)
@@ -673,6 +677,8 @@ def _fwd_backward(ctx, grad_out, grad_lse, grad_rng_state=None):
                       ctx.softcap, alibi_slopes, **kw)
     if want_dbias:
         rest[bias_at - 3] = reduce_dbias(grads[3], attn_bias)
+    if bhsd:
+        return (_bshd(grads[0]), _bshd(grads[1]), _bshd(grads[2])) + tuple(rest)
     return tuple(grads[:3]) + tuple(rest)
 
 
@@ -844,28 +850,26 @@ def _eager_function(name: str, setup_context, backward, bhsd_inputs: bool):
     order (omitted trailing defaults stay omitted: the setup and the backward read
     ``len(inputs)``). ``bhsd_inputs``: q, k, v come BHSD and go to the op as ``transpose(1,
     2)`` views made here, where autograd records no view node (three fewer nodes in the forward
-    and the backward), and their gradients go back BHSD. The outputs are the op's either way
+    and the backward); they are saved as given, and ``_fwd_backward`` (``ctx.bhsd_inputs``)
+    transposes them and their gradients. The outputs are the op's either way
     (the BHSD doors transpose ``out`` outside, as a view autograd records, as before). Host
     time of an eager forward + backward: benchmarks/NOTES.md ("Host time of forward +
     backward")."""
 
     def forward(ctx, *args):
+        op_args = args
         if bhsd_inputs:
-            args = (_bshd(args[0]), _bshd(args[1]), _bshd(args[2])) + args[3:]
+            op_args = (_bshd(args[0]), _bshd(args[1]), _bshd(args[2])) + args[3:]
         with torch._C._AutoDispatchBelowAutograd():
-            output = getattr(torch.ops.flash_attention_sm75, name)(*args)
+            output = getattr(torch.ops.flash_attention_sm75, name)(*op_args)
+        # The inputs themselves are saved (views made here would turn an in-place change of an
+        # input into a misleading error about a no-grad view); the backward transposes them.
         setup_context(ctx, args, output)
+        ctx.bhsd_inputs = bhsd_inputs
         return output
 
-    if bhsd_inputs:
-        def backward_bhsd(ctx, *grads):
-            res = backward(ctx, *grads)
-            return tuple(None if g is None else _bshd(g) for g in res[:3]) + tuple(res[3:])
-        formula = backward_bhsd
-    else:
-        formula = backward
     return type(f"FlashAttentionSm75_{name}", (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(formula)})
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
 def _register_autograd(name: str, backward, setup_context, det_setup_context) -> None:

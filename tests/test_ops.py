@@ -419,6 +419,24 @@ def test_output_modified_in_place_fails_the_backward_loudly(path, monkeypatch):
 
 @needs_ext
 @pytest.mark.parametrize("path", PUBLIC_PATHS)
+def test_input_modified_in_place_fails_the_backward_with_the_version_error(path, monkeypatch):
+    # The backward reads q, k, v: changed in place after the forward (a non-leaf, as a
+    # projection's output is), autograd's version check must refuse the backward with its own
+    # message, naming the modified tensor (the eager functions save the inputs themselves, not
+    # views of them made without grad, whose error would point at a view the user never made).
+    f = _public_paths(monkeypatch)[path]
+    x = torch.randn(2, 7, 4, 64, dtype=torch.float16, requires_grad=True)
+    q = x * 1
+    k, v = (t.requires_grad_() for t in qkv(2, 7, 7, 4, 4, 64)[1:])
+    out = f(q, k, v)
+    with torch.no_grad():  # as an optimizer step between the forward and the backward
+        q.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
+
+
+@needs_ext
+@pytest.mark.parametrize("path", PUBLIC_PATHS)
 def test_double_backward_raises_on_every_door(path, monkeypatch):
     f = _public_paths(monkeypatch)[path]
     q, k, v = (t.requires_grad_() for t in qkv(1, 5, 5, 2, 2, 64))
