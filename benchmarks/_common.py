@@ -249,6 +249,28 @@ def bench(fn: Callable, device: str, warmup_ms: float = 25, rep_ms: float = 100,
     return bench_cuda_events(fn, warmup_ms, rep_ms)
 
 
+def host_ms_per_call(fn: Callable, device: str, calls: int = 30, trials: int = 3) -> float:
+    """Host (CPU) time of one call of fn in ms: the median over `trials` of the mean
+    ``time.perf_counter`` time of `calls` back-to-back calls, without a synchronisation between
+    them (the kernels queue; `calls` is far below the launch queue's depth, so no call waits
+    for the GPU). A call whose host time reaches its GPU time is bound by the host: its
+    measured time is then the host's, whatever the kernels do (benchmarks/NOTES.md, session
+    25: a forward + backward at N = 1024 was)."""
+    fn()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    ts = []
+    for _ in range(trials):
+        sync()
+        total = 0.0
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            total += time.perf_counter() - t0
+        ts.append(total / calls * 1e3)
+    sync()
+    return float(statistics.median(ts))
+
+
 def bench_launch_loop(fn: Callable, device: str, calls: int = 200, trials: int = 5) -> float:
     """Per-call ms of `calls` back-to-back calls (no sync, no flush): bounded below by the GPU time
     and by the host-side cost of one call, so it exposes Python/dispatch overhead on tiny shapes."""

@@ -209,6 +209,8 @@ class Runner(C.SweepRunner):
                         for g, a, b in zip(("dq", "dk", "dv"), grads, ref)}
                 t = self.time(fwd_bwd)
                 rec["fwdbwd_ms"] = t["ms"]
+                if self.a.device == "cuda":  # on the CPU every step is host time
+                    rec["fwdbwd_host_ms"] = C.host_ms_per_call(fwd_bwd, self.a.device)
                 rec["fwdbwd_p20_ms"], rec["fwdbwd_p80_ms"] = t["p20_ms"], t["p80_ms"]
                 rec["timing_method"] = t["method"]
 
@@ -324,6 +326,9 @@ def tables(cases, args):
                   ([f"ssiu/{v}" for v in variants] if has_peer else [])
         if key == "bwd":
             headers += ["bar", "maxdiff"]
+        else:  # the host's share: a step whose host time reaches its time is host-bound
+            headers += [f"{v} host ms" for v in variants] + \
+                       (["efficient host ms"] if has_eff else [])
         rows = []
         for c in cases:
             bk = c["backends"]
@@ -338,6 +343,10 @@ def tables(cases, args):
                 row += [C.fmt_ratio(C.ratio(c, "ssiu", v, f"{key}_ms")) for v in variants]
             if key == "bwd":
                 row += [bar_cell(c), C.fmt(max_diff(c), ".1e")]
+            else:
+                row += [C.fmt(bk.get(v, {}).get("fwdbwd_host_ms"), ".3f") for v in variants]
+                if has_eff:
+                    row.append(C.fmt(bk.get("efficient", {}).get("fwdbwd_host_ms"), ".3f"))
             rows.append(row)
         out[key] = C.format_table(headers, rows, left=(0, len(headers) - 2) if key == "bwd"
                                   else (0,))
@@ -456,7 +465,8 @@ def main(argv=None):
         log(tabs["bwd"])
         log("")
         log(f"== forward + backward ({hdr} with 3.5 x 4*B*H*N^2*d, /2 causal); eff/X = "
-            f"t_efficient / t_X ==")
+            f"t_efficient / t_X; host ms = host time of one step, back to back, not synchronised "
+            f"(a step whose host ms reaches its ms is bound by the host) ==")
         log(tabs["fwdbwd"])
         log("")
         mem_what = ("max_memory_allocated - allocated before: out, saved tensors, workspace, "
