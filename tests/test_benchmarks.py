@@ -307,3 +307,20 @@ def test_build_peer_checks_its_source_tree(tmp_path):
     (tmp_path / "csrc" / "flash_attn").mkdir(parents=True)
     r = run("scripts/build_peer.py", "--src", str(tmp_path))
     assert r.returncode == 2 and "csrc/cutlass has no include/cute" in r.stderr
+
+
+def test_host_ms_per_call_times_each_call_without_the_rest():
+    # bench_backward's "host ms" columns: the mean host time of back-to-back calls (median of
+    # the trials), each call timed on its own; one warm-up call first.
+    import time
+
+    common = load_script("benchmarks/_common.py")
+    calls = []
+
+    def fn():
+        calls.append(None)
+        time.sleep(0.002)
+
+    ms = common.host_ms_per_call(fn, "cpu", calls=4, trials=3)
+    assert len(calls) == 1 + 4 * 3
+    assert 2.0 <= ms < 50.0
