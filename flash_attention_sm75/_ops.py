@@ -853,8 +853,7 @@ def _eager_function(name: str, setup_context, backward, bhsd_inputs: bool):
     and the backward); they are saved as given, and ``_fwd_backward`` (``ctx.bhsd_inputs``)
     transposes them and their gradients. The outputs are the op's either way
     (the BHSD doors transpose ``out`` outside, as a view autograd records, as before). Host
-    time of an eager forward + backward: benchmarks/NOTES.md ("Host time of forward +
-    backward")."""
+    time of an eager forward + backward: benchmarks/NOTES.md (session 25)."""
 
     def forward(ctx, *args):
         op_args = args
@@ -872,17 +871,20 @@ def _eager_function(name: str, setup_context, backward, bhsd_inputs: bool):
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-def _register_autograd(name: str, backward, setup_context, det_setup_context) -> None:
+def _register_autograd(name: str, backward, setup_context, det_setup_context,
+                       layouts=(False, True)) -> None:
     """The autograd formula of ``<name>`` and of its twin ``<name>_deterministic_bwd`` (whose
     context asks the backward for determinism): registered on the ops (graphs, transforms,
-    the raw op) and as the eager functions of :func:`_eager_function` (the doors)."""
+    the raw op) and as the eager functions of :func:`_eager_function` (the doors), for each
+    ``bhsd_inputs`` in ``layouts`` (BHSD inputs only where the backward reads
+    ``ctx.bhsd_inputs``: ``_fwd_backward``)."""
     for op_name, setup, det in ((name, setup_context, False),
                                 (name + "_deterministic_bwd", det_setup_context, True)):
         torch.library.register_autograd("flash_attention_sm75::" + op_name, backward,
                                         setup_context=setup)
         # The twin computes with the base op (_define_deterministic_twin): below autograd the
         # eager function calls the base op itself.
-        for bhsd in (False, True):
+        for bhsd in layouts:
             _EAGER_FUNCTIONS[name, det, bhsd] = _eager_function(name, setup, backward, bhsd)
 
 
@@ -976,7 +978,7 @@ if VARLEN_AVAILABLE:
         torch.library.register_fake("flash_attention_sm75::" + _name)(_varlen_fwd_fake)
     torch.library.register_fake("flash_attention_sm75::varlen_bwd")(_varlen_bwd_fake)
     _register_autograd("varlen_fwd", _varlen_fwd_backward, _varlen_fwd_setup_context,
-                       _varlen_fwd_det_setup_context)
+                       _varlen_fwd_det_setup_context, layouts=(False,))
     torch.library.register_autograd("flash_attention_sm75::varlen_bwd", _bwd_backward,
                                     setup_context=_bwd_setup_context)
 if VARLEN_DROPOUT_AVAILABLE:
@@ -984,6 +986,7 @@ if VARLEN_DROPOUT_AVAILABLE:
     for _name in ("varlen_fwd_dropout", "varlen_fwd_dropout_deterministic_bwd"):
         torch.library.register_fake("flash_attention_sm75::" + _name)(_varlen_fwd_dropout_fake)
     _register_autograd("varlen_fwd_dropout", _varlen_fwd_backward,
-                       _varlen_fwd_dropout_setup_context, _varlen_fwd_dropout_det_setup_context)
+                       _varlen_fwd_dropout_setup_context, _varlen_fwd_dropout_det_setup_context,
+                       layouts=(False,))
 if KVCACHE_AVAILABLE:
     torch.library.register_fake("flash_attention_sm75::kvcache_fwd")(_kvcache_fwd_fake)
