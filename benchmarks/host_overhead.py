@@ -88,12 +88,19 @@ def _stub_cpu_kernel(q, k, v, softmax_scale=None, is_causal=False, causal_bottom
     return torch.zeros_like(q), q.new_zeros((b, h, s), dtype=torch.float32)
 
 
-def install_stub() -> None:
+_STUB_LIBRARIES = []  # a Library's registrations live as long as the object
+
+
+def _install_cpu_stub(op_name: str, fn) -> None:
     lib = torch.library.Library("flash_attention_sm75", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
-        lib.impl("fwd", _stub_cpu_kernel, "CPU")
-    install_stub.lib = lib  # the registration lives as long as the Library object
+        lib.impl(op_name, fn, "CPU")
+    _STUB_LIBRARIES.append(lib)
+
+
+def install_stub() -> None:
+    _install_cpu_stub("fwd", _stub_cpu_kernel)
 
 
 def _stub_cpu_bwd(dout, q, k, v, *rest, **kwargs):
@@ -101,11 +108,7 @@ def _stub_cpu_bwd(dout, q, k, v, *rest, **kwargs):
 
 
 def install_bwd_stub() -> None:
-    lib = torch.library.Library("flash_attention_sm75", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lib.impl("bwd", _stub_cpu_bwd, "CPU")
-    install_bwd_stub.lib = lib
+    _install_cpu_stub("bwd", _stub_cpu_bwd)
 
 
 def fwd_bwd_cases():
