@@ -22,6 +22,7 @@ is the benchmarks' default (t4: the launches a T4 would run, on this GPU's SMs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -38,6 +39,20 @@ def copy_bandwidth(mib: int, warmup_ms: float, rep_ms: float) -> float:
     dst = torch.empty_like(src)
     ms = C.bench(lambda: dst.copy_(src), "cuda", warmup_ms, rep_ms)["ms"]
     return 2 * n / (ms * 1e-3)
+
+
+@contextlib.contextmanager
+def gqa_plan(value: str):
+    """FLASH_SM75_DECODE_GQA set to ``value`` inside (read by the op per call)."""
+    old = os.environ.get("FLASH_SM75_DECODE_GQA")
+    os.environ["FLASH_SM75_DECODE_GQA"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FLASH_SM75_DECODE_GQA"]
+        else:
+            os.environ["FLASH_SM75_DECODE_GQA"] = old
 
 
 def plot(records, path: str, suptitle: str = ""):
@@ -73,6 +88,9 @@ def main(argv=None) -> int:
                     help="skip shapes whose K + V exceed this many GiB")
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--no-efficient", action="store_true")
+    ap.add_argument("--group-rows", action="store_true",
+                    help="also time GQA calls (ratio > 1) with FLASH_SM75_DECODE_GQA=prefill: the "
+                         "group's q-heads as query rows of the prefill kernels (rows columns)")
     ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--tag", default="bench_decode")
     ap.add_argument("--warmup-ms", type=float, default=10)
@@ -125,6 +143,15 @@ def main(argv=None) -> int:
                         paged = C.bench(lambda: fa2.flash_attn_with_kvcache(
                             q, pk, pv, cache_seqlens=seqlens, block_table=table), "cuda",
                             args.warmup_ms, args.rep_ms)["ms"]
+                        rows_ms = rows_paged = None
+                        if args.group_rows and ratio > 1:
+                            with gqa_plan("prefill"):
+                                rows_ms = C.bench(lambda: fa2.flash_attn_with_kvcache(
+                                    q, kc, vc, cache_seqlens=seqlens), "cuda", args.warmup_ms,
+                                    args.rep_ms)["ms"]
+                                rows_paged = C.bench(lambda: fa2.flash_attn_with_kvcache(
+                                    q, pk, pv, cache_seqlens=seqlens, block_table=table),
+                                    "cuda", args.warmup_ms, args.rep_ms)["ms"]
                         del pk, pv
                         eff = None
                         if not args.no_efficient:
@@ -145,22 +172,33 @@ def main(argv=None) -> int:
                                kv_bytes=kv_bytes, ours_ms=ours, op_ms=op, paged_ms=paged,
                                efficient_ms=eff, ours_gbs=gbs, op_gbs=op_gbs,
                                copy_gbs=copy_bw / 1e9, pct_copy=100 * gbs * 1e9 / copy_bw,
-                               op_pct_copy=100 * op_gbs * 1e9 / copy_bw)
+                               op_pct_copy=100 * op_gbs * 1e9 / copy_bw,
+                               rows_ms=rows_ms, rows_paged_ms=rows_paged,
+                               rows_pct_copy=(None if rows_ms is None else
+                                              100 * kv_bytes / (rows_ms * 1e-3) / copy_bw))
                     records.append(rec)
                     rows.append([f"d={d}", ratio, b, cache, C.fmt(ours, ".4f"),
                                  C.fmt(gbs, ".0f"), C.fmt(rec["pct_copy"], ".0f"),
                                  C.fmt(op, ".4f"), C.fmt(rec["op_pct_copy"], ".0f"),
                                  C.fmt(paged, ".4f"), C.fmt(paged / ours, ".2f"),
-                                 C.fmt(eff, ".4f"), C.fmt_speedup(ours, eff)])
+                                 C.fmt(eff, ".4f"), C.fmt_speedup(ours, eff)]
+                                + ([C.fmt(rows_ms, ".4f"), C.fmt(rec["rows_pct_copy"], ".0f"),
+                                    C.fmt_speedup(rows_ms, ours) if rows_ms else "-",
+                                    C.fmt(rows_paged, ".4f")] if args.group_rows else []))
                     print(rows[-1], flush=True)
     head = (f"decode, fp16, H={h}, one query token, {args.lengths} caches; KV GB/s = K+V bytes "
             f"attended / time; % copy = of the copy bandwidth {copy_bw / 1e9:.0f} GB/s measured "
             f"in this run; ours = flash_attn_with_kvcache; op = the op alone; paged = pages of "
             f"{args.page} (time / ours); eff = SDPA mem-efficient, K/V expanded (untimed); "
-            f"plan profile {env.get('plan_profile')}")
+            f"plan profile {env.get('plan_profile')}"
+            + ("; rows = the same call with FLASH_SM75_DECODE_GQA=prefill (the group's q-heads "
+               "as query rows of the prefill kernels), ours/rows = its speed-up, rows paged = "
+               "its paged call" if args.group_rows else ""))
     C.write_table_bench(args, env, "bench_decode.py", head,
                         ["case", "h/hk", "B", "cache", "ours ms", "KV GB/s", "% copy", "op ms",
-                         "op % copy", "paged ms", "paged/ours", "eff ms", "eff/ours"],
+                         "op % copy", "paged ms", "paged/ours", "eff ms", "eff/ours"]
+                        + (["rows ms", "rows % copy", "ours/rows", "rows paged ms"]
+                           if args.group_rows else []),
                         rows, records)
     plot(records, os.path.join(args.out_dir, args.tag + ".png"),
          f"decode KV bandwidth, {(env.get('gpu') or {}).get('name')}, plan "

@@ -185,6 +185,33 @@ bool fwd_splits_enabled() {
   return env_choice("FLASH_SM75_FWD_SPLITS", {"auto", "never"}) == 0;
 }
 
+bool decode_gqa_on_prefill() {
+  return env_choice("FLASH_SM75_DECODE_GQA", {"decode", "prefill"}) == 1;
+}
+
+bool group_rows_planned(const at::Tensor& q, const at::Tensor& k, bool is_causal,
+                        bool causal_bottom_right, int64_t window_size_left,
+                        int64_t window_size_right, bool has_alibi, bool has_bias) {
+  if (q.dim() != 4 || k.dim() != 4 || q.numel() == 0 || k.numel() == 0) return false;
+  return group_rows_eligible(q.size(1), q.size(2), k.size(2), is_causal, causal_bottom_right,
+                             window_size_left, window_size_right, has_alibi, has_bias,
+                             /*has_dropout=*/false) &&
+         env_decode_enabled() && decode_gqa_on_prefill();
+}
+
+GroupRows group_rows_views(const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
+                           int64_t h_k) {
+  const int64_t b = q.size(0), h = q.size(2), d = q.size(3), rows = h / h_k;
+  // Query row j of kv head hk is q-head hk * rows + j: rows step by one head, heads by `rows`.
+  // The query dimension has size 1, so its stride plays no part.
+  auto as_rows = [&](const at::Tensor& t) {
+    return t.as_strided({b, rows, h_k, d}, {t.stride(0), t.stride(2), rows * t.stride(2),
+                                            t.stride(3)},
+                        t.storage_offset());
+  };
+  return {as_rows(q), as_rows(out), lse.view({b, h_k, rows})};
+}
+
 void check_window_size(int64_t window_size_left, int64_t window_size_right) {
   TORCH_CHECK_VALUE(window_size_left >= -1,
                     "flash_attention_sm75: window_size_left must be -1 (no limit) or >= 0, got ",
@@ -501,6 +528,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
   const int64_t b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
   at::Tensor out = at::empty({b, seqlen_q, h, d}, q.options());
   at::Tensor lse = at::empty({b, h, seqlen_q}, q.options().dtype(at::kFloat));
+  if (dropout_p == 0.0 &&
+      group_rows_planned(q, k, is_causal, causal_bottom_right, window_size_left,
+                         window_size_right, alibi_slopes.has_value(), bias.defined())) {
+    run_group_rows(q, k, v, out, lse, scale, leftpad_k, seqused_k, softcap);
+    return {out, lse};
+  }
 
   Flash_fwd_params params;
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
@@ -602,6 +635,35 @@ void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_
     TORCH_CHECK_VALUE(false, e.what());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void run_group_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& lse, double scale,
+                    const std::optional<at::Tensor>& leftpad_k,
+                    const std::optional<at::Tensor>& seqused_k, double softcap,
+                    const std::function<void(Flash_fwd_params&)>& adjust) {
+  const GroupRows g = group_rows_views(q, out, lse, k.size(2));
+  Flash_fwd_params params;
+  set_params_fprop(params, g.q, k, v, g.out, g.lse, scale, /*is_causal=*/false,
+                   /*causal_bottom_right=*/true, leftpad_k, seqused_k, -1, -1, softcap,
+                   std::nullopt);
+  if (adjust) adjust(params);
+  set_plan_device(params, q.get_device());
+  params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
+  // The group's grid is b * h_k CTAs: a long cache needs key splits to fill the GPU. Splits run
+  // on the extended kernels; per-sequence diagonals select them and change nothing here (no
+  // band: the rows see every key of their range).
+  std::pair<at::Tensor, at::Tensor> ws;
+  if (fwd_splits_enabled()) {
+    const auto [ctas, slots] =
+        fwd_split_grid(params.d, params.b, params.h, params.seqlen_q, params.num_sms);
+    const int splits = plan_fwd_splits(ctas, slots, params.seqlen_k);
+    if (splits > 1) {
+      set_per_seq_diagonals(params, params.seqlen_q, params.seqlen_k, false, -1, -1);
+      ws = set_split_workspace(params, g.q, splits, 0);
+    }
+  }
+  run_fwd_planned(params, g.q, /*decode_allowed=*/false);
 }
 
 namespace {
@@ -707,6 +769,22 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu_impl(
     }
   }
   if (zero_size(q, k)) return zero_size_fwd(q);
+  // FLASH_SM75_DECODE_GQA=prefill: the reference computes the CUDA op's plan, the group's
+  // q-heads as query rows through the same views (group_rows_views), so that their mapping is
+  // tested where no GPU is.
+  if (dropout_p == 0.0 &&
+      group_rows_planned(q, k, is_causal, causal_bottom_right, window_size_left,
+                         window_size_right, alibi_slopes.has_value(), bias.defined())) {
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor lse = at::empty({q.size(0), q.size(2), 1}, q.options().dtype(at::kFloat));
+    const GroupRows g = group_rows_views(q, out, lse, k.size(2));
+    auto [o, l] = mha_fwd_cpu_impl(g.q, k, v, scale, /*is_causal=*/false,
+                                   /*causal_bottom_right=*/true, leftpad_k, seqused_k, -1, -1,
+                                   softcap, std::nullopt, std::nullopt, 0.0, nullptr);
+    g.out.copy_(o);
+    g.lse.copy_(l);
+    return {out, lse};
+  }
   // The ATen ops below must compute in float64 even under torch.autocast (which would run the
   // matmuls in bfloat16 and return a bfloat16 lse).
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <initializer_list>
 #include <optional>
 #include <tuple>
@@ -309,6 +310,53 @@ void run_fwd_planned(Flash_fwd_params& params, const at::Tensor& q, bool decode_
 bool decode_enabled();
 // FLASH_SM75_FWD_SPLITS is not 'never' (the KV-cache op's prefill-kernel key splits).
 bool fwd_splits_enabled();
+
+// A one-query call whose group of q-heads per kv head (GQA / MQA) can run as the query rows of
+// a prefill tile (FLASH_SM75_DECODE_GQA=prefill, group_rows_views below): q (b, 1, h, d)
+// read as (b, h / h_k, h_k, d), so that each CTA computes S = Q K^T and P V for the whole group
+// on tensor cores, where the decode kernel spends h / h_k dot products per key on CUDA cores.
+// The rows must then see the same keys and the same scores as the heads they stand for, so
+// nothing may depend on the head or on the query's position: no window (either side), no ALiBi,
+// no attention bias, no dropout; causal only bottom-right (one query row at the last position
+// sees every key; top-left it sees key 0 only, which rows 1.. of a group would not).
+inline bool group_rows_eligible(int64_t seqlen_q, int64_t h, int64_t h_k, bool is_causal,
+                                bool causal_bottom_right, int64_t window_size_left,
+                                int64_t window_size_right, bool has_alibi, bool has_bias,
+                                bool has_dropout) {
+  return seqlen_q == 1 && h_k > 0 && h > h_k && h % h_k == 0 &&
+         (!is_causal || causal_bottom_right) && window_size_left < 0 && window_size_right < 0 &&
+         !has_alibi && !has_bias && !has_dropout;
+}
+
+// FLASH_SM75_DECODE_GQA: how a one-query call of a GQA group (group_rows_eligible above) runs
+// where the decode kernel would take it: 'decode' (or unset) on the
+// split-KV decode kernel, 'prefill' as the group's query rows on the prefill kernels (with their
+// key splits). ValueError for another value.
+bool decode_gqa_on_prefill();
+// Whether this call runs as group rows: FLASH_SM75_DECODE_GQA=prefill, FLASH_SM75_DECODE not
+// 'never', the call eligible (no dropout: the caller checks), q and k non-empty.
+bool group_rows_planned(const at::Tensor& q, const at::Tensor& k, bool is_causal,
+                        bool causal_bottom_right, int64_t window_size_left,
+                        int64_t window_size_right, bool has_alibi, bool has_bias);
+// Views of the same memory for a group-rows call: q and out (b, 1, h, d; last dim contiguous)
+// as (b, h / h_k, h_k, d), where row j of kv head hk is q-head hk * (h / h_k) + j (the GQA
+// mapping h -> h / (h / h_k)), and lse (b, h, 1), contiguous, as (b, h_k, h / h_k). A kernel
+// that runs q with h_k heads against k / v writes out and lse in place through them.
+struct GroupRows {
+  at::Tensor q, out, lse;
+};
+GroupRows group_rows_views(const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
+                           int64_t h_k);
+
+// Runs a group-rows call (group_rows_planned) on the prefill kernels, out and lse written in
+// place through group_rows_views: non-causal (its one query row sees every key of its range),
+// key splits as plan_fwd_splits plans them for the group's grid. `adjust` fills what
+// set_params_fprop cannot see (the KV-cache op: the cache's rows, the page table).
+void run_group_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& lse, double scale,
+                    const std::optional<at::Tensor>& leftpad_k,
+                    const std::optional<at::Tensor>& seqused_k, double softcap,
+                    const std::function<void(Flash_fwd_params&)>& adjust = {});
 
 // The band's diagonals and ALiBi's offset relative to each batch entry's bottom-right corner
 // (params.per_seq_offset: flash-attn's varlen and KV-cache semantics), for entries of at most

@@ -238,17 +238,30 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
   const at::Tensor vview = ks.paged ? v_cache : v_cache.narrow(0, 0, b);
   // flash-attn: causal has no effect on a single query row.
   const bool causal = is_causal && sq > 1;
+  auto cache_params = [&](Flash_fwd_params& params) {
+    params.seqlen_k = static_cast<int>(ks.seqlen_cache);  // paged: the table's rows
+    if (ks.paged) {
+      params.block_table = block_table->data_ptr<int>();
+      params.block_table_batch_stride = block_table->stride(0);
+      params.page_block_size = static_cast<int>(k_cache.size(1));
+      params.num_pages = static_cast<int>(k_cache.size(0));
+    }
+  };
+  // A one-query GQA call as the group's query rows (FLASH_SM75_DECODE_GQA=prefill). A right
+  // window side hides nothing from the one query row, which sits at its sequence's last key:
+  // only a left side makes a window here.
+  if (group_rows_planned(q, kview, causal, /*causal_bottom_right=*/true, window_size_left,
+                         /*window_size_right=*/-1, alibi_slopes.has_value(),
+                         /*has_bias=*/false)) {
+    run_group_rows(q, kview, vview, out, lse, ks.scale, cache_leftpad, seqused, softcap,
+                   cache_params);
+    return {out, lse};
+  }
   Flash_fwd_params params;
   set_params_fprop(params, q, kview, vview, out, lse, ks.scale, causal,
                    /*causal_bottom_right=*/true, cache_leftpad, seqused, window_size_left,
                    window_size_right, softcap, alibi_slopes);
-  params.seqlen_k = static_cast<int>(ks.seqlen_cache);  // paged: the table's rows
-  if (ks.paged) {
-    params.block_table = block_table->data_ptr<int>();
-    params.block_table_batch_stride = block_table->stride(0);
-    params.page_block_size = static_cast<int>(k_cache.size(1));
-    params.num_pages = static_cast<int>(k_cache.size(0));
-  }
+  cache_params(params);
   set_plan_device(params, q.get_device());
   params.small_grid_tile = 0;
   // Without a window the split-KV decode kernel runs one query row and short queries against

@@ -617,3 +617,111 @@ def test_gpu_compile_fullgraph(backend):
     out_e, lse_e = f(q, k, v)
     assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
     check_against_ref(q, k, v, "bottom_right", out, lse)
+
+
+# ------------------------------------------------- one-query GQA calls as the group's query rows
+# FLASH_SM75_DECODE_GQA=prefill runs a one-query call of a GQA group as the group's q-heads in
+# the query rows of the prefill kernels (q (b, 1, h, d) read as (b, h / h_k, h_k, d); flash_api.h,
+# group_rows_views). The CPU reference computes the same plan through the same views, so the
+# mapping is checked here without a GPU.
+
+GROUP_ROW_CASES = [  # (b, s_k, h, h_k, d): groups of 2 to 16, odd keys, every head-dim bucket
+    (3, 77, 8, 2, 64), (1, 1500, 14, 2, 64), (2, 300, 32, 4, 128), (2, 129, 16, 1, 40),
+    (1, 200, 28, 4, 256), (4, 33, 12, 3, 96), (2, 65, 6, 3, 8)]
+BAD_GQA_ENV = "tensor_cores"
+
+
+def _strided_q(q):
+    """q's values in a tensor whose heads are 2 d apart (a slice of a wider head dim)."""
+    wide = torch.randn(*q.shape[:-1], 2 * q.shape[-1], dtype=q.dtype, device=q.device)
+    wide[..., :q.shape[-1]] = q
+    return wide[..., :q.shape[-1]]
+
+
+@pytest.mark.parametrize("mode", ["none", "bottom_right"])
+@pytest.mark.parametrize("b,s_k,h,h_k,d", GROUP_ROW_CASES)
+def test_group_rows_cpu_reference(b, s_k, h, h_k, d, mode, monkeypatch):
+    q, k, v = make_qkv(b, 1, s_k, h, h_k, d, "cpu", seed_from("group-rows", b, s_k, h, h_k, d))
+    is_causal, bottom_right = causal_args(mode)
+    leftpad = torch.tensor([min(3 * i, s_k) for i in range(b)], dtype=torch.int32)
+    seqused = torch.tensor([s_k - i for i in range(b)], dtype=torch.int32)
+    for query in (q, _strided_q(q)):
+        for lp, su in ((None, None), (leftpad, seqused)):
+            monkeypatch.setenv("FLASH_SM75_DECODE_GQA", BAD_GQA_ENV)
+            with pytest.raises(ValueError, match="FLASH_SM75_DECODE_GQA must be 'decode' or "
+                                                 "'prefill'"):
+                op(query, k, v, None, is_causal, bottom_right, lp, su)  # the plan reads it
+            monkeypatch.setenv("FLASH_SM75_DECODE_GQA", "prefill")
+            out, lse = op(query, k, v, None, is_causal, bottom_right, lp, su)
+            assert out.shape == (b, 1, h, d) and out.is_contiguous()
+            assert lse.shape == (b, h, 1) and lse.is_contiguous()
+            check_against_ref(query, k, v, mode, out, lse, leftpad_k=lp, seqused_k=su)
+            monkeypatch.setenv("FLASH_SM75_DECODE_GQA", "decode")
+            out_h, lse_h = op(query, k, v, None, is_causal, bottom_right, lp, su)
+            torch.testing.assert_close(out, out_h, rtol=0, atol=2e-3)
+            torch.testing.assert_close(lse, lse_h, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["mha", "two_queries", "top_left", "window_left",
+                                  "window_right", "alibi", "bias", "dropout", "decode_never"])
+def test_group_rows_only_where_rows_stand_for_heads(case, monkeypatch):
+    # The rows see the same keys and scores as their heads only without a window, ALiBi, bias
+    # or dropout, causal bottom-right, one query: every other call keeps the heads (and never
+    # reads the setting, so its unknown value raises nowhere else).
+    b, s_k, h, h_k, d = 2, 40, 8, 2, 64
+    s_q = 2 if case == "two_queries" else 1
+    q, k, v = make_qkv(b, s_q, s_k, h, h if case == "mha" else h_k, d, "cpu",
+                       seed_from("group-rows-not", case))
+    args = dict(is_causal=case == "top_left", bottom_right=case != "top_left",
+                window=(5 if case == "window_left" else -1, 3 if case == "window_right" else -1))
+    alibi = torch.rand(h) if case == "alibi" else None
+    bias = torch.randn(b, h, s_q, s_k).to(torch.float16) if case == "bias" else None
+    monkeypatch.setenv("FLASH_SM75_DECODE_GQA", BAD_GQA_ENV)
+    if case == "decode_never":
+        monkeypatch.setenv("FLASH_SM75_DECODE", "never")
+    call = (lambda: torch.ops.flash_attention_sm75.fwd_dropout(
+        q, k, v, 0.1, None, False, True, None, None, -1, -1, 0.0, None, None)) \
+        if case == "dropout" else \
+        (lambda: op(q, k, v, None, args["is_causal"], args["bottom_right"], None, None,
+                    *args["window"], 0.0, alibi, bias))
+    out = call()[0]
+    assert torch.isfinite(out).all()
+    # The same call on an eligible shape does read it.
+    q1, k1, v1 = make_qkv(b, 1, s_k, h, h_k, d, "cpu", 1)
+    if case != "decode_never":
+        with pytest.raises(ValueError, match="FLASH_SM75_DECODE_GQA"):
+            op(q1, k1, v1, None, False, True, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["none", "bottom_right"])
+@pytest.mark.parametrize("b,s_k,h,h_k,d", GROUP_ROW_CASES + [(1, 16384, 32, 4, 128),
+                                                         (4, 4099, 32, 8, 64),
+                                                         (1, 9000, 16, 2, 256)])
+def test_gpu_group_rows(b, s_k, h, h_k, d, mode, monkeypatch):
+    # The group-rows plan on the prefill kernels (tensor cores), key splits over long keys:
+    # no decode kernel runs, the merge does where the plan splits, poisoned outputs, strided q,
+    # key ranges with an empty one.
+    q, k, v = make_qkv(b, 1, s_k, h, h_k, d, "cuda", seed_from("gpu-group-rows", b, s_k, h, d))
+    is_causal, bottom_right = causal_args(mode)
+    monkeypatch.setenv("FLASH_SM75_DECODE_GQA", "prefill")
+    monkeypatch.setenv("FLASH_SM75_DEVICE_PROFILE", "t4")
+    leftpad = torch.tensor([min(5 * i, s_k) for i in range(b)], dtype=torch.int32, device="cuda")
+    seqused = torch.tensor([s_k - 2 * i if i != 1 else 0 for i in range(b)], dtype=torch.int32,
+                           device="cuda")
+    for query in (q, _strided_q(q)):
+        for lp, su in ((None, None), (leftpad, seqused)):
+            res = {}
+
+            def call():
+                with poisoned_cuda_memory():
+                    res["out"], res["lse"] = op(query, k, v, None, is_causal, bottom_right,
+                                                lp, su)
+
+            names = cuda_kernels_run(call, "flash_fwd")
+            assert not any("decode_kernel" in n for n in names), names
+            assert any("flash_fwd_kernel" in n for n in names), names
+            if s_k >= 4096 and lp is None:
+                assert any("merge" in n for n in names), names  # key splits
+            check_against_ref(query, k, v, mode, res["out"], res["lse"], leftpad_k=lp,
+                              seqused_k=su)

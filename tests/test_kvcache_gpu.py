@@ -16,7 +16,7 @@ import torch
 
 from flash_attention_sm75 import _ops, fa2
 from reference import (assert_close_fa, assert_lse_close, attention_ref, cuda_kernels_run,
-                       seed_from)
+                       poisoned_cuda_memory, seed_from)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -166,6 +166,42 @@ def test_kvcache_long_cache_on_the_split_kv_decode_kernel(d, paged):
     got_k = ck[table.long()].flatten(1, 2) if paged else ck
     got_v = cv[table.long()].flatten(1, 2) if paged else cv
     _check(out, lse, q, got_k, got_v, torch.zeros(B), seqlens + 1, False)
+
+
+@pytest.mark.parametrize("d", [40, 64, 128, 256])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("S,h,hk,softcap", [(16384, 16, 4, 0.0), (1024, 14, 2, 30.0),
+                                            (4096, 32, 4, 0.0)])
+def test_kvcache_decode_as_group_rows(S, h, hk, softcap, d, paged, monkeypatch):
+    # FLASH_SM75_DECODE_GQA=prefill: one query per sequence against the cache (the new key
+    # appended first), the group's q-heads as query rows of the prefill kernels, key splits on
+    # the long cache; NaN past every length, paged equal to plain, causal (no effect on one
+    # row), the decode kernel never runs.
+    monkeypatch.setenv("FLASH_SM75_DECODE_GQA", "prefill")
+    monkeypatch.setenv("FLASH_SM75_DEVICE_PROFILE", "t4")
+    B = 4
+    q, kc, vc, k, v, seqlens = _case(B, S, h, hk, d, 1, 1, seed_from("kv-rows", S, h, d, paged))
+    ck, cv, table = kc, vc, None
+    if paged:
+        page = 256
+        ck, table = _paged(kc, page)
+        cv = torch.full_like(ck, NAN)
+        cv[table.long().flatten()] = vc.reshape(-1, page, hk, d)
+    res = {}
+
+    def run():
+        with poisoned_cuda_memory():
+            res["out"], res["lse"] = fa2.flash_attn_with_kvcache(
+                q, ck, cv, k, v, cache_seqlens=seqlens, block_table=table, causal=True,
+                softcap=softcap, return_softmax_lse=True)
+
+    names = cuda_kernels_run(run, "flash_fwd")
+    assert not any("decode_kernel" in n for n in names), names
+    assert any("flash_fwd_kernel" in n for n in names), names
+    got_k = ck[table.long()].flatten(1, 2) if paged else ck
+    got_v = cv[table.long()].flatten(1, 2) if paged else cv
+    _check(res["out"], res["lse"], q, got_k, got_v, torch.zeros(B), seqlens + 1, True,
+           softcap=softcap)
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])

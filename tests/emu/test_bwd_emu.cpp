@@ -1363,6 +1363,117 @@ int check_fwd_splits_all() {
   return fails;
 }
 
+// A one-query GQA call as the group's query rows (FLASH_SM75_DECODE_GQA=prefill;
+// run_group_rows, flash_api.cpp): q and out (b, 1, h, d) read as (b, h / hk, hk, d) (row j of
+// kv head hk is q-head hk * r + j: row stride = the head stride, head stride = r of them), lse
+// (b, h, 1) as (b, hk, r); non-causal, MHA over hk heads, key splits by per-sequence offsets as
+// the host sets them. Checked per q-head against the float64 reference of the GQA call.
+template <int kD>
+int check_group_rows(int b, int h, int hk, int d, int sk, int splits, uint32_t seed,
+                     float softcap = 0.f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int r = h / hk;
+  std::vector<__half> q(size_t(b) * h * d), k(size_t(b) * sk * hk * d),
+      v(size_t(b) * sk * hk * d), o(size_t(b) * h * d, __float2half(NAN));
+  for (auto& x : q) x = __float2half(nd(rng));
+  for (auto& x : k) x = __float2half(nd(rng));
+  for (auto& x : v) x = __float2half(nd(rng));
+  std::vector<int> used(b), pad(b);
+  for (int i = 0; i < b; ++i) {
+    used[i] = i == 0 ? 0 : int(rng() % (sk + 1));
+    pad[i] = used[i] > 0 ? int(rng() % (used[i] / 2 + 1)) : 0;
+  }
+  if (b > 1) used[b - 1] = sk, pad[b - 1] = 0;
+  std::vector<float> lse(size_t(b) * h, NAN);
+  Flash_fwd_params p{};
+  p.q_ptr = q.data(), p.k_ptr = k.data(), p.v_ptr = v.data(), p.o_ptr = o.data();
+  p.softmax_lse_ptr = lse.data();
+  p.seqused_k = used.data();
+  p.leftpad_k = pad.data();
+  p.q_batch_stride = int64_t(h) * d, p.q_row_stride = d, p.q_head_stride = int64_t(r) * d;
+  p.o_batch_stride = p.q_batch_stride, p.o_row_stride = d, p.o_head_stride = p.q_head_stride;
+  p.k_batch_stride = p.v_batch_stride = int64_t(sk) * hk * d;
+  p.k_row_stride = p.v_row_stride = int64_t(hk) * d;
+  p.k_head_stride = p.v_head_stride = d;
+  p.b = b, p.seqlen_q = r, p.seqlen_k = sk, p.h = hk, p.h_k = hk, p.h_h_k_ratio = 1, p.d = d;
+  const double scale = 1.0 / std::sqrt(double(d));
+  p.scale_softmax = float(scale);
+  p.scale_softmax_log2 = float(scale * M_LOG2E);
+  if (softcap > 0.f) {
+    p.softcap_in = float(scale / softcap);
+    p.softcap_out = float(softcap / scale);
+  }
+  p.is_causal = false;
+  p.causal_offset = sk;  // unused without causal
+  p.window_lower = kNoWindowLower;
+  p.small_grid_tile = -1;
+  std::vector<float> oacc, lacc;
+  if (splits > 1) {
+    // set_per_seq_diagonals(params, r, sk, false, -1, -1)
+    p.per_seq_offset = true;
+    p.causal_offset = r + sk + 1;
+    p.alibi_offset = 0;
+    p.num_splits = splits;
+    const int64_t rows = int64_t(b) * hk * r;
+    oacc.assign(size_t(splits) * rows * d, NAN);
+    lacc.assign(2 * size_t(splits) * rows, NAN);
+    p.oaccum_ptr = oacc.data(), p.softmax_lseaccum_ptr = lacc.data();
+  } else {
+    p.num_splits = 1;
+  }
+  dispatch_fwd_all(p);
+  Errors eo, el;
+  bool empty_ok = true;
+  for (int bi = 0; bi < b; ++bi)
+    for (int hh = 0; hh < h; ++hh) {
+      const int kvh = hh / r;
+      std::vector<double> s;
+      double mx = -INFINITY;
+      for (int j = pad[bi]; j < used[bi]; ++j) {
+        double acc = 0;
+        for (int c = 0; c < d; ++c)
+          acc += double(__half2float(q[(size_t(bi) * h + hh) * d + c])) *
+                 double(__half2float(k[((size_t(bi) * sk + j) * hk + kvh) * d + c]));
+        double x = acc * scale;
+        if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
+        s.push_back(x);
+        mx = std::max(mx, x);
+      }
+      double sum = 0;
+      for (double x : s) sum += std::exp(x - mx);
+      const float got_lse = lse[size_t(bi) * h + hh];
+      for (int c = 0; c < d; ++c) {
+        double ref = 0;
+        for (size_t jj = 0; jj < s.size(); ++jj)
+          ref += std::exp(s[jj] - mx) / sum *
+                 double(__half2float(v[((size_t(bi) * sk + pad[bi] + jj) * hk + kvh) * d + c]));
+        eo.add(__half2float(o[(size_t(bi) * h + hh) * d + c]), s.empty() ? 0.0 : ref);
+      }
+      if (s.empty()) empty_ok = empty_ok && std::isinf(got_lse) && got_lse < 0;
+      else el.add(got_lse, mx + std::log(sum));
+    }
+  const bool ok = eo.ok(2e-3, 2e-3) && el.ok(1e-5, 1e-4) && empty_ok;
+  std::printf("%s group rows d=%d (kD %d) b=%d h=%d hk=%d sk=%d splits=%d softcap=%g: out err "
+              "%.2e, lse err %.2e\n", ok ? "OK " : "BAD", d, kD, b, h, hk, sk, splits,
+              double(softcap), eo.err, el.err);
+  return ok ? 0 : 1;
+}
+
+int check_group_rows_all() {
+  int fails = 0;
+  uint32_t seed = 500;
+  fails += check_group_rows<64>(3, 8, 2, 64, 300, 1, seed++);
+  fails += check_group_rows<64>(3, 14, 2, 64, 700, 3, seed++);
+  fails += check_group_rows<64>(2, 6, 3, 40, 129, 2, seed++, 20.f);
+  fails += check_group_rows<128>(2, 16, 2, 128, 400, 2, seed++);
+  fails += check_group_rows<128>(3, 12, 4, 96, 200, 1, seed++);
+  fails += check_group_rows<128>(2, 32, 2, 120, 300, 3, seed++, 30.f);  // 16 rows
+  fails += check_group_rows<256>(2, 8, 2, 256, 200, 2, seed++);
+  fails += check_group_rows<256>(2, 16, 1, 200, 150, 1, seed++);
+  return fails;
+}
+
 int check_decode_split_merges() {
   int fails = 0;
   for (float a : {1.f, 64.f, 1024.f, 4096.f}) {
@@ -1797,6 +1908,7 @@ int main(int argc, char** argv) {
     fails += check_decode_split_merges();
     fails += check_decode_rows_all();
     fails += check_fwd_splits_all();
+    fails += check_group_rows_all();
   }
 
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
