@@ -605,6 +605,7 @@ SERIES_STYLE = {
     "flash": dict(color="tab:green", marker="^"),
     "cudnn": dict(color="tab:purple", marker="v"),
     "math": dict(color="tab:gray", marker="x"),
+    "mem_eff_sm75": dict(color="tab:cyan", marker="s", linestyle="--"),
 }
 
 
@@ -728,14 +729,19 @@ def add_sweep_args(p, backends, n_default_help, tag):
     p.add_argument("--batch", type=positive_int, default=None, help="batch size (default 4)")
     p.add_argument("--heads", type=positive_int, default=None,
                    help="heads (default: 16; 32 at d = 80 and 96, 8 at d = 256, as the models)")
+    import _memeff_sm75
     import _peer
 
-    # The peer only when asked: a sticky CUDA error in its kernels would end the whole sweep.
+    # The peer and the baseline only when asked: a sticky CUDA error in their kernels would end
+    # the whole sweep.
     p.add_argument("--backends", default=",".join(backends),
-                   help=f"comma list from {list(backends) + [_peer.NAME]} (default: "
+                   help=f"comma list from {list(backends) + list(optional_backends())} (default: "
                         f"{','.join(backends)}; {_peer.NAME}: the SM75 peer "
                         f"ssiu/flash-attention-turing from the build scripts/build_peer.py "
-                        f"makes, benchmarks/_peer.py)")
+                        f"makes, benchmarks/_peer.py; {_memeff_sm75.NAME}: torch's mem-efficient "
+                        f"kernels as a T4 runs them (Sm75 instantiations, compute_75 PTX) from "
+                        f"the build scripts/build_memeff_sm75.py makes, benchmarks/_memeff_sm75.py, "
+                        f"checked against SDPA before it is timed)")
     p.add_argument("--out-dir", default="bench_out")
     p.add_argument("--tag", default=tag, help="output file name stem")
     p.add_argument("--warmup-ms", type=float, default=None)
@@ -773,9 +779,7 @@ def finish_sweep_args(p, a, backends, n_full, timing_full, timing_quick=(10, 40)
     a.rep_ms = a.rep_ms if a.rep_ms is not None else rep
     a.causal_list = {"off": [False], "on": [True], "both": [False, True]}[a.causal]
     a.backend_list = [b.strip() for b in a.backends.split(",") if b.strip()]
-    import _peer
-
-    allowed = list(backends) + [_peer.NAME]
+    allowed = list(backends) + list(optional_backends())
     bad = [b for b in a.backend_list if b not in allowed]
     if bad:
         p.error(f"unknown backends {bad}; choose from {allowed}")
@@ -785,6 +789,20 @@ def finish_sweep_args(p, a, backends, n_full, timing_full, timing_quick=(10, 40)
             p.error(f"our kernel supports d a multiple of 8 from 8 to {_rules.MAX_HEAD_DIM}, got {dd}")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False (use --dry-run)")
+
+
+def optional_backends():
+    """The backends a sweep runs only when --backends names them: name -> loader module
+    (benchmarks/_peer.py, benchmarks/_memeff_sm75.py)."""
+    import _memeff_sm75
+    import _peer
+
+    return {_peer.NAME: _peer, _memeff_sm75.NAME: _memeff_sm75}
+
+
+# Backends checked against torch SDPA on each case's inputs before they are timed; one that
+# disagrees or raises is dropped from the rest of the run (SweepRunner.gate).
+GATED_BACKENDS = ("mem_eff_sm75",)
 
 
 DRY_RUN_SIZES = {"d": [64, 128], "n": [64, 128, 256], "batch": 1, "heads": 2}
@@ -844,6 +862,7 @@ class SweepRunner:
         self.ours = Ours()
         self.sdpa = sdpa_backends()
         self.stand_in: Dict[str, Any] = {}  # backend name -> SDPBackend run in its place
+        self.dropped: Dict[str, str] = {}  # gated backend -> why it left the run
         self.context_broken = False
         self.use_triton = (not args.no_triton) and args.device == "cuda" and triton_usable()
 
@@ -876,6 +895,51 @@ class SweepRunner:
             return None, None, "the peer runs on CUDA only"
         fn = peer.autograd_bhsd() if autograd else peer.bhsd
         return fn, contextlib.nullcontext, f"commit {peer.info.get('commit')}"
+
+    def baseline_impl(self, autograd=False):
+        """impl() of torch's mem-efficient kernels as a T4 runs them (benchmarks/_memeff_sm75.py):
+        its forward, or (``autograd``) its forward and backward behind torch.autograd."""
+        import _memeff_sm75
+
+        base = _memeff_sm75.load()
+        if not base.available:
+            return None, None, base.error
+        if self.a.device != "cuda":
+            return None, None, "the baseline runs on CUDA only"
+        fn = base.autograd_bhsd() if autograd else base.bhsd
+        return fn, contextlib.nullcontext, f"cutlass {base.info.get('cutlass_commit')}"
+
+    def gate(self, name, impl_args, q, k, v, causal, do=None):
+        """None when backend `name` may be timed on these inputs, else its record's status.
+
+        A backend of GATED_BACKENDS is first compared with torch SDPA on the same inputs
+        (_memeff_sm75.check_against_sdpa: the output, and with `do` the input gradients); if it
+        disagrees or raises it is dropped, with the reason logged, for the rest of the run, so a
+        broken baseline never produces numbers. A backend that is unavailable is left to
+        prepare(), which records why."""
+        if name not in GATED_BACKENDS:
+            return None
+        if name in self.dropped:
+            return f"dropped: {self.dropped[name]}"
+        if self.context_broken:
+            return None  # prepare() records the skip
+        fn, ctx_factory, _ = self.impl(*impl_args)
+        if fn is None:
+            return None
+        import _memeff_sm75
+
+        with ctx_factory():
+            problem = _memeff_sm75.check_against_sdpa(fn, q, k, v, causal, do)
+        self.sync()
+        if problem is None:
+            return None
+        reason = f"disagrees with torch SDPA on the first check ({problem})"
+        if self.a.device == "cuda" and not cuda_context_ok():
+            self.context_broken = True
+            reason += "; CUDA context broken"
+        self.dropped[name] = reason
+        self.log(f"  !! {name} dropped from the run: {reason}")
+        return f"dropped: {reason}"
 
     def sync(self):
         if self.a.device == "cuda":
@@ -952,6 +1016,11 @@ def log_header(log, args, env, runner, ours_note="", notes=()):
                              f"{peer.get('repo')} commit {peer.get('commit')} (cutlass "
                              f"{peer.get('cutlass_commit')}, built with torch {peer.get('torch')}, "
                              f"{peer.get('arch_list')})"))
+    base = baseline_info(args)
+    if base is not None:
+        import _memeff_sm75
+
+        log(f"baseline {_memeff_sm75.NAME}: " + _memeff_sm75.load().describe())
     for line in notes:
         log(line)
     if args.device == "cuda":
@@ -1016,6 +1085,7 @@ def sweep_result(benchmark, args, env, runner):
         "ours_entry": runner.ours.entry,
         "ours_error": runner.ours.error,
         "peer": peer_info(args),
+        "mem_eff_sm75": baseline_info(args, runner),
         "timing_method": runner.timing_method,
     }
 
@@ -1029,6 +1099,21 @@ def peer_info(args):
         return None
     peer = _peer.load()
     return dict(peer.info, error=peer.error)
+
+
+def baseline_info(args, runner=None):
+    """What the mem_eff_sm75 baseline ran (its build's BASELINE_INFO.json: torch, cutlass
+    commit, kernels per head dim) and, with the runner, whether the check against SDPA dropped
+    it; None when the run did not ask for it."""
+    import _memeff_sm75
+
+    if _memeff_sm75.NAME not in getattr(args, "backend_list", ()):
+        return None
+    base = _memeff_sm75.load()
+    info = dict(base.info, error=base.error)
+    if runner is not None:
+        info["dropped"] = runner.dropped.get(_memeff_sm75.NAME)
+    return info
 
 
 def report_path(args) -> str:

@@ -158,6 +158,8 @@ class Runner(C.SweepRunner):
             return self.ours.bhsd, (lambda m=dq_mode: dq_env(m)), None
         if name == "ssiu":
             return self.peer_impl(autograd=True)
+        if name == "mem_eff_sm75":
+            return self.baseline_impl(autograd=True)
         return self.sdpa_impl(name)
 
     def peak_memory(self, fn):
@@ -258,6 +260,12 @@ class Runner(C.SweepRunner):
         for name in self.a.backend_list:
             if name == "ours":
                 continue
+            dropped = self.gate(name, (name,), q, k, v, causal, do)
+            if dropped:
+                case["backends"][name] = {"backend": name, "status": dropped, "bwd_ms": None,
+                                          "fwdbwd_ms": None, "bwd_tflops": None,
+                                          "fwdbwd_tflops": None}
+                continue
             rec, grads = self.measure(name, q, k, v, do, causal, flop, ref=ref)
             del grads
             case["backends"][name] = rec
@@ -317,13 +325,14 @@ def max_diff(c):
 def tables(cases, args):
     variants = [n for n, _ in args.ours_variants]
     has_eff = "efficient" in args.series
-    has_peer = "ssiu" in args.series
+    # The optional backends' ratio columns: t_backend / t_ours_variant, like eff/ours.
+    extra = [b for b in ("ssiu", "mem_eff_sm75") if b in args.series]
     out = {}
     for key, label in (("bwd", "bwd"), ("fwdbwd", "fwd+bwd")):
         headers = ["kernel", "N"] + [f"{v} ms" for v in variants] + \
                   (["efficient ms"] if has_eff else []) + [f"{s} TF" for s in args.series] + \
                   ([f"eff/{v}" for v in variants] if has_eff else []) + \
-                  ([f"ssiu/{v}" for v in variants] if has_peer else [])
+                  [f"{b}/{v}" for b in extra for v in variants]
         if key == "bwd":
             headers += ["bar", "maxdiff"]
         else:  # the host's share: a step whose host time reaches its time is host-bound
@@ -339,8 +348,7 @@ def tables(cases, args):
             row += [C.fmt_tf(bk.get(s, {}).get(f"{key}_tflops")) for s in args.series]
             if has_eff:
                 row += [C.fmt_ratio(c["ratios_vs_efficient"][v][key]) for v in variants]
-            if has_peer:  # t_ssiu / t_ours
-                row += [C.fmt_ratio(C.ratio(c, "ssiu", v, f"{key}_ms")) for v in variants]
+            row += [C.fmt_ratio(C.ratio(c, b, v, f"{key}_ms")) for b in extra for v in variants]
             if key == "bwd":
                 row += [bar_cell(c), C.fmt(max_diff(c), ".1e")]
             else:

@@ -98,6 +98,8 @@ class Runner(C.SweepRunner):
             return self.ours.op_bhsd, contextlib.nullcontext, None
         if name == "ssiu":
             return self.peer_impl()
+        if name == "mem_eff_sm75":
+            return self.baseline_impl()
         return self.sdpa_impl(name)
 
     def measure(self, name, q, k, v, causal, flop, ref=None, loop_calls=0):
@@ -146,6 +148,11 @@ class Runner(C.SweepRunner):
                 case["backends"][name] = {"backend": name, "ms": None, "tflops": None,
                                           "status": f"skipped: N > --math-max-n "
                                                     f"{self.a.math_max_n}"}
+                continue
+            dropped = self.gate(name, (name,), q, k, v, case["causal"])
+            if dropped:
+                case["backends"][name] = {"backend": name, "ms": None, "tflops": None,
+                                          "status": dropped}
                 continue
             rec, out = self.measure(name, q, k, v, case["causal"], case["flop"],
                                     ref=None if name == "ours" else ref)
@@ -197,9 +204,10 @@ def run_decode(args, runner, log):
 
 
 def forward_tables(cases, backends, ceiling):
-    peer = "ssiu" in backends
+    # The optional backends' ratio columns (t_backend / t_ours, like ours/eff).
+    extra = [b for b in ("ssiu", "mem_eff_sm75") if b in backends]
     perf_headers = ["kernel", "N", "ours ms"] + [f"{b} TF" for b in backends] + \
-                   ["ours/eff"] + (["ours/ssiu"] if peer else []) + ["%ceil", "maxdiff"]
+                   ["ours/eff"] + [f"ours/{b}" for b in extra] + ["%ceil", "maxdiff"]
     perf_rows, mem_rows = [], []
     mem_backends = [b for b in backends]
     mem_headers = ["kernel", "N"] + [f"{b} MiB" for b in mem_backends] + ["eff/ours mem"]
@@ -210,15 +218,15 @@ def forward_tables(cases, backends, ceiling):
         pct = None if (ceiling is None or ours.get("tflops") is None) else \
             100.0 * ours["tflops"] / ceiling
         c["ratio_ours_vs_efficient"] = r
-        rp = C.ratio(c, "ssiu", "ours") if peer else None  # t_ssiu / t_ours
-        if peer:
-            c["ratio_ours_vs_ssiu"] = rp
+        rx = [C.ratio(c, b, "ours") for b in extra]  # t_backend / t_ours
+        for b, rb in zip(extra, rx):
+            c[f"ratio_ours_vs_{b}"] = rb
         c["pct_of_sm75_ceiling"] = pct
         diffs = [v.get("max_abs_diff_vs_ours") for n, v in bk.items()
                  if v.get("max_abs_diff_vs_ours") is not None]
         perf_rows.append([c["kernel"], c["n"], C.fmt(ours.get("ms"), ".3f")] +
                          [C.fmt_tf(bk.get(b, {}).get("tflops")) for b in backends] +
-                         [C.fmt_ratio(r)] + ([C.fmt_ratio(rp)] if peer else []) +
+                         [C.fmt_ratio(r)] + [C.fmt_ratio(rb) for rb in rx] +
                          [C.fmt(pct, ".1f"),
                           C.fmt(max(diffs) if diffs else None, ".1e")])
         om = bk.get("ours", {}).get("peak_extra_bytes")
