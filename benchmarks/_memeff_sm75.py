@@ -83,12 +83,19 @@ class MemEffSm75:
         except ValueError as e:
             self.error = f"{info} is not valid JSON: {e}"
             return
-        lib = d / self.info.get("library", LIBRARY)
+        lib = (d / self.info.get("library", LIBRARY)).resolve()
+        global _LOADED_FROM
+        if _LOADED_FROM is not None and _LOADED_FROM != lib:
+            # torch registers a namespace once per process: a second build cannot load
+            self.error = f"{_LOADED_FROM} is loaded in this process already, not {lib}"
+            return
         try:
-            # A second load of the namespace (another build dir in one process) would fail in
-            # torch: the first one stays.
-            if not _ops_registered():
+            if _LOADED_FROM is None:
+                if _ops_registered():
+                    raise RuntimeError(f"torch.ops.{OPS_NAMESPACE} is registered by another "
+                                       f"library already")
                 torch.ops.load_library(str(lib))
+                _LOADED_FROM = lib
             self.ops = getattr(torch.ops, OPS_NAMESPACE)
         except Exception as e:  # a build for another torch, a missing library
             self.error = f"loading {lib} failed: {type(e).__name__}: {str(e).strip()[:300]}"
@@ -190,6 +197,7 @@ def check_against_sdpa(fn: Callable, q, k, v, causal: bool, dout=None) -> Option
 
 
 _LOADED: Optional[MemEffSm75] = None
+_LOADED_FROM: Optional[Path] = None  # the library this process loaded (once per process)
 
 
 def load() -> MemEffSm75:

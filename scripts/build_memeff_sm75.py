@@ -145,6 +145,8 @@ def main(argv=None) -> int:
     import torch.utils.cpp_extension as cpp
 
     t0 = time.time()
+    if a.cutlass_dir is not None and not (a.cutlass_dir / "include/cutlass/version.h").is_file():
+        ap.error(f"--cutlass-dir {a.cutlass_dir} has no include/cutlass/version.h")
     nvcc = a.nvcc or Path(cpp.CUDA_HOME or "/usr/local/cuda") / "bin" / "nvcc"
     if not nvcc.is_file():
         ap.error(f"no nvcc at {nvcc} (set CUDA_HOME or --nvcc)")
@@ -158,8 +160,6 @@ def main(argv=None) -> int:
     else:
         cutlass = extract_cutlass(a.cutlass_git_dir, a.cutlass_commit, work)
         cutlass_source = f"git archive {a.cutlass_commit} of {a.cutlass_git_dir}"
-    if not (cutlass / "include" / "cutlass" / "version.h").is_file():
-        ap.error(f"{cutlass} has no include/cutlass/version.h")
 
     cxx = os.environ.get("CXX") or ("/usr/bin/g++" if Path("/usr/bin/g++").exists() else "g++")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
