@@ -281,6 +281,27 @@ at::Tensor check_attn_bias(const at::Tensor& bias, const at::Tensor& q, int64_t 
   return view;
 }
 
+namespace {
+float bias_raw_max(double softmax_scale) {
+  return static_cast<float>(FLT_MAX / (2.0 * std::max(1.0, softmax_scale * M_LOG2E)));
+}
+}  // namespace
+
+at::Tensor kernel_bias(const at::Tensor& view, double softmax_scale) {
+  if (view.scalar_type() != at::kHalf) return view;
+  // The kernel's own float arithmetic: |b| <= 65504 gives |b * bias_scale| <= this product.
+  const float largest = 65504.0f * static_cast<float>(1.0 / softmax_scale);
+  if (largest <= bias_raw_max(softmax_scale)) return view;
+  // Only the elements the view holds are converted: every broadcast (stride 0) dimension is
+  // cut to one element first and broadcast again after, so a (1, 1, 1, seqlen_k) padding mask
+  // expanded by the caller stays seqlen_k floats (and inside the slice's 2^31 extent).
+  at::Tensor held = view;
+  for (int64_t i = 0; i < view.dim(); ++i) {
+    if (view.stride(i) == 0) held = held.narrow(i, 0, 1);
+  }
+  return held.to(at::kFloat).expand(view.sizes());
+}
+
 void set_params_bias(Flash_fwd_params& params, const at::Tensor& view, double softmax_scale) {
   params.bias_ptr = view.data_ptr();
   switch (view.scalar_type()) {
@@ -290,8 +311,7 @@ void set_params_bias(Flash_fwd_params& params, const at::Tensor& view, double so
     default: params.bias_kind = 4; break;  // float32 (check_attn_bias)
   }
   params.bias_scale = static_cast<float>(1.0 / softmax_scale);
-  params.bias_raw_max =
-      static_cast<float>(FLT_MAX / (2.0 * std::max(1.0, softmax_scale * M_LOG2E)));
+  params.bias_raw_max = bias_raw_max(softmax_scale);
   params.bias_batch_stride = view.stride(0);
   params.bias_head_stride = view.stride(1);
   params.bias_row_stride = view.stride(2);
@@ -531,14 +551,16 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
   if (dropout_p == 0.0 &&
       group_rows_planned(q, k, is_causal, causal_bottom_right, window_size_left,
                          window_size_right, alibi_slopes.has_value(), bias.defined())) {
-    run_group_rows(q, k, v, out, lse, scale, leftpad_k, seqused_k, softcap);
+    run_group_rows(q, k, v, out, lse, scale, leftpad_k, seqused_k, softcap,
+                   env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE"));
     return {out, lse};
   }
 
   Flash_fwd_params params;
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
                    seqused_k, window_size_left, window_size_right, softcap, alibi_slopes);
-  if (bias.defined()) set_params_bias(params, bias, scale);
+  const at::Tensor kbias = bias.defined() ? kernel_bias(bias, scale) : at::Tensor();
+  if (kbias.defined()) set_params_bias(params, kbias, scale);
   // A given rng_state is read on the device by the kernel (as a captured graph's generator
   // state), so it is copied there first if it lives on the CPU; nothing is written back.
   at::Tensor rng_dev;
@@ -641,6 +663,7 @@ void run_group_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const at::Tensor& out, const at::Tensor& lse, double scale,
                     const std::optional<at::Tensor>& leftpad_k,
                     const std::optional<at::Tensor>& seqused_k, double softcap,
+                    int small_grid_tile,
                     const std::function<void(Flash_fwd_params&)>& adjust) {
   const GroupRows g = group_rows_views(q, out, lse, k.size(2));
   Flash_fwd_params params;
@@ -649,7 +672,7 @@ void run_group_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                    std::nullopt);
   if (adjust) adjust(params);
   set_plan_device(params, q.get_device());
-  params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
+  params.small_grid_tile = small_grid_tile;
   // The group's grid is b * h_k CTAs: a long cache needs key splits to fill the GPU. Splits run
   // on the extended kernels; per-sequence diagonals select them and change nothing here (no
   // band: the rows see every key of their range).

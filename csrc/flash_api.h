@@ -140,8 +140,15 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu_at(
 // seqlen_q, seqlen_k) broadcast view; ValueError naming attn_bias otherwise (also when one
 // (batch, head) slice spans 2^31 elements or more).
 at::Tensor check_attn_bias(const at::Tensor& attn_bias, const at::Tensor& q, int64_t seqlen_k);
-// params.bias_* from check_attn_bias's view.
+// params.bias_* from check_attn_bias's view (or kernel_bias's), which must stay alive until the
+// launches are queued.
 void set_params_bias(Flash_fwd_params& params, const at::Tensor& bias_view, double softmax_scale);
+// The bias the kernels read for check_attn_bias's broadcast `view`: the view itself, except an
+// fp16 bias at a softmax_scale so small (< ~3.9e-34) that 65504 / softmax_scale would pass the
+// kernels' clamp of raw biases (params.bias_raw_max): the kernels read fp16 biases without the
+// clamp (no fp16 value reaches it at any other scale), so that one goes as float32, converted
+// without its broadcast dimensions (no expansion in memory) and broadcast again.
+at::Tensor kernel_bias(const at::Tensor& view, double softmax_scale);
 // The CPU references' bias: the view as float64, bool as 0 / -inf.
 at::Tensor cpu_bias(const at::Tensor& bias_view);
 // The backward's limits with a bias: no softcap with it, head_dim <= kBwdBiasMaxHeadDim
@@ -350,12 +357,14 @@ GroupRows group_rows_views(const at::Tensor& q, const at::Tensor& out, const at:
 
 // Runs a group-rows call (group_rows_planned) on the prefill kernels, out and lse written in
 // place through group_rows_views: non-causal (its one query row sees every key of its range),
-// key splits as plan_fwd_splits plans them for the group's grid. `adjust` fills what
+// key splits as plan_fwd_splits plans them for the group's grid; small_grid_tile as
+// Flash_fwd_params has it (the dense op: FLASH_SM75_FWD_SMALL_GRID_TILE). `adjust` fills what
 // set_params_fprop cannot see (the KV-cache op: the cache's rows, the page table).
 void run_group_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, const at::Tensor& lse, double scale,
                     const std::optional<at::Tensor>& leftpad_k,
                     const std::optional<at::Tensor>& seqused_k, double softcap,
+                    int small_grid_tile,
                     const std::function<void(Flash_fwd_params&)>& adjust = {});
 
 // The band's diagonals and ALiBi's offset relative to each batch entry's bottom-right corner

@@ -217,7 +217,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_with(
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
                                 grad_softmax_lse, window_size_left, window_size_right, softcap,
                                 alibi_slopes);
-  if (bias.defined()) set_params_bias(params, bias, scale);
+  const at::Tensor kbias = bias.defined() ? kernel_bias(bias, scale) : at::Tensor();
+  if (kbias.defined()) set_params_bias(params, kbias, scale);
   if (dbias != nullptr) params.dbias_ptr = dbias->data_ptr<float>();
   at::Tensor rng;  // the forward's [seed, offset] on q's device, read by the kernels
   if (dropout_p > 0.0) rng = set_params_dropout_from(params, dropout_p, *rng_state, q);

@@ -165,6 +165,19 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   const int64_t b = ks.batch, sq = ks.seqlen_q, h = q.size(2), h_k = k_cache.size(2),
                 d = q.size(3);
+  // flash-attn: causal has no effect on a single query row.
+  const bool causal = is_causal && sq > 1;
+  // Every environment setting the call reads, before anything is launched or written (an
+  // unknown value raises ValueError here, not after the append). A one-query GQA call as the
+  // group's query rows (FLASH_SM75_DECODE_GQA=prefill): a right window side hides nothing from
+  // the one query row, which sits at its sequence's last key, so only a left side makes a
+  // window here.
+  const bool group_rows = group_rows_planned(q, k_cache, causal, /*causal_bottom_right=*/true,
+                                             window_size_left, /*window_size_right=*/-1,
+                                             alibi_slopes.has_value(), /*has_bias=*/false);
+  (void)decode_enabled();
+  (void)fwd_splits_enabled();
+  (void)planning_profile();
 
   // ---- the index values, on the device, before anything is written
   KvCheckParams cp{};
@@ -236,8 +249,6 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
   // ---- attention: the cache as (b, seqlen_cache) keys; paged through the block table
   const at::Tensor kview = ks.paged ? k_cache : k_cache.narrow(0, 0, b);
   const at::Tensor vview = ks.paged ? v_cache : v_cache.narrow(0, 0, b);
-  // flash-attn: causal has no effect on a single query row.
-  const bool causal = is_causal && sq > 1;
   auto cache_params = [&](Flash_fwd_params& params) {
     params.seqlen_k = static_cast<int>(ks.seqlen_cache);  // paged: the table's rows
     if (ks.paged) {
@@ -247,14 +258,9 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
       params.num_pages = static_cast<int>(k_cache.size(0));
     }
   };
-  // A one-query GQA call as the group's query rows (FLASH_SM75_DECODE_GQA=prefill). A right
-  // window side hides nothing from the one query row, which sits at its sequence's last key:
-  // only a left side makes a window here.
-  if (group_rows_planned(q, kview, causal, /*causal_bottom_right=*/true, window_size_left,
-                         /*window_size_right=*/-1, alibi_slopes.has_value(),
-                         /*has_bias=*/false)) {
+  if (group_rows) {
     run_group_rows(q, kview, vview, out, lse, ks.scale, cache_leftpad, seqused, softcap,
-                   cache_params);
+                   /*small_grid_tile=*/0, cache_params);
     return {out, lse};
   }
   Flash_fwd_params params;
@@ -312,6 +318,11 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd_cpu(
                                         window_size_right, softcap, alibi_slopes);
   const int64_t b = ks.batch, sq = ks.seqlen_q, h = q.size(2), d = q.size(3);
   const int64_t page = k_cache.size(1);
+  // The settings the reference follows (mha_fwd_cpu: a one-query GQA call as the group's query
+  // rows), read before anything is written, as the CUDA op reads them.
+  (void)group_rows_planned(q, k_cache, is_causal && sq > 1, /*causal_bottom_right=*/true,
+                           window_size_left, /*window_size_right=*/-1,
+                           alibi_slopes.has_value(), /*has_bias=*/false);
   const at::Tensor lens = cache_seqlens.to(at::kLong).contiguous();
   at::Tensor table = ks.paged ? block_table->to(at::kLong) : at::Tensor();
   // (slot, row) of position `pos` of entry `bi`; slot -1 when it lies outside the cache.
@@ -361,10 +372,12 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd_cpu(
     }
     // The attended keys [start, end) as one sequence: bottom-right on them is bottom-right on
     // the entry's end, and ALiBi's distance counts from the same corner.
+    // One query row sits at the entry's last key: a right window side hides nothing from it
+    // (as the CUDA op plans it).
     auto [o, l] = mha_fwd_cpu(q.narrow(0, bi, 1), at::stack(krows).unsqueeze(0),
                               at::stack(vrows).unsqueeze(0), ks.scale, is_causal && sq > 1,
                               /*causal_bottom_right=*/true, std::nullopt, std::nullopt,
-                              window_size_left, window_size_right, softcap,
+                              window_size_left, sq == 1 ? -1 : window_size_right, softcap,
                               !alibi_slopes.has_value() ? std::nullopt
                               : alibi_slopes->dim() == 2
                                   ? std::optional<at::Tensor>((*alibi_slopes)[bi])

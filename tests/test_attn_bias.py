@@ -656,3 +656,60 @@ def test_gpu_dtype_minimum_rows_stay_finite_at_any_scale(scale, dtype):
     grads = ops.bwd(do, q, k, v, out, lse, scale, False, True, None, None, True, None, -1, -1,
                     0.0, None, bias)
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scale", [1e-35, 1e-33])
+def test_gpu_fp16_bias_at_a_vanishing_scale_reads_as_float32(scale):
+    # The kernels read fp16 biases without the clamp of raw values (bias / scale): no fp16
+    # value reaches it unless scale < ~3.9e-34, where the host hands the kernels the bias as
+    # float32 (kernel_bias), which clamps (1e-35); just above it (1e-33) fp16's extremes are
+    # read unclamped. Forward and backward must be those of the same bias given as float32
+    # (bitwise where converted), finite for a row hidden by fp16's minimum, and right; an
+    # expanded bias is converted without its broadcast.
+    q, k, v = qkv(2, 33, 70, 4, 2, 64, "cuda", seed=64)
+    g = torch.Generator().manual_seed(65)
+    bias = (torch.randn(2, 4, 33, 70, generator=g) * 2).to(torch.float16)
+    bias[0, 1, 7] = torch.finfo(torch.float16).min
+    bias[1, :, :, 3] = float("-inf")
+    bias = bias.cuda()
+    if scale < 3.85e-34:  # a mask broadcast by the caller: converted as the (2, 1, 1, 70) it holds
+        row = bias[:, :1, :1].clone()
+        out_e, _ = ops.fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0, None,
+                           row.expand(2, 4, 33, 70))
+        out_r, _ = ops.fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0, None,
+                           row.float())
+        assert torch.equal(out_e, out_r)
+    out, lse = ops.fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0, None, bias)
+    out32, lse32 = ops.fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0, None,
+                           bias.float())
+    # Converted (1e-35): the same reads. Above the bound the fp16 reads may fuse the scaling
+    # into the add (one rounding fewer): equal up to that.
+    bitwise = scale < 3.85e-34
+    if bitwise:
+        assert torch.equal(out, out32) and torch.equal(lse, lse32)
+    else:
+        torch.testing.assert_close(out, out32, rtol=0, atol=2e-3)
+        torch.testing.assert_close(lse, lse32, rtol=1e-5, atol=0)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out[0, 7, 1].float(), v.float()[0, :, 0].mean(0), atol=2e-3,
+                               rtol=0)  # hidden by the minimum: the average of V, as torch
+    keep = torch.ones(2, 33, 4, dtype=torch.bool, device="cuda")
+    keep[0, 7, 1] = False
+    ref, _ = attention_ref(q, k, v, attn_bias=bias, softmax_scale=scale)
+    pt, _ = attention_ref(q, k, v, attn_bias=bias, softmax_scale=scale, upcast=False,
+                          reorder_ops=True)
+    assert_close_fa(out[keep].view(1, -1, 1, 64), ref[keep].view(1, -1, 1, 64),
+                    pt[keep].view(1, -1, 1, 64))
+    do = torch.randn_like(out)
+    grads = ops.bwd(do, q, k, v, out, lse, scale, False, True, None, None, True, None, -1, -1,
+                    0.0, None, bias)
+    grads32 = ops.bwd(do, q, k, v, out, lse, scale, False, True, None, None, True, None, -1, -1,
+                      0.0, None, bias.float())
+    for a, b in zip(grads, grads32):
+        if bitwise:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-2)
+    assert all(torch.isfinite(t).all() for t in grads)

@@ -336,3 +336,41 @@ def test_padded_head_dim_with_alibi_and_leftpad_compiles_fullgraph():
     assert torch.equal(got, eager) and torch.equal(kc, ek)
     ref, _ = cache_ref(q, ek, ev, pad, lens + 1, True, alibi_slopes=slopes)
     assert_out_exact(eager, ref)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 5)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_group_rows_setting_is_read_before_the_append(window, paged, monkeypatch):
+    """FLASH_SM75_DECODE_GQA (one-query GQA calls as the group's query rows) is read before
+    anything is written, and a right window side does not change whether the call qualifies
+    (it hides nothing from the one query row); with 'prefill' the result is the one of the
+    default plan."""
+    g = torch.Generator().manual_seed(26)
+    q = torch.randn(2, 1, 8, 64, generator=g).to(F16)
+    kc = torch.randn(2, 128, 2, 64, generator=g).to(F16)
+    vc = torch.randn(2, 128, 2, 64, generator=g).to(F16)
+    k, v = rand(2, 1, 2, 64), rand(2, 1, 2, 64)
+    lens = torch.tensor([5, 100], dtype=torch.int32)
+    ck, cv, table = kc, vc, None
+    if paged:
+        ck, table = paged_copy(kc, 64, g)
+        cv = torch.full_like(ck, float("nan"))
+        cv[table.long().flatten()] = vc.reshape(-1, 64, 2, 64)
+
+    def call():
+        return fa2.flash_attn_with_kvcache(q, ck, cv, k, v, cache_seqlens=lens, block_table=table,
+                                           window_size=window, return_softmax_lse=True)
+
+    before_k, before_v = ck.clone(), cv.clone()
+    monkeypatch.setenv("FLASH_SM75_DECODE_GQA", "tensor_cores")
+    with pytest.raises(ValueError, match="FLASH_SM75_DECODE_GQA"):
+        call()
+    assert torch.equal(ck.nan_to_num(7), before_k.nan_to_num(7))  # NaN: unused pages
+    assert torch.equal(cv.nan_to_num(7), before_v.nan_to_num(7))
+    monkeypatch.setenv("FLASH_SM75_DECODE_GQA", "prefill")
+    out, lse = call()
+    ck.copy_(before_k), cv.copy_(before_v)
+    monkeypatch.setenv("FLASH_SM75_DECODE_GQA", "decode")
+    out_d, lse_d = call()
+    torch.testing.assert_close(out, out_d, rtol=0, atol=2e-3)
+    torch.testing.assert_close(lse, lse_d, rtol=1e-6, atol=1e-6)
