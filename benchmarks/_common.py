@@ -883,31 +883,18 @@ class SweepRunner:
         be = self.sdpa[name]
         return sdpa_bhsd, (lambda be=be: sdpa_context(be)), None
 
-    def peer_impl(self, autograd=False):
-        """impl() of the SM75 peer (benchmarks/_peer.py): its forward, or (``autograd``) its
-        forward and backward behind torch.autograd."""
-        import _peer
-
-        peer = _peer.load()
-        if not peer.available:
-            return None, None, peer.error
+    def optional_impl(self, name, autograd=False):
+        """impl() of an optional backend (optional_backends(): the SM75 peer, benchmarks/_peer.py,
+        or torch's mem-efficient kernels as a T4 runs them, benchmarks/_memeff_sm75.py): its
+        forward, or (``autograd``) its forward and backward behind torch.autograd."""
+        module = optional_backends()[name]
+        backend = module.load()
+        if not backend.available:
+            return None, None, backend.error
         if self.a.device != "cuda":
-            return None, None, "the peer runs on CUDA only"
-        fn = peer.autograd_bhsd() if autograd else peer.bhsd
-        return fn, contextlib.nullcontext, f"commit {peer.info.get('commit')}"
-
-    def baseline_impl(self, autograd=False):
-        """impl() of torch's mem-efficient kernels as a T4 runs them (benchmarks/_memeff_sm75.py):
-        its forward, or (``autograd``) its forward and backward behind torch.autograd."""
-        import _memeff_sm75
-
-        base = _memeff_sm75.load()
-        if not base.available:
-            return None, None, base.error
-        if self.a.device != "cuda":
-            return None, None, "the baseline runs on CUDA only"
-        fn = base.autograd_bhsd() if autograd else base.bhsd
-        return fn, contextlib.nullcontext, f"cutlass {base.info.get('cutlass_commit')}"
+            return None, None, f"the {module.KIND} runs on CUDA only"
+        fn = backend.autograd_bhsd() if autograd else backend.bhsd
+        return fn, contextlib.nullcontext, backend.impl_note()
 
     def gate(self, name, impl_args, q, k, v, causal, do=None):
         """None when backend `name` may be timed on these inputs, else its record's status.

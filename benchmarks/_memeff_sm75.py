@@ -27,12 +27,13 @@ run, with the reason, if it disagrees or raises: a broken baseline never produce
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Callable, Optional
 
 import torch
+
+from _peer import read_build_info
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_DIR = "FLASH_SM75_MEMEFF_SM75_DIR"
@@ -40,6 +41,7 @@ DEFAULT_DIR = ROOT / ".peer" / "memeff_sm75"
 INFO_FILE = "BASELINE_INFO.json"
 LIBRARY = "memeff_sm75.so"
 NAME = "mem_eff_sm75"
+KIND = "baseline"  # in the sweeps' "unavailable" reasons
 OPS_NAMESPACE = "memeff_sm75"
 # The check before timing: max |x - ref| <= ATOL + RTOL * max |ref| (fp16 kernels, fp32
 # accumulation on both sides; a wrong stride, mask or LSE gives errors of the order of the values).
@@ -69,19 +71,11 @@ class MemEffSm75:
     """The loaded baseline: ``error`` says why it is unavailable, ``info`` what was built."""
 
     def __init__(self) -> None:
-        self.error: Optional[str] = None
-        self.info: Dict[str, Any] = {}
         self.ops = None
         d = build_dir()
-        info = d / INFO_FILE
-        if not info.is_file():
-            self.error = (f"no build in {d} (scripts/build_memeff_sm75.py builds one; or set "
-                          f"${ENV_DIR})")
-            return
-        try:
-            self.info = json.loads(info.read_text())
-        except ValueError as e:
-            self.error = f"{info} is not valid JSON: {e}"
+        self.info, self.error = read_build_info(d, INFO_FILE, "scripts/build_memeff_sm75.py",
+                                                ENV_DIR)
+        if self.error is not None:
             return
         lib = (d / self.info.get("library", LIBRARY)).resolve()
         global _LOADED_FROM
@@ -103,6 +97,10 @@ class MemEffSm75:
     @property
     def available(self) -> bool:
         return self.ops is not None
+
+    def impl_note(self) -> str:
+        """The sweeps' note on its records."""
+        return f"cutlass {self.info.get('cutlass_commit')}"
 
     def describe(self) -> str:
         """One line for the report's header."""

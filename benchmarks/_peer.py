@@ -30,6 +30,7 @@ ENV_DIR = "FLASH_SM75_SSIU_DIR"
 DEFAULT_DIR = ROOT / ".peer" / "ssiu"
 INFO_FILE = "PEER_INFO.json"
 NAME = "ssiu"
+KIND = "peer"  # in the sweeps' "unavailable" reasons
 HEAD_DIMS = (64, 128)
 
 
@@ -60,20 +61,28 @@ class _BshdCache:
         return self.value
 
 
+def read_build_info(d: Path, info_file: str, builder: str,
+                    env_dir: str) -> Tuple[Dict[str, Any], Optional[str]]:
+    """A local build's info file (what ``builder`` wrote next to it in ``d``): ``(info,
+    None)``, or ``({}, why the build is unavailable)``. Shared by the optional backends."""
+    info = d / info_file
+    if not info.is_file():
+        return {}, f"no build in {d} ({builder} builds one; or set ${env_dir})"
+    try:
+        return json.loads(info.read_text()), None
+    except ValueError as e:
+        return {}, f"{info} is not valid JSON: {e}"
+
+
 class Ssiu:
     """The loaded peer: ``error`` says why it is unavailable, ``info`` what was built."""
 
     def __init__(self) -> None:
-        self.error: Optional[str] = None
-        self.info: Dict[str, Any] = {}
         self.mod = None
         d = peer_dir()
-        info = d / INFO_FILE
-        if not info.is_file():
-            self.error = (f"no build in {d} (scripts/build_peer.py builds one; or set "
-                          f"${ENV_DIR})")
+        self.info, self.error = read_build_info(d, INFO_FILE, "scripts/build_peer.py", ENV_DIR)
+        if self.error is not None:
             return
-        self.info = json.loads(info.read_text())
         sys.path.insert(0, str(d))
         try:
             self.mod = importlib.import_module("flash_attn_turing")
@@ -87,6 +96,10 @@ class Ssiu:
     @property
     def available(self) -> bool:
         return self.mod is not None
+
+    def impl_note(self) -> str:
+        """The sweeps' note on its records."""
+        return f"commit {self.info.get('commit')}"
 
     def _check(self, q: torch.Tensor) -> None:
         if q.shape[-1] not in HEAD_DIMS:

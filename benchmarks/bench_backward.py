@@ -156,10 +156,8 @@ class Runner(C.SweepRunner):
             if not self.ours.available:
                 return None, None, self.ours.error
             return self.ours.bhsd, (lambda m=dq_mode: dq_env(m)), None
-        if name == "ssiu":
-            return self.peer_impl(autograd=True)
-        if name == "mem_eff_sm75":
-            return self.baseline_impl(autograd=True)
+        if name in C.optional_backends():
+            return self.optional_impl(name, autograd=True)
         return self.sdpa_impl(name)
 
     def peak_memory(self, fn):

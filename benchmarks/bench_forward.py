@@ -96,10 +96,8 @@ class Runner(C.SweepRunner):
             if self.ours.op_bhsd is None:
                 return None, None, self.ours.error or "raw op unavailable"
             return self.ours.op_bhsd, contextlib.nullcontext, None
-        if name == "ssiu":
-            return self.peer_impl()
-        if name == "mem_eff_sm75":
-            return self.baseline_impl()
+        if name in C.optional_backends():
+            return self.optional_impl(name)
         return self.sdpa_impl(name)
 
     def measure(self, name, q, k, v, causal, flop, ref=None, loop_calls=0):

@@ -327,15 +327,62 @@ void allow_dynamic_smem(KernelFn fn, int64_t smem_bytes) {
   }
 }
 
-#if MEMEFF_SM75_HAS_FWD
-std::string fwd_choice(const Shape& s) {
-  std::string chosen;
-  for_each_fwd_candidate([&](auto c) {
-    using K = typename decltype(c)::Kernel;
-    if (chosen.empty() && fwd_accepts<K>(s)) {
-      chosen = c.name;
+// Calls run(c) with the first candidate, in for_each's (torch's) order, that accepts(c) takes;
+// false when none does.
+template <typename ForEach, typename Accepts, typename Run>
+bool first_accepted(ForEach&& for_each, Accepts&& accepts, Run&& run) {
+  bool found = false;
+  for_each([&](auto c) {
+    if (!found && accepts(c)) {
+      found = true;
+      run(c);
     }
   });
+  return found;
+}
+
+// After first_accepted: the errors of a call that launched nothing (`unbuilt`: the candidate
+// torch would run, not in this build).
+inline void check_launched(bool found, const std::string& unbuilt, const char* pass,
+                           const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(unbuilt.empty(), "memeff_sm75: torch would run ", unbuilt,
+              " here (head_dim ", q.size(3), ", head strides ", q.stride(2), "/", k.stride(2),
+              "/", v.stride(2), "), which this build does not include");
+  TORCH_CHECK(found, "memeff_sm75: no sm75 ", pass, " kernel accepts these inputs");
+}
+
+// The q, k, v strides both passes' Params hold (batch, row, head; in elements).
+template <typename P>
+void set_qkv_strides(P& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  assign_checked(p.q_strideB, q.stride(0), "q.stride(0)");
+  assign_checked(p.k_strideB, k.stride(0), "k.stride(0)");
+  assign_checked(p.v_strideB, v.stride(0), "v.stride(0)");
+  assign_checked(p.q_strideM, q.stride(1), "q.stride(1)");
+  assign_checked(p.k_strideM, k.stride(1), "k.stride(1)");
+  assign_checked(p.v_strideM, v.stride(1), "v.stride(1)");
+  assign_checked(p.q_strideH, q.stride(2), "q.stride(2)");
+  assign_checked(p.k_strideH, k.stride(2), "k.stride(2)");
+  assign_checked(p.v_strideH, v.stride(2), "v.stride(2)");
+}
+
+// One row of kernels(): name, pass, built or not, shared bytes, threads.
+template <typename C>
+std::string kernel_row(const C& c, const char* pass) {
+  using K = typename C::Kernel;
+  return std::string(c.name) + " " + pass + " " + (c.fn ? "built" : "not-built") + " " +
+         std::to_string(sizeof(typename K::SharedStorage)) + " " +
+         std::to_string(int64_t(K::kNumThreads));
+}
+
+#if MEMEFF_SM75_HAS_FWD
+inline constexpr auto fwd_candidates = [](auto&& cb) { for_each_fwd_candidate(cb); };
+auto fwd_accepted(const Shape& s) {
+  return [&s](auto c) { return fwd_accepts<typename decltype(c)::Kernel>(s); };
+}
+
+std::string fwd_choice(const Shape& s) {
+  std::string chosen;
+  first_accepted(fwd_candidates, fwd_accepted(s), [&](auto c) { chosen = c.name; });
   return chosen;
 }
 
@@ -351,18 +398,13 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
   const Shape s = shape_of(q, k, v, smem_limit_for(q));
 
   at::Tensor out, lse;
-  bool launched = false;
   std::string unbuilt;
-  for_each_fwd_candidate([&](auto c) {
+  const bool found = first_accepted(fwd_candidates, fwd_accepted(s), [&](auto c) {
     using K = typename decltype(c)::Kernel;
-    if (launched || !unbuilt.empty() || !fwd_accepts<K>(s)) {
-      return;
-    }
     if (c.fn == nullptr) {
       unbuilt = c.name;
       return;
     }
-    launched = true;
     const int64_t smem_bytes = sizeof(typename K::SharedStorage);
     out = at::empty({B, M, H, Kv}, q.options());
     // LSE padded to the backward's block size (K::kAlignLSE), as torch allocates it; none
@@ -394,15 +436,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
     p.seqlen_k_ptr = nullptr;
     p.window_size = 0;
     p.scale = float(softmax_scale(q, scale));
-    assign_checked(p.q_strideB, q.stride(0), "q.stride(0)");
-    assign_checked(p.k_strideB, k.stride(0), "k.stride(0)");
-    assign_checked(p.v_strideB, v.stride(0), "v.stride(0)");
-    assign_checked(p.q_strideM, q.stride(1), "q.stride(1)");
-    assign_checked(p.k_strideM, k.stride(1), "k.stride(1)");
-    assign_checked(p.v_strideM, v.stride(1), "v.stride(1)");
-    assign_checked(p.q_strideH, q.stride(2), "q.stride(2)");
-    assign_checked(p.k_strideH, k.stride(2), "k.stride(2)");
-    assign_checked(p.v_strideH, v.stride(2), "v.stride(2)");
+    set_qkv_strides(p, q, k, v);
     assign_checked(p.o_strideM, out.stride(1), "out.stride(1)");
     p.use_dropout = false;
 
@@ -416,23 +450,20 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
     c.fn<<<blocks, p.getThreadsGrid(), smem_bytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  TORCH_CHECK(unbuilt.empty(), "memeff_sm75: torch would run ", unbuilt,
-              " here (head_dim ", q.size(3), ", head strides ", q.stride(2), "/", k.stride(2),
-              "/", v.stride(2), "), which this build does not include");
-  TORCH_CHECK(launched, "memeff_sm75: no sm75 forward kernel accepts these inputs");
+  check_launched(found, unbuilt, "forward", q, k, v);
   return std::make_tuple(out, lse);
 }
 #endif  // MEMEFF_SM75_HAS_FWD
 
 #if MEMEFF_SM75_HAS_BWD
+inline constexpr auto bwd_candidates = [](auto&& cb) { for_each_bwd_candidate(cb); };
+auto bwd_accepted(const Shape& s) {
+  return [&s](auto c) { return bwd_accepts<typename decltype(c)::Kernel>(s); };
+}
+
 std::string bwd_choice(const Shape& s) {
   std::string chosen;
-  for_each_bwd_candidate([&](auto c) {
-    using K = typename decltype(c)::Kernel;
-    if (chosen.empty() && bwd_accepts<K>(s)) {
-      chosen = c.name;
-    }
-  });
+  first_accepted(bwd_candidates, bwd_accepted(s), [&](auto c) { chosen = c.name; });
   return chosen;
 }
 
@@ -468,18 +499,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
 
-  bool launched = false;
   std::string unbuilt;
-  for_each_bwd_candidate([&](auto c) {
+  const bool found = first_accepted(bwd_candidates, bwd_accepted(s), [&](auto c) {
     using K = typename decltype(c)::Kernel;
-    if (launched || !unbuilt.empty() || !bwd_accepts<K>(s)) {
-      return;
-    }
     if (c.fn == nullptr) {
       unbuilt = c.name;
       return;
     }
-    launched = true;
     const int64_t smem_bytes = sizeof(typename K::SharedStorage);
     // The fp16 kernels compute delta = rowsum(dO * O) themselves (kKernelComputesDelta).
     static_assert(K::kKernelComputesDelta, "the fp16 sm75 kernels compute delta");
@@ -522,15 +548,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     p.gQKV_strideM_multiplier = 1;  // separate dq, dk, dv (torch's shared_storage_dqdkdv=False)
     TORCH_INTERNAL_ASSERT(p.gQ_strideM() == dq.stride(1) && p.gK_strideM() == dk.stride(1) &&
                           p.gV_strideM() == dv.stride(1));
-    assign_checked(p.q_strideB, q.stride(0), "q.stride(0)");
-    assign_checked(p.k_strideB, k.stride(0), "k.stride(0)");
-    assign_checked(p.v_strideB, v.stride(0), "v.stride(0)");
-    assign_checked(p.q_strideM, q.stride(1), "q.stride(1)");
-    assign_checked(p.k_strideM, k.stride(1), "k.stride(1)");
-    assign_checked(p.v_strideM, v.stride(1), "v.stride(1)");
-    assign_checked(p.q_strideH, q.stride(2), "q.stride(2)");
-    assign_checked(p.k_strideH, k.stride(2), "k.stride(2)");
-    assign_checked(p.v_strideH, v.stride(2), "v.stride(2)");
+    set_qkv_strides(p, q, k, v);
     assign_checked(p.delta_strideB, delta.stride(0), "delta.stride(0)");
     assign_checked(p.delta_strideH, delta.stride(1), "delta.stride(1)");
 
@@ -586,10 +604,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     c.fn<<<p.getBlocksGrid(), p.getThreadsGrid(), smem_bytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  TORCH_CHECK(unbuilt.empty(), "memeff_sm75: torch would run ", unbuilt,
-              " here (head_dim ", q.size(3), ", head strides ", q.stride(2), "/", k.stride(2),
-              "/", v.stride(2), "), which this build does not include");
-  TORCH_CHECK(launched, "memeff_sm75: no sm75 backward kernel accepts these inputs");
+  check_launched(found, unbuilt, "backward", q, k, v);
   return std::make_tuple(dq, dk, dv);
 }
 #endif  // MEMEFF_SM75_HAS_BWD
@@ -608,12 +623,7 @@ std::vector<std::string> bwd_kernel_table();
 #if MEMEFF_SM75_HAS_BWD
 std::vector<std::string> bwd_kernel_table() {
   std::vector<std::string> rows;
-  for_each_bwd_candidate([&](auto c) {
-    using K = typename decltype(c)::Kernel;
-    rows.push_back(std::string(c.name) + " bwd " + (c.fn ? "built" : "not-built") + " " +
-                   std::to_string(sizeof(typename K::SharedStorage)) + " " +
-                   std::to_string(int64_t(K::kNumThreads)));
-  });
+  for_each_bwd_candidate([&](auto c) { rows.push_back(kernel_row(c, "bwd")); });
   return rows;
 }
 #endif
@@ -627,12 +637,7 @@ std::vector<std::string> plan(int64_t head_dim) {
 
 std::vector<std::string> kernels() {
   std::vector<std::string> rows;
-  for_each_fwd_candidate([&](auto c) {
-    using K = typename decltype(c)::Kernel;
-    rows.push_back(std::string(c.name) + " fwd " + (c.fn ? "built" : "not-built") + " " +
-                   std::to_string(sizeof(typename K::SharedStorage)) + " " +
-                   std::to_string(int64_t(K::kNumThreads)));
-  });
+  for_each_fwd_candidate([&](auto c) { rows.push_back(kernel_row(c, "fwd")); });
   for (auto& row : bwd_kernel_table()) {
     rows.push_back(row);
   }

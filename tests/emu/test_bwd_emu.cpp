@@ -118,6 +118,17 @@ struct Errors {
   bool ok(double rel, double abs_tol) const { return err <= rel * ref + abs_tol; }
 };
 
+// The key splits' workspace as set_split_workspace (flash_api.cpp) allocates it, NaN-filled:
+// each split's O (fp32, indexed with d) and its m then l, over the (b, h, seqlen_q) rows of p.
+void split_workspace(Flash_fwd_params& p, int splits, std::vector<float>& oacc,
+                     std::vector<float>& lacc) {
+  const int64_t rows = int64_t(p.b) * p.h * p.seqlen_q;
+  p.num_splits = splits;
+  oacc.assign(size_t(splits) * rows * p.d, NAN);
+  lacc.assign(2 * size_t(splits) * rows, NAN);
+  p.oaccum_ptr = oacc.data(), p.softmax_lseaccum_ptr = lacc.data();
+}
+
 // The decode path (seqlen_q == 1) as mha_fwd takes it, for a GPU of 8 SMs and splits from 2
 // steps on (so that most cases split their keys and run the merge kernel).
 template <int kD, int kR, bool kMod>
@@ -126,12 +137,7 @@ void run_decode(Flash_fwd_params& p) {
   std::vector<float> oacc, lacc;
   // Rows (b, h, seqlen_q): seqlen_q > 1 only on the extended kernel (the KV-cache op's rows).
   const int64_t rows = int64_t(p.b) * p.h * p.seqlen_q;
-  if (p.num_splits > 1) {
-    oacc.assign(size_t(p.num_splits) * rows * p.d, NAN);  // indexed with d, as mha_fwd allocates it
-    lacc.assign(2 * size_t(p.num_splits) * rows, NAN);
-    p.oaccum_ptr = oacc.data();
-    p.softmax_lseaccum_ptr = lacc.data();
-  }
+  if (p.num_splits > 1) split_workspace(p, p.num_splits, oacc, lacc);
   const int parts = (p.h_h_k_ratio * (kMod ? p.seqlen_q : 1) + kR - 1) / kR;
   emu::launch(static_cast<unsigned>(int64_t(p.b) * p.h_k * p.num_splits * parts), T::kThreads,
               [&] { flash_fwd_decode_kernel<kD, kR, kMod>(p); });
@@ -994,8 +1000,8 @@ void run_fwd_one_head(std::vector<__half>& q, std::vector<__half>& k, std::vecto
   p.scale_softmax_log2 = float(scale * M_LOG2E);
   const FwdLaunchPlan plan = make_fwd_plan<Kt>(p.b, p.h, p.seqlen_q);
   if (splits > 1) {
-    std::vector<float> oacc(size_t(splits) * Sq * D, NAN), lacc(2 * size_t(splits) * Sq, NAN);
-    p.num_splits = splits, p.oaccum_ptr = oacc.data(), p.softmax_lseaccum_ptr = lacc.data();
+    std::vector<float> oacc, lacc;
+    split_workspace(p, splits, oacc, lacc);
     emu::launch(static_cast<unsigned>(plan.num_blocks * splits), plan.num_threads,
                 [&] { fwd_kernel_body<Kt, false, false, true>(p); });
     emu::launch(static_cast<unsigned>((Sq + 3) / 4), 128,
@@ -1276,11 +1282,7 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
     p.causal_offset = causal ? 0 : lim;
     p.window_lower = window_left >= 0 ? -window_left : kNoWindowLower;
     p.alibi_offset = 0;
-    p.num_splits = splits;
-    const int64_t rows = int64_t(b) * h * sq;
-    oacc.assign(size_t(splits) * rows * d, NAN);
-    lacc.assign(2 * size_t(splits) * rows, NAN);
-    p.oaccum_ptr = oacc.data(), p.softmax_lseaccum_ptr = lacc.data();
+    split_workspace(p, splits, oacc, lacc);
     p.small_grid_tile = -1;
     dispatch_fwd_all(p);
     ran = true;
@@ -1414,11 +1416,7 @@ int check_group_rows(int b, int h, int hk, int d, int sk, int splits, uint32_t s
     p.per_seq_offset = true;
     p.causal_offset = r + sk + 1;
     p.alibi_offset = 0;
-    p.num_splits = splits;
-    const int64_t rows = int64_t(b) * hk * r;
-    oacc.assign(size_t(splits) * rows * d, NAN);
-    lacc.assign(2 * size_t(splits) * rows, NAN);
-    p.oaccum_ptr = oacc.data(), p.softmax_lseaccum_ptr = lacc.data();
+    split_workspace(p, splits, oacc, lacc);
   } else {
     p.num_splits = 1;
   }
