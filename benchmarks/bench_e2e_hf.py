@@ -25,6 +25,21 @@ For each batch size and prompt length:
 * ``peak GiB``: ``torch.cuda.max_memory_allocated`` during generate (weights included) and
   ``prefill peak``: during the prefill forward.
 
+Generation modes (``--cache``, ``--compile``; recorded as ``generation`` in the JSON): eager
+decode steps are host-bound (Python per layer), and on GPU their times spread by 5-94% between
+repetitions. ``--cache static`` makes ``generate`` use transformers' ``StaticCache``
+(``cache_implementation="static"``), whose fixed shapes let ``generate`` compile the decode
+forward by its own rule (``_valid_auto_compile_criteria``): with a static cache on a GPU it runs
+``torch.compile(model.__call__, **CompileConfig())`` -- inductor, ``mode="reduce-overhead"``,
+i.e. CUDA graphs -- for the decode steps (the prefill stays eager). ``--compile off`` passes
+``disable_compile=True``; ``--compile all-devices`` compiles on CPU too (transformers' testing
+flag ``CompileConfig._compile_all_devices``; about 30 s of compile for the 2-layer CPU config).
+Both implementations run in the same mode; with a static cache the warm-up runs two generates (the
+compile, then CUDA-graph recording), so the timed repetitions exclude both (``gen_graphs_compiled``:
+graphs compiled in an impl's warm-up; ``graphs_compiled_timed``: any compiled later, should be 0).
+transformers allocates a new StaticCache per generate(), so each timed generate still re-records
+its CUDA graph once (new static addresses), for both implementations alike.
+
 Prompts are equal-length random tokens; ``--left-pad`` makes batch rows shorter by 0, 1/8, 2/8,
 ... of the length (left padded), which exercises the mask path. Outputs: a table on stdout,
 ``--out`` JSON, ``--png`` plot (matplotlib, optional).
@@ -33,6 +48,7 @@ Examples::
 
     python3 benchmarks/bench_e2e_hf.py --out bench_out/e2e_hf.json --png bench_out/e2e_hf.png
     python3 benchmarks/bench_e2e_hf.py --quick --out /tmp/e2e.json
+    python3 benchmarks/bench_e2e_hf.py --quick --cache static --out /tmp/e2e_static.json
     python3 benchmarks/bench_e2e_hf.py --device cpu --config qwen2 --lengths 64 --batches 1 \
         --new-tokens 4 --out /tmp/e2e_cpu.json        # CPU smoke test (tiny model)
 """
@@ -78,6 +94,17 @@ def parse_args(argv=None):
     p.add_argument("--decode-on-sdpa", action="store_true",
                    help="ours: run decode steps (q_len == 1) on torch SDPA, only prefill on ours")
     p.add_argument("--impls", default="ours,stock", help="comma list of ours,stock")
+    p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                   help="generate()'s KV cache: dynamic (DynamicCache, transformers' default) or "
+                        "static (cache_implementation='static': preallocated, fixed decode shapes, "
+                        "which is what lets generate() compile the decode step; eager decode "
+                        "steps are host-bound and spread by 5-94%% on GPU)")
+    p.add_argument("--compile", choices=("auto", "off", "all-devices"), default="auto",
+                   help="generate()'s own compile of the decode forward. auto: transformers' "
+                        "rule (with --cache static on a GPU: torch.compile with CompileConfig "
+                        "defaults, mode reduce-overhead = CUDA graphs; never with a dynamic "
+                        "cache or on CPU); off: disable_compile=True; all-devices: on CPU too "
+                        "(CompileConfig._compile_all_devices; slow, for checking on CPU)")
     p.add_argument("--quick", action="store_true",
                    help="lengths 512 2048, repeats 5/3, 16 new tokens")
     p.add_argument("--device", default="cuda")
@@ -88,6 +115,8 @@ def parse_args(argv=None):
     if args.quick:
         args.lengths = [512, 2048]
         args.repeats, args.gen_repeats, args.new_tokens = 5, 3, 16
+    if args.compile == "all-devices" and args.cache != "static":
+        p.error("--compile all-devices needs --cache static (generate() compiles only then)")
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     for s in args.impls:
         if s not in IMPLS:
@@ -136,6 +165,12 @@ def efficient_supports_gqa(device) -> bool:
         return False
 
 
+def _no_gqa_in_sdpa(*args, **kwargs) -> bool:
+    """transformers' use_gqa_in_sdpa for stock without enable_gqa: one function object, so that
+    a compiled decode step's guard on it holds from one generate to the next."""
+    return False
+
+
 @contextlib.contextmanager
 def stock_context(device, use_gqa: bool):
     """SDPA forced to the memory-efficient backend (CUDA); on CPU, default SDPA."""
@@ -147,7 +182,7 @@ def stock_context(device, use_gqa: bool):
 
     saved = hf_sdpa.use_gqa_in_sdpa
     if not use_gqa:
-        hf_sdpa.use_gqa_in_sdpa = lambda *a, **k: False  # repeat_kv, as with any mask
+        hf_sdpa.use_gqa_in_sdpa = _no_gqa_in_sdpa  # repeat_kv, as with any mask
     try:
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             yield
@@ -165,6 +200,27 @@ def make_inputs(batch, length, vocab, left_pad, device, seed):
             am[b, :pad] = 0
     ids = ids.masked_fill(am == 0, 0)
     return ids.to(device), am.to(device)
+
+
+def generate_kwargs(args) -> Dict[str, Any]:
+    """generate()'s arguments for --cache / --compile (transformers' own mechanism)."""
+    kwargs: Dict[str, Any] = {}
+    if args.cache == "static":
+        kwargs["cache_implementation"] = "static"
+    if args.compile == "off":
+        kwargs["disable_compile"] = True
+    elif args.compile == "all-devices":
+        from transformers import CompileConfig
+
+        config = CompileConfig()
+        config._compile_all_devices = True  # transformers' flag for compiling on CPU
+        kwargs["compile_config"] = config
+    return kwargs
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's own counter)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def spread_pct(times: List[float]) -> Optional[float]:
@@ -191,9 +247,11 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
     def prefill():
         return model(input_ids=ids, attention_mask=am, use_cache=False, logits_to_keep=1)
 
+    gen_kwargs = generate_kwargs(args)
+
     def generate():
         return model.generate(input_ids=ids, attention_mask=am, max_new_tokens=args.new_tokens,
-                              do_sample=False, use_cache=True, pad_token_id=0)
+                              do_sample=False, use_cache=True, pad_token_id=0, **gen_kwargs)
 
     def guarded(impl, fn):
         """fn() for impl; an exception (OOM, a backend refusing the shape) is recorded as the
@@ -220,9 +278,12 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
         stats = hf.get_stats()
         res["prefill_attention"] = {"kernel": stats["kernel"], "fallback": stats["fallback"],
                                     "reasons": stats["reasons"]}
-        hf.reset_stats()
-        reset_peak(device)
-        _, out = timed(generate, device)
+        graphs = graphs_compiled()
+        for _ in range(2 if args.cache == "static" else 1):  # compile, then CUDA-graph record
+            hf.reset_stats()  # counts and peak: of the last warm-up generate
+            reset_peak(device)
+            _, out = timed(generate, device)
+        res["gen_graphs_compiled"] = graphs_compiled() - graphs
         res["gen_peak_gib"] = peak_gib(device)
         res["new_tokens"] = out.shape[1] - ids.shape[1]
         stats = hf.get_stats()
@@ -231,8 +292,17 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
                                      "fallback": stats["fallback"], "reasons": stats["reasons"]}
         res["prefill_times_s"], res["gen_times_s"] = [], []
 
+    if args.cache == "static":
+        # transformers sizes a static cache max(prompt + new tokens, the largest earlier call's),
+        # remembered on the model: forgotten here, so each cell's cache is its own whatever ran
+        # before (ours skips the unfilled slots, SDPA does not). And dynamo forgets the earlier
+        # cells' graphs: past its recompile limit a frame would silently run eager.
+        if hasattr(model, "_previous_max_cache_length"):
+            del model._previous_max_cache_length
+        torch._dynamo.reset()
     for impl in args.impls:
         guarded(impl, warm_up)
+    graphs = graphs_compiled()
     for key, fn, reps in (("prefill_times_s", prefill, args.repeats),
                           ("gen_times_s", generate, args.gen_repeats)):
         for r in range(max(1, reps)):
@@ -240,7 +310,9 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
             for impl in order:
                 if "error" not in results[impl]:
                     guarded(impl, lambda res: res[key].append(timed(fn, device)[0]))
+    graphs = graphs_compiled() - graphs  # should be 0: the warm-up compiled everything
     for res in results.values():
+        res["graphs_compiled_timed"] = graphs
         if "error" in res:
             continue
         res["prefill_ms"] = statistics.median(res["prefill_times_s"]) * 1e3
@@ -276,6 +348,7 @@ def main(argv=None) -> int:
     cfg = model.config
     stock_gqa = efficient_supports_gqa(device) if device.type == "cuda" else True
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    mode = f"generate: {args.cache} cache, compile {args.compile}"
 
     print(f"model: {source} ({cfg.model_type}, {cfg.num_hidden_layers} layers, "
           f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, head_dim "
@@ -284,7 +357,7 @@ def main(argv=None) -> int:
     print(f"stock = sdpa + SDPBackend.EFFICIENT_ATTENTION"
           f"{'' if stock_gqa else ' (GQA via repeat_kv: efficient kernel has no enable_gqa)'}; "
           f"ours = flash_attention_sm75 (decode on {'SDPA' if args.decode_on_sdpa else 'kernel'})"
-          f"; new tokens {args.new_tokens}; left pad {args.left_pad}")
+          f"; new tokens {args.new_tokens}; left pad {args.left_pad}; {mode}")
 
     results: List[Dict[str, Any]] = []
     for batch in args.batches:
@@ -300,7 +373,12 @@ def main(argv=None) -> int:
                           f"{r['gen_tok_s']:.1f} tok/s (spread {C.fmt(r['gen_spread_pct'], '.1f')}"
                           f"%), peak {C.fmt(r['gen_peak_gib'])} GiB; attention prefill "
                           f"{r['prefill_attention']['kernel']} kernel / "
-                          f"{r['prefill_attention']['fallback']} fallback")
+                          f"{r['prefill_attention']['fallback']} fallback"
+                          + (f"; {r['gen_graphs_compiled']} graphs compiled in warm-up"
+                             if r["gen_graphs_compiled"] else ""))
+                if r.get("graphs_compiled_timed"):
+                    print(f"  B={batch} N={length}: WARNING {r['graphs_compiled_timed']} graphs "
+                          f"compiled during the timed repetitions")
 
     def get(impl, batch, length, key):
         for r in results:
@@ -333,6 +411,7 @@ def main(argv=None) -> int:
                "speedup", "gen spread % ours", "stock", "decode tok/s ours", "stock",
                "prefill peak GiB ours", "stock", "gen peak GiB ours", "stock"]
     print()
+    print(mode)
     print(C.format_table(headers, rows, left=()))
 
     if args.out:
@@ -345,6 +424,7 @@ def main(argv=None) -> int:
                       "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
             "stock": "sdpa+EFFICIENT_ATTENTION",
             "stock_gqa": "enable_gqa" if stock_gqa else "repeat_kv",
+            "generation": {"cache": args.cache, "compile": args.compile},
             "env": C.env_info(device.type),
             "transformers": __import__("transformers").__version__,
             "results": results,
@@ -372,7 +452,7 @@ def main(argv=None) -> int:
                                       "efficient": [get("stock", batch, n, "gen_peak_gib")
                                                     for n in xs]}})
         path = C.plot_panels(args.png, panels, ncols=3,
-                             suptitle=f"transformers end to end: {source}, fp16")
+                             suptitle=f"transformers end to end: {source}, fp16; {mode}")
         if path:
             print(f"wrote {path}")
     ok = any("error" not in r and r["impl"] == "ours" for r in results) or "ours" not in args.impls

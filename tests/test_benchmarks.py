@@ -243,6 +243,50 @@ def test_e2e_hf_interleaves_the_implementations_and_reports_the_spread(tmp_path)
         assert res["new_tokens"] == 2 and res["gen_tok_s"] > 0
     assert results[0]["prefill_attention"]["kernel"] > 0  # ours ran the kernel path
     assert "gen spread % ours" in r.stdout
+    # today's generation mode stays the default: a DynamicCache, transformers' compile rule
+    assert json.loads(out.read_text())["generation"] == {"cache": "dynamic", "compile": "auto"}
+    assert "generate: dynamic cache, compile auto" in r.stdout
+
+
+@pytest.mark.skipif(not fa.EXTENSION_AVAILABLE, reason="extension not built")
+def test_e2e_hf_times_generation_with_a_static_cache(tmp_path):
+    # --cache static (issue 23): both implementations generate with transformers' StaticCache
+    # (left-padded rows: the decode masks cover unfilled slots and padding); ours serves every
+    # attention call of the warm-up generate, and the mode is recorded. No compile on CPU here
+    # (--compile off; compiling would take tens of seconds), so no graph is compiled.
+    out = tmp_path / "e2e.json"
+    r = run("benchmarks/bench_e2e_hf.py", "--device", "cpu", "--config", "qwen2", "--lengths",
+            "16", "--batches", "2", "--left-pad", "--new-tokens", "3", "--repeats", "1",
+            "--gen-repeats", "2", "--cache", "static", "--compile", "off", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["generation"] == {"cache": "static", "compile": "off"}
+    assert "generate: static cache, compile off" in r.stdout
+    ours, stock = report["results"]
+    for res in (ours, stock):
+        assert "error" not in res, res
+        assert res["new_tokens"] == 3 and len(res["gen_times_s"]) == 2
+        assert res["gen_graphs_compiled"] == 0 and res["graphs_compiled_timed"] == 0
+    layers = report["model"]["layers"]
+    assert ours["generate_attention"] == {"kernel_prefill": layers, "kernel_decode": 2 * layers,
+                                          "fallback": 0, "reasons": {}}
+
+
+def test_e2e_hf_generation_modes_map_to_transformers_arguments():
+    # --cache / --compile become generate()'s own arguments; all-devices needs a static cache.
+    bench = load_script("benchmarks/bench_e2e_hf.py")
+    args = bench.parse_args([])
+    assert (args.cache, args.compile) == ("dynamic", "auto")
+    assert bench.generate_kwargs(args) == {}
+    assert bench.generate_kwargs(bench.parse_args(["--cache", "static"])) == {
+        "cache_implementation": "static"}
+    assert bench.generate_kwargs(bench.parse_args(["--cache", "static", "--compile", "off"])) == {
+        "cache_implementation": "static", "disable_compile": True}
+    kwargs = bench.generate_kwargs(bench.parse_args(["--cache", "static", "--compile",
+                                                     "all-devices"]))
+    assert kwargs["compile_config"]._compile_all_devices is True
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compile", "all-devices"])
 
 
 @pytest.mark.parametrize("total,lo,hi,seed", [(16384, 128, 4096, 0), (16384, 128, 4096, 1),
