@@ -336,25 +336,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
     const uint32_t k_lane_addr = chunk_pair_addr<kPad>(lane_addr_b<kCPR, kPad>(sK, lane), kk0);
     const uint32_t v_lane_addr = chunk_pair_addr<kPad>(lane_addr_bt<kCPR, kPad>(sV, lane), kk0);
 
-    if (row0 + 16 * rw >= c.si.seqlen_q()) {
-      // Every row of this warp lies past the last query (the last row tile; a one-query GQA
-      // call run as its group's rows fills a few rows of a tile): no MMAs and no softmax, only
-      // this warp's share of the tile loads and the loop's barriers, two per tile as in the
-      // loops below. A separate loop, so that the compute loops' registers stay as they are.
-      for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
-        load_tile_g2r<Kt, kLs>(stage, v_tile(n_block * kBN), params.v_row_stride,
-                               n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
-        store_tile_r2s<Kt>(stage, sV, tid);
-        __syncthreads();
-        const bool has_next = n_block + 1 < c.nb.n_block_max;
-        if (has_next) {
-          load_tile_g2r<Kt, kLs>(stage, k_tile((n_block + 1) * kBN), params.k_row_stride,
-                                 (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
-          store_tile_r2s<Kt>(stage, sK, tid);
-        }
-        __syncthreads();
-      }
-    } else if constexpr (Kt::kDSplit > 1) {
+    if constexpr (Kt::kDSplit > 1) {
       // This warp's exchange slot and its partner's (the other half of the head dim, same rows).
       // Lane-major float4s: a warp's 16-byte accesses are contiguous, conflict-free.
       float4* x_own = sX + warp * (kBN / 8) * 32 + lane;
