@@ -38,7 +38,10 @@ Both implementations run in the same mode; with a static cache the warm-up runs 
 compile, then CUDA-graph recording), so the timed repetitions exclude both (``gen_graphs_compiled``:
 graphs compiled in an impl's warm-up; ``graphs_compiled_timed``: any compiled later, should be 0).
 transformers allocates a new StaticCache per generate(), so each timed generate still re-records
-its CUDA graph once (new static addresses), for both implementations alike.
+its CUDA graph once (new static addresses), for both implementations alike. ``--cache
+static-reused`` keeps one StaticCache per implementation instead (reset in place and passed to
+every generate as its ``cache``, as a serving loop keeps one), so the graph recorded in the
+warm-up is replayed: the decode steps' time without per-call recording.
 
 Prompts are equal-length random tokens; ``--left-pad`` makes batch rows shorter by 0, 1/8, 2/8,
 ... of the length (left padded), which exercises the mask path. Outputs: a table on stdout,
@@ -94,11 +97,15 @@ def parse_args(argv=None):
     p.add_argument("--decode-on-sdpa", action="store_true",
                    help="ours: run decode steps (q_len == 1) on torch SDPA, only prefill on ours")
     p.add_argument("--impls", default="ours,stock", help="comma list of ours,stock")
-    p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
-                   help="generate()'s KV cache: dynamic (DynamicCache, transformers' default) or "
+    p.add_argument("--cache", choices=("dynamic", "static", "static-reused"), default="dynamic",
+                   help="generate()'s KV cache: dynamic (DynamicCache, transformers' default); "
                         "static (cache_implementation='static': preallocated, fixed decode shapes, "
                         "which is what lets generate() compile the decode step; eager decode "
-                        "steps are host-bound and spread by 5-94%% on GPU)")
+                        "steps are host-bound and spread by 5-94%% on GPU; generate() makes a new "
+                        "cache per call, so a compiled step re-records its CUDA graph per call); "
+                        "static-reused (one StaticCache per implementation, reset before each "
+                        "generate and passed as its cache, as a serving loop keeps one: the "
+                        "graph is recorded once and replayed)")
     p.add_argument("--compile", choices=("auto", "off", "all-devices"), default="auto",
                    help="generate()'s own compile of the decode forward. auto: transformers' "
                         "rule (with --cache static on a GPU: torch.compile with CompileConfig "
@@ -115,7 +122,7 @@ def parse_args(argv=None):
     if args.quick:
         args.lengths = [512, 2048]
         args.repeats, args.gen_repeats, args.new_tokens = 5, 3, 16
-    if args.compile == "all-devices" and args.cache != "static":
+    if args.compile == "all-devices" and args.cache == "dynamic":
         p.error("--compile all-devices needs --cache static (generate() compiles only then)")
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     for s in args.impls:
@@ -206,7 +213,7 @@ def generate_kwargs(args) -> Dict[str, Any]:
     """generate()'s arguments for --cache / --compile (transformers' own mechanism)."""
     kwargs: Dict[str, Any] = {}
     if args.cache == "static":
-        kwargs["cache_implementation"] = "static"
+        kwargs["cache_implementation"] = "static"  # static-reused: run_pair passes its cache
     if args.compile == "off":
         kwargs["disable_compile"] = True
     elif args.compile == "all-devices":
@@ -248,10 +255,20 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
         return model(input_ids=ids, attention_mask=am, use_cache=False, logits_to_keep=1)
 
     gen_kwargs = generate_kwargs(args)
+    caches: Dict[str, Any] = {}  # --cache static-reused: each implementation's one StaticCache
 
-    def generate():
+    def generate(impl):
+        kwargs = dict(gen_kwargs)
+        if args.cache == "static-reused":
+            if impl not in caches:
+                from transformers import StaticCache
+
+                caches[impl] = StaticCache(config=model.config.get_text_config(decoder=True),
+                                           max_cache_len=length + args.new_tokens)
+            caches[impl].reset()  # zeroed in place: the compiled step's addresses stay
+            kwargs["cache"] = caches[impl]
         return model.generate(input_ids=ids, attention_mask=am, max_new_tokens=args.new_tokens,
-                              do_sample=False, use_cache=True, pad_token_id=0, **gen_kwargs)
+                              do_sample=False, use_cache=True, pad_token_id=0, **kwargs)
 
     def guarded(impl, fn):
         """fn() for impl; an exception (OOM, a backend refusing the shape) is recorded as the
@@ -279,10 +296,10 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
         res["prefill_attention"] = {"kernel": stats["kernel"], "fallback": stats["fallback"],
                                     "reasons": stats["reasons"]}
         graphs = graphs_compiled()
-        for _ in range(2 if args.cache == "static" else 1):  # compile, then CUDA-graph record
+        for _ in range(2 if args.cache != "dynamic" else 1):  # compile, then CUDA-graph record
             hf.reset_stats()  # counts and peak: of the last warm-up generate
             reset_peak(device)
-            _, out = timed(generate, device)
+            _, out = timed(lambda: generate(res["impl"]), device)
         res["gen_graphs_compiled"] = graphs_compiled() - graphs
         res["gen_peak_gib"] = peak_gib(device)
         res["new_tokens"] = out.shape[1] - ids.shape[1]
@@ -292,7 +309,7 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
                                      "fallback": stats["fallback"], "reasons": stats["reasons"]}
         res["prefill_times_s"], res["gen_times_s"] = [], []
 
-    if args.cache == "static":
+    if args.cache != "dynamic":
         # transformers sizes a static cache max(prompt + new tokens, the largest earlier call's),
         # remembered on the model: forgotten here, so each cell's cache is its own whatever ran
         # before (ours skips the unfilled slots, SDPA does not). And dynamo forgets the earlier
@@ -303,13 +320,14 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
     for impl in args.impls:
         guarded(impl, warm_up)
     graphs = graphs_compiled()
-    for key, fn, reps in (("prefill_times_s", prefill, args.repeats),
+    for key, fn, reps in (("prefill_times_s", lambda impl: prefill(), args.repeats),
                           ("gen_times_s", generate, args.gen_repeats)):
         for r in range(max(1, reps)):
             order = args.impls if r % 2 == 0 else list(reversed(args.impls))
             for impl in order:
                 if "error" not in results[impl]:
-                    guarded(impl, lambda res: res[key].append(timed(fn, device)[0]))
+                    guarded(impl, lambda res: res[key].append(
+                        timed(lambda: fn(res["impl"]), device)[0]))
     graphs = graphs_compiled() - graphs  # should be 0: the warm-up compiled everything
     for res in results.values():
         res["graphs_compiled_timed"] = graphs

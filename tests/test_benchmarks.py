@@ -249,19 +249,21 @@ def test_e2e_hf_interleaves_the_implementations_and_reports_the_spread(tmp_path)
 
 
 @pytest.mark.skipif(not fa.EXTENSION_AVAILABLE, reason="extension not built")
-def test_e2e_hf_times_generation_with_a_static_cache(tmp_path):
-    # --cache static (issue 23): both implementations generate with transformers' StaticCache
+@pytest.mark.parametrize("cache", ["static", "static-reused"])
+def test_e2e_hf_times_generation_with_a_static_cache(tmp_path, cache):
+    # --cache static / static-reused (issue 23): both implementations generate with transformers'
+    # StaticCache, a new one per generate or one kept per implementation and reset in place
     # (left-padded rows: the decode masks cover unfilled slots and padding); ours serves every
     # attention call of the warm-up generate, and the mode is recorded. No compile on CPU here
     # (--compile off; compiling would take tens of seconds), so no graph is compiled.
     out = tmp_path / "e2e.json"
     r = run("benchmarks/bench_e2e_hf.py", "--device", "cpu", "--config", "qwen2", "--lengths",
             "16", "--batches", "2", "--left-pad", "--new-tokens", "3", "--repeats", "1",
-            "--gen-repeats", "2", "--cache", "static", "--compile", "off", "--out", str(out))
+            "--gen-repeats", "2", "--cache", cache, "--compile", "off", "--out", str(out))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["generation"] == {"cache": "static", "compile": "off"}
-    assert "generate: static cache, compile off" in r.stdout
+    assert report["generation"] == {"cache": cache, "compile": "off"}
+    assert f"generate: {cache} cache, compile off" in r.stdout
     ours, stock = report["results"]
     for res in (ours, stock):
         assert "error" not in res, res
