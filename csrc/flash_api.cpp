@@ -252,11 +252,18 @@ void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slop
                     "got strides ", a.strides());
 }
 
-at::Tensor check_attn_bias(const at::Tensor& bias, const at::Tensor& q, int64_t seqlen_k) {
+at::Tensor check_attn_bias(const at::Tensor& bias, const at::Tensor& q, int64_t seqlen_k,
+                           double softmax_scale) {
   const auto dt = bias.scalar_type();
   TORCH_CHECK_VALUE(dt == at::kBool || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat,
                     "flash_attention_sm75: attn_bias must be bool (True = attend), float16, "
                     "bfloat16 or float32, got ", dt);
+  // Below kBiasScaleMin (flash_api.h) the kernels' clamp of raw biases would change finite
+  // values that are no mask.
+  TORCH_CHECK_VALUE(dt == at::kBool || softmax_scale >= kBiasScaleMin,
+                    "flash_attention_sm75: a ", dt, " attn_bias needs softmax_scale >= 2^-27 "
+                    "(7.45e-09; below it the kernels would clamp finite bias values), got ",
+                    softmax_scale);
   TORCH_CHECK_VALUE(bias.device() == q.device(), "flash_attention_sm75: attn_bias must be on q's "
                     "device (", q.device(), "), got ", bias.device());
   const int64_t b = q.size(0), sq = q.size(1), h = q.size(2);
@@ -281,27 +288,6 @@ at::Tensor check_attn_bias(const at::Tensor& bias, const at::Tensor& q, int64_t 
   return view;
 }
 
-namespace {
-float bias_raw_max(double softmax_scale) {
-  return static_cast<float>(FLT_MAX / (2.0 * std::max(1.0, softmax_scale * M_LOG2E)));
-}
-}  // namespace
-
-at::Tensor kernel_bias(const at::Tensor& view, double softmax_scale) {
-  if (view.scalar_type() != at::kHalf) return view;
-  // The kernel's own float arithmetic: |b| <= 65504 gives |b * bias_scale| <= this product.
-  const float largest = 65504.0f * static_cast<float>(1.0 / softmax_scale);
-  if (largest <= bias_raw_max(softmax_scale)) return view;
-  // Only the elements the view holds are converted: every broadcast (stride 0) dimension is
-  // cut to one element first and broadcast again after, so a (1, 1, 1, seqlen_k) padding mask
-  // expanded by the caller stays seqlen_k floats (and inside the slice's 2^31 extent).
-  at::Tensor held = view;
-  for (int64_t i = 0; i < view.dim(); ++i) {
-    if (view.stride(i) == 0) held = held.narrow(i, 0, 1);
-  }
-  return held.to(at::kFloat).expand(view.sizes());
-}
-
 void set_params_bias(Flash_fwd_params& params, const at::Tensor& view, double softmax_scale) {
   params.bias_ptr = view.data_ptr();
   switch (view.scalar_type()) {
@@ -311,7 +297,8 @@ void set_params_bias(Flash_fwd_params& params, const at::Tensor& view, double so
     default: params.bias_kind = 4; break;  // float32 (check_attn_bias)
   }
   params.bias_scale = static_cast<float>(1.0 / softmax_scale);
-  params.bias_raw_max = bias_raw_max(softmax_scale);
+  params.bias_raw_max =
+      static_cast<float>(FLT_MAX / (2.0 * std::max(1.0, softmax_scale * M_LOG2E)));
   params.bias_batch_stride = view.stride(0);
   params.bias_head_stride = view.stride(1);
   params.bias_row_stride = view.stride(2);
@@ -527,8 +514,9 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
-  const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
-                                                : at::Tensor();
+  const at::Tensor bias =
+      attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1), scale)
+                            : at::Tensor();
   check_dropout_p(dropout_p);
   if (rng_in != nullptr) check_rng_state(*rng_in, q);
   TORCH_CHECK_VALUE(q.is_cuda(), "flash_attention_sm75: q must be a CUDA tensor, got ", q.device());
@@ -559,8 +547,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
   Flash_fwd_params params;
   set_params_fprop(params, q, k, v, out, lse, scale, is_causal, causal_bottom_right, leftpad_k,
                    seqused_k, window_size_left, window_size_right, softcap, alibi_slopes);
-  const at::Tensor kbias = bias.defined() ? kernel_bias(bias, scale) : at::Tensor();
-  if (kbias.defined()) set_params_bias(params, kbias, scale);
+  if (bias.defined()) set_params_bias(params, bias, scale);
   // A given rng_state is read on the device by the kernel (as a captured graph's generator
   // state), so it is copied there first if it lives on the CPU; nothing is written back.
   at::Tensor rng_dev;
@@ -772,8 +759,9 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu_impl(
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
-  const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
-                                                : at::Tensor();
+  const at::Tensor bias =
+      attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1), scale)
+                            : at::Tensor();
   check_dropout_p(dropout_p);
   at::Tensor given;
   if (rng_in != nullptr) {

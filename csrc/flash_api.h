@@ -138,17 +138,17 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_dropout_seeded_cpu_at(
 // never expanded in memory). A row whose keys are all masked (False / -inf) gives out = 0 and
 // softmax_lse = -inf; a finite bias keeps the result finite. Returns the (batch, num_heads,
 // seqlen_q, seqlen_k) broadcast view; ValueError naming attn_bias otherwise (also when one
-// (batch, head) slice spans 2^31 elements or more).
-at::Tensor check_attn_bias(const at::Tensor& attn_bias, const at::Tensor& q, int64_t seqlen_k);
-// params.bias_* from check_attn_bias's view (or kernel_bias's), which must stay alive until the
-// launches are queued.
+// (batch, head) slice spans 2^31 elements or more, and for a floating bias at a softmax_scale
+// below kBiasScaleMin).
+at::Tensor check_attn_bias(const at::Tensor& attn_bias, const at::Tensor& q, int64_t seqlen_k,
+                           double softmax_scale);
+// The smallest softmax_scale a floating attn_bias runs with (_rules.BIAS_SCALE_MIN): the
+// kernels add biases in raw units (bias / softmax_scale) and clamp |raw| > params.bias_raw_max
+// (~1.7e38 at scales <= 1), so from 2^-27 on only |bias| > ~1.3e30 (mask sentinels) reaches the
+// clamp, and no fp16 value does (the kernels read fp16 biases without it).
+constexpr double kBiasScaleMin = 7.450580596923828e-09;  // 2^-27
+// params.bias_* from check_attn_bias's view, which must stay alive until the launches are queued.
 void set_params_bias(Flash_fwd_params& params, const at::Tensor& bias_view, double softmax_scale);
-// The bias the kernels read for check_attn_bias's broadcast `view`: the view itself, except an
-// fp16 bias at a softmax_scale so small (< ~3.9e-34) that 65504 / softmax_scale would pass the
-// kernels' clamp of raw biases (params.bias_raw_max): the kernels read fp16 biases without the
-// clamp (no fp16 value reaches it at any other scale), so that one goes as float32, converted
-// without its broadcast dimensions (no expansion in memory) and broadcast again.
-at::Tensor kernel_bias(const at::Tensor& view, double softmax_scale);
 // The CPU references' bias: the view as float64, bool as 0 / -inf.
 at::Tensor cpu_bias(const at::Tensor& bias_view);
 // The backward's limits with a bias: no softcap with it, head_dim <= kBwdBiasMaxHeadDim

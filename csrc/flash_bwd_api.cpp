@@ -194,8 +194,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_with(
   const double scale = check_bwd_inputs(dout, q, k, v, out, softmax_lse_, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
-  const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
-                                                : at::Tensor();
+  const at::Tensor bias =
+      attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1), scale)
+                            : at::Tensor();
   check_bias_backward(attn_bias, softcap, q.size(3));
   check_dropout_backward(dropout_p, rng_state, q);
   make_dbias(dbias, attn_bias, q, k);
@@ -217,8 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_with(
                                 causal_bottom_right, leftpad_k, seqused_k, dq_atomic,
                                 grad_softmax_lse, window_size_left, window_size_right, softcap,
                                 alibi_slopes);
-  const at::Tensor kbias = bias.defined() ? kernel_bias(bias, scale) : at::Tensor();
-  if (kbias.defined()) set_params_bias(params, kbias, scale);
+  if (bias.defined()) set_params_bias(params, bias, scale);
   if (dbias != nullptr) params.dbias_ptr = dbias->data_ptr<float>();
   at::Tensor rng;  // the forward's [seed, offset] on q's device, read by the kernels
   if (dropout_p > 0.0) rng = set_params_dropout_from(params, dropout_p, *rng_state, q);
@@ -298,8 +298,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_at(
                                         to_kernel_layout(out), softmax_lse, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
   check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
-  const at::Tensor bias = attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1))
-                                                : at::Tensor();
+  const at::Tensor bias =
+      attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1), scale)
+                            : at::Tensor();
   check_bias_backward(attn_bias, softcap, q.size(3));
   check_dropout_backward(dropout_p, rng_state, q);
   make_dbias(dbias, attn_bias, to_kernel_layout(q), to_kernel_layout(k));

@@ -37,6 +37,7 @@ __all__ = [
     "alibi_slopes_problem",
     "attn_bias_problem",
     "BIAS_DTYPES",
+    "BIAS_SCALE_MIN",
     "gradient_flows",
     "check_inputs",
     "NO_WINDOW",
@@ -130,7 +131,8 @@ RULES: Tuple[str, ...] = (
     "alibi_slopes",    # None or float32 (num_heads,) / (batch, num_heads), last dim contiguous,
                        # q's device, no key ranges, not requiring grad (under grad mode)
     "attn_bias",       # None or BIAS_DTYPES, broadcasts to (batch, num_heads, seqlen_q,
-                       # seqlen_k), q's device, slice < 2^31 elements; with a backward (or
+                       # seqlen_k), q's device, slice < 2^31 elements; floating: softmax_scale
+                       # >= BIAS_SCALE_MIN; with a backward (or
                        # the bias requiring grad): no softcap, head_dim <=
                        # BIAS_BACKWARD_MAX_HEAD_DIM
     "dropout_p",       # a real number in [0, 1) (traced: the seeded op, a full memory budget)
@@ -257,6 +259,13 @@ BIAS_BACKWARD_MAX_HEAD_DIM = 128
 """The backward reads a bias up to this head dim bucket (``kBwdBiasMaxHeadDim``, csrc/kernels/
 flash.h: the d = 256 dK/dV kernel has no registers left for it)."""
 
+BIAS_SCALE_MIN = 2.0 ** -27
+"""The smallest softmax_scale a floating (non-bool) attn_bias runs with (``kBiasScaleMin``,
+csrc/flash_api.h): the kernels add a bias in raw units (bias / softmax_scale) and clamp raw
+values beyond ~1.7e38, so that a dtype-minimum mask stays finite; from this scale on only
+|bias| > ~1.3e30 (mask sentinels) reaches the clamp. Below it finite biases that are no mask
+would be clamped: refused rather than approximated."""
+
 MAX_DBIAS_SLICE = 2 ** 31 - 1
 """The largest seqlen_q * seqlen_k with a bias gradient (``kMaxDbiasSlice``: the dQ kernel writes
 a (batch, head) slice of it with 32-bit offsets)."""
@@ -283,7 +292,9 @@ def backward_may_follow(*tensors, dropout_p: object = 0.0) -> bool:
 def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
                       layout: str = "bshd", backward: bool = False, softcap: float = 0.0,
                       name: str = "attn_bias",
-                      bias_grad: Optional[bool] = None) -> Optional[str]:
+                      bias_grad: Optional[bool] = None,
+                      softmax_scale: Optional[float] = None,
+                      scale_name: str = "softmax_scale") -> Optional[str]:
     """None if ``attn_bias`` (not None) is a bias the kernels read, else what is wrong with it:
     a dense tensor of :data:`BIAS_DTYPES` (bool: True = attend; float16 / bfloat16 / float32:
     added to the scaled scores in fp32), on q's device, of a shape that broadcasts to
@@ -296,7 +307,9 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
     most :data:`MAX_DBIAS_SLICE`. ``bias_grad``: whether the bias's gradient is wanted (None:
     it requires grad while grad mode is on; a backward formula, which runs without grad mode,
     says it). ``name``: the argument as the door calls it (``attn_mask`` in
-    the SDPA wrapper). The C++ op checks the same (``check_attn_bias``, ``check_bias_backward``,
+    the SDPA wrapper). A floating bias needs ``softmax_scale`` (None: the default 1 / sqrt(head_dim),
+    always fine; the door calls it ``scale_name``) of at least :data:`BIAS_SCALE_MIN`. The C++ op
+    checks the same (``check_attn_bias``, ``check_bias_backward``,
     ``make_dbias``)."""
     b = attn_bias
     if not isinstance(b, torch.Tensor):
@@ -308,6 +321,9 @@ def attn_bias_problem(attn_bias: object, q: torch.Tensor, seqlen_k: int, *,
                 f"{b.dtype}")
     if b.device != q.device:
         return f"{name} must be on q's device ({q.device}), got {b.device}"
+    if b.dtype != torch.bool and softmax_scale is not None and softmax_scale < BIAS_SCALE_MIN:
+        return (f"a {b.dtype} {name} needs {scale_name} >= 2^-27 (7.45e-09; below it the kernels "
+                f"would clamp finite bias values), got {softmax_scale!r}")
     qs = q.shape
     hd = 1 if layout == "bhsd" else 2
     target = (qs[0], qs[hd], qs[3 - hd], seqlen_k)
@@ -584,7 +600,8 @@ def not_supported_reason(
     if attn_bias is not None:
         r = attn_bias_problem(
             attn_bias, q, ks[3 - hd], layout=layout, softcap=softcap,
-            backward=backward_may_follow(q, k, v, dropout_p=dropout_p))
+            backward=backward_may_follow(q, k, v, dropout_p=dropout_p),
+            softmax_scale=softmax_scale, scale_name=names[3] if len(names) > 3 else "softmax_scale")
         if r is not None:
             return r
     if type(dropout_p) is not float or dropout_p != 0.0:

@@ -208,19 +208,20 @@ def why_not_supported(
     if reason is None and attn_mask is not None and not _zero_size(query, key, value):
         info, reason = _mask_plan(query, key, attn_mask)
         if info is None:
-            reason = _bias_reason(query, key, value, attn_mask, reason, dropout_p)
+            reason = _bias_reason(query, key, value, attn_mask, reason, dropout_p, scale)
     return reason
 
 
 def _bias_reason(query, key, value, attn_mask, plan_reason: str,
-                 dropout_p: float = 0.0) -> Optional[str]:
+                 dropout_p: float = 0.0, scale: Optional[float] = None) -> Optional[str]:
     """None when the kernel reads ``attn_mask`` itself as its ``attn_bias`` (a mask that is
     not a key range, or one not read on the host: torch.compile, CUDA-graph capture), else why
     not (with why it is no key range either). With dropout the backward's limits apply even
     without a gradient (``_rules.backward_may_follow``)."""
     problem = _rules.attn_bias_problem(
         attn_mask, query, key.shape[2], layout="bhsd", name="attn_mask",
-        backward=_rules.backward_may_follow(query, key, value, dropout_p=dropout_p))
+        backward=_rules.backward_may_follow(query, key, value, dropout_p=dropout_p),
+        softmax_scale=scale, scale_name="scale")
     if problem is None:
         return None
     return f"{plan_reason}; and the kernel cannot read it as a bias: {problem}"
@@ -448,7 +449,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             return _zero_size_attention(query, key, value, attn_mask, enable_gqa)
         info, reason = _mask_plan(query, key, attn_mask)
         if info is None:
-            reason = _bias_reason(query, key, value, attn_mask, reason, dropout_p)
+            reason = _bias_reason(query, key, value, attn_mask, reason, dropout_p, scale)
             if reason is None:  # the kernel reads the mask (broadcast, in place)
                 out, _ = _ops.call_fwd(query, key, value, scale, False, False,
                                        attn_bias=attn_mask, dropout_p=dropout_p,

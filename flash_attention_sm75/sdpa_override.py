@@ -301,7 +301,8 @@ def _forward_reason(query, key, value, attn_bias, dropout_p, scale) -> Optional[
     if 0 in query.shape or 0 in key.shape:
         return "a zero size (torch's kernel decides the empty result)"
     if attn_bias is not None:  # torch passes masks as a float bias (bool masks turned into -inf)
-        return _rules.attn_bias_problem(attn_bias, query, key.shape[2], layout="bhsd")
+        return _rules.attn_bias_problem(attn_bias, query, key.shape[2], layout="bhsd",
+                                        softmax_scale=scale, scale_name="scale")
     return None
 
 
@@ -323,7 +324,8 @@ def _backward_reason(grad_out, query, key, value, attn_bias, out, logsumexp, dro
         if bias_requires_grad and not _ops.DBIAS_AVAILABLE:
             return "attn_bias requires grad and the extension has no bwd_dbias (older build)"
         reason = _rules.attn_bias_problem(attn_bias, query, key.shape[2], layout="bhsd",
-                                          backward=True, bias_grad=bias_requires_grad)
+                                          backward=True, bias_grad=bias_requires_grad,
+                                          softmax_scale=scale, scale_name="scale")
         if reason is not None:
             return reason
     b, h, s_q = query.shape[:3]

@@ -660,38 +660,25 @@ def test_gpu_dtype_minimum_rows_stay_finite_at_any_scale(scale, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("scale", [1e-35, 1e-33])
-def test_gpu_fp16_bias_at_a_vanishing_scale_reads_as_float32(scale):
-    # The kernels read fp16 biases without the clamp of raw values (bias / scale): no fp16
-    # value reaches it unless scale < ~3.9e-34, where the host hands the kernels the bias as
-    # float32 (kernel_bias), which clamps (1e-35); just above it (1e-33) fp16's extremes are
-    # read unclamped. Forward and backward must be those of the same bias given as float32
-    # (bitwise where converted), finite for a row hidden by fp16's minimum, and right; an
-    # expanded bias is converted without its broadcast.
+def test_gpu_fp16_bias_at_the_smallest_accepted_scale():
+    # The kernels read fp16 biases without the clamp of raw values (bias / scale); at the
+    # smallest scale a floating bias is accepted with (BIAS_SCALE_MIN) fp16's extremes are still
+    # far inside it. Forward and backward agree with the same bias given as float32 (which the
+    # kernels clamp; nothing reaches it here), stay finite for a row hidden by fp16's minimum,
+    # and are right.
+    scale = _rules.BIAS_SCALE_MIN
     q, k, v = qkv(2, 33, 70, 4, 2, 64, "cuda", seed=64)
     g = torch.Generator().manual_seed(65)
     bias = (torch.randn(2, 4, 33, 70, generator=g) * 2).to(torch.float16)
     bias[0, 1, 7] = torch.finfo(torch.float16).min
     bias[1, :, :, 3] = float("-inf")
     bias = bias.cuda()
-    if scale < 3.85e-34:  # a mask broadcast by the caller: converted as the (2, 1, 1, 70) it holds
-        row = bias[:, :1, :1].clone()
-        out_e, _ = ops.fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0, None,
-                           row.expand(2, 4, 33, 70))
-        out_r, _ = ops.fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0, None,
-                           row.float())
-        assert torch.equal(out_e, out_r)
     out, lse = ops.fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0, None, bias)
     out32, lse32 = ops.fwd(q, k, v, scale, False, True, None, None, -1, -1, 0.0, None,
                            bias.float())
-    # Converted (1e-35): the same reads. Above the bound the fp16 reads may fuse the scaling
-    # into the add (one rounding fewer): equal up to that.
-    bitwise = scale < 3.85e-34
-    if bitwise:
-        assert torch.equal(out, out32) and torch.equal(lse, lse32)
-    else:
-        torch.testing.assert_close(out, out32, rtol=0, atol=2e-3)
-        torch.testing.assert_close(lse, lse32, rtol=1e-5, atol=0)
+    # The fp16 reads may fuse the scaling into the add (one rounding fewer): equal up to that.
+    torch.testing.assert_close(out, out32, rtol=0, atol=2e-3)
+    torch.testing.assert_close(lse, lse32, rtol=1e-5, atol=0)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(out[0, 7, 1].float(), v.float()[0, :, 0].mean(0), atol=2e-3,
                                rtol=0)  # hidden by the minimum: the average of V, as torch
@@ -708,8 +695,37 @@ def test_gpu_fp16_bias_at_a_vanishing_scale_reads_as_float32(scale):
     grads32 = ops.bwd(do, q, k, v, out, lse, scale, False, True, None, None, True, None, -1, -1,
                       0.0, None, bias.float())
     for a, b in zip(grads, grads32):
-        if bitwise:
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-2)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2)
     assert all(torch.isfinite(t).all() for t in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_floating_bias_below_the_smallest_scale_is_refused(dtype):
+    # The kernels add a bias in raw units (bias / softmax_scale) and clamp raw values beyond
+    # ~1.7e38 (for dtype-minimum masks): below BIAS_SCALE_MIN that clamp would change finite
+    # biases that are no mask (at 1e-35 a row of [-3000, -2000] would weigh its keys equally).
+    # Refused by the rulebook and the op (CPU here, before any launch on CUDA); a bool mask and
+    # the bound itself are accepted.
+    q, k, v = qkv(1, 5, 7, 2, 2, 64, "cpu", seed=3)
+    bias = torch.randn(1, 2, 5, 7).to(dtype)
+    small = _rules.BIAS_SCALE_MIN / 2
+    reason = _rules.attn_bias_problem(bias, q, 7, softmax_scale=small)
+    assert reason is not None and "softmax_scale >= 2^-27" in reason, reason
+    assert _rules.not_supported_reason(q, k, v, small, attn_bias=bias) == reason
+    assert _rules.attn_bias_problem(bias, q, 7, softmax_scale=_rules.BIAS_SCALE_MIN) is None
+    assert _rules.attn_bias_problem(bias, q, 7) is None  # the default scale, 1 / 8
+    assert _rules.attn_bias_problem(bias > 0, q, 7, softmax_scale=small) is None
+    with pytest.raises(ValueError, match=r"softmax_scale >= 2\^-27"):
+        ops.fwd(q, k, v, small, False, True, None, None, -1, -1, 0.0, None, bias)
+    out, lse = ops.fwd(q, k, v, small, False, True, None, None, -1, -1, 0.0, None, bias > 0)
+    with pytest.raises(ValueError, match=r"softmax_scale >= 2\^-27"):
+        ops.bwd(torch.randn_like(out), q, k, v, out, lse, small, False, True, None, None, True,
+                None, -1, -1, 0.0, None, bias)
+    # The SDPA wrapper's bias rule (CUDA-only door; its mask-as-bias check runs on any device)
+    # is given the call's scale: a mask below the bound falls back.
+    from flash_attention_sm75 import sdpa as sdpa_door
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+    why = sdpa_door._bias_reason(qb, kb, vb, bias, "no key ranges", 0.0, small)
+    assert why is not None and "scale >= 2^-27" in why, why
+    assert sdpa_door._bias_reason(qb, kb, vb, bias, "no key ranges", 0.0,
+                                  _rules.BIAS_SCALE_MIN) is None

@@ -40,7 +40,7 @@ from transformers.masking_utils import (  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-from flash_attention_sm75 import _ops  # noqa: E402
+from flash_attention_sm75 import _ops, _rules  # noqa: E402
 from flash_attention_sm75.integrations import transformers as hf  # noqa: E402
 from devtools.model_configs import (  # noqa: E402
     REALISTIC_CONFIGS,
@@ -694,6 +694,24 @@ def test_plan_without_mask():
     hf.configure(decode_on_kernel=False)
     info, reason = hf._plan(_Attn(4, 2), q[:, :, :1], k_static, None, None)
     assert info is None and "decode" in reason
+
+
+def test_plan_reads_a_float_mask_as_bias_only_from_the_smallest_scale():
+    # A float mask that is no key range goes to the kernel as its bias; below BIAS_SCALE_MIN
+    # (where the kernels' clamp of raw biases would change finite values) the plan falls back,
+    # naming the module's scaling. A bool mask's plan does not depend on the scale.
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 6, 64, generator=g).half()
+    k = torch.randn(2, 2, 6, 64, generator=g).half()
+    mask = torch.randn(2, 1, 6, 6, generator=g).half()
+    small = _rules.BIAS_SCALE_MIN / 2
+    info, reason = hf._plan(_Attn(4, 2), q, k, mask, False, value=k, scaling=small)
+    assert info is None and "scaling >= 2^-27" in reason, reason
+    info, reason = hf._plan(_Attn(4, 2), q, k, mask, False, value=k,
+                            scaling=_rules.BIAS_SCALE_MIN)
+    assert reason is None and info.kind == "bias"
+    info, reason = hf._plan(_Attn(4, 2), q, k, mask > 0, False, value=k, scaling=small)
+    assert reason is None
 
 
 # ---------------------------------------------------------------------------------------------

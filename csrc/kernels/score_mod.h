@@ -48,8 +48,8 @@ enum BiasKind : int { kBiasNone = 0, kBiasBool = 1, kBiasHalf = 2, kBiasBf16 = 3
 // torch's softmax of finite scores is finite, and a row of only such keys averages them as
 // torch does, where -inf would give an empty row (or inf - inf = NaN). -inf, +inf and NaN pass
 // through as in torch.
-// An fp16 bias never reaches the clamp (65504 * bias_scale <= bias_raw_max: the host sends one
-// at a scale where it could as float32, kernel_bias), so its values are only scaled: two
+// An fp16 bias never reaches the clamp (65504 * bias_scale <= bias_raw_max at every scale a
+// bias is accepted with: check_attn_bias, kBiasScaleMin), so its values are only scaled: two
 // instructions per score fewer on the bias paths' hottest kind.
 template <int Kind>
 __device__ __forceinline__ float bias_to_raw(const Flash_fwd_params& p, float b) {

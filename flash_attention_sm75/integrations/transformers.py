@@ -418,7 +418,7 @@ def _unsupported_reason(module, query, key, value, attention_mask, bound, kwargs
 
 def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
           flash_semantics=False, value=None, softcap: float = 0.0,
-          dropout: float = 0.0) -> "_Classification":
+          dropout: float = 0.0, scaling: Optional[float] = None) -> "_Classification":
     """Map the call onto the op (``MaskInfo``) or return the reason to fall back.
 
     A mask that is no key range (or one not read on the host: torch.compile tracing, CUDA-graph
@@ -470,7 +470,8 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
                    and not _SETTINGS["classify_decode_masks"]
                    and not _rules.backward_may_follow(query, key, value, dropout_p=dropout)):
         problem = _rules.attn_bias_problem(attention_mask, query, kv_len, layout="bhsd",
-                                           softcap=softcap, name="attention_mask")
+                                           softcap=softcap, name="attention_mask",
+                                           softmax_scale=scaling, scale_name="scaling")
         if problem is None:
             return MaskInfo(False, kv_len, None, None, "bias"), None
         if learned:
@@ -482,7 +483,8 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
                                            backward=_rules.backward_may_follow(
                                                query, key, value, dropout_p=dropout),
                                            softcap=softcap,
-                                           name="attention_mask")
+                                           name="attention_mask",
+                                           softmax_scale=scaling, scale_name="scaling")
         if problem is None:  # (the plan holds no tensor: the mask is the call's own)
             return MaskInfo(False, kv_len, None, None, "bias"), None
         reason = f"{reason}; and the kernel cannot read it as a bias: {problem}"
@@ -864,7 +866,8 @@ def _position_bias_attention(fallback, module, query, key, value, attention_mask
         problem = _rules.attn_bias_problem(bias, query, k.shape[2], layout="bhsd",
                                            backward=_rules.backward_may_follow(
                                                query, key, value, dropout_p=_dropout_of(bound)),
-                                           softcap=softcap, name="position_bias")
+                                           softcap=softcap, name="position_bias",
+                                           softmax_scale=bound["scaling"], scale_name="scaling")
         if problem is None:
             info = MaskInfo(False, k.shape[2], None, None, "bias")
             out, reason = _try_kernel(
@@ -1085,10 +1088,11 @@ def _decision_key(module, query, key, value, attention_mask, args, kwargs,
     if dropout is not None and not ((type(dropout) is float or type(dropout) is int)
                                     and dropout == 0):
         return None
-    # A valid scale passes the rules whatever its value (it goes to the op per call); any other
-    # value's reason quotes it, so it takes the full path.
+    # A valid scale from BIAS_SCALE_MIN on passes the rules whatever its value (it goes to the
+    # op per call); below it a mask the kernel would read as a bias is refused, and any invalid
+    # value's reason quotes it: those take the full path.
     scaling = get("scaling")
-    if scaling is not None and not (type(scaling) is float and _rules.SOFTMAX_SCALE_MIN
+    if scaling is not None and not (type(scaling) is float and _rules.BIAS_SCALE_MIN
                                     <= scaling <= _rules.SOFTMAX_SCALE_MAX):
         return None
     window = get("sliding_window")
@@ -1206,7 +1210,7 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
         if reason is None:
             info, reason = _plan(module, query, key, attention_mask, bound["is_causal"],
                                  kwargs.get("sliding_window"), flash_semantics, value, softcap,
-                                 _dropout_of(bound))
+                                 _dropout_of(bound), bound["scaling"])
         if memo is not None:
             _remember(memo, attention_mask, info, reason)
         if reason is None:
