@@ -41,7 +41,8 @@ struct TuneTile{i} : {base} {{
 {fields}}};
 void run_variant_{i}(Flash_fwd_params& p, cudaStream_t s) {{
   using Kt = Flash_fwd_kernel_traits<TuneTile{i}>;
-  if (p.is_causal) run_flash_fwd<Kt, true>(p, s); else run_flash_fwd<Kt, false>(p, s);
+  if (p.is_causal) run_flash_fwd<Kt, true, false, kFwdPlain>(p, s);
+  else run_flash_fwd<Kt, false, false, kFwdPlain>(p, s);
 }}
 int head_dim_{i}() {{ return TuneTile{i}::kHeadDim; }}
 }}

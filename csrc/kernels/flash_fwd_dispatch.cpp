@@ -1,4 +1,4 @@
-// run_mha_fwd: runtime (head dim, causal, local, score mod) -> one of the explicitly specialized
+// run_mha_fwd: runtime (head dim, causal, local, variant: fwd_variant) -> one of the explicitly specialized
 // instantiations in instantiations/*.cu, each compiled in its own translation unit. A band with
 // a lower diagonal (a sliding window's left edge) runs the local instantiation; causal alone, or
 // a window with only a right edge, the causal one.
@@ -10,11 +10,19 @@
 namespace flash_sm75 {
 
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
+  const FwdVariant variant = fwd_variant(params);
   HEADDIM_SWITCH(params.d, [&] {
-    BOOL_SWITCH(needs_ext(params), Is_ext, [&] {
-      if (has_window_lower(params)) return run_mha_fwd_<kHeadDim, true, true, Is_ext>(params, stream);
+    if (variant == kFwdBias) {  // never banded (fwd_variant)
       BOOL_SWITCH(params.is_causal, Is_causal, [&] {
-        run_mha_fwd_<kHeadDim, Is_causal, false, Is_ext>(params, stream);
+        run_mha_fwd_<kHeadDim, Is_causal, false, kFwdBias>(params, stream);
+      });
+      return;
+    }
+    BOOL_SWITCH(variant == kFwdExt, Is_ext, [&] {
+      constexpr int kVariant = Is_ext ? kFwdExt : kFwdPlain;
+      if (has_window_lower(params)) return run_mha_fwd_<kHeadDim, true, true, kVariant>(params, stream);
+      BOOL_SWITCH(params.is_causal, Is_causal, [&] {
+        run_mha_fwd_<kHeadDim, Is_causal, false, kVariant>(params, stream);
       });
     });
   });

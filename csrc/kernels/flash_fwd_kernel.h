@@ -247,11 +247,17 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
 
 // The main forward kernel: all warps in lock-step, two barriers per K/V tile.
 // Is_local: the causal band has a lower diagonal too (a sliding window, params.window_lower).
-// Is_ext: a softcap and / or ALiBi slopes modify the scores before the mask (score_mod.h).
-template <typename Kt, bool Is_causal, bool Is_local = false, bool Is_ext = false>
-__global__ void __launch_bounds__(Kt::kNThreads,
-                                  Is_ext ? Kt::kMinBlocksPerSmMod : Kt::kMinBlocksPerSm)
+// Variant (flash.h, fwd_variant): kFwdExt runs every extended feature its flags switch on
+// (score modifiers, bias, dropout, packed / paged sequences, key splits); kFwdBias only adds an
+// attention bias to the plain kernel.
+template <typename Kt, bool Is_causal, bool Is_local = false, int Variant = kFwdPlain>
+__global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMinBlocksPerSmMod
+                                                 : Variant == kFwdBias ? Kt::kMinBlocksPerSmBias
+                                                                       : Kt::kMinBlocksPerSm)
     flash_fwd_kernel(const Flash_fwd_params params) {
+  constexpr bool Is_ext = Variant == kFwdExt;
+  // The bias's code (always on in kFwdBias, where bias_ptr is set; by flag in kFwdExt).
+  constexpr bool Has_bias = Variant != kFwdPlain;
   constexpr int kD = Kt::kHeadDim;
   constexpr int kDCols = Kt::kDCols;  // head-dim columns of this warp's Q and O
   constexpr int kBN = Kt::kBlockN;
@@ -287,6 +293,10 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   const float scale_log2 = params.scale_softmax_log2;
   ScoreMod smod{};
   if constexpr (Is_ext) smod = score_mod_for(params, c.bidb, c.bidh, c.si.alibi_off());
+  if constexpr (Variant == kFwdBias) smod.bias_off = bias_offset(params, c.bidb, c.bidh);
+  // Whether the scores get a bias (uniform; always in kFwdBias, where it is still tested at run
+  // time: as a constant, ptxas spilled 4 bytes of the d = 128 kernel at 255 registers).
+  const bool biased = Has_bias && params.bias_ptr != nullptr;
 
   float m_i[2] = {-INFINITY, -INFINITY};  // running max of raw scores, rows g and g + 8
   bool exact_exp = false;  // softmax_rescale: the warp's scaled max needs exact exponents
@@ -370,7 +380,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
           acc_s[j][2] += x.z;
           acc_s[j][3] += x.w;
         }
-        if constexpr (Is_ext) mod_scores<kBN, Kt::kBiasFastPath>(acc_s, smod, row0 + 16 * rw, n_block * kBN, params);
+        if constexpr (Has_bias) mod_scores<kBN, Kt::kBiasFastPath, Is_ext>(acc_s, smod, row0 + 16 * rw, n_block * kBN, params);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * rw,
                                                  c.si.causal_off(), c.si.window_lower());
         uint32_t p_frag[kBN / 8][2];
@@ -397,18 +407,18 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         // half a's before S_a, half b's before S_b).
         BiasPrefetch<kHalf> pf;
         pf.ok = false;
-        if (Is_ext && Kt::kBiasFastPath && params.bias_ptr != nullptr) {
+        if (Kt::kBiasFastPath && biased) {
           bias_prefetch<kHalf>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
         }
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
-        if constexpr (Is_ext) {
-          mod_scores<kHalf, Kt::kBiasFastPath>(acc_sa, smod, row0 + 16 * warp, n_block * kBN,
+        if constexpr (Has_bias) {
+          mod_scores<kHalf, Kt::kBiasFastPath, Is_ext>(acc_sa, smod, row0 + 16 * warp, n_block * kBN,
                                                params, Kt::kBiasFastPath ? &pf : nullptr);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
                                                    row0 + 16 * warp, c.si.causal_off(),
                                                    c.si.window_lower());
-        if (Is_ext && Kt::kBiasFastPath && params.bias_ptr != nullptr) {
+        if (Kt::kBiasFastPath && biased) {
           bias_prefetch<kHalf>(pf, params, smod, row0 + 16 * warp, n_block * kBN + kHalf);
         }
         // S_b = Q K_b^T beside the softmax of half a.
@@ -422,8 +432,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
                                     row0 + 16 * warp, n_block * kBN,
                                     params.dropout_keep_threshold);
         }
-        if constexpr (Is_ext) {
-          mod_scores<kHalf, Kt::kBiasFastPath>(acc_sb, smod, row0 + 16 * warp,
+        if constexpr (Has_bias) {
+          mod_scores<kHalf, Kt::kBiasFastPath, Is_ext>(acc_sb, smod, row0 + 16 * warp,
                                                n_block * kBN + kHalf, params,
                                                Kt::kBiasFastPath ? &pf : nullptr);
         }
@@ -462,7 +472,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         // block is loaded before the MMAs.
         BiasPrefetch<kBN> pf;
         pf.ok = false;
-        if (Is_ext && Kt::kBiasFastPath && params.bias_ptr != nullptr) {
+        if (Kt::kBiasFastPath && biased) {
           bias_prefetch<kBN>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
         }
         float acc_s[kBN / 8][4];
@@ -471,8 +481,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
-        if constexpr (Is_ext) {
-          mod_scores<kBN, Kt::kBiasFastPath>(acc_s, smod, row0 + 16 * warp, n_block * kBN,
+        if constexpr (Has_bias) {
+          mod_scores<kBN, Kt::kBiasFastPath, Is_ext>(acc_s, smod, row0 + 16 * warp, n_block * kBN,
                                              params, Kt::kBiasFastPath ? &pf : nullptr);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,

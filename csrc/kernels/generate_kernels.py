@@ -4,7 +4,8 @@ direction).
 Masks: none, causal, and local (a causal band with a lower diagonal: a sliding window).
 Extended ("_ext", Is_ext): the kernels that also run a softcap and / or ALiBi slopes
 (score_mod.h), packed (varlen) sequences and per-sequence diagonals (seq_info.h), kept apart so
-that the plain kernels compile exactly as without them.
+that the plain kernels compile exactly as without them. Bias-only ("_bias", forward): the plain
+kernel plus an attention bias.
 
 Run from anywhere: ``python csrc/kernels/generate_kernels.py``. The output is committed; CI
 runs ``--check`` to make sure it is up to date.
@@ -35,8 +36,8 @@ TEMPLATES = {
 namespace flash_sm75 {{
 
 template <>
-void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}, {is_ext}>(Flash_fwd_params& params, cudaStream_t stream) {{
-  run_mha_fwd_hdim<{head_dim}, {is_causal}, {is_local}, {is_ext}>(params, stream);
+void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}, {variant}>(Flash_fwd_params& params, cudaStream_t stream) {{
+  run_mha_fwd_hdim<{head_dim}, {is_causal}, {is_local}, {variant}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -70,7 +71,11 @@ void run_mha_fwd_decode_<{head_dim}, {is_ext}>(Flash_fwd_params& params, cudaStr
 # "" (no mask), "causal", "local" (causal band with a lower diagonal). Decode applies both as a
 # key-range clamp at run time.
 MASK_VARIANTS = {"fwd": ("", "causal", "local"), "bwd": ("", "causal", "local"), "decode": ("",)}
-EXT = (False, True)
+# Plain, extended ("_ext") and, in the forward only, bias-only ("_bias": flash.h FwdVariant, the
+# kernel that a call with an attention bias and no other extended feature runs; no banded one,
+# a sliding window with a bias runs the extended kernel).
+EXT = ("", "ext", "bias")
+FWD_VARIANT = {"": "kFwdPlain", "ext": "kFwdExt", "bias": "kFwdBias"}
 
 
 @dataclass(frozen=True)
@@ -78,23 +83,28 @@ class Kernel:
     direction: str
     head_dim: int
     mask: str
-    ext: bool = False
+    ext: str = ""  # "", "ext" or "bias" (EXT)
 
     @property
     def filename(self) -> str:
-        suffix = (f"_{self.mask}" if self.mask else "") + ("_ext" if self.ext else "")
+        suffix = (f"_{self.mask}" if self.mask else "") + (f"_{self.ext}" if self.ext else "")
         return f"flash_{self.direction}_hdim{self.head_dim}_{DTYPE}{suffix}_sm75.cu"
 
     def render(self) -> str:
         return TEMPLATES[self.direction].format(
             head_dim=self.head_dim, is_causal=str(bool(self.mask)).lower(),
-            is_local=str(self.mask == "local").lower(), is_ext=str(self.ext).lower())
+            is_local=str(self.mask == "local").lower(), is_ext=str(self.ext == "ext").lower(),
+            variant=FWD_VARIANT[self.ext])
+
+
+def _exists(direction: str, mask: str, ext: str) -> bool:
+    return ext != "bias" or (direction == "fwd" and mask != "local")
 
 
 def all_kernels(directions=tuple(TEMPLATES)) -> list[Kernel]:
     return [Kernel(d, h, c, m) for d in directions
             for h in (DECODE_HEAD_DIMS if d == "decode" else HEAD_DIMS) for c in MASK_VARIANTS[d]
-            for m in EXT]
+            for m in EXT if _exists(d, c, m)]
 
 
 def main() -> int:

@@ -77,6 +77,8 @@ struct FwdTileDefaults {
   // The same for the score-mod instantiations (softcap, ALiBi: score_mod.h), whose extra score
   // arithmetic may not fit the plain kernel's register cap.
   static constexpr int kMinBlocksPerSmMod = -1;  // -1: kMinBlocksPerSm
+  // The same for the bias-only instantiations (kFwdBias).
+  static constexpr int kMinBlocksPerSmBias = -1;  // -1: kMinBlocksPerSm
   // The attention bias's fast reads (whole-block bounds, paired loads: score_mod.h
   // bias_scores); off where the register cap has no room for the extra code path.
   static constexpr bool kBiasFastPath = true;
@@ -102,6 +104,8 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kMinBlocksPerSm = Tile::kMinBlocksPerSm;
   static constexpr int kMinBlocksPerSmMod =
       Tile::kMinBlocksPerSmMod < 0 ? Tile::kMinBlocksPerSm : Tile::kMinBlocksPerSmMod;
+  static constexpr int kMinBlocksPerSmBias =
+      Tile::kMinBlocksPerSmBias < 0 ? Tile::kMinBlocksPerSm : Tile::kMinBlocksPerSmBias;
   static constexpr bool kBiasFastPath = Tile::kBiasFastPath;
   static constexpr int kRescaleThreshold = Tile::kRescaleThreshold;
   static_assert(kRescaleThreshold >= 0 && kRescaleThreshold <= 15, "P must fit in fp16");
@@ -173,6 +177,9 @@ struct FwdTileD64 : FwdTileDefaults {
   static constexpr int kMinBlocksPerSm = 3;
   // With ALiBi's distances the 168-register cap of 3 CTAs spilled 20 bytes: 2 CTAs per SM.
   static constexpr int kMinBlocksPerSmMod = 2;
+  // The bias-only kernel spilled 4-24 bytes under the same cap (with or without the bias
+  // prefetch): 2 CTAs per SM, as the extended kernel.
+  static constexpr int kMinBlocksPerSmBias = 2;
   static constexpr int kLoadStyle = 2;  // +3-8% at N = 4096 on the H200
   // The tail predicate (head_dim < 64) spills 12 B in the causal kernel under the 3-CTA cap;
   // FwdTileD64SmallGrid (124 registers) runs those head dims.

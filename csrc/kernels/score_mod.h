@@ -112,6 +112,12 @@ __device__ __forceinline__ void with_bias_kind(const Flash_fwd_params& p, F&& f)
   }
 }
 
+// Elements from bias_ptr to bias[b, h, 0, 0].
+__device__ __forceinline__ int64_t bias_offset(const Flash_fwd_params& p, int bidb, int bidh) {
+  return static_cast<int64_t>(bidb) * p.bias_batch_stride +
+         static_cast<int64_t>(bidh) * p.bias_head_stride;
+}
+
 // alibi_offset: the entry's ALiBi diagonal (SeqInfo::alibi_off: params.alibi_offset, or per
 // sequence relative to its bottom-right corner).
 __device__ __forceinline__ ScoreMod score_mod_for(const Flash_fwd_params& p, int bidb, int bidh,
@@ -124,8 +130,7 @@ __device__ __forceinline__ ScoreMod score_mod_for(const Flash_fwd_params& p, int
                 : -__ldg(p.alibi_slopes_ptr + bidb * p.alibi_slopes_batch_stride + bidh) /
                       p.scale_softmax;
   m.offset = alibi_offset;
-  m.bias_off = static_cast<int64_t>(bidb) * p.bias_batch_stride +
-               static_cast<int64_t>(bidh) * p.bias_head_stride;
+  m.bias_off = bias_offset(p, bidb, bidh);
   return m;
 }
 
@@ -359,13 +364,14 @@ __device__ __forceinline__ void bias_apply(float (&acc_s)[kCols / 8][4],
 
 // The modifiers over one warp's m16 x kBN fragments in the forward's layout: rows row_w +
 // lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1). Softcap, then ALiBi, then the bias
-// (Gemma 2's order: the mask is added to the capped logits).
-template <int kBN, bool BiasFast = true>
+// (Gemma 2's order: the mask is added to the capped logits). ScoreMods false: a kernel with a
+// bias and nothing else (the forward's kFwdBias), whose bias_ptr is always set.
+template <int kBN, bool BiasFast = true, bool ScoreMods = true>
 __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const ScoreMod& m,
                                            int row_w, int col0, const Flash_fwd_params& p,
                                            const BiasPrefetch<kBN>* pf = nullptr) {
-  softcap_scores<kBN>(acc_s, m);
-  if (m.slope != 0.f) {
+  if constexpr (ScoreMods) softcap_scores<kBN>(acc_s, m);
+  if (ScoreMods && m.slope != 0.f) {
     const int lane = threadIdx.x % 32;
     // Distances in float: exact below 2^24, and constant offsets from dist0 per element.
     const float dist0 = static_cast<float>(row_w + lane / 4 + m.offset - col0 - 2 * (lane % 4));
@@ -378,7 +384,7 @@ __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const Sco
       }
     }
   }
-  if (p.bias_ptr != nullptr) {
+  if (!ScoreMods || p.bias_ptr != nullptr) {
     if (pf != nullptr) {
       bias_apply<kBN, BiasFast>(acc_s, *pf, p, m, row_w, col0);
     } else {

@@ -183,25 +183,28 @@ const char* tile_name() {
 }
 
 // The forward kernel of Kt (as fwd_kernel() in flash_fwd_launch_template.h launches it).
-template <typename Kt, bool kCausal, bool kLocal = false, bool kMod = false>
+template <typename Kt, bool kCausal, bool kLocal = false, int kVariant = kFwdPlain>
 void fwd_kernel_body(const Flash_fwd_params& p) {
-  flash_fwd_kernel<Kt, kCausal, kLocal, kMod>(p);
+  flash_fwd_kernel<Kt, kCausal, kLocal, kVariant>(p);
 }
 
-template <int kD, bool kCausal, bool kLocal = false, bool kMod = false>
+// kVariant: fwd_variant's instantiation family (flash.h); the decode kernels have two (any
+// extended feature, a bias included, runs the extended one).
+template <int kD, bool kCausal, bool kLocal = false, int kVariant = kFwdPlain>
 void run_forward(Flash_fwd_params& p) {
   using Ks = typename Fwd_tile_config<kD>::SmallGridTraits;
   using Kt = typename Fwd_tile_config<kD>::Traits;
+  constexpr bool kMod = kVariant != kFwdPlain;
   // Key splits (the caller set num_splits and the workspace, as the KV-cache op does): as
   // run_flash_fwd, the default tile (the tail's tile where it runs only full head dims) on
   // num_splits copies of the grid, then the decode path's merge.
-  if constexpr (kMod) {
+  if constexpr (kVariant == kFwdExt) {
     if (p.num_splits > 1) {
       auto go = [&](auto tile) {
         using K = decltype(tile);
         const FwdLaunchPlan plan = make_fwd_plan<K>(p.b, p.h, p.seqlen_q);
         emu::launch(static_cast<unsigned>(plan.num_blocks * p.num_splits), plan.num_threads,
-                    [&] { fwd_kernel_body<K, kCausal, kLocal, kMod>(p); });
+                    [&] { fwd_kernel_body<K, kCausal, kLocal, kVariant>(p); });
       };
       if constexpr (!std::is_void_v<Ks>) {
         if (Kt::kFullHeadDimOnly && p.d != kD) go(Ks{});
@@ -223,7 +226,7 @@ void run_forward(Flash_fwd_params& p) {
     if (Kt::kFullHeadDimOnly && p.d != kD) {
       const FwdLaunchPlan plan = make_fwd_plan<Ks>(p.b, p.h, p.seqlen_q);
       emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-                  [&] { fwd_kernel_body<Ks, kCausal, kLocal, kMod>(p); });
+                  [&] { fwd_kernel_body<Ks, kCausal, kLocal, kVariant>(p); });
       return;
     }
     // The small-grid tile (chosen on the GPU by occupancy) on the cases with an even
@@ -232,13 +235,13 @@ void run_forward(Flash_fwd_params& p) {
     if ((p.b + p.seqlen_q + p.seqlen_k) % 2 == 0) {
       const FwdLaunchPlan plan = make_fwd_plan<Ks>(p.b, p.h, p.seqlen_q);
       emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-                  [&] { fwd_kernel_body<Ks, kCausal, kLocal, kMod>(p); });
+                  [&] { fwd_kernel_body<Ks, kCausal, kLocal, kVariant>(p); });
       return;
     }
   }
   const FwdLaunchPlan plan = plan_fwd_launch(p.d, p.b, p.h, p.seqlen_q);
   emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
-              [&] { fwd_kernel_body<Kt, kCausal, kLocal, kMod>(p); });
+              [&] { fwd_kernel_body<Kt, kCausal, kLocal, kVariant>(p); });
 }
 
 // As run_mha_bwd_hdim: a head dim without the atomic dQ mode runs the deterministic kernels.
@@ -293,13 +296,13 @@ void run_backward(Flash_bwd_params& p) {
 }
 
 // As HEADDIM_SWITCH: head dim d runs on its bucket's instantiation (head_dims.h).
-template <bool kCausal, bool kLocal = false, bool kMod = false>
+template <bool kCausal, bool kLocal = false, int kVariant = kFwdPlain>
 void dispatch_fwd(Flash_fwd_params& p) {
   switch (head_dim_bucket(p.d)) {
-    case 64: run_forward<64, kCausal, kLocal, kMod>(p); break;
-    case 96: run_forward<96, kCausal, kLocal, kMod>(p); break;
-    case 128: run_forward<128, kCausal, kLocal, kMod>(p); break;
-    case 256: run_forward<256, kCausal, kLocal, kMod>(p); break;
+    case 64: run_forward<64, kCausal, kLocal, kVariant>(p); break;
+    case 96: run_forward<96, kCausal, kLocal, kVariant>(p); break;
+    case 128: run_forward<128, kCausal, kLocal, kVariant>(p); break;
+    case 256: run_forward<256, kCausal, kLocal, kVariant>(p); break;
     default: throw_bad_head_dim(p.d);
   }
 }
@@ -322,13 +325,21 @@ void dispatch_band(P& p, Fn&& fn) {
   else fn(std::integral_constant<bool, false>{}, std::integral_constant<bool, false>{});
 }
 void dispatch_fwd_all(Flash_fwd_params& p) {
-  auto go = [&](auto mod) {
-    dispatch_band<decltype(mod)::value>(p, [&](auto causal, auto local) {
-      dispatch_fwd<decltype(causal)::value, decltype(local)::value, decltype(mod)::value>(p);
+  auto go = [&](auto variant) {
+    dispatch_band<decltype(variant)::value != kFwdPlain>(p, [&](auto causal, auto local) {
+      if constexpr (decltype(variant)::value == kFwdBias && decltype(local)::value) {
+        std::printf("BAD: a banded call planned on the bias-only kernel\n");
+        std::exit(1);
+      } else {
+        dispatch_fwd<decltype(causal)::value, decltype(local)::value, decltype(variant)::value>(p);
+      }
     });
   };
-  if (needs_ext(p)) go(std::integral_constant<bool, true>{});
-  else go(std::integral_constant<bool, false>{});
+  switch (fwd_variant(p)) {
+    case kFwdExt: go(std::integral_constant<int, kFwdExt>{}); break;
+    case kFwdBias: go(std::integral_constant<int, kFwdBias>{}); break;
+    default: go(std::integral_constant<int, kFwdPlain>{}); break;
+  }
 }
 void dispatch_bwd_all(Flash_bwd_params& p) {
   auto go = [&](auto mod) {
@@ -1819,6 +1830,14 @@ int main(int argc, char** argv) {
         addb(2, 70, 90, 2, 2, d, false, 1, false, kind);
         cases.back().bias_min_row = true, cases.back().scale = 1.0, cases.back().fwd_only = true;
       }
+    }
+    // The bias-only forward kernel at d = 256 (no bias backward there): fp16 pairs, causal;
+    // fp32 with odd keys and GQA.
+    if (mode != "quick") {
+      addb(1, 70, 90, 2, 1, 256, true, 0, false, 2);
+      cases.back().fwd_only = true;
+      addb(2, 65, 131, 4, 2, 256, false, 1, false, 4);
+      cases.back().fwd_only = true;
     }
     // Attention dropout (dropout.h) with every variant it meets: plain, causal (both
     // alignments), GQA, key ranges, a window, softcap + ALiBi (forward; the backward too), a

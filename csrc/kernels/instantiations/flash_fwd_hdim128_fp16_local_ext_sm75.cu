@@ -4,8 +4,8 @@
 namespace flash_sm75 {
 
 template <>
-void run_mha_fwd_<128, true, true, true>(Flash_fwd_params& params, cudaStream_t stream) {
-  run_mha_fwd_hdim<128, true, true, true>(params, stream);
+void run_mha_fwd_<128, true, true, kFwdExt>(Flash_fwd_params& params, cudaStream_t stream) {
+  run_mha_fwd_hdim<128, true, true, kFwdExt>(params, stream);
 }
 
 }  // namespace flash_sm75

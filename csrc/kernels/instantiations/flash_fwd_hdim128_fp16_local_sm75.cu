@@ -4,8 +4,8 @@
 namespace flash_sm75 {
 
 template <>
-void run_mha_fwd_<128, true, true, false>(Flash_fwd_params& params, cudaStream_t stream) {
-  run_mha_fwd_hdim<128, true, true, false>(params, stream);
+void run_mha_fwd_<128, true, true, kFwdPlain>(Flash_fwd_params& params, cudaStream_t stream) {
+  run_mha_fwd_hdim<128, true, true, kFwdPlain>(params, stream);
 }
 
 }  // namespace flash_sm75

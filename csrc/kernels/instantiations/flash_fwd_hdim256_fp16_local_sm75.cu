@@ -4,8 +4,8 @@
 namespace flash_sm75 {
 
 template <>
-void run_mha_fwd_<256, true, true, false>(Flash_fwd_params& params, cudaStream_t stream) {
-  run_mha_fwd_hdim<256, true, true, false>(params, stream);
+void run_mha_fwd_<256, true, true, kFwdPlain>(Flash_fwd_params& params, cudaStream_t stream) {
+  run_mha_fwd_hdim<256, true, true, kFwdPlain>(params, stream);
 }
 
 }  // namespace flash_sm75

@@ -4,8 +4,8 @@
 namespace flash_sm75 {
 
 template <>
-void run_mha_fwd_<96, true, false, true>(Flash_fwd_params& params, cudaStream_t stream) {
-  run_mha_fwd_hdim<96, true, false, true>(params, stream);
+void run_mha_fwd_<96, true, false, kFwdExt>(Flash_fwd_params& params, cudaStream_t stream) {
+  run_mha_fwd_hdim<96, true, false, kFwdExt>(params, stream);
 }
 
 }  // namespace flash_sm75
