@@ -17,7 +17,7 @@ the KV-cache op (appends, decode and prefill kernels on plain and paged caches: 
 a sequence's length NaN, unused pages too).
 ``--bias`` gives every dense launch an attention bias (attn_bias): a random bool mask
 (B, 1, Sq, Sk) with one query row and one key hidden entirely, or with ``--bias-float`` an fp32
-(Sq, Sk) bias with -inf entries; the backward only where it reads a bias (head_dim <= 128, no
+(``--bias-half``: fp16) (Sq, Sk) bias with -inf entries; the backward only where it reads a bias (head_dim <= 128, no
 softcap).
 ``--dropout P`` runs every dense launch with attention dropout (fwd_dropout; the backward with
 the forward's rng_state, every head dim; d = 256 on its dropout tile): the forward's LSE (the undropped one) is checked
@@ -125,10 +125,11 @@ def run_bwd(dout, q, k, v, out, lse, scale, causal, bottom_right, lpt, sut, mode
 
 
 def make_bias(args, b, sq, sk, dev, gen):
-    """The --bias / --bias-float attention bias of a launch, or None."""
-    if args.bias_float:
+    """The --bias / --bias-float / --bias-half attention bias of a launch, or None."""
+    if args.bias_float or args.bias_half:
         t = torch.randn(sq, sk, generator=gen)
-        return t.masked_fill(torch.rand(sq, sk, generator=gen) < 0.2, float("-inf")).to(dev)
+        t = t.masked_fill(torch.rand(sq, sk, generator=gen) < 0.2, float("-inf"))
+        return t.to(dev, torch.float16 if args.bias_half else torch.float32)
     if not args.bias:
         return None
     m = torch.rand(b, 1, sq, sk, generator=gen) > 0.3
@@ -164,8 +165,11 @@ def main(argv=None):
                     help="a bool attention mask (attn_bias) on every dense launch")
     ap.add_argument("--bias-float", action="store_true",
                     help="an fp32 (Sq, Sk) attention bias with -inf entries on every dense launch")
+    ap.add_argument("--bias-half", action="store_true",
+                    help="an fp16 (Sq, Sk) attention bias with -inf entries on every dense launch "
+                         "(the bias-only forward's other kind)")
     ap.add_argument("--dbias", action="store_true",
-                    help="with --bias / --bias-float: the backward also computes the bias "
+                    help="with --bias / --bias-float / --bias-half: the backward also computes the bias "
                          "gradient (bwd_dbias)")
     ap.add_argument("--dropout", type=float, default=0.0, metavar="P",
                     help="attention dropout probability of every dense (or, with --varlen, packed) "

@@ -258,6 +258,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
   constexpr bool Is_ext = Variant == kFwdExt;
   // The bias's code (always on in kFwdBias, where bias_ptr is set; by flag in kFwdExt).
   constexpr bool Has_bias = Variant != kFwdPlain;
+  constexpr int kKinds = Variant == kFwdBias ? kFwdBiasKinds : kAllBiasKinds;  // bias kinds
   constexpr int kD = Kt::kHeadDim;
   constexpr int kDCols = Kt::kDCols;  // head-dim columns of this warp's Q and O
   constexpr int kBN = Kt::kBlockN;
@@ -380,7 +381,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
           acc_s[j][2] += x.z;
           acc_s[j][3] += x.w;
         }
-        if constexpr (Has_bias) mod_scores<kBN, Kt::kBiasFastPath, Is_ext>(acc_s, smod, row0 + 16 * rw, n_block * kBN, params);
+        if constexpr (Has_bias) mod_scores<kBN, Kt::kBiasFastPath, Is_ext, kKinds>(acc_s, smod, row0 + 16 * rw, n_block * kBN, params);
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * rw,
                                                  c.si.causal_off(), c.si.window_lower());
         uint32_t p_frag[kBN / 8][2];
@@ -408,18 +409,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
         BiasPrefetch<kHalf> pf;
         pf.ok = false;
         if (Kt::kBiasFastPath && biased) {
-          bias_prefetch<kHalf>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
+          bias_prefetch<kHalf, kKinds>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
         }
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
         if constexpr (Has_bias) {
-          mod_scores<kHalf, Kt::kBiasFastPath, Is_ext>(acc_sa, smod, row0 + 16 * warp, n_block * kBN,
+          mod_scores<kHalf, Kt::kBiasFastPath, Is_ext, kKinds>(acc_sa, smod, row0 + 16 * warp, n_block * kBN,
                                                params, Kt::kBiasFastPath ? &pf : nullptr);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sa, c.m_block, 2 * n_block, c.kr,
                                                    row0 + 16 * warp, c.si.causal_off(),
                                                    c.si.window_lower());
         if (Kt::kBiasFastPath && biased) {
-          bias_prefetch<kHalf>(pf, params, smod, row0 + 16 * warp, n_block * kBN + kHalf);
+          bias_prefetch<kHalf, kKinds>(pf, params, smod, row0 + 16 * warp, n_block * kBN + kHalf);
         }
         // S_b = Q K_b^T beside the softmax of half a.
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sb, q_frag, k_lane_addr + kHalfBytes);
@@ -433,7 +434,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
                                     params.dropout_keep_threshold);
         }
         if constexpr (Has_bias) {
-          mod_scores<kHalf, Kt::kBiasFastPath, Is_ext>(acc_sb, smod, row0 + 16 * warp,
+          mod_scores<kHalf, Kt::kBiasFastPath, Is_ext, kKinds>(acc_sb, smod, row0 + 16 * warp,
                                                n_block * kBN + kHalf, params,
                                                Kt::kBiasFastPath ? &pf : nullptr);
         }
@@ -473,7 +474,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
         BiasPrefetch<kBN> pf;
         pf.ok = false;
         if (Kt::kBiasFastPath && biased) {
-          bias_prefetch<kBN>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
+          bias_prefetch<kBN, kKinds>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
         }
         float acc_s[kBN / 8][4];
         if constexpr (Kt::kQInSmem) {
@@ -482,7 +483,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
         if constexpr (Has_bias) {
-          mod_scores<kBN, Kt::kBiasFastPath, Is_ext>(acc_s, smod, row0 + 16 * warp, n_block * kBN,
+          mod_scores<kBN, Kt::kBiasFastPath, Is_ext, kKinds>(acc_s, smod, row0 + 16 * warp, n_block * kBN,
                                              params, Kt::kBiasFastPath ? &pf : nullptr);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kBN>(acc_s, c.m_block, n_block, c.kr, row0 + 16 * warp,

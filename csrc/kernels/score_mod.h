@@ -39,8 +39,6 @@ struct ScoreMod {
   int64_t bias_off;  // elements from bias_ptr to bias[b, h, 0, 0]
 };
 
-// params.bias_kind: how the kernels read attn_bias (flash.h).
-enum BiasKind : int { kBiasNone = 0, kBiasBool = 1, kBiasHalf = 2, kBiasBf16 = 3, kBiasFloat = 4 };
 
 // A value b of the bias in raw-score units (b / scale). A finite bias whose raw value is too
 // large for the exponents' arithmetic (a dtype-minimum padding mask: fp32's -3.4e38 / scale
@@ -100,14 +98,23 @@ __device__ __forceinline__ float2 bias_raw2(const Flash_fwd_params& p, int64_t o
 }
 
 // Calls f(std::integral_constant<int, kind>) for the call's bias kind (a uniform branch once per
-// tile; the loop inside is then free of it). Nothing without a bias.
-template <typename F>
+// tile; the loop inside is then free of it). Nothing without a bias, or for a kind outside
+// Kinds (flash.h bias_kind_bit; the host never launches such a call on that kernel).
+template <int Kinds = kAllBiasKinds, typename F>
 __device__ __forceinline__ void with_bias_kind(const Flash_fwd_params& p, F&& f) {
   switch (p.bias_kind) {
-    case kBiasBool: f(std::integral_constant<int, kBiasBool>{}); break;
-    case kBiasHalf: f(std::integral_constant<int, kBiasHalf>{}); break;
-    case kBiasBf16: f(std::integral_constant<int, kBiasBf16>{}); break;
-    case kBiasFloat: f(std::integral_constant<int, kBiasFloat>{}); break;
+    case kBiasBool:
+      if constexpr ((Kinds & bias_kind_bit(kBiasBool)) != 0) f(std::integral_constant<int, kBiasBool>{});
+      break;
+    case kBiasHalf:
+      if constexpr ((Kinds & bias_kind_bit(kBiasHalf)) != 0) f(std::integral_constant<int, kBiasHalf>{});
+      break;
+    case kBiasBf16:
+      if constexpr ((Kinds & bias_kind_bit(kBiasBf16)) != 0) f(std::integral_constant<int, kBiasBf16>{});
+      break;
+    case kBiasFloat:
+      if constexpr ((Kinds & bias_kind_bit(kBiasFloat)) != 0) f(std::integral_constant<int, kBiasFloat>{});
+      break;
     default: break;
   }
 }
@@ -232,7 +239,7 @@ __device__ __forceinline__ void bias_add_gathered(float (&acc)[kN / 4][4],
 // The attention bias over one warp's m16 x kBN fragments in the forward's layout (rows row_w +
 // lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1)); elements past seqlen_q / seqlen_k
 // are not read (they are masked or never stored).
-template <int kBN, bool Fast = true, int kGather = 8>
+template <int kBN, bool Fast = true, int kGather = 8, int Kinds = kAllBiasKinds>
 __device__ __forceinline__ void bias_scores(float (&acc_s)[kBN / 8][4], const Flash_fwd_params& p,
                                             const ScoreMod& m, int row_w, int col0) {
   const int lane = threadIdx.x % 32;
@@ -242,7 +249,7 @@ __device__ __forceinline__ void bias_scores(float (&acc_s)[kBN / 8][4], const Fl
   // The warp's 16 x kBN block inside the bias (warp-uniform): no per-element bounds; with
   // column pairs contiguous and aligned (bias_pairs), one load per pair.
   const bool inside = Fast && row_w + 16 <= p.seqlen_q && col0 + kBN <= p.seqlen_k;
-  with_bias_kind(p, [&](auto kind) {
+  with_bias_kind<Kinds>(p, [&](auto kind) {
     constexpr int K = decltype(kind)::value;
     if (Fast && inside && p.bias_pairs) {
 #pragma unroll
@@ -288,17 +295,18 @@ struct BiasPrefetch {
   bool ok;
 };
 
-template <int kCols>
+template <int kCols, int Kinds = kAllBiasKinds>
 __device__ __forceinline__ void bias_prefetch(BiasPrefetch<kCols>& pf, const Flash_fwd_params& p,
                                               const ScoreMod& m, int row_w, int col0) {
-  pf.ok = p.bias_pairs && (p.bias_kind == kBiasBool || p.bias_kind == kBiasHalf ||
-                           p.bias_kind == kBiasBf16) &&
+  constexpr int kPrefetched =
+      Kinds & (bias_kind_bit(kBiasBool) | bias_kind_bit(kBiasHalf) | bias_kind_bit(kBiasBf16));
+  pf.ok = p.bias_pairs && (kPrefetched & bias_kind_bit(p.bias_kind)) != 0 &&
           row_w + 16 <= p.seqlen_q && col0 + kCols <= p.seqlen_k;
   if (!pf.ok) return;  // warp-uniform
   const int lane = threadIdx.x % 32;
   const int rs = static_cast<int>(p.bias_row_stride);
   const int64_t off0 = m.bias_off + (row_w + lane / 4) * rs + col0 + 2 * (lane % 4);
-  if (p.bias_kind == kBiasBool) {
+  if ((Kinds & bias_kind_bit(kBiasBool)) != 0 && p.bias_kind == kBiasBool) {
     const unsigned char* b = static_cast<const unsigned char*>(p.bias_ptr) + off0;
 #pragma unroll
     for (int nt = 0; nt < kCols / 8; ++nt) {
@@ -320,16 +328,17 @@ __device__ __forceinline__ void bias_prefetch(BiasPrefetch<kCols>& pf, const Fla
 }
 
 // Adds a prefetched block (bias_prefetch) to the scores, or reads it (bias_scores).
-template <int kCols, bool Fast, int kGather = 8>
+template <int kCols, bool Fast, int kGather = 8, int Kinds = kAllBiasKinds>
 __device__ __forceinline__ void bias_apply(float (&acc_s)[kCols / 8][4],
                                            const BiasPrefetch<kCols>& pf,
                                            const Flash_fwd_params& p, const ScoreMod& m,
                                            int row_w, int col0) {
   if (!pf.ok) {
-    bias_scores<kCols, Fast, kGather>(acc_s, p, m, row_w, col0);
+    bias_scores<kCols, Fast, kGather, Kinds>(acc_s, p, m, row_w, col0);
     return;
   }
-  if (p.bias_kind == kBiasBool) {
+  constexpr bool kBf16 = (Kinds & bias_kind_bit(kBiasBf16)) != 0;
+  if ((Kinds & bias_kind_bit(kBiasBool)) != 0 && p.bias_kind == kBiasBool) {
 #pragma unroll
     for (int nt = 0; nt < kCols / 8; ++nt) {
 #pragma unroll
@@ -339,7 +348,7 @@ __device__ __forceinline__ void bias_apply(float (&acc_s)[kCols / 8][4],
         acc_s[nt][2 * half + 1] += (w & 0xff00u) ? 0.f : -INFINITY;
       }
     }
-  } else if (p.bias_kind == kBiasHalf) {
+  } else if (!kBf16 || p.bias_kind == kBiasHalf) {  // pf.ok: one of the prefetched kinds
 #pragma unroll
     for (int nt = 0; nt < kCols / 8; ++nt) {
 #pragma unroll
@@ -349,7 +358,7 @@ __device__ __forceinline__ void bias_apply(float (&acc_s)[kCols / 8][4],
         acc_s[nt][2 * half + 1] += bias_to_raw<kBiasHalf>(p, f.y);
       }
     }
-  } else {
+  } else if constexpr (kBf16) {
 #pragma unroll
     for (int nt = 0; nt < kCols / 8; ++nt) {
 #pragma unroll
@@ -366,7 +375,7 @@ __device__ __forceinline__ void bias_apply(float (&acc_s)[kCols / 8][4],
 // lane / 4 (+ 8), keys col0 + 8 nt + 2 (lane % 4) (+ 1). Softcap, then ALiBi, then the bias
 // (Gemma 2's order: the mask is added to the capped logits). ScoreMods false: a kernel with a
 // bias and nothing else (the forward's kFwdBias), whose bias_ptr is always set.
-template <int kBN, bool BiasFast = true, bool ScoreMods = true>
+template <int kBN, bool BiasFast = true, bool ScoreMods = true, int Kinds = kAllBiasKinds>
 __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const ScoreMod& m,
                                            int row_w, int col0, const Flash_fwd_params& p,
                                            const BiasPrefetch<kBN>* pf = nullptr) {
@@ -386,9 +395,9 @@ __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const Sco
   }
   if (!ScoreMods || p.bias_ptr != nullptr) {
     if (pf != nullptr) {
-      bias_apply<kBN, BiasFast>(acc_s, *pf, p, m, row_w, col0);
+      bias_apply<kBN, BiasFast, 8, Kinds>(acc_s, *pf, p, m, row_w, col0);
     } else {
-      bias_scores<kBN, BiasFast>(acc_s, p, m, row_w, col0);
+      bias_scores<kBN, BiasFast, 8, Kinds>(acc_s, p, m, row_w, col0);
     }
   }
 }
