@@ -298,9 +298,13 @@ struct BiasPrefetch {
 template <int kCols, int Kinds = kAllBiasKinds>
 __device__ __forceinline__ void bias_prefetch(BiasPrefetch<kCols>& pf, const Flash_fwd_params& p,
                                               const ScoreMod& m, int row_w, int col0) {
-  constexpr int kPrefetched =
-      Kinds & (bias_kind_bit(kBiasBool) | bias_kind_bit(kBiasHalf) | bias_kind_bit(kBiasBf16));
-  pf.ok = p.bias_pairs && (kPrefetched & bias_kind_bit(p.bias_kind)) != 0 &&
+  // The 1- and 2-byte kinds of Kinds (the same three compares as before the kind sets where
+  // all are compiled: the extended kernels' schedules stay as measured).
+  const bool kind_ok =
+      ((Kinds & bias_kind_bit(kBiasBool)) != 0 && p.bias_kind == kBiasBool) ||
+      ((Kinds & bias_kind_bit(kBiasHalf)) != 0 && p.bias_kind == kBiasHalf) ||
+      ((Kinds & bias_kind_bit(kBiasBf16)) != 0 && p.bias_kind == kBiasBf16);
+  pf.ok = p.bias_pairs && kind_ok &&
           row_w + 16 <= p.seqlen_q && col0 + kCols <= p.seqlen_k;
   if (!pf.ok) return;  // warp-uniform
   const int lane = threadIdx.x % 32;
