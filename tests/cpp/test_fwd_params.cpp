@@ -87,5 +87,55 @@ TEST(FwdParams, BhsdViewsAndSlices) {
   EXPECT_EQ(p.causal_offset, sk - 1);
 }
 
+// fwd_variant (kernels/flash.h): which forward family runs a call. The bias-only kernel takes a
+// bool or fp16 bias and nothing else of the extended features; any of them, or another bias
+// kind, runs the extended kernel.
+TEST(FwdParams, FwdVariant) {
+  at::Tensor q = at::zeros({1, 70, 2, 64}, at::kHalf), k = at::zeros({1, 90, 2, 64}, at::kHalf);
+  at::Tensor out = at::empty_like(q), lse = at::empty({1, 2, 70}, at::kFloat);
+  at::Tensor lp = at::zeros({1}, at::kInt), su = at::full({1}, 90, at::kInt);
+  auto base = [&](bool causal) {
+    Flash_fwd_params p;
+    set_params_fprop(p, q, k, k, out, lse, 0.125, causal, /*bottom_right=*/true, lp, su);
+    return p;
+  };
+  unsigned char dummy = 0;
+  for (bool causal : {false, true}) {
+    Flash_fwd_params p = base(causal);
+    EXPECT_EQ(fwd_variant(p), kFwdPlain);
+    p.bias_ptr = &dummy;
+    for (int kind : {kBiasBool, kBiasHalf, kBiasBf16, kBiasFloat}) {
+      p.bias_kind = kind;
+      EXPECT_EQ(fwd_variant(p), kind == kBiasBool || kind == kBiasHalf ? kFwdBias : kFwdExt)
+          << kind;
+    }
+    p.bias_kind = kBiasHalf;
+    const int cu[2] = {0, 70};
+    const float slopes[2] = {0.5f, 0.25f};
+    const int table[2] = {0, 1};
+    // Each other extended feature beside the bias: the extended kernel.
+    auto with = [&](auto set) {
+      Flash_fwd_params r = p;
+      set(r);
+      return fwd_variant(r);
+    };
+    EXPECT_EQ(with([](Flash_fwd_params& r) { r.softcap_in = 0.1f; }), kFwdExt);
+    EXPECT_EQ(with([&](Flash_fwd_params& r) { r.alibi_slopes_ptr = slopes; }), kFwdExt);
+    EXPECT_EQ(with([&](Flash_fwd_params& r) { r.cu_seqlens_q = cu; }), kFwdExt);
+    EXPECT_EQ(with([&](Flash_fwd_params& r) { r.cu_seqlens_k = cu; }), kFwdExt);
+    EXPECT_EQ(with([](Flash_fwd_params& r) { r.per_seq_offset = true; }), kFwdExt);
+    EXPECT_EQ(with([&](Flash_fwd_params& r) { r.block_table = table; }), kFwdExt);
+    EXPECT_EQ(with([](Flash_fwd_params& r) { r.dropout = 1; }), kFwdExt);
+    EXPECT_EQ(with([](Flash_fwd_params& r) { r.num_splits = 2; }), kFwdExt);
+    // A lower window diagonal (the local kernels) is only banded when causal.
+    EXPECT_EQ(with([](Flash_fwd_params& r) { r.window_lower = -5; }),
+              causal ? kFwdExt : kFwdBias);
+    // Without the bias, the features alone are extended as before.
+    Flash_fwd_params n = base(causal);
+    n.softcap_in = 0.1f;
+    EXPECT_EQ(fwd_variant(n), kFwdExt);
+  }
+}
+
 }  // namespace
 }  // namespace flash_sm75
