@@ -1809,6 +1809,11 @@ int main(int argc, char** argv) {
       cases.back().dbias = true;
       add(1, 200, 199, 2, 2, d, true, true, true, true, 2, false);
       cases.back().bias = 3, cases.back().dbias = true;
+      // the bias-only forward (fp16 / bool) with key ranges, causal and not
+      add(1, 200, 199, 2, 2, d, true, true, true, true, 2, false);
+      cases.back().bias = 2;
+      add(2, 97, 150, 4, 2, d, false, true, true, true, 1, false);
+      cases.back().bias = 1;
       add(2, 70, 90, 2, 1, d, false, true, false, false, 0, false);
       cases.back().bias = 2, cases.back().dbias = true, cases.back().dropout = 0.15;
       // ...in a sliding window's band (the local kernels), causal and not
