@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import os
 import statistics
 import sys
@@ -255,6 +256,10 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
         return model(input_ids=ids, attention_mask=am, use_cache=False, logits_to_keep=1)
 
     gen_kwargs = generate_kwargs(args)
+    # transformers 5.2x renamed generate()'s and the models' `past_key_values` to `cache` (the
+    # old name deprecated); use the name the installed version's model takes.
+    cache_kwarg = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                   else "past_key_values")
     caches: Dict[str, Any] = {}  # --cache static-reused: each implementation's one StaticCache
 
     def generate(impl):
@@ -266,7 +271,7 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
                 caches[impl] = StaticCache(config=model.config.get_text_config(decoder=True),
                                            max_cache_len=length + args.new_tokens)
             caches[impl].reset()  # zeroed in place: the compiled step's addresses stay
-            kwargs["cache"] = caches[impl]
+            kwargs[cache_kwarg] = caches[impl]
         return model.generate(input_ids=ids, attention_mask=am, max_new_tokens=args.new_tokens,
                               do_sample=False, use_cache=True, pad_token_id=0, **kwargs)
 
