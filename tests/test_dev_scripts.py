@@ -2,6 +2,8 @@
 the ncu stall-sample summary, tune_fwd.py's and tune_bwd.py's source generation and spec checks,
 and the backward problem they share (benchmarks/_common.py)."""
 import csv
+import os
+import shutil
 
 import pytest
 
@@ -145,3 +147,24 @@ def test_bwd_problem_gives_the_ops_forward_and_gradients_of_its_seeded_inputs():
     grads = torch.autograd.grad(out, (q, k, v), pb["dout"].double())
     for g, r in zip(grads, pb["ref"]):
         assert r.shape == g.shape and (g - r.double()).abs().max() < 2e-2
+
+
+def test_check_sm75_proxy_reports_the_jit_target_beside_sm75():
+    """--proxy sm_90: the same compute_75 PTX compiled for the stand-in GPU; its registers and
+    spills come as extra columns (read from ptxas), and never decide the check."""
+    nvcc = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"),
+            shutil.which("nvcc")]
+    if not any(c and os.access(c, os.X_OK) for c in nvcc):
+        pytest.skip("no nvcc (check_sm75.py needs one)")
+    src = "csrc/kernels/instantiations/flash_bwd_hdim64_fp16_sm75.cu"
+    r = run_script("scripts/check_sm75.py", "--skip-generate-check", "--proxy", "sm_90", src)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    header = next(line for line in r.stdout.splitlines() if line.startswith("file "))
+    assert "sm_90 regs" in header and "sm_90 spill st/ld" in header
+    rows = [line for line in r.stdout.splitlines() if "flash_bwd_dkdv_kernel" in line]
+    assert rows
+    # Each row: sm_75 regs, spills, stack, smem, then the sm_90 register count and spills.
+    cells = rows[0].split()
+    st, ld = cells[-2].split("/")
+    assert 0 < int(cells[-3]) <= 255 and int(st) >= 0 and int(ld) >= 0
+    assert "sm_90 (informational):" in r.stdout
