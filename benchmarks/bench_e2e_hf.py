@@ -19,7 +19,10 @@ For each batch size and prompt length:
   ``gen spread %``: (max - min) / median of the generate repetitions. Each implementation is
   warmed up (a prefill and a whole generate) and the timed repetitions of the two alternate
   (ours, stock, stock, ours, ...), so that clock or load drift falls on both alike (one run of
-  each in sequence gave 0.93x in one process and 1.58x in another on the same day);
+  each in sequence gave 0.93x in one process and 1.58x in another on the same day). Before
+  the timed repetitions of each kind each implementation runs one untimed call, and the
+  allocator keeps its cached blocks between repetitions (returning them to the driver after
+  every call, as before, made each repetition start with cudaMallocs);
 * ``gen tok/s``: ``batch * new_tokens / time`` of ``generate(max_new_tokens=N, greedy)``,
   prefill included; ``decode tok/s``: the same without the prefill time;
 * ``peak GiB``: ``torch.cuda.max_memory_allocated`` during generate (weights included) and
@@ -40,7 +43,8 @@ graphs compiled in an impl's warm-up; ``graphs_compiled_timed``: any compiled la
 transformers allocates a new StaticCache per generate(), so each timed generate still re-records
 its CUDA graph once (new static addresses), for both implementations alike. ``--cache
 static-reused`` keeps one StaticCache per implementation instead (reset in place and passed to
-every generate as its ``cache``, as a serving loop keeps one), so the graph recorded in the
+every generate as its cache -- ``cache`` or ``past_key_values``, the name the installed
+transformers' model takes -- as a serving loop keeps one), so the graph recorded in the
 warm-up is replayed: the decode steps' time without per-call recording.
 
 Prompts are equal-length random tokens; ``--left-pad`` makes batch rows shorter by 0, 1/8, 2/8,
@@ -275,22 +279,28 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
         return model.generate(input_ids=ids, attention_mask=am, max_new_tokens=args.new_tokens,
                               do_sample=False, use_cache=True, pad_token_id=0, **kwargs)
 
-    def guarded(impl, fn):
+    def guarded(impl, fn, tidy=True):
         """fn() for impl; an exception (OOM, a backend refusing the shape) is recorded as the
-        impl's error and the impl leaves the comparison."""
+        impl's error and the impl leaves the comparison. tidy: then collect garbage and return
+        the allocator's cached blocks to the driver (after a warm-up or an error). Not between
+        timed repetitions: each would then start by allocating its activations from the driver
+        again (cudaMalloc, which synchronises), a cost of the harness that varies call to call."""
         res = results[impl]
+        failed = False
         try:
             with torch.inference_mode(), ctx(impl):
                 return fn(res)
         except Exception as e:  # noqa: BLE001 - recorded, the other impl goes on
+            failed = True
             res["error"] = "OOM" if C.is_oom(e) else f"{type(e).__name__}: {e}"[:300]
             if device.type == "cuda" and not C.cuda_context_ok():
                 raise
             return None
         finally:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            if tidy or failed:
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
 
     def warm_up(res):
         hf.reset_stats()
@@ -327,12 +337,15 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
     graphs = graphs_compiled()
     for key, fn, reps in (("prefill_times_s", lambda impl: prefill(), args.repeats),
                           ("gen_times_s", generate, args.gen_repeats)):
+        for impl in args.impls:  # untimed: the allocator's blocks for this kind of call cached
+            if "error" not in results[impl]:
+                guarded(impl, lambda res: fn(res["impl"]), tidy=False)
         for r in range(max(1, reps)):
             order = args.impls if r % 2 == 0 else list(reversed(args.impls))
             for impl in order:
                 if "error" not in results[impl]:
                     guarded(impl, lambda res: res[key].append(
-                        timed(lambda: fn(res["impl"]), device)[0]))
+                        timed(lambda: fn(res["impl"]), device)[0]), tidy=False)
     graphs = graphs_compiled() - graphs  # should be 0: the warm-up compiled everything
     for res in results.values():
         res["graphs_compiled_timed"] = graphs
