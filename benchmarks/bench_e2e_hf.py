@@ -396,6 +396,26 @@ def main(argv=None) -> int:
           f"; new tokens {args.new_tokens}; left pad {args.left_pad}; {mode}")
 
     results: List[Dict[str, Any]] = []
+
+    def write_out(complete):
+        """The JSON (--out) of the cells measured so far; complete: every cell ran (written
+        after each cell too, so that a run stopped by a time limit keeps what it measured)."""
+        C.write_json(args.out, {
+            "benchmark": "bench_e2e_hf",
+            "args": vars(args),
+            "complete": complete,
+            "model": {"source": source, "model_type": cfg.model_type,
+                      "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+                      "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
+                      "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
+            "stock": "sdpa+EFFICIENT_ATTENTION",
+            "stock_gqa": "enable_gqa" if stock_gqa else "repeat_kv",
+            "generation": {"cache": args.cache, "compile": args.compile},
+            "env": C.env_info(device.type),
+            "transformers": __import__("transformers").__version__,
+            "results": results,
+        })
+
     for batch in args.batches:
         for length in args.lengths:
             for r in run_pair(model, batch, length, args, device, hf, stock_gqa):
@@ -415,6 +435,8 @@ def main(argv=None) -> int:
                 if r.get("graphs_compiled_timed"):
                     print(f"  B={batch} N={length}: WARNING {r['graphs_compiled_timed']} graphs "
                           f"compiled during the timed repetitions")
+            if args.out:
+                write_out(complete=False)
 
     def get(impl, batch, length, key):
         for r in results:
@@ -451,20 +473,7 @@ def main(argv=None) -> int:
     print(C.format_table(headers, rows, left=()))
 
     if args.out:
-        C.write_json(args.out, {
-            "benchmark": "bench_e2e_hf",
-            "args": vars(args),
-            "model": {"source": source, "model_type": cfg.model_type,
-                      "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
-                      "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
-                      "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
-            "stock": "sdpa+EFFICIENT_ATTENTION",
-            "stock_gqa": "enable_gqa" if stock_gqa else "repeat_kv",
-            "generation": {"cache": args.cache, "compile": args.compile},
-            "env": C.env_info(device.type),
-            "transformers": __import__("transformers").__version__,
-            "results": results,
-        })
+        write_out(complete=True)
         print(f"wrote {args.out}")
     if args.png:
         panels = []

@@ -245,6 +245,7 @@ def test_e2e_hf_interleaves_the_implementations_and_reports_the_spread(tmp_path)
     assert "gen spread % ours" in r.stdout
     # today's generation mode stays the default: a DynamicCache, transformers' compile rule
     assert json.loads(out.read_text())["generation"] == {"cache": "dynamic", "compile": "auto"}
+    assert json.loads(out.read_text())["complete"] is True  # also written, incomplete, per cell
     assert "generate: dynamic cache, compile auto" in r.stdout
 
 
