@@ -26,7 +26,10 @@ For each batch size and prompt length:
 * ``gen tok/s``: ``batch * new_tokens / time`` of ``generate(max_new_tokens=N, greedy)``,
   prefill included; ``decode tok/s``: the same without the prefill time;
 * ``peak GiB``: ``torch.cuda.max_memory_allocated`` during generate (weights included) and
-  ``prefill peak``: during the prefill forward.
+  ``prefill peak``: during the prefill forward;
+* ``--attention-share``: one more prefill per implementation under torch.profiler, its kernels'
+  GPU time and the attention kernels' part of it (``prefill_attention_share``): the most any
+  attention kernel can take off that prefill.
 
 Generation modes (``--cache``, ``--compile``; recorded as ``generation`` in the JSON): eager
 decode steps are host-bound (Python per layer), and on GPU their times spread by 5-94% between
@@ -66,6 +69,7 @@ import contextlib
 import gc
 import inspect
 import os
+import re
 import statistics
 import sys
 import time
@@ -123,6 +127,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write results as JSON here")
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
+    p.add_argument("--attention-share", action="store_true",
+                   help="also profile one prefill per implementation (torch.profiler, GPU only): "
+                        "its kernels' total time and the attention kernels' share of it, i.e. "
+                        "the most an attention kernel can take off that prefill")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths = [512, 2048]
@@ -242,6 +250,30 @@ def spread_pct(times: List[float]) -> Optional[float]:
     return 100.0 * (max(times) - min(times)) / statistics.median(times)
 
 
+# Attention kernels by name: ours (namespace flash_sm75) and torch's memory-efficient backend
+# (cutlass fmha kernels, "attention" in the ATen kernel names).
+ATTENTION_KERNELS = re.compile(r"flash_sm75|fmha|attention", re.IGNORECASE)
+
+
+def prefill_kernel_times(prefill) -> Dict[str, Any]:
+    """One prefill under torch.profiler: the GPU time of all its kernels and of the attention
+    kernels (ATTENTION_KERNELS), in ms, and the attention share (Amdahl: the most a faster
+    attention can remove from this prefill's kernel time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill()
+        torch.cuda.synchronize()
+    total = attn = 0.0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total += evt.device_time_total
+            if ATTENTION_KERNELS.search(evt.name):
+                attn += evt.device_time_total
+    return {"prefill_gpu_ms": total / 1e3, "prefill_attention_gpu_ms": attn / 1e3,
+            "prefill_attention_share": attn / total if total > 0 else None}
+
+
 def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str, Any]]:
     """Every implementation of args.impls on one (batch, prompt length), interleaved: each is
     warmed up (a prefill and a whole generate, which also give its attention counts and peak
@@ -347,6 +379,10 @@ def run_pair(model, batch, length, args, device, hf, stock_gqa) -> List[Dict[str
                     guarded(impl, lambda res: res[key].append(
                         timed(lambda: fn(res["impl"]), device)[0]), tidy=False)
     graphs = graphs_compiled() - graphs  # should be 0: the warm-up compiled everything
+    if args.attention_share and device.type == "cuda":
+        for impl in args.impls:
+            if "error" not in results[impl]:
+                guarded(impl, lambda res: res.update(prefill_kernel_times(prefill)), tidy=False)
     for res in results.values():
         res["graphs_compiled_timed"] = graphs
         if "error" in res:
@@ -432,6 +468,11 @@ def main(argv=None) -> int:
                           f"{r['prefill_attention']['fallback']} fallback"
                           + (f"; {r['gen_graphs_compiled']} graphs compiled in warm-up"
                              if r["gen_graphs_compiled"] else ""))
+                if r.get("prefill_attention_share") is not None:
+                    print(f"  B={batch} N={length} {impl}: prefill kernels "
+                          f"{r['prefill_gpu_ms']:.2f} ms, attention "
+                          f"{r['prefill_attention_gpu_ms']:.2f} ms "
+                          f"({100 * r['prefill_attention_share']:.0f}%)")
                 if r.get("graphs_compiled_timed"):
                     print(f"  B={batch} N={length}: WARNING {r['graphs_compiled_timed']} graphs "
                           f"compiled during the timed repetitions")

@@ -371,3 +371,18 @@ def test_host_ms_per_call_times_each_call_without_the_rest():
     ms = common.host_ms_per_call(fn, "cpu", calls=4, trials=3)
     assert len(calls) == 1 + 4 * 3
     assert 2.0 <= ms < 50.0
+
+
+def test_e2e_hf_attention_kernels_are_told_apart_by_name():
+    # --attention-share sums the prefill's attention kernels by name (ours and torch's
+    # memory-efficient fmha), not its GEMMs, norms or elementwise kernels.
+    m = load_script("benchmarks/bench_e2e_hf.py")
+    attention = ["void flash_sm75::flash_fwd_kernel<flash_sm75::Flash_fwd_kernel_traits<"
+                 "flash_sm75::FwdTileD64>, true, false, 0>(flash_sm75::Flash_fwd_params)",
+                 "fmha_cutlassF_f16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel"
+                 "<cutlass::half_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)"]
+    other = ["ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_tn",
+             "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl<>>",
+             "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>"]
+    assert all(m.ATTENTION_KERNELS.search(name) for name in attention)
+    assert not any(m.ATTENTION_KERNELS.search(name) for name in other)
