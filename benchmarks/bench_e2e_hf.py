@@ -432,6 +432,7 @@ def main(argv=None) -> int:
           f"; new tokens {args.new_tokens}; left pad {args.left_pad}; {mode}")
 
     results: List[Dict[str, Any]] = []
+    env = C.env_info(device.type)  # once (git, nvidia-smi): the JSON is rewritten per cell
 
     def write_out(complete):
         """The JSON (--out) of the cells measured so far; complete: every cell ran (written
@@ -447,7 +448,7 @@ def main(argv=None) -> int:
             "stock": "sdpa+EFFICIENT_ATTENTION",
             "stock_gqa": "enable_gqa" if stock_gqa else "repeat_kv",
             "generation": {"cache": args.cache, "compile": args.compile},
-            "env": C.env_info(device.type),
+            "env": env,
             "transformers": __import__("transformers").__version__,
             "results": results,
         })
