@@ -396,6 +396,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
         __syncthreads();  // K_{j+1} visible; every warp is done with V_j and the slots
       }
     } else if constexpr (Kt::kSplitTile) {
+      // The bias-only kernel loads a bias's half blocks (BiasPrefetch, 9 registers) one half
+      // ahead: half b's before S_b, and the next tile's half a as soon as half b's is added
+      // (pf_next), so that those loads are in flight during this tile's O += P V and the next
+      // one's S_a. Loaded just before S_a, their latency outlasted its 64 MMAs (ncu: the first
+      // conversion of half a's bias was the kernel's most sampled stall). The extended kernel
+      // keeps loading each half just before its MMAs (as measured; the change not tried there).
+      constexpr bool kBiasAhead = Variant == kFwdBias;
+      BiasPrefetch<kBN / 2> pf_next;
+      pf_next.ok = false;
+      if (kBiasAhead && Kt::kBiasFastPath && biased) {
+        bias_prefetch<kBN / 2, kKinds>(pf_next, params, smod, row0 + 16 * warp,
+                                       c.nb.n_block_min * kBN);
+      }
       for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
         // The split tile: halves a (keys 0 .. Bc/2 - 1) and b of K_j / V_j.
         constexpr int kHalf = kBN / 2;
@@ -404,12 +417,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
                                n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
-        // A bias's half block loaded before the MMAs of its half (BiasPrefetch, 9 registers;
-        // half a's before S_a, half b's before S_b).
-        BiasPrefetch<kHalf> pf;
-        pf.ok = false;
-        if (Kt::kBiasFastPath && biased) {
-          bias_prefetch<kHalf, kKinds>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
+        // A bias's half block loaded before the MMAs of its half (half a's before S_a, half
+        // b's before S_b); with kBiasAhead, half a's is already in pf_next.
+        BiasPrefetch<kHalf> pf_here;
+        BiasPrefetch<kHalf>& pf = kBiasAhead ? pf_next : pf_here;
+        if constexpr (!kBiasAhead) {
+          pf.ok = false;
+          if (Kt::kBiasFastPath && biased) {
+            bias_prefetch<kHalf, kKinds>(pf, params, smod, row0 + 16 * warp, n_block * kBN);
+          }
         }
         gemm_rs_bt<kD, kHalf, kRowBytes, kPad>(acc_sa, q_frag, k_lane_addr);
         if constexpr (Has_bias) {
@@ -437,6 +453,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
           mod_scores<kHalf, Kt::kBiasFastPath, Is_ext, kKinds>(acc_sb, smod, row0 + 16 * warp,
                                                n_block * kBN + kHalf, params,
                                                Kt::kBiasFastPath ? &pf : nullptr);
+        }
+        if (kBiasAhead && Kt::kBiasFastPath && biased && n_block + 1 < c.nb.n_block_max) {
+          bias_prefetch<kHalf, kKinds>(pf, params, smod, row0 + 16 * warp, (n_block + 1) * kBN);
         }
         mask_scores<Is_causal, Is_local, Kt::kBlockM, kHalf>(acc_sb, c.m_block, 2 * n_block + 1, c.kr,
                                                    row0 + 16 * warp, c.si.causal_off(),
@@ -516,7 +535,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
   // O staged through sQ (each warp only ever read its own 16 rows there) or the K+V space (free
   // after the loop's last barrier).
   if (Kt::kQInSmem) __syncwarp();
-  store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK, exact_exp);
+  if constexpr (Variant == kFwdBias) {
+    // The bias-only kernel takes its O pointer only now: held through the loop, its registers
+    // were spilled at sm_75 (stored before the loop, reloaded after it).
+    // bidh >= 0 taken zero-extended: its sign word, not otherwise needed after the loop, was
+    // the value spilled.
+    // fwd_cta's formula for a dense call (kFwdBias never runs packed sequences: fwd_variant).
+    static_assert(!Is_ext, "kFwdBias: dense calls only, SeqInfo<false>");
+    FwdCta<Is_ext> late = c;
+    late.o_base = static_cast<__half*>(params.o_ptr) +
+                  c.si.q_offset(c.bidb, params.o_batch_stride, params.o_row_stride) +
+                  static_cast<index_t>(static_cast<uint32_t>(c.bidh)) * params.o_head_stride;
+    store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, late, Kt::kQInSmem ? sQ : sK, exact_exp);
+  } else {
+    store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK, exact_exp);
+  }
 }
 
 }  // namespace flash_sm75
