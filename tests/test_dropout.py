@@ -53,23 +53,45 @@ def test_philox_round_function_matches_the_known_answers():
                   10) == (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
 
 
-def python_keep_mask(seed, offset, b, h, sq, sk, p):
-    """The documented layout (dropout.h): one Philox4x32-7 call per cell {a, a+8} x {b, b+8} of
-    each 16 x 16 block, counter (key block * 64 + a * 8 + b, query block, slice, offset / 4),
-    key (seed low, seed high ^ offset >> 34); kept iff the element's word < round((1-p) 2^32)."""
+def _key_off(seed, offset):
     seed &= (1 << 64) - 1
     offset &= (1 << 64) - 1
-    key = (seed & _U32, ((seed >> 32) ^ (offset >> 34)) & _U32)
-    off = (offset >> 2) & _U32
-    thr = min(int((1.0 - p) * 2**32 + 0.5), _U32)
+    return (seed & _U32, ((seed >> 32) ^ (offset >> 34)) & _U32), (offset >> 2) & _U32
+
+
+def python_number(seed, offset, bh, i, j):
+    """The documented 32-bit number of element (query i, key j) of slice bh (dropout.h): one
+    Philox4x32-7 call per cell {a, a+8} x {2c, 2c+1, 2c+8, 2c+9} of each 16 x 16 block, counter
+    (key block * 32 + a * 4 + c, query block, slice, offset / 4), key (seed low, seed high ^
+    offset >> 34); the element's 16-bit word (word (i >= 8) + 2 (j >= 8), half j & 1) is the
+    number's high half, the same word of the cell's second call (counter bit 31 set) its low."""
+    key, off = _key_off(seed, offset)
+    c0 = (j >> 4) * 32 + (i & 7) * 4 + ((j & 7) >> 1)
+    word, half = ((i >> 3) & 1) + 2 * ((j >> 3) & 1), j & 1
+    hi = (philox((c0, i >> 4, bh, off), key, 7)[word] >> (16 * half)) & 0xFFFF
+    lo = (philox((c0 | 0x80000000, i >> 4, bh, off), key, 7)[word] >> (16 * half)) & 0xFFFF
+    return (hi << 16) | lo
+
+
+def keep_threshold(p):
+    return min(int((1.0 - p) * 2**32 + 0.5), _U32)
+
+
+def python_keep_mask(seed, offset, b, h, sq, sk, p):
+    """Kept iff the element's number (python_number) < round((1-p) 2^32)."""
+    thr = keep_threshold(p)
     keep = torch.empty(b * h, sq, sk, dtype=torch.bool)
     for bh in range(b * h):
         for i in range(sq):
             for j in range(sk):
-                words = philox(((j >> 4) * 64 + (i & 7) * 8 + (j & 7), i >> 4, bh, off), key, 7)
-                word = words[((i >> 3) & 1) + 2 * ((j >> 3) & 1)]
-                keep[bh, i, j] = word < thr
+                keep[bh, i, j] = python_number(seed, offset, bh, i, j) < thr
     return keep.view(b, h, sq, sk)
+
+
+def tie_p(seed, offset, i, j, low):
+    """A p whose threshold has element (i, j) of slice 0's 16-bit word as its high half and
+    `low` as its low half: that element's keep is decided by the cell's second call."""
+    return 1.0 - ((python_number(seed, offset, 0, i, j) >> 16) * 65536 + low + 0.25) / 2**32
 
 
 @pytest.mark.parametrize("seed,offset", [(0, 0), (123456789, 4), (-2**63 + 5, 2**36 + 12)])
@@ -78,6 +100,23 @@ def test_dropout_mask_op_is_the_documented_generator(seed, offset):
     mask = ops.dropout_mask(state, 2, 2, 19, 35, 0.3)
     assert mask.dtype == torch.bool and mask.shape == (2, 2, 19, 35)
     assert torch.equal(mask, python_keep_mask(seed, offset, 2, 2, 19, 35, 0.3))
+
+
+@pytest.mark.parametrize("i,j", [(0, 0), (1, 0), (9, 13)])
+def test_dropout_mask_op_decides_ties_on_the_low_half(i, j):
+    # The one element whose high word equals the threshold's: kept iff its low half is below
+    # the threshold's low half; both outcomes, and the op agrees with the Python generator.
+    seed, offset = 77, 8
+    state = torch.tensor([seed, offset], dtype=torch.int64)
+    number = python_number(seed, offset, 0, i, j)
+    for low, kept in ((0, False), (0xFFFF, (number & 0xFFFF) < 0xFFFF),
+                      ((number & 0xFFFF) + 1 if (number & 0xFFFF) < 0xFFFF else 0xFFFF,
+                       (number & 0xFFFF) < 0xFFFF)):
+        p = tie_p(seed, offset, i, j, low)
+        assert keep_threshold(p) == ((number >> 16) << 16) + low
+        mask = ops.dropout_mask(state, 1, 1, 16, 16, p)
+        assert bool(mask[0, 0, i, j]) == kept
+        assert torch.equal(mask, python_keep_mask(seed, offset, 1, 1, 16, 16, p))
 
 
 def test_dropout_mask_statistics():

@@ -5,16 +5,24 @@
 //
 // Generator: Philox4x32 (Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as
 // 1, 2, 3", SC 2011), keyed by the seed of torch's CUDA generator, with kDropoutRounds rounds.
-// One call gives four 32-bit words for one *cell*: the four elements
-//   (query a, key b), (a + 8, b), (a, b + 8), (a + 8, b + 8)
-// of a 16 x 16 (query, key) block, a, b in 0..7. That cell is what one thread holds in the
-// mma.m16n8k8 accumulator layouts of both the forward (rows = queries: lane (g, t) holds queries
-// g, g + 8 and keys 2t, 2t + 1 of each 8-key tile) and the dK/dV kernel (rows = keys, S^T: keys
-// g, g + 8, queries 2t, 2t + 1), so every kernel computes each random word exactly once, with no
-// shuffle. Counter = (cell index in the query block's row of 16 x 16 blocks, query block, batch
-// * heads + head, the call's offset / 4); key = the seed (high word xor the offset's bits past
-// 2^34). An element is kept iff its word < keep_threshold = round((1 - p) 2^32): probability
-// 1 - p to within 2^-32.
+// One call gives eight 16-bit words for one *cell*: the eight elements
+//   queries a, a + 8  x  keys 2c, 2c + 1, 2c + 8, 2c + 9
+// of a 16 x 16 (query, key) block, a in 0..7, c in 0..3 (DropoutCell below has the order).
+// That cell is what one lane holds of the block in the mma.m16n8k8 accumulator layout of the
+// forward and the dQ kernel (rows = queries: lane (g, t) holds queries g, g + 8 and keys 2t,
+// 2t + 1 of each 8-key tile), so there each word is computed exactly once, with no shuffle. In
+// the dK/dV kernel's S^T (rows = keys: lane (g, t) holds keys g, g + 8 and queries 2t, 2t + 1
+// of each 8-query tile) a cell's words are split between lanes g and g ^ 1 by their key's
+// parity: each of the pair computes one of its two cells and sends the other lane the half it
+// needs (dropout_visit). Counter = (cell index in the query block's row of 16 x 16 blocks,
+// query block, batch * heads + head, the call's offset / 4); key = the seed (high word xor the
+// offset's bits past 2^34).
+//
+// An element is kept iff its 32-bit number u < keep_threshold = round((1 - p) 2^32), i.e. with
+// probability 1 - p to within 2^-32. Its high 16 bits are the cell's word; the low 16 bits are
+// drawn (from the same cell's second call, counter bit 31 set) only where the high word equals
+// the threshold's (probability 2^-16 per element), the one case the high word cannot decide.
+// So one call serves eight elements where a 32-bit word per element took two calls.
 //
 // The seed and offset come from torch's default CUDA generator (philox_cuda_state: 4 counter
 // units per call), so torch.manual_seed reproduces a run; under CUDA-graph capture they are read
@@ -79,11 +87,13 @@ FLASH_SM75_HD DropoutRng dropout_rng_from(uint64_t seed, uint64_t offset) {
                     static_cast<uint32_t>(offset >> 2)};
 }
 
-// The random words of cell (a, b) of the 16 x 16 block (query block qb, key block kb) of slice
-// bh: .x (a, b), .y (a + 8, b), .z (a, b + 8), .w (a + 8, b + 8).
+// The 16-bit words of cell (a, c) of the 16 x 16 block (query block qb, key block kb) of slice
+// bh: .x (a, 2c | 2c + 1 in its low | high half), .y (a + 8, the same keys), .z (a, 2c + 8 |
+// 2c + 9), .w (a + 8, 2c + 8 | 2c + 9). tie: the cell's second call (the low 16 bits of each
+// element's number, dropout_keep_word).
 FLASH_SM75_HD Philox4 dropout_cell(const DropoutRng& rng, uint32_t bh, uint32_t qb, uint32_t kb,
-                                   uint32_t a, uint32_t b) {
-  uint32_t c0 = kb * 64u + a * 8u + b;
+                                   uint32_t a, uint32_t c, bool tie = false) {
+  uint32_t c0 = kb * 32u + a * 4u + c + (tie ? 0x80000000u : 0u);
 #if defined(__CUDA_ARCH__)
   // One cell's rounds at a time: the empty volatile statements keep their order, so a call's
   // chain starts only after the previous call's words exist. ptxas would otherwise interleave
@@ -99,13 +109,30 @@ FLASH_SM75_HD Philox4 dropout_cell(const DropoutRng& rng, uint32_t bh, uint32_t 
   return r;
 }
 
+// Word `word` (0 .x, 1 .y, 2 .z, 3 .w) half `half` of a cell's call.
+FLASH_SM75_HD uint32_t dropout_half(const Philox4& r, int word, uint32_t half) {
+  const uint32_t w = word == 0 ? r.x : word == 1 ? r.y : word == 2 ? r.z : r.w;
+  return (w >> (16u * half)) & 0xFFFFu;
+}
+
+// Kept? An element's 16-bit word w16 against threshold thr; `tie` gives the low 16 bits of its
+// number (the cell's second call), asked for only when w16 equals thr's high half.
+template <typename Tie>
+FLASH_SM75_HD bool dropout_keep_word(uint32_t w16, uint32_t thr, Tie&& tie) {
+  const uint32_t hi = thr >> 16;
+  if (w16 != hi) return w16 < hi;
+  return tie() < (thr & 0xFFFFu);
+}
+
 // Element (query i, key j) of slice bh kept? (host reference; the kernels take whole cells.)
 FLASH_SM75_HD bool dropout_keep(const DropoutRng& rng, uint32_t bh, uint32_t i, uint32_t j,
                                 uint32_t keep_threshold) {
-  const Philox4 r = dropout_cell(rng, bh, i >> 4, j >> 4, i & 7, j & 7);
-  const uint32_t qh = (i >> 3) & 1, kh = (j >> 3) & 1;
-  const uint32_t w = qh ? (kh ? r.w : r.y) : (kh ? r.z : r.x);
-  return w < keep_threshold;
+  const uint32_t a = i & 7u, c = (j & 7u) >> 1, half = j & 1u;
+  const int word = static_cast<int>(((i >> 3) & 1u) + 2u * ((j >> 3) & 1u));
+  const Philox4 r = dropout_cell(rng, bh, i >> 4, j >> 4, a, c);
+  return dropout_keep_word(dropout_half(r, word, half), keep_threshold, [&] {
+    return dropout_half(dropout_cell(rng, bh, i >> 4, j >> 4, a, c, true), word, half);
+  });
 }
 
 // keep_threshold of a drop probability p in (0, 1): round((1 - p) 2^32), at most 2^32 - 1.
@@ -146,12 +173,44 @@ __device__ __forceinline__ void dropout_save_state(const Flash_fwd_params& p) {
   }
 }
 
+// The keep bits (bit 2 word + half) of a cell's words selected by `bits`: each 16-bit word
+// against the threshold's high half; where one equals it (probability 2^-16), the low 16 bits
+// of its number from the cell's second call (tie()): the half of each bit (all eight bits
+// asked: the forward's whole cell) or half tie_half (the dK/dV lane's words of one key).
+template <typename Tie>
+__device__ __forceinline__ uint32_t dropout_cell_keep(const Philox4& r, uint32_t thr,
+                                                      uint32_t bits, uint32_t tie_half,
+                                                      Tie&& tie) {
+  const uint32_t hi = thr >> 16;
+  uint32_t keep = 0u, tied = 0u;
+#pragma unroll
+  for (int bit = 0; bit < 8; ++bit) {
+    if (!((bits >> bit) & 1u)) continue;
+    const uint32_t w16 = dropout_half(r, bit >> 1, static_cast<uint32_t>(bit & 1));
+    keep |= static_cast<uint32_t>(w16 < hi) << bit;
+    tied |= static_cast<uint32_t>(w16 == hi) << bit;
+  }
+  if (tied != 0u) {  // rare: one more call, this lane only
+    const Philox4 lo = tie();
+#pragma unroll
+    for (int bit = 0; bit < 8; ++bit) {
+      const uint32_t half = (bits == 0xFFu) ? static_cast<uint32_t>(bit & 1) : tie_half;
+      if ((tied >> bit) & 1u) {
+        keep |= static_cast<uint32_t>(dropout_half(lo, bit >> 1, half) < (thr & 0xFFFFu)) << bit;
+      }
+    }
+  }
+  return keep;
+}
+
 // Visits the kept / dropped state of every element a thread holds in an accumulator layout:
 // kNT tiles of 8 columns from column col0 (16-aligned) for the warp's 16 rows from row16
 // (16-aligned); f(nt, e, keep) with e as in the accumulator (0, 1: row g, columns 2t, 2t + 1;
 // 2, 3: row g + 8). kKeyRows = false: rows are queries, columns keys (the forward, the dQ
-// kernel); true: rows are keys, columns queries (the dK/dV kernel's S^T). Either way the lane
-// holds whole cells (see the file comment): (g, 2t + x) resp. (2t + x, g) of each 16 x 16 block.
+// kernel): lane (g, t) holds cell (g, t) of each 16 x 16 block. true: rows are keys, columns
+// queries (the dK/dV kernel's S^T): lane (g, t) holds, of cells (2t, g / 2) and (2t + 1, g / 2),
+// the halves of key parity g & 1; it computes cell (2t + (g & 1), g / 2) and swaps halves with
+// lane (g ^ 1, t). Every lane of the warp must call it (the swap is a shuffle).
 template <int kNT, bool kKeyRows, typename F>
 __device__ __forceinline__ void dropout_visit(const DropoutRng& rng, uint32_t bh, int row16,
                                               int col0, int g, int t, uint32_t thr, F&& f) {
@@ -159,17 +218,47 @@ __device__ __forceinline__ void dropout_visit(const DropoutRng& rng, uint32_t bh
   const uint32_t rb = static_cast<uint32_t>(row16) >> 4, cb = static_cast<uint32_t>(col0) >> 4;
 #pragma unroll
   for (int m = 0; m < kNT / 2; ++m) {
+    if constexpr (!kKeyRows) {
+      const Philox4 r = dropout_cell(rng, bh, rb, cb + m, g, t);
+      const uint32_t keep = dropout_cell_keep(r, thr, 0xFFu, 0u, [&] {
+        return dropout_cell(rng, bh, rb, cb + m, g, t, true);
+      });
+      // bit 2 word + half -> (tile, element): .x, .y keys 2t (+ 1) of tile 2m, .z, .w of tile
+      // 2m + 1; .y, .w the lower row half (query g + 8)
 #pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      // words (a, b), (a + 8, b), (a, b + 8), (a + 8, b + 8) of query a, key b
-      const Philox4 r = kKeyRows ? dropout_cell(rng, bh, cb + m, rb, 2 * t + x, g)
-                                 : dropout_cell(rng, bh, rb, cb + m, g, 2 * t + x);
-      // query + 8 is the next column tile (key rows) or the lower row half (query rows); key
-      // + 8 the other way round
-      f(2 * m, x, r.x < thr);
-      f(kKeyRows ? 2 * m + 1 : 2 * m, kKeyRows ? x : 2 + x, r.y < thr);
-      f(kKeyRows ? 2 * m : 2 * m + 1, kKeyRows ? 2 + x : x, r.z < thr);
-      f(2 * m + 1, 2 + x, r.w < thr);
+      for (int bit = 0; bit < 8; ++bit) {
+        f(2 * m + (bit >> 2), 2 * ((bit >> 1) & 1) + (bit & 1), ((keep >> bit) & 1u) != 0u);
+      }
+    } else {
+      const uint32_t h = static_cast<uint32_t>(g) & 1u, c = static_cast<uint32_t>(g) >> 1;
+      // Cell (query 2t + h, key pair c) of this block: query block cb + m, key block rb.
+      const Philox4 own = dropout_cell(rng, bh, cb + m, rb, 2 * t + h, c);
+      // The partner (key parity 1 - h) needs this cell's halves 1 - h, packed two per word.
+      const uint32_t o = 16u * (1u - h);
+      const uint32_t send0 = ((own.x >> o) & 0xFFFFu) | (((own.y >> o) & 0xFFFFu) << 16);
+      const uint32_t send1 = ((own.z >> o) & 0xFFFFu) | (((own.w >> o) & 0xFFFFu) << 16);
+      const uint32_t recv0 = __shfl_xor_sync(0xffffffffu, send0, 4);  // lane = 4 g + t
+      const uint32_t recv1 = __shfl_xor_sync(0xffffffffu, send1, 4);
+      // This lane's words, half h of both cells, as the low halves of a Philox4 each.
+      const uint32_t i = 16u * h;
+      const Philox4 mine{(own.x >> i) & 0xFFFFu, (own.y >> i) & 0xFFFFu,
+                         (own.z >> i) & 0xFFFFu, (own.w >> i) & 0xFFFFu};
+      const Philox4 other{recv0 & 0xFFFFu, recv0 >> 16, recv1 & 0xFFFFu, recv1 >> 16};
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const uint32_t a = 2 * t + static_cast<uint32_t>(x);
+        // low halves only (bits 2 word): the words of key g
+        const uint32_t keep = dropout_cell_keep(static_cast<uint32_t>(x) == h ? mine : other,
+                                                thr, 0x55u, h, [&] {
+          return dropout_cell(rng, bh, cb + m, rb, a, c, true);
+        });
+        // .x (query a, key g), .y (a + 8: the next column tile), .z (key g + 8: the lower row
+        // half), .w both
+#pragma unroll
+        for (int word = 0; word < 4; ++word) {
+          f(2 * m + (word & 1), 2 * (word >> 1) + x, ((keep >> (2 * word)) & 1u) != 0u);
+        }
+      }
     }
   }
 }

@@ -240,6 +240,10 @@ inline float shfl_xor(float v, int mask) {
   std::memcpy(&out, &all[lane() ^ mask][0], 4);
   return out;
 }
+inline uint32_t shfl_xor(uint32_t v, int mask) {
+  auto all = warp_exchange(&v, 1);
+  return all[lane() ^ mask][0];
+}
 
 }  // namespace emu
 

@@ -1853,6 +1853,34 @@ int main(int argc, char** argv) {
       add(b, sq, sk, h, hk, d, causal, br, lp, su, layout, false);
       cases.back().dropout = p;
     };
+    // Ties (dropout.h): p such that the threshold's high half is the 16-bit word of element
+    // (i, j) of slice 0, whose keep then rests on its cell's second call: with the threshold's
+    // low half 0 it is dropped, with 0xFFFF kept (unless its own low half is 0xFFFF), so a
+    // kernel that decided ties either way without that call fails one of the two. Elements in
+    // a dK/dV lane's own cell (query and key of one parity), in the cell its partner lane
+    // computes and sends (parities differ), and in the forward's word .w (i, j >= 8); the first
+    // whose word keeps p within [0.12, 0.88] (no extreme 1 / (1 - p)).
+    auto word16 = [](const Case& c, uint32_t i, uint32_t j) {
+      const DropoutRng r = dropout_rng_from(c.dropout_seed(), c.dropout_offset());
+      const Philox4 w = dropout_cell(r, 0u, i >> 4, j >> 4, i & 7u, (j & 7u) >> 1);
+      return dropout_half(w, int(((i >> 3) & 1u) + 2u * ((j >> 3) & 1u)), j & 1u);
+    };
+    for (int kind = 0; kind < 3; ++kind) {
+      for (uint32_t low : {0u, 0xFFFFu}) {
+        addd(1, 40, 50, 2, 1, 64, false, true, false, false, 0, 0.5);
+        Case& c = cases.back();
+        for (uint32_t ij = 0; ij < 256; ++ij) {
+          const uint32_t i = ij / 16, j = ij % 16, w16 = word16(c, i, j);
+          const bool in_kind = kind == 0   ? (i & 1u) == (j & 1u) && i < 8 && j < 8
+                               : kind == 1 ? (i & 1u) != (j & 1u) && i < 8 && j < 8
+                                           : i >= 8 && j >= 8;
+          if (in_kind && w16 >= 0x2000u && w16 <= 0xE000u) {
+            c.dropout = 1.0 - (double(w16) * 65536.0 + double(low) + 0.25) / 4294967296.0;
+            break;
+          }
+        }
+      }
+    }
     // quick: one small d = 256 case (the dropout tile's four column splits, GQA, causal, odd
     // lengths, a key range)
     addd(1, 40, 57, 4, 2, 256, true, true, true, true, 1, 0.3);
