@@ -204,6 +204,41 @@ def run_and_check(q, k, v, p, *, causal=False, bottom_right=True, window=(-1, -1
     return out, state
 
 
+def tie_element(seed, offset, kind):
+    """(i, j) of slice 0 in a 16 x 16 block whose 16-bit word w keeps 1 - w / 2^16 within
+    [0.12, 0.88]: kind "own" (query and key of one parity: a dK/dV lane's own cell), "partner"
+    (parities differ: the cell its partner lane sends), "word_w" (i, j >= 8)."""
+    for i in range(16):
+        for j in range(16):
+            in_kind = {"own": (i & 1) == (j & 1) and i < 8 and j < 8,
+                       "partner": (i & 1) != (j & 1) and i < 8 and j < 8,
+                       "word_w": i >= 8 and j >= 8}[kind]
+            if in_kind and 0x2000 <= python_number(seed, offset, 0, i, j) >> 16 <= 0xE000:
+                return i, j
+    pytest.skip("no element of that kind in range for this seed")
+
+
+@pytest.mark.parametrize("kind", ["own", "partner", "word_w"])
+@pytest.mark.parametrize("low", [0, 0xFFFF])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_kernels_decide_ties_with_the_cells_second_call(kind, low):
+    # p chosen so that one element's 16-bit word equals the threshold's high half: its keep
+    # rests on the low half from the cell's second call (dropped with low 0, kept with 0xFFFF
+    # unless its own low half is 0xFFFF). The call's generator state is read from the call
+    # before it (4 counter units per call) and checked after, so the tie is really forced.
+    torch.cuda.manual_seed(1234)
+    q, k, v = qkv(1, 16, 16, 1, 1, 64, "cuda")
+    state0 = ops.fwd_dropout(q, k, v, 0.5, None, False, True, None, None, -1, -1, 0.0, None,
+                             None)[2]
+    seed, offset = int(state0[0]), int(state0[1]) + 4
+    i, j = tie_element(seed, offset, kind)
+    p = tie_p(seed, offset, i, j, low)
+    q, k, v = qkv(1, 40, 50, 2, 1, 64, "cuda", grad=True)
+    _, state = run_and_check(q, k, v, p)
+    assert (int(state[0]), int(state[1])) == (seed, offset)
+
+
 class _Null:
     def __enter__(self):
         return self
