@@ -7,7 +7,8 @@
 // 1, 2, 3", SC 2011), keyed by the seed of torch's CUDA generator, with kDropoutRounds rounds.
 // One call gives eight 16-bit words for one *cell*: the eight elements
 //   queries a, a + 8  x  keys 2c, 2c + 1, 2c + 8, 2c + 9
-// of a 16 x 16 (query, key) block, a in 0..7, c in 0..3 (DropoutCell below has the order).
+// of a 16 x 16 (query, key) block, a in 0..7, c in 0..3 (dropout_cell below: the words'
+// order).
 // That cell is what one lane holds of the block in the mma.m16n8k8 accumulator layout of the
 // forward and the dQ kernel (rows = queries: lane (g, t) holds queries g, g + 8 and keys 2t,
 // 2t + 1 of each 8-key tile), so there each word is computed exactly once, with no shuffle. In
