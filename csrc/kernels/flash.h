@@ -146,9 +146,10 @@ struct Flash_fwd_params {
   // ---- attention dropout (dropout.h; the extended instantiations) ---------------------------
   // dropout: P's elements kept iff their 32-bit Philox number (dropout.h) <
   // dropout_keep_threshold, the kept ones scaled by dropout_rp = 1 / (1 - p) (the forward on
-  // O, the backward on dP and dV). Seed and offset: the values, or (CUDA-graph capture, the backward) read on the device from
-  // dropout_seed_ptr / dropout_offset_ptr (+ dropout_offset_add). The forward writes the pair it
-  // used to dropout_rng_state_out (int64 [seed, offset]).
+  // O, the backward on dP and dV). Seed and offset: the values, or (CUDA-graph capture, the
+  // backward) read on the device from dropout_seed_ptr / dropout_offset_ptr (+
+  // dropout_offset_add). The forward writes the pair it used to dropout_rng_state_out (int64
+  // [seed, offset]).
   int dropout = 0;
   uint32_t dropout_keep_threshold = 0;
   float dropout_rp = 1.f;
