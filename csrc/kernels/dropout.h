@@ -174,94 +174,146 @@ __device__ __forceinline__ void dropout_save_state(const Flash_fwd_params& p) {
   }
 }
 
-// The keep bits (bit 2 word + half) of a cell's words selected by `bits`: each 16-bit word
-// against the threshold's high half; where one equals it (probability 2^-16), the low 16 bits
-// of its number from the cell's second call (tie()): the half of each bit (all eight bits
-// asked: the forward's whole cell) or half tie_half (the dK/dV lane's words of one key).
-template <typename Tie>
-__device__ __forceinline__ uint32_t dropout_cell_keep(const Philox4& r, uint32_t thr,
-                                                      uint32_t bits, uint32_t tie_half,
-                                                      Tie&& tie) {
-  const uint32_t hi = thr >> 16;
-  uint32_t keep = 0u, tied = 0u;
+// Half `half` of x in the low 16 bits, the same half of y in the high 16 bits (one PRMT).
+FLASH_SM75_HD uint32_t dropout_pack_halves(uint32_t x, uint32_t y, uint32_t half) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(x, y, half ? 0x7632u : 0x5410u);
+#else
+  return half ? (x >> 16) | (y & 0xFFFF0000u) : (x & 0xFFFFu) | (y << 16);
+#endif
+}
+
+// Fast path of one 32-bit word (two elements' 16-bit words, low and high half): kept[0] /
+// kept[1] whether the low / high half is <= hi, the threshold's high half; a half equal to hi
+// (a tie, probability 2^-16) counts as kept here and is settled afterwards from the low 16 bits
+// of its number (dropout_settle_ties). `tie` accumulates, at bit 15 / 31, halves equal to hi
+// (x = w ^ hi2 has a zero half; the borrow test is exact as "any": its one false positive, the
+// high half of a word whose low half is a tie, comes with a true one). Branch-free: the fast
+// path stays one basic block that ptxas can schedule with the MMAs around it.
+__device__ __forceinline__ void dropout_word_keep(uint32_t w, uint32_t hi, uint32_t hi2,
+                                                  uint32_t& tie, bool (&kept)[2]) {
+  const uint32_t x = w ^ hi2;
+  tie |= (x - 0x00010001u) & ~x;
+  kept[0] = (w & 0xFFFFu) <= hi;
+  kept[1] = w <= ((hi << 16) | 0xFFFFu);
+}
+
+// The rare path of dropout_visit: the thread's tied elements that the low 16 bits of their
+// number drop (>= the threshold's low half), as drop(nt, e) (the fast path kept them).
+// The cells are recomputed (both calls) in a loop that is not unrolled (it runs for a tied
+// lane only, about once per 4000 visits of 16 elements), collecting bits that are applied
+// unrolled (register arrays are indexed only at compile time).
+template <int kNT, bool kKeyRows, typename D>
+__device__ __forceinline__ void dropout_settle_ties(const DropoutRng& rng, uint32_t bh,
+                                                    uint32_t rb, uint32_t cb, int g, int t,
+                                                    uint32_t thr, D&& drop_elem) {
+  static_assert(kNT <= 8, "dropout: the tie bits of one 32-bit word");
+  const uint32_t hi = thr >> 16, lo = thr & 0xFFFFu;
+  const uint32_t h = static_cast<uint32_t>(g) & 1u, c = static_cast<uint32_t>(g) >> 1;
+  uint32_t drop = 0u;  // bit 8 m + 2 word + half (query rows) / 8 m + 4 x + word (key rows)
+#pragma unroll 1
+  for (int m = 0; m < kNT / 2; ++m) {
 #pragma unroll
-  for (int bit = 0; bit < 8; ++bit) {
-    if (!((bits >> bit) & 1u)) continue;
-    const uint32_t w16 = dropout_half(r, bit >> 1, static_cast<uint32_t>(bit & 1));
-    keep |= static_cast<uint32_t>(w16 < hi) << bit;
-    tied |= static_cast<uint32_t>(w16 == hi) << bit;
-  }
-  if (tied != 0u) {  // rare: one more call, this lane only
-    const Philox4 lo = tie();
+    for (int x = 0; x < (kKeyRows ? 2 : 1); ++x) {
+      const Philox4 r1 = kKeyRows ? dropout_cell(rng, bh, cb + m, rb, 2 * t + x, c)
+                                  : dropout_cell(rng, bh, rb, cb + m, g, t);
+      const Philox4 r2 = kKeyRows ? dropout_cell(rng, bh, cb + m, rb, 2 * t + x, c, true)
+                                  : dropout_cell(rng, bh, rb, cb + m, g, t, true);
 #pragma unroll
-    for (int bit = 0; bit < 8; ++bit) {
-      const uint32_t half = (bits == 0xFFu) ? static_cast<uint32_t>(bit & 1) : tie_half;
-      if ((tied >> bit) & 1u) {
-        keep |= static_cast<uint32_t>(dropout_half(lo, bit >> 1, half) < (thr & 0xFFFFu)) << bit;
+      for (int word = 0; word < 4; ++word) {
+#pragma unroll
+        for (int half = 0; half < (kKeyRows ? 1 : 2); ++half) {
+          const uint32_t hf = kKeyRows ? h : static_cast<uint32_t>(half);
+          const bool d = dropout_half(r1, word, hf) == hi && dropout_half(r2, word, hf) >= lo;
+          const int bit = 8 * m + (kKeyRows ? 4 * x + word : 2 * word + half);
+          drop |= static_cast<uint32_t>(d) << bit;
+        }
       }
     }
   }
-  return keep;
+#pragma unroll
+  for (int m = 0; m < kNT / 2; ++m) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (!((drop >> (8 * m + i)) & 1u)) continue;
+      if constexpr (kKeyRows) {  // i = 4 x + word: see dropout_visit's mapping
+        const int x = i >> 2, word = i & 3;
+        drop_elem(2 * m + (word & 1), 2 * (word >> 1) + x);
+      } else {  // i = 2 word + half
+        drop_elem(2 * m + (i >> 2), 2 * ((i >> 1) & 1) + (i & 1));
+      }
+    }
+  }
 }
 
 // Visits the kept / dropped state of every element a thread holds in an accumulator layout:
 // kNT tiles of 8 columns from column col0 (16-aligned) for the warp's 16 rows from row16
-// (16-aligned); f(nt, e, keep) with e as in the accumulator (0, 1: row g, columns 2t, 2t + 1;
-// 2, 3: row g + 8). kKeyRows = false: rows are queries, columns keys (the forward, the dQ
-// kernel): lane (g, t) holds cell (g, t) of each 16 x 16 block. true: rows are keys, columns
-// queries (the dK/dV kernel's S^T): lane (g, t) holds, of cells (2t, g / 2) and (2t + 1, g / 2),
-// the halves of key parity g & 1; it computes cell (2t + (g & 1), g / 2) and swaps halves with
-// lane (g ^ 1, t). Every lane of the warp must call it (the swap is a shuffle).
-template <int kNT, bool kKeyRows, typename F>
+// (16-aligned), e as in the accumulator (0, 1: row g, columns 2t, 2t + 1; 2, 3: row g + 8).
+// f(nt, e, keep) is called once per element by the fast path, where a tie counts as kept; then
+// drop(nt, e) for each tied element that the low half of its number drops (by default
+// f(nt, e, false) once more: right for callbacks that act only on a drop).
+// kKeyRows = false: rows are queries, columns keys (the forward, the dQ kernel): lane (g, t)
+// holds cell (g, t) of each 16 x 16 block. true: rows are keys, columns queries (the dK/dV
+// kernel's S^T): lane (g, t) holds, of cells (2t, g / 2) and (2t + 1, g / 2), the halves of key
+// parity g & 1; it computes cell (2t + (g & 1), g / 2) and swaps halves with lane (g ^ 1, t).
+// Every lane of the warp must call it (the swap is a shuffle).
+template <int kNT, bool kKeyRows, typename F, typename D>
 __device__ __forceinline__ void dropout_visit(const DropoutRng& rng, uint32_t bh, int row16,
-                                              int col0, int g, int t, uint32_t thr, F&& f) {
+                                              int col0, int g, int t, uint32_t thr, F&& f,
+                                              D&& drop) {
   static_assert(kNT % 2 == 0, "dropout: whole 16 x 16 blocks");
   const uint32_t rb = static_cast<uint32_t>(row16) >> 4, cb = static_cast<uint32_t>(col0) >> 4;
+  const uint32_t hi = thr >> 16, hi2 = hi * 0x00010001u;
+  uint32_t tie = 0u;
 #pragma unroll
   for (int m = 0; m < kNT / 2; ++m) {
     if constexpr (!kKeyRows) {
+      // .x, .y: keys 2t | 2t + 1 (low | high half) of tile 2m, .z, .w of tile 2m + 1; .y, .w
+      // the lower row half (query g + 8)
       const Philox4 r = dropout_cell(rng, bh, rb, cb + m, g, t);
-      const uint32_t keep = dropout_cell_keep(r, thr, 0xFFu, 0u, [&] {
-        return dropout_cell(rng, bh, rb, cb + m, g, t, true);
-      });
-      // bit 2 word + half -> (tile, element): .x, .y keys 2t (+ 1) of tile 2m, .z, .w of tile
-      // 2m + 1; .y, .w the lower row half (query g + 8)
+      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-      for (int bit = 0; bit < 8; ++bit) {
-        f(2 * m + (bit >> 2), 2 * ((bit >> 1) & 1) + (bit & 1), ((keep >> bit) & 1u) != 0u);
+      for (int word = 0; word < 4; ++word) {
+        bool kept[2];
+        dropout_word_keep(w[word], hi, hi2, tie, kept);
+        f(2 * m + (word >> 1), 2 * (word & 1), kept[0]);
+        f(2 * m + (word >> 1), 2 * (word & 1) + 1, kept[1]);
       }
     } else {
       const uint32_t h = static_cast<uint32_t>(g) & 1u, c = static_cast<uint32_t>(g) >> 1;
       // Cell (query 2t + h, key pair c) of this block: query block cb + m, key block rb.
       const Philox4 own = dropout_cell(rng, bh, cb + m, rb, 2 * t + h, c);
-      // The partner (key parity 1 - h) needs this cell's halves 1 - h, packed two per word.
-      const uint32_t o = 16u * (1u - h);
-      const uint32_t send0 = ((own.x >> o) & 0xFFFFu) | (((own.y >> o) & 0xFFFFu) << 16);
-      const uint32_t send1 = ((own.z >> o) & 0xFFFFu) | (((own.w >> o) & 0xFFFFu) << 16);
-      const uint32_t recv0 = __shfl_xor_sync(0xffffffffu, send0, 4);  // lane = 4 g + t
-      const uint32_t recv1 = __shfl_xor_sync(0xffffffffu, send1, 4);
-      // This lane's words, half h of both cells, as the low halves of a Philox4 each.
-      const uint32_t i = 16u * h;
-      const Philox4 mine{(own.x >> i) & 0xFFFFu, (own.y >> i) & 0xFFFFu,
-                         (own.z >> i) & 0xFFFFu, (own.w >> i) & 0xFFFFu};
-      const Philox4 other{recv0 & 0xFFFFu, recv0 >> 16, recv1 & 0xFFFFu, recv1 >> 16};
+      // Packed words: half h (this lane's key parity) of .x | .y and of .z | .w, and the
+      // partner's (key parity 1 - h) halves the same way, sent to it (lane = 4 g + t).
+      const uint32_t mine0 = dropout_pack_halves(own.x, own.y, h);
+      const uint32_t mine1 = dropout_pack_halves(own.z, own.w, h);
+      const uint32_t recv0 = __shfl_xor_sync(0xffffffffu, dropout_pack_halves(own.x, own.y, 1u - h), 4);
+      const uint32_t recv1 = __shfl_xor_sync(0xffffffffu, dropout_pack_halves(own.z, own.w, 1u - h), 4);
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
-        const uint32_t a = 2 * t + static_cast<uint32_t>(x);
-        // low halves only (bits 2 word): the words of key g
-        const uint32_t keep = dropout_cell_keep(static_cast<uint32_t>(x) == h ? mine : other,
-                                                thr, 0x55u, h, [&] {
-          return dropout_cell(rng, bh, cb + m, rb, a, c, true);
-        });
-        // .x (query a, key g), .y (a + 8: the next column tile), .z (key g + 8: the lower row
-        // half), .w both
-#pragma unroll
-        for (int word = 0; word < 4; ++word) {
-          f(2 * m + (word & 1), 2 * (word >> 1) + x, ((keep >> (2 * word)) & 1u) != 0u);
-        }
+        // cell (query 2t + x): this lane's own where x == h, else the partner's
+        const bool is_own = static_cast<uint32_t>(x) == h;
+        bool k01[2], k23[2];
+        dropout_word_keep(is_own ? mine0 : recv0, hi, hi2, tie, k01);
+        dropout_word_keep(is_own ? mine1 : recv1, hi, hi2, tie, k23);
+        // .x (query 2t + x, key g), .y (+ 8 queries: the next column tile), .z (key g + 8: the
+        // lower row half), .w both
+        f(2 * m, x, k01[0]);
+        f(2 * m + 1, x, k01[1]);
+        f(2 * m, 2 + x, k23[0]);
+        f(2 * m + 1, 2 + x, k23[1]);
       }
     }
   }
+  if (tie & 0x80008000u) {  // rare (2^-16 per element): this lane only
+    dropout_settle_ties<kNT, kKeyRows>(rng, bh, rb, cb, g, t, thr, drop);
+  }
+}
+template <int kNT, bool kKeyRows, typename F>
+__device__ __forceinline__ void dropout_visit(const DropoutRng& rng, uint32_t bh, int row16,
+                                              int col0, int g, int t, uint32_t thr, F&& f) {
+  dropout_visit<kNT, kKeyRows>(rng, bh, row16, col0, g, t, thr, f,
+                               [&](int nt, int e) { f(nt, e, false); });
 }
 
 // The kept / dropped state of the thread's elements as bits 4 nt + e (kNT <= 8 tiles): taken at
@@ -271,9 +323,10 @@ __device__ __forceinline__ uint32_t dropout_bits(const DropoutRng& rng, uint32_t
                                                  int col0, int g, int t, uint32_t thr) {
   static_assert(kNT <= 8, "dropout: one 32-bit mask");
   uint32_t bits = 0u;
-  dropout_visit<kNT, kKeyRows>(rng, bh, row16, col0, g, t, thr, [&](int nt, int e, bool k) {
-    if (k) bits |= 1u << (4 * nt + e);
-  });
+  dropout_visit<kNT, kKeyRows>(
+      rng, bh, row16, col0, g, t, thr,
+      [&](int nt, int e, bool k) { if (k) bits |= 1u << (4 * nt + e); },
+      [&](int nt, int e) { bits &= ~(1u << (4 * nt + e)); });
   return bits;
 }
 
