@@ -5,6 +5,8 @@ kernel, the total and per-call time, so a slow pass can be attributed to one ker
 backward's dK/dV kernel vs its separate dQ kernel vs the preprocess) before tuning it.
 
     python scripts/profile_kernels.py --d 128 --n 4096 [--causal] [--steps 5] [--bias bhnn]
+    python scripts/profile_kernels.py --d 128 --n 1024 --dropout 0.1   # the dropout row
+    python scripts/profile_kernels.py --d 128 --n 1024 --ext-probe     # extended kernels, p = 0
 
 Needs a CUDA GPU and the built extension. No L2 flush: these are steady-state times.
 """
@@ -38,7 +40,18 @@ def parse_args(argv=None):
                     help="an fp16 additive bias of shape (B, H, N, N) / (B, 1, N, N), random "
                          "normal: ours through the SDPA wrapper as attn_mask (the kernels' "
                          "attn_bias), mem-efficient with the same attn_mask")
-    return ap.parse_args(argv)
+    ap.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                    help="attention dropout probability for both (default 0)")
+    ap.add_argument("--ext-probe", action="store_true",
+                    help="ours with ALiBi slopes of 0 (the same math): the extended kernels that "
+                         "dropout, softcap and ALiBi run, without their work, to split a "
+                         "variant's cost into the extended kernel's and its own")
+    args = ap.parse_args(argv)
+    if not 0.0 <= args.dropout < 1.0:
+        ap.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.ext_probe and args.bias != "none":
+        ap.error("--ext-probe runs without --bias")
+    return args
 
 
 def kernel_times(fn, steps):
@@ -85,22 +98,29 @@ def main(argv=None):
         bias = torch.randn((args.batch, heads, args.n, args.n), device="cuda",
                            dtype=torch.float16, generator=g)
 
+    zero_slopes = torch.zeros(args.heads, device="cuda", dtype=torch.float32) \
+        if args.ext_probe else None
+
     def ours():
         if bias is None:
-            out = fa.flash_attention_forward(q, k, v, causal=args.causal)
+            out = fa.flash_attention_forward(q, k, v, causal=args.causal,
+                                             alibi_slopes=zero_slopes, dropout_p=args.dropout)
         else:
             with fa.strict():  # a fallback to torch would profile torch's kernels
                 out = fa.scaled_dot_product_attention(q, k, v, attn_mask=bias,
-                                                      is_causal=args.causal)
+                                                      is_causal=args.causal,
+                                                      dropout_p=args.dropout)
         torch.autograd.grad(out, (q, k, v), do)
 
     def efficient():
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=args.causal)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=args.causal,
+                                                 dropout_p=args.dropout)
         torch.autograd.grad(out, (q, k, v), do)
 
     print(f"B={args.batch} H={args.heads} N={args.n} d={args.d} causal={args.causal} "
-          f"bias={args.bias} gpu={torch.cuda.get_device_name()}")
+          f"bias={args.bias} dropout={args.dropout} ext_probe={args.ext_probe} "
+          f"gpu={torch.cuda.get_device_name()}")
     report("ours", kernel_times(ours, args.steps), args.steps)
     report("SDPA mem-efficient", kernel_times(efficient, args.steps), args.steps)
     return 0
