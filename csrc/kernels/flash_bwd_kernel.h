@@ -244,13 +244,14 @@ __device__ __forceinline__ void bias_gather_t(uint32_t (&w)[kWC / 2], const Flas
 // Bias_ahead: the tile's bias bits were gathered one tile ahead (bias_w, bias_gather_t);
 // otherwise probs_t reads them here.
 template <int kWC, bool Is_causal, bool Is_local, bool Is_ext = false, bool Has_bias = false,
-          bool Bias_ahead = false>
+          bool Bias_ahead = false, bool Plain_path = false>
 __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p_frag)[kWC / 8][2],
                                         const float* sLse, int qc0, int t, float scale_log2,
                                         bool need_mask, int key_g, int m0, const KeyRange& kr,
                                         int causal_offset, int window_lower,
                                         const ScoreMod& smod, const Flash_fwd_params& params,
                                         const uint32_t (&bias_w)[kWC / 2]) {
+  bool plain = !Is_ext;
   if constexpr (Is_ext) {
     // The bias first, in a loop of its own (in the main loop the d = 96 / 128 / 256 kernels
     // spilled), so that the mask below overwrites what it hides (a NaN or +inf bias at a hidden
@@ -283,6 +284,14 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
         });
       }
     }
+    // Without a softcap or ALiBi (dropout, a bias: the extended kernel's other users) the
+    // scores need neither: the plain kernel's loop below, which skips the per-score distance and
+    // derivative (uniform per tile; the bias is already in acc_s, and that loop's mask
+    // overwrites what it hides as the one here does). Plain_path: compiled only where both
+    // loops fit in 255 registers (the kernels that run dropout; flash_bwd_dkdv_kernel).
+    if constexpr (Plain_path) plain = smod.cap_in == 0.f && smod.slope == 0.f;
+  }
+  if (Is_ext && !plain) {
     // Masked scores -> -inf, in a loop of their own: with the ALiBi arithmetic in the same
     // loop the d = 256 local kernel spilled (255 registers). A masked score's derivative is
     // clamped to 0 (1 - inf^2), so P * derivative is 0, not 0 * -inf.
@@ -299,12 +308,10 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
         }
       }
     }
-  }
 #pragma unroll
-  for (int nt = 0; nt < kWC / 8; ++nt) {
-    const int qcol = qc0 + 8 * nt + 2 * t;
-    const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
-    if constexpr (Is_ext) {
+    for (int nt = 0; nt < kWC / 8; ++nt) {
+      const int qcol = qc0 + 8 * nt + 2 * t;
+      const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
       // ALiBi distance query + offset - key of element 0 (exact in float below 2^24).
       const float dist0 = static_cast<float>(m0 + qcol + smod.offset - key_g);
       float p[4];
@@ -318,20 +325,25 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
       }
       p_frag[nt][0] = pack_half2(p[0], p[1]);
       p_frag[nt][1] = pack_half2(p[2], p[3]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = recompute_p(acc_s[nt][e], scale_log2, (e & 1) ? lse2.y : lse2.x);
-        if (need_mask) {
-          const int key = key_g + (e >= 2 ? 8 : 0);
-          const int query = m0 + qcol + (e & 1);
-          if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) p = 0.f;
-        }
-        acc_s[nt][e] = p;
-      }
-      p_frag[nt][0] = pack_half2(acc_s[nt][0], acc_s[nt][1]);
-      p_frag[nt][1] = pack_half2(acc_s[nt][2], acc_s[nt][3]);
     }
+    return;
+  }
+#pragma unroll
+  for (int nt = 0; nt < kWC / 8; ++nt) {
+    const int qcol = qc0 + 8 * nt + 2 * t;
+    const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = recompute_p(acc_s[nt][e], scale_log2, (e & 1) ? lse2.y : lse2.x);
+      if (need_mask) {
+        const int key = key_g + (e >= 2 ? 8 : 0);
+        const int query = m0 + qcol + (e & 1);
+        if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) p = 0.f;
+      }
+      acc_s[nt][e] = p;
+    }
+    p_frag[nt][0] = pack_half2(acc_s[nt][0], acc_s[nt][1]);
+    p_frag[nt][1] = pack_half2(acc_s[nt][2], acc_s[nt][3]);
   }
 }
 
@@ -620,7 +632,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         softcap_scores<kWC>(acc_s, smod);
       }
       uint32_t p_frag[kWC / 8][2];
-      probs_t<kWC, Is_causal, Is_local, Is_ext, Is_ext && kD <= kBwdBiasMaxHeadDim, kBiasAhead>(
+      // The plain-scores path where there is room for it: the kernels that run dropout (with
+      // it d = 96's atomic and d = 256's default dK/dV kernels spilled 12-84 bytes).
+      probs_t<kWC, Is_causal, Is_local, Is_ext, Is_ext && kD <= kBwdBiasMaxHeadDim, kBiasAhead,
+              kDropout>(
           acc_s, p_frag, sLse, qc0, t, scale_log2, need_mask, n0 + 16 * wn + g, m0, kr,
           si.causal_off(), si.window_lower(), smod, params, bias_w);
       if (has_next) bias_ahead(it + 1);
@@ -951,6 +966,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       const bool need_mask =
           !tile_is_unmasked<Is_local>(m_block, n_block, kBM, kBN, kr, Is_causal, si.causal_off(),
                                       si.window_lower());
+      bool plain = !Is_ext;
       if constexpr (Is_ext) {
         // Per tile, not once per CTA: kept across the loop its registers pushed the kernel
         // past 255 with dropout's generator.
@@ -970,28 +986,36 @@ __global__ void __launch_bounds__(Kt::kNThreads)
             bias_scores<kBN, true, kGather>(acc_s, params, smod, row0 + 16 * wr, n_block * kBN);
           }
         }
+        // Without a softcap or ALiBi (dropout, a bias) the plain kernel's loop below: no
+        // per-score distance or derivative (uniform per tile; the bias is already in acc_s).
+        // Not in d = 64's band kernel (4 bytes of spill with both loops).
+        constexpr bool kPlainPath = !(Is_local && kD <= 64);
+        if constexpr (kPlainPath) plain = smod.cap_in == 0.f && smod.slope == 0.f;
+        if (!plain) {
 #pragma unroll
-        for (int nt = 0; nt < kBN / 8; ++nt) {
+          for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = row0 + 16 * wr + g + (e >= 2 ? 8 : 0);
-            const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
-            float x = acc_s[nt][e];
-            // Clamped at 0 as in probs_t: a bias's -inf score gives x * cap_in = -inf * 0 =
-            // NaN without a softcap, and P (0) times NaN would be NaN.
-            const float dcap = fmaxf(
-                alibi_and_dcap(smod, x, static_cast<float>(row + smod.offset - col)), 0.f);
-            float p = recompute_p(x, scale_log2, lse_l2[e >> 1]);
-            if (need_mask) {
-              if (!key_visible<Is_local>(row, col, kr, Is_causal, si.causal_off(),
-                                         si.window_lower())) {
-                p = 0.f;
+            for (int e = 0; e < 4; ++e) {
+              const int row = row0 + 16 * wr + g + (e >= 2 ? 8 : 0);
+              const int col = n_block * kBN + 8 * nt + 2 * t + (e & 1);
+              float x = acc_s[nt][e];
+              // Clamped at 0 as in probs_t: a bias's -inf score gives x * cap_in = -inf * 0 =
+              // NaN without a softcap, and P (0) times NaN would be NaN.
+              const float dcap = fmaxf(
+                  alibi_and_dcap(smod, x, static_cast<float>(row + smod.offset - col)), 0.f);
+              float p = recompute_p(x, scale_log2, lse_l2[e >> 1]);
+              if (need_mask) {
+                if (!key_visible<Is_local>(row, col, kr, Is_causal, si.causal_off(),
+                                           si.window_lower())) {
+                  p = 0.f;
+                }
               }
+              acc_s[nt][e] = p * dcap;
             }
-            acc_s[nt][e] = p * dcap;
           }
         }
-      } else {
+      }
+      if (!Is_ext || plain) {
 #pragma unroll
         for (int nt = 0; nt < kBN / 8; ++nt) {
 #pragma unroll
