@@ -198,6 +198,21 @@ __device__ __forceinline__ void dropout_word_keep(uint32_t w, uint32_t hi, uint3
   kept[1] = w <= ((hi << 16) | 0xFFFFu);
 }
 
+// Where a cell's words land in the accumulator layout, (tile nt, element e), for block m of
+// dropout_visit's columns. Query rows (the forward, the dQ kernel): half `half` of word `word`
+// (.x, .y: keys 2t | 2t + 1 of tile 2m, .z, .w of tile 2m + 1; .y, .w the lower row half).
+// Key rows (the dK/dV kernel): word `word` of the cell of query 2t + x, this lane's key parity
+// (.x: tile 2m, .y: + 8 queries, the next tile; .z: key g + 8, the lower row half; .w both).
+struct DropoutElem {
+  int nt, e;
+};
+__device__ __forceinline__ DropoutElem dropout_elem_q(int m, int word, int half) {
+  return DropoutElem{2 * m + (word >> 1), 2 * (word & 1) + half};
+}
+__device__ __forceinline__ DropoutElem dropout_elem_k(int m, int x, int word) {
+  return DropoutElem{2 * m + (word & 1), 2 * (word >> 1) + x};
+}
+
 // The rare path of dropout_visit: the thread's tied elements that the low 16 bits of their
 // number drop (>= the threshold's low half), as drop(nt, e) (the fast path kept them).
 // The cells are recomputed (both calls) in a loop that is not unrolled (it runs for a tied
@@ -236,12 +251,10 @@ __device__ __forceinline__ void dropout_settle_ties(const DropoutRng& rng, uint3
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (!((drop >> (8 * m + i)) & 1u)) continue;
-      if constexpr (kKeyRows) {  // i = 4 x + word: see dropout_visit's mapping
-        const int x = i >> 2, word = i & 3;
-        drop_elem(2 * m + (word & 1), 2 * (word >> 1) + x);
-      } else {  // i = 2 word + half
-        drop_elem(2 * m + (i >> 2), 2 * ((i >> 1) & 1) + (i & 1));
-      }
+      // i = 4 x + word (key rows) or 2 word + half (query rows)
+      const DropoutElem el = kKeyRows ? dropout_elem_k(m, i >> 2, i & 3)
+                                      : dropout_elem_q(m, i >> 1, i & 1);
+      drop_elem(el.nt, el.e);
     }
   }
 }
@@ -268,16 +281,15 @@ __device__ __forceinline__ void dropout_visit(const DropoutRng& rng, uint32_t bh
 #pragma unroll
   for (int m = 0; m < kNT / 2; ++m) {
     if constexpr (!kKeyRows) {
-      // .x, .y: keys 2t | 2t + 1 (low | high half) of tile 2m, .z, .w of tile 2m + 1; .y, .w
-      // the lower row half (query g + 8)
       const Philox4 r = dropout_cell(rng, bh, rb, cb + m, g, t);
       const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
       for (int word = 0; word < 4; ++word) {
         bool kept[2];
         dropout_word_keep(w[word], hi, hi2, tie, kept);
-        f(2 * m + (word >> 1), 2 * (word & 1), kept[0]);
-        f(2 * m + (word >> 1), 2 * (word & 1) + 1, kept[1]);
+        const DropoutElem lo = dropout_elem_q(m, word, 0), hi_el = dropout_elem_q(m, word, 1);
+        f(lo.nt, lo.e, kept[0]);
+        f(hi_el.nt, hi_el.e, kept[1]);
       }
     } else {
       const uint32_t h = static_cast<uint32_t>(g) & 1u, c = static_cast<uint32_t>(g) >> 1;
@@ -287,8 +299,10 @@ __device__ __forceinline__ void dropout_visit(const DropoutRng& rng, uint32_t bh
       // partner's (key parity 1 - h) halves the same way, sent to it (lane = 4 g + t).
       const uint32_t mine0 = dropout_pack_halves(own.x, own.y, h);
       const uint32_t mine1 = dropout_pack_halves(own.z, own.w, h);
-      const uint32_t recv0 = __shfl_xor_sync(0xffffffffu, dropout_pack_halves(own.x, own.y, 1u - h), 4);
-      const uint32_t recv1 = __shfl_xor_sync(0xffffffffu, dropout_pack_halves(own.z, own.w, 1u - h), 4);
+      const uint32_t recv0 =
+          __shfl_xor_sync(0xffffffffu, dropout_pack_halves(own.x, own.y, 1u - h), 4);
+      const uint32_t recv1 =
+          __shfl_xor_sync(0xffffffffu, dropout_pack_halves(own.z, own.w, 1u - h), 4);
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
         // cell (query 2t + x): this lane's own where x == h, else the partner's
@@ -296,12 +310,13 @@ __device__ __forceinline__ void dropout_visit(const DropoutRng& rng, uint32_t bh
         bool k01[2], k23[2];
         dropout_word_keep(is_own ? mine0 : recv0, hi, hi2, tie, k01);
         dropout_word_keep(is_own ? mine1 : recv1, hi, hi2, tie, k23);
-        // .x (query 2t + x, key g), .y (+ 8 queries: the next column tile), .z (key g + 8: the
-        // lower row half), .w both
-        f(2 * m, x, k01[0]);
-        f(2 * m + 1, x, k01[1]);
-        f(2 * m, 2 + x, k23[0]);
-        f(2 * m + 1, 2 + x, k23[1]);
+        // the packed words hold .x | .y and .z | .w (low | high half)
+        const DropoutElem ex = dropout_elem_k(m, x, 0), ey = dropout_elem_k(m, x, 1);
+        const DropoutElem ez = dropout_elem_k(m, x, 2), ew = dropout_elem_k(m, x, 3);
+        f(ex.nt, ex.e, k01[0]);
+        f(ey.nt, ey.e, k01[1]);
+        f(ez.nt, ez.e, k23[0]);
+        f(ew.nt, ew.e, k23[1]);
       }
     }
   }

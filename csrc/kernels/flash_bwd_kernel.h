@@ -289,7 +289,7 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
     // derivative (uniform per tile; the bias is already in acc_s, and that loop's mask
     // overwrites what it hides as the one here does). Plain_path: compiled only where both
     // loops fit in 255 registers (the kernels that run dropout; flash_bwd_dkdv_kernel).
-    if constexpr (Plain_path) plain = smod.cap_in == 0.f && smod.slope == 0.f;
+    if constexpr (Plain_path) plain = no_score_mod(smod);
   }
   if (Is_ext && !plain) {
     // Masked scores -> -inf, in a loop of their own: with the ALiBi arithmetic in the same
@@ -990,7 +990,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         // per-score distance or derivative (uniform per tile; the bias is already in acc_s).
         // Not in d = 64's band kernel (4 bytes of spill with both loops).
         constexpr bool kPlainPath = !(Is_local && kD <= 64);
-        if constexpr (kPlainPath) plain = smod.cap_in == 0.f && smod.slope == 0.f;
+        if constexpr (kPlainPath) plain = no_score_mod(smod);
         if (!plain) {
 #pragma unroll
           for (int nt = 0; nt < kBN / 8; ++nt) {

@@ -406,6 +406,12 @@ __device__ __forceinline__ void mod_scores(float (&acc_s)[kBN / 8][4], const Sco
   }
 }
 
+// Neither a softcap nor ALiBi (a dropout or bias call): the per-score step below is the identity
+// (dcap 1, no distance term), so the backward runs the plain kernel's loop instead.
+__device__ __forceinline__ bool no_score_mod(const ScoreMod& m) {
+  return m.cap_in == 0.f && m.slope == 0.f;
+}
+
 // The backward's per-score step on a score x that softcap_scores already capped: ALiBi is
 // added to x (dist: query + offset - key, as a float), and the softcap's derivative 1 - tanh^2
 // returned (1 without a softcap: cap_in = 0). tanh is read back from the capped score (x *
