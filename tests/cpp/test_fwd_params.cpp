@@ -88,8 +88,8 @@ TEST(FwdParams, BhsdViewsAndSlices) {
 }
 
 // fwd_variant (kernels/flash.h): which forward family runs a call. The bias-only kernel takes a
-// bool or fp16 bias and nothing else of the extended features; any of them, or another bias
-// kind, runs the extended kernel.
+// bool or fp16 bias and nothing else of the extended features, the dropout-only kernel dropout
+// and nothing else; any other of them, or another bias kind, runs the extended kernel.
 TEST(FwdParams, FwdVariant) {
   at::Tensor q = at::zeros({1, 70, 2, 64}, at::kHalf), k = at::zeros({1, 90, 2, 64}, at::kHalf);
   at::Tensor out = at::empty_like(q), lse = at::empty({1, 2, 70}, at::kFloat);
@@ -134,6 +134,33 @@ TEST(FwdParams, FwdVariant) {
     Flash_fwd_params n = base(causal);
     n.softcap_in = 0.1f;
     EXPECT_EQ(fwd_variant(n), kFwdExt);
+    // Dropout alone: the dropout-only kernel; with any other extended feature (a bias of any
+    // kind included) the extended one.
+    Flash_fwd_params dr = base(causal);
+    dr.dropout = 1;
+    EXPECT_EQ(fwd_variant(dr), kFwdDropout);
+    auto with_dropout = [&](auto set) {
+      Flash_fwd_params r = dr;
+      set(r);
+      return fwd_variant(r);
+    };
+    for (int kind : {kBiasBool, kBiasHalf, kBiasBf16, kBiasFloat}) {
+      EXPECT_EQ(with_dropout([&](Flash_fwd_params& r) {
+                  r.bias_ptr = &dummy;
+                  r.bias_kind = kind;
+                }),
+                kFwdExt)
+          << kind;
+    }
+    EXPECT_EQ(with_dropout([](Flash_fwd_params& r) { r.softcap_in = 0.1f; }), kFwdExt);
+    EXPECT_EQ(with_dropout([&](Flash_fwd_params& r) { r.alibi_slopes_ptr = slopes; }), kFwdExt);
+    EXPECT_EQ(with_dropout([&](Flash_fwd_params& r) { r.cu_seqlens_q = cu; }), kFwdExt);
+    EXPECT_EQ(with_dropout([&](Flash_fwd_params& r) { r.cu_seqlens_k = cu; }), kFwdExt);
+    EXPECT_EQ(with_dropout([](Flash_fwd_params& r) { r.per_seq_offset = true; }), kFwdExt);
+    EXPECT_EQ(with_dropout([&](Flash_fwd_params& r) { r.block_table = table; }), kFwdExt);
+    EXPECT_EQ(with_dropout([](Flash_fwd_params& r) { r.num_splits = 2; }), kFwdExt);
+    EXPECT_EQ(with_dropout([](Flash_fwd_params& r) { r.window_lower = -5; }),
+              causal ? kFwdExt : kFwdDropout);
   }
 }
 
