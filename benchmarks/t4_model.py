@@ -155,11 +155,12 @@ def plan_decode(b, h, h_k, seqlen_q, seqlen_k, kd, num_sms, enabled=True,
 
 # ---- the kernels' sm_75 resources (scripts/check_sm75.py --json) --------------------------
 def _variant(path):
-    """'plain' | 'causal' | 'local' (+ '_ext') from an instantiation's file name; the forward's
-    bias-only kernels ('_bias') count as extended ones."""
+    """'plain' | 'causal' | 'local' (+ '_ext') from an instantiation's file name; the bias-only
+    ('_bias') and dropout-only ('_dropout') kernels count as extended ones."""
     stem = pathlib.Path(path).stem
     kind = "causal" if "_causal" in stem else "local" if "_local" in stem else "plain"
-    return kind + ("_ext" if "_ext" in stem or "_bias" in stem else "")
+    narrow = "_ext" in stem or "_bias" in stem or "_dropout" in stem
+    return kind + ("_ext" if narrow else "")
 
 
 class Resources:

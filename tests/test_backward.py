@@ -177,16 +177,19 @@ def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, deter
     names = cuda_kernels_run(lambda: check_against_reference(q, k, v, do, causal, bottom_right,
                                                              deterministic=deterministic), "dkdv")
     assert len(names) == 1, names
-    # Template arguments: <traits, Is_causal, Atomic_dq, Is_local, Is_ext>.
-    # (The traits' trailing defaults, column splits and kDropout, may be printed.)
+    # Template arguments: <traits, Is_causal, Atomic_dq, Is_local, Is_ext, Drop_only>.
+    # (The traits' trailing defaults, column splits and kDropout, may be printed, and so may
+    # Drop_only's default.)
     found = re.search(r"flash_bwd_dkdv_kernel<(?:flash_sm75::)?Flash_bwd_kernel_traits<128, 32, 64, "
                       r"8(?:, 1)?(?:, true)?>, (true|false), (true|false), (true|false), "
-                      r"(true|false)>",
+                      r"(true|false)(?:, (true|false))?>",
                       next(iter(names)))
     assert found, names
     assert found.group(1) == str(causal).lower() and found.group(2) == str(not deterministic).lower()
-    # No window, no score mods: neither the local nor the score-mod instantiation.
+    # No window, no score mods, no dropout: neither the local, the score-mod nor the
+    # dropout-only instantiation.
     assert found.group(3) == "false" and found.group(4) == "false"
+    assert found.group(5) in (None, "false")
 
 
 @cuda_only

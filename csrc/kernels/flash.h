@@ -222,23 +222,32 @@ inline bool needs_ext(const Flash_fwd_params& params) {
 //    only the bias's code, so its registers and schedule stay close to the plain kernel's (the
 //    extended kernel with nothing switched on measured 13-17% slower than the plain one at
 //    d = 128).
-enum FwdVariant : int { kFwdPlain = 0, kFwdExt = 1, kFwdBias = 2 };
+//  * kFwdDropout: attention dropout and nothing else of needs_ext's list, on the same kind of
+//    batch (training without a mask: BERT, GPT-2 and T5 fine-tunes): the plain kernel and the
+//    mask's generator only.
+enum FwdVariant : int { kFwdPlain = 0, kFwdExt = 1, kFwdBias = 2, kFwdDropout = 3 };
 
 inline FwdVariant fwd_variant(const Flash_fwd_params& params) {
   if (!needs_ext(params)) return kFwdPlain;
-  const bool bias_only =
-      params.bias_ptr != nullptr && (kFwdBiasKinds & bias_kind_bit(params.bias_kind)) != 0 &&
-      params.softcap_in == 0.f &&
-      params.alibi_slopes_ptr == nullptr && params.cu_seqlens_q == nullptr &&
-      params.cu_seqlens_k == nullptr && !params.per_seq_offset && params.block_table == nullptr &&
-      params.dropout == 0 && params.num_splits <= 1 && !has_window_lower(params);
-  return bias_only ? kFwdBias : kFwdExt;
+  // Dense, unbanded below, one key split, no score modifier: what the two narrow variants share.
+  const bool narrow = params.softcap_in == 0.f && params.alibi_slopes_ptr == nullptr &&
+                      params.cu_seqlens_q == nullptr && params.cu_seqlens_k == nullptr &&
+                      !params.per_seq_offset && params.block_table == nullptr &&
+                      params.num_splits <= 1 && !has_window_lower(params);
+  if (!narrow) return kFwdExt;
+  if (params.dropout == 0 && params.bias_ptr != nullptr &&
+      (kFwdBiasKinds & bias_kind_bit(params.bias_kind)) != 0) {
+    return kFwdBias;
+  }
+  if (params.dropout != 0 && params.bias_ptr == nullptr) return kFwdDropout;
+  return kFwdExt;
 }
 
 // One explicit specialization per generated instantiation file (instantiations/*.cu):
 // (Is_causal, Is_local) in {(false, false), (true, false), (true, true)}, each plain and
 // extended (kFwdExt: score modifiers, packed sequences, per-sequence diagonals; seq_info.h),
-// and the unbanded ones (causal or not) also bias-only (kFwdBias).
+// and the unbanded ones (causal or not) also bias-only (kFwdBias) and dropout-only
+// (kFwdDropout).
 template <int kHeadDim, bool Is_causal, bool Is_local, int Variant>
 void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream);
 

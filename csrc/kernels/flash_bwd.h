@@ -58,9 +58,27 @@ struct Flash_bwd_params : public Flash_fwd_params {
 // Host entry: dispatches on head dim and causal flag (flash_bwd_dispatch.cpp).
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
 
+// The backward's instantiation families, as the forward's (flash.h FwdVariant):
+//  * kBwdPlain: none of needs_ext's features;
+//  * kBwdExt: any of them (the runtime flags select what runs);
+//  * kBwdDropout: attention dropout and nothing else, on a dense batch without a lower window
+//    diagonal: the plain kernels and the mask's regeneration only (the extended ones with
+//    nothing but dropout on cost it about as much again as the mask itself; DESIGN.md section 6).
+enum BwdVariant : int { kBwdPlain = 0, kBwdExt = 1, kBwdDropout = 2 };
+
+inline BwdVariant bwd_variant(const Flash_fwd_params& params) {
+  if (!needs_ext(params)) return kBwdPlain;
+  const bool dropout_only =
+      params.dropout != 0 && params.bias_ptr == nullptr && params.softcap_in == 0.f &&
+      params.alibi_slopes_ptr == nullptr && params.cu_seqlens_q == nullptr &&
+      params.cu_seqlens_k == nullptr && !params.per_seq_offset && params.block_table == nullptr &&
+      !has_window_lower(params);
+  return dropout_only ? kBwdDropout : kBwdExt;
+}
+
 // One explicit specialization per generated instantiation file (instantiations/flash_bwd_*.cu),
-// (Is_causal, Is_local, Is_ext) as run_mha_fwd_'s.
-template <int kHeadDim, bool Is_causal, bool Is_local, bool Is_ext>
+// (Is_causal, Is_local) as run_mha_fwd_'s, Variant a BwdVariant (kBwdDropout never banded).
+template <int kHeadDim, bool Is_causal, bool Is_local, int Variant>
 void run_mha_bwd_(Flash_bwd_params& params, cudaStream_t stream);
 
 }  // namespace flash_sm75

@@ -26,11 +26,19 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
         "flash_attention_sm75: attn_bias has no backward above head_dim 128 (internal error: "
         "the caller must refuse it)");
   }
+  const BwdVariant variant = bwd_variant(params);
   HEADDIM_SWITCH(params.d, [&] {
-    BOOL_SWITCH(needs_ext(params), Is_ext, [&] {
-      if (has_window_lower(params)) return run_mha_bwd_<kHeadDim, true, true, Is_ext>(params, stream);
+    if (variant == kBwdDropout) {  // never banded (bwd_variant)
       BOOL_SWITCH(params.is_causal, Is_causal, [&] {
-        run_mha_bwd_<kHeadDim, Is_causal, false, Is_ext>(params, stream);
+        run_mha_bwd_<kHeadDim, Is_causal, false, kBwdDropout>(params, stream);
+      });
+      return;
+    }
+    BOOL_SWITCH(variant == kBwdExt, Is_ext, [&] {
+      constexpr int kVariant = Is_ext ? kBwdExt : kBwdPlain;
+      if (has_window_lower(params)) return run_mha_bwd_<kHeadDim, true, true, kVariant>(params, stream);
+      BOOL_SWITCH(params.is_causal, Is_causal, [&] {
+        run_mha_bwd_<kHeadDim, Is_causal, false, kVariant>(params, stream);
       });
     });
   });

@@ -409,7 +409,9 @@ __device__ __forceinline__ void store_dkdv(const Flash_bwd_params& params,
 // Flash_bwd_kernel_traits for the work split.
 // Is_local: the causal band has a lower diagonal too (a sliding window, params.window_lower).
 // Is_ext: a softcap and / or ALiBi slopes modify the scores (score_mod.h).
-template <typename Kt, bool Is_causal, bool Atomic_dq, bool Is_local = false, bool Is_ext = false>
+// Drop_only: the plain kernel with dropout's code (flash_bwd.h kBwdDropout).
+template <typename Kt, bool Is_causal, bool Atomic_dq, bool Is_local = false, bool Is_ext = false,
+          bool Drop_only = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_dkdv_kernel(const Flash_bwd_params params) {
   constexpr int kD = Kt::kHeadDim;
@@ -425,7 +427,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // Dropout (dropout.h) in the deterministic-dQ kernels of traits with kDropout: the atomic ones
   // and d = 256's plain tile have no register left for it (spills); the host runs a dropout's
   // backward with the dQ kernel, at d = 256 on Bwd_tile_config<256>::DropoutTraits.
-  constexpr bool kDropout = Is_ext && !Atomic_dq && Kt::kDropout;
+  static_assert(!(Is_ext && Drop_only), "one family");
+  constexpr bool kDropout = (Is_ext || Drop_only) && !Atomic_dq && Kt::kDropout;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kOffK);    // Bc x d (padded rows)
@@ -793,9 +796,12 @@ __device__ __forceinline__ void store_dbias(const Flash_bwd_params& params, int6
 // streaming the K/V tiles the tile sees (the forward's loop): S = Q K^T, P, dP = dO V^T, dS,
 // dQ += dS K. With Kt::kDSplit > 1 the kDSplit warps of a row group (ws = 0 ..) each accumulate
 // dQ columns col0 = ws * kDOut .. and recompute the same S and dP.
-template <typename Kt, bool Is_causal, bool Is_local = false, bool Is_ext = false>
+template <typename Kt, bool Is_causal, bool Is_local = false, bool Is_ext = false,
+          bool Drop_only = false>
 __global__ void __launch_bounds__(Kt::kNThreads)
     flash_bwd_dq_kernel(const Flash_bwd_params params) {
+  static_assert(!(Is_ext && Drop_only), "one family");
+  constexpr bool kDrop = Is_ext || Drop_only;  // dropout's code
   constexpr int kD = Kt::kHeadDim;
   constexpr int kBM = Kt::kBlockM;
   constexpr int kBN = Kt::kBlockN;
@@ -1036,7 +1042,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 
       store_tile_r2s<Kt>(stage, sV, tid);
       __syncthreads();  // V_j visible
-      if (Is_ext && params.dropout) {  // P carries its keep bit in its sign (dropout.h),
+      if (kDrop && params.dropout) {  // P carries its keep bit in its sign (dropout.h),
         // between V_j's store and K_{j+1}'s loads, where no staging register is live
         dropout_visit<kBN / 8, false>(dropout_rng_saved(params), static_cast<uint32_t>(bh),
                                     row0 + 16 * wr, n_block * kBN, g, t,
@@ -1067,7 +1073,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_dp, do_frag, v_lane_addr);
         }
-        if constexpr (Is_ext) {
+        if constexpr (kDrop) {
           // acc_s holds P with the sign of its dropout keep bit (dropout_sign_p; never negative
           // without dropout, dropout_rp = 1): dS = P o (Z dP / (1 - p) - D), one form for both.
 #pragma unroll

@@ -15,8 +15,12 @@ namespace flash_sm75 {
 // Atomic mode expects params.dq_accum_ptr zero-filled (the host API allocates it with zeros).
 // A head dim without the atomic mode (Bwd_tile_config::kAtomicDq) runs the deterministic
 // kernels whatever params.dq_atomic says; its atomic kernels are not even instantiated.
-template <int kHeadDim, bool Is_causal, bool Is_local, bool Is_ext>
+// Variant: flash_bwd.h BwdVariant (kBwdDropout: the plain kernels with dropout's code).
+template <int kHeadDim, bool Is_causal, bool Is_local, int Variant>
 void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
+  constexpr bool Is_ext = Variant == kBwdExt;
+  constexpr bool Drop = Variant == kBwdDropout;
+  static_assert(!Drop || !Is_local, "kBwdDropout is never banded (bwd_variant)");
   using C = Bwd_tile_config<kHeadDim>;
   using Kt = typename C::Traits;
   using Kq = typename C::DqTraits;
@@ -36,7 +40,9 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   }
   flash_bwd_preprocess_kernel<kHeadDim>
       <<<static_cast<unsigned>(rows_plan.preprocess_blocks), kBwdAuxThreads, 0, stream>>>(rows);
-  if constexpr (C::kAtomicDq) {
+  // A dropout's backward never runs atomic dQ (the host's rule; the atomic kernels have no
+  // register left for the mask): the dropout-only family has no atomic kernel.
+  if constexpr (C::kAtomicDq && !Drop) {
     if (plan.dq_atomic) {
       auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, true, Is_local, Is_ext>;
       set_max_dynamic_smem(kernel, plan.dkdv_smem);
@@ -50,12 +56,19 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   {
     // The dK/dV tile (DkdvLaunchTraits): a dropout's (Bwd_tile_config::DropoutTraits, d = 256),
     // the same grid.
-    using Dk = DkdvLaunchTraits<kHeadDim, Is_ext>;
-    auto kernel = &flash_bwd_dkdv_kernel<Kt, Is_causal, false, Is_local, Is_ext>;
+    using Dk = DkdvLaunchTraits<kHeadDim, Is_ext || Drop>;
+    // The dropout-only family always has dropout on: where the dropout tile is another one, the
+    // default tile's kernel would be dead code (not instantiated).
+    using K0 = std::conditional_t<Drop && Dk::kDropoutTile, typename Dk::Dropout, Kt>;
+    auto kernel = &flash_bwd_dkdv_kernel<K0, Is_causal, false, Is_local, Is_ext, Drop>;
     int dkdv_threads = plan.dkdv_threads, dkdv_smem = plan.dkdv_smem;
-    if constexpr (Dk::kDropoutTile) {
+    if constexpr (Drop && Dk::kDropoutTile) {
+      dkdv_threads = Dk::Dropout::kNThreads;
+      dkdv_smem = Dk::Dropout::kSmemSizeNoDq;
+    } else if constexpr (Dk::kDropoutTile) {
       if (Dk::use_dropout_tile(params)) {
-        kernel = &flash_bwd_dkdv_kernel<typename Dk::Dropout, Is_causal, false, Is_local, Is_ext>;
+        kernel = &flash_bwd_dkdv_kernel<typename Dk::Dropout, Is_causal, false, Is_local, Is_ext,
+                                        Drop>;
         dkdv_threads = Dk::Dropout::kNThreads;
         dkdv_smem = Dk::Dropout::kSmemSizeNoDq;
       }
@@ -66,7 +79,7 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     // odd Sk, a column stride), which d = 64's other tile makes one at a time (kGather).
     using Dq = DqLaunchTraits<kHeadDim, Is_local, Is_ext>;
     static_assert(Dq::Plain::kSmemSize == Kq::kSmemSize, "plan.dq_smem is the plain tile's");
-    auto dq_kernel = &flash_bwd_dq_kernel<typename Dq::Plain, Is_causal, Is_local, Is_ext>;
+    auto dq_kernel = &flash_bwd_dq_kernel<typename Dq::Plain, Is_causal, Is_local, Is_ext, Drop>;
     int dq_smem = plan.dq_smem;
     if constexpr (Dq::kBiasTile) {
       if (Dq::use_bias_tile(params)) {

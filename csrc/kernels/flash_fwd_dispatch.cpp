@@ -18,6 +18,12 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
       });
       return;
     }
+    if (variant == kFwdDropout) {  // never banded either
+      BOOL_SWITCH(params.is_causal, Is_causal, [&] {
+        run_mha_fwd_<kHeadDim, Is_causal, false, kFwdDropout>(params, stream);
+      });
+      return;
+    }
     BOOL_SWITCH(variant == kFwdExt, Is_ext, [&] {
       constexpr int kVariant = Is_ext ? kFwdExt : kFwdPlain;
       if (has_window_lower(params)) return run_mha_fwd_<kHeadDim, true, true, kVariant>(params, stream);

@@ -127,7 +127,8 @@ __device__ __forceinline__ bool fwd_cta_idle(const FwdCta<Is_ext>& c) {
 // LSE = -inf (never NaN). The fp16 O tile is staged through shared memory sO (Br x d, free for
 // this warp's rows when called) so the global stores are 16-byte, row-contiguous, coalesced.
 // exact_exp: the warp's last exponents took the exact path (softmax_rescale; key splits only).
-template <typename Kt, bool Is_ext>
+// Dropout: O times the kept probabilities' 1 / (1 - p) (the extended and dropout-only kernels).
+template <typename Kt, bool Is_ext, bool Dropout = Is_ext>
 __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
                                              const float (&m_i)[2], const float (&l_i)[2],
                                              const Flash_fwd_params& params, const FwdCta<Is_ext>& c,
@@ -199,7 +200,7 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
   // One m16 row tile per warp. [1][2] rather than [2]: the flat array changes ptxas's register
   // assignment of this kernel (d = 64), this shape keeps the SASS it had with warps of more tiles.
   float lse[1][2];
-  if constexpr (Is_ext) {
+  if constexpr (Dropout) {
     if (params.dropout) {  // the kept probabilities' 1 / (1 - p), once on O (dropout.h)
 #pragma unroll
       for (int dt = 0; dt < kDCols / 8; ++dt) {
@@ -248,16 +249,21 @@ __device__ __forceinline__ void store_output(float (&acc_o)[Kt::kDCols / 8][4],
 // The main forward kernel: all warps in lock-step, two barriers per K/V tile.
 // Is_local: the causal band has a lower diagonal too (a sliding window, params.window_lower).
 // Variant (flash.h, fwd_variant): kFwdExt runs every extended feature its flags switch on
-// (score modifiers, bias, dropout, packed / paged sequences, key splits); kFwdBias only adds an
+// (score modifiers, bias, dropout, packed / paged sequences, key splits); kFwdDropout only adds
+// dropout to the plain kernel; kFwdBias only adds an
 // attention bias to the plain kernel.
 template <typename Kt, bool Is_causal, bool Is_local = false, int Variant = kFwdPlain>
-__global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMinBlocksPerSmMod
-                                                 : Variant == kFwdBias ? Kt::kMinBlocksPerSmBias
-                                                                       : Kt::kMinBlocksPerSm)
+__global__ void __launch_bounds__(Kt::kNThreads,
+                                  Variant == kFwdExt || Variant == kFwdDropout
+                                      ? Kt::kMinBlocksPerSmMod
+                                      : Variant == kFwdBias ? Kt::kMinBlocksPerSmBias
+                                                            : Kt::kMinBlocksPerSm)
     flash_fwd_kernel(const Flash_fwd_params params) {
   constexpr bool Is_ext = Variant == kFwdExt;
   // The bias's code (always on in kFwdBias, where bias_ptr is set; by flag in kFwdExt).
-  constexpr bool Has_bias = Variant != kFwdPlain;
+  constexpr bool Has_bias = Variant == kFwdExt || Variant == kFwdBias;
+  // Dropout's code (always on in kFwdDropout, by flag in kFwdExt).
+  constexpr bool kDropout = Variant == kFwdExt || Variant == kFwdDropout;
   constexpr int kKinds = Variant == kFwdBias ? kFwdBiasKinds : kAllBiasKinds;  // bias kinds
   constexpr int kD = Kt::kHeadDim;
   constexpr int kDCols = Kt::kDCols;  // head-dim columns of this warp's Q and O
@@ -287,7 +293,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
   // Chunk pairs (16 columns) before this warp's columns: chunk_pair_addr moves any lane address
   // there, as it moves between the chunk pairs of a GEMM.
   const int kk0 = dpart * (kDCols / 16);
-  if constexpr (Is_ext) dropout_save_state(params);
+  if constexpr (kDropout) dropout_save_state(params);
   const FwdCta<Is_ext> c = fwd_cta<Kt, Is_causal, Is_local, Is_ext>(params);
   if (fwd_cta_idle<Kt>(c)) return;  // uniform over the CTA, before any barrier
   const int row0 = c.m_block * Kt::kBlockM;
@@ -387,7 +393,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kDCols, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
                                                             p_frag, exact_exp);
-        if (Is_ext && params.dropout) {  // both warps of the pair drop the same elements
+        if (kDropout && params.dropout) {  // both warps of the pair drop the same elements
           dropout_p_frag<kBN / 8>(p_frag, dropout_rng(params), static_cast<uint32_t>(c.bh),
                                   row0 + 16 * rw, n_block * kBN, params.dropout_keep_threshold);
         }
@@ -444,7 +450,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
                                                        exact_exp)) {
           rescale_o<kD>(acc_o, alpha);
         }
-        if (Is_ext && params.dropout) {
+        if (kDropout && params.dropout) {
           dropout_p_frag<kHalf / 8>(p_a, dropout_rng(params), static_cast<uint32_t>(c.bh),
                                     row0 + 16 * warp, n_block * kBN,
                                     params.dropout_keep_threshold);
@@ -473,7 +479,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
                                                        exact_exp)) {
           rescale_o<kD>(acc_o, alpha);
         }
-        if (Is_ext && params.dropout) {
+        if (kDropout && params.dropout) {
           dropout_p_frag<kHalf / 8>(p_b, dropout_rng(params), static_cast<uint32_t>(c.bh),
                                     row0 + 16 * warp, n_block * kBN + kHalf,
                                     params.dropout_keep_threshold);
@@ -510,7 +516,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
         uint32_t p_frag[kBN / 8][2];
         softmax_rescale<kBN, kD, Kt::kRescaleThreshold>(acc_s, m_i, l_i, acc_o, scale_log2,
                                                         p_frag, exact_exp);
-        if (Is_ext && params.dropout) {
+        if (kDropout && params.dropout) {
           dropout_p_frag<kBN / 8>(p_frag, dropout_rng(params), static_cast<uint32_t>(c.bh),
                                   row0 + 16 * warp, n_block * kBN, params.dropout_keep_threshold);
         }
@@ -548,7 +554,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Variant == kFwdExt    ? Kt::kMi
                   static_cast<index_t>(static_cast<uint32_t>(c.bidh)) * params.o_head_stride;
     store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, late, Kt::kQInSmem ? sQ : sK, exact_exp);
   } else {
-    store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK, exact_exp);
+    store_output<Kt, Is_ext, kDropout>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK,
+                                       exact_exp);
   }
 }
 

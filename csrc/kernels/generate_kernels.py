@@ -48,8 +48,8 @@ void run_mha_fwd_<{head_dim}, {is_causal}, {is_local}, {variant}>(Flash_fwd_para
 namespace flash_sm75 {{
 
 template <>
-void run_mha_bwd_<{head_dim}, {is_causal}, {is_local}, {is_ext}>(Flash_bwd_params& params, cudaStream_t stream) {{
-  run_mha_bwd_hdim<{head_dim}, {is_causal}, {is_local}, {is_ext}>(params, stream);
+void run_mha_bwd_<{head_dim}, {is_causal}, {is_local}, {bwd_variant}>(Flash_bwd_params& params, cudaStream_t stream) {{
+  run_mha_bwd_hdim<{head_dim}, {is_causal}, {is_local}, {bwd_variant}>(params, stream);
 }}
 
 }}  // namespace flash_sm75
@@ -71,11 +71,13 @@ void run_mha_fwd_decode_<{head_dim}, {is_ext}>(Flash_fwd_params& params, cudaStr
 # "" (no mask), "causal", "local" (causal band with a lower diagonal). Decode applies both as a
 # key-range clamp at run time.
 MASK_VARIANTS = {"fwd": ("", "causal", "local"), "bwd": ("", "causal", "local"), "decode": ("",)}
-# Plain, extended ("_ext") and, in the forward only, bias-only ("_bias": flash.h FwdVariant, the
-# kernel that a call with an attention bias and no other extended feature runs; no banded one,
-# a sliding window with a bias runs the extended kernel).
-EXT = ("", "ext", "bias")
-FWD_VARIANT = {"": "kFwdPlain", "ext": "kFwdExt", "bias": "kFwdBias"}
+# Plain, extended ("_ext"), in the forward bias-only ("_bias": flash.h FwdVariant, the kernel
+# that a call with an attention bias and no other extended feature runs) and in both directions
+# dropout-only ("_dropout", the same for attention dropout; flash_bwd.h BwdVariant); no banded
+# ones: a sliding window with a bias or dropout runs the extended kernels.
+EXT = ("", "ext", "bias", "dropout")
+FWD_VARIANT = {"": "kFwdPlain", "ext": "kFwdExt", "bias": "kFwdBias", "dropout": "kFwdDropout"}
+BWD_VARIANT = {"": "kBwdPlain", "ext": "kBwdExt", "dropout": "kBwdDropout"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class Kernel:
     direction: str
     head_dim: int
     mask: str
-    ext: str = ""  # "", "ext" or "bias" (EXT)
+    ext: str = ""  # "", "ext", "bias" or "dropout" (EXT)
 
     @property
     def filename(self) -> str:
@@ -94,11 +96,15 @@ class Kernel:
         return TEMPLATES[self.direction].format(
             head_dim=self.head_dim, is_causal=str(bool(self.mask)).lower(),
             is_local=str(self.mask == "local").lower(), is_ext=str(self.ext == "ext").lower(),
-            variant=FWD_VARIANT[self.ext])
+            variant=FWD_VARIANT[self.ext], bwd_variant=BWD_VARIANT.get(self.ext, ""))
 
 
 def _exists(direction: str, mask: str, ext: str) -> bool:
-    return ext != "bias" or (direction == "fwd" and mask != "local")
+    if ext == "bias":
+        return direction == "fwd" and mask != "local"
+    if ext == "dropout":
+        return direction in ("fwd", "bwd") and mask != "local"
+    return True
 
 
 def all_kernels(directions=tuple(TEMPLATES)) -> list[Kernel]:

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels/bwd_kernel_traits.h"
+#include "kernels/flash_bwd.h"
 
 namespace flash_sm75 {
 namespace {
@@ -160,6 +161,39 @@ TEST(BwdLaunchPlan, GridLimitAndHeadDim) {
       EXPECT_EQ(msg.rfind("flash_attention_sm75:", 0), 0u) << msg;
       EXPECT_NE(msg.find(std::to_string(d)), std::string::npos) << msg;
     }
+  }
+}
+
+// bwd_variant (kernels/flash_bwd.h): dropout alone runs the dropout-only family; dropout with
+// any other extended feature, or any of them alone, the extended one.
+TEST(BwdLaunchPlan, BwdVariant) {
+  const int cu[2] = {0, 70};
+  const float slopes[2] = {0.5f, 0.25f};
+  unsigned char dummy = 0;
+  for (bool causal : {false, true}) {
+    Flash_bwd_params p{};
+    p.is_causal = causal;
+    EXPECT_EQ(bwd_variant(p), kBwdPlain);
+    p.dropout = 1;
+    EXPECT_EQ(bwd_variant(p), kBwdDropout);
+    auto with = [&](auto set) {
+      Flash_bwd_params r = p;
+      set(r);
+      return bwd_variant(r);
+    };
+    EXPECT_EQ(with([&](Flash_bwd_params& r) { r.bias_ptr = &dummy; }), kBwdExt);
+    EXPECT_EQ(with([](Flash_bwd_params& r) { r.softcap_in = 0.1f; }), kBwdExt);
+    EXPECT_EQ(with([&](Flash_bwd_params& r) { r.alibi_slopes_ptr = slopes; }), kBwdExt);
+    EXPECT_EQ(with([&](Flash_bwd_params& r) { r.cu_seqlens_q = cu; }), kBwdExt);
+    EXPECT_EQ(with([&](Flash_bwd_params& r) { r.cu_seqlens_k = cu; }), kBwdExt);
+    EXPECT_EQ(with([](Flash_bwd_params& r) { r.per_seq_offset = true; }), kBwdExt);
+    // A lower window diagonal (the local kernels) is only banded when causal.
+    EXPECT_EQ(with([](Flash_bwd_params& r) { r.window_lower = -5; }),
+              causal ? kBwdExt : kBwdDropout);
+    Flash_bwd_params n{};
+    n.is_causal = causal;
+    n.softcap_in = 0.1f;
+    EXPECT_EQ(bwd_variant(n), kBwdExt);
   }
 }
 

@@ -88,8 +88,8 @@ TEST(FwdParams, BhsdViewsAndSlices) {
 }
 
 // fwd_variant (kernels/flash.h): which forward family runs a call. The bias-only kernel takes a
-// bool or fp16 bias and nothing else of the extended features; any of them, or another bias
-// kind, runs the extended kernel.
+// bool or fp16 bias and nothing else of the extended features, the dropout-only kernel dropout
+// and nothing else; any other of them, or another bias kind, runs the extended kernel.
 TEST(FwdParams, FwdVariant) {
   at::Tensor q = at::zeros({1, 70, 2, 64}, at::kHalf), k = at::zeros({1, 90, 2, 64}, at::kHalf);
   at::Tensor out = at::empty_like(q), lse = at::empty({1, 2, 70}, at::kFloat);
@@ -113,24 +113,39 @@ TEST(FwdParams, FwdVariant) {
     const int cu[2] = {0, 70};
     const float slopes[2] = {0.5f, 0.25f};
     const int table[2] = {0, 1};
-    // Each other extended feature beside the bias: the extended kernel.
-    auto with = [&](auto set) {
-      Flash_fwd_params r = p;
-      set(r);
-      return fwd_variant(r);
+    // Each other extended feature beside a narrow family's one (the bias; dropout): the
+    // extended kernel. A lower window diagonal (the local kernels) is only banded when causal.
+    auto expect_ext_beside = [&](const Flash_fwd_params& narrow, FwdVariant family,
+                                 const char* what) {
+      auto with = [&](auto set) {
+        Flash_fwd_params r = narrow;
+        set(r);
+        return fwd_variant(r);
+      };
+      EXPECT_EQ(fwd_variant(narrow), family) << what;
+      EXPECT_EQ(with([](Flash_fwd_params& r) { r.softcap_in = 0.1f; }), kFwdExt) << what;
+      EXPECT_EQ(with([&](Flash_fwd_params& r) { r.alibi_slopes_ptr = slopes; }), kFwdExt) << what;
+      EXPECT_EQ(with([&](Flash_fwd_params& r) { r.cu_seqlens_q = cu; }), kFwdExt) << what;
+      EXPECT_EQ(with([&](Flash_fwd_params& r) { r.cu_seqlens_k = cu; }), kFwdExt) << what;
+      EXPECT_EQ(with([](Flash_fwd_params& r) { r.per_seq_offset = true; }), kFwdExt) << what;
+      EXPECT_EQ(with([&](Flash_fwd_params& r) { r.block_table = table; }), kFwdExt) << what;
+      EXPECT_EQ(with([](Flash_fwd_params& r) { r.num_splits = 2; }), kFwdExt) << what;
+      EXPECT_EQ(with([](Flash_fwd_params& r) { r.window_lower = -5; }),
+                causal ? kFwdExt : family)
+          << what;
     };
-    EXPECT_EQ(with([](Flash_fwd_params& r) { r.softcap_in = 0.1f; }), kFwdExt);
-    EXPECT_EQ(with([&](Flash_fwd_params& r) { r.alibi_slopes_ptr = slopes; }), kFwdExt);
-    EXPECT_EQ(with([&](Flash_fwd_params& r) { r.cu_seqlens_q = cu; }), kFwdExt);
-    EXPECT_EQ(with([&](Flash_fwd_params& r) { r.cu_seqlens_k = cu; }), kFwdExt);
-    EXPECT_EQ(with([](Flash_fwd_params& r) { r.per_seq_offset = true; }), kFwdExt);
-    EXPECT_EQ(with([&](Flash_fwd_params& r) { r.block_table = table; }), kFwdExt);
-    EXPECT_EQ(with([](Flash_fwd_params& r) { r.dropout = 1; }), kFwdExt);
-    EXPECT_EQ(with([](Flash_fwd_params& r) { r.num_splits = 2; }), kFwdExt);
-    // A lower window diagonal (the local kernels) is only banded when causal.
-    EXPECT_EQ(with([](Flash_fwd_params& r) { r.window_lower = -5; }),
-              causal ? kFwdExt : kFwdBias);
-    // Without the bias, the features alone are extended as before.
+    expect_ext_beside(p, kFwdBias, "bias");
+    // Dropout alone: the dropout-only kernel; with a bias of any kind the extended one.
+    Flash_fwd_params dr = base(causal);
+    dr.dropout = 1;
+    expect_ext_beside(dr, kFwdDropout, "dropout");
+    for (int kind : {kBiasBool, kBiasHalf, kBiasBf16, kBiasFloat}) {
+      Flash_fwd_params r = dr;
+      r.bias_ptr = &dummy;
+      r.bias_kind = kind;
+      EXPECT_EQ(fwd_variant(r), kFwdExt) << kind;
+    }
+    // Without either, the features alone are extended as before.
     Flash_fwd_params n = base(causal);
     n.softcap_in = 0.1f;
     EXPECT_EQ(fwd_variant(n), kFwdExt);

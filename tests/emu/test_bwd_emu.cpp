@@ -245,7 +245,8 @@ void run_forward(Flash_fwd_params& p) {
 }
 
 // As run_mha_bwd_hdim: a head dim without the atomic dQ mode runs the deterministic kernels.
-template <int kD, bool kCausal, bool kLocal = false, bool kMod = false>
+// kDrop: the dropout-only family (flash_bwd.h kBwdDropout), never with kMod.
+template <int kD, bool kCausal, bool kLocal = false, bool kMod = false, bool kDrop = false>
 void run_backward(Flash_bwd_params& p) {
   using C = Bwd_tile_config<kD>;
   using Kt = typename C::Traits;
@@ -255,7 +256,7 @@ void run_backward(Flash_bwd_params& p) {
   emu::launch(static_cast<unsigned>(plan.preprocess_blocks), kBwdAuxThreads,
               [&] { flash_bwd_preprocess_kernel<kD>(p); });
   bool ran_atomic = false;
-  if constexpr (C::kAtomicDq) {
+  if constexpr (C::kAtomicDq && !kDrop) {
     if (plan.dq_atomic) {
       emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
                   [&] { flash_bwd_dkdv_kernel<Kt, kCausal, true, kLocal, kMod>(p); });
@@ -266,19 +267,19 @@ void run_backward(Flash_bwd_params& p) {
   }
   if (!ran_atomic) {
     // As run_mha_bwd_hdim: the dK/dV tile DkdvLaunchTraits picks (a dropout's, d = 256).
-    using Dk = DkdvLaunchTraits<kD, kMod>;
+    using Dk = DkdvLaunchTraits<kD, kMod || kDrop>;
     bool ran_dropout_tile = false;
     if constexpr (Dk::kDropoutTile) {
-      if (Dk::use_dropout_tile(p)) {
+      if (kDrop || Dk::use_dropout_tile(p)) {
         emu::launch(static_cast<unsigned>(plan.dkdv_blocks), Dk::Dropout::kNThreads, [&] {
-          flash_bwd_dkdv_kernel<typename Dk::Dropout, kCausal, false, kLocal, kMod>(p);
+          flash_bwd_dkdv_kernel<typename Dk::Dropout, kCausal, false, kLocal, kMod, kDrop>(p);
         });
         ran_dropout_tile = true;
       }
     }
     if (!ran_dropout_tile) {
       emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
-                  [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal, kMod>(p); });
+                  [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal, kMod, kDrop>(p); });
     }
     // As run_mha_bwd_hdim: the dQ tile DqLaunchTraits picks (a bias gradient's, or a bias
     // without column pairs', DqBiasTraits; same grid and threads).
@@ -291,7 +292,7 @@ void run_backward(Flash_bwd_params& p) {
       }
     }
     emu::launch(static_cast<unsigned>(plan.dq_blocks), plan.dq_threads,
-                [&] { flash_bwd_dq_kernel<typename Dq::Plain, kCausal, kLocal, kMod>(p); });
+                [&] { flash_bwd_dq_kernel<typename Dq::Plain, kCausal, kLocal, kMod, kDrop>(p); });
   }
 }
 
@@ -306,13 +307,13 @@ void dispatch_fwd(Flash_fwd_params& p) {
     default: throw_bad_head_dim(p.d);
   }
 }
-template <bool kCausal, bool kLocal = false, bool kMod = false>
+template <bool kCausal, bool kLocal = false, bool kMod = false, bool kDrop = false>
 void dispatch_bwd(Flash_bwd_params& p) {
   switch (head_dim_bucket(p.d)) {
-    case 64: run_backward<64, kCausal, kLocal, kMod>(p); break;
-    case 96: run_backward<96, kCausal, kLocal, kMod>(p); break;
-    case 128: run_backward<128, kCausal, kLocal, kMod>(p); break;
-    case 256: run_backward<256, kCausal, kLocal, kMod>(p); break;
+    case 64: run_backward<64, kCausal, kLocal, kMod, kDrop>(p); break;
+    case 96: run_backward<96, kCausal, kLocal, kMod, kDrop>(p); break;
+    case 128: run_backward<128, kCausal, kLocal, kMod, kDrop>(p); break;
+    case 256: run_backward<256, kCausal, kLocal, kMod, kDrop>(p); break;
     default: throw_bad_head_dim(p.d);
   }
 }
@@ -327,8 +328,9 @@ void dispatch_band(P& p, Fn&& fn) {
 void dispatch_fwd_all(Flash_fwd_params& p) {
   auto go = [&](auto variant) {
     dispatch_band<decltype(variant)::value != kFwdPlain>(p, [&](auto causal, auto local) {
-      if constexpr (decltype(variant)::value == kFwdBias && decltype(local)::value) {
-        std::printf("BAD: a banded call planned on the bias-only kernel\n");
+      if constexpr ((decltype(variant)::value == kFwdBias ||
+                     decltype(variant)::value == kFwdDropout) && decltype(local)::value) {
+        std::printf("BAD: a banded call planned on the bias-only or dropout-only kernel\n");
         std::exit(1);
       } else {
         dispatch_fwd<decltype(causal)::value, decltype(local)::value, decltype(variant)::value>(p);
@@ -338,6 +340,7 @@ void dispatch_fwd_all(Flash_fwd_params& p) {
   switch (fwd_variant(p)) {
     case kFwdExt: go(std::integral_constant<int, kFwdExt>{}); break;
     case kFwdBias: go(std::integral_constant<int, kFwdBias>{}); break;
+    case kFwdDropout: go(std::integral_constant<int, kFwdDropout>{}); break;
     default: go(std::integral_constant<int, kFwdPlain>{}); break;
   }
 }
@@ -347,7 +350,17 @@ void dispatch_bwd_all(Flash_bwd_params& p) {
       dispatch_bwd<decltype(causal)::value, decltype(local)::value, decltype(mod)::value>(p);
     });
   };
-  if (needs_ext(p)) go(std::integral_constant<bool, true>{});
+  const BwdVariant variant = bwd_variant(p);
+  if (variant == kBwdDropout) {
+    if (has_window_lower(p)) {
+      std::printf("BAD: a banded call planned on the dropout-only backward\n");
+      std::exit(1);
+    }
+    if (p.is_causal) dispatch_bwd<true, false, false, true>(p);
+    else dispatch_bwd<false, false, false, true>(p);
+    return;
+  }
+  if (variant == kBwdExt) go(std::integral_constant<bool, true>{});
   else go(std::integral_constant<bool, false>{});
 }
 
@@ -1884,6 +1897,14 @@ int main(int argc, char** argv) {
     // quick: one small d = 256 case (the dropout tile's four column splits, GQA, causal, odd
     // lengths, a key range)
     addd(1, 40, 57, 4, 2, 256, true, true, true, true, 1, 0.3);
+    // quick: the dropout-only kernels (fwd_variant kFwdDropout, bwd_variant kBwdDropout) at
+    // d = 128 and 96, the head dims of the dropout row: odd lengths, GQA, causal in both
+    // alignments.
+    if (mode == "quick") {
+      addd(1, 40, 70, 4, 2, 128, false, true, false, false, 1, 0.2);
+      addd(1, 70, 40, 2, 1, 128, true, true, false, false, 0, 0.35);
+      addd(1, 50, 50, 2, 2, 96, true, false, false, false, 2, 0.1);
+    }
     for (int d : mode == "quick" ? std::vector<int>{64} : std::vector<int>{64, 96, 128, 40, 256}) {
       addd(2, 150, 170, 4, 2, d, false, true, false, false, 1, 0.3);
       addd(1, 130, 97, 2, 1, d, true, true, false, false, 0, 0.1);

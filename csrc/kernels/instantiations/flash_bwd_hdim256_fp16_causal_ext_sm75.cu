@@ -4,8 +4,8 @@
 namespace flash_sm75 {
 
 template <>
-void run_mha_bwd_<256, true, false, true>(Flash_bwd_params& params, cudaStream_t stream) {
-  run_mha_bwd_hdim<256, true, false, true>(params, stream);
+void run_mha_bwd_<256, true, false, kBwdExt>(Flash_bwd_params& params, cudaStream_t stream) {
+  run_mha_bwd_hdim<256, true, false, kBwdExt>(params, stream);
 }
 
 }  // namespace flash_sm75

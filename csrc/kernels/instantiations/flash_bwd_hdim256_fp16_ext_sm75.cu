@@ -4,8 +4,8 @@
 namespace flash_sm75 {
 
 template <>
-void run_mha_bwd_<256, false, false, true>(Flash_bwd_params& params, cudaStream_t stream) {
-  run_mha_bwd_hdim<256, false, false, true>(params, stream);
+void run_mha_bwd_<256, false, false, kBwdExt>(Flash_bwd_params& params, cudaStream_t stream) {
+  run_mha_bwd_hdim<256, false, false, kBwdExt>(params, stream);
 }
 
 }  // namespace flash_sm75

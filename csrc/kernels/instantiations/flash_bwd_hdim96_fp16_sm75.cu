@@ -4,8 +4,8 @@
 namespace flash_sm75 {
 
 template <>
-void run_mha_bwd_<96, false, false, false>(Flash_bwd_params& params, cudaStream_t stream) {
-  run_mha_bwd_hdim<96, false, false, false>(params, stream);
+void run_mha_bwd_<96, false, false, kBwdPlain>(Flash_bwd_params& params, cudaStream_t stream) {
+  run_mha_bwd_hdim<96, false, false, kBwdPlain>(params, stream);
 }
 
 }  // namespace flash_sm75
