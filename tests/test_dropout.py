@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import torch
 import flash_attention_sm75 as fa
 from flash_attention_sm75 import _ops, _rules, sdpa
 from reference import (apply_score_mods, assert_close_fa, assert_lse_close, attention_ref,
-                       poisoned_cuda_memory, visible_mask)
+                       cuda_kernels_run, poisoned_cuda_memory, visible_mask)
 from test_backward import dq_mode
 
 pytestmark = pytest.mark.skipif(not (fa.EXTENSION_AVAILABLE and _ops.DROPOUT_AVAILABLE),
@@ -615,6 +616,40 @@ def test_kernels_with_every_variant(case, d, request):
     elif case == "top_left":
         kw = dict(causal=True, bottom_right=False)
     run_and_check(q, k, v, 0.3, backward=backward, **kw)
+
+
+# flash_fwd_kernel<traits, Is_causal, Is_local, Variant> (kFwdExt = 1, kFwdDropout = 3), and the
+# dK/dV and dQ kernels' last template argument, Drop_only.
+FWD_VARIANT = re.compile(r"flash_fwd_kernel<.*, (?:true|false), (?:true|false), (\d)>\(")
+BWD_DROP_ONLY = re.compile(r"flash_bwd_(?:dkdv|dq)_kernel<.*, (true|false)>\(")
+
+
+@pytest.mark.parametrize("case", ["dense", "causal", "window", "softcap", "bias"])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_kernels_dropout_alone_runs_the_dropout_only_family(case, d, request):
+    """fwd_variant / bwd_variant (kernels/flash.h, flash_bwd.h): a dense, unbanded call whose only
+    extended feature is dropout runs the dropout-only kernels in all three places; a window, a
+    softcap or a bias beside it, the extended ones. Both exact (run_and_check)."""
+    for m in gpu:
+        request.applymarker(m)
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    if case == "bias" and d > 128:
+        pytest.skip("no bias backward above head_dim 128")
+    b, sq, sk, h, h_k = 2, 150, 190, 4, 2
+    q, k, v = qkv(b, sq, sk, h, h_k, d, "cuda", seed=d + 11)
+    kw = {"dense": {}, "causal": dict(causal=True), "window": dict(window=(40, 7)),
+          "softcap": dict(softcap=5.0),
+          "bias": dict(bias=torch.randn(b, 1, sq, sk, device="cuda"))}[case]
+    names = {n for n in cuda_kernels_run(lambda: run_and_check(q, k, v, 0.2, **kw), "flash_")
+             if "pytorch_flash" not in n}  # torch's own FlashAttention kernels, should any run
+    fwd = [FWD_VARIANT.search(n) for n in names if "flash_fwd_kernel<" in n]
+    bwd = [BWD_DROP_ONLY.search(n) for n in names
+           if "flash_bwd_dkdv_kernel<" in n or "flash_bwd_dq_kernel<" in n]
+    assert len(fwd) == 1 and len(bwd) == 2 and all(fwd + bwd), names
+    alone = case in ("dense", "causal")
+    assert fwd[0].group(1) == ("3" if alone else "1"), names
+    assert all(m.group(1) == str(alone).lower() for m in bwd), names
 
 
 @pytest.mark.parametrize("d", [64, 128])
