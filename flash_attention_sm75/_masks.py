@@ -14,7 +14,7 @@ import collections
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -158,6 +158,16 @@ _MASK_CACHE = PerTensorCache()
 POSITION_IDS_CACHE = PerTensorCache(verify_inference=True)
 
 
+def broadcast_base(t: torch.Tensor, dims: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``t`` with every broadcast dimension (stride 0, size > 1) among ``dims`` (default: all)
+    narrowed to size 1: the values an ``expand()``-ed view holds, without its size. Element-wise
+    work on the result allocates what the view stores, not what it spans."""
+    for d in range(t.dim()) if dims is None else dims:
+        if t.stride(d) == 0 and t.shape[d] > 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
 def _blocked_values(mask: torch.Tensor, query_dtype: Optional[torch.dtype]) -> torch.Tensor:
     blocked = torch.isneginf(mask) | (mask == torch.finfo(mask.dtype).min)
     if query_dtype is not None and query_dtype.is_floating_point and query_dtype != mask.dtype:
@@ -249,6 +259,11 @@ def _classify_uncached(mask: torch.Tensor, batch_size: int, q_len: int, kv_len: 
                       f"({batch_size}, *, {q_len}, {kv_len})")
     if kv_len == 0 or q_len == 0:
         return None, "empty query or key sequence"
+    # An expanded mask (stride-0 batch, head or query dimensions, as torch's SDPA callers build
+    # them) is classified on the one slice it holds: the passes below would otherwise allocate
+    # temporaries of its full (B, H, q_len, kv_len) size on the device.
+    mask = broadcast_base(mask, dims=(0, 1, 2))
+    bm, hm, sqm, skm = mask.shape
 
     # The 0-d flags below are gathered into one host sync at the end.
     flags = []
@@ -453,10 +468,7 @@ def without_empty_rows(attn_mask) -> Optional[Tuple[torch.Tensor, torch.Tensor]]
             or attn_mask.shape[-1] == 0
             or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())):
         return None
-    base = attn_mask
-    for d in range(base.dim()):
-        if base.stride(d) == 0 and base.shape[d] > 1:
-            base = base.narrow(d, 0, 1)
+    base = broadcast_base(attn_mask)
     if base.dtype == torch.bool:
         empty = ~base.any(dim=-1, keepdim=True)
         visible = base | empty

@@ -789,6 +789,38 @@ def test_mask_that_is_a_key_range_runs_the_kernel_cpu(kind, kernel_device_cpu, o
     _masked_ref_check(q, k, v, out, lo, hi, causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float16, torch.float32])
+@pytest.mark.parametrize("stored", ["one_row", "a_row_per_batch"])
+def test_an_expanded_mask_is_classified_on_the_values_it_holds(dtype, stored, monkeypatch,
+                                                               kernel_device_cpu, op_calls):
+    # torch's SDPA callers expand() a padding mask to (B, H, Sq, Sk) as a view of what it holds.
+    # Classifying it must work on those values, not on temporaries of the view's whole size (a
+    # (4, 16, 8192, 8192) view of one row would cost GiBs of device memory), and answer as the
+    # unexpanded mask does.
+    from flash_attention_sm75 import _masks
+    b, h, s_q, s_k = 2, 4, 33, 40
+    q, k, v = bhsd(b=b, h=h, h_k=h, s_q=s_q, s_k=s_k, seed=seed_from(stored, str(dtype)))
+    keep = torch.arange(s_k)[None, :] < torch.tensor([23, 40])[:, None]  # (b, s_k) key padding
+    if stored == "one_row":
+        keep = keep[:1]
+    held = keep if dtype == torch.bool else (
+        torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf")))
+    held = held.view(keep.shape[0], 1, 1, s_k)
+    view = held.expand(b, h, s_q, s_k)
+    seen = []
+    real = _masks._invalid_reason
+    monkeypatch.setattr(_masks, "_invalid_reason",
+                        lambda mask, invalid: seen.append(mask.numel()) or real(mask, invalid))
+    _masks.clear_caches()
+    outs = []
+    for mask in (held, view):
+        assert fa.why_not_supported(q, k, v, attn_mask=mask) is None
+        outs.append(fa.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert seen and all(n == held.numel() for n in seen), (seen, held.numel())
+    assert len(op_calls) == 2 and torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], _sdpa64(q, k, v, view), atol=2e-3, rtol=0)
+
+
 def _sdpa64(q, k, v, mask, **kw):
     """torch's SDPA in float64 (the definition, to ~1e-15), rounded to the inputs' dtype."""
     m = mask if mask is None or mask.dtype == torch.bool else mask.double()
