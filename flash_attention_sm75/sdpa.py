@@ -275,7 +275,8 @@ def _mask_metadata_problem(query, key, attn_mask, is_causal) -> Optional[str]:
     if attn_mask.device != query.device:
         return f"attn_mask is on {attn_mask.device}, query on {query.device}"
     if not 2 <= attn_mask.dim() <= 4:
-        # torch 2.11's SDPA rejects a 1-D mask (IndexError); it must do so for every such mask.
+        # torch 2.11's SDPA rejects a 1-D mask in its default dispatch (IndexError) but its math
+        # backend, when forced (sdpa_kernel), broadcasts one: torch decides either way.
         return f"attn_mask is {attn_mask.dim()}-D; 2- to 4-D masks broadcast to (B, H, Sq, Sk)"
     # (== comparisons: under torch.compile(dynamic=True) `n in (1, SymInt)` is False for an
     # equal size)
@@ -382,9 +383,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         all-True / all-zero and bottom-right causal masks run on the kernel as per-row key
         ranges; any other mask runs on the kernel as an additive bias that it reads in place
         (see :func:`why_not_supported` for what falls back). A query row that sees no key (all
-        False, or all ``-inf``) gives 0 and zero gradients on every path (torch's math backend
-        gives NaN there); a finite "dtype minimum" mask row is not empty and gives a finite
-        result.
+        False, or all ``-inf``) gives 0 and zero gradients on every path (as torch's math backend
+        does since torch 2.5; some of torch's other backends give NaN or an average of V there);
+        a finite "dtype minimum" mask row is not empty and gives a finite result.
     dropout_p : float, optional
         Default ``0.0``. Dropout probability, applied as torch does (whenever > 0, also in eval
         mode), on the kernel (its own generator, seeded from torch's CUDA generator); a value
