@@ -397,6 +397,8 @@ TRAIN_CONFIGS = {
                                              sliding_window=64)),
     # The models' own head dims (256, 96, 80) with fewer heads and a smaller vocabulary.
     "gemma3-hd256": ("gemma-3-1b", dict(vocab_size=8192)),
+    # Its sliding layers with a window shorter than the batch (the kernel's window at d = 256).
+    "gemma3-hd256-window": ("gemma-3-1b", dict(vocab_size=8192, sliding_window=64)),
     "phi3-hd96": ("phi-3-mini", dict(hidden_size=768, num_attention_heads=8,
                                      num_key_value_heads=8, vocab_size=8192)),
     "phi2-hd80": ("phi-2", dict(hidden_size=640, num_attention_heads=8, num_key_value_heads=8,
@@ -433,7 +435,9 @@ def _rel_err(a, b):
 
 @pytest.mark.parametrize("name,batch", [("llama-hd64-gqa", "b2"), ("llama-hd128", "b2"),
                                         ("llama-hd64-gqa", "b2-right-padded"),
-                                        ("gemma3-hd256", "b2-right-padded"), ("phi3-hd96", "b2"),
+                                        ("gemma3-hd256", "b2-right-padded"),
+                                        ("gemma3-hd256-window", "b2-right-padded"),
+                                        ("phi3-hd96", "b2"),
                                         ("phi2-hd80", "b2-right-padded"),
                                         ("mistral-hd128-window", "b2-right-padded")])
 def test_training_gradients_match_stock_sdpa(name, batch):
@@ -485,6 +489,101 @@ def test_training_gradients_match_stock_sdpa(name, batch):
     del ref
     _assert_gradients_as_close_as_stock(f"{name} {batch}", loss_ours, g_ours, loss_stock, g_stock,
                                         loss_32, g_32)
+
+
+def _tiny_bert(head_dim, dropout=0.0):
+    """A BERT-base-shaped encoder (bidirectional, padding masks; HF's BertForMaskedLM) with 2
+    layers, 4 heads of ``head_dim`` and a small vocabulary, random weights, fp16 on the GPU."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=512, hidden_size=4 * head_dim, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=8 * head_dim,
+                     max_position_embeddings=512, attention_probs_dropout_prob=dropout,
+                     hidden_dropout_prob=0.0)
+    torch.manual_seed(23)
+    return BertForMaskedLM(cfg).to(DEVICE, torch.float16)
+
+
+def _bert_batch(vocab):
+    # Right padding (BERT's tokenizers pad on the right): rows of 200 and 131 tokens.
+    g = torch.Generator().manual_seed(29)
+    ids = torch.randint(5, vocab, (2, 200), generator=g)
+    am = torch.ones(2, 200, dtype=torch.long)
+    am[1, 131:] = 0
+    labels = torch.randint(5, vocab, (2, 200), generator=g).masked_fill(am == 0, -100)
+    return ids.masked_fill(am == 0, 0).to(DEVICE), am.to(DEVICE), labels.to(DEVICE)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bert_eval_and_training_gradients_match_stock_sdpa(head_dim):
+    """Issue 20's BERT-family padding masks: a BERT-shaped encoder runs every attention call on
+    the kernel, its real tokens' logits and, in train mode (dropout off to compare), its loss
+    and every parameter's gradient as close to the float32 model's as stock fp16 SDPA's are
+    (the criterion of test_training_gradients_match_stock_sdpa)."""
+    model = _tiny_bert(head_dim)
+    ids, am, labels = _bert_batch(model.config.vocab_size)
+    real = am.bool()
+    model.set_attn_implementation("sm75_attention")
+    hf.reset_stats()
+    with torch.no_grad():
+        ours = model.eval()(input_ids=ids, attention_mask=am).logits[real].float()
+    stats = hf.get_stats()
+    assert stats["kernel"] == model.config.num_hidden_layers and stats["fallback"] == 0, stats
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        stock = model(input_ids=ids, attention_mask=am).logits[real].float()
+        ref = copy.deepcopy(model).float()
+        with sdpa_kernel(SDPBackend.MATH):
+            want = ref(input_ids=ids, attention_mask=am).logits[real]
+    err, err_stock = (ours - want).abs().max().item(), (stock - want).abs().max().item()
+    assert err <= 2 * err_stock + 2e-3, (err, err_stock)
+
+    model.train()
+    model.set_attn_implementation("sm75_attention")
+    hf.reset_stats()
+    loss_ours, g_ours = _bert_train_grads(model, ids, am, labels)
+    assert hf.get_stats()["fallback"] == 0, hf.get_stats()
+    model.set_attn_implementation("sdpa")
+    loss_stock, g_stock = _bert_train_grads(model, ids, am, labels)
+    ref.train()
+    loss_32, g_32 = _bert_train_grads(ref, ids, am, labels, math_sdpa=True)
+    _assert_gradients_as_close_as_stock(f"bert d={head_dim}", loss_ours, g_ours, loss_stock,
+                                        g_stock, loss_32, g_32)
+
+
+def _bert_train_grads(model, ids, am, labels, math_sdpa=False):
+    """As _train_grads, for a masked-LM head: (unscaled loss, float32 gradients x loss scale)."""
+    import contextlib
+
+    model.zero_grad(set_to_none=True)
+    with sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
+        logits = model(input_ids=ids, attention_mask=am).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                                 ignore_index=-100)
+        (loss * TRAIN_LOSS_SCALE).backward()
+    grads = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def test_bert_training_with_attention_dropout_runs_on_the_kernel():
+    """BERT fine-tuning's default attention dropout (0.1) on the kernel: every call there, a
+    finite loss and gradients, a seed reproduces the step bit for bit and another seed does
+    not (the dropout mask's law itself: tests/test_dropout.py)."""
+    model = _tiny_bert(64, dropout=0.1).train()
+    model.set_attn_implementation("sm75_attention")
+    ids, am, labels = _bert_batch(model.config.vocab_size)
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        hf.reset_stats()
+        runs.append(_bert_train_grads(model, ids, am, labels))
+        stats = hf.get_stats()
+        assert stats["kernel"] == model.config.num_hidden_layers and stats["fallback"] == 0, stats
+    (l5, g5), (l5b, g5b), (l6, g6) = runs
+    assert math.isfinite(l5) and all(torch.isfinite(g).all() for g in g5.values())
+    assert l5 == l5b and all(torch.equal(g5[n], g5b[n]) for n in g5)
+    assert not all(torch.equal(g5[n], g6[n]) for n in g5)
 
 
 def _assert_gradients_as_close_as_stock(label, loss_ours, g_ours, loss_stock, g_stock, loss_32,
