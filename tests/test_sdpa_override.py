@@ -849,6 +849,32 @@ def test_gpu_masks_run_on_the_kernels(on_gpu, name):
     assert not torch_kernels
 
 
+@pytest.mark.gpu
+def test_gpu_mask_above_the_bias_backward_limit_empty_rows_give_zero_gradients(on_gpu):
+    # head_dim 160 with a mask: the forward runs on the kernels (a bias at any head dim) and the
+    # backward falls back to torch's efficient kernel (the bias backward stops at 128), which
+    # is handed our LSE. A query row that sees no key must keep 0 output and 0 gradients, and
+    # every other row torch's (the definition, float64).
+    q, k, v = bhsd(1, 2, None, 48, 64, 160, device="cuda", seed=seed_from(160, 48))
+    mask = torch.rand(1, 1, 48, 64, device="cuda", generator=torch.Generator("cuda")
+                      .manual_seed(3)) > 0.3
+    mask[..., 5, :] = False  # query row 5 sees no key
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    assert so.why_not_overridden(q, k, v, mask) is None
+    ours = _sdpa_grads(q, k, v, dout, attn_mask=mask)
+    assert all(torch.isfinite(t).all() for t in ours)
+    assert (ours[0][:, :, 5] == 0).all() and (ours[1][:, :, 5] == 0).all()
+    seen = mask.any(-1, keepdim=True)  # rows that see a key; row 5 is 0 (the definition's limit)
+    add = torch.zeros(mask.shape, dtype=torch.float64, device="cuda").masked_fill(
+        ~(mask | ~seen), float("-inf"))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    p64 = torch.softmax(leaves[0] @ leaves[1].transpose(-1, -2) / math.sqrt(160) + add, dim=-1)
+    out64 = (p64 * seen) @ leaves[2]
+    out64.backward(dout.double())
+    for g, r in zip(ours, (out64.detach(), *(t.grad for t in leaves))):
+        torch.testing.assert_close(g.double(), r, atol=1e-2, rtol=1e-2)
+
+
 @contextlib.contextmanager
 def deterministic():
     """torch.use_deterministic_algorithms(True) for the block (torch's efficient backward then
