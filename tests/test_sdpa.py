@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention_sm75 as fa
-from flash_attention_sm75 import _ops, _rules, sdpa
+from flash_attention_sm75 import _masks, _ops, _rules, sdpa
 from reference import assert_close_fa, attention_ref, poisoned_cuda_memory, seed_from
 
 pytestmark = pytest.mark.skipif(not fa.EXTENSION_AVAILABLE,
@@ -797,7 +797,6 @@ def test_an_expanded_mask_is_classified_on_the_values_it_holds(dtype, stored, mo
     # Classifying it must work on those values, not on temporaries of the view's whole size (a
     # (4, 16, 8192, 8192) view of one row would cost GiBs of device memory), and answer as the
     # unexpanded mask does.
-    from flash_attention_sm75 import _masks
     b, h, s_q, s_k = 2, 4, 33, 40
     q, k, v = bhsd(b=b, h=h, h_k=h, s_q=s_q, s_k=s_k, seed=seed_from(stored, str(dtype)))
     keep = torch.arange(s_k)[None, :] < torch.tensor([23, 40])[:, None]  # (b, s_k) key padding
