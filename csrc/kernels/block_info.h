@@ -49,7 +49,8 @@ FLASH_HOST_DEVICE KeyRange key_range(int seqlen_k, const int* leftpad_k, const i
 // side; causal forces right = 0) around offset = causal_offset(...): {upper, lower}. Computed in
 // 64 bits and clamped so that the kernels' int arithmetic cannot overflow: upper into
 // [kNoWindowLower, seqlen_k] (>= seqlen_k - 1 hides nothing), lower into [kNoWindowLower,
-// seqlen_k] (kNoWindowLower: no lower diagonal, exact for seqlen_q < 2^30).
+// seqlen_k] (kNoWindowLower: no lower diagonal, exact for seqlen_q < 2^30; also for a lower
+// diagonal that hides nothing).
 struct BandDiagonals {
   int upper;
   int lower;
@@ -68,6 +69,12 @@ inline BandDiagonals band_diagonals(int seqlen_q, int seqlen_k, bool bottom_righ
   long long lower = window_left >= 0 ? off - window_left : lo_clamp;
   upper = upper < lo_clamp ? lo_clamp : (upper > seqlen_k ? seqlen_k : upper);
   lower = lower < lo_clamp ? lo_clamp : (lower > seqlen_k ? seqlen_k : lower);
+  // A lower diagonal at or below -(seqlen_q - 1) hides no key from any row (the last row sees
+  // j >= seqlen_q - 1 + lower <= 0): it is no lower diagonal at all. Transformers' sliding
+  // layers pass their window on every call, also on inputs shorter than it; dropping it keeps
+  // those calls on the causal-only instantiations (Has_lower costs the causal backward 6-11%)
+  // and, with dropout, on the dropout-only kernels.
+  if (lower <= -(static_cast<long long>(seqlen_q) - 1)) lower = lo_clamp;
   return {static_cast<int>(upper), static_cast<int>(lower)};
 }
 

@@ -316,6 +316,35 @@ TEST(BandDiagonals, HugeWindowsHideNothing) {
   }
 }
 
+TEST(BandDiagonals, AWindowThatHidesNothingIsNoLowerDiagonal) {
+  // Key j is hidden from row i by the lower diagonal iff j < i + lower. A left side so wide that
+  // no row loses a key must give kNoWindowLower (the causal-only kernels), and one key narrower
+  // must keep its diagonal (the last row loses key 0).
+  for (int sq : {1, 2, 7, 64, 1000, 4096}) {
+    for (int sk : {1, 7, 64, 1000, 4096, 8192}) {
+      for (bool br : {false, true}) {
+        for (bool causal : {false, true}) {
+          const long long off = causal_offset(sq, sk, br);
+          // The narrowest left side that hides nothing: sq - 1 + off - left <= 0.
+          const long long widest_hiding = sq - 2 + off;  // left = this hides key 0 from row sq-1
+          SCOPED_TRACE(::testing::Message() << "sq=" << sq << " sk=" << sk << " br=" << br
+                                            << " causal=" << causal);
+          for (long long left : {widest_hiding + 1, widest_hiding + 2, widest_hiding + 1000}) {
+            if (left < 0) continue;
+            EXPECT_EQ(band_diagonals(sq, sk, br, causal, left, -1).lower, kNoWindowLower) << left;
+            EXPECT_EQ(band_diagonals(sq, sk, br, causal, left, 3).lower, kNoWindowLower) << left;
+          }
+          if (widest_hiding >= 0 && widest_hiding - off < sk + sq) {
+            const BandDiagonals b = band_diagonals(sq, sk, br, causal, widest_hiding, -1);
+            EXPECT_NE(b.lower, kNoWindowLower);
+            EXPECT_GT(sq - 1 + b.lower, 0);  // the last row loses at least key 0
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(BlockInfo, CeilDivMinMax) {
   EXPECT_EQ(ceil_div(0, 64), 0);
   EXPECT_EQ(ceil_div(1, 64), 1);
