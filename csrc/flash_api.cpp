@@ -221,10 +221,11 @@ void check_window_size(int64_t window_size_left, int64_t window_size_right) {
                     window_size_right);
 }
 
-void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                     const at::Tensor& q, const std::optional<at::Tensor>& leftpad_k,
+void check_score_mod(double softcap, double softmax_scale,
+                     const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
+                     const std::optional<at::Tensor>& leftpad_k,
                      const std::optional<at::Tensor>& seqused_k) {
-  check_score_mod(softcap, alibi_slopes, q.device(), q.size(0), q.size(2));
+  check_score_mod(softcap, softmax_scale, alibi_slopes, q.device(), q.size(0), q.size(2));
   if (!alibi_slopes.has_value()) return;
   TORCH_CHECK_VALUE(!leftpad_k.has_value() && !seqused_k.has_value(),
                     "flash_attention_sm75: alibi_slopes cannot be combined with leftpad_k / "
@@ -232,11 +233,20 @@ void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slop
                     "alibi_slopes=None or no key ranges");
 }
 
-void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                     const c10::Device& device, int64_t b, int64_t h) {
+void check_score_mod(double softcap, double softmax_scale,
+                     const std::optional<at::Tensor>& alibi_slopes, const c10::Device& device,
+                     int64_t b, int64_t h) {
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
                     "flash_attention_sm75: softcap must be a finite number >= 0 (0: no "
                     "soft-capping), got ", softcap);
+  // The kernels cap raw scores as tanh(s * scale / softcap) * (softcap / scale) in float32: both
+  // factors must be normal floats, with room below so that flushing a tiny s * scale / softcap
+  // to 0 changes a score by under 2^-26 * scale (_rules.SOFTCAP_RATIO_MIN/MAX, the rulebook).
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap / softmax_scale >= kSoftcapRatioMin &&
+                                     softcap / softmax_scale <= kSoftcapRatioMax),
+                    "flash_attention_sm75: softcap / softmax_scale must be within [2^-100, "
+                    "2^100] (float32 factors of the soft-cap), got softcap ", softcap,
+                    " and softmax_scale ", softmax_scale);
   if (!alibi_slopes.has_value()) return;
   const at::Tensor& a = *alibi_slopes;
   TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat,
@@ -513,7 +523,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
     double dropout_p, at::Tensor* rng_state, const at::Tensor* rng_in = nullptr) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
-  check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
+  check_score_mod(softcap, scale, alibi_slopes, q, leftpad_k, seqused_k);
   const at::Tensor bias =
       attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1), scale)
                             : at::Tensor();
@@ -758,7 +768,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_cpu_impl(
     int64_t dropout_bh0 = 0) {
   const double scale = check_fwd_inputs(q, k, v, softmax_scale, leftpad_k, seqused_k);
   check_window_size(window_size_left, window_size_right);
-  check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
+  check_score_mod(softcap, scale, alibi_slopes, q, leftpad_k, seqused_k);
   const at::Tensor bias =
       attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1), scale)
                             : at::Tensor();

@@ -147,6 +147,9 @@ at::Tensor check_attn_bias(const at::Tensor& attn_bias, const at::Tensor& q, int
 // (~1.7e38 at scales <= 1), so from 2^-27 on only |bias| > ~1.3e30 (mask sentinels) reaches the
 // clamp, and no fp16 value does (the kernels read fp16 biases without it).
 constexpr double kBiasScaleMin = 7.450580596923828e-09;  // 2^-27
+// A softcap is accepted with softcap / softmax_scale in [2^-100, 2^100] (check_score_mod).
+constexpr double kSoftcapRatioMin = 7.888609052210118e-31;  // 2^-100
+constexpr double kSoftcapRatioMax = 1.2676506002282294e30;  // 2^100
 // params.bias_* from check_attn_bias's view, which must stay alive until the launches are queued.
 void set_params_bias(Flash_fwd_params& params, const at::Tensor& bias_view, double softmax_scale);
 // The CPU references' bias: the view as float64, bool as 0 / -inf.
@@ -171,8 +174,8 @@ void make_dbias(at::Tensor* dbias, const std::optional<at::Tensor>& attn_bias, c
 //                 without causal; not combinable with leftpad_k / seqused_k.
 // softmax_lse is the log-sum-exp of the modified scores. Invalid values raise ValueError naming
 // the argument (before any launch).
-void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                     const at::Tensor& q, const std::optional<at::Tensor>& leftpad_k,
+void check_score_mod(double softcap, double softmax_scale,
+                     const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q, const std::optional<at::Tensor>& leftpad_k,
                      const std::optional<at::Tensor>& seqused_k);
 
 // The CPU reference of the score modifiers on scaled scores s (batch, num_heads, seqlen_q,
@@ -183,8 +186,9 @@ at::Tensor cpu_mod_scores(const at::Tensor& s, double softcap,
 
 // The same checks for a batch of b entries with h query heads on `device`, without the key-range
 // rule (packed sequences define ALiBi's distance per sequence, so key ranges are allowed there).
-void check_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                     const c10::Device& device, int64_t b, int64_t h);
+void check_score_mod(double softcap, double softmax_scale,
+                     const std::optional<at::Tensor>& alibi_slopes, const c10::Device& device,
+                     int64_t b, int64_t h);
 
 // The kernels' layout rule for a 4-D BSHD tensor: 16-byte aligned data, batch / seq / head
 // strides divisible by 8 elements (or of size 1). ValueError naming the argument otherwise.

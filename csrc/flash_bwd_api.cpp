@@ -193,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_with(
   const at::Tensor dout = to_kernel_layout(dout_), out = to_kernel_layout(out_);
   const double scale = check_bwd_inputs(dout, q, k, v, out, softmax_lse_, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
-  check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
+  check_score_mod(softcap, scale, alibi_slopes, q, leftpad_k, seqused_k);
   const at::Tensor bias =
       attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1), scale)
                             : at::Tensor();
@@ -297,7 +297,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd_cpu_at(
                                         to_kernel_layout(k), to_kernel_layout(v),
                                         to_kernel_layout(out), softmax_lse, softmax_scale,
                                         leftpad_k, seqused_k, grad_softmax_lse);
-  check_score_mod(softcap, alibi_slopes, q, leftpad_k, seqused_k);
+  check_score_mod(softcap, scale, alibi_slopes, q, leftpad_k, seqused_k);
   const at::Tensor bias =
       attn_bias.has_value() ? check_attn_bias(*attn_bias, q, k.size(1), scale)
                             : at::Tensor();

@@ -137,7 +137,7 @@ KvcacheShape check_kvcache(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK_VALUE(q.size(1) <= kMaxCacheRows, "flash_attention_sm75: seqlen_q must be at most "
                     "2^30, got ", q.size(1));
   check_window_size(window_size_left, window_size_right);
-  check_score_mod(softcap, alibi_slopes, q.device(), batch, q.size(2));
+  check_score_mod(softcap, scale, alibi_slopes, q.device(), batch, q.size(2));
   return {scale, batch, q.size(1), seqlen_new, seqlen_cache, paged};
 }
 

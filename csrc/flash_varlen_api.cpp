@@ -77,7 +77,7 @@ VarlenShape check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Ten
     TORCH_CHECK_VALUE(s.is_contiguous(), "flash_attention_sm75: seqused_k must be contiguous");
   }
   check_window_size(window_size_left, window_size_right);
-  check_score_mod(softcap, alibi_slopes, q.device(), batch, q.size(1));
+  check_score_mod(softcap, scale, alibi_slopes, q.device(), batch, q.size(1));
   return {scale, batch};
 }
 

@@ -34,6 +34,8 @@ __all__ = [
     "RULES",
     "SOFTMAX_SCALE_MAX",
     "SOFTMAX_SCALE_MIN",
+    "SOFTCAP_RATIO_MAX",
+    "SOFTCAP_RATIO_MIN",
     "alibi_slopes_problem",
     "attn_bias_problem",
     "BIAS_DTYPES",
@@ -42,6 +44,7 @@ __all__ = [
     "check_inputs",
     "NO_WINDOW",
     "softcap_problem",
+    "softcap_scale_problem",
     "window_size_problem",
     "is_kernel_aligned",
     "not_supported_reason",
@@ -108,6 +111,8 @@ KEY_RANGE_DTYPE = torch.int32
 # inf - inf = NaN in the softmax.
 SOFTMAX_SCALE_MIN = 1.1754943508222875e-38  # FLT_MIN
 SOFTMAX_SCALE_MAX = 3.4028234663852886e38 / (2 * 1.4426950408889634 * 256 * 65504.0**2)  # ~1.07e26
+SOFTCAP_RATIO_MIN = 2.0 ** -100  # softcap / softmax_scale (softcap_scale_problem)
+SOFTCAP_RATIO_MAX = 2.0 ** 100
 _SCALE_RANGE = "[1.18e-38, 1.07e26]"
 
 RULES: Tuple[str, ...] = (
@@ -127,7 +132,8 @@ RULES: Tuple[str, ...] = (
     "key_range",       # leftpad_k / seqused_k: KEY_RANGE_DTYPE, (batch,), device, contiguous
     "softmax_scale",   # finite, [SOFTMAX_SCALE_MIN, SOFTMAX_SCALE_MAX]
     "window_size",     # (left, right) ints, each -1 (no limit) or >= 0
-    "softcap",         # a real number, finite, >= 0 (0: off)
+    "softcap",         # a real number, finite, >= 0 (0: off); > 0: softcap / softmax_scale
+                       # in [SOFTCAP_RATIO_MIN, SOFTCAP_RATIO_MAX]
     "alibi_slopes",    # None or float32 (num_heads,) / (batch, num_heads), last dim contiguous,
                        # q's device, no key ranges, not requiring grad (under grad mode)
     "attn_bias",       # None or BIAS_DTYPES, broadcasts to (batch, num_heads, seqlen_q,
@@ -171,6 +177,24 @@ def scale_problem(softmax_scale: object, name: str = "softmax_scale") -> Optiona
     if not (math.isfinite(s) and SOFTMAX_SCALE_MIN <= s <= SOFTMAX_SCALE_MAX):
         return (f"{name} must be a finite number > 0 within {_SCALE_RANGE} (float32 "
                 f"scores must not overflow), got {softmax_scale!r}")
+    return None
+
+
+def softcap_scale_problem(softcap: float, softmax_scale: Optional[float], head_dim: int,
+                          scale_name: str = "softmax_scale") -> Optional[str]:
+    """None if a usable ``softcap`` (:func:`softcap_problem`) can run with this scale (None:
+    ``1 / sqrt(head_dim)``), else why not. The kernels cap raw scores as
+    ``tanh(s * scale / softcap) * (softcap / scale)`` in float32: softcap / scale must lie in
+    [SOFTCAP_RATIO_MIN, SOFTCAP_RATIO_MAX] = [2^-100, 2^100], which keeps both factors normal
+    floats and makes flushing a tiny ``s * scale / softcap`` to 0 change a score by under
+    2^-26 * scale. Outside it a factor overflowed to inf (NaN scores) or to 0. The C++ op checks
+    the same (``check_score_mod``)."""
+    if not softcap:
+        return None
+    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if not SOFTCAP_RATIO_MIN <= softcap / scale <= SOFTCAP_RATIO_MAX:
+        return (f"softcap / {scale_name} must be within [2^-100, 2^100] (float32 factors of "
+                f"the soft-cap), got softcap {softcap!r} and {scale_name} {scale!r}")
     return None
 
 
@@ -515,7 +539,8 @@ def not_supported_reason(
         flash-attn's sliding window ``(left, right)``, each -1 (no limit) or >= 0
         (:func:`window_size_problem`).
     softcap : float
-        flash-attn's logit soft-cap, finite and >= 0 (0: off) (:func:`softcap_problem`).
+        flash-attn's logit soft-cap, finite and >= 0 (0: off) (:func:`softcap_problem`), with
+        softcap / softmax_scale in [2^-100, 2^100] (:func:`softcap_scale_problem`).
     alibi_slopes : torch.Tensor, optional
         flash-attn's ALiBi slopes, float32 ``(num_heads,)`` or ``(batch, num_heads)``, not with
         key ranges (:func:`alibi_slopes_problem`).
@@ -590,6 +615,11 @@ def not_supported_reason(
     # scalar, an int or a SymFloat under torch.compile takes the full check, which traces.
     if type(softcap) is not float or not 0.0 <= softcap < math.inf:
         r = softcap_problem(softcap)
+        if r is not None:
+            return r
+    if type(softcap) is not float or softcap != 0.0:
+        r = softcap_scale_problem(softcap, softmax_scale, d,
+                                  names[3] if len(names) > 3 else "softmax_scale")
         if r is not None:
             return r
     if alibi_slopes is not None:

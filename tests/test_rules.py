@@ -204,6 +204,14 @@ ROWS = [
     Row("softcap", "softcap_str", _with(lambda *t: t, softcap="30"),
         r"softcap must be a real number \(float or int\), finite and >= 0 \(0: no "
         r"soft-capping\), got str '30'", cpp=False),
+    # The kernels' float32 factors scale / softcap and softcap / scale: inf (NaN scores) or 0.
+    Row("softcap", "softcap_over_scale_too_large",
+        _with(lambda *t: t, softcap=1e37, softmax_scale=1e-3),
+        r"softcap / softmax_scale must be within \[2\^-100, 2\^100\] \(float32 factors of the "
+        r"soft-cap\), got softcap 1e\+37 and softmax_scale 0\.001"),
+    Row("softcap", "softcap_over_scale_too_small", _with(lambda *t: t, softcap=1e-40),
+        r"softcap / softmax_scale must be within \[2\^-100, 2\^100\] \(float32 factors of the "
+        r"soft-cap\), got softcap 1e-40 and softmax_scale 0\.125"),
     Row("softcap", "softcap_bool", _with(lambda *t: t, softcap=True),
         r"softcap must be a real number .* got bool True", cpp=False),
     Row("softcap", "softcap_tensor", _with(lambda *t: t, softcap=torch.tensor(30.0)),
@@ -474,3 +482,23 @@ def test_scale_reason_names_each_door_s_argument(monkeypatch):
         assert reason.startswith("scaling must be a finite number"), reason
     finally:
         hf.configure(**previous)
+
+
+def test_softcap_ratio_rule_holds_for_the_varlen_and_kvcache_ops():
+    # The packed and KV-cache ops share check_score_mod with the dense op: the same rule, raised
+    # before anything runs (the cache is not appended to).
+    from flash_attention_sm75 import fa2
+
+    regex = r"softcap / softmax_scale must be within \[2\^-100, 2\^100\]"
+    q, k, v = (torch.randn(7, 2, 64).half() for _ in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match=regex):
+        fa2.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, softmax_scale=1e-3, softcap=1e37)
+    k_cache, v_cache = torch.randn(2, 8, 2, 64).half(), torch.randn(2, 8, 2, 64).half()
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match=regex):
+        fa2.flash_attn_with_kvcache(q[:2].unsqueeze(1), k_cache, v_cache, k=k[:2].unsqueeze(1),
+                                    v=v[:2].unsqueeze(1),
+                                    cache_seqlens=torch.tensor([2, 3], dtype=torch.int32),
+                                    softcap=1e-40)
+    assert torch.equal(k_cache, before)

@@ -215,6 +215,34 @@ def test_position_bias_with_a_boolean_mask():
         _backward(out, leaves)
 
 
+@pytest.mark.parametrize("q_len", [6, 1])
+def test_position_bias_with_a_boolean_mask_on_the_kernel_path(q_len):
+    # The kernel path of the same call (the CPU reference op stands in for the kernels): the bias
+    # it is handed must hide the keys of a row without any as -inf, not transformers' finite
+    # minimum, or that row averages V (a left-padded T5 decoder's padded queries). Its rows with
+    # keys match the fallback's, its empty rows are 0, and no gradient flows through them: the
+    # learned position bias gets 0 there.
+    module = _attention_module()
+    q, k, v = (t.half() for t in _qkv(2, 2, 1, q_len, 6))  # the kernels' dtype
+    vis = _causal_padded(2, q_len, 6, [0, 3 if q_len > 1 else 6])
+    empty = ~vis.any(-1, keepdim=True)  # (B, 1, q, 1)
+    assert empty.any() and not empty.all()
+    bias = torch.randn(2, 2, q_len, 6, generator=torch.Generator().manual_seed(5)).half()
+    ref, _ = hf.flash_attention_sm75_forward(module, q, k, v, vis, position_bias=bias)  # fallback
+    hf.configure(allow_cpu_reference=True, decode_on_kernel=True)
+    hf.reset_stats()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out, _ = hf.flash_attention_sm75_forward(module, *leaves[:3], vis, position_bias=leaves[3])
+    assert hf.get_stats()["kernel"] == 1, hf.get_stats()
+    rows = empty.transpose(1, 2).expand(out.shape[:-1] + (1,))[..., 0]
+    assert (out.detach()[rows] == 0).all()
+    torch.testing.assert_close(out.detach()[~rows], ref[~rows], atol=2e-3, rtol=2e-3)
+    (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+    assert (leaves[3].grad.masked_select(empty) == 0).all()
+    assert (leaves[3].grad.masked_select(~empty) != 0).any()
+
+
 def test_output_attentions_fallback_keeps_no_weights(backend):
     # transformers' SDPA function returns no attention weights (None) even when asked; the
     # fallback returns what it returns, with the rows without keys zeroed in the output.

@@ -837,7 +837,8 @@ def _position_bias_attention(fallback, module, query, key, value, attention_mask
     """A call with a relative-position bias (T5's ``position_bias``, (1 or B, H, q_len, kv_len)):
     the bias transformers' SDPA path adds, built by transformers' own
     ``create_position_bias_mask`` (the position bias where the mask or causality lets a key be
-    seen, the dtype's minimum elsewhere), with that path's key crop for a causal call into a
+    seen, the dtype's minimum elsewhere; -inf across a row a boolean mask leaves no key, which
+    the kernel then gives 0), with that path's key crop for a causal call into a
     longer cache, goes to the kernel as its ``attn_bias``; in training the learned bias gets
     its gradient from the kernel's backward (through ``create_position_bias_mask`` to the
     relative-attention embedding). Anything the kernel cannot run falls back to ``fallback``
@@ -863,6 +864,12 @@ def _position_bias_attention(fallback, module, query, key, value, attention_mask
             k, v = key[:, :, :q_len], value[:, :, :q_len]
             position_bias = position_bias[:, :, :, :q_len]
         bias = create_position_bias_mask(position_bias, attention_mask, is_causal, query, k)
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            # transformers fills hidden keys with the dtype's finite minimum, so a query row
+            # with no visible key (a left-padded decoder's padded queries) would average V.
+            # Those rows hide their keys as -inf: the kernel gives them 0 and no gradient, as
+            # the fallback does (_call_fallback). Device ops, no host read.
+            bias = bias.masked_fill(~attention_mask.any(-1, keepdim=True), float("-inf"))
         problem = _rules.attn_bias_problem(bias, query, k.shape[2], layout="bhsd",
                                            backward=_rules.backward_may_follow(
                                                query, key, value, dropout_p=_dropout_of(bound)),
