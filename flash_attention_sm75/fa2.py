@@ -76,14 +76,31 @@ def _real(name: str, value: object) -> float:
 
 
 def _window(window_size: object) -> Tuple[int, int]:
-    """flash-attn's ``window_size`` as the op's two ints: any negative side is unbounded (-1),
-    as flash-attn reads it."""
+    """flash-attn's ``window_size`` as two ints, any negative side as -1 (flash-attn's "no
+    limit"); :func:`_flash_attn_window` then applies the rest of flash-attn's reading."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral)
                    for w in window_size)):
         raise ValueError(f"{PREFIX}window_size must be a pair of ints (left, right), got "
                          f"{window_size!r}")
     return tuple(max(int(w), -1) for w in window_size)
+
+
+def _flash_attn_window(left: int, right: int, causal: bool, seqlen_k: int) -> Tuple[int, int]:
+    """flash-attn's reading of ``window_size`` for a call over ``seqlen_k`` keys (the cache's
+    rows, or ``max_seqlen_k`` for packed sequences), as the op's pair: causal sets the right side
+    to 0; a side at or past ``seqlen_k`` is no limit; then, where one side is limited and the
+    other is not, the unlimited side becomes ``seqlen_k`` (flash-attn's ``set_params_fprop``).
+    Only that right side can hide keys the op's -1 would show: bottom-right, row i then sees
+    keys up to i + seqlen_k - seqlen_q + seqlen_k, fewer than all when seqlen_q > seqlen_k + 1.
+    A left side of ``seqlen_k`` hides nothing, so it stays -1."""
+    if causal:
+        right = 0
+    left = -1 if left >= seqlen_k else left
+    right = -1 if right >= seqlen_k else right
+    if left >= 0 and right < 0:
+        right = seqlen_k
+    return left, right
 
 
 def _softcap(softcap: object) -> float:
@@ -222,6 +239,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
                                  softcap=softcap, deterministic=deterministic,
                                  bools=(("return_attn_probs", return_attn_probs),))
     _check_attn_probs(dropout_p, return_attn_probs)
+    window = _flash_attn_window(*window, causal, k.shape[1])
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
@@ -410,6 +428,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                                  deterministic=deterministic,
                                  bools=(("return_attn_probs", return_attn_probs),))
     _check_attn_probs(dropout_p, return_attn_probs)
+    window = _flash_attn_window(*window, causal, max_k)
     batch = cu_q.shape[0] - 1
     _check_slopes(alibi_slopes, q, batch, q.shape[1])
     if paged:
@@ -825,11 +844,7 @@ def flash_attn_with_kvcache(
     # flash-attn: causal has no effect on a single query row; it decides q's rotary positions
     # together with a window it still considers local (left < seqlen_cache, right likewise).
     is_causal = causal and seqlen_q != 1
-    if is_causal:
-        right = 0
-    # flash-attn: a side at or past the cache's rows is no limit, side by side.
-    left = -1 if left >= seqlen_cache else left
-    right = -1 if right >= seqlen_cache else right
+    left, right = _flash_attn_window(left, right, is_causal, seqlen_cache)
     local = left >= 0 or right >= 0
     on_op = (q.shape[-1] % _rules.HEAD_DIM_MULTIPLE == 0
              and (not paged or page % _ops.PAGE_BLOCK_MULTIPLE == 0 or block_table.shape[1] == 1))

@@ -493,9 +493,39 @@ def test_kvcache_per_sequence_alignment_is_one_kvcache_op_call(case, op_calls, v
     assert_lse_exact(lse, ref_lse)
 
 
-# Sliding windows (flash-attn's window_size; a negative side is unbounded), per sequence and
-# bottom-right aligned, against the float64 definition (reference.visible_mask).
+# Sliding windows (flash-attn's window_size), per sequence and bottom-right aligned, against the
+# float64 definition (reference.visible_mask) of the window flash-attn's kernels run.
 WINDOWS = [(2, 2), (-1, 0), (3, -1), (0, 0), (-5, 1)]
+
+
+def flash_attn_band(window, causal, seqlen_k):
+    """The band flash-attn runs for ``window_size`` over ``seqlen_k`` keys (the cache's rows or
+    max_seqlen_k), in the reference's terms (-1: no limit): its mha_fwd sets the right side to
+    0 when causal and treats a side >= seqlen_k as -1; its set_params_fprop then gives an
+    unlimited side the value seqlen_k when the other side is limited. A left side of seqlen_k
+    hides nothing (kept -1); a right side of seqlen_k hides keys from row i when
+    i + 2 seqlen_k - seqlen_q < seqlen_k - 1."""
+    left, right = (max(w, -1) for w in window)
+    if causal:
+        right = 0
+    left, right = (-1 if w >= seqlen_k else w for w in (left, right))
+    if left >= 0 and right < 0:
+        right = seqlen_k
+    return left, right
+
+
+def test_one_sided_window_hides_keys_as_flash_attn_does():
+    # flash-attn: window (1, -1) with 5 queries over 2 keys reads the right side as seqlen_k = 2,
+    # so row i sees keys j <= i - 1 (and j >= i - 4): row 0 sees none (out 0, lse -inf), row 1
+    # key 0 only. The op's own -1 (no limit) would show row 0 both keys.
+    q, k, v = rand(1, 5, 2, 32, seed=3), rand(1, 2, 2, 32), rand(1, 2, 2, 32)
+    out, lse, _ = fa2.flash_attn_func(q, k, v, window_size=(1, -1), return_attn_probs=True)
+    assert (out[0, 0] == 0).all() and torch.isneginf(lse[0, :, 0]).all()
+    ref, ref_lse = attention_ref(q[:, 1:2], k[:, :1], v[:, :1])
+    assert_out_exact(out[:, 1:2], ref)
+    assert_lse_exact(lse[:, :, 1:2], ref_lse)
+    full, _ = attention_ref(q, k, v)
+    assert not torch.allclose(out[:, 0].float(), full[:, 0].float())
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
@@ -506,7 +536,7 @@ def test_flash_attn_func_window_exact(sq, sk, causal, window):
     out, lse, _ = fa2.flash_attn_func(q, k, v, causal=causal, window_size=window,
                                       return_attn_probs=True)
     ref, ref_lse = attention_ref(q, k, v, causal=causal,
-                                 window_size=tuple(max(w, -1) for w in window))
+                                 window_size=flash_attn_band(window, causal, sk))
     assert_out_exact(out, ref)
     assert_lse_exact(lse, ref_lse)
 
@@ -520,7 +550,8 @@ def test_varlen_window_exact(lens, causal, window):
     out, lse, _ = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
                                              causal=causal, window_size=window,
                                              return_attn_probs=True)
-    ref, ref_lse = _varlen_ref(q, k, v, cu_q, cu_k, causal, window=window)
+    ref, ref_lse = _varlen_ref(q, k, v, cu_q, cu_k, causal,
+                               window=flash_attn_band(window, causal, max(lens_k)))
     assert_out_exact(out, ref)
     assert_lse_exact(lse, ref_lse)
 
@@ -540,7 +571,8 @@ def test_kvcache_window_exact(seqlen_q, causal, window):
         out, lse = fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
                                                cache_leftpad=lp, causal=causal,
                                                window_size=window, return_softmax_lse=True)
-    ref, ref_lse = _cache_ref(q, kc, vc, lp, seqlens + new, causal, window=window)
+    ref, ref_lse = _cache_ref(q, kc, vc, lp, seqlens + new, causal,
+                              window=flash_attn_band(window, causal and seqlen_q > 1, S))
     assert_out_exact(out, ref)
     assert_lse_exact(lse, ref_lse)
 
