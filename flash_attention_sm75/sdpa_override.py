@@ -28,8 +28,8 @@ Which calls run on the kernels: ``dropout_p == 0``, query, key and value accepte
 rulebook (``_rules.not_supported_reason``: float16, head_dim a multiple of 8 up to 256, aligned,
 ...) with equal head counts (torch's kernel has no GQA) and no zero size, on a GPU of compute
 capability 7.5; ``attn_bias`` (torch passes a mask as a float bias) None or one the kernels read
-(``_rules.attn_bias_problem``; in the backward also not requiring grad, whose gradient torch's
-kernel computes, and head_dim <= 128). Other GPUs keep torch's kernel for every call, unless
+(``_rules.attn_bias_problem``; in the backward head_dim <= 128, and a bias that requires grad
+gets its gradient from the kernels' ``bwd_dbias``). Other GPUs keep torch's kernel for every call, unless
 ``treat_as_sm75=True`` (or ``FLASH_ATTENTION_SM75_SDPA_DEVICES=any``): then every GPU of
 compute capability >= 7.5 counts as one. That switch is for testing on newer GPUs (which
 also need ``torch.nn.attention.sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])`` for torch to
