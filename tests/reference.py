@@ -66,6 +66,22 @@ def visible_mask(batch: int, seqlen_q: int, seqlen_k: int, causal: bool = False,
     return vis.unsqueeze(1)
 
 
+def flash_attn_band(window, causal, seqlen_k):
+    """The band flash-attn runs for ``window_size`` over ``seqlen_k`` keys (the cache's rows or
+    max_seqlen_k), in the reference's terms (-1: no limit): its mha_fwd sets the right side to
+    0 when causal and treats a side >= seqlen_k as -1; its set_params_fprop then gives an
+    unlimited side the value seqlen_k when the other side is limited. A left side of seqlen_k
+    hides nothing (kept -1); a right side of seqlen_k hides keys from row i when
+    i + 2 seqlen_k - seqlen_q < seqlen_k - 1."""
+    left, right = (max(w, -1) for w in window)
+    if causal:
+        right = 0
+    left, right = (-1 if w >= seqlen_k else w for w in (left, right))
+    if left >= 0 and right < 0:
+        right = seqlen_k
+    return left, right
+
+
 def apply_score_mods(scores, softcap=0.0, alibi_slopes=None, causal_bottom_right=True):
     """flash-attn's score modifiers on scaled scores (B, H, Sq, Sk), in their dtype: ``softcap``
     > 0 maps s to softcap * tanh(s / softcap); ``alibi_slopes`` (H,) or (B, H) then subtract

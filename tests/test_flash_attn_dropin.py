@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from flash_attention_sm75 import _ops, bert_padding, fa2
-from reference import assert_lse_exact, assert_out_exact, attention_ref, varlen_attention_ref
+from reference import (assert_lse_exact, assert_out_exact, attention_ref, flash_attn_band,
+                       varlen_attention_ref)
 
 pytestmark = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
                                 reason=f"extension not built: {_ops.EXTENSION_ERROR}")
@@ -496,22 +497,6 @@ def test_kvcache_per_sequence_alignment_is_one_kvcache_op_call(case, op_calls, v
 # Sliding windows (flash-attn's window_size), per sequence and bottom-right aligned, against the
 # float64 definition (reference.visible_mask) of the window flash-attn's kernels run.
 WINDOWS = [(2, 2), (-1, 0), (3, -1), (0, 0), (-5, 1)]
-
-
-def flash_attn_band(window, causal, seqlen_k):
-    """The band flash-attn runs for ``window_size`` over ``seqlen_k`` keys (the cache's rows or
-    max_seqlen_k), in the reference's terms (-1: no limit): its mha_fwd sets the right side to
-    0 when causal and treats a side >= seqlen_k as -1; its set_params_fprop then gives an
-    unlimited side the value seqlen_k when the other side is limited. A left side of seqlen_k
-    hides nothing (kept -1); a right side of seqlen_k hides keys from row i when
-    i + 2 seqlen_k - seqlen_q < seqlen_k - 1."""
-    left, right = (max(w, -1) for w in window)
-    if causal:
-        right = 0
-    left, right = (-1 if w >= seqlen_k else w for w in (left, right))
-    if left >= 0 and right < 0:
-        right = seqlen_k
-    return left, right
 
 
 def test_one_sided_window_hides_keys_as_flash_attn_does():

@@ -244,17 +244,19 @@ def test_no_new_keys_with_a_head_dim_that_is_padded():
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("window,same_as", [((0, 4), (0, -1)), ((4, 0), (-1, 0)),
-                                             ((9, 9), (-1, -1))])
-def test_window_side_at_or_past_the_cache_is_no_limit(window, same_as):
-    """flash-attn: each side >= seqlen_cache is unbounded on its own (visible when seqlen_q >
-    seqlen_cache + 1: queries before the cache's first row)."""
+@pytest.mark.parametrize("window,same_as,band", [((0, 4), (0, -1), (0, 4)),
+                                                  ((4, 0), (-1, 0), (-1, 0)),
+                                                  ((9, 9), (-1, -1), (-1, -1))])
+def test_window_side_at_or_past_the_cache_is_no_limit(window, same_as, band):
+    """flash-attn: a side >= seqlen_cache is read as -1; then, next to a limited side, -1 is
+    seqlen_cache (its set_params_fprop), so (0, 4) and (0, -1) over a 4-row cache both run the
+    band (0, 4), which hides keys from the first queries when seqlen_q > seqlen_cache + 1."""
     q, kc, vc = rand(1, 8, 1, 8), rand(1, 4, 1, 8), rand(1, 4, 1, 8)
     with torch.no_grad():
         a = fa2.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, window_size=window)
         b = fa2.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, window_size=same_as)
     assert torch.equal(a, b)
-    ref, _ = cache_ref(q, kc, vc, [0], [4], False, same_as)
+    ref, _ = cache_ref(q, kc, vc, [0], [4], False, band)
     assert_out_exact(a, ref)
 
 

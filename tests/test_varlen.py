@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from flash_attention_sm75 import _ops, fa2
 from reference import (assert_close_fa, assert_lse_close, assert_lse_exact, assert_out_exact,
-                       poisoned_cuda_memory, seed_from, varlen_attention_ref)
+                       flash_attn_band, poisoned_cuda_memory, seed_from, varlen_attention_ref)
 
 pytestmark = pytest.mark.skipif(not _ops.EXTENSION_AVAILABLE,
                                 reason=f"extension not built: {_ops.EXTENSION_ERROR}")
@@ -166,17 +166,26 @@ def test_cpu_op_matches_the_per_sequence_reference(lens, h, h_k, d, causal, mods
                                         window=window, softcap=cap, alibi_slopes=slopes)
     assert_out_exact(out, ref)
     assert_lse_exact(lse, ref_lse)
-    # the door: one call of the same op, flash-attn's return values
+    # the door: one call of the same op with the window as flash-attn reads it (over
+    # max_seqlen_k keys), flash-attn's return values
+    def op(max_k):
+        return _varlen_fwd()(q, k, v, cu_q, cu_k, _max(lens_q), max_k, scale, causal, None,
+                             *flash_attn_band(window, causal, max_k), cap, slopes)
+
     o, l, s = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, _max(lens_q), _max(lens_k),
                                          softmax_scale=scale, causal=causal, window_size=window,
                                          softcap=cap, alibi_slopes=slopes,
                                          return_attn_probs=True)
-    assert torch.equal(o, out) and torch.equal(l, lse) and s.numel() == 0
-    # a larger max_seqlen than needed changes nothing
+    want, want_lse = op(_max(lens_k))
+    assert torch.equal(o, want) and torch.equal(l, want_lse) and s.numel() == 0
+    # a larger max_seqlen than needed changes only what flash-attn's reading of the window
+    # derives from max_seqlen_k
     o2 = fa2.flash_attn_varlen_func(q, k, v, cu_q, cu_k, _max(lens_q) + 3, _max(lens_k) + 5,
                                     softmax_scale=scale, causal=causal, window_size=window,
                                     softcap=cap, alibi_slopes=slopes)
-    assert torch.equal(o2, out)
+    assert torch.equal(o2, op(_max(lens_k) + 5)[0])
+    if flash_attn_band(window, causal, _max(lens_k)) == (window[0], 0 if causal else window[1]):
+        assert torch.equal(o, out)
 
 
 def test_the_packed_lse_is_the_padded_ops_per_sequence():
