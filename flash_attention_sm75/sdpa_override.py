@@ -400,6 +400,10 @@ def _backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_see
                               scale, bool(grad_input_mask[3]))
     if reason is not None:
         _log_fallback(_BWD, reason)
+        # A row that sees no key has LSE -inf from our forward and +inf from torch's (its
+        # kernel's convention, which makes that row's P = exp(s - lse) zero); handed -inf, torch's
+        # backward computes exp(-inf + inf) = NaN for the row. One elementwise op on the device.
+        logsumexp = logsumexp.masked_fill(logsumexp == -math.inf, math.inf)
         return _torch_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
                                philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal,
                                scale)
