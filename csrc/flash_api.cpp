@@ -15,7 +15,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iomanip>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -233,6 +235,21 @@ void check_score_mod(double softcap, double softmax_scale,
                     "alibi_slopes=None or no key ranges");
 }
 
+namespace {
+// The shortest decimal that reads back as v (Python's repr), for messages about values at a
+// boundary, where the stream's default 6 digits can print an out-of-range value as in range.
+std::string shortest_repr(double v) {
+  std::string text;
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::ostringstream os;
+    os << std::setprecision(digits) << v;
+    text = os.str();
+    if (std::strtod(text.c_str(), nullptr) == v) break;
+  }
+  return text;
+}
+}  // namespace
+
 void check_score_mod(double softcap, double softmax_scale,
                      const std::optional<at::Tensor>& alibi_slopes, const c10::Device& device,
                      int64_t b, int64_t h) {
@@ -245,8 +262,8 @@ void check_score_mod(double softcap, double softmax_scale,
   TORCH_CHECK_VALUE(softcap == 0 || (softcap / softmax_scale >= kSoftcapRatioMin &&
                                      softcap / softmax_scale <= kSoftcapRatioMax),
                     "flash_attention_sm75: softcap / softmax_scale must be within [2^-100, "
-                    "2^100] (float32 factors of the soft-cap), got softcap ", softcap,
-                    " and softmax_scale ", softmax_scale);
+                    "2^100] (float32 factors of the soft-cap), got softcap ",
+                    shortest_repr(softcap), " and softmax_scale ", shortest_repr(softmax_scale));
   if (!alibi_slopes.has_value()) return;
   const at::Tensor& a = *alibi_slopes;
   TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat,

@@ -191,10 +191,11 @@ def softcap_scale_problem(softcap: float, softmax_scale: Optional[float], head_d
     the same (``check_score_mod``)."""
     if not softcap:
         return None
-    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    # 1 / sqrt(d), as the C++ op computes it (head_dim ** -0.5 differs by an ulp for some d)
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     if not SOFTCAP_RATIO_MIN <= softcap / scale <= SOFTCAP_RATIO_MAX:
         return (f"softcap / {scale_name} must be within [2^-100, 2^100] (float32 factors of "
-                f"the soft-cap), got softcap {softcap!r} and {scale_name} {scale!r}")
+                f"the soft-cap), got softcap {float(softcap)!r} and {scale_name} {scale!r}")
     return None
 
 

@@ -103,6 +103,14 @@ def _flash_attn_window(left: int, right: int, causal: bool, seqlen_k: int) -> Tu
     return left, right
 
 
+def _op_window(left: int, right: int, causal: bool, seqlen_k: int) -> Tuple[int, int]:
+    """:func:`_flash_attn_window` as the dense and packed ops take it: under ``causal`` the op
+    sets the right side itself, so it gets -1 there (a 0 would close the one-query GQA paths
+    that take no window, ``group_rows_eligible``)."""
+    left, right = _flash_attn_window(left, right, causal, seqlen_k)
+    return left, -1 if causal else right
+
+
 def _softcap(softcap: object) -> float:
     """flash-attn's ``softcap`` as the op's: a finite real number, where any value <= 0 is off
     (0.0), as flash-attn reads it; NaN and infinities raise (flash-attn would silently read NaN
@@ -239,7 +247,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
                                  softcap=softcap, deterministic=deterministic,
                                  bools=(("return_attn_probs", return_attn_probs),))
     _check_attn_probs(dropout_p, return_attn_probs)
-    window = _flash_attn_window(*window, causal, k.shape[1])
+    window = _op_window(*window, causal, k.shape[1])
     qp, kp, vp, d = _pad_head_dim(q, k, v)
     padded = qp is not q
     scale = _scale_for(softmax_scale, d, padded)
@@ -428,7 +436,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                                  deterministic=deterministic,
                                  bools=(("return_attn_probs", return_attn_probs),))
     _check_attn_probs(dropout_p, return_attn_probs)
-    window = _flash_attn_window(*window, causal, max_k)
+    window = _op_window(*window, causal, max_k)
     batch = cu_q.shape[0] - 1
     _check_slopes(alibi_slopes, q, batch, q.shape[1])
     if paged:

@@ -1118,3 +1118,18 @@ def test_kvcache_on_the_varlen_op_compiles_fullgraph_on_cpu():
         out, lse = kvcache(q, kc, vc, kn, vn, cache_seqlens=_i32(3, 5), **kw)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 5), (3, -1)], ids=str)
+def test_causal_calls_hand_the_op_no_right_window_side(window, op_calls, varlen_op_calls):
+    # Under causal the op sets the right side itself; the door hands it -1 (not flash-attn's 0),
+    # which keeps the one-query GQA paths that take no window (group_rows_eligible) open.
+    q, k, v = rand(2, 1, 8, 64, seed=5), rand(2, 16, 2, 64), rand(2, 16, 2, 64)
+    out = fa2.flash_attn_func(q, k, v, causal=True, window_size=window)
+    assert [c[8:10] for c in op_calls] == [(window[0], -1)]
+    assert torch.equal(out, fa2.flash_attn_func(q, k, v, causal=True, window_size=(window[0], 0)))
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    cu_k = torch.tensor([0, 16, 32], dtype=torch.int32)
+    fa2.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, 1, 16,
+                               causal=True, window_size=window)
+    assert [c[10:12] for c in varlen_op_calls] == [(window[0], -1)]

@@ -502,3 +502,24 @@ def test_softcap_ratio_rule_holds_for_the_varlen_and_kvcache_ops():
                                     cache_seqlens=torch.tensor([2, 3], dtype=torch.int32),
                                     softcap=1e-40)
     assert torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize("d", [32, 72, 128])
+@pytest.mark.parametrize("side", ["max", "min"])
+def test_softcap_ratio_boundary_is_the_same_in_the_rulebook_and_the_op(d, side):
+    # At the boundary with the default scale (1 / sqrt(d), computed as the op computes it), the
+    # rulebook and the op accept and refuse the same softcaps, one ulp apart.
+    import math
+
+    q = torch.randn(1, 3, 1, d).half()
+    edge = (_rules.SOFTCAP_RATIO_MAX if side == "max" else _rules.SOFTCAP_RATIO_MIN) / math.sqrt(d)
+    outside = math.nextafter(edge, math.inf if side == "max" else 0.0)
+    for cap, ok in ((edge, True), (outside, False)):
+        reason = _rules.not_supported_reason(q, q, q, softcap=cap)
+        assert (reason is None) == ok, (cap, reason)
+        if ok:
+            torch.ops.flash_attention_sm75.fwd(q, q, q, None, False, True, None, None, -1, -1, cap)
+        else:
+            with pytest.raises(ValueError, match=re.escape(reason)):
+                torch.ops.flash_attention_sm75.fwd(q, q, q, None, False, True, None, None, -1, -1,
+                                                   cap)
