@@ -175,7 +175,8 @@ void make_dbias(at::Tensor* dbias, const std::optional<at::Tensor>& attn_bias, c
 // softmax_lse is the log-sum-exp of the modified scores. Invalid values raise ValueError naming
 // the argument (before any launch).
 void check_score_mod(double softcap, double softmax_scale,
-                     const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q, const std::optional<at::Tensor>& leftpad_k,
+                     const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
+                     const std::optional<at::Tensor>& leftpad_k,
                      const std::optional<at::Tensor>& seqused_k);
 
 // The CPU reference of the score modifiers on scaled scores s (batch, num_heads, seqlen_q,

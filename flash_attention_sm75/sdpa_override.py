@@ -29,8 +29,8 @@ rulebook (``_rules.not_supported_reason``: float16, head_dim a multiple of 8 up 
 ...) with equal head counts (torch's kernel has no GQA) and no zero size, on a GPU of compute
 capability 7.5; ``attn_bias`` (torch passes a mask as a float bias) None or one the kernels read
 (``_rules.attn_bias_problem``; in the backward head_dim <= 128, and a bias that requires grad
-gets its gradient from the kernels' ``bwd_dbias``). Other GPUs keep torch's kernel for every call, unless
-``treat_as_sm75=True`` (or ``FLASH_ATTENTION_SM75_SDPA_DEVICES=any``): then every GPU of
+gets its gradient from the kernels' ``bwd_dbias``). Other GPUs keep torch's kernel for every
+call, unless ``treat_as_sm75=True`` (or ``FLASH_ATTENTION_SM75_SDPA_DEVICES=any``): then every GPU of
 compute capability >= 7.5 counts as one. That switch is for testing on newer GPUs (which
 also need ``torch.nn.attention.sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])`` for torch to
 take the efficient path a Turing GPU takes); on them torch's own backends are faster.
@@ -400,9 +400,10 @@ def _backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_see
                               scale, bool(grad_input_mask[3]))
     if reason is not None:
         _log_fallback(_BWD, reason)
-        # A row that sees no key has LSE -inf from our forward and +inf from torch's (its
-        # kernel's convention, which makes that row's P = exp(s - lse) zero); handed -inf, torch's
-        # backward computes exp(-inf + inf) = NaN for the row. One elementwise op on the device.
+        # A row that sees no key has LSE -inf (from our forward, and from torch's, which writes
+        # -inf there too); torch's backward then computes P = exp(s - lse) = exp(-inf + inf) =
+        # NaN for the row. +inf makes that P 0, the row's gradients 0, and changes no row that
+        # sees a key (its LSE is finite). One elementwise op on the device.
         logsumexp = logsumexp.masked_fill(logsumexp == -math.inf, math.inf)
         return _torch_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
                                philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal,
