@@ -541,13 +541,13 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   // O staged through sQ (each warp only ever read its own 16 rows there) or the K+V space (free
   // after the loop's last barrier).
   if (Kt::kQInSmem) __syncwarp();
-  if constexpr (Variant == kFwdBias) {
+  if constexpr (Variant == kFwdBias || (Variant == kFwdPlain && Kt::kLateOPointer)) {
     // The bias-only kernel takes its O pointer only now: held through the loop, its registers
     // were spilled at sm_75 (stored before the loop, reloaded after it).
     // bidh >= 0 taken zero-extended: its sign word, not otherwise needed after the loop, was
     // the value spilled.
     // fwd_cta's formula for a dense call (kFwdBias never runs packed sequences: fwd_variant).
-    static_assert(!Is_ext, "kFwdBias: dense calls only, SeqInfo<false>");
+    static_assert(!Is_ext, "kFwdBias / kFwdPlain: dense calls only, SeqInfo<false>");
     FwdCta<Is_ext> late = c;
     late.o_base = static_cast<__half*>(params.o_ptr) +
                   c.si.q_offset(c.bidb, params.o_batch_stride, params.o_row_stride) +

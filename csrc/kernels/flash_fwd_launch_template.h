@@ -83,6 +83,11 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
   using Config = Fwd_tile_config<kHeadDim>;
   using Kt = typename Config::Traits;
   using Ks = typename Config::SmallGridTraits;
+  if constexpr (kHeadDim == 256 && Variant == kFwdPlain) {  // A/B candidate
+    if (params.small_grid_tile > 0) {
+      return run_flash_fwd<typename Config::WideTraits, Is_causal, Is_local, Variant>(params, stream);
+    }
+  }
   if constexpr (Kt::kFullHeadDimOnly) {
     static_assert(!std::is_void_v<Ks>, "a full-head-dim-only tile needs a tile for the tail");
     static_assert(!Ks::kFullHeadDimOnly, "the small-grid tile runs head dims below kHeadDim");

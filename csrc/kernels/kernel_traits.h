@@ -87,6 +87,7 @@ struct FwdTileDefaults {
   static constexpr bool kSplitTile = false;
   static constexpr bool kFullHeadDimOnly = false;
   static constexpr int kDSplit = 1;
+  static constexpr bool kLateOPointer = false;
 };
 
 // The forward kernel's compile-time parameters: the tile's fields, checked against the kernel's
@@ -116,6 +117,7 @@ struct Flash_fwd_kernel_traits {
   static_assert(!kSplitTile || (!kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
                 "split tile: Q in registers, halves of 16k keys, a rescale threshold");
   static constexpr int kDSplit = Tile::kDSplit;
+  static constexpr bool kLateOPointer = Tile::kLateOPointer;
   static_assert(kDSplit == 1 || (kDSplit == 2 && !kQInSmem && !kSplitTile),
                 "head-dim split: pairs of warps, Q in registers, the plain loop");
   static constexpr int kRowWarps = kNWarps / kDSplit;  // 16-row groups
@@ -263,10 +265,16 @@ struct Fwd_tile_config<128> {
   using Traits = Flash_fwd_kernel_traits<FwdTileD128>;
   using SmallGridTraits = void;
 };
+// Candidate (A/B): one warp per 16 rows, no head-dim split: 128 x 16, 8 warps, Q in registers.
+struct FwdTileD256Wide : FwdTileDefaults {
+  static constexpr int kHeadDim = 256, kBlockM = 128, kBlockN = 16, kNWarps = 8;
+  static constexpr int kRescaleThreshold = 8;
+};
 template <>
 struct Fwd_tile_config<256> {
   using Traits = Flash_fwd_kernel_traits<FwdTileD256>;
   using SmallGridTraits = void;
+  using WideTraits = Flash_fwd_kernel_traits<FwdTileD256Wide>;
 };
 
 }  // namespace flash_sm75
