@@ -283,6 +283,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kSmemKVOffset);  // Bc x d
   __half* sV = sK + kBN * Kt::kRowHalves;                                // Bc x d
   float4* sX = reinterpret_cast<float4*>(smem_raw + Kt::kSmemExchangeOffset);
+  __half* sQhi = reinterpret_cast<__half*>(smem_raw + Kt::kSmemQHiOffset);  // kQSmemCols
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -331,20 +332,34 @@ __global__ void __launch_bounds__(Kt::kNThreads,
                              dc);
       load_tile_g2r<Kt, kLs>(stage, k_tile(c.nb.n_block_min * kBN), params.k_row_stride,
                              c.nb.n_block_min * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
-      store_tile_r2s<Kt>(qstage, sQ, tid);
+      if constexpr (Kt::kQSmemCols > 0) {
+        store_q_split<Kt>(qstage, sQ, sQhi, tid);
+      } else {
+        store_tile_r2s<Kt>(qstage, sQ, tid);
+      }
     }
     // Without kQInSmem, Q stays in registers for the whole loop: q_frag[kk] holds the A
     // fragments of k-steps 2kk (regs 0, 1) and 2kk + 1 (regs 2, 3) for this warp's 16 rows
     // (and its kDCols columns).
-    uint32_t q_frag[Kt::kQInSmem ? 1 : kDCols / 16][4];
+    // kQSmemCols: the first kQRegCols columns, staged in rows of their own width.
+    constexpr int kQFragCols = Kt::kQSmemCols > 0 ? Kt::kQRegCols : kDCols;
+    uint32_t q_frag[Kt::kQInSmem ? 1 : kQFragCols / 16][4];
     if (!Kt::kQInSmem) {
       __syncthreads();
+      const uint32_t q_frag_addr =
+          Kt::kQSmemCols > 0 ? lane_addr_a<(Kt::kQSmemCols > 0 ? Kt::kQRegCols : 64) / 8, false>(sQ, 16 * rw, lane)
+                             : q_lane_addr;
 #pragma unroll
-      for (int kk = 0; kk < (Kt::kQInSmem ? 1 : kDCols / 16); ++kk) {
-        ldmatrix_x4(q_frag[kk], chunk_pair_addr<kPad>(q_lane_addr, kk));
+      for (int kk = 0; kk < (Kt::kQInSmem ? 1 : kQFragCols / 16); ++kk) {
+        ldmatrix_x4(q_frag[kk], chunk_pair_addr<kPad>(q_frag_addr, kk));
       }
       __syncthreads();  // every warp holds its Q fragments before the space is reused
     }
+    // kQSmemCols: this lane's ldmatrix address of the columns Q keeps in shared memory.
+    const uint32_t qhi_lane_addr =
+        Kt::kQSmemCols > 0 ? lane_addr_a<(Kt::kQSmemCols > 0 ? Kt::kQSmemCols : 64) / 8, false>(
+                                 sQhi, 16 * rw, lane)
+                           : 0u;
     store_tile_r2s<Kt>(stage, sK, tid);
     __syncthreads();
 
@@ -504,6 +519,10 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         float acc_s[kBN / 8][4];
         if constexpr (Kt::kQInSmem) {
           gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_lane_addr, k_lane_addr);
+        } else if constexpr (Kt::kQSmemCols > 0) {
+          gemm_rs_bt<kQFragCols, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
+          gemm_ss_bt<Kt::kQSmemCols, kBN, kRowBytes, kPad, true>(
+              acc_s, qhi_lane_addr, chunk_pair_addr<kPad>(k_lane_addr, kQFragCols / 16));
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }

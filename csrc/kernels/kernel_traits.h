@@ -88,6 +88,9 @@ struct FwdTileDefaults {
   static constexpr bool kFullHeadDimOnly = false;
   static constexpr int kDSplit = 1;
   static constexpr bool kLateOPointer = false;
+  // Head-dim columns of Q (the last ones) kept in shared memory and re-read per K tile instead
+  // of held in registers (0: none); the plain loop only.
+  static constexpr int kQSmemCols = 0;
 };
 
 // The forward kernel's compile-time parameters: the tile's fields, checked against the kernel's
@@ -120,6 +123,13 @@ struct Flash_fwd_kernel_traits {
   static constexpr bool kLateOPointer = Tile::kLateOPointer;
   static_assert(kDSplit == 1 || (kDSplit == 2 && !kQInSmem && !kSplitTile),
                 "head-dim split: pairs of warps, Q in registers, the plain loop");
+  static constexpr int kQSmemCols = Tile::kQSmemCols;
+  static constexpr int kQRegCols = Tile::kHeadDim - kQSmemCols;  // Q columns in registers
+  static_assert(kQSmemCols == 0 ||
+                    (kDSplit == 1 && !kQInSmem && !kSplitTile && kQSmemCols % 64 == 0 &&
+                     kQRegCols % 64 == 0 && (kQRegCols & (kQRegCols - 1)) == 0 &&
+                     (kQSmemCols & (kQSmemCols - 1)) == 0),
+                "Q columns in shared memory: the plain loop, swizzled power-of-two row parts");
   static constexpr int kRowWarps = kNWarps / kDSplit;  // 16-row groups
   static constexpr int kDCols = kHeadDim / kDSplit;    // head-dim columns of Q and O per warp
 
@@ -149,7 +159,15 @@ struct Flash_fwd_kernel_traits {
                : (2 * kSmemTileBytes > kSmemQBytes ? 2 * kSmemTileBytes : kSmemQBytes);
   static constexpr int kSmemExchangeOffset = kSmemKVOffset + kSmemKVBytes;  // bytes before sX
   static constexpr int kSmemExchangeBytes = kDSplit > 1 ? kNWarps * 16 * kBlockN * 4 : 0;
-  static constexpr int kSmemSize = kSmemExchangeOffset + kSmemExchangeBytes;
+  // kQSmemCols: [K][V] (where the prologue first stages Q's register columns, rows of kQRegCols
+  // halves) then [sQhi: Br x kQSmemCols]; the O tile (Br x d) is staged over all of it.
+  static constexpr int kSmemQLoBytes = kBlockM * kQRegCols * 2;
+  static constexpr int kSmemQHiOffset =
+      2 * kSmemTileBytes > kSmemQLoBytes ? 2 * kSmemTileBytes : kSmemQLoBytes;
+  static constexpr int kSmemSize =
+      kQSmemCols > 0 ? kSmemQHiOffset + kBlockM * kQSmemCols * 2
+                     : kSmemExchangeOffset + kSmemExchangeBytes;
+  static_assert(kQSmemCols == 0 || kSmemSize >= kSmemQBytes, "the O tile is staged in place");
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
   // swizzle_xor (utils.h) moves between chunk pairs by XOR-ing address bits 5 .. 4 + log2(d/16):
   // rows must be a power of two of >= 128 bytes, and every tile start a multiple of the row size.
@@ -269,6 +287,7 @@ struct Fwd_tile_config<128> {
 struct FwdTileD256Wide : FwdTileDefaults {
   static constexpr int kHeadDim = 256, kBlockM = 128, kBlockN = 16, kNWarps = 8;
   static constexpr int kRescaleThreshold = 8;
+  static constexpr int kQSmemCols = 128;
 };
 template <>
 struct Fwd_tile_config<256> {
