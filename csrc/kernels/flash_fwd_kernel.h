@@ -283,7 +283,6 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kSmemKVOffset);  // Bc x d
   __half* sV = sK + kBN * Kt::kRowHalves;                                // Bc x d
   float4* sX = reinterpret_cast<float4*>(smem_raw + Kt::kSmemExchangeOffset);
-  __half* sQhi = reinterpret_cast<__half*>(smem_raw + Kt::kSmemQHiOffset);  // kQSmemCols
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -332,34 +331,20 @@ __global__ void __launch_bounds__(Kt::kNThreads,
                              dc);
       load_tile_g2r<Kt, kLs>(stage, k_tile(c.nb.n_block_min * kBN), params.k_row_stride,
                              c.nb.n_block_min * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
-      if constexpr (Kt::kQSmemCols > 0) {
-        store_q_split<Kt>(qstage, sQ, sQhi, tid);
-      } else {
-        store_tile_r2s<Kt>(qstage, sQ, tid);
-      }
+      store_tile_r2s<Kt>(qstage, sQ, tid);
     }
     // Without kQInSmem, Q stays in registers for the whole loop: q_frag[kk] holds the A
     // fragments of k-steps 2kk (regs 0, 1) and 2kk + 1 (regs 2, 3) for this warp's 16 rows
     // (and its kDCols columns).
-    // kQSmemCols: the first kQRegCols columns, staged in rows of their own width.
-    constexpr int kQFragCols = Kt::kQSmemCols > 0 ? Kt::kQRegCols : kDCols;
-    uint32_t q_frag[Kt::kQInSmem ? 1 : kQFragCols / 16][4];
+    uint32_t q_frag[Kt::kQInSmem ? 1 : kDCols / 16][4];
     if (!Kt::kQInSmem) {
       __syncthreads();
-      const uint32_t q_frag_addr =
-          Kt::kQSmemCols > 0 ? lane_addr_a<(Kt::kQSmemCols > 0 ? Kt::kQRegCols : 64) / 8, false>(sQ, 16 * rw, lane)
-                             : q_lane_addr;
 #pragma unroll
-      for (int kk = 0; kk < (Kt::kQInSmem ? 1 : kQFragCols / 16); ++kk) {
-        ldmatrix_x4(q_frag[kk], chunk_pair_addr<kPad>(q_frag_addr, kk));
+      for (int kk = 0; kk < (Kt::kQInSmem ? 1 : kDCols / 16); ++kk) {
+        ldmatrix_x4(q_frag[kk], chunk_pair_addr<kPad>(q_lane_addr, kk));
       }
       __syncthreads();  // every warp holds its Q fragments before the space is reused
     }
-    // kQSmemCols: this lane's ldmatrix address of the columns Q keeps in shared memory.
-    const uint32_t qhi_lane_addr =
-        Kt::kQSmemCols > 0 ? lane_addr_a<(Kt::kQSmemCols > 0 ? Kt::kQSmemCols : 64) / 8, false>(
-                                 sQhi, 16 * rw, lane)
-                           : 0u;
     store_tile_r2s<Kt>(stage, sK, tid);
     __syncthreads();
 
@@ -504,9 +489,28 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         __syncthreads();  // K_{j+1} visible; every warp is done with V_j
       }
     } else {
+      // kFreshKVBase (dense calls): the K / V tile bases recomputed from the parameters per tile,
+      // as fwd_cta forms them (two 32-bit indices live through the loop instead of two 64-bit
+      // pointers).
+      auto k_next = [&](int row) {
+        if constexpr (Kt::kFreshKVBase && !Is_ext) {
+          return static_cast<const __half*>(params.k_ptr) + c.bidb * params.k_batch_stride +
+                 (c.bidh / params.h_h_k_ratio) * params.k_head_stride;
+        } else {
+          return k_tile(row);
+        }
+      };
+      auto v_next = [&](int row) {
+        if constexpr (Kt::kFreshKVBase && !Is_ext) {
+          return static_cast<const __half*>(params.v_ptr) + c.bidb * params.v_batch_stride +
+                 (c.bidh / params.h_h_k_ratio) * params.v_head_stride;
+        } else {
+          return v_tile(row);
+        }
+      };
       for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
         // V_j: global loads in flight while S_j and its softmax are computed.
-        load_tile_g2r<Kt, kLs>(stage, v_tile(n_block * kBN), params.v_row_stride,
+        load_tile_g2r<Kt, kLs>(stage, v_next(n_block * kBN), params.v_row_stride,
                                n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
 
         // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax. A bias's
@@ -519,10 +523,6 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         float acc_s[kBN / 8][4];
         if constexpr (Kt::kQInSmem) {
           gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_lane_addr, k_lane_addr);
-        } else if constexpr (Kt::kQSmemCols > 0) {
-          gemm_rs_bt<kQFragCols, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
-          gemm_ss_bt<Kt::kQSmemCols, kBN, kRowBytes, kPad, true>(
-              acc_s, qhi_lane_addr, chunk_pair_addr<kPad>(k_lane_addr, kQFragCols / 16));
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }
@@ -547,7 +547,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
 
         const bool has_next = n_block + 1 < c.nb.n_block_max;
         if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
-          load_tile_g2r<Kt, kLs>(stage, k_tile((n_block + 1) * kBN), params.k_row_stride,
+          load_tile_g2r<Kt, kLs>(stage, k_next((n_block + 1) * kBN), params.k_row_stride,
                                  (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         }
         gemm_rs_t<kBN, kD, kRowBytes, !kPad>(acc_o, p_frag, v_lane_addr);  // O += P V
@@ -560,9 +560,11 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   // O staged through sQ (each warp only ever read its own 16 rows there) or the K+V space (free
   // after the loop's last barrier).
   if (Kt::kQInSmem) __syncwarp();
-  if constexpr (Variant == kFwdBias || (Variant == kFwdPlain && Kt::kLateOPointer)) {
-    // The bias-only kernel takes its O pointer only now: held through the loop, its registers
-    // were spilled at sm_75 (stored before the loop, reloaded after it).
+  if constexpr (Variant == kFwdBias ||
+                (Variant == kFwdPlain && Is_causal && Kt::kLateOPointerCausal)) {
+    // The bias-only kernel (and kLateOPointerCausal's) takes its O pointer only now: held
+    // through the loop, its registers were spilled at sm_75 (stored before the loop, reloaded
+    // after it).
     // bidh >= 0 taken zero-extended: its sign word, not otherwise needed after the loop, was
     // the value spilled.
     // fwd_cta's formula for a dense call (kFwdBias never runs packed sequences: fwd_variant).

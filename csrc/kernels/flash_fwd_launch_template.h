@@ -83,10 +83,10 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
   using Config = Fwd_tile_config<kHeadDim>;
   using Kt = typename Config::Traits;
   using Ks = typename Config::SmallGridTraits;
-  if constexpr (kHeadDim == 256 && Variant == kFwdPlain) {  // A/B candidate
-    if (params.small_grid_tile > 0) {
-      return run_flash_fwd<typename Config::WideTraits, Is_causal, Is_local, Variant>(params, stream);
-    }
+  using Kp = typename Config::PlainFullTraits;
+  if constexpr (!std::is_void_v<Kp> && Variant == kFwdPlain && !Is_local) {
+    static_assert(Kp::kFullHeadDimOnly, "the plain tile runs exactly kHeadDim");
+    if (params.d == kHeadDim) return run_flash_fwd<Kp, Is_causal, Is_local, Variant>(params, stream);
   }
   if constexpr (Kt::kFullHeadDimOnly) {
     static_assert(!std::is_void_v<Ks>, "a full-head-dim-only tile needs a tile for the tail");

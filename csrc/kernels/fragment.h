@@ -90,11 +90,10 @@ __device__ __forceinline__ void gemm_rs_bt(float (&acc)[kN / 8][4],
 
 // Same as gemm_rs_bt with A (16 x kK) also read from shared memory (same layout): a_lane_addr is
 // this lane's ldmatrix.x4 address of chunk pair 0 (lane_addr_a).
-// kAccumulate: acc += A B^T (acc holds a partial product over other columns of A and B).
-template <int kK, int kN, int kRowBytes, bool kPadded = false, bool kAccumulate = false>
+template <int kK, int kN, int kRowBytes, bool kPadded = false>
 __device__ __forceinline__ void gemm_ss_bt(float (&acc)[kN / 8][4], uint32_t a_lane_addr,
                                            uint32_t b_lane_addr) {
-  if constexpr (!kAccumulate) zero_acc(acc);
+  zero_acc(acc);
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[4];

@@ -83,25 +83,6 @@ __device__ __forceinline__ void store_tile_r2s(const uint4 (&stage)[kN], __half*
   }
 }
 
-// The Q tile (Br x d, registers as load_tile_g2r left them) -> shared memory split by columns
-// (Kt::kQSmemCols): columns [0, kQRegCols) to lo, rows of kQRegCols halves, and the rest to hi,
-// rows of kQSmemCols halves; both XOR-swizzled.
-template <typename Kt, int kN>
-__device__ __forceinline__ void store_q_split(const uint4 (&stage)[kN], __half* lo, __half* hi,
-                                              int tid) {
-  constexpr int kLoChunks = Kt::kQRegCols / 8;
-  constexpr int kHiChunks = Kt::kQSmemCols / 8;
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    const int idx = tid + i * Kt::kNThreads;
-    const int r = idx / Kt::kChunksPerRow;
-    const int c = idx % Kt::kChunksPerRow;
-    __half* dst = c < kLoChunks ? lo + SmemRows<kLoChunks, false>::offset(r, c)
-                                : hi + SmemRows<kHiChunks, false>::offset(r, c - kLoChunks);
-    *reinterpret_cast<uint4*>(dst) = stage[i];
-  }
-}
-
 // Registers -> shared memory for the dK/dV kernel's padded layout: row r of a tile starts at
 // r * kRowHalves halves (d + 8: rows are an odd number of 16-byte units apart, so the 8 rows an
 // ldmatrix reads hit 8 distinct bank groups). Unlike the XOR swizzle, every k-step / n-tile of a
