@@ -113,7 +113,15 @@ class PerTensorCache:
         # t.shape (a torch.Size) and t.stride() are tuples already.
         return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version) + extra
 
-    def get(self, t: torch.Tensor, extra: tuple) -> Optional[Any]:
+    def get(self, t: torch.Tensor, extra: tuple, layer: Optional[int] = None) -> Optional[Any]:
+        """The cached value for ``t`` and ``extra``, or None.
+
+        ``layer``: the index of the model layer asking (transformers' ``layer_idx``), or None.
+        An inference tensor's hit is checked against its copy unless ``layer`` is above the
+        layer of the previous hit or put on the same entry: within one forward the layers ask
+        in increasing order, so its values are checked once per forward, at its first layer,
+        not once per layer (three launches each). An in-place change between two layers of one
+        forward is not seen, as writes through ``.data`` are not."""
         signature = self._signature(t, extra)
         if signature is None:
             return None
@@ -123,6 +131,10 @@ class PerTensorCache:
             if hit is None or hit[0]() is not t or hit[1] != signature:
                 return None
             self._entries.move_to_end(key)
+            last = hit[4][0]
+            hit[4][0] = layer
+        if hit[3] is not None and layer is not None and last is not None and layer > last:
+            return hit[2]  # a later layer of the forward whose first layer checked the values
         if hit[3] is not None:  # an inference tensor: its values must be the ones cached
             torch._assert_async((t == hit[3]).all(),
                                 "flash_attention_sm75: a tensor whose values were cached "
@@ -130,7 +142,8 @@ class PerTensorCache:
                                 "pass a new tensor instead")
         return hit[2]
 
-    def put(self, t: torch.Tensor, extra: tuple, value: Any) -> None:
+    def put(self, t: torch.Tensor, extra: tuple, value: Any,
+            layer: Optional[int] = None) -> None:
         signature = self._signature(t, extra)
         if signature is None:
             return
@@ -143,7 +156,8 @@ class PerTensorCache:
         with self._lock:
             for k in [k for k, v in self._entries.items() if v[0]() is None]:
                 del self._entries[k]
-            self._entries[key] = (ref, signature, value, snapshot)
+            # [layer]: the layer of the last get or put (see get), mutable in place.
+            self._entries[key] = (ref, signature, value, snapshot, [layer])
             self._entries.move_to_end(key)
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)

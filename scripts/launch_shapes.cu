@@ -114,6 +114,7 @@ int main() {
   EMIT_FWD(FwdTileD96);
   EMIT_FWD(FwdTileD128);
   EMIT_FWD(FwdTileD256);
+  EMIT_FWD(FwdTileD256Wide);
   EMIT_FWD(FwdTileD96Narrow);  // built only in tests/cpp; listed in case it is instantiated
   static_assert(fs::kNumHeadDimBuckets == 4 && fs::kNumDecodeHeadDims == 3,
                 "a new head-dim bucket: add it below");

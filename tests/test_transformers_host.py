@@ -19,8 +19,10 @@ decode step must not read anything on the host beyond that:
 """
 import copy
 import gc
+import types
 
 import pytest
+
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -409,6 +411,34 @@ def test_inference_mode_position_ids_are_read_once_and_verified_on_the_device():
         pos[0, 3] = 3  # one document less, in place
         with pytest.raises(RuntimeError, match="changed in place"):
             hf._packed_position_ids({"position_ids": pos}, q, q)
+
+
+def test_inference_position_ids_are_verified_once_per_forward(monkeypatch):
+    # With the layers' layer_idx, the copy comparison (three launches on a GPU) runs at the first
+    # layer of each forward, not at every layer; a change in place between two forwards still
+    # fails loudly at the next forward's first layer.
+    checks = []
+    real = torch._assert_async
+    monkeypatch.setattr(torch, "_assert_async", lambda *a: (checks.append(1), real(*a))[1])
+    layers = [types.SimpleNamespace(layer_idx=i) for i in range(4)]
+    q = torch.zeros(1, 2, 8, 16)
+    with torch.inference_mode():
+        pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
+        for forward in range(3):
+            for layer in layers:
+                packing = hf._packed_position_ids({"position_ids": pos}, q, q, layer)
+                assert packing.cu_varlen.tolist() == [0, 3, 7, 8]
+            # the first forward's layer 0 fills the cache; each later forward checks once
+            assert len(checks) == forward
+        pos[0, 3] = 3  # one document less, in place, between forwards
+        with pytest.raises(RuntimeError, match="changed in place"):
+            hf._packed_position_ids({"position_ids": pos}, q, q, layers[0])
+        # Without a layer index every call checks.
+        checks.clear()
+        plain = torch.arange(8)[None]
+        for _ in range(3):
+            assert hf._packed_position_ids({"position_ids": plain}, q, q) is None
+        assert len(checks) == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -489,9 +489,28 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         __syncthreads();  // K_{j+1} visible; every warp is done with V_j
       }
     } else {
+      // kFreshKVBase (dense calls): the K / V tile bases recomputed from the parameters per tile,
+      // as fwd_cta forms them (two 32-bit indices live through the loop instead of two 64-bit
+      // pointers).
+      auto k_next = [&](int row) {
+        if constexpr (Kt::kFreshKVBase && !Is_ext) {
+          return static_cast<const __half*>(params.k_ptr) + c.bidb * params.k_batch_stride +
+                 (c.bidh / params.h_h_k_ratio) * params.k_head_stride;
+        } else {
+          return k_tile(row);
+        }
+      };
+      auto v_next = [&](int row) {
+        if constexpr (Kt::kFreshKVBase && !Is_ext) {
+          return static_cast<const __half*>(params.v_ptr) + c.bidb * params.v_batch_stride +
+                 (c.bidh / params.h_h_k_ratio) * params.v_head_stride;
+        } else {
+          return v_tile(row);
+        }
+      };
       for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
         // V_j: global loads in flight while S_j and its softmax are computed.
-        load_tile_g2r<Kt, kLs>(stage, v_tile(n_block * kBN), params.v_row_stride,
+        load_tile_g2r<Kt, kLs>(stage, v_next(n_block * kBN), params.v_row_stride,
                                n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
 
         // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax. A bias's
@@ -528,7 +547,7 @@ __global__ void __launch_bounds__(Kt::kNThreads,
 
         const bool has_next = n_block + 1 < c.nb.n_block_max;
         if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
-          load_tile_g2r<Kt, kLs>(stage, k_tile((n_block + 1) * kBN), params.k_row_stride,
+          load_tile_g2r<Kt, kLs>(stage, k_next((n_block + 1) * kBN), params.k_row_stride,
                                  (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
         }
         gemm_rs_t<kBN, kD, kRowBytes, !kPad>(acc_o, p_frag, v_lane_addr);  // O += P V
@@ -541,13 +560,15 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   // O staged through sQ (each warp only ever read its own 16 rows there) or the K+V space (free
   // after the loop's last barrier).
   if (Kt::kQInSmem) __syncwarp();
-  if constexpr (Variant == kFwdBias) {
-    // The bias-only kernel takes its O pointer only now: held through the loop, its registers
-    // were spilled at sm_75 (stored before the loop, reloaded after it).
+  if constexpr (Variant == kFwdBias ||
+                (Variant == kFwdPlain && Is_causal && Kt::kLateOPointerCausal)) {
+    // The bias-only kernel (and kLateOPointerCausal's) takes its O pointer only now: held
+    // through the loop, its registers were spilled at sm_75 (stored before the loop, reloaded
+    // after it).
     // bidh >= 0 taken zero-extended: its sign word, not otherwise needed after the loop, was
     // the value spilled.
     // fwd_cta's formula for a dense call (kFwdBias never runs packed sequences: fwd_variant).
-    static_assert(!Is_ext, "kFwdBias: dense calls only, SeqInfo<false>");
+    static_assert(!Is_ext, "kFwdBias / kFwdPlain: dense calls only, SeqInfo<false>");
     FwdCta<Is_ext> late = c;
     late.o_base = static_cast<__half*>(params.o_ptr) +
                   c.si.q_offset(c.bidb, params.o_batch_stride, params.o_row_stride) +

@@ -83,6 +83,11 @@ void run_mha_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
   using Config = Fwd_tile_config<kHeadDim>;
   using Kt = typename Config::Traits;
   using Ks = typename Config::SmallGridTraits;
+  using Kp = typename Config::PlainFullTraits;
+  if constexpr (!std::is_void_v<Kp> && Variant == kFwdPlain && !Is_local) {
+    static_assert(Kp::kFullHeadDimOnly, "the plain tile runs exactly kHeadDim");
+    if (params.d == kHeadDim) return run_flash_fwd<Kp, Is_causal, Is_local, Variant>(params, stream);
+  }
   if constexpr (Kt::kFullHeadDimOnly) {
     static_assert(!std::is_void_v<Ks>, "a full-head-dim-only tile needs a tile for the tail");
     static_assert(!Ks::kFullHeadDimOnly, "the small-grid tile runs head dims below kHeadDim");

@@ -87,6 +87,13 @@ struct FwdTileDefaults {
   static constexpr bool kSplitTile = false;
   static constexpr bool kFullHeadDimOnly = false;
   static constexpr int kDSplit = 1;
+  // Register-pressure options of the plain loop (dense calls), for tiles at the 255-register
+  // cap where ptxas otherwise spilled loop invariants: kFreshKVBase recomputes the K / V tile
+  // bases from the parameters per tile (two 32-bit indices live through the loop instead of two
+  // 64-bit pointers); kLateOPointerCausal takes the O pointer after the loop in the causal
+  // kernels (as the bias-only kernel always does).
+  static constexpr bool kFreshKVBase = false;
+  static constexpr bool kLateOPointerCausal = false;
 };
 
 // The forward kernel's compile-time parameters: the tile's fields, checked against the kernel's
@@ -116,6 +123,8 @@ struct Flash_fwd_kernel_traits {
   static_assert(!kSplitTile || (!kQInSmem && kBlockN % 32 == 0 && kRescaleThreshold > 0),
                 "split tile: Q in registers, halves of 16k keys, a rescale threshold");
   static constexpr int kDSplit = Tile::kDSplit;
+  static constexpr bool kFreshKVBase = Tile::kFreshKVBase;
+  static constexpr bool kLateOPointerCausal = Tile::kLateOPointerCausal;
   static_assert(kDSplit == 1 || (kDSplit == 2 && !kQInSmem && !kSplitTile),
                 "head-dim split: pairs of warps, Q in registers, the plain loop");
   static constexpr int kRowWarps = kNWarps / kDSplit;  // 16-row groups
@@ -246,27 +255,52 @@ struct FwdTileD256 : FwdTileDefaults {
 //    default tile runs in a little more than one wave but this one runs in one
 //    (prefer_small_grid_tile in launch_plan.h), and every head dim below kHeadDim when the
 //    default tile is kFullHeadDimOnly.
+//  * PlainFullTraits (void where there is none): a tile for the plain kernels without a window
+//    (kFwdPlain, not Is_local) at exactly kHeadDim; every other call takes Traits.
 template <int kHeadDim>
 struct Fwd_tile_config;
 template <>
 struct Fwd_tile_config<64> {
   using Traits = Flash_fwd_kernel_traits<FwdTileD64>;
   using SmallGridTraits = Flash_fwd_kernel_traits<FwdTileD64SmallGrid>;
+  using PlainFullTraits = void;
 };
 template <>
 struct Fwd_tile_config<96> {
   using Traits = Flash_fwd_kernel_traits<FwdTileD96>;
   using SmallGridTraits = void;
+  using PlainFullTraits = void;
 };
 template <>
 struct Fwd_tile_config<128> {
   using Traits = Flash_fwd_kernel_traits<FwdTileD128>;
   using SmallGridTraits = void;
+  using PlainFullTraits = void;
+};
+// d = 256 exactly, the plain kernels without a window (Fwd_tile_config<256>::PlainFullTraits):
+// one warp per 16 rows and no head-dim split, 128 x 16, 8 warps, Q (64 registers) and O (128)
+// in registers. Against FwdTileD256 it loads each K/V tile once per 128 query rows instead of 64
+// and has no partial-S exchange and no softmax done twice; Bc = 16 keeps S (8 registers) and
+// the load staging (2 chunks) small enough for 255 registers. Shared memory: K + V 16 KiB, but
+// the Q and O tiles (128 x 256 fp16 = 64 KiB) are staged through it: 64 KiB, the opt-in
+// maximum (one CTA per SM, as the registers allow anyway). Measured (H200, T4 plan, B 4, H 16):
+// 13-26% faster than FwdTileD256 at N = 1024-8192 (NOTES, session 33). At 255 registers ptxas
+// spilled loop invariants (4-28 bytes) until the K / V bases were recomputed per tile and, in
+// the causal kernel, the O pointer taken after the loop; the head-dim tail predicate (d < 256)
+// spilled again, so those head dims and the extended / bias / dropout / local kernels keep
+// FwdTileD256.
+struct FwdTileD256Wide : FwdTileDefaults {
+  static constexpr int kHeadDim = 256, kBlockM = 128, kBlockN = 16, kNWarps = 8;
+  static constexpr int kRescaleThreshold = 8;
+  static constexpr bool kFullHeadDimOnly = true;
+  static constexpr bool kFreshKVBase = true;
+  static constexpr bool kLateOPointerCausal = true;
 };
 template <>
 struct Fwd_tile_config<256> {
   using Traits = Flash_fwd_kernel_traits<FwdTileD256>;
   using SmallGridTraits = void;
+  using PlainFullTraits = Flash_fwd_kernel_traits<FwdTileD256Wide>;
 };
 
 }  // namespace flash_sm75

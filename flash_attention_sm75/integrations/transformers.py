@@ -561,7 +561,7 @@ def _cu_seq_lens(kwargs: dict, query, key) -> Optional[_Packing]:
                     cu_k=cu_k.to(device=dev, dtype=torch.int64), max_q=max_q, max_k=max_k)
 
 
-def _packed_position_ids(kwargs: dict, query, key) -> Optional[_Packing]:
+def _packed_position_ids(kwargs: dict, query, key, module=None) -> Optional[_Packing]:
     """The packing given by ``position_ids`` of one batch row that restart, or None.
 
     transformers' FlashAttention rule (``_is_packed_sequence``): one batch row, more than one
@@ -571,20 +571,27 @@ def _packed_position_ids(kwargs: dict, query, key) -> Optional[_Packing]:
     layer): whether it packs, and the number and longest length of its documents, with which
     the varlen op's offsets are built on the device (cached with the answer). While tracing or
     capturing, where nothing may be read, any such row is treated as packed, without offsets
-    (the documents mask then equals the plain one if it is not).
+    (the documents mask then equals the plain one if it is not). ``module``: the attention
+    layer; its ``layer_idx`` lets an inference tensor's cached answer be checked against the
+    tensor's values once per forward instead of once per layer (``PerTensorCache.get``).
     """
-    pos = kwargs.get("position_ids")
+    original = kwargs.get("position_ids")
     b, _, q_len, _ = query.shape
-    if not (isinstance(pos, torch.Tensor) and b == 1 and q_len > 1 and key.shape[2] == q_len
-            and pos.dim() in (1, 2) and pos.shape[-1] == q_len and pos.numel() == q_len
-            and not pos.dtype.is_floating_point):
+    if not (isinstance(original, torch.Tensor) and b == 1 and q_len > 1
+            and key.shape[2] == q_len and original.dim() in (1, 2)
+            and original.shape[-1] == q_len and original.numel() == q_len
+            and not original.dtype.is_floating_point):
         return None
     source = "position_ids restart within a row"
-    pos = pos.reshape(-1).to(query.device)
-    if not _host_reads_allowed(pos):
-        return _Packing(source, pos=pos)
+    if not _host_reads_allowed(query):  # (the device the positions are read on)
+        return _Packing(source, pos=original.reshape(-1).to(query.device))
     extra = (query.device,)
-    hit = _POSITION_IDS_CACHE.get(kwargs["position_ids"], extra)
+    layer = getattr(module, "layer_idx", None)
+    layer = layer if type(layer) is int else None
+    hit = _POSITION_IDS_CACHE.get(original, extra, layer)
+    if hit is not None and not hit[0]:
+        return None  # the common case: cached, not packed (no view or device copy to make)
+    pos = original.reshape(-1).to(query.device)
     if hit is None:
         idx = torch.arange(q_len, device=pos.device)
         restarts = pos == pos.min()
@@ -597,7 +604,7 @@ def _packed_position_ids(kwargs: dict, query, key) -> Optional[_Packing]:
             begin = torch.sort(torch.where(starts, idx, q_len)).values[:n_docs]
             cu = torch.cat([begin, idx.new_full((1,), q_len)]).to(torch.int32)
         hit = (bool(packed), cu, int(longest))
-        _POSITION_IDS_CACHE.put(kwargs["position_ids"], extra, hit)
+        _POSITION_IDS_CACHE.put(original, extra, hit, layer)
     packed, cu, longest = hit
     if not packed:
         return None
@@ -795,7 +802,7 @@ def _packed_attention(fallback, module, query, key, value, attention_mask, bound
             raise ValueError("flash_attention_sm75: cu_seq_lens_q/k with a batch of more than one "
                              "row and an attention_mask: pass the packed tokens as one row")
     else:
-        packing = _packed_position_ids(kwargs, query, key)
+        packing = _packed_position_ids(kwargs, query, key, module)
         if packing is None:
             return None
     # The mask transformers builds carries causality and the window; without one, they come
@@ -1147,7 +1154,8 @@ def _decision_key(module, query, key, value, attention_mask, args, kwargs,
         return None
     # Packed position_ids (one batch row, several queries): tested at every call, through their
     # own per-object cache, as the full path tests them; the key does not hold them.
-    if flash_semantics and several and _packed_position_ids(kwargs, query, key) is not None:
+    if flash_semantics and several and _packed_position_ids(kwargs, query, key,
+                                                            module) is not None:
         return None
     return memo
 

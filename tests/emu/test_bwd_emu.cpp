@@ -179,7 +179,9 @@ bool try_decode(Flash_fwd_params& p, int max_multi_rows = 0) {
 // Which forward tile of Fwd_tile_config Kt is, for the report lines.
 template <typename Kt>
 const char* tile_name() {
-  return Kt::kQInSmem ? "small-grid tile" : (Kt::kDSplit > 1 ? "d-split tile" : "default tile");
+  return Kt::kQInSmem ? "small-grid tile"
+                      : (Kt::kDSplit > 1 ? "d-split tile"
+                                         : (Kt::kBlockN == 16 ? "wide d = 256 tile" : "default tile"));
 }
 
 // The forward kernel of Kt (as fwd_kernel() in flash_fwd_launch_template.h launches it).
@@ -220,6 +222,16 @@ void run_forward(Flash_fwd_params& p) {
   }
   // bucket 96 decodes on the 128 kernel; a dropout call never decodes (mha_fwd_impl)
   if (!p.dropout && try_decode<decode_head_dim(kD), kMod>(p)) return;
+  // The plain tile of exactly kD (run_mha_fwd_hdim: plain kernels without a window).
+  using Kp = typename Fwd_tile_config<kD>::PlainFullTraits;
+  if constexpr (!std::is_void_v<Kp> && kVariant == kFwdPlain && !kLocal) {
+    if (p.d == kD) {
+      const FwdLaunchPlan plan = make_fwd_plan<Kp>(p.b, p.h, p.seqlen_q);
+      emu::launch(static_cast<unsigned>(plan.num_blocks), plan.num_threads,
+                  [&] { fwd_kernel_body<Kp, kCausal, kLocal, kVariant>(p); });
+      return;
+    }
+  }
   if constexpr (!std::is_void_v<Ks>) {
     // A full-head-dim-only tile leaves the head dims below kD to the small-grid tile, as
     // run_mha_fwd_hdim does.
@@ -1123,6 +1135,12 @@ int check_huge_scores() {
     fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, false, seed256++);
     fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, true, seed256++);
     fails += check_huge_scores_case<Fwd_tile_config<256>::Traits>(a, false, seed256++, true);
+    // d = 256's plain tile (one warp per 16 rows, 16-key tiles: 8 rescale decisions per
+    // FwdTileD256 tile's 2).
+    fails += check_huge_scores_case<Fwd_tile_config<256>::PlainFullTraits>(a, false, seed256++);
+    fails += check_huge_scores_case<Fwd_tile_config<256>::PlainFullTraits>(a, true, seed256++);
+    fails += check_huge_scores_case<Fwd_tile_config<256>::PlainFullTraits>(a, false, seed256++,
+                                                                          true);
     // Key splits (tied best keys in different splits: "rising" has them in tiles 0 and 2 /
     // 1 and 3 of 64 keys).
     for (int splits : {2, 4}) {
@@ -1194,6 +1212,8 @@ int check_large_spread_scores() {
       fails += check_large_spread_case<Fwd_tile_config<128>::Traits>(a, rising, seed++);
       fails += check_large_spread_case<Fwd_tile_config<64>::Traits>(a, rising, seed++);
       fails += check_large_spread_case<Fwd_tile_config<256>::Traits>(a, rising, seed256++);
+      fails += check_large_spread_case<Fwd_tile_config<256>::PlainFullTraits>(a, rising,
+                                                                             seed256++);
       fails += check_large_spread_case<Fwd_tile_config<96>::Traits>(a, rising, seed96++);
     }
     // Key splits (the KV-cache op's prefill calls): the splits' maxima differ, so each split's
