@@ -113,14 +113,19 @@ class PerTensorCache:
         # t.shape (a torch.Size) and t.stride() are tuples already.
         return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version) + extra
 
-    def get(self, t: torch.Tensor, extra: tuple, layer: Optional[int] = None) -> Optional[Any]:
+    def get(self, t: torch.Tensor, extra: tuple,
+            position: Optional[tuple] = None) -> Optional[Any]:
         """The cached value for ``t`` and ``extra``, or None.
 
-        ``layer``: the index of the model layer asking (transformers' ``layer_idx``), or None.
-        An inference tensor's hit is checked against its copy unless ``layer`` is above the
-        layer of the previous hit or put on the same entry: within one forward the layers ask
-        in increasing order, so its values are checked once per forward, at its first layer,
-        not once per layer (three launches each). An in-place change between two layers of one
+        ``position``: where in a forward the asking call is, ``(owner, layer, call)``: ``owner``
+        an object the layers of one model share (transformers' config), ``layer`` the asking
+        layer's index (``layer_idx``), ``call`` an object that lives only during the asking call
+        (its query tensor); or None. An inference tensor's hit is checked against its copy
+        (three launches) unless the previous get or put on the entry came from the same owner
+        at a lower layer, or from this same call: within one forward the layers of a model ask
+        in increasing order, so the values are checked once per forward, at its first layer.
+        Every other sequence checks: another model, a layer that is not above the last one (a
+        new forward), a call without a position. An in-place change between two layers of one
         forward is not seen, as writes through ``.data`` are not."""
         signature = self._signature(t, extra)
         if signature is None:
@@ -132,9 +137,9 @@ class PerTensorCache:
                 return None
             self._entries.move_to_end(key)
             last = hit[4][0]
-            hit[4][0] = layer
-        if hit[3] is not None and layer is not None and last is not None and layer > last:
-            return hit[2]  # a later layer of the forward whose first layer checked the values
+            hit[4][0] = _position_record(position)
+        if hit[3] is not None and _same_forward(last, position):
+            return hit[2]  # the forward's first call here checked the values
         if hit[3] is not None:  # an inference tensor: its values must be the ones cached
             torch._assert_async((t == hit[3]).all(),
                                 "flash_attention_sm75: a tensor whose values were cached "
@@ -143,7 +148,7 @@ class PerTensorCache:
         return hit[2]
 
     def put(self, t: torch.Tensor, extra: tuple, value: Any,
-            layer: Optional[int] = None) -> None:
+            position: Optional[tuple] = None) -> None:
         signature = self._signature(t, extra)
         if signature is None:
             return
@@ -156,8 +161,8 @@ class PerTensorCache:
         with self._lock:
             for k in [k for k, v in self._entries.items() if v[0]() is None]:
                 del self._entries[k]
-            # [layer]: the layer of the last get or put (see get), mutable in place.
-            self._entries[key] = (ref, signature, value, snapshot, [layer])
+            # [position]: that of the last get or put (see get), mutable in place.
+            self._entries[key] = (ref, signature, value, snapshot, [_position_record(position)])
             self._entries.move_to_end(key)
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)
@@ -165,6 +170,28 @@ class PerTensorCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+
+def _position_record(position: Optional[tuple]) -> Optional[tuple]:
+    """PerTensorCache's record of a get / put position: weak references to its owner and call
+    (neither is kept alive; a dead one matches nothing), the layer as is."""
+    if position is None:
+        return None
+    owner, layer, call = position
+    try:
+        return weakref.ref(owner), layer, weakref.ref(call)
+    except TypeError:  # pragma: no cover - an owner without weak references: always check
+        return None
+
+
+def _same_forward(last: Optional[tuple], position: Optional[tuple]) -> bool:
+    """Whether ``position`` follows ``last`` within one forward (see PerTensorCache.get)."""
+    if last is None or position is None:
+        return False
+    owner, layer, call = position
+    if last[0]() is not owner:
+        return False
+    return layer > last[1] or (layer == last[1] and last[2]() is call)
 
 
 _MASK_CACHE = PerTensorCache()

@@ -22,7 +22,6 @@ import gc
 import types
 
 import pytest
-
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -413,32 +412,63 @@ def test_inference_mode_position_ids_are_read_once_and_verified_on_the_device():
             hf._packed_position_ids({"position_ids": pos}, q, q)
 
 
-def test_inference_position_ids_are_verified_once_per_forward(monkeypatch):
-    # With the layers' layer_idx, the copy comparison (three launches on a GPU) runs at the first
-    # layer of each forward, not at every layer; a change in place between two forwards still
-    # fails loudly at the next forward's first layer.
+class _Config:
+    """A model's config as the attention layers share it (the owner of a forward's calls)."""
+
+
+def _attention_layers(n, first=0):
+    config = _Config()
+    return [types.SimpleNamespace(layer_idx=first + i, config=config) for i in range(n)]
+
+
+def _count_async_checks(monkeypatch) -> list:
     checks = []
     real = torch._assert_async
     monkeypatch.setattr(torch, "_assert_async", lambda *a: (checks.append(1), real(*a))[1])
-    layers = [types.SimpleNamespace(layer_idx=i) for i in range(4)]
+    return checks
+
+
+def test_inference_position_ids_are_verified_once_per_forward(monkeypatch):
+    # With the layers' config and layer_idx, the copy comparison (three launches on a GPU) runs
+    # at the first layer of each forward, not at every layer; a change in place between two
+    # forwards still fails loudly at the next forward's first layer.
+    checks = _count_async_checks(monkeypatch)
+    layers = _attention_layers(4)
     q = torch.zeros(1, 2, 8, 16)
     with torch.inference_mode():
         pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
         for forward in range(3):
             for layer in layers:
-                packing = hf._packed_position_ids({"position_ids": pos}, q, q, layer)
-                assert packing.cu_varlen.tolist() == [0, 3, 7, 8]
+                qs = q.clone()  # each layer's own query
+                for _ in range(2):  # a packed call asks twice (decision key, packed path)
+                    packing = hf._packed_position_ids({"position_ids": pos}, qs, qs, layer)
+                    assert packing.cu_varlen.tolist() == [0, 3, 7, 8]
             # the first forward's layer 0 fills the cache; each later forward checks once
             assert len(checks) == forward
         pos[0, 3] = 3  # one document less, in place, between forwards
         with pytest.raises(RuntimeError, match="changed in place"):
             hf._packed_position_ids({"position_ids": pos}, q, q, layers[0])
-        # Without a layer index every call checks.
+        # Without a layer index (or a config) every call checks.
         checks.clear()
         plain = torch.arange(8)[None]
         for _ in range(3):
             assert hf._packed_position_ids({"position_ids": plain}, q, q) is None
         assert len(checks) == 2
+
+
+def test_inference_position_ids_checked_when_another_model_takes_them():
+    # A buffer refilled in place between two models: the second model's first attention layer
+    # (layer_idx 2, as in hybrid stacks whose first layers are not attention) is above the
+    # first model's last one, but another model's call is never taken for the same forward.
+    first, second = _attention_layers(2), _attention_layers(2, first=2)
+    q = torch.zeros(1, 2, 8, 16)
+    with torch.inference_mode():
+        pos = torch.arange(8)[None]
+        for layer in first:
+            assert hf._packed_position_ids({"position_ids": pos}, q.clone(), q, layer) is None
+        pos.copy_(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]]))
+        with pytest.raises(RuntimeError, match="changed in place"):
+            hf._packed_position_ids({"position_ids": pos}, q.clone(), q, second[0])
 
 
 # ---------------------------------------------------------------------------------------------

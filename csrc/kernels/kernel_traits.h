@@ -284,7 +284,7 @@ struct Fwd_tile_config<128> {
 // the load staging (2 chunks) small enough for 255 registers. Shared memory: K + V 16 KiB, but
 // the Q and O tiles (128 x 256 fp16 = 64 KiB) are staged through it: 64 KiB, the opt-in
 // maximum (one CTA per SM, as the registers allow anyway). Measured (H200, T4 plan, B 4, H 8):
-// 13-26% faster than FwdTileD256 at N = 1024-8192 (NOTES, session 33). At 255 registers ptxas
+// 8-26% faster than FwdTileD256 at N = 1024-8192 (benchmarks/NOTES.md). At 255 registers ptxas
 // spilled loop invariants (4-28 bytes) until the K / V bases were recomputed per tile and, in
 // the causal kernel, the O pointer taken after the loop; the head-dim tail predicate (d < 256)
 // spilled again, so those head dims and the extended / bias / dropout / local kernels keep

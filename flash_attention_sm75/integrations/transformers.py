@@ -572,8 +572,9 @@ def _packed_position_ids(kwargs: dict, query, key, module=None) -> Optional[_Pac
     the varlen op's offsets are built on the device (cached with the answer). While tracing or
     capturing, where nothing may be read, any such row is treated as packed, without offsets
     (the documents mask then equals the plain one if it is not). ``module``: the attention
-    layer; its ``layer_idx`` lets an inference tensor's cached answer be checked against the
-    tensor's values once per forward instead of once per layer (``PerTensorCache.get``).
+    layer; its ``config`` and ``layer_idx`` let an inference tensor's cached answer be checked
+    against the tensor's values once per forward instead of once per layer
+    (``PerTensorCache.get``).
     """
     original = kwargs.get("position_ids")
     b, _, q_len, _ = query.shape
@@ -587,8 +588,9 @@ def _packed_position_ids(kwargs: dict, query, key, module=None) -> Optional[_Pac
         return _Packing(source, pos=original.reshape(-1).to(query.device))
     extra = (query.device,)
     layer = getattr(module, "layer_idx", None)
-    layer = layer if type(layer) is int else None
-    hit = _POSITION_IDS_CACHE.get(original, extra, layer)
+    owner = getattr(module, "config", None)
+    position = (owner, layer, query) if type(layer) is int and owner is not None else None
+    hit = _POSITION_IDS_CACHE.get(original, extra, position)
     if hit is not None and not hit[0]:
         return None  # the common case: cached, not packed (no view or device copy to make)
     pos = original.reshape(-1).to(query.device)
@@ -604,7 +606,7 @@ def _packed_position_ids(kwargs: dict, query, key, module=None) -> Optional[_Pac
             begin = torch.sort(torch.where(starts, idx, q_len)).values[:n_docs]
             cu = torch.cat([begin, idx.new_full((1,), q_len)]).to(torch.int32)
         hit = (bool(packed), cu, int(longest))
-        _POSITION_IDS_CACHE.put(original, extra, hit, layer)
+        _POSITION_IDS_CACHE.put(original, extra, hit, position)
     packed, cu, longest = hit
     if not packed:
         return None

@@ -1712,8 +1712,8 @@ int main(int argc, char** argv) {
       add_fwd(1, 1, 260, 32, 2, d, false, true, true, true, 2);  // GQA 16: 2 head parts
     }
   }
-  // The d = 256 forward tile (two warps per 16 rows, kDSplit) at d = 256 and its tails
-  // 136 / 200 / 248, forward only (O and LSE) until the backward takes these head dims.
+  // The d = 256 forward tiles, forward only (O and LSE): the split tile (two warps per 16 rows,
+  // kDSplit) at the tails 136 / 200 / 248, the plain tile (128 x 16, PlainFullTraits) at 256.
   const size_t fwd_only_begin = cases.size();
   {
     auto add_fwd = [&](int b, int sq, int sk, int h, int hk, int d, bool causal, bool br, bool lp,
@@ -1731,6 +1731,14 @@ int main(int argc, char** argv) {
       add_fwd(3, 65, 90, 4, 1, d, false, true, true, true, 2);      // MQA, key ranges, NaN gaps
       add_fwd(1, 7, 129, 2, 2, d, true, true, true, false, 2);      // few rows, key ranges
       add_fwd(1, 1, 100, 2, 1, d, true, false, false, false, 0);    // one row (top-left: key 0)
+    }
+    // The plain d = 256 tile over several of its 128-row query tiles: the causal tile order,
+    // the O pointer taken after the loop (causal), the K / V bases recomputed per tile (GQA).
+    add_fwd(2, 300, 260, 4, 2, 256, true, true, false, false, 2);   // GQA, bottom-right
+    add_fwd(3, 140, 170, 6, 2, 256, false, true, true, true, 2);    // GQA 3, key ranges
+    if (mode != "quick") {
+      add_fwd(2, 260, 300, 4, 1, 256, true, false, true, true, 1);  // MQA, top-left, key ranges
+      add_fwd(1, 257, 90, 2, 2, 256, true, true, false, true, 0);   // sq > sk, 3 query tiles
     }
   }
   // The d = 96 forward (128 x 64 split tile, padded rows) at 96 and its tails, forward only,
