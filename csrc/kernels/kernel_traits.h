@@ -283,12 +283,13 @@ struct Fwd_tile_config<128> {
 // and has no partial-S exchange and no softmax done twice; Bc = 16 keeps S (8 registers) and
 // the load staging (2 chunks) small enough for 255 registers. Shared memory: K + V 16 KiB, but
 // the Q and O tiles (128 x 256 fp16 = 64 KiB) are staged through it: 64 KiB, the opt-in
-// maximum (one CTA per SM, as the registers allow anyway). Measured (H200, T4 plan, B 4, H 8):
-// 8-26% faster than FwdTileD256 at N = 1024-8192 (benchmarks/NOTES.md). At 255 registers ptxas
-// spilled loop invariants (4-28 bytes) until the K / V bases were recomputed per tile and, in
-// the causal kernel, the O pointer taken after the loop; the head-dim tail predicate (d < 256)
-// spilled again, so those head dims and the extended / bias / dropout / local kernels keep
-// FwdTileD256.
+// maximum (one CTA per SM, as the registers allow anyway). Measured (H200, T4 plan, B 4, H 8,
+// a build that still spilled; benchmarks/NOTES.md): 8-26% faster than FwdTileD256 at N =
+// 1024-8192. At 255 registers ptxas spilled loop invariants (4-28 bytes) until the K / V bases
+// were recomputed per tile and, in the causal kernel, the O pointer taken after the loop; the
+// head-dim tail predicate (d < 256) spilled again, so those head dims and the extended / bias /
+// dropout / local kernels keep FwdTileD256. "Without a window": without a left window edge (a
+// window with only a right edge runs the plain causal kernel, and this tile).
 struct FwdTileD256Wide : FwdTileDefaults {
   static constexpr int kHeadDim = 256, kBlockM = 128, kBlockN = 16, kNWarps = 8;
   static constexpr int kRescaleThreshold = 8;
