@@ -160,6 +160,13 @@ static int env_tile_choice(const char* name) {
   return kChoice[env_choice(name, {"auto", "always", "never"})];
 }
 
+// FLASH_SM75_FWD_L2_PREFETCH (Flash_fwd_params::l2_prefetch, the dense forward): 'auto' (or
+// unset) = kFwdL2PrefetchTiles, or the tiles ahead ('0' = off; tests, tuning).
+static int env_l2_prefetch() {
+  static constexpr int kTiles[] = {kFwdL2PrefetchTiles, 0, 1, 2, 3, 4, 6, 8};
+  return kTiles[env_choice("FLASH_SM75_FWD_L2_PREFETCH", {"auto", "0", "1", "2", "3", "4", "6", "8"})];
+}
+
 // kDeviceProfiles index of FLASH_SM75_DEVICE_PROFILE's value.
 static int planning_profile_index() {
   static constexpr int kIndex[] = {0, 1, 1, 2};  // native, t4, turing (= t4), rtx2080ti
@@ -588,6 +595,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
   }
   set_plan_device(params, q.get_device());
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
+  params.l2_prefetch = env_l2_prefetch();
   // The decode kernel has no dropout: the forward kernels run such a call.
   run_fwd_planned(params, q, /*decode_allowed=*/dropout_p == 0.0);
   return {out, lse};
