@@ -161,9 +161,10 @@ static int env_tile_choice(const char* name) {
 }
 
 // FLASH_SM75_FWD_L2_PREFETCH (Flash_fwd_params::l2_prefetch, the dense forward): 'auto' (or
-// unset) = kFwdL2PrefetchTiles, or the tiles ahead ('0' = off; tests, tuning).
+// unset) = -1, each tile's kL2PrefetchTiles; or the tiles ahead for the tiles that prefetch
+// ('0' = none; tests, tuning).
 static int env_l2_prefetch() {
-  static constexpr int kTiles[] = {kFwdL2PrefetchTiles, 0, 1, 2, 3, 4, 6, 8};
+  static constexpr int kTiles[] = {-1, 0, 1, 2, 3, 4, 6, 8};
   return kTiles[env_choice("FLASH_SM75_FWD_L2_PREFETCH", {"auto", "0", "1", "2", "3", "4", "6", "8"})];
 }
 

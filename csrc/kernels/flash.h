@@ -153,11 +153,11 @@ struct Flash_fwd_params {
   int dropout = 0;
   uint32_t dropout_keep_threshold = 0;
   float dropout_rp = 1.f;
-  // L2 prefetch of K / V (the dense forward's plain and split-tile loops): besides loading
-  // tile j + 1 into registers, ask L2 for tile j + 1 + l2_prefetch (load_tile_g2r), so that
-  // those loads find it there rather than in DRAM. 0: off. Here, in the padding before the
-  // 8-byte seed: no later field moves (Flash_bwd_params extends this struct; moving its
-  // fields changed a backward kernel's register allocation, a 4-byte spill).
+  // L2 prefetch of K / V by the plain kernels of tiles with kL2PrefetchTiles > 0 (kernel_traits.h,
+  // load_tile_g2r): with a tile's loads, ask L2 for the tile l2_prefetch tiles past it.
+  // -1: the tile's kL2PrefetchTiles (set at launch, run_flash_fwd); 0: none. Here, in the
+  // padding before the 8-byte seed: no later field moves (Flash_bwd_params extends this struct;
+  // moving its fields changed a backward kernel's register allocation, a 4-byte spill).
   int l2_prefetch = 0;
   uint64_t dropout_seed = 0, dropout_offset = 0, dropout_offset_add = 0;
   const int64_t* dropout_seed_ptr = nullptr;
@@ -167,9 +167,6 @@ struct Flash_fwd_params {
 
 // The largest head dim (bucket) whose backward kernels read an attention bias (the d = 256
 // dK/dV kernel has no registers left for it); the host refuses larger ones.
-// Flash_fwd_params::l2_prefetch when FLASH_SM75_FWD_L2_PREFETCH is unset or 'auto'.
-constexpr int kFwdL2PrefetchTiles = 0;
-
 constexpr int kBwdBiasMaxHeadDim = 128;
 
 // The largest head-dim bucket whose backward kernels all take packed sequences and per-sequence

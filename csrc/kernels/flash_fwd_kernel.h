@@ -298,10 +298,10 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   if (fwd_cta_idle<Kt>(c)) return;  // uniform over the CTA, before any barrier
   const int row0 = c.m_block * Kt::kBlockM;
   const float scale_log2 = params.scale_softmax_log2;
-  // L2 prefetch distance in key rows (params.l2_prefetch tiles; load_tile_g2r): the plain and
-  // dropout-only kernels' plain and split-tile loops (in the bias-only kernels at d = 128 its
-  // address arithmetic spilled 12 bytes).
-  constexpr bool kPf = (Variant == kFwdPlain || Variant == kFwdDropout) && Kt::kL2Prefetch;
+  // L2 prefetch distance in key rows (Kt::kL2PrefetchTiles, or params.l2_prefetch where the
+  // host sets one; load_tile_g2r): the plain kernels' loops (in the bias-only kernels at d = 128
+  // its address arithmetic spilled 12 bytes).
+  constexpr bool kPf = Variant == kFwdPlain && Kt::kL2PrefetchTiles > 0;
   const int pf_rows = kPf ? params.l2_prefetch * kBN : 0;
   ScoreMod smod{};
   if constexpr (Is_ext) smod = score_mod_for(params, c.bidb, c.bidh, c.si.alibi_off());
@@ -582,9 +582,10 @@ __global__ void __launch_bounds__(Kt::kNThreads,
     late.o_base = static_cast<__half*>(params.o_ptr) +
                   c.si.q_offset(c.bidb, params.o_batch_stride, params.o_row_stride) +
                   static_cast<index_t>(static_cast<uint32_t>(c.bidh)) * params.o_head_stride;
-    // The LSE row base too (bh = bidb * h + bidh, fwd_cta): with the L2 prefetch's address
-    // arithmetic in the loop, the 64-bit bh held through it was spilled (4 bytes, sm_75).
-    late.bh = static_cast<int64_t>(c.bidb) * params.h + c.bidh;
+    // The plain kernel's LSE row base too (bh = bidb * h + bidh, fwd_cta): with the L2
+    // prefetch's address arithmetic in the loop, the 64-bit bh held through it was spilled (4
+    // bytes, sm_75).
+    if constexpr (Variant == kFwdPlain) late.bh = static_cast<int64_t>(c.bidb) * params.h + c.bidh;
     store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, late, Kt::kQInSmem ? sQ : sK, exact_exp);
   } else {
     store_output<Kt, Is_ext, kDropout>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK,

@@ -94,9 +94,12 @@ struct FwdTileDefaults {
   // kernels (as the bias-only kernel always does).
   static constexpr bool kFreshKVBase = false;
   static constexpr bool kLateOPointerCausal = false;
-  // The loops' L2 prefetch of K / V (Flash_fwd_params::l2_prefetch; load_tile_g2r): off where
-  // its address arithmetic spills under the tile's register cap.
-  static constexpr bool kL2Prefetch = true;
+  // The plain kernel's L2 prefetch of K / V (load_tile_g2r): each K / V load also asks L2 for
+  // the tile this many tiles past it; 0: no prefetch code (Flash_fwd_params::l2_prefetch,
+  // FLASH_SM75_FWD_L2_PREFETCH, overrides the distance where it is not 0). Measured (H100, T4
+  // plan, B 4): d = 256 (FwdTileD256Wide) 4-8% faster with 2 or 4; the d = 128 split tile 0-2%
+  // slower (kept off); the d = 64 tiles spill under their 3- and 4-CTA caps with it.
+  static constexpr int kL2PrefetchTiles = 0;
 };
 
 // The forward kernel's compile-time parameters: the tile's fields, checked against the kernel's
@@ -128,7 +131,8 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kDSplit = Tile::kDSplit;
   static constexpr bool kFreshKVBase = Tile::kFreshKVBase;
   static constexpr bool kLateOPointerCausal = Tile::kLateOPointerCausal;
-  static constexpr bool kL2Prefetch = Tile::kL2Prefetch;
+  static constexpr int kL2PrefetchTiles = Tile::kL2PrefetchTiles;
+  static_assert(kL2PrefetchTiles >= 0, "tiles ahead");
   static_assert(kDSplit == 1 || (kDSplit == 2 && !kQInSmem && !kSplitTile),
                 "head-dim split: pairs of warps, Q in registers, the plain loop");
   static constexpr int kRowWarps = kNWarps / kDSplit;  // 16-row groups
@@ -197,7 +201,6 @@ struct FwdTileD64 : FwdTileDefaults {
   // The tail predicate (head_dim < 64) spills 12 B in the causal kernel under the 3-CTA cap;
   // FwdTileD64SmallGrid (124 registers) runs those head dims.
   static constexpr bool kFullHeadDimOnly = true;
-  static constexpr bool kL2Prefetch = false;  // 32-56 bytes of spill under the 3-CTA cap
 };
 // d = 64 for grids that FwdTileD64 runs in a little more than one wave: Q in shared memory,
 // Bc = 32, 4 CTAs per SM (<= 128 registers, 16 KiB smem each), 16 warps per SM instead of 12.
@@ -211,7 +214,6 @@ struct FwdTileD64SmallGrid : FwdTileDefaults {
   // the 128-register cap of 4 CTAs: 3 CTAs per SM (168 registers) for it.
   static constexpr int kMinBlocksPerSmMod = 3;
   static constexpr bool kBiasFastPath = false;  // 8 bytes of spill under the 128-register cap
-  static constexpr bool kL2Prefetch = false;    // 8 bytes of spill (causal, local)
 };
 // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile. Split tile:
 // +4-8% at N >= 1024 (246-248 registers, no spills).
@@ -302,6 +304,7 @@ struct FwdTileD256Wide : FwdTileDefaults {
   static constexpr bool kFullHeadDimOnly = true;
   static constexpr bool kFreshKVBase = true;
   static constexpr bool kLateOPointerCausal = true;
+  static constexpr int kL2PrefetchTiles = 2;
 };
 template <>
 struct Fwd_tile_config<256> {

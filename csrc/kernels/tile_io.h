@@ -16,6 +16,12 @@
 
 namespace flash_sm75 {
 
+// Asks L2 for the 128-byte line holding p (prefetch.global.L2: a hint; no register receives the
+// data and no instruction waits for it; SM75 has no cp.async).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Global -> registers: the Kt::kNThreads threads of the CTA fetch a kRows x kD fp16 tile, 16 bytes
 // per thread per step, rows [row0, row0 + kRows). Rows outside [valid_begin, valid_end) are
 // zero-filled: they are never read from memory, and zero V rows keep masked keys (P = 0) from
@@ -27,13 +33,12 @@ namespace flash_sm75 {
 // 1 = one row pointer per call plus a 64-bit step per chunk; 2 = as 1, with a CTA-uniform
 // branch to unchecked loads when the whole tile is in range.
 // kPf: with pf_rows > 0, also ask L2 for the same tile pf_rows rows further on (rows below
-// pf_end; prefetch.global.L2: a hint, no register receives the data, nothing waits for it; SM75
-// has no cp.async), from the threads whose chunk starts a 128-byte line of its row, at the
-// address they load plus pf_rows rows. The loops issue a tile's loads about half a tile before
+// pf_end), from the threads whose chunk starts a 128-byte line of its row, at the address they
+// load plus pf_rows rows (prefetch_l2). The loops issue a tile's loads about half a tile before
 // they store it to shared memory; with the tile already in L2 those loads do not wait out a
 // DRAM round trip (at small N a whole wave starts on cold K / V at once). Without kPf the code
-// is as it was before the prefetch existed: computing the address outside the bounds branch
-// (as kPf does) moved a backward kernel's register allocation to a 4-byte spill.
+// is the same as without the feature (token for token: computing the address outside the
+// bounds branch, as kPf does, moved other kernels' register allocation and scheduling).
 template <typename Kt, int kStyle = 0, bool kPf = false, int kN>
 __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* base,
                                               index_t row_stride, int row0, int valid_begin,
@@ -41,35 +46,39 @@ __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* 
                                               int col_chunks = Kt::kChunksPerRow,
                                               int pf_rows = 0, int pf_end = 0) {
   constexpr int kCPR = Kt::kChunksPerRow;
-  auto prefetch = [&](const __half* p, int chunk, int grow) {
-    if (kPf && pf_rows > 0 && chunk % 8 == 0 && grow + pf_rows < pf_end) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + pf_rows * row_stride));
-    }
-  };
-  if constexpr (kStyle == 0) {
+  if constexpr (kStyle == 0 && kPf) {
+    auto prefetch = [&](const __half* p, int chunk, int grow) {
+      if (pf_rows > 0 && chunk % 8 == 0 && grow + pf_rows < pf_end) {
+        prefetch_l2(p + pf_rows * row_stride);
+      }
+    };
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       const int idx = tid + i * Kt::kNThreads;
       const int grow = row0 + idx / kCPR;
-      if constexpr (kPf) {
-        const __half* p = base + grow * row_stride + idx % kCPR * 8;
-        if (grow >= valid_begin && grow < valid_end && idx % kCPR < col_chunks) {
-          stage[i] = __ldg(reinterpret_cast<const uint4*>(p));
-        } else {
-          stage[i] = make_uint4(0u, 0u, 0u, 0u);
-        }
-        prefetch(p, idx % kCPR, grow);
+      const __half* p = base + grow * row_stride + idx % kCPR * 8;
+      if (grow >= valid_begin && grow < valid_end && idx % kCPR < col_chunks) {
+        stage[i] = __ldg(reinterpret_cast<const uint4*>(p));
       } else {
-        if (grow >= valid_begin && grow < valid_end && idx % kCPR < col_chunks) {
-          stage[i] =
-              __ldg(reinterpret_cast<const uint4*>(base + grow * row_stride + idx % kCPR * 8));
-        } else {
-          stage[i] = make_uint4(0u, 0u, 0u, 0u);
-        }
+        stage[i] = make_uint4(0u, 0u, 0u, 0u);
+      }
+      prefetch(p, idx % kCPR, grow);
+    }
+    return;
+  } else if constexpr (kStyle == 0) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int idx = tid + i * Kt::kNThreads;
+      const int grow = row0 + idx / kCPR;
+      if (grow >= valid_begin && grow < valid_end && idx % kCPR < col_chunks) {
+        stage[i] = __ldg(reinterpret_cast<const uint4*>(base + grow * row_stride + idx % kCPR * 8));
+      } else {
+        stage[i] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
     return;
   } else {
+    static_assert(!kPf, "the L2 prefetch is written for load style 0 (the tiles that use it)");
     constexpr int kRowsPerPass = Kt::kNThreads / kCPR;
     static_assert(Kt::kNThreads % kCPR == 0, "a pass covers whole rows");
     const int grow0 = row0 + tid / kCPR;
@@ -79,10 +88,7 @@ __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* 
     if (kStyle == 2 && col_chunks == kCPR && row0 >= valid_begin &&
         row0 + kN * kRowsPerPass <= valid_end) {
 #pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
-        prefetch(p + i * step, tid % kCPR, grow0 + i * kRowsPerPass);
-      }
+      for (int i = 0; i < kN; ++i) stage[i] = __ldg(reinterpret_cast<const uint4*>(p + i * step));
       return;
     }
 #pragma unroll
@@ -93,7 +99,6 @@ __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* 
       } else {
         stage[i] = make_uint4(0u, 0u, 0u, 0u);
       }
-      prefetch(p + i * step, tid % kCPR, grow);
     }
   }
 }
