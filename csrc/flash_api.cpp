@@ -160,10 +160,10 @@ static int env_tile_choice(const char* name) {
   return kChoice[env_choice(name, {"auto", "always", "never"})];
 }
 
-// FLASH_SM75_FWD_L2_PREFETCH (Flash_fwd_params::l2_prefetch, the dense forward): 'auto' (or
-// unset) = -1, each tile's kL2PrefetchTiles; or the tiles ahead for the tiles that prefetch
-// ('0' = none; tests, tuning).
-static int env_l2_prefetch() {
+// FLASH_SM75_FWD_L2_PREFETCH (Flash_fwd_params::l2_prefetch, every forward door): 'auto' (or
+// unset) = -1, each kernel's own; or the tiles ahead for the forward tiles that prefetch ('0' =
+// none, also in the decode kernel; tests, tuning).
+int env_l2_prefetch() {
   static constexpr int kTiles[] = {-1, 0, 1, 2, 3, 4, 6, 8};
   return kTiles[env_choice("FLASH_SM75_FWD_L2_PREFETCH", {"auto", "0", "1", "2", "3", "4", "6", "8"})];
 }
@@ -178,6 +178,7 @@ const DeviceProfile* planning_profile() { return kDeviceProfiles[planning_profil
 
 void set_plan_device(Flash_fwd_params& params, int device) {
   params.plan_profile = planning_profile_index();
+  params.l2_prefetch = env_l2_prefetch();
   const DeviceProfile* profile = kDeviceProfiles[params.plan_profile];
   params.num_sms = profile != nullptr ? profile->num_sms
                                       : at::cuda::getDeviceProperties(device)->multiProcessorCount;
@@ -596,7 +597,6 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_impl(
   }
   set_plan_device(params, q.get_device());
   params.small_grid_tile = env_tile_choice("FLASH_SM75_FWD_SMALL_GRID_TILE");
-  params.l2_prefetch = env_l2_prefetch();
   // The decode kernel has no dropout: the forward kernels run such a call.
   run_fwd_planned(params, q, /*decode_allowed=*/dropout_p == 0.0);
   return {out, lse};

@@ -58,6 +58,10 @@ struct DecodeTraits {
   static constexpr int kRowH = kKCols + 8;      // padded K rows: 16-byte reads of 8 lanes
                                                 // (8 rows) hit 8 distinct bank groups
   static constexpr int kDimsPerLane = kD / 32;  // output dims of a lane: 2, 4 or 8 (one load)
+  // L2 prefetch of the K / V rows ahead of the loop's loads (flash_fwd_decode_kernel); not at
+  // the register cap's kR (its address arithmetic spilled 28-56 bytes there; those groups are
+  // bound by their CUDA-core dot products, not by memory latency).
+  static constexpr bool kL2Prefetch = kR < decode_max_heads_per_cta(kD);
   static constexpr int kSmemK = kWarps * kKeys * kRowH * 2;
   static constexpr int kSmemO = kWarps * kR * kD * 4;  // end-of-kernel merge, aliases sK
   static constexpr int kOffQ = kSmemK > kSmemO ? kSmemK : kSmemO;  // [kR][kD] fp32
@@ -73,6 +77,21 @@ struct DecodeTraits {
   static_assert(kR >= 1 && kR <= decode_max_heads_per_cta(kD), "kR over the register cap");
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 };
+
+// Asks L2 for rows [first, min(first + 32, end)) of a K or V slice (row0: its row 0, column 0)
+// up to column d: the warp's 32 lanes each ask for kD / 64 of the rows' 128-byte lines.
+template <int kD>
+__device__ __forceinline__ void decode_prefetch_rows(const __half* row0, index_t row_stride,
+                                                     int64_t first, int end, int d, int lane) {
+  constexpr int kLines = kD * 2 / 128;  // lines of a kD row: 1, 2 or 4
+#pragma unroll
+  for (int i = 0; i < kLines; ++i) {
+    const int idx = i * 32 + lane;
+    const int64_t row = first + idx / kLines;
+    const int col = idx % kLines * 64;
+    if (row < end && col < d) prefetch_l2(row0 + row * row_stride + col);
+  }
+}
 
 __device__ __forceinline__ float warp_allreduce_max(float x) {
 #pragma unroll
@@ -244,6 +263,19 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       const int64_t first = static_cast<int64_t>(page) * params.page_block_size;
       k_step = k_base + blk * params.k_batch_stride - first * params.k_row_stride;
       v_step = v_base + blk * params.v_batch_stride - first * params.v_row_stride;
+    }
+    if (T::kL2Prefetch && params.l2_prefetch != 0) {
+      // L2 prefetch: this step's V rows (read after its K rows and the softmax) and, unless
+      // paged (the next step may lie on another page), the warp's next step's K and V rows.
+      // The loop has at most a step's K loads (8 KiB per warp) or a few V rows in flight: with
+      // the 4-8 warps per SM of a small grid that is too little to cover DRAM latency.
+      const __half* v_row0 = v_step - (lane * kDPL < params.d ? lane * kDPL : 0);
+      decode_prefetch_rows<kD>(v_row0, params.v_row_stride, base, end, params.d, lane);
+      if (!paged) {
+        const int64_t next = base + T::kWarps * T::kKeys;
+        decode_prefetch_rows<kD>(k_step, params.k_row_stride, next, end, params.d, lane);
+        decode_prefetch_rows<kD>(v_row0, params.v_row_stride, next, end, params.d, lane);
+      }
     }
     float s[kR];
 #pragma unroll

@@ -16,12 +16,6 @@
 
 namespace flash_sm75 {
 
-// Asks L2 for the 128-byte line holding p (prefetch.global.L2: a hint; no register receives the
-// data and no instruction waits for it; SM75 has no cp.async).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // Global -> registers: the Kt::kNThreads threads of the CTA fetch a kRows x kD fp16 tile, 16 bytes
 // per thread per step, rows [row0, row0 + kRows). Rows outside [valid_begin, valid_end) are
 // zero-filled: they are never read from memory, and zero V rows keep masked keys (P = 0) from
