@@ -265,17 +265,12 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       v_step = v_base + blk * params.v_batch_stride - first * params.v_row_stride;
     }
     if (T::kL2Prefetch && params.l2_prefetch != 0) {
-      // L2 prefetch: this step's V rows (read after its K rows and the softmax) and, unless
-      // paged (the next step may lie on another page), the warp's next step's K and V rows.
-      // The loop has at most a step's K loads (8 KiB per warp) or a few V rows in flight: with
-      // the 4-8 warps per SM of a small grid that is too little to cover DRAM latency.
+      // L2 prefetch of this step's V rows, which the P V loop reads a few rows at a time after
+      // the K rows and the softmax: they arrive while those run. Asking for the next step's K
+      // and V rows as well made the larger grids 30-40% slower (H100, B 16, 4k-32k keys) and
+      // helped only B 1.
       const __half* v_row0 = v_step - (lane * kDPL < params.d ? lane * kDPL : 0);
       decode_prefetch_rows<kD>(v_row0, params.v_row_stride, base, end, params.d, lane);
-      if (!paged) {
-        const int64_t next = base + T::kWarps * T::kKeys;
-        decode_prefetch_rows<kD>(k_step, params.k_row_stride, next, end, params.d, lane);
-        decode_prefetch_rows<kD>(v_row0, params.v_row_stride, next, end, params.d, lane);
-      }
     }
     float s[kR];
 #pragma unroll
