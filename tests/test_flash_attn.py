@@ -301,6 +301,29 @@ def test_gpu_decode_kernel(b, s_k, h, h_k, d, mode, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [40, 64, 128])
+@pytest.mark.parametrize("b,s_k,h,h_k", [(1, 4099, 8, 8), (3, 777, 8, 2), (2, 33, 4, 1)])
+def test_gpu_decode_l2_prefetch_changes_no_result(b, s_k, h, h_k, d, monkeypatch):
+    # The decode kernel (kD <= 128) asks L2 for each step's V rows
+    # (FLASH_SM75_FWD_L2_PREFETCH=0 turns it off): bitwise the same output and LSE, with and
+    # without key splits, and rows past the last key never asked for.
+    q, k, v = make_qkv(b, 1, s_k, h, h_k, d, "cuda", seed_from("decode-l2", b, s_k, h, h_k, d))
+    res = {}
+    for choice in ("0", "auto"):
+        monkeypatch.setenv("FLASH_SM75_FWD_L2_PREFETCH", choice)
+
+        def call():
+            with poisoned_cuda_memory():
+                res[choice] = run_op(q, k, v, "bottom_right")
+
+        names = cuda_kernels_run(call, "flash_fwd")
+        assert any("decode_kernel" in n for n in names), names
+    check_against_ref(q, k, v, "bottom_right", *res["auto"])
+    assert torch.equal(res["auto"][0], res["0"][0])
+    assert torch.equal(res["auto"][1], res["0"][1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", CAUSAL_MODES)
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_decode_key_ranges(d, mode):
