@@ -160,6 +160,14 @@ static int env_tile_choice(const char* name) {
   return kChoice[env_choice(name, {"auto", "always", "never"})];
 }
 
+// FLASH_SM75_FWD_L2_PREFETCH (Flash_fwd_params::l2_prefetch, every forward door): 'auto' (or
+// unset) = -1, each kernel's own; or the tiles ahead for the forward tiles that prefetch ('0' =
+// none, also in the decode kernel; tests, tuning).
+int env_l2_prefetch() {
+  static constexpr int kTiles[] = {-1, 0, 1, 2, 3, 4, 6, 8};
+  return kTiles[env_choice("FLASH_SM75_FWD_L2_PREFETCH", {"auto", "0", "1", "2", "3", "4", "6", "8"})];
+}
+
 // kDeviceProfiles index of FLASH_SM75_DEVICE_PROFILE's value.
 static int planning_profile_index() {
   static constexpr int kIndex[] = {0, 1, 1, 2};  // native, t4, turing (= t4), rtx2080ti
@@ -170,6 +178,7 @@ const DeviceProfile* planning_profile() { return kDeviceProfiles[planning_profil
 
 void set_plan_device(Flash_fwd_params& params, int device) {
   params.plan_profile = planning_profile_index();
+  params.l2_prefetch = env_l2_prefetch();
   const DeviceProfile* profile = kDeviceProfiles[params.plan_profile];
   params.num_sms = profile != nullptr ? profile->num_sms
                                       : at::cuda::getDeviceProperties(device)->multiProcessorCount;

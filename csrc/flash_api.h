@@ -210,6 +210,10 @@ int env_choice(const char* name, std::initializer_list<const char*> accepted);
 // Returns nullptr for native.
 struct DeviceProfile;
 const DeviceProfile* planning_profile();
+// FLASH_SM75_FWD_L2_PREFETCH's value for Flash_fwd_params::l2_prefetch (-1: 'auto' or unset);
+// ValueError for any other value (read by set_plan_device; the KV-cache op reads it before its
+// append).
+int env_l2_prefetch();
 // params.plan_profile and params.num_sms for a call on CUDA device `device`.
 void set_plan_device(Flash_fwd_params& params, int device);
 

@@ -178,6 +178,7 @@ std::tuple<at::Tensor, at::Tensor> mha_kvcache_fwd(
   (void)decode_enabled();
   (void)fwd_splits_enabled();
   (void)planning_profile();
+  (void)env_l2_prefetch();
 
   // ---- the index values, on the device, before anything is written
   KvCheckParams cp{};

@@ -241,8 +241,32 @@ def test_gpu_small_grid_tile(shape, choice, mode, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", CAUSAL_MODES)
+@pytest.mark.parametrize("shape", [(2, 300, 517, 8, 2), (1, 129, 33, 4, 4), (1, 77, 4097, 2, 1),
+                                   (3, 2, 250, 2, 1)])
+def test_gpu_l2_prefetch_changes_no_result(shape, mode, monkeypatch):
+    # The d = 256 plain tile asks L2 for K / V tiles ahead of its loads
+    # (FLASH_SM75_FWD_L2_PREFETCH: 'auto' = the tile's own distance, '0' = none, or a distance).
+    # A hint: every distance, including those past the last key, must give bitwise the same
+    # output and LSE as none, and that output must be exact.
+    b, s_q, s_k, h, h_k = shape
+    q, k, v = make_qkv(b, s_q, s_k, h, h_k, 256, "cuda", seed_from("l2pf", shape, mode))
+    name, out0, lse0 = run_forced_tile("FLASH_SM75_FWD_L2_PREFETCH", "0", q, k, v, mode,
+                                       monkeypatch)
+    assert "FwdTileD256Wide" in name, name
+    check_against_ref(q, k, v, mode, out0, lse0)
+    for choice in ("auto", "1", "2", "8"):
+        name, out, lse = run_forced_tile("FLASH_SM75_FWD_L2_PREFETCH", choice, q, k, v, mode,
+                                         monkeypatch)
+        assert "FwdTileD256Wide" in name, name
+        assert torch.equal(out, out0), choice
+        assert torch.equal(lse, lse0), choice
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,value,s_q", [
     *[("FLASH_SM75_FWD_SMALL_GRID_TILE", v, 65) for v in ("ALWAYS", "1", "on")],
+    *[("FLASH_SM75_FWD_L2_PREFETCH", v, 65) for v in ("on", "5", "-1")],
     *[("FLASH_SM75_DECODE", v, 1) for v in ("NEVER", "0", "always")]])
 def test_gpu_forward_env_rejects_unknown_values(name, value, s_q, monkeypatch):
     q, k, v = make_qkv(1, s_q, 65, 2, 2, 64, "cuda", 3)
@@ -274,6 +298,29 @@ def test_gpu_decode_kernel(b, s_k, h, h_k, d, mode, monkeypatch):
         names = cuda_kernels_run(call, "flash_fwd")
         assert any("decode" in n for n in names) == (choice == "auto"), names
         check_against_ref(q, k, v, mode, res["out"], res["lse"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [40, 64, 128])
+@pytest.mark.parametrize("b,s_k,h,h_k", [(1, 4099, 8, 8), (3, 777, 8, 2), (2, 33, 4, 1)])
+def test_gpu_decode_l2_prefetch_changes_no_result(b, s_k, h, h_k, d, monkeypatch):
+    # The decode kernel (kD <= 128) asks L2 for each step's V rows
+    # (FLASH_SM75_FWD_L2_PREFETCH=0 turns it off): bitwise the same output and LSE, with and
+    # without key splits, and rows past the last key never asked for.
+    q, k, v = make_qkv(b, 1, s_k, h, h_k, d, "cuda", seed_from("decode-l2", b, s_k, h, h_k, d))
+    res = {}
+    for choice in ("0", "auto"):
+        monkeypatch.setenv("FLASH_SM75_FWD_L2_PREFETCH", choice)
+
+        def call():
+            with poisoned_cuda_memory():
+                res[choice] = run_op(q, k, v, "bottom_right")
+
+        names = cuda_kernels_run(call, "flash_fwd")
+        assert any("decode_kernel" in n for n in names), names
+    check_against_ref(q, k, v, "bottom_right", *res["auto"])
+    assert torch.equal(res["auto"][0], res["0"][0])
+    assert torch.equal(res["auto"][1], res["0"][1])
 
 
 @pytest.mark.gpu

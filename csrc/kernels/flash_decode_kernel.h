@@ -58,6 +58,12 @@ struct DecodeTraits {
   static constexpr int kRowH = kKCols + 8;      // padded K rows: 16-byte reads of 8 lanes
                                                 // (8 rows) hit 8 distinct bank groups
   static constexpr int kDimsPerLane = kD / 32;  // output dims of a lane: 2, 4 or 8 (one load)
+  // L2 prefetch of each step's V rows (flash_fwd_decode_kernel). Not at kD = 256: there it made
+  // B 4, 32k keys 17% slower (H100; a step's K rows alone are 16 KiB per warp, the call was
+  // at the copy bandwidth already). Not at the register cap's kR (its address arithmetic
+  // spilled 28-56 bytes there; those groups are bound by their CUDA-core dot products, not by
+  // memory latency).
+  static constexpr bool kL2Prefetch = kD <= 128 && kR < decode_max_heads_per_cta(kD);
   static constexpr int kSmemK = kWarps * kKeys * kRowH * 2;
   static constexpr int kSmemO = kWarps * kR * kD * 4;  // end-of-kernel merge, aliases sK
   static constexpr int kOffQ = kSmemK > kSmemO ? kSmemK : kSmemO;  // [kR][kD] fp32
@@ -73,6 +79,21 @@ struct DecodeTraits {
   static_assert(kR >= 1 && kR <= decode_max_heads_per_cta(kD), "kR over the register cap");
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
 };
+
+// Asks L2 for rows [first, min(first + 32, end)) of a K or V slice (row0: its row 0, column 0)
+// up to column d: the warp's 32 lanes each ask for kD / 64 of the rows' 128-byte lines.
+template <int kD>
+__device__ __forceinline__ void decode_prefetch_rows(const __half* row0, index_t row_stride,
+                                                     int64_t first, int end, int d, int lane) {
+  constexpr int kLines = kD * 2 / 128;  // lines of a kD row: 1, 2 or 4
+#pragma unroll
+  for (int i = 0; i < kLines; ++i) {
+    const int idx = i * 32 + lane;
+    const int64_t row = first + idx / kLines;
+    const int col = idx % kLines * 64;
+    if (row < end && col < d) prefetch_l2(row0 + row * row_stride + col);
+  }
+}
 
 __device__ __forceinline__ float warp_allreduce_max(float x) {
 #pragma unroll
@@ -244,6 +265,16 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       const int64_t first = static_cast<int64_t>(page) * params.page_block_size;
       k_step = k_base + blk * params.k_batch_stride - first * params.k_row_stride;
       v_step = v_base + blk * params.v_batch_stride - first * params.v_row_stride;
+    }
+    if constexpr (T::kL2Prefetch) {
+      // L2 prefetch of this step's V rows, which the P V loop reads a few rows at a time after
+      // the K rows and the softmax: they arrive while those run. Asking for the next step's K
+      // and V rows as well made the larger grids 30-40% slower (H100, B 16, 4k-32k keys) and
+      // helped only B 1.
+      if (params.l2_prefetch != 0) {
+        const __half* v_row0 = v_step - (lane * kDPL < params.d ? lane * kDPL : 0);
+        decode_prefetch_rows<kD>(v_row0, params.v_row_stride, base, end, params.d, lane);
+      }
     }
     float s[kR];
 #pragma unroll

@@ -298,6 +298,11 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   if (fwd_cta_idle<Kt>(c)) return;  // uniform over the CTA, before any barrier
   const int row0 = c.m_block * Kt::kBlockM;
   const float scale_log2 = params.scale_softmax_log2;
+  // L2 prefetch distance in key rows (Kt::kL2PrefetchTiles, or params.l2_prefetch where the
+  // host sets one; load_tile_g2r): the plain kernels' loops (in the bias-only kernels at d = 128
+  // its address arithmetic spilled 12 bytes).
+  constexpr bool kPf = Variant == kFwdPlain && Kt::kL2PrefetchTiles > 0;
+  const int pf_rows = kPf ? params.l2_prefetch * kBN : 0;
   ScoreMod smod{};
   if constexpr (Is_ext) smod = score_mod_for(params, c.bidb, c.bidh, c.si.alibi_off());
   if constexpr (Variant == kFwdBias) smod.bias_off = bias_offset(params, c.bidb, c.bidh);
@@ -419,8 +424,9 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         // The split tile: halves a (keys 0 .. Bc/2 - 1) and b of K_j / V_j.
         constexpr int kHalf = kBN / 2;
         constexpr uint32_t kHalfBytes = kHalf * kRowBytes;
-        load_tile_g2r<Kt, kLs>(stage, v_tile(n_block * kBN), params.v_row_stride,
-                               n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
+        load_tile_g2r<Kt, kLs, kPf>(stage, v_tile(n_block * kBN), params.v_row_stride,
+                               n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc, pf_rows,
+                               c.kr.key_end);
         float acc_sa[kHalf / 8][4], acc_sb[kHalf / 8][4], alpha[2];
         uint32_t p_a[kHalf / 8][2], p_b[kHalf / 8][2];
         // A bias's half block loaded before the MMAs of its half (half a's before S_a, half
@@ -470,8 +476,9 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         __syncthreads();  // V_j visible; every warp is done with K_j
         const bool has_next = n_block + 1 < c.nb.n_block_max;
         if (has_next) {
-          load_tile_g2r<Kt, kLs>(stage, k_tile((n_block + 1) * kBN), params.k_row_stride,
-                                 (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
+          load_tile_g2r<Kt, kLs, kPf>(stage, k_tile((n_block + 1) * kBN), params.k_row_stride,
+                                 (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc,
+                                 pf_rows, c.kr.key_end);
         }
         // O += P_a V_a beside the softmax of half b; O is rescaled for b's max only after it.
         gemm_rs_t<kHalf, kD, kRowBytes, !kPad>(acc_o, p_a, v_lane_addr);
@@ -510,8 +517,9 @@ __global__ void __launch_bounds__(Kt::kNThreads,
       };
       for (int n_block = c.nb.n_block_min; n_block < c.nb.n_block_max; ++n_block) {
         // V_j: global loads in flight while S_j and its softmax are computed.
-        load_tile_g2r<Kt, kLs>(stage, v_next(n_block * kBN), params.v_row_stride,
-                               n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
+        load_tile_g2r<Kt, kLs, kPf>(stage, v_next(n_block * kBN), params.v_row_stride,
+                               n_block * kBN, c.kr.key_start, c.kr.key_end, tid, dc, pf_rows,
+                               c.kr.key_end);
 
         // ---- S = Q K_j^T (16 x Bc per warp, fp32), masked, then the online softmax. A bias's
         // block is loaded before the MMAs.
@@ -547,8 +555,9 @@ __global__ void __launch_bounds__(Kt::kNThreads,
 
         const bool has_next = n_block + 1 < c.nb.n_block_max;
         if (has_next) {  // K_{j+1}: global loads in flight during O += P V_j
-          load_tile_g2r<Kt, kLs>(stage, k_next((n_block + 1) * kBN), params.k_row_stride,
-                                 (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc);
+          load_tile_g2r<Kt, kLs, kPf>(stage, k_next((n_block + 1) * kBN), params.k_row_stride,
+                                 (n_block + 1) * kBN, c.kr.key_start, c.kr.key_end, tid, dc,
+                                 pf_rows, c.kr.key_end);
         }
         gemm_rs_t<kBN, kD, kRowBytes, !kPad>(acc_o, p_frag, v_lane_addr);  // O += P V
         if (has_next) store_tile_r2s<Kt>(stage, sK, tid);
@@ -573,6 +582,10 @@ __global__ void __launch_bounds__(Kt::kNThreads,
     late.o_base = static_cast<__half*>(params.o_ptr) +
                   c.si.q_offset(c.bidb, params.o_batch_stride, params.o_row_stride) +
                   static_cast<index_t>(static_cast<uint32_t>(c.bidh)) * params.o_head_stride;
+    // The plain kernel's LSE row base too (bh = bidb * h + bidh, fwd_cta): with the L2
+    // prefetch's address arithmetic in the loop, the 64-bit bh held through it was spilled (4
+    // bytes, sm_75).
+    if constexpr (Variant == kFwdPlain) late.bh = static_cast<int64_t>(c.bidb) * params.h + c.bidh;
     store_output<Kt, Is_ext>(acc_o, m_i, l_i, params, late, Kt::kQInSmem ? sQ : sK, exact_exp);
   } else {
     store_output<Kt, Is_ext, kDropout>(acc_o, m_i, l_i, params, c, Kt::kQInSmem ? sQ : sK,

@@ -94,6 +94,12 @@ struct FwdTileDefaults {
   // kernels (as the bias-only kernel always does).
   static constexpr bool kFreshKVBase = false;
   static constexpr bool kLateOPointerCausal = false;
+  // The plain kernel's L2 prefetch of K / V (load_tile_g2r): each K / V load also asks L2 for
+  // the tile this many tiles past it; 0: no prefetch code (Flash_fwd_params::l2_prefetch,
+  // FLASH_SM75_FWD_L2_PREFETCH, overrides the distance where it is not 0). Measured (H100, T4
+  // plan, B 4): d = 256 (FwdTileD256Wide) 4-8% faster with 2 or 4; the d = 128 split tile 0-2%
+  // slower (kept off); the d = 64 tiles spill under their 3- and 4-CTA caps with it.
+  static constexpr int kL2PrefetchTiles = 0;
 };
 
 // The forward kernel's compile-time parameters: the tile's fields, checked against the kernel's
@@ -125,6 +131,8 @@ struct Flash_fwd_kernel_traits {
   static constexpr int kDSplit = Tile::kDSplit;
   static constexpr bool kFreshKVBase = Tile::kFreshKVBase;
   static constexpr bool kLateOPointerCausal = Tile::kLateOPointerCausal;
+  static constexpr int kL2PrefetchTiles = Tile::kL2PrefetchTiles;
+  static_assert(kL2PrefetchTiles >= 0, "tiles ahead");
   static_assert(kDSplit == 1 || (kDSplit == 2 && !kQInSmem && !kSplitTile),
                 "head-dim split: pairs of warps, Q in registers, the plain loop");
   static constexpr int kRowWarps = kNWarps / kDSplit;  // 16-row groups
@@ -296,6 +304,7 @@ struct FwdTileD256Wide : FwdTileDefaults {
   static constexpr bool kFullHeadDimOnly = true;
   static constexpr bool kFreshKVBase = true;
   static constexpr bool kLateOPointerCausal = true;
+  static constexpr int kL2PrefetchTiles = 2;
 };
 template <>
 struct Fwd_tile_config<256> {

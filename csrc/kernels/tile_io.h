@@ -26,13 +26,40 @@ namespace flash_sm75 {
 // measurement, Flash_fwd_kernel_traits::kLoadStyle): 0 = a 64-bit row multiply per chunk;
 // 1 = one row pointer per call plus a 64-bit step per chunk; 2 = as 1, with a CTA-uniform
 // branch to unchecked loads when the whole tile is in range.
-template <typename Kt, int kStyle = 0, int kN>
+// kPf: with pf_rows > 0, also ask L2 for the same tile pf_rows rows further on (rows below
+// pf_end), from the threads whose chunk starts a 128-byte line of its row, at the address they
+// load plus pf_rows rows (prefetch_l2). The loops issue a tile's loads about half a tile before
+// they store it to shared memory; with the tile already in L2 those loads do not wait out a
+// DRAM round trip (at small N a whole wave starts on cold K / V at once). Without kPf the code
+// is the same as without the feature (token for token: computing the address outside the
+// bounds branch, as kPf does, moved other kernels' register allocation and scheduling).
+template <typename Kt, int kStyle = 0, bool kPf = false, int kN>
 __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* base,
                                               index_t row_stride, int row0, int valid_begin,
                                               int valid_end, int tid,
-                                              int col_chunks = Kt::kChunksPerRow) {
+                                              int col_chunks = Kt::kChunksPerRow,
+                                              int pf_rows = 0, int pf_end = 0) {
   constexpr int kCPR = Kt::kChunksPerRow;
-  if constexpr (kStyle == 0) {
+  if constexpr (kStyle == 0 && kPf) {
+    auto prefetch = [&](const __half* p, int chunk, int grow) {
+      if (pf_rows > 0 && chunk % 8 == 0 && grow + pf_rows < pf_end) {
+        prefetch_l2(p + pf_rows * row_stride);
+      }
+    };
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int idx = tid + i * Kt::kNThreads;
+      const int grow = row0 + idx / kCPR;
+      const __half* p = base + grow * row_stride + idx % kCPR * 8;
+      if (grow >= valid_begin && grow < valid_end && idx % kCPR < col_chunks) {
+        stage[i] = __ldg(reinterpret_cast<const uint4*>(p));
+      } else {
+        stage[i] = make_uint4(0u, 0u, 0u, 0u);
+      }
+      prefetch(p, idx % kCPR, grow);
+    }
+    return;
+  } else if constexpr (kStyle == 0) {
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       const int idx = tid + i * Kt::kNThreads;
@@ -45,6 +72,7 @@ __device__ __forceinline__ void load_tile_g2r(uint4 (&stage)[kN], const __half* 
     }
     return;
   } else {
+    static_assert(!kPf, "the L2 prefetch is written for load style 0 (the tiles that use it)");
     constexpr int kRowsPerPass = Kt::kNThreads / kCPR;
     static_assert(Kt::kNThreads % kCPR == 0, "a pass covers whole rows");
     const int grow0 = row0 + tid / kCPR;

@@ -29,6 +29,13 @@ __device__ __forceinline__ uint32_t smem_u32addr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+// Asks L2 for the 128-byte line holding the global address p (prefetch.global.L2: a hint; no
+// register receives the data and no instruction waits for it; SM75 has no cp.async). p must
+// lie inside an allocation.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Four 8x8 b16 matrices; lane l supplies the address of row (l % 8) of matrix (l / 8).
 // Lane l receives, from matrix i, row l/4, elements 2*(l%4) and 2*(l%4)+1, in register r[i].
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {

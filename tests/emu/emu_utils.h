@@ -21,6 +21,12 @@ __device__ __forceinline__ uint32_t swizzle_xor(uint32_t addr, int kk) {
   return addr ^ (static_cast<uint32_t>(kk) << 5);
 }
 
+// L2 prefetch: nothing to emulate but its address, which must lie inside an allocation (the
+// byte is read, so that a sanitizer build of the emulator sees a stray one).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  (void)*static_cast<const volatile unsigned char*>(p);
+}
+
 // Shared "addresses" are byte offsets into smem_raw (which the kernels treat as 1024-aligned).
 __device__ __forceinline__ uint32_t smem_u32addr(const void* ptr) {
   const auto* p = static_cast<const unsigned char*>(ptr);
