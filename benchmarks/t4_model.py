@@ -9,9 +9,9 @@ ptxas resources of the kernels (a model, not a measurement: no Turing GPU was av
 Three parts:
 
 1. Compute model, per measured case (d = 64 / 128 from --forward / --backward, d = 80 / 96 and
-   256 from the head-dim runs in EXTRA_SOURCES): the kernel keeps on a T4 the fraction of the
-   ``mma.sync.m16n8k8`` peak it reached on the H200 (ours / the SM75-instruction ceiling measured
-   in the same H200 run), applied to the T4's 65 TFLOP/s fp16 tensor peak at a sustained clock of
+   256 from the head-dim runs in EXTRA_SOURCES; the d = 256 forward's is an H100 run): the kernel
+   keeps on a T4 the fraction of the ``mma.sync.m16n8k8`` peak it reached on the stand-in GPU
+   (ours / the SM75-instruction ceiling measured in the same run), applied to the T4's 65 TFLOP/s fp16 tensor peak at a sustained clock of
    ``--t4-clock`` GHz out of its 1.59 GHz boost (T4s throttle under sustained load), and it
    cannot beat the DRAM bound: the compulsory traffic (q, k, v, out read/written once; backward:
    also dout, dq, dk, dv) at ``--t4-bandwidth`` GB/s. FLOPs as in the benchmarks (4*B*H*N^2*d,

@@ -306,7 +306,7 @@ def test_gpu_decode_kernel(b, s_k, h, h_k, d, mode, monkeypatch):
 def test_gpu_decode_l2_prefetch_changes_no_result(b, s_k, h, h_k, d, monkeypatch):
     # The decode kernel (kD <= 128) asks L2 for each step's V rows
     # (FLASH_SM75_FWD_L2_PREFETCH=0 turns it off): bitwise the same output and LSE, with and
-    # without key splits, and rows past the last key never asked for.
+    # without key splits. (Its addresses are checked by the emulator: emu::check_prefetch.)
     q, k, v = make_qkv(b, 1, s_k, h, h_k, d, "cuda", seed_from("decode-l2", b, s_k, h, h_k, d))
     res = {}
     for choice in ("0", "auto"):

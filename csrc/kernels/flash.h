@@ -155,9 +155,9 @@ struct Flash_fwd_params {
   float dropout_rp = 1.f;
   // L2 prefetch of K / V (FLASH_SM75_FWD_L2_PREFETCH, set_plan_device): by the plain forward
   // kernels of tiles with kL2PrefetchTiles > 0 (kernel_traits.h, load_tile_g2r: with a tile's
-  // loads, ask L2 for the tile l2_prefetch tiles past it), and by the decode kernel (one step
-  // ahead, DecodeTraits::kL2Prefetch). -1: each kernel's own (the forward's set at launch,
-  // run_flash_fwd); 0: none. Here, in the padding before the 8-byte seed: no later field moves
+  // loads, ask L2 for the tile l2_prefetch tiles past it), and by the decode kernel (each
+  // step's V rows, DecodeTraits::kL2Prefetch; any value but 0). -1: each kernel's own (the
+  // forward's distance set at launch, run_flash_fwd); 0: none. Here, in the padding before the 8-byte seed: no later field moves
   // (Flash_bwd_params extends this struct; moving its fields changed a backward kernel's
   // register allocation, a 4-byte spill).
   int l2_prefetch = -1;

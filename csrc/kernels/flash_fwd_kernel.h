@@ -298,9 +298,10 @@ __global__ void __launch_bounds__(Kt::kNThreads,
   if (fwd_cta_idle<Kt>(c)) return;  // uniform over the CTA, before any barrier
   const int row0 = c.m_block * Kt::kBlockM;
   const float scale_log2 = params.scale_softmax_log2;
-  // L2 prefetch distance in key rows (Kt::kL2PrefetchTiles, or params.l2_prefetch where the
-  // host sets one; load_tile_g2r): the plain kernels' loops (in the bias-only kernels at d = 128
-  // its address arithmetic spilled 12 bytes).
+  // L2 prefetch distance in key rows (params.l2_prefetch tiles: run_flash_fwd puts the tile's
+  // kL2PrefetchTiles there for 'auto', -1, so a launch that skips it prefetches nothing;
+  // load_tile_g2r): the plain kernels' loops (in the bias-only kernels at d = 128 its address
+  // arithmetic spilled 12 bytes).
   constexpr bool kPf = Variant == kFwdPlain && Kt::kL2PrefetchTiles > 0;
   const int pf_rows = kPf ? params.l2_prefetch * kBN : 0;
   ScoreMod smod{};

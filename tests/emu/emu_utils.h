@@ -21,9 +21,11 @@ __device__ __forceinline__ uint32_t swizzle_xor(uint32_t addr, int kk) {
   return addr ^ (static_cast<uint32_t>(kk) << 5);
 }
 
-// L2 prefetch: nothing to emulate but its address, which must lie inside an allocation (the
-// byte is read, so that a sanitizer build of the emulator sees a stray one).
+// L2 prefetch: nothing to emulate but its address, which must lie inside the launch's K or V
+// tensor (emu::check_prefetch: the ranges the harness sets; the byte is also read, so that a
+// sanitizer build of the emulator sees a stray one).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
+  emu::check_prefetch(p);
   (void)*static_cast<const volatile unsigned char*>(p);
 }
 

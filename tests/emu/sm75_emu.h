@@ -25,8 +25,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <random>
 #include <vector>
+#include <random>
 
 // ---- CUDA keywords -> host C++ ---------------------------------------------------------------
 #undef __global__
@@ -243,6 +243,26 @@ inline float shfl_xor(float v, int mask) {
 inline uint32_t shfl_xor(uint32_t v, int mask) {
   auto all = warp_exchange(&v, 1);
   return all[lane() ^ mask][0];
+}
+
+// The L2 prefetch's allowed ranges (prefetch_l2, emu_utils.h): the K and V tensors of the
+// launch being run (the harness sets them from the params; empty: no check).
+struct ByteRange {
+  const unsigned char* lo;
+  const unsigned char* hi;
+};
+inline std::vector<ByteRange>& prefetch_ranges() {
+  static std::vector<ByteRange> r;
+  return r;
+}
+inline void check_prefetch(const void* p) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  if (prefetch_ranges().empty()) return;
+  for (const ByteRange& r : prefetch_ranges()) {
+    if (b >= r.lo && b < r.hi) return;
+  }
+  std::fprintf(stderr, "emu: L2 prefetch of an address outside K and V\n");
+  std::abort();
 }
 
 }  // namespace emu

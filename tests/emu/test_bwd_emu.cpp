@@ -129,6 +129,22 @@ void split_workspace(Flash_fwd_params& p, int splits, std::vector<float>& oacc,
   p.oaccum_ptr = oacc.data(), p.softmax_lseaccum_ptr = lacc.data();
 }
 
+// The bytes of the K and V tensors a launch may touch (their last element at the largest
+// batch / page, row and head, plus d), for the L2 prefetch's check (emu::check_prefetch).
+inline void set_prefetch_ranges(const Flash_fwd_params& p) {
+  const int64_t batches = p.block_table != nullptr ? p.num_pages
+                          : p.cu_seqlens_k != nullptr ? 1 : p.b;
+  const int64_t rows = p.block_table != nullptr ? p.page_block_size
+                       : p.cu_seqlens_k != nullptr ? p.total_k : p.seqlen_k;
+  auto range = [&](const void* base, index_t bs, index_t rs, index_t hs) {
+    const auto* lo = static_cast<const unsigned char*>(base);
+    const int64_t last = (batches - 1) * bs + (rows - 1) * rs + (p.h_k - 1) * hs + p.d;
+    return emu::ByteRange{lo, lo + last * int64_t(sizeof(__half))};
+  };
+  emu::prefetch_ranges() = {range(p.k_ptr, p.k_batch_stride, p.k_row_stride, p.k_head_stride),
+                            range(p.v_ptr, p.v_batch_stride, p.v_row_stride, p.v_head_stride)};
+}
+
 // The decode path (seqlen_q == 1) as mha_fwd takes it, for a GPU of 8 SMs and splits from 2
 // steps on (so that most cases split their keys and run the merge kernel).
 template <int kD, int kR, bool kMod>
@@ -139,6 +155,7 @@ void run_decode(Flash_fwd_params& p) {
   const int64_t rows = int64_t(p.b) * p.h * p.seqlen_q;
   if (p.num_splits > 1) split_workspace(p, p.num_splits, oacc, lacc);
   const int parts = (p.h_h_k_ratio * (kMod ? p.seqlen_q : 1) + kR - 1) / kR;
+  set_prefetch_ranges(p);
   emu::launch(static_cast<unsigned>(int64_t(p.b) * p.h_k * p.num_splits * parts), T::kThreads,
               [&] { flash_fwd_decode_kernel<kD, kR, kMod>(p); });
   if (p.num_splits > 1) {
@@ -184,9 +201,17 @@ const char* tile_name() {
                                          : (Kt::kBlockN == 16 ? "wide d = 256 tile" : "default tile"));
 }
 
-// The forward kernel of Kt (as fwd_kernel() in flash_fwd_launch_template.h launches it).
+// The forward kernel of Kt (as fwd_kernel() in flash_fwd_launch_template.h launches it, 'auto'
+// L2 prefetch resolved to the tile's distance as run_flash_fwd does).
 template <typename Kt, bool kCausal, bool kLocal = false, int kVariant = kFwdPlain>
 void fwd_kernel_body(const Flash_fwd_params& p) {
+  set_prefetch_ranges(p);
+  if (p.l2_prefetch < 0) {
+    Flash_fwd_params r = p;
+    r.l2_prefetch = Kt::kL2PrefetchTiles;
+    flash_fwd_kernel<Kt, kCausal, kLocal, kVariant>(r);
+    return;
+  }
   flash_fwd_kernel<Kt, kCausal, kLocal, kVariant>(p);
 }
 
