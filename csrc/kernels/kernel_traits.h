@@ -97,7 +97,7 @@ struct FwdTileDefaults {
   // The plain kernel's L2 prefetch of K / V (load_tile_g2r): each K / V load also asks L2 for
   // the tile this many tiles past it; 0: no prefetch code (Flash_fwd_params::l2_prefetch,
   // FLASH_SM75_FWD_L2_PREFETCH, overrides the distance where it is not 0). Measured (H100, T4
-  // plan, B 4): d = 256 (FwdTileD256Wide) 4-8% faster with 2 or 4; the d = 128 split tile 0-2%
+  // plan, B 4): d = 256 (FwdTileD256Wide) 3-8% faster with 2 or 4; the d = 128 split tile 0-2%
   // slower (kept off); the d = 64 tiles spill under their 3- and 4-CTA caps with it.
   static constexpr int kL2PrefetchTiles = 0;
 };
