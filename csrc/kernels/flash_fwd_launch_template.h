@@ -34,14 +34,9 @@ void run_flash_fwd(Flash_fwd_params& params, cudaStream_t stream) {
     throw std::invalid_argument("flash_attention_sm75: the forward's key splits exceed the "
                                 "2^31-1 grid limit");
   }
-  if (params.l2_prefetch < 0) {  // 'auto': the tile's own distance (kL2PrefetchTiles)
-    Flash_fwd_params p = params;
-    p.l2_prefetch = Kt::kL2PrefetchTiles;
-    kernel<<<dim3(static_cast<unsigned>(blocks)), plan.num_threads, plan.smem_bytes, stream>>>(p);
-  } else {
-    kernel<<<dim3(static_cast<unsigned>(blocks)), plan.num_threads, plan.smem_bytes, stream>>>(
-        params);
-  }
+  Flash_fwd_params p = params;  // by value: the launch copies the parameters anyway
+  if (p.l2_prefetch < 0) p.l2_prefetch = Kt::kL2PrefetchTiles;  // 'auto': the tile's own
+  kernel<<<dim3(static_cast<unsigned>(blocks)), plan.num_threads, plan.smem_bytes, stream>>>(p);
   if constexpr (Variant == kFwdExt) {
     if (split) {
       const int64_t rows = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;

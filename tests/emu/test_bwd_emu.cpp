@@ -206,13 +206,9 @@ const char* tile_name() {
 template <typename Kt, bool kCausal, bool kLocal = false, int kVariant = kFwdPlain>
 void fwd_kernel_body(const Flash_fwd_params& p) {
   set_prefetch_ranges(p);
-  if (p.l2_prefetch < 0) {
-    Flash_fwd_params r = p;
-    r.l2_prefetch = Kt::kL2PrefetchTiles;
-    flash_fwd_kernel<Kt, kCausal, kLocal, kVariant>(r);
-    return;
-  }
-  flash_fwd_kernel<Kt, kCausal, kLocal, kVariant>(p);
+  Flash_fwd_params r = p;
+  if (r.l2_prefetch < 0) r.l2_prefetch = Kt::kL2PrefetchTiles;
+  flash_fwd_kernel<Kt, kCausal, kLocal, kVariant>(r);
 }
 
 // kVariant: fwd_variant's instantiation family (flash.h); the decode kernels have two (any
