@@ -64,6 +64,12 @@ struct DecodeTraits {
   // spilled 28-56 bytes there; those groups are bound by their CUDA-core dot products, not by
   // memory latency).
   static constexpr bool kL2Prefetch = kD <= 128 && kR < decode_max_heads_per_cta(kD);
+  // The K rows of a warp's next step are loaded into registers while the current step runs
+  // (flash_fwd_decode_kernel): a step then waits for its V rows only, not for a K round trip
+  // first. For the whole-row staging (kD <= 128) and groups that leave the registers (kD / 2 per
+  // lane at kD = 128) room below the cap: kR <= 4 at kD = 128, kR <= 8 at kD = 64. The kernel
+  // takes it at kD = 64 only without Is_ext (flash_fwd_decode_kernel's kPipe).
+  static constexpr bool kPipelineK = kD <= 128 && kR <= (kD == 128 ? 4 : 8);
   static constexpr int kSmemK = kWarps * kKeys * kRowH * 2;
   static constexpr int kSmemO = kWarps * kR * kD * 4;  // end-of-kernel merge, aliases sK
   static constexpr int kOffQ = kSmemK > kSmemO ? kSmemK : kSmemO;  // [kR][kD] fp32
@@ -231,9 +237,59 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   __half* sK = reinterpret_cast<__half*>(smem_raw) + warp * T::kKeys * T::kRowH;
   float* sP = reinterpret_cast<float*>(smem_raw + T::kOffP) + warp * kR * T::kKeys;
 
+  // kPipelineK: kq holds the K chunks of the warp's next step (loaded during the current one;
+  // rows at or past `end` and chunks past d zero-filled, never read). Not with an attention
+  // bias, whose steps may be skipped unread (below): those calls load each step's K at its start.
+  // Paged, the next step's page comes from blk_next, read a step earlier still, so that no
+  // table lookup precedes a load; only entries of keys below `end` are read (the table covers
+  // them).
+  // The extended kernels at kD = 64 keep loading K at each step's start: with the staging
+  // registers their paged calls ran 20-29% slower (H100, B 1-16, 32k keys; 90 -> 142 registers
+  // at kR = 1, fewer CTAs per SM), while those at kD = 128 ran 4-13% faster at B 1-4.
+  constexpr bool kPipe = T::kPipelineK && (!Is_ext || kD == 128);
+  constexpr int64_t kStep = T::kWarps * T::kKeys;
+  const bool pipe = kPipe && !(Is_ext && params.bias_ptr != nullptr);
+  auto page_of = [&](int64_t key) {
+    return key < end ? params.block_table[bidb * params.block_table_batch_stride +
+                                          static_cast<int>(key / params.page_block_size)]
+                     : 0;
+  };
+  // The K (or V) rows of the step at `first` start at base_ptr + first * row_stride; paged,
+  // from its page's block (clamped: the check kernel has asserted the entries).
+  auto step_rows = [&](const __half* base_ptr, index_t batch_stride, index_t row_stride,
+                       int blk_raw, int64_t first) {
+    if (!paged) return base_ptr;
+    const int blk = imin(imax(blk_raw, 0), params.num_pages - 1);
+    const int64_t page_first = first / params.page_block_size * params.page_block_size;
+    return base_ptr + blk * batch_stride - page_first * row_stride;
+  };
+  uint4 kq[kPipe ? kCPR : 1];
+  auto load_k = [&](const __half* k_rows, int64_t first) {
+#pragma unroll
+    for (int i = 0; i < kCPR; ++i) {
+      const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
+      kq[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (k_ok[0] && first + r < end) {
+        kq[i] = __ldg(reinterpret_cast<const uint4*>(k_rows + (first + r) * params.k_row_stride +
+                                                     cc * 8));
+      }
+    }
+  };
+  int blk_cur = 0, blk_next = 0;
+  if constexpr (kPipe) {
+    if (pipe) {
+      const int64_t first = begin + static_cast<int64_t>(warp) * T::kKeys;
+      if (paged) {
+        blk_cur = page_of(first);
+        blk_next = page_of(first + kStep);
+      }
+      load_k(step_rows(k_base, params.k_batch_stride, params.k_row_stride, blk_cur, first),
+             first);
+    }
+  }
   // Steps of 128 keys; key indices in 64 bits (base + 128 can pass 2^31 - 1).
   for (int64_t base = begin + static_cast<int64_t>(warp) * T::kKeys; base < end;
-       base += T::kWarps * T::kKeys) {
+       base += kStep) {
     // The warp's 32 keys lie in one page (flash.h, kPageBlockMultiple; the host sends paged
     // calls whose key ranges and splits start at multiples of 32, or one page for all rows):
     // k_step / v_step + key * row_stride address them there.
@@ -259,12 +315,9 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     const __half* k_step = k_base;
     const __half* v_step = v_base;
     if (paged) {
-      const int page = static_cast<int>(base / params.page_block_size);
-      const int blk = imin(imax(params.block_table[bidb * params.block_table_batch_stride + page],
-                                0), params.num_pages - 1);
-      const int64_t first = static_cast<int64_t>(page) * params.page_block_size;
-      k_step = k_base + blk * params.k_batch_stride - first * params.k_row_stride;
-      v_step = v_base + blk * params.v_batch_stride - first * params.v_row_stride;
+      const int blk = pipe ? blk_cur : page_of(base);
+      k_step = step_rows(k_base, params.k_batch_stride, params.k_row_stride, blk, base);
+      v_step = step_rows(v_base, params.v_batch_stride, params.v_row_stride, blk, base);
     }
     if constexpr (T::kL2Prefetch) {
       // L2 prefetch of this step's V rows, which the P V loop reads a few rows at a time after
@@ -282,15 +335,30 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       if (kp > 0) __syncwarp();  // every lane is done with the previous part's sK
       // ---- K rows base .. base + 31, columns of part kp -> sK (rows past `end` and chunks
       // past d zero-filled, never read from memory).
+      if (kPipe && pipe) {
+        // This step's K from kq, then the next step's loads into it.
 #pragma unroll
-      for (int i = 0; i < kCPR; ++i) {
-        const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
-        uint4 val = make_uint4(0u, 0u, 0u, 0u);
-        if (k_ok[kp] && base + r < end) {
-          val = __ldg(reinterpret_cast<const uint4*>(k_step + (base + r) * params.k_row_stride +
-                                                     kp * T::kKCols + cc * 8));
+        for (int i = 0; i < kCPR; ++i) {
+          const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
+          *reinterpret_cast<uint4*>(sK + r * T::kRowH + cc * 8) = kq[i];
         }
-        *reinterpret_cast<uint4*>(sK + r * T::kRowH + cc * 8) = val;
+        load_k(step_rows(k_base, params.k_batch_stride, params.k_row_stride, blk_next,
+                         base + kStep), base + kStep);
+        if (paged) {
+          blk_cur = blk_next;
+          blk_next = page_of(base + 2 * kStep);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kCPR; ++i) {
+          const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
+          uint4 val = make_uint4(0u, 0u, 0u, 0u);
+          if (k_ok[kp] && base + r < end) {
+            val = __ldg(reinterpret_cast<const uint4*>(k_step + (base + r) * params.k_row_stride +
+                                                       kp * T::kKCols + cc * 8));
+          }
+          *reinterpret_cast<uint4*>(sK + r * T::kRowH + cc * 8) = val;
+        }
       }
       __syncwarp();
 
