@@ -247,6 +247,7 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   // registers their paged calls ran 20-29% slower (H100, B 1-16, 32k keys; 90 -> 142 registers
   // at kR = 1, fewer CTAs per SM), while those at kD = 128 ran 4-13% faster at B 1-4.
   constexpr bool kPipe = T::kPipelineK && (!Is_ext || kD == 128);
+  static_assert(!kPipe || T::kKParts == 1, "load_k stages whole rows (one column part)");
   constexpr int64_t kStep = T::kWarps * T::kKeys;
   const bool pipe = kPipe && !(Is_ext && params.bias_ptr != nullptr);
   auto page_of = [&](int64_t key) {
@@ -315,9 +316,18 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
     const __half* k_step = k_base;
     const __half* v_step = v_base;
     if (paged) {
-      const int blk = pipe ? blk_cur : page_of(base);
-      k_step = step_rows(k_base, params.k_batch_stride, params.k_row_stride, blk, base);
-      v_step = step_rows(v_base, params.v_batch_stride, params.v_row_stride, blk, base);
+      if constexpr (kPipe) {
+        const int blk = pipe ? blk_cur : page_of(base);
+        k_step = step_rows(k_base, params.k_batch_stride, params.k_row_stride, blk, base);
+        v_step = step_rows(v_base, params.v_batch_stride, params.v_row_stride, blk, base);
+      } else {  // one division per step (page_of and step_rows would take two)
+        const int page = static_cast<int>(base / params.page_block_size);
+        const int blk = imin(imax(params.block_table[bidb * params.block_table_batch_stride + page],
+                                  0), params.num_pages - 1);
+        const int64_t first = static_cast<int64_t>(page) * params.page_block_size;
+        k_step = k_base + blk * params.k_batch_stride - first * params.k_row_stride;
+        v_step = v_base + blk * params.v_batch_stride - first * params.v_row_stride;
+      }
     }
     if constexpr (T::kL2Prefetch) {
       // L2 prefetch of this step's V rows, which the P V loop reads a few rows at a time after
@@ -335,20 +345,25 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
       if (kp > 0) __syncwarp();  // every lane is done with the previous part's sK
       // ---- K rows base .. base + 31, columns of part kp -> sK (rows past `end` and chunks
       // past d zero-filled, never read from memory).
-      if (kPipe && pipe) {
-        // This step's K from kq, then the next step's loads into it.
+      bool staged = false;  // this step's K rows already in kq (kPipe)
+      if constexpr (kPipe) {
+        if (pipe) {
+          // This step's K from kq, then the next step's loads into it.
 #pragma unroll
-        for (int i = 0; i < kCPR; ++i) {
-          const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
-          *reinterpret_cast<uint4*>(sK + r * T::kRowH + cc * 8) = kq[i];
+          for (int i = 0; i < kCPR; ++i) {
+            const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
+            *reinterpret_cast<uint4*>(sK + r * T::kRowH + cc * 8) = kq[i];
+          }
+          load_k(step_rows(k_base, params.k_batch_stride, params.k_row_stride, blk_next,
+                           base + kStep), base + kStep);
+          if (paged) {
+            blk_cur = blk_next;
+            blk_next = page_of(base + 2 * kStep);
+          }
+          staged = true;
         }
-        load_k(step_rows(k_base, params.k_batch_stride, params.k_row_stride, blk_next,
-                         base + kStep), base + kStep);
-        if (paged) {
-          blk_cur = blk_next;
-          blk_next = page_of(base + 2 * kStep);
-        }
-      } else {
+      }
+      if (!staged) {
 #pragma unroll
         for (int i = 0; i < kCPR; ++i) {
           const int c = i * 32 + lane, r = c / kCPR, cc = c % kCPR;
