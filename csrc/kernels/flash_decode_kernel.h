@@ -67,9 +67,11 @@ struct DecodeTraits {
   // The K rows of a warp's next step are loaded into registers while the current step runs
   // (flash_fwd_decode_kernel): a step then waits for its V rows only, not for a K round trip
   // first. For the whole-row staging (kD <= 128) and groups that leave the registers (kD / 2 per
-  // lane at kD = 128) room below the cap: kR <= 4 at kD = 128, kR <= 8 at kD = 64. The kernel
+  // lane at kD = 128) room below the cap: kR <= 4 at kD = 128; at kD = 64 kR <= 2 (with kR = 4
+  // / 8, 122 / 151 -> 154 / 182 registers, an H100 SM held one CTA fewer and B 64 ran 3-28%
+  // slower; a T4 SM holds as many either way, but only the H100 was measured). The kernel
   // takes it at kD = 64 only without Is_ext (flash_fwd_decode_kernel's kPipe).
-  static constexpr bool kPipelineK = kD <= 128 && kR <= (kD == 128 ? 4 : 8);
+  static constexpr bool kPipelineK = kD <= 128 && kR <= (kD == 128 ? 4 : 2);
   static constexpr int kSmemK = kWarps * kKeys * kRowH * 2;
   static constexpr int kSmemO = kWarps * kR * kD * 4;  // end-of-kernel merge, aliases sK
   static constexpr int kOffQ = kSmemK > kSmemO ? kSmemK : kSmemO;  // [kR][kD] fp32
