@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(DecodeTraits<kD, kR>::kThreads, 1)
   // them).
   // The extended kernels at kD = 64 keep loading K at each step's start: with the staging
   // registers their paged calls ran 20-29% slower (H100, B 1-16, 32k keys; 90 -> 142 registers
-  // at kR = 1, fewer CTAs per SM), while those at kD = 128 ran 4-13% faster at B 1-4.
+  // at kR = 1), while those at kD = 128 ran up to 11% faster (B 16, and GQA 4 at B 1-4) and up
+  // to 6% slower (B 4; GQA 4 at B 16).
   constexpr bool kPipe = T::kPipelineK && (!Is_ext || kD == 128);
   static_assert(!kPipe || T::kKParts == 1, "load_k stages whole rows (one column part)");
   constexpr int64_t kStep = T::kWarps * T::kKeys;
