@@ -1298,13 +1298,18 @@ int check_decode_split_merge(float a, bool nan_key) {
 // The decode kernel's rows as (query, q-head) pairs (the KV-cache op's short queries: the
 // extended instantiation with seqlen_q > 1): per-batch key counts (seqused_k, 0 included),
 // causal rows bottom-right on them, GQA groups over several head parts, key splits; against a
-// float64 reference per (batch, query, head).
+// float64 reference per (batch, query, head). page > 0: K/V as shuffled pages of `page` keys read
+// through a block table (sk a multiple of page), the rows at or past each sequence's used keys
+// NaN (never read: the K rows a step ahead and the page entries read ahead stop at the split's
+// end). plain: seqlen_q == 1 on the plain decode instantiation (no score mod), as
+// flash_attn_with_kvcache's one-token calls on a plain cache run.
 template <int kD>
 // splits > 0: the same rows through the forward kernel with that many key splits, as the
 // KV-cache op runs calls the decode kernel does not take (per-sequence bottom-right diagonals,
 // plan_fwd_splits' workspace and merge); otherwise the decode kernel's rows (try_decode).
 int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, uint32_t seed,
-                      bool alibi = false, int splits = 0, int window_left = -1) {
+                      bool alibi = false, int splits = 0, int window_left = -1, int page = 0,
+                      bool plain = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<__half> q(size_t(b) * sq * h * d), k(size_t(b) * sk * hk * d),
@@ -1326,6 +1331,35 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
   p.k_row_stride = p.v_row_stride = int64_t(hk) * d;
   p.k_head_stride = p.v_head_stride = d;
   p.b = b, p.seqlen_q = sq, p.seqlen_k = sk, p.h = h, p.h_k = hk, p.h_h_k_ratio = h / hk, p.d = d;
+  std::vector<__half> pk, pv;
+  std::vector<int> table;
+  if (page > 0) {
+    const int cols = sk / page, pages = b * cols;
+    std::vector<int> perm(pages);
+    for (int i = 0; i < pages; ++i) perm[i] = i;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    const size_t row = size_t(hk) * d;
+    pk.assign(size_t(pages) * page * row, __float2half(NAN));
+    pv.assign(pk.size(), __float2half(NAN));
+    table.resize(pages);
+    for (int bi = 0; bi < b; ++bi)
+      for (int col = 0; col < cols; ++col) {
+        const int pg = perm[size_t(bi) * cols + col];
+        table[size_t(bi) * cols + col] = pg;
+        for (int r = 0; r < page; ++r) {
+          const int key = col * page + r;
+          if (key >= used[bi]) continue;
+          std::copy_n(&k[(size_t(bi) * sk + key) * row], row, &pk[(size_t(pg) * page + r) * row]);
+          std::copy_n(&v[(size_t(bi) * sk + key) * row], row, &pv[(size_t(pg) * page + r) * row]);
+        }
+      }
+    p.k_ptr = pk.data(), p.v_ptr = pv.data();
+    p.k_batch_stride = p.v_batch_stride = int64_t(page) * hk * d;
+    p.block_table = table.data();
+    p.block_table_batch_stride = cols;
+    p.page_block_size = page;
+    p.num_pages = pages;
+  }
   const double scale = 1.0 / std::sqrt(double(d));
   p.scale_softmax = float(scale);
   p.scale_softmax_log2 = float(scale * M_LOG2E);
@@ -1352,7 +1386,7 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
     dispatch_fwd_all(p);
     ran = true;
   } else {
-    ran = try_decode<kD, true>(p, decode_max_multi_rows(kD));
+    ran = plain ? try_decode<kD, false>(p) : try_decode<kD, true>(p, decode_max_multi_rows(kD));
   }
   Errors eo, el;
   bool empty_ok = true;
@@ -1391,10 +1425,10 @@ int check_decode_rows(int b, int sq, int h, int hk, int d, int sk, bool causal, 
         else el.add(got_lse, mx + std::log(sum));
       }
   const bool ok = ran && eo.ok(2e-3, 2e-3) && el.ok(1e-5, 1e-4) && empty_ok;
-  std::printf("%s %s d=%d (kD %d) b=%d sq=%d h=%d hk=%d sk=%d causal=%d alibi=%d wl=%d: kR %d, "
-              "parts %d, splits %d, out err %.2e, lse err %.2e\n", ok ? "OK " : "BAD",
+  std::printf("%s %s d=%d (kD %d) b=%d sq=%d h=%d hk=%d sk=%d causal=%d alibi=%d wl=%d page=%d: "
+              "kR %d, parts %d, splits %d, out err %.2e, lse err %.2e\n", ok ? "OK " : "BAD",
               splits > 0 ? "fwd key splits" : "decode rows", d, kD, b, sq, h, hk, sk, int(causal),
-              int(alibi), window_left, p.decode_ratio_bucket,
+              int(alibi), window_left, page, p.decode_ratio_bucket,
               (h / hk * sq + p.decode_ratio_bucket - 1) / std::max(p.decode_ratio_bucket, 1),
               p.num_splits, eo.err, el.err);
   return ok ? 0 : 1;
@@ -1411,6 +1445,17 @@ int check_decode_rows_all() {
     fails += check_decode_rows<64>(1, 3, 3, 1, 40, 129, causal, seed++);    // 9 rows (bucket 16)
     fails += check_decode_rows<128>(3, 5, 4, 2, 128, 400, causal, seed++, true);  // ALiBi
     fails += check_decode_rows<256>(2, 1, 8, 1, 256, 300, causal, seed++, true);  // ALiBi, 1 row
+    // paged: the d = 128 extended kernels load K a step ahead (kR 4; kR 2 with d = 120, a
+    // tail), the d = 64 ones at each step's start; 2-4 steps per warp and split (the emulator
+    // plans for 8 SMs), each step on another page (64) or every second one (256)
+    fails += check_decode_rows<128>(4, 1, 16, 4, 128, 1024, causal, seed++, false, 0, -1, 64);
+    fails += check_decode_rows<128>(2, 2, 4, 4, 120, 2048, causal, seed++, false, 0, -1, 256);
+    fails += check_decode_rows<64>(3, 1, 4, 1, 64, 768, causal, seed++, false, 0, -1, 64);
+    // the plain kernels with 4-8 steps per warp and split: K a step ahead at d = 128 kR 4 and
+    // d = 64 kR 2, at each step's start at d = 64 kR 4
+    fails += check_decode_rows<128>(4, 1, 16, 4, 128, 1024, causal, seed++, false, 0, -1, 0, true);
+    fails += check_decode_rows<64>(4, 1, 8, 4, 64, 1024, causal, seed++, false, 0, -1, 0, true);
+    fails += check_decode_rows<64>(2, 1, 16, 4, 56, 1024, causal, seed++, false, 0, -1, 0, true);
   }
   return fails;
 }
