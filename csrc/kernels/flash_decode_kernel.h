@@ -68,8 +68,8 @@ struct DecodeTraits {
   // (flash_fwd_decode_kernel): a step then waits for its V rows only, not for a K round trip
   // first. For the whole-row staging (kD <= 128) and groups that leave the registers (kD / 2 per
   // lane at kD = 128) room below the cap: kR <= 4 at kD = 128; at kD = 64 kR <= 2 (with kR = 4
-  // / 8, 122 / 151 -> 154 / 182 registers, an H100 SM held one CTA fewer and B 64 ran 3-28%
-  // slower; a T4 SM holds as many either way, but only the H100 was measured). The kernel
+  // / 8, 122 / 151 -> 154 / 182 registers, an H100 SM held one CTA fewer and B 64 took 3-39%
+  // longer; a T4 SM holds as many either way, but only the H100 was measured). The kernel
   // takes it at kD = 64 only without Is_ext (flash_fwd_decode_kernel's kPipe).
   static constexpr bool kPipelineK = kD <= 128 && kR <= (kD == 128 ? 4 : 2);
   static constexpr int kSmemK = kWarps * kKeys * kRowH * 2;
