@@ -157,9 +157,9 @@ struct Flash_fwd_params {
   // kernels of tiles with kL2PrefetchTiles > 0 (kernel_traits.h, load_tile_g2r: with a tile's
   // loads, ask L2 for the tile l2_prefetch tiles past it), and by the decode kernel (each
   // step's V rows, DecodeTraits::kL2Prefetch; any value but 0). -1: each kernel's own (the
-  // forward's distance set at launch, run_flash_fwd); 0: none. Here, in the padding before the 8-byte seed: no later field moves
-  // (Flash_bwd_params extends this struct; moving its fields changed a backward kernel's
-  // register allocation, a 4-byte spill).
+  // forward's distance set at launch, run_flash_fwd); 0: none. Here, in the padding before the
+  // 8-byte seed: no later field moves (Flash_bwd_params extends this struct; moving its fields
+  // changed a backward kernel's register allocation, a 4-byte spill).
   int l2_prefetch = -1;
   uint64_t dropout_seed = 0, dropout_offset = 0, dropout_offset_add = 0;
   const int64_t* dropout_seed_ptr = nullptr;

@@ -25,8 +25,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <vector>
 #include <random>
+#include <vector>
 
 // ---- CUDA keywords -> host C++ ---------------------------------------------------------------
 #undef __global__
