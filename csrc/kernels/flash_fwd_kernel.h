@@ -532,6 +532,8 @@ __global__ void __launch_bounds__(Kt::kNThreads,
         float acc_s[kBN / 8][4];
         if constexpr (Kt::kQInSmem) {
           gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_lane_addr, k_lane_addr);
+        } else if constexpr (Kt::kTwoScoreSets && Variant == kFwdPlain) {
+          gemm_rs_bt_2acc<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         } else {
           gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
         }

@@ -88,6 +88,31 @@ __device__ __forceinline__ void gemm_rs_bt(float (&acc)[kN / 8][4],
   }
 }
 
+// gemm_rs_bt with the chunk pairs accumulated in two independent sets (even and odd pairs),
+// added at the end: 4 MMA dependency chains per 16 x 16 S instead of 2, for tiles whose S is
+// too narrow (Bc = 16) to cover the MMA latency with two warps per scheduler. kN / 2 more fp32
+// registers; the sum is the same dot product in another order (fp32, not bitwise gemm_rs_bt's).
+template <int kK, int kN, int kRowBytes, bool kPadded = false>
+__device__ __forceinline__ void gemm_rs_bt_2acc(float (&acc)[kN / 8][4],
+                                                const uint32_t (&a_frag)[kK / 16][4],
+                                                uint32_t b_lane_addr) {
+  static_assert(kK % 32 == 0, "an even number of chunk pairs");
+  float acc2[kN / 8][4];
+  zero_acc(acc);
+  zero_acc(acc2);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; kk += 2) {
+    gemm_kstep_pair<kN, kRowBytes>(acc, a_frag[kk], chunk_pair_addr<kPadded>(b_lane_addr, kk));
+    gemm_kstep_pair<kN, kRowBytes>(acc2, a_frag[kk + 1],
+                                   chunk_pair_addr<kPadded>(b_lane_addr, kk + 1));
+  }
+#pragma unroll
+  for (int i = 0; i < kN / 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] += acc2[i][j];
+  }
+}
+
 // Same as gemm_rs_bt with A (16 x kK) also read from shared memory (same layout): a_lane_addr is
 // this lane's ldmatrix.x4 address of chunk pair 0 (lane_addr_a).
 template <int kK, int kN, int kRowBytes, bool kPadded = false>

@@ -100,6 +100,13 @@ struct FwdTileDefaults {
   // plan, B 4): d = 256 (FwdTileD256Wide) 3-8% faster with 2 or 4; the d = 128 split tile 0-2%
   // slower (kept off); the d = 64 tiles spill under their 3- and 4-CTA caps with it.
   static constexpr int kL2PrefetchTiles = 0;
+  // S = Q K^T of the plain kernel in two accumulator sets (even and odd chunk pairs of the head
+  // dim, added at the end: gemm_rs_bt_2acc), so that a 16 x 16 S has 4 independent MMA chains
+  // instead of 2. For a narrow key tile (Bc = 16) at two warps per scheduler, whose S chains
+  // (32 dependent MMAs at d = 256) were the kernel's most sampled stall (ncu: fixed-latency
+  // waits and ldmatrix results at the S MMAs). Bc / 2 more registers during S. Measured (H100,
+  // T4 plan, B 4, H 8, d = 256): 2-7% faster non-causal, 0-4% causal (benchmarks/NOTES.md).
+  static constexpr bool kTwoScoreSets = false;
 };
 
 // The forward kernel's compile-time parameters: the tile's fields, checked against the kernel's
@@ -132,6 +139,7 @@ struct Flash_fwd_kernel_traits {
   static constexpr bool kFreshKVBase = Tile::kFreshKVBase;
   static constexpr bool kLateOPointerCausal = Tile::kLateOPointerCausal;
   static constexpr int kL2PrefetchTiles = Tile::kL2PrefetchTiles;
+  static constexpr bool kTwoScoreSets = Tile::kTwoScoreSets;
   static_assert(kL2PrefetchTiles >= 0, "tiles ahead");
   static_assert(kDSplit == 1 || (kDSplit == 2 && !kQInSmem && !kSplitTile),
                 "head-dim split: pairs of warps, Q in registers, the plain loop");
@@ -305,6 +313,7 @@ struct FwdTileD256Wide : FwdTileDefaults {
   static constexpr bool kFreshKVBase = true;
   static constexpr bool kLateOPointerCausal = true;
   static constexpr int kL2PrefetchTiles = 2;
+  static constexpr bool kTwoScoreSets = true;  // 255 registers, 0 spills at sm_75
 };
 template <>
 struct Fwd_tile_config<256> {
