@@ -291,7 +291,7 @@ def model(tflops_h200, ceiling_h200, flop, bytes_moved, clock_ghz, bandwidth_gbs
 EXTRA_SOURCES = [
     ("forward", "h200_d96_forward.json", "h200_d96_forward.json", (80, 96), "6b1125d"),
     ("backward", "h200_d96_backward.json", "h200_d96_forward.json", (96,), "6b1125d"),
-    ("forward", "h100_d256_l2pf_s34.json", "h100_d256_l2pf_s34.json", (256,), "8fd7e3e, H100"),
+    ("forward", "h100_d256_2acc_s36.json", "h100_d256_2acc_s36.json", (256,), "de04c06, H100"),
     ("backward", "h200_head_dims_backward.json", "h200_head_dims_forward.json", (256,),
      "6d95427"),
 ]

@@ -105,7 +105,8 @@ struct FwdTileDefaults {
   // instead of 2. For a narrow key tile (Bc = 16) at two warps per scheduler, whose S chains
   // (32 dependent MMAs at d = 256) were the kernel's most sampled stall (ncu: fixed-latency
   // waits and ldmatrix results at the S MMAs). Bc / 2 more registers during S. Measured (H100,
-  // T4 plan, B 4, H 8, d = 256): 2-7% faster non-causal, 0-4% causal (benchmarks/NOTES.md).
+  // T4 plan, B 4, H 8, d = 256): 2-7% faster non-causal, causal from N = 2048 3-4%
+  // (benchmarks/NOTES.md).
   static constexpr bool kTwoScoreSets = false;
 };
 
@@ -140,6 +141,8 @@ struct Flash_fwd_kernel_traits {
   static constexpr bool kLateOPointerCausal = Tile::kLateOPointerCausal;
   static constexpr int kL2PrefetchTiles = Tile::kL2PrefetchTiles;
   static constexpr bool kTwoScoreSets = Tile::kTwoScoreSets;
+  static_assert(!kTwoScoreSets || (kDSplit == 1 && !kSplitTile && !kQInSmem),
+                "two S accumulator sets: the plain loop with Q in registers (gemm_rs_bt_2acc)");
   static_assert(kL2PrefetchTiles >= 0, "tiles ahead");
   static_assert(kDSplit == 1 || (kDSplit == 2 && !kQInSmem && !kSplitTile),
                 "head-dim split: pairs of warps, Q in registers, the plain loop");
