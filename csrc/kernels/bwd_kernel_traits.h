@@ -107,6 +107,51 @@ struct Flash_bwd_kernel_traits {
   static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
 };
 
+// dK/dV kernel with each warp's K rows in registers (the plain deterministic calls at d = 128:
+// Bwd_tile_config::KregTraits, flash_bwd_dkdv_kreg_kernel). One warp per 16 keys (Bc = 16 x
+// kNWarps), no query splits: warp w holds the A fragments of its keys' K (d / 4 registers)
+// and the dK / dV accumulators of those keys (d / 2 fp32 registers each), and runs over all
+// kBlockM queries of a tile, so S^T takes only its B operand (Q) from shared memory; V's A
+// fragments are re-read from shared memory (V in registers too spills at d = 128). Against
+// Flash_bwd_kernel_traits' 16 x 16 warp tiles, whose two query splits both reload their keys'
+// K and V for every tile, that is one ldmatrix.x4 per 3.2 MMAs instead of one per 2.7.
+// Shared memory: two Q buffers (the next tile's Q is stored while the current one is read),
+// one dO tile, one lse / D pair, V; the K tile is staged through V's space before the loop.
+// 29.9 KiB at d = 128, so that two 4-warp CTAs fit a 64 KiB Turing SM (and 2 x 128 threads x
+// 255 registers its 64K registers): the 8 warps per SM of the 8-warp kernel, in two CTAs whose
+// barriers do not stall each other.
+template <int kHeadDim_, int kBlockM_, int kNWarps_>
+struct Flash_bwd_dkdv_kreg_traits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per tile
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kBlockN = 16 * kNWarps;  // keys per CTA
+  static constexpr int kMinBlocksPerSm = 2;
+  static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "multiples of 16");
+
+  // Padded rows (d + 8 halves), as Flash_bwd_kernel_traits.
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kRowHalves = kHeadDim + 8;
+  static constexpr int kQTileBytes = kBlockM * kRowHalves * 2;
+  static constexpr int kKVTileBytes = kBlockN * kRowHalves * 2;
+  static constexpr int kOffQ = 0;                             // [2] Q tiles
+  static constexpr int kOffDo = kOffQ + 2 * kQTileBytes;      // dO tile
+  static constexpr int kOffLse = kOffDo + kQTileBytes;        // Br fp32: lse * log2(e)
+  static constexpr int kOffDsum = kOffLse + kBlockM * 4;      // Br fp32: D
+  static constexpr int kOffV = kOffDsum + kBlockM * 4;        // V tile (K's staging first)
+  static constexpr int kSmemSize = kOffV + kKVTileBytes;
+  static_assert(kOffV % 16 == 0 && kQTileBytes % 16 == 0, "ldmatrix rows must be 16-byte aligned");
+  static_assert(kMinBlocksPerSm * kSmemSize <= kSm75MaxSmemPerBlock,
+                "two CTAs must fit the 64 KiB of a Turing SM");
+  static_assert(kMinBlocksPerSm * kNThreads * 256 <= 64 * 1024,
+                "two CTAs of 255 registers must fit the 64K registers of a Turing SM");
+
+  static constexpr int kKVChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
+  static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
+  static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
+};
+
 // Deterministic dQ kernel: the forward's structure. Each warp owns 16 query rows, the CTA
 // streams K/V tiles of Bc keys and accumulates dQ += dS K in registers.
 //  kQInSmem = false: Q and dO fragments stay in registers (d/4 + d/4 per thread), staged
@@ -181,6 +226,7 @@ struct Bwd_tile_config;
 template <>
 struct Bwd_tile_config<64> {
   using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
+  using KregTraits = void;  // no K-in-registers dK/dV tile
   using DropoutTraits = Traits;  // dropout.h's generator fits the dK/dV kernel
   using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4, 1, false, false>;
   // The dQ kernel of a call with a bias gradient (params.dbias_ptr; the extended, non-band
@@ -196,6 +242,7 @@ struct Bwd_tile_config<64> {
 template <>
 struct Bwd_tile_config<96> {
   using Traits = Flash_bwd_kernel_traits<96, 64, 64, 8>;
+  using KregTraits = void;  // no K-in-registers dK/dV tile
   using DropoutTraits = Traits;  // dropout.h's generator fits the dK/dV kernel
   using DqTraits = Flash_bwd_dq_kernel_traits<96, 32, 4>;
   using DqBiasTraits = DqTraits;
@@ -204,6 +251,10 @@ struct Bwd_tile_config<96> {
 template <>
 struct Bwd_tile_config<128> {
   using Traits = Flash_bwd_kernel_traits<128, 32, 64, 8>;
+  // The dK/dV kernel of the plain deterministic calls (no score modifier, bias, dropout, packed
+  // sequences or lower window diagonal; DkdvLaunchTraits::kKregTile): K in registers, two 4-warp
+  // CTAs per SM, the same 64 keys per CTA as Traits (the same grid).
+  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4>;
   using DropoutTraits = Traits;  // dropout.h's generator fits the dK/dV kernel
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
   using DqBiasTraits = DqTraits;
@@ -212,6 +263,7 @@ struct Bwd_tile_config<128> {
 template <>
 struct Bwd_tile_config<256> {
   using Traits = Flash_bwd_kernel_traits<256, 16, 32, 4, 2, /*kDropout=*/false>;
+  using KregTraits = void;  // no K-in-registers dK/dV tile
   // The dK/dV kernel of a dropout's backward: Traits' 255 registers (its dK / dV accumulators, d
   // / 2 columns per warp) left none for dropout.h's generator (32-36 bytes of spill). Four
   // column splits instead of two halve the accumulators (d / 4 = 64 columns per warp: 168-170
@@ -262,12 +314,18 @@ struct DqLaunchTraits {
 // The dK/dV kernel a launch runs (run_mha_bwd_hdim and the CPU emulator's mirror of it): Plain
 // (Bwd_tile_config::Traits), or DropoutTraits for a dropout's backward where that is another
 // tile (d = 256; kDropoutTile: whether it is), on the same grid (its keys per CTA are Plain's).
+// Kreg (Bwd_tile_config::KregTraits, void where there is none): the K-in-registers tile that
+// the plain family's non-banded deterministic launches run instead of Plain (kKregTile; the
+// banded and atomic ones run Plain), on the same grid.
 template <int kHeadDim, bool Is_ext>
 struct DkdvLaunchTraits {
   using C = Bwd_tile_config<kHeadDim>;
   using Plain = typename C::Traits;
   using Dropout = typename C::DropoutTraits;
+  using Kreg = typename C::KregTraits;
   static constexpr bool kDropoutTile = Is_ext && !std::is_same_v<Plain, Dropout>;
+  template <bool Is_local>
+  static constexpr bool kKregTile = !Is_ext && !Is_local && !std::is_void_v<Kreg>;
   static_assert(Dropout::kBlockN == Plain::kBlockN && Dropout::kBlockM == Plain::kBlockM &&
                     Dropout::kDropout,
                 "the dropout tile runs the plain tile's grid and applies dropout");
@@ -275,6 +333,15 @@ struct DkdvLaunchTraits {
   static bool use_dropout_tile(const Params& p) {
     return kDropoutTile && p.dropout;
   }
+  template <typename K = Kreg>
+  static constexpr bool kreg_same_grid() {
+    if constexpr (std::is_void_v<K>) {
+      return true;
+    } else {
+      return K::kBlockN == Plain::kBlockN;
+    }
+  }
+  static_assert(kreg_same_grid(), "the K-in-registers tile runs the plain tile's grid");
 };
 
 // Preprocess / convert kernels: 256 threads, 8 elements (16 bytes of fp16) per thread.

@@ -777,6 +777,219 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// dK / dV with each warp's K rows in registers: the plain (no score modifier, bias, dropout,
+// packed sequences), non-banded, deterministic calls of a head dim with
+// Bwd_tile_config::KregTraits (Flash_bwd_dkdv_kreg_traits). Warp w owns keys 16 w .. 16 w + 15
+// of the block and all kBlockM queries of each tile:
+//   S^T = K_w Q^T and dP^T = V_w dO^T in one k loop (4 independent MMA chains per warp), then
+//   P^T -> dV += P^T dO -> dS^T = P^T o (dP^T - D) -> dK += dS^T Q,
+// with S^T's A operands from registers, V_w's and every B operand from shared memory. The next
+// tile's Q is fetched at the top of the iteration and stored to the other Q buffer after S^T /
+// dP^T (nobody reads that buffer in this iteration); its dO, lse and D are fetched then and
+// stored after dK, between two barriers (one dO buffer: two CTAs of this kernel must fit a 64
+// KiB Turing SM).
+template <typename Kt, bool Is_causal>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
+    flash_bwd_dkdv_kreg_kernel(const Flash_bwd_params params) {
+  constexpr int kD = Kt::kHeadDim;
+  constexpr int kBM = Kt::kBlockM;
+  constexpr int kBN = Kt::kBlockN;
+  constexpr int kRowH = Kt::kRowHalves;
+  constexpr int kRowB = Kt::kRowHalves * 2;
+  constexpr uint32_t kQBuf = Kt::kQTileBytes;            // Q buffer 1 from buffer 0 (bytes)
+  constexpr uint32_t kDofromQ = Kt::kOffDo - Kt::kOffQ;  // sdO from Q buffer 0 (bytes)
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __half* sQ0 = reinterpret_cast<__half*>(smem_raw + Kt::kOffQ);     // [2] Br x d
+  __half* sdO = reinterpret_cast<__half*>(smem_raw + Kt::kOffDo);    // Br x d
+  float* sLse = reinterpret_cast<float*>(smem_raw + Kt::kOffLse);    // Br: lse * log2(e)
+  float* sDsum = reinterpret_cast<float*>(smem_raw + Kt::kOffDsum);  // Br: D
+  __half* sV = reinterpret_cast<__half*>(smem_raw + Kt::kOffV);      // Bc x d (K's staging first)
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int mi = lane / 8;
+
+  const DkdvBlock blk = dkdv_block<Is_causal>(params, kBN);
+  const int n_block = blk.n_block, bidb = blk.bidb, bidh_k = blk.bidh_k;
+  const int ratio = params.h_h_k_ratio;
+  const int n0 = n_block * kBN;
+  const SeqInfo<false> si(params, bidb);
+  const KeyRange kr = si.keys(bidb);
+  const MBlockRange mr = m_block_range(n_block, kBM, kBN, si.seqlen_q(), kr, Is_causal,
+                                       si.causal_off());
+  const int num_m = imax(mr.m_block_max - mr.m_block_min, 0);
+  const int total = num_m * ratio;  // (q head of the group, query tile) iterations
+  const float scale_log2 = params.scale_softmax_log2;
+
+  float acc_dk[kD / 8][4];
+  float acc_dv[kD / 8][4];
+  zero_acc(acc_dk);
+  zero_acc(acc_dv);
+
+  if (total > 0) {
+    // ---- K_w: global -> shared (V's space, padded rows, zero rows outside the key range) ->
+    // registers; then V -> shared. k_frag[kk]: the A fragments of k-steps 2kk, 2kk + 1.
+    uint32_t k_frag[kD / 16][4];
+    const uint32_t v_a_addr =
+        smem_u32addr(sV + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
+    {
+      const __half* k_base = static_cast<const __half*>(params.k_ptr) +
+                             si.k_offset(bidb, params.k_batch_stride, params.k_row_stride) +
+                             bidh_k * params.k_head_stride;
+      const __half* v_base = static_cast<const __half*>(params.v_ptr) +
+                             si.k_offset(bidb, params.v_batch_stride, params.v_row_stride) +
+                             bidh_k * params.v_head_stride;
+      uint4 kv[Kt::kKVChunksPerThread];
+      load_tile_g2r<Kt>(kv, k_base, params.k_row_stride, n0, kr.key_start, kr.key_end, tid,
+                        params.d / 8);
+      store_tile_r2s_padded<Kt>(kv, sV, tid);
+      load_tile_g2r<Kt>(kv, v_base, params.v_row_stride, n0, kr.key_start, kr.key_end, tid,
+                        params.d / 8);
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(k_frag[kk], v_a_addr + kk * 32);
+      __syncthreads();  // every warp holds its K fragments before V overwrites them
+      store_tile_r2s_padded<Kt>(kv, sV, tid);
+    }
+
+    // Iterations run over (q-head of the group, query tile) pairs, query tiles inner. The
+    // cursor (nx_head, nx_m) names the next tile to fetch and steps without a division.
+    int nx_head = bidh_k * ratio;
+    int nx_m = mr.m_block_min;
+    auto advance = [&] {
+      if (++nx_m == mr.m_block_max) {
+        nx_m = mr.m_block_min;
+        ++nx_head;
+      }
+    };
+    constexpr int kQC = Kt::kQChunksPerThread;
+    auto load_q = [&](uint4 (&st)[kQC], int head, int m) {
+      load_tile_g2r<Kt>(st,
+                        static_cast<const __half*>(params.q_ptr) +
+                            si.q_offset(bidb, params.q_batch_stride, params.q_row_stride) +
+                            head * params.q_head_stride,
+                        params.q_row_stride, m * kBM, 0, si.seqlen_q(), tid, params.d / 8);
+    };
+    auto load_do = [&](uint4 (&st)[kQC], int head, int m) {
+      load_tile_g2r<Kt>(st,
+                        static_cast<const __half*>(params.do_ptr) +
+                            si.q_offset(bidb, params.do_batch_stride, params.do_row_stride) +
+                            head * params.do_head_stride,
+                        params.do_row_stride, m * kBM, 0, si.seqlen_q(), tid, params.d / 8);
+    };
+    // Raw lse (-inf past seqlen_q; converted by lse_log2 where it is stored) and D of row tid
+    // of tile (head, m) (threads tid < Br).
+    auto load_lse = [&](float& lse_s, float& dsum_s, int head, int m) {
+      const int row = m * kBM + tid;
+      const int64_t off = si.lse_index(bidb, head, row);
+      lse_s = row < si.seqlen_q() ? params.softmax_lse_ptr[off] : -INFINITY;
+      dsum_s = row < si.seqlen_q() ? params.dsoftmax_sum[off] : 0.f;
+    };
+
+    uint4 stage[kQC];  // Q, then dO, of the next tile
+    float lse_stage = 0.f, dsum_stage = 0.f;
+    {  // tile 0 -> Q buffer 0, sdO, sLse, sDsum
+      load_q(stage, nx_head, nx_m);
+      store_tile_r2s_padded<Kt>(stage, sQ0, tid);
+      load_do(stage, nx_head, nx_m);
+      store_tile_r2s_padded<Kt>(stage, sdO, tid);
+      if (tid < kBM) {
+        load_lse(lse_stage, dsum_stage, nx_head, nx_m);
+        sLse[tid] = lse_log2(lse_stage);
+        sDsum[tid] = dsum_stage;
+      }
+      advance();
+    }
+    __syncthreads();
+
+    // Per-lane ldmatrix addresses in Q buffer 0 (as flash_bwd_dkdv_kernel's, with all kBM
+    // queries in one warp): B of S^T / dP^T (Q / dO rows, non-trans), B of dV / dK (trans).
+    const uint32_t q_b_addr0 =
+        smem_u32addr(sQ0 + ((mi >> 1) * 8 + (lane % 8)) * kRowH + (mi & 1) * 8);
+    const uint32_t q_t_addr0 =
+        smem_u32addr(sQ0 + ((mi & 1) * 8 + (lane % 8)) * kRowH + (mi >> 1) * 8);
+    uint32_t bias_w[kBM / 2];  // probs_t's bias argument, unused without Is_ext
+
+    int cur_m = mr.m_block_min;  // query tile of iteration it
+    for (int it = 0; it < total; ++it) {
+      const uint32_t qbuf = (it & 1) * kQBuf;
+      const uint32_t q_b_addr = q_b_addr0 + qbuf;
+      const uint32_t q_t_addr = q_t_addr0 + qbuf;
+      __half* sQn = sQ0 + ((it + 1) & 1) * (kQBuf / 2);  // the next tile's Q buffer (halves)
+      const int m0 = cur_m * kBM;
+      const bool has_next = it + 1 < total;
+      if (has_next) {
+        load_q(stage, nx_head, nx_m);
+        if (tid < kBM) load_lse(lse_stage, dsum_stage, nx_head, nx_m);
+      }
+
+      const bool need_mask =
+          !tile_is_unmasked(cur_m, n_block, kBM, kBN, kr, Is_causal, si.causal_off());
+      // ---- S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x Br queries per warp), one k loop.
+      float acc_s[kBM / 8][4];
+      float acc_dp[kBM / 8][4];
+      zero_acc(acc_s);
+      zero_acc(acc_dp);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        {
+          const uint32_t a_lo[2] = {k_frag[kk][0], k_frag[kk][1]};
+          const uint32_t a_hi[2] = {k_frag[kk][2], k_frag[kk][3]};
+#pragma unroll
+          for (int np = 0; np < kBM / 16; ++np) {
+            uint32_t b[4];
+            ldmatrix_x4(b, q_b_addr + np * 16 * kRowB + kk * 32);
+            mma_k2n2(acc_s[2 * np], acc_s[2 * np + 1], a_lo, a_hi, b);
+          }
+        }
+        uint32_t a[4];
+        ldmatrix_x4(a, v_a_addr + kk * 32);
+        const uint32_t a_lo[2] = {a[0], a[1]};
+        const uint32_t a_hi[2] = {a[2], a[3]};
+#pragma unroll
+        for (int np = 0; np < kBM / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, q_b_addr0 + kDofromQ + np * 16 * kRowB + kk * 32);
+          mma_k2n2(acc_dp[2 * np], acc_dp[2 * np + 1], a_lo, a_hi, b);
+        }
+      }
+      if (has_next) {  // the next tile's Q to the other buffer; its dO loads in flight from here
+        store_tile_r2s_padded<Kt>(stage, sQn, tid);
+        load_do(stage, nx_head, nx_m);
+      }
+
+      // ---- P^T, then dV += P^T dO.
+      uint32_t p_frag[kBM / 8][2];
+      probs_t<kBM, Is_causal, false>(acc_s, p_frag, sLse, 0, t, scale_log2, need_mask,
+                                     n0 + 16 * warp + g, m0, kr, si.causal_off(),
+                                     kNoWindowLower, ScoreMod{}, params, bias_w);
+      gemm_rs_t<kBM, kD, kRowB, false>(acc_dv, p_frag, q_t_addr0 + kDofromQ);
+
+      // ---- dS^T = P^T o (dP^T - D), then dK += dS^T Q.
+      uint32_t ds_frag[kBM / 8][2];
+      dsoftmax_t<kBM>(acc_s, acc_dp, ds_frag, sDsum, 0, t);
+      gemm_rs_t<kBM, kD, kRowB, false>(acc_dk, ds_frag, q_t_addr);
+      if (has_next) {
+        __syncthreads();  // every warp is done with sdO, sLse and sDsum of this tile
+        store_tile_r2s_padded<Kt>(stage, sdO, tid);
+        if (tid < kBM) {
+          sLse[tid] = lse_log2(lse_stage);
+          sDsum[tid] = dsum_stage;
+        }
+        __syncthreads();  // the next tile's Q (stored after S^T), dO, lse and D visible
+      }
+      if (++cur_m == mr.m_block_max) cur_m = mr.m_block_min;
+      advance();
+    }
+  }
+  store_dkdv<kD>(params, acc_dk, acc_dv, bidb, bidh_k, n0 + 16 * warp, 0, g, t, si);
+}
+
 // A warp's dS fragments (fp16 A layout: rows row, row + 8; keys col + 8 nt, + 1) of (batch,
 // head) bh into the fp32 bias gradient. Scalar stores: seqlen_k may be odd, and a warp's stores
 // still fill whole 32-byte sectors (8 rows x 8 keys per pair of stores).

@@ -54,15 +54,27 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
     }
   }
   {
-    // The dK/dV tile (DkdvLaunchTraits): a dropout's (Bwd_tile_config::DropoutTraits, d = 256),
-    // the same grid.
+    // The dK/dV tile (DkdvLaunchTraits): a dropout's (Bwd_tile_config::DropoutTraits, d = 256)
+    // or the K-in-registers one (KregTraits, d = 128), the same grid.
     using Dk = DkdvLaunchTraits<kHeadDim, Is_ext || Drop>;
     // The dropout-only family always has dropout on: where the dropout tile is another one, the
     // default tile's kernel would be dead code (not instantiated).
     using K0 = std::conditional_t<Drop && Dk::kDropoutTile, typename Dk::Dropout, Kt>;
-    auto kernel = &flash_bwd_dkdv_kernel<K0, Is_causal, false, Is_local, Is_ext, Drop>;
+    // The plain family's non-banded launches run the K-in-registers tile where the head dim has
+    // one (Dk::kKregTile; same grid): the 8-warp kernel is then not instantiated for them.
+    constexpr bool kKreg = Dk::template kKregTile<Is_local>;
+    auto kernel = [] {
+      if constexpr (kKreg) {
+        return &flash_bwd_dkdv_kreg_kernel<typename Dk::Kreg, Is_causal>;
+      } else {
+        return &flash_bwd_dkdv_kernel<K0, Is_causal, false, Is_local, Is_ext, Drop>;
+      }
+    }();
     int dkdv_threads = plan.dkdv_threads, dkdv_smem = plan.dkdv_smem;
-    if constexpr (Drop && Dk::kDropoutTile) {
+    if constexpr (kKreg) {
+      dkdv_threads = Dk::Kreg::kNThreads;
+      dkdv_smem = Dk::Kreg::kSmemSize;
+    } else if constexpr (Drop && Dk::kDropoutTile) {
       dkdv_threads = Dk::Dropout::kNThreads;
       dkdv_smem = Dk::Dropout::kSmemSizeNoDq;
     } else if constexpr (Dk::kDropoutTile) {

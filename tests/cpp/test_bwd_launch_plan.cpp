@@ -147,6 +147,27 @@ TEST(BwdLaunchPlan, EveryTileFitsATuringSm) {
   EXPECT_EQ(Bwd_tile_config<256>::DqTraits::kSmemSize, 48 * 1024);
 }
 
+// d = 128's K-in-registers dK/dV tile: two CTAs of it fit a Turing SM (64 KiB of shared
+// memory, 64K registers at <= 255 per thread), on the default tile's grid, and only the plain
+// family's non-banded launches run it.
+TEST(BwdLaunchPlan, KregTileFitsTwoPerTuringSm) {
+  using Kr = Bwd_tile_config<128>::KregTraits;
+  using Kt = Bwd_tile_config<128>::Traits;
+  EXPECT_EQ(Kr::kHeadDim, 128);
+  EXPECT_EQ(Kr::kBlockN, Kt::kBlockN);
+  EXPECT_EQ(Kr::kMinBlocksPerSm, 2);
+  EXPECT_LE(2 * Kr::kSmemSize, 64 * 1024);
+  EXPECT_LE(2 * Kr::kNThreads * 256, 64 * 1024);
+  // Q x 2, dO, lse and D of 16 rows, V of 64 keys; rows padded to 136 halves.
+  EXPECT_EQ(Kr::kSmemSize, 3 * 16 * 136 * 2 + 2 * 16 * 4 + 64 * 136 * 2);
+  EXPECT_TRUE((DkdvLaunchTraits<128, false>::kKregTile<false>));
+  EXPECT_FALSE((DkdvLaunchTraits<128, false>::kKregTile<true>));  // banded: the 8-warp tile
+  EXPECT_FALSE((DkdvLaunchTraits<128, true>::kKregTile<false>));  // extended / dropout families
+  EXPECT_FALSE((DkdvLaunchTraits<64, false>::kKregTile<false>));
+  EXPECT_FALSE((DkdvLaunchTraits<96, false>::kKregTile<false>));
+  EXPECT_FALSE((DkdvLaunchTraits<256, false>::kKregTile<false>));
+}
+
 TEST(BwdLaunchPlan, GridLimitAndHeadDim) {
   // b * h * ceil(sq / Br) beyond 2^31 - 1 CTAs must be refused, not wrapped.
   EXPECT_THROW(plan_bwd_launch(128, 1 << 16, 1 << 10, 1, 1 << 20, 64, false),

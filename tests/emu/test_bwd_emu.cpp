@@ -299,18 +299,23 @@ void run_backward(Flash_bwd_params& p) {
     }
   }
   if (!ran_atomic) {
-    // As run_mha_bwd_hdim: the dK/dV tile DkdvLaunchTraits picks (a dropout's, d = 256).
+    // As run_mha_bwd_hdim: the dK/dV tile DkdvLaunchTraits picks (a dropout's, d = 256; the
+    // K-in-registers one, d = 128's plain non-banded calls).
     using Dk = DkdvLaunchTraits<kD, kMod || kDrop>;
-    bool ran_dropout_tile = false;
-    if constexpr (Dk::kDropoutTile) {
+    bool ran_other_tile = false;
+    if constexpr (Dk::template kKregTile<kLocal>) {
+      emu::launch(static_cast<unsigned>(plan.dkdv_blocks), Dk::Kreg::kNThreads,
+                  [&] { flash_bwd_dkdv_kreg_kernel<typename Dk::Kreg, kCausal>(p); });
+      ran_other_tile = true;
+    } else if constexpr (Dk::kDropoutTile) {
       if (kDrop || Dk::use_dropout_tile(p)) {
         emu::launch(static_cast<unsigned>(plan.dkdv_blocks), Dk::Dropout::kNThreads, [&] {
           flash_bwd_dkdv_kernel<typename Dk::Dropout, kCausal, false, kLocal, kMod, kDrop>(p);
         });
-        ran_dropout_tile = true;
+        ran_other_tile = true;
       }
     }
-    if (!ran_dropout_tile) {
+    if (!ran_other_tile) {
       emu::launch(static_cast<unsigned>(plan.dkdv_blocks), plan.dkdv_threads,
                   [&] { flash_bwd_dkdv_kernel<Kt, kCausal, false, kLocal, kMod, kDrop>(p); });
     }
