@@ -169,23 +169,31 @@ def test_bwd_strided(d, layout):
 @pytest.mark.parametrize("seqlens,heads", [((127, 129), (4, 2)), ((1000, 1000), (8, 1)),
                                            ((1, 1000), (4, 4))])
 def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, deterministic):
-    # d = 128: both dQ modes run the 8-warp dK/dV kernel of Bwd_tile_config<128>::Traits on every
-    # GPU (the plan a Turing SM, 64 KiB of shared memory, runs; it does not depend on the SM's
-    # shared memory). It must be exact, and the atomic-dQ form must run only in the atomic mode.
+    # d = 128, the plain family without a window: the deterministic mode runs the K-in-registers
+    # dK/dV kernel (Bwd_tile_config<128>::KregTraits, two 4-warp CTAs per Turing SM), the atomic
+    # mode the 8-warp kernel of Traits with the dQ atomics, on every GPU (the plan a Turing SM,
+    # 64 KiB of shared memory, runs). It must be exact either way.
     Sq, Sk = seqlens
     q, k, v, do = make_inputs(2, Sq, Sk, *heads, 128, "cuda", seed=Sq + Sk)
     names = cuda_kernels_run(lambda: check_against_reference(q, k, v, do, causal, bottom_right,
                                                              deterministic=deterministic), "dkdv")
     assert len(names) == 1, names
+    name = next(iter(names))
+    if deterministic:
+        # <traits, Is_causal>
+        found = re.search(r"flash_bwd_dkdv_kreg_kernel<(?:flash_sm75::)?"
+                          r"Flash_bwd_dkdv_kreg_traits<128, 16, 4>, (true|false)>", name)
+        assert found, names
+        assert found.group(1) == str(causal).lower()
+        return
     # Template arguments: <traits, Is_causal, Atomic_dq, Is_local, Is_ext, Drop_only>.
     # (The traits' trailing defaults, column splits and kDropout, may be printed, and so may
     # Drop_only's default.)
     found = re.search(r"flash_bwd_dkdv_kernel<(?:flash_sm75::)?Flash_bwd_kernel_traits<128, 32, 64, "
                       r"8(?:, 1)?(?:, true)?>, (true|false), (true|false), (true|false), "
-                      r"(true|false)(?:, (true|false))?>",
-                      next(iter(names)))
+                      r"(true|false)(?:, (true|false))?>", name)
     assert found, names
-    assert found.group(1) == str(causal).lower() and found.group(2) == str(not deterministic).lower()
+    assert found.group(1) == str(causal).lower() and found.group(2) == "true"
     # No window, no score mods, no dropout: neither the local, the score-mod nor the
     # dropout-only instantiation.
     assert found.group(3) == "false" and found.group(4) == "false"
