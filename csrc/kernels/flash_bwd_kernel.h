@@ -205,6 +205,17 @@ __device__ __forceinline__ DkdvBlock dkdv_block(const Flash_bwd_params& params, 
   return {n_block, static_cast<int>(bhk / params.h_k), static_cast<int>(bhk % params.h_k)};
 }
 
+// The first row of K (kV = false) or V (true) of kv head bidh_k of batch bidb (packed sequences
+// through si).
+template <bool kV, typename Si>
+__device__ __forceinline__ const __half* kv_rows(const Flash_bwd_params& params, const Si& si,
+                                                 int bidb, int bidh_k) {
+  return static_cast<const __half*>(kV ? params.v_ptr : params.k_ptr) +
+         si.k_offset(bidb, kV ? params.v_batch_stride : params.k_batch_stride,
+                     kV ? params.v_row_stride : params.k_row_stride) +
+         bidh_k * (kV ? params.v_head_stride : params.k_head_stride);
+}
+
 // P = exp2(S * scale_log2 - lse_log2), at most 1. The clamp trims rounding noise at ordinary
 // magnitudes and matters where a float32 LSE cannot resolve the row max: |lse_log2| >= 2^24
 // (|q.k| * scale ~ 10^7), where the rounding error of the product exceeds 1 in the exponent.
@@ -489,12 +500,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (total > 0) {
     // ---- K and V of the block -> shared memory, rows outside the key range zero-filled.
     {
-      const __half* k_base = static_cast<const __half*>(params.k_ptr) +
-                             si.k_offset(bidb, params.k_batch_stride, params.k_row_stride) +
-                             bidh_k * params.k_head_stride;
-      const __half* v_base = static_cast<const __half*>(params.v_ptr) +
-                             si.k_offset(bidb, params.v_batch_stride, params.v_row_stride) +
-                             bidh_k * params.v_head_stride;
+      const __half* k_base = kv_rows<false>(params, si, bidb, bidh_k);
+      const __half* v_base = kv_rows<true>(params, si, bidb, bidh_k);
       uint4 kv[Kt::kKVChunksPerThread];
       load_tile_g2r<Kt>(kv, k_base, params.k_row_stride, n0, kr.key_start, kr.key_end, tid,
                         params.d / 8);
@@ -838,12 +845,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     const uint32_t v_a_addr =
         smem_u32addr(sV + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
     {
-      const __half* k_base = static_cast<const __half*>(params.k_ptr) +
-                             si.k_offset(bidb, params.k_batch_stride, params.k_row_stride) +
-                             bidh_k * params.k_head_stride;
-      const __half* v_base = static_cast<const __half*>(params.v_ptr) +
-                             si.k_offset(bidb, params.v_batch_stride, params.v_row_stride) +
-                             bidh_k * params.v_head_stride;
+      const __half* k_base = kv_rows<false>(params, si, bidb, bidh_k);
+      const __half* v_base = kv_rows<true>(params, si, bidb, bidh_k);
       uint4 kv[Kt::kKVChunksPerThread];
       load_tile_g2r<Kt>(kv, k_base, params.k_row_stride, n0, kr.key_start, kr.key_end, tid,
                         params.d / 8);
