@@ -208,7 +208,14 @@ BWD_TRAITS = {64: ("64, 64, 64, 8, 1, true", "64, 64, 4, 1, false, false", 64, 6
 # (dK/dV traits, dQ traits, dK/dV keys per CTA, dQ query rows per CTA): bwd_kernel_traits.h
 
 
+# The K-in-registers dK/dV tile of the plain deterministic calls without a window
+# (Bwd_tile_config::KregTraits, DkdvLaunchTraits::kKregTile): the benchmarks' d = 128 cases.
+BWD_KREG_TRAITS = {128: "128, 16, 4"}
+
+
 def dkdv_pattern(d, atomic=False):
+    if not atomic and d in BWD_KREG_TRAITS:
+        return rf"^flash_bwd_dkdv_kreg_kernel<Flash_bwd_dkdv_kreg_traits<{BWD_KREG_TRAITS[d]}>,"
     return (rf"^flash_bwd_dkdv_kernel<Flash_bwd_kernel_traits<{BWD_TRAITS[d][0]}>, "
             rf"(true|false), {'true' if atomic else 'false'},")
 
@@ -287,13 +294,16 @@ def model(tflops_h200, ceiling_h200, flop, bytes_moved, clock_ghz, bandwidth_gbs
 # h200_head_dims_* also holds d = 80 / 96 on the d = 128 kernels (before the 96 bucket): not
 # taken. Its JSON records 564e97f (the device's .git; the tree that ran was 6d95427's kernels).
 # The d = 256 forward is the plain tile's run on an H100 (the fraction of the ceiling measured
-# in that run, as for the H200 runs); the backward's d = 256 is still the H200 run.
+# in that run, as for the H200 runs); the backward's d = 256 is still the H200 run. The d = 128
+# backward is the K-in-registers dK/dV kernel's run on an H100 (3d7be85; that run measured no
+# ceiling: the H100's from the d = 256 run), which replaces --backward's d = 128 rows.
 EXTRA_SOURCES = [
     ("forward", "h200_d96_forward.json", "h200_d96_forward.json", (80, 96), "6b1125d"),
     ("backward", "h200_d96_backward.json", "h200_d96_forward.json", (96,), "6b1125d"),
     ("forward", "h100_d256_2acc_s36.json", "h100_d256_2acc_s36.json", (256,), "de04c06, H100"),
     ("backward", "h200_head_dims_backward.json", "h200_head_dims_forward.json", (256,),
      "6d95427"),
+    ("backward", "h100_bwd_kreg_s37.json", "h100_d256_2acc_s36.json", (128,), "3d7be85, H100"),
 ]
 
 
@@ -309,7 +319,11 @@ def model_sources(args):
     path = pathlib.Path(args.backward)
     if path.exists():
         bwd = json.loads(path.read_text())
-        out.append(("backward", bwd["cases"], fwd["sm75_ceiling"]["peak_tflops"], _commit(bwd)))
+        # head dims whose backward rows come from EXTRA_SOURCES instead
+        moved = set() if args.no_extra else {
+            d for name, _, _, dims, _ in EXTRA_SOURCES if name == "backward" for d in dims}
+        out.append(("backward", [c for c in bwd["cases"] if c["d"] not in moved],
+                    fwd["sm75_ceiling"]["peak_tflops"], _commit(bwd)))
     if not args.no_extra:
         for name, f, ceil_f, dims, commit in EXTRA_SOURCES:
             data = json.loads((RESULTS / f).read_text())

@@ -69,6 +69,16 @@ void emit_bwd() {
     emit("^flash_bwd_dkdv_kernel<" + dkdv_traits<Kt>() + ", (true|false), " + b(atomic) + ",",
          Kt::kNThreads, atomic ? Kt::kSmemSizeAtomicDq : Kt::kSmemSizeNoDq);
   }
+  // the K-in-registers dK/dV kernel (the plain instantiations without a window), where the head
+  // dim has one
+  using Dp = fs::DkdvLaunchTraits<kD, false>;
+  if constexpr (Dp::template kKregTile<false>) {
+    using Kr = typename Dp::Kreg;
+    emit("^flash_bwd_dkdv_kreg_kernel<Flash_bwd_dkdv_kreg_traits<" +
+             std::to_string(Kr::kHeadDim) + ", " + std::to_string(Kr::kBlockM) + ", " +
+             std::to_string(Kr::kNWarps) + ">,",
+         Kr::kNThreads, Kr::kSmemSize);
+  }
   // a dropout's dK/dV kernel (the extended instantiations), where it has its own traits
   using Dk = fs::DkdvLaunchTraits<kD, true>;
   if constexpr (Dk::kDropoutTile) {
