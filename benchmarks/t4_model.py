@@ -213,8 +213,9 @@ BWD_TRAITS = {64: ("64, 64, 64, 8, 1, true", "64, 64, 4, 1, false, false", 64, 6
 BWD_KREG_TRAITS = {128: "128, 16, 4"}
 
 
-def dkdv_pattern(d, atomic=False):
-    if not atomic and d in BWD_KREG_TRAITS:
+def dkdv_pattern(d, atomic=False, kreg=True):
+    """The dK/dV kernel of a plain call (kreg: the K-in-registers tile where d has one)."""
+    if kreg and not atomic and d in BWD_KREG_TRAITS:
         return rf"^flash_bwd_dkdv_kreg_kernel<Flash_bwd_dkdv_kreg_traits<{BWD_KREG_TRAITS[d]}>,"
     return (rf"^flash_bwd_dkdv_kernel<Flash_bwd_kernel_traits<{BWD_TRAITS[d][0]}>, "
             rf"(true|false), {'true' if atomic else 'false'},")
@@ -237,7 +238,9 @@ def occupancy_rows():
             ("forward d=256 plain, 128x16", fwd_pattern("FwdTileD256Wide")),
             ("forward d=136-256, 64x32 d-split", fwd_pattern("FwdTileD256"))]
     for d in HEAD_DIM_BUCKETS:
-        rows.append((f"dK/dV d={d}", dkdv_pattern(d)))
+        if d in BWD_KREG_TRAITS:
+            rows.append((f"dK/dV d={d}, K in registers", dkdv_pattern(d)))
+        rows.append((f"dK/dV d={d}", dkdv_pattern(d, kreg=False)))
         if d != 256:
             rows.append((f"dK/dV d={d}, atomic dQ", dkdv_pattern(d, True)))
         rows.append((f"dQ d={d}", dq_pattern(d)))
