@@ -359,6 +359,9 @@ struct BwdLaunchPlan {
   bool dq_atomic;            // the dQ mode that runs (an atomic request may run deterministic)
   int num_n_blocks;          // key blocks of the dK/dV kernel
   int64_t dkdv_blocks;       // num_n_blocks * b * h_k
+  // Threads and shared memory of the default tile (Traits); run_mha_bwd_hdim launches another
+  // tile of the same grid where DkdvLaunchTraits picks one (a dropout's, the K-in-registers one)
+  // with that tile's own.
   int dkdv_threads;
   int dkdv_smem;             // bytes (depends on the dQ mode)
   int num_m_blocks_dq;       // query tiles of the dQ kernel
