@@ -201,10 +201,10 @@ FWD_TILE = {64: "FwdTileD64", 96: "FwdTileD96", 128: "FwdTileD128", 256: "FwdTil
 FWD_TILE_SHAPE = {"FwdTileD64": (64, 64), "FwdTileD64SmallGrid": (64, 32), "FwdTileD96": (128, 64),
                   "FwdTileD128": (128, 64), "FwdTileD256": (64, 32),
                   "FwdTileD256Wide": (128, 16)}  # Br x Bc (kernel_traits.h)
-BWD_TRAITS = {64: ("64, 64, 64, 8, 1, true", "64, 64, 4, 1, false, false", 64, 64),
-              96: ("96, 64, 64, 8, 1, true", "96, 32, 4, 1, false, true", 64, 64),
-              128: ("128, 32, 64, 8, 1, true", "128, 32, 8, 1, false, true", 64, 128),
-              256: ("256, 16, 32, 4, 2, false", "256, 16, 4, 2, true, true", 32, 32)}
+BWD_TRAITS = {64: ("64, 64, 64, 8, 1, true", "64, 64, 4, 1, false, false, false", 64, 64),
+              96: ("96, 64, 64, 8, 1, true", "96, 32, 4, 1, false, true, false", 64, 64),
+              128: ("128, 32, 64, 8, 1, true", "128, 32, 8, 1, false, true, true", 64, 128),
+              256: ("256, 16, 32, 4, 2, false", "256, 16, 4, 2, true, true, false", 32, 32)}
 # (dK/dV traits, dQ traits, dK/dV keys per CTA, dQ query rows per CTA): bwd_kernel_traits.h
 
 

@@ -45,7 +45,7 @@ void emit_dq() {
   const std::string kq = "Flash_bwd_dq_kernel_traits<" + std::to_string(Kq::kHeadDim) + ", " +
                          std::to_string(Kq::kBlockN) + ", " + std::to_string(Kq::kNWarps) +
                          ", " + std::to_string(Kq::kDSplit) + ", " + b(Kq::kQInSmem) + ", " +
-                         b(Kq::kDbias) + ">";
+                         b(Kq::kDbias) + ", " + b(Kq::kKVDoubleBuf) + ">";
   emit("^flash_bwd_dq_kernel<" + kq + ",", Kq::kNThreads, Kq::kSmemSize);
 }
 

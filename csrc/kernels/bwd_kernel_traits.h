@@ -160,8 +160,12 @@ struct Flash_bwd_dkdv_kreg_traits {
 //    ldmatrix for every K/V tile. smem [Q | dO | K | V], dQ staged through Q.
 //  kDSplit: the warps of one 16-row group (kDSplit of them) each own kDOut = d / kDSplit columns
 //    of dQ and compute the same S and dP over the whole d (needs kQInSmem).
+//  kKVDoubleBuf: two [K | V] buffers, so that the plain kernels (no score modifier, bias or
+//    dropout) store tile j + 1 into the idle one while tile j is read and end each tile with one
+//    barrier instead of three. Only where the shared memory is there anyway (the Q / dO staging
+//    of kQInSmem = false already takes >= 4 K/V tiles): no CTA per SM is lost to it.
 template <int kHeadDim_, int kBlockN_, int kNWarps_, int kDSplit_ = 1, bool kQInSmem_ = false,
-          bool kDbias_ = true>
+          bool kDbias_ = true, bool kKVDoubleBuf_ = false>
 struct Flash_bwd_dq_kernel_traits {
   // The extended kernels store the bias gradient when asked (params.dbias_ptr); false: not
   // compiled (a head dim whose bias-gradient calls run other traits, DqBiasTraits).
@@ -202,6 +206,10 @@ struct Flash_bwd_dq_kernel_traits {
       kQInSmem ? 2 * kQTileBytes + 2 * kSmemTileBytes
                : (2 * kSmemTileBytes > kQTileBytes ? 2 * kSmemTileBytes : kQTileBytes);
   static_assert(kSmemSize <= kSm75MaxSmemPerBlock, "exceeds SM75 shared memory per block");
+  static constexpr bool kKVDoubleBuf = kKVDoubleBuf_;
+  static constexpr int kKVBufHalves = 2 * kBlockN * kRowHalves;  // one [K | V] buffer
+  static_assert(!kKVDoubleBuf || (!kQInSmem && 4 * kSmemTileBytes <= kSmemSize),
+                "the second K/V buffer must fit the shared memory the Q staging takes");
 
   static constexpr int kChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
   static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
@@ -256,7 +264,7 @@ struct Bwd_tile_config<128> {
   // CTAs per SM, the same 64 keys per CTA as Traits (the same grid).
   using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4>;
   using DropoutTraits = Traits;  // dropout.h's generator fits the dK/dV kernel
-  using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8>;
+  using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8, 1, false, true, /*kKVDoubleBuf=*/true>;
   using DqBiasTraits = DqTraits;
   static constexpr bool kAtomicDq = true;
 };
@@ -293,7 +301,7 @@ struct DqLaunchTraits {
   using Plain = std::conditional_t<
       Is_local && Is_ext,
       Flash_bwd_dq_kernel_traits<K::kHeadDim, K::kBlockN, K::kNWarps, K::kDSplit, K::kQInSmem,
-                                 false>,
+                                 false, K::kKVDoubleBuf>,
       K>;
   using Bias = typename C::DqBiasTraits;
   static constexpr bool kBiasTile =

@@ -1030,6 +1030,10 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   constexpr int kRowBytes = L::kRowBytes;
   constexpr int kDO = Kt::kDOut;
   constexpr bool kQS = Kt::kQInSmem;
+  // Two [K | V] buffers (Kt::kKVDoubleBuf), in the plain kernels only: the extended ones keep
+  // their single buffer, whose load order the dropout generator and the bias gradient's stores
+  // were fitted around (registers).
+  constexpr bool kDbl = Kt::kKVDoubleBuf && !kDrop;
   // 16-byte chunks of a row that exist (head_dims.h: the tail past head_dim d).
   const int dc = params.d / 8;
 
@@ -1153,6 +1157,11 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, nb.n_block_min * kBN, kr.key_start,
                       kr.key_end, tid, dc);
     store_tile_r2s<Kt>(stage, sK, tid);
+    if constexpr (kDbl) {
+      load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, nb.n_block_min * kBN, kr.key_start,
+                        kr.key_end, tid, dc);
+      store_tile_r2s<Kt>(stage, sV, tid);
+    }
     __syncthreads();
 
     // B of S = Q K^T and dP = dO V^T: K / V non-trans (as in the forward);
@@ -1163,10 +1172,21 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     const uint32_t kt_lane_addr =
         chunk_pair_addr<kPad>(lane_addr_bt<kCPR, kPad>(sK, lane), col0 / 16);
 
+    // kDbl: tile j in buffer j % 2 (byte offset buf_off from the lane addresses above).
+    uint32_t buf_off = 0;
+    constexpr uint32_t kBufBytes = 2 * Kt::kKVBufHalves;
     for (int n_block = nb.n_block_min; n_block < nb.n_block_max; ++n_block) {
-      // V_j: global loads in flight while S_j is computed.
-      load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, n_block * kBN, kr.key_start,
-                        kr.key_end, tid, dc);
+      if constexpr (kDbl) {
+        // K_{j+1}: global loads in flight while S_j is computed.
+        if (n_block + 1 < nb.n_block_max) {
+          load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, (n_block + 1) * kBN,
+                            kr.key_start, kr.key_end, tid, dc);
+        }
+      } else {
+        // V_j: global loads in flight while S_j is computed.
+        load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, n_block * kBN, kr.key_start,
+                          kr.key_end, tid, dc);
+      }
 
       // A bias's block loaded before the S MMAs (BiasPrefetch, kBN / 4 + 1 registers), where
       // registers allow: d = 64's Bc = 32 tile and d = 96, not d = 64's Bc = 64 tile (254 of
@@ -1184,7 +1204,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       if constexpr (kQS) {
         gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_a_addr, k_lane_addr);
       } else {
-        gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr);
+        gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_s, q_frag, k_lane_addr + buf_off);
       }
       // P = exp2(S * scale_log2 - lse), 0 where masked (kept in acc_s; Is_ext: times the
       // softcap's derivative, the factor dS needs).
@@ -1259,8 +1279,19 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         }
       }
 
-      store_tile_r2s<Kt>(stage, sV, tid);
-      __syncthreads();  // V_j visible
+      if constexpr (kDbl) {
+        // Into the idle buffer (last read in tile j - 1, before its closing barrier); V_{j+1}'s
+        // loads then in flight during dP and dQ.
+        if (n_block + 1 < nb.n_block_max) {
+          __half* nxt = sK + ((buf_off ^ kBufBytes) / 2);
+          store_tile_r2s<Kt>(stage, nxt, tid);
+          load_tile_g2r<Kt>(stage, v_base, params.v_row_stride, (n_block + 1) * kBN,
+                            kr.key_start, kr.key_end, tid, dc);
+        }
+      } else {
+        store_tile_r2s<Kt>(stage, sV, tid);
+        __syncthreads();  // V_j visible
+      }
       if (kDrop && params.dropout) {  // P carries its keep bit in its sign (dropout.h),
         // between V_j's store and K_{j+1}'s loads, where no staging register is live
         dropout_visit<kBN / 8, false>(dropout_rng_saved(params), static_cast<uint32_t>(bh),
@@ -1278,7 +1309,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
       // spilled: DqBiasTraits, also in a sliding window's band).
       const bool dbias_tile = Kt::kDbias && Is_ext && kD <= kBwdBiasMaxHeadDim &&
                               params.dbias_ptr != nullptr;
-      if (has_next && !dbias_tile) {  // K_{j+1}: global loads in flight during dP and dQ
+      if (!kDbl && has_next && !dbias_tile) {  // K_{j+1}: loads in flight during dP and dQ
         load_tile_g2r<Kt>(stage, k_base, params.k_row_stride, (n_block + 1) * kBN, kr.key_start,
                           kr.key_end, tid, dc);
       }
@@ -1290,7 +1321,7 @@ __global__ void __launch_bounds__(Kt::kNThreads)
         if constexpr (kQS) {
           gemm_ss_bt<kD, kBN, kRowBytes, kPad>(acc_dp, do_a_addr, v_lane_addr);
         } else {
-          gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_dp, do_frag, v_lane_addr);
+          gemm_rs_bt<kD, kBN, kRowBytes, kPad>(acc_dp, do_frag, v_lane_addr + buf_off);
         }
         if constexpr (kDrop) {
           // acc_s holds P with the sign of its dropout keep bit (dropout_sign_p; never negative
@@ -1331,14 +1362,23 @@ __global__ void __launch_bounds__(Kt::kNThreads)
 #pragma unroll
         for (int np = 0; np < kDO / 16; ++np) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, chunk_pair_addr<kPad>(kt_lane_addr, np) + kp * 16 * kRowBytes);
+          ldmatrix_x4_trans(
+              b, chunk_pair_addr<kPad>(kt_lane_addr + buf_off, np) + kp * 16 * kRowBytes);
           mma_k2n2(acc_dq[2 * np], acc_dq[2 * np + 1], ds_frag[2 * kp], ds_frag[2 * kp + 1], b);
         }
       }
-      __syncthreads();  // every warp is done with K_j and V_j (and sQ, sdO)
-      if (has_next) {
-        store_tile_r2s<Kt>(stage, sK, tid);
+      if constexpr (kDbl) {
+        if (has_next) store_tile_r2s<Kt>(stage, sV + ((buf_off ^ kBufBytes) / 2), tid);
+        // Tile j + 1 visible; every warp is done with buffer j % 2 (and, after the last tile,
+        // with both: the epilogue stages dQ over them).
         __syncthreads();
+        buf_off ^= kBufBytes;
+      } else {
+        __syncthreads();  // every warp is done with K_j and V_j (and sQ, sdO)
+        if (has_next) {
+          store_tile_r2s<Kt>(stage, sK, tid);
+          __syncthreads();
+        }
       }
     }
   }

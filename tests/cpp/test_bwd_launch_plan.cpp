@@ -168,6 +168,21 @@ TEST(BwdLaunchPlan, KregTileFitsTwoPerTuringSm) {
   EXPECT_FALSE((DkdvLaunchTraits<256, false>::kKregTile<false>));
 }
 
+// d = 128's dQ tile keeps two [K | V] buffers inside the shared memory its Q / dO staging
+// takes anyway (no CTA per Turing SM lost); the other head dims keep one buffer.
+TEST(BwdLaunchPlan, DqDoubleKVBufferCostsNoSharedMemory) {
+  using Kq = Bwd_tile_config<128>::DqTraits;
+  EXPECT_TRUE(Kq::kKVDoubleBuf);
+  EXPECT_EQ(Kq::kSmemSize, Kq::kQTileBytes);  // 128 query rows x 256 bytes
+  EXPECT_EQ(Kq::kSmemSize, 2 * 2 * Kq::kSmemTileBytes);  // two buffers of K and V, 32 keys
+  EXPECT_EQ(2 * Kq::kKVBufHalves, 2 * Kq::kSmemTileBytes);
+  EXPECT_FALSE(Bwd_tile_config<64>::DqTraits::kKVDoubleBuf);
+  EXPECT_FALSE(Bwd_tile_config<96>::DqTraits::kKVDoubleBuf);
+  EXPECT_FALSE(Bwd_tile_config<256>::DqTraits::kKVDoubleBuf);
+  // The band kernels' traits without the bias gradient's stores keep the flag of DqTraits.
+  EXPECT_TRUE((DqLaunchTraits<128, true, true>::Plain::kKVDoubleBuf));
+}
+
 TEST(BwdLaunchPlan, GridLimitAndHeadDim) {
   // b * h * ceil(sq / Br) beyond 2^31 - 1 CTAs must be refused, not wrapped.
   EXPECT_THROW(plan_bwd_launch(128, 1 << 16, 1 << 10, 1, 1 << 20, 64, false),
