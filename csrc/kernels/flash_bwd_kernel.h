@@ -1030,16 +1030,17 @@ __global__ void __launch_bounds__(Kt::kNThreads)
   constexpr int kRowBytes = L::kRowBytes;
   constexpr int kDO = Kt::kDOut;
   constexpr bool kQS = Kt::kQInSmem;
-  // Two [K | V] buffers (Kt::kKVDoubleBuf), in the plain kernels only: the extended ones keep
-  // their single buffer, whose load order the dropout generator and the bias gradient's stores
-  // were fitted around (registers).
+  // Two [K | V] buffers (Kt::kKVDoubleBuf), in the plain kernels only: the extended ones (score
+  // modifiers, bias, dropout, packed sequences) keep their single buffer, whose load order the
+  // dropout generator and the bias gradient's stores were fitted around (registers).
   constexpr bool kDbl = Kt::kKVDoubleBuf && !kDrop;
   // 16-byte chunks of a row that exist (head_dims.h: the tail past head_dim d).
   const int dc = params.d / 8;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // kQInSmem: [sQ: Br x d][sdO: Br x d][sK][sV]. Otherwise [sK: Bc x d][sV], which also stages
-  // the Q and dO tiles before the loop. The dQ tile is staged through sQ (kQInSmem) or sK.
+  // kQInSmem: [sQ: Br x d][sdO: Br x d][sK][sV]. Otherwise [sK: Bc x d][sV] (kDbl: [sK][sV]
+  // [sK'][sV'], two buffers), which also stages the Q and dO tiles before the loop. The dQ tile
+  // is staged through sQ (kQInSmem) or sK.
   __half* sQ = reinterpret_cast<__half*>(smem_raw + Kt::kOffQ);
   __half* sdO = reinterpret_cast<__half*>(smem_raw + Kt::kOffDo);
   __half* sK = reinterpret_cast<__half*>(smem_raw + Kt::kOffK);
@@ -1172,7 +1173,8 @@ __global__ void __launch_bounds__(Kt::kNThreads)
     const uint32_t kt_lane_addr =
         chunk_pair_addr<kPad>(lane_addr_bt<kCPR, kPad>(sK, lane), col0 / 16);
 
-    // kDbl: tile j in buffer j % 2 (byte offset buf_off from the lane addresses above).
+    // kDbl: the loop's first tile in buffer 0, then alternating (byte offset buf_off from the
+    // lane addresses above).
     uint32_t buf_off = 0;
     constexpr uint32_t kBufBytes = 2 * Kt::kKVBufHalves;
     for (int n_block = nb.n_block_min; n_block < nb.n_block_max; ++n_block) {

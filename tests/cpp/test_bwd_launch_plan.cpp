@@ -179,7 +179,9 @@ TEST(BwdLaunchPlan, DqDoubleKVBufferCostsNoSharedMemory) {
   EXPECT_FALSE(Bwd_tile_config<64>::DqTraits::kKVDoubleBuf);
   EXPECT_FALSE(Bwd_tile_config<96>::DqTraits::kKVDoubleBuf);
   EXPECT_FALSE(Bwd_tile_config<256>::DqTraits::kKVDoubleBuf);
-  // The band kernels' traits without the bias gradient's stores keep the flag of DqTraits.
+  // The plain band kernel runs DqTraits (two buffers); the extended band kernels' traits
+  // without the bias gradient's stores keep the flag (unused there: one buffer in Is_ext).
+  EXPECT_TRUE((DqLaunchTraits<128, true, false>::Plain::kKVDoubleBuf));
   EXPECT_TRUE((DqLaunchTraits<128, true, true>::Plain::kKVDoubleBuf));
 }
 

@@ -1884,6 +1884,10 @@ int main(int argc, char** argv) {
       addw(2, 1, 600, 6, 2, d, true, true, true, true, 2, false, 250, -1);      // decode, splits
       addw(1, 1, 300, 4, 4, d, false, true, false, false, 0, false, 100, 0);   // decode
     }
+    if (mode == "quick") {  // d = 128's band dQ kernel (two K / V buffers), deterministic
+      addw(2, 200, 200, 2, 1, 128, true, true, false, false, 2, false, 37, -1);
+      addw(1, 150, 230, 4, 2, 128, false, true, true, true, 1, false, 20, 45);
+    }
     seed = seed_after;
   }
   // Score mods (softcap, ALiBi, both), alone and with causal masks, windows, GQA, key ranges
@@ -2087,7 +2091,7 @@ int main(int argc, char** argv) {
   // Deterministic mode: bitwise identical gradients under a different schedule (CTA order and
   // thread interleaving are reshuffled by the seed).
   // full: also the d = 256 kernels (column splits), at a tail head dim.
-  std::vector<int> rerun_dims = {64, 96};
+  std::vector<int> rerun_dims = {64, 96, 128};
   if (mode == "full") rerun_dims.push_back(200);
   const bool rerun = mode != "tails" && mode != "decode" && mode != "fwd" && mode != "window" &&
                      mode != "scoremod" && mode != "varlen";
