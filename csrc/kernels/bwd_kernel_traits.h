@@ -161,9 +161,10 @@ struct Flash_bwd_dkdv_kreg_traits {
 //  kDSplit: the warps of one 16-row group (kDSplit of them) each own kDOut = d / kDSplit columns
 //    of dQ and compute the same S and dP over the whole d (needs kQInSmem).
 //  kKVDoubleBuf: two [K | V] buffers, so that the plain kernels (no score modifier, bias,
-//    dropout or packed sequences) store tile j + 1 into the idle one while tile j is read and end each tile with one
-//    barrier instead of three. Only where the shared memory is there anyway (the Q / dO staging
-//    of kQInSmem = false already takes >= 4 K/V tiles): no CTA per SM is lost to it.
+//    dropout or packed sequences) store tile j + 1 into the idle one while tile j is read and
+//    end each tile with one barrier instead of three. Only where the shared memory is there
+//    anyway (the Q / dO staging of kQInSmem = false already takes >= 4 K/V tiles): no CTA per
+//    SM is lost to it.
 template <int kHeadDim_, int kBlockN_, int kNWarps_, int kDSplit_ = 1, bool kQInSmem_ = false,
           bool kDbias_ = true, bool kKVDoubleBuf_ = false>
 struct Flash_bwd_dq_kernel_traits {
