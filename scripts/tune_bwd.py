@@ -1,7 +1,7 @@
 """Time backward-kernel variants side by side, each kernel alone (development tool, needs a
 CUDA GPU; ``--gen-only`` does not).
 
-    python scripts/tune_bwd.py --d 128 --n 4096 8192 --dkdv default 32,64,8 --dq 32,8
+    python scripts/tune_bwd.py --d 128 --n 4096 8192 --dkdv default 32,64,8 --dq default 32,8
     cp -r csrc/kernels /tmp/v1 && rm -r /tmp/v1/instantiations   # then edit /tmp/v1/*.h
     python scripts/tune_bwd.py --n 4096 --causal 0 --dkdv default /tmp/v1:default 64/default
 
@@ -12,7 +12,9 @@ symbols in one extension module and a source edit can be timed against the origi
 build. d (64 or 128) defaults to --d. SPEC of a dK/dV variant (the deterministic mode's
 flash_bwd_dkdv_kernel): ``Br,Bc,warps`` (Flash_bwd_kernel_traits) or ``default``
 (Bwd_tile_config<d>::Traits); of a dQ variant: ``Bc,warps[,...]`` (Flash_bwd_dq_kernel_traits;
-further numbers are passed on as template arguments).
+further numbers are passed on as its later template arguments, kDSplit, kQInSmem, kDbias,
+kKVDoubleBuf: ``32,8`` is d = 128's dQ tile with one K / V buffer, ``32,8,1,0,1,1`` the
+double-buffered one that ships) or ``default`` (Bwd_tile_config<d>::DqTraits).
 
 The problem is prepared with the library's host code (prepare_bwd) and the real preprocess
 kernel. Each variant first runs once on NaN-poisoned gradients and is compared with the
@@ -106,9 +108,13 @@ def parse_spec(kind, spec, default_d):
     vdir, sp = rest.rsplit(":", 1) if ":" in rest else ("base", rest)
     d = int(d)
     key_grid = "((p.seqlen_k + Kr::kBlockN - 1) / Kr::kBlockN) * p.b * p.h_k"
+    q_grid = "((p.seqlen_q + Kr::kBlockM - 1) / Kr::kBlockM) * p.b * p.h"
     if kind == "dkdv" and sp == "default":
         return (d, vdir, f"Bwd_tile_config<{d}>::Traits", "flash_bwd_dkdv_kernel", ", false",
                 "kSmemSizeNoDq", key_grid)
+    if sp == "default":
+        return (d, vdir, f"Bwd_tile_config<{d}>::DqTraits", "flash_bwd_dq_kernel", "",
+                "kSmemSize", q_grid)
     nums = [int(x) for x in sp.split(",")]
     if kind == "dkdv":
         if len(nums) != 3:
@@ -117,11 +123,10 @@ def parse_spec(kind, spec, default_d):
         return (d, vdir, f"Flash_bwd_kernel_traits<{d}, {br}, {bc}, {w}>", "flash_bwd_dkdv_kernel",
                 ", false", "kSmemSizeNoDq", key_grid)
     if len(nums) < 2:
-        raise ValueError(f"dQ spec {spec!r}: Bc,warps[,...]")
+        raise ValueError(f"dQ spec {spec!r}: Bc,warps[,...] or default")
     extra = "".join(f", {x}" for x in nums[2:])
     return (d, vdir, f"Flash_bwd_dq_kernel_traits<{d}, {nums[0]}, {nums[1]}{extra}>",
-            "flash_bwd_dq_kernel", "", "kSmemSize",
-            "((p.seqlen_q + Kr::kBlockM - 1) / Kr::kBlockM) * p.b * p.h")
+            "flash_bwd_dq_kernel", "", "kSmemSize", q_grid)
 
 
 def main():

@@ -55,11 +55,11 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
     variant.mkdir()
     (variant / "flash_bwd_kernel.h").write_text("// an edited copy\n")
     r = run_script("scripts/tune_bwd.py", "--gen-only", "--dkdv", "32,64,8",
-                   f"128/{variant}:32,64,8", "64/default", "--dq", "32,8",
+                   f"128/{variant}:32,64,8", "64/default", "--dq", "32,8", "default",
                    hide_cuda=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = ROOT / r.stdout.strip().splitlines()[-1]
-    tus = [(out / f"v{i}.cu").read_text() for i in range(4)]
+    tus = [(out / f"v{i}.cu").read_text() for i in range(5)]
     # base variants use the library's own namespace and headers ...
     assert "#define flash_sm75" not in tus[0]
     assert f'#include "{ROOT / "csrc/kernels"}/flash_bwd_kernel.h"' in tus[0]
@@ -72,8 +72,11 @@ def test_tune_bwd_generates_one_renamed_namespace_per_variant_directory(tmp_path
     assert "flash_sm75::Bwd_tile_config<64>::Traits" in tus[2]
     assert "flash_bwd_dkdv_kernel<Kr, false, false>" in tus[2]
     assert "Flash_bwd_dq_kernel_traits<128, 32, 8>" in tus[3]
+    # "default" is the dQ tile the library launches (d = 128's double-buffered one).
+    assert "flash_sm75::Bwd_tile_config<128>::DqTraits" in tus[4]
+    assert "flash_bwd_dq_kernel<Kr" in tus[4]
     bind = (out / "bind.cpp").read_text()
-    assert all(f"case {i}: run_" in bind for i in range(4))
+    assert all(f"case {i}: run_" in bind for i in range(5))
 
 
 @pytest.mark.parametrize("args, message", [
