@@ -240,7 +240,7 @@ struct Bwd_tile_config<64> {
   using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4, 1, false, false>;
   // The dQ kernel of a call with a bias gradient (params.dbias_ptr; the extended, non-band
   // instantiations): Bc = 32, as at d = 96 / 128. Its fp32 dS stores spilled the Bc = 64 one,
-  // whose Q and dO fragments stay in registers (255 before them; 168 / 193 here).
+  // whose Q and dO fragments stay in registers (255 before them; 200-209 here).
   using DqBiasTraits = Flash_bwd_dq_kernel_traits<64, 32, 4>;
   static constexpr bool kAtomicDq = true;  // the atomic dQ mode exists (else: deterministic)
 };
@@ -277,7 +277,7 @@ struct Bwd_tile_config<256> {
   // / 2 columns per warp) left none for dropout.h's generator (32-36 bytes of spill). Four
   // column splits instead of two halve the accumulators (d / 4 = 64 columns per warp: 168-170
   // registers, 0 spills) for S^T / dP^T computed four times per key group instead of twice; 8
-  // warps of one CTA per SM as Traits' 4 warps of one (50.8 KiB of shared memory each: the same
+  // warps of one CTA per SM as Traits' 4 warps of one (49.6 KiB of shared memory each: the same
   // tiles, Bc = 32, Br = 16).
   using DropoutTraits = Flash_bwd_kernel_traits<256, 16, 32, 8, 4>;
   using DqTraits = Flash_bwd_dq_kernel_traits<256, 16, 4, 2, true>;

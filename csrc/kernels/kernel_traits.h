@@ -198,7 +198,8 @@ struct Flash_fwd_kernel_traits {
 //  * d = 64: Br = 64 with 4 warps (~165 registers/thread, 16 KiB smem): three CTAs fit a T4 SM.
 //  * d = 128: Br = 128 with 8 warps. With 4 warps the per-thread register staging of the next
 //    K/V tile (Bc*d/128 halves) pushes the kernel past 255 registers and ptxas spills; 8 warps
-//    halve that staging and fit (246 / 248 registers, no spills). 32 KiB of smem.
+//    halve that staging and fit (250 / 252 registers with the head-dim tail predicate, no
+//    spills). 32 KiB of smem.
 struct FwdTileD64 : FwdTileDefaults {
   static constexpr int kHeadDim = 64, kBlockM = 64, kBlockN = 64, kNWarps = 4;
   // Min 3 CTAs per SM: without it ptxas takes 170-177 registers and only 2 CTAs fit.
@@ -227,7 +228,7 @@ struct FwdTileD64SmallGrid : FwdTileDefaults {
   static constexpr bool kBiasFastPath = false;  // 8 bytes of spill under the 128-register cap
 };
 // Threshold rescale t = 8 (P <= 2^8): measured +2-7% over rescaling every tile. Split tile:
-// +4-8% at N >= 1024 (246-248 registers, no spills).
+// +4-8% at N >= 1024 (250-252 registers, no spills).
 struct FwdTileD128 : FwdTileDefaults {
   static constexpr int kHeadDim = 128, kBlockM = 128, kBlockN = 64, kNWarps = 8;
   static constexpr int kRescaleThreshold = 8;
