@@ -17,8 +17,8 @@ have raises :class:`UnsupportedFeatureError` (both a ``NotImplementedError`` and
 ``softcap`` (logit soft-capping, Gemma 2) and ``alibi_slopes`` (ALiBi) run on the kernels in
 every function, with flash-attn's semantics (``softcap <= 0`` is off; NaN or infinite raises
 ``ValueError``); the varlen functions run on the varlen op (one call, every option included);
-``flash_attn_with_kvcache`` calls with ALiBi and ``cache_leftpad`` run one kernel call per
-sequence after one host read of the lengths (see :func:`flash_attn_with_kvcache`).
+``flash_attn_with_kvcache`` is one kernel call with no host read, ALiBi and ``cache_leftpad``
+included (see :func:`flash_attn_with_kvcache`).
 
 Invalid input (dtype, shapes, devices, head dims above 256, ...) raises ``ValueError`` naming
 the argument (the rulebook, ``_rules.py``). Differences from flash-attn, all documented in the
@@ -27,7 +27,7 @@ masking the LSE is that of flash-attn's documented scores, not of its causal ker
 ones (the ALiBi note in the functions' docstrings); ``S_dmask``
 (``return_attn_probs=True``) is the empty tensor flash-attn itself returns when
 ``dropout_p == 0``; head dims that are not a multiple of 8 are zero-padded as flash-attn does;
-tensors on the CPU run the op's float64 reference.
+tensors on the CPU run the op's reference (forward in float64, backward in float32).
 
 ``deterministic=True`` makes that call's backward deterministic (no floating-point atomics),
 as in flash-attn, whatever ``FLASH_SM75_BWD_DQ`` and
@@ -270,7 +270,8 @@ _COMMON_DOC = """
     ``j <= i + seqlen_k - seqlen_q``; a row that sees no key gives output 0 and LSE ``-inf``
     (flash-attn writes ``+inf`` there). dtype float16 (bfloat16 raises ``ValueError``: Turing
     has no bf16 tensor cores); head_dim up to 256 (one that is not a multiple of 8 is zero-padded
-    to the next, as flash-attn does); CUDA tensors, or CPU tensors on the op's float64 reference.
+    to the next, as flash-attn does); CUDA tensors, or CPU tensors on the op's reference (forward
+    in float64, backward in float32).
     Gradients flow to the inputs. ``deterministic=True`` makes this call's backward
     deterministic (as flash-attn); with ``False`` it is deterministic too unless
     ``FLASH_SM75_BWD_DQ=atomic`` (read when the backward runs) selects fp32 atomics for dQ.
@@ -752,8 +753,10 @@ def flash_attn_with_kvcache(
     Costs. One call of the KV-cache op (``torch.ops.flash_attention_sm75.kvcache_fwd``) appends
     the new keys / values and attends in place on the cache, plain, paged or selected by
     ``cache_batch_idx``, with the lengths on the device only (no host synchronisation, CUDA-graph
-    capturable): ``seqlen_q == 1`` without a window or ALiBi on the split-KV decode kernel,
-    everything else on the prefill kernels, which align each sequence bottom-right themselves.
+    capturable): calls without a window whose ``seqlen_q * nheads / nheads_k`` (query, head)
+    rows per kv head fit the split-KV decode kernel (32 rows, 16 above head dim 128; ALiBi
+    included) run there, everything else on the prefill kernels (with key splits where few
+    CTAs stream a long cache), which align each sequence bottom-right themselves.
     The rotary embedding is a few small device ops before it. Two cases copy the cache first
     (after appending to it with index ops) and run the op on the copy: a page size that is not a
     multiple of 64 (the pages are gathered into a contiguous copy) and a head dim that is not a
@@ -762,7 +765,8 @@ def flash_attn_with_kvcache(
     Raises
     ------
     UnsupportedFeatureError
-        When a gradient could flow (grad mode on and q, k or v requiring grad): flash-attn has no backward here
+        When a gradient could flow (grad mode on and q, k, v, k_cache or v_cache requiring
+        grad): flash-attn has no backward here
         and would silently return none; call it under ``torch.no_grad()``.
     ValueError
         Invalid arguments, naming them (shapes, dtypes, devices; ``k`` without ``v`` or without

@@ -64,7 +64,8 @@ def flash_attn_func(
         implementation: forward in float64, backward in float32; it materializes the
         seqlen_q x seqlen_k scores: O(N^2) memory and far slower than torch's SDPA on CPU; it is
         meant for tests and portability). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
-        16-byte aligned and the batch, sequence and head strides divisible by 8 elements.
+        16-byte aligned and the batch, sequence and head strides divisible by 8 elements (where
+        that dimension has more than one entry).
     k : torch.Tensor
         Keys, shape ``(batch_size, seqlen_k, num_heads_k, head_dim)``, same dtype, device and
         stride requirements as ``q``. ``num_heads`` must be divisible by ``num_heads_k``
@@ -146,8 +147,9 @@ def flash_attn_func(
         ``return_lse`` not a bool, ``window_size`` not a pair of ints each -1 or >= 0,
         ``softcap`` not a finite real number >= 0, ``alibi_slopes`` not a float32 tensor of
         shape ``(num_heads,)`` / ``(batch_size, num_heads)`` with a contiguous last dimension
-        on ``q``'s device (or requiring grad under grad mode), or ``dropout_p`` not a real
-        number in ``[0, 1)``. The message
+        on ``q``'s device (or requiring grad under grad mode), ``softcap / softmax_scale``
+        outside ``[2**-100, 2**100]``, or ``dropout_p`` not a real number in ``[0, 1)``. The
+        message
         names the argument. Also for a CUDA GPU of compute capability < 7.5. The rules are
         ``flash_attention_sm75._rules`` (one rulebook for every API); raised before any kernel
         launch.
@@ -238,7 +240,8 @@ def flash_attention_forward(
         implementation: forward in float64, backward in float32; it materializes the
         seqlen_q x seqlen_k scores: O(N^2) memory and far slower than torch's SDPA on CPU; it is
         meant for tests and portability). Any strides with ``stride(-1) == 1``; on CUDA the data pointer must be
-        16-byte aligned and the batch, head and sequence strides divisible by 8 elements.
+        16-byte aligned and the batch, head and sequence strides divisible by 8 elements (where
+        that dimension has more than one entry).
     k : torch.Tensor
         Keys, shape ``(batch_size, num_heads_k, seqlen_k, head_dim)``, same dtype, device and
         stride requirements as ``q``. ``num_heads`` must be divisible by ``num_heads_k`` (GQA,
@@ -304,8 +307,9 @@ def flash_attention_forward(
         ``return_lse`` not a bool, ``window_size`` not a pair of ints each -1 or >= 0,
         ``softcap`` not a finite real number >= 0, ``alibi_slopes`` not a float32 tensor of
         shape ``(num_heads,)`` / ``(batch_size, num_heads)`` with a contiguous last dimension
-        on ``q``'s device (or requiring grad under grad mode); also for
-        a CUDA GPU of compute capability < 7.5. The message
+        on ``q``'s device (or requiring grad under grad mode), ``softcap / softmax_scale``
+        outside ``[2**-100, 2**100]``, or ``dropout_p`` not a real number in ``[0, 1)``; also
+        for a CUDA GPU of compute capability < 7.5. The message
         names the argument. The rules are ``flash_attention_sm75._rules`` (one rulebook for every
         API); raised before any kernel launch.
     RuntimeError

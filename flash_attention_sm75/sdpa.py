@@ -193,7 +193,7 @@ def why_not_supported(
     from 8 to 256, key and
     value of the same shape, equal batch sizes (no broadcasting), ``num_heads % num_heads_k ==
     0``, last dimension contiguous, data pointers 16-byte aligned, other strides divisible by 8
-    elements, ``scale`` None or finite within [1.18e-38, 1.07e26]); and the wrapper's own rules:
+    elements where that dimension has more than one entry, ``scale`` None or finite within [1.18e-38, 1.07e26]); and the wrapper's own rules:
     ``attn_mask`` None or a mask as above; ``dropout_p`` in ``[0, 1)``; ``is_causal`` a
     bool; ``scale`` a Python float or int; ``enable_gqa=True`` when ``num_heads !=
     num_heads_k``; no forward-mode AD tangent on any input; no ``torch.func`` transform
@@ -372,7 +372,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query : torch.Tensor
         Query, shape ``(batch, num_heads, seqlen_q, head_dim)``. Kernel path: ``torch.float16``,
         CUDA (compute capability >= 7.5), ``head_dim`` a multiple of 8 in [8, 256], ``stride(-1) == 1``, 16-byte
-        aligned, other strides divisible by 8 elements. Any other input torch accepts (3-D, 5-D,
+        aligned, other strides divisible by 8 elements (where that dimension has more than one
+        entry). Any other input torch accepts (3-D, 5-D,
         float32, bfloat16, CPU, ...) is handled by the fallback.
     key : torch.Tensor
         Key, shape ``(batch, num_heads_k, seqlen_k, head_dim)``; same requirements as ``query``.

@@ -1337,8 +1337,10 @@ def flash_attention_sm75_forward(
     zero gradients on every path, the kernel's and the fallbacks' (:func:`_call_fallback`), as
     are tokens in no document of ``cu_seq_lens``; a row hidden only by a finite "dtype minimum"
     keeps the fallback's finite result. While ``torch.compile`` traces or a
-    CUDA graph captures, nothing is read on the host: masks and packed ``position_ids`` go to
-    torch SDPA, which reads them at every replay (``cu_seq_lens`` run on the varlen op there).
+    CUDA graph captures, nothing is read on the host: a mask goes to the kernel as its
+    ``attn_bias`` (where the rulebook's bias rule allows it; otherwise to the fallback), read on
+    the device at every replay; packed ``position_ids`` go to the fallback with a per-document
+    mask, and ``cu_seq_lens`` run on the varlen op there.
     Host time: layer 0 of a forward takes the decision (and the mask's one host read); layers
     1..L-1 find it remembered under the same mask object and call metadata, so they pay a key
     and the op call only (see ``_decision_key`` for what the key holds and when it is not used).
