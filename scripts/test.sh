@@ -18,7 +18,8 @@
 # Knobs: PYTHON (default python3), MAX_JOBS (default 2), TORCH_INDEX_URL (index for torch),
 #        BUILD_DIR (CMake build dir, default build/cmake), SKIP_INSTALL=1 (use what is installed),
 #        SKIP_NEWEST_TORCH=1 (skip step 5), NEWEST_TORCH_VERSION (step 5's torch; default: the
-#        newest on the index).
+#        newest on the index), KEEP_NEWEST_TORCH=1 (keep step 5's venv), NEWEST_TORCH_MIN_FREE_GB
+#        (free disk step 5 needs to start; default 8).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -193,10 +194,23 @@ fi
 # (pytest, transformers, ...) after its own through a .pth file. The package is built from a
 # copy of the tree and installed non-editable, as `pip install --no-build-isolation .` does for
 # a user; the copy's package folder is then removed so that the tests import the installed one.
+# The venv takes about 5.5 GB (torch, triton and the nvidia-* CUDA wheels): pip keeps no cache of
+# those wheels (a second copy), and the venv and the source copy are removed when the step ends
+# (KEEP_NEWEST_TORCH=1 keeps them). With less free disk than NEWEST_TORCH_MIN_FREE_GB (default 8)
+# the step is not started and the summary says so: a half-installed torch ends in "No space left
+# on device" and tells nothing about the package.
 newest_torch() {
   local dir=$ROOT/build/newest-torch
-  local venv=$dir/venv src=$dir/src py=$dir/venv/bin/python version rc
-  log "newest torch: venv $venv"
+  local venv=$dir/venv src=$dir/src py=$dir/venv/bin/python version rc free_gb
+  local need_gb=${NEWEST_TORCH_MIN_FREE_GB:-8}
+  mkdir -p "$dir"
+  free_gb=$(df -Pk "$dir" | awk 'NR == 2 {printf "%d", $4 / 1048576}')
+  if [ ! -x "$py" ] && [ "${free_gb:-0}" -lt "$need_gb" ]; then
+    log "newest torch: not run, ${free_gb} GB free under $dir and the venv needs about $need_gb"
+    SUMMARY+=("newest-torch NOT RUN (${free_gb} GB free, needs ${need_gb}; NEWEST_TORCH_MIN_FREE_GB)")
+    return
+  fi
+  log "newest torch: venv $venv (${free_gb} GB free)"
   if [ ! -x "$py" ]; then
     "$PY" -m venv "$venv" || { fail "newest-torch (venv)"; return; }
   fi
@@ -204,11 +218,11 @@ newest_torch() {
     > "$("$py" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/_flash_sm75_main_env.pth"
   local index=()
   [ -z "${TORCH_INDEX_URL:-}" ] || index=(--index-url "$TORCH_INDEX_URL")
-  if ! "$py" -m pip install -q --upgrade "${index[@]}" \
+  if ! PIP_NO_CACHE_DIR=1 "$py" -m pip install -q --upgrade "${index[@]}" \
       "torch${NEWEST_TORCH_VERSION:+==$NEWEST_TORCH_VERSION}"; then
     fail "newest-torch (pip install torch)"; return
   fi
-  "$py" -m pip install -q --upgrade "setuptools>=64" wheel ninja || { fail "newest-torch (build tools)"; return; }
+  PIP_NO_CACHE_DIR=1 "$py" -m pip install -q --upgrade "setuptools>=64" wheel ninja || { fail "newest-torch (build tools)"; return; }
   version=$("$py" -c 'import torch; print(torch.__version__)')
   log "newest torch: torch $version (CUDA $("$py" -c 'import torch; print(torch.version.cuda)')); pip install --no-build-isolation . (MAX_JOBS=$MAX_JOBS)"
   rm -rf "$src" && mkdir -p "$src"
@@ -218,7 +232,7 @@ newest_torch() {
     tar --exclude=./build --exclude=./.venv --exclude=./.git --exclude='*.so' -cf - . | tar -xf - -C "$src"
   fi
   local build_log=$RESULTS/newest-torch-build.log
-  if ! (cd "$src" && "$py" -m pip install -v --no-build-isolation "$src") > "$build_log" 2>&1; then
+  if ! (cd "$src" && PIP_NO_CACHE_DIR=1 "$py" -m pip install -v --no-build-isolation "$src") > "$build_log" 2>&1; then
     grep -E "error|Error" "$build_log" | head -n 30
     tail -n 15 "$build_log"
     fail "newest-torch $version (build; log: $build_log)"; return
@@ -248,6 +262,9 @@ if [[ "${SKIP_NEWEST_TORCH:-0}" =~ ^(1|true|yes|on)$ ]]; then
   SUMMARY+=("newest-torch skipped (SKIP_NEWEST_TORCH=1)")
 else
   newest_torch
+  if [[ ! "${KEEP_NEWEST_TORCH:-0}" =~ ^(1|true|yes|on)$ ]]; then
+    rm -rf "$ROOT/build/newest-torch/venv" "$ROOT/build/newest-torch/src"
+  fi
 fi
 
 finish
