@@ -4,6 +4,7 @@ and the backward problem they share (benchmarks/_common.py)."""
 import csv
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -171,3 +172,36 @@ def test_check_sm75_proxy_reports_the_jit_target_beside_sm75():
     st, ld = cells[-2].split("/")
     assert 0 < int(cells[-3]) <= 255 and int(st) >= 0 and int(ld) >= 0
     assert "sm_90 (informational):" in r.stdout
+
+
+def _newest_torch_harness(tmp_path, env_lines):
+    """scripts/test.sh's step-5 function run on its own, with the script's helpers stubbed."""
+    text = (ROOT / "scripts" / "test.sh").read_text()
+    start = text.index("newest_torch() {")
+    end = text.index("\n}\n", start) + 3
+    harness = tmp_path / "harness.sh"
+    harness.write_text(
+        "set -euo pipefail\n"
+        f"ROOT={tmp_path}; RESULTS=$ROOT/results; mkdir -p $RESULTS\n"
+        # PY=false: should the guard let the step start, it fails at once creating the venv
+        # instead of downloading torch.
+        "PY=false; MAX_JOBS=2; SUMMARY=(); FAILED=0\n"
+        'log() { echo "LOG $*"; }\n'
+        'fail() { FAILED=1; SUMMARY+=("$1 FAILED"); }\n'
+        + text[start:end] + "\n" + "\n".join(env_lines) + "\n"
+        'printf "SUMMARY %s\\n" "${SUMMARY[@]}"; echo "FAILED=$FAILED"\n')
+    return subprocess.run(["bash", str(harness)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("df") is None,
+                    reason="needs bash and df")
+def test_newest_torch_step_is_reported_not_run_without_the_free_disk_it_needs(tmp_path):
+    # More free space asked for than any disk has: the step must not start a venv (an install
+    # that runs out of disk half-way is what this guard replaces) and must say why, unfailed.
+    r = _newest_torch_harness(tmp_path, ["NEWEST_TORCH_MIN_FREE_GB=100000000 newest_torch"])
+    assert r.returncode == 0, r.stderr
+    assert "FAILED=0" in r.stdout
+    summary = [line for line in r.stdout.splitlines() if line.startswith("SUMMARY ")]
+    assert len(summary) == 1 and "newest-torch NOT RUN" in summary[0], r.stdout
+    assert "needs 100000000" in summary[0]
+    assert not (tmp_path / "build" / "newest-torch" / "venv").exists()
