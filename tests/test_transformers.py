@@ -1118,3 +1118,21 @@ def test_training_backward_matches_stock_sdpa_via_cpu_reference(path, batch):
         assert torch.isfinite(g_ours[name]).all(), name
         e_ours, e_stock = _rel(g_ours[name], g32[name]), _rel(g_stock[name], g32[name])
         assert e_ours <= 2 * e_stock + 1e-3, (name, e_ours, e_stock)
+
+
+def test_fallback_reasons_are_bounded_and_every_call_is_still_counted():
+    # A reason names the call's shapes: a fallback at each decode step of a long generate() is a
+    # new reason each step, which must not grow get_stats()'s counter without bound.
+    hf.reset_stats()
+    n = hf.STATS_MAX_REASONS + 44
+    for i in range(n):
+        hf._fall_back(f"value head_dim differs: v [1, 2, {i + 1}, 64]")
+    hf._fall_back("value head_dim differs: v [1, 2, 1, 64]")  # a kept reason still counts
+    stats = hf.get_stats()
+    assert stats["fallback"] == n + 1
+    assert sum(stats["reasons"].values()) == n + 1
+    assert len(stats["reasons"]) == hf.STATS_MAX_REASONS + 1
+    assert stats["reasons"][hf.OTHER_REASONS] == n - hf.STATS_MAX_REASONS
+    assert stats["reasons"]["value head_dim differs: v [1, 2, 1, 64]"] == 2
+    hf.reset_stats()
+    assert hf.get_stats()["reasons"] == {}

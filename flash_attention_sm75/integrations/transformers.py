@@ -131,6 +131,12 @@ _SETTINGS: Dict[str, bool] = {
 
 _STATS_LOCK = threading.Lock()
 _STATS: Dict[str, Any] = {}
+# A reason names the call's shapes, so a fallback at every decode step of a long generate() (or
+# of a server's lifetime) is a new reason each time: past this many distinct reasons the rest are
+# counted under one key instead of growing the counter without bound.
+STATS_MAX_REASONS = 256
+OTHER_REASONS = (f"(other reasons: more than {STATS_MAX_REASONS} distinct ones; "
+                 "logging at DEBUG names each)")
 
 
 def reset_stats() -> None:
@@ -152,7 +158,9 @@ def get_stats() -> Dict[str, Any]:
     dict
         ``{"kernel": n, "kernel_prefill": n, "kernel_decode": n, "fallback": n,
         "reasons": {reason: n}}``. One count per attention call, i.e. per layer and forward.
-        ``kernel_decode`` counts calls with ``q_len == 1``. Calls traced by ``torch.compile``
+        ``kernel_decode`` counts calls with ``q_len == 1``. ``reasons`` keeps at most
+        ``STATS_MAX_REASONS`` (256) distinct reasons; further new ones are counted under
+        ``OTHER_REASONS``. Calls traced by ``torch.compile``
         are not counted (a lock and a counter on the traced path would break the graph), nor
         are replays of a compiled graph or a CUDA graph, which run no Python.
 
@@ -179,7 +187,10 @@ def _count_fallback(reason: str) -> None:
         return
     with _STATS_LOCK:
         _STATS["fallback"] += 1
-        _STATS["reasons"][reason] += 1
+        reasons = _STATS["reasons"]
+        if reason not in reasons and len(reasons) >= STATS_MAX_REASONS:
+            reason = OTHER_REASONS
+        reasons[reason] += 1
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("transformers attention falls back to torch SDPA: %s", reason)
 
