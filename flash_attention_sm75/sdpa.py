@@ -236,6 +236,8 @@ def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
         return f"the compiled extension flash_attention_sm75._C is not available ({_ops.EXTENSION_ERROR})"
     if type(is_causal) is not bool:
         return f"is_causal is a {_rules.type_name(is_causal)}; a bool is required (torch raises)"
+    if type(enable_gqa) is not bool:
+        return f"enable_gqa is a {_rules.type_name(enable_gqa)}; a bool is required (torch raises)"
     if dropout_p != 0.0 and (isinstance(dropout_p, bool)
                              or not isinstance(dropout_p, numbers.Real)):
         return f"dropout_p is a {_rules.type_name(dropout_p)}; a Python float is required"
@@ -421,9 +423,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         In strict mode, if the call cannot use the kernel; the message contains the reason.
         Also (any mode) for key/value with zero heads under a query with heads and
         ``enable_gqa=True``, which torch's SDPA does not reject (it crashes the process with a
-        division by zero in torch 2.11).
+        division by zero in torch 2.11). Also for an ``attn_mask`` on another device than
+        ``query`` (torch's CPU backend reads a meta mask as if it held values).
     TypeError
-        From torch's SDPA (fallback path) for a non-bool ``is_causal``.
+        From torch's SDPA (fallback path) for a non-bool ``is_causal`` or ``enable_gqa``.
     RuntimeError
         Whatever torch's SDPA raises for invalid input on the fallback path (e.g. different head
         counts with ``enable_gqa=False``).
@@ -470,6 +473,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if (enable_gqa and isinstance(key, torch.Tensor) and key.dim() >= 3 and key.shape[-3] == 0
             and isinstance(query, torch.Tensor) and query.dim() >= 3 and query.shape[-3] != 0):
         raise ValueError(_zero_kv_heads_message(query, key))
+    if (isinstance(attn_mask, torch.Tensor) and isinstance(query, torch.Tensor)
+            and attn_mask.device != query.device and attn_mask.dim() > 0):
+        # torch's CPU backend reads a meta mask as if it held values; its other backends raise
+        # an error that does not name attn_mask. (A 0-dim CPU tensor combines with any device
+        # in torch's arithmetic: torch decides.)
+        raise ValueError(f"flash_attention_sm75: attn_mask is on {attn_mask.device} but query is "
+                         f"on {query.device}; attn_mask must be on the query's device")
     if (_zero_size(query, key, value) and type(is_causal) is bool
             and isinstance(dropout_p, (int, float)) and isinstance(scale, (int, float, type(None)))
             and isinstance(attn_mask, (torch.Tensor, type(None)))):
@@ -488,8 +498,12 @@ def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     through such a row): those rows are run unmasked, then zeroed, so their gradients are 0.
     Every other row is torch's result bit for bit (the mask's other rows are unchanged). The
     rows are found and unmasked on the device (``_masks.without_empty_rows``, shared with the
-    transformers integration's fallbacks)."""
-    split = _masks.without_empty_rows(attn_mask) if isinstance(query, torch.Tensor) else None
+    transformers integration's fallbacks). With ``is_causal=True`` and a mask, torch gets the
+    call as it is (it raises on most backends)."""
+    # is_causal with a mask: torch's call as it is (most of its backends raise; which one it
+    # picks depends on the mask, which must not be swapped for a copy here).
+    split = (_masks.without_empty_rows(attn_mask)
+             if isinstance(query, torch.Tensor) and is_causal is not True else None)
     if split is None or split[1].dim() > query.dim():
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                               dropout_p=dropout_p, is_causal=is_causal,

@@ -6,6 +6,7 @@ path with the float64 reference and every fallback branch with torch's own SDPA.
 """
 import fractions
 import logging
+import re
 
 import pytest
 import torch
@@ -939,3 +940,41 @@ def test_masks_torch_rejects_are_left_to_torch(name, kernel_device_cpu):
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     with pytest.raises(type(theirs.value)):
         fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+@pytest.mark.parametrize("enable_gqa", [1, 0, "no", "", None, torch.tensor(True)])
+def test_non_bool_enable_gqa_raises_like_torch_on_the_kernel_path(enable_gqa, kernel_device_cpu):
+    # A truthy string must not switch grouped-query attention on: torch raises TypeError for
+    # any non-bool, and the wrapper hands such a call to torch rather than reading its truth.
+    q, k, v = bhsd(h=4, h_k=2)
+    for kk, vv in ((k, v), (q, q)):
+        with pytest.raises(TypeError):
+            F.scaled_dot_product_attention(q, kk, vv, enable_gqa=enable_gqa)
+        with pytest.raises(TypeError):
+            fa.scaled_dot_product_attention(q, kk, vv, enable_gqa=enable_gqa)
+    assert "enable_gqa is a" in fa.why_not_supported(q, k, v, enable_gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_causal_with_a_mask_that_requires_grad_raises_like_torch(mode):
+    # torch refuses is_causal with an attn_mask on the backend such a mask selects; the fallback
+    # must not swap the mask for a copy that selects another backend and returns a value.
+    q, k, v = bhsd(s_q=5, s_k=7)
+    mask = torch.zeros(5, 7).requires_grad_()
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        try:
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+        except RuntimeError as e:
+            with pytest.raises(RuntimeError, match=re.escape(str(e)[:40])):
+                fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+        else:
+            got = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+            assert torch.equal(got, want)
+
+
+def test_mask_on_another_device_is_a_clear_error(kernel_device_cpu):
+    q, k, v = bhsd(s_q=3, s_k=3)
+    mask = torch.zeros(3, 3, dtype=torch.bool, device="meta")
+    assert "attn_mask is on meta" in fa.why_not_supported(q, k, v, attn_mask=mask)
+    with pytest.raises(ValueError, match="attn_mask is on meta but query is on cpu"):
+        fa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
