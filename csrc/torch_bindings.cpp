@@ -121,12 +121,12 @@ TORCH_LIBRARY_IMPL(flash_attention_sm75, CPU, m) {
 TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, float? softmax_scale=None, bool is_causal=False, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale=None, bool is_causal=False, "
       "Tensor? seqused_k=None, int window_size_left=-1, int window_size_right=-1, "
       "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor softmax_lse)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
-      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
       "float softmax_scale, bool is_causal, Tensor? seqused_k=None, bool deterministic=False, "
       "Tensor? grad_softmax_lse=None, int window_size_left=-1, int window_size_right=-1, "
       "float softcap=0.0, Tensor? alibi_slopes=None, float dropout_p=0.0, "
@@ -136,7 +136,7 @@ TORCH_LIBRARY_FRAGMENT(flash_attention_sm75, m) {
   // flash-attn's varlen position, after max_seqlen_k.
   m.def(
       "varlen_fwd_dropout(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
-      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p, "
+      "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, "
       "Tensor rng_state, float? softmax_scale=None, bool is_causal=False, "
       "Tensor? seqused_k=None, int window_size_left=-1, int window_size_right=-1, "
       "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor softmax_lse)");

@@ -741,7 +741,10 @@ def _varlen_fwd_setup_context(ctx, inputs, output, deterministic=False, extra=()
     ctx.n_inputs = len(inputs)
     ctx.dropout_p = 0.0  # varlen_fwd_dropout's setup sets its own
     ctx.shift = 0  # inputs between max_seqlen_k and softmax_scale (varlen_fwd_dropout: 2)
-    ctx.max_seqlen = (int(max_seqlen_q), int(max_seqlen_k))
+    # As they came: under torch.compile with dynamic shapes they are symbolic, and int() would
+    # specialise the graph to their values (one recompilation per packed batch's max length).
+    ctx.max_seqlen = tuple(n if isinstance(n, torch.SymInt) else int(n)
+                           for n in (max_seqlen_q, max_seqlen_k))
     ctx.softcap = float(softcap)
     ctx.softmax_scale = (1.0 / math.sqrt(q.shape[-1])) if softmax_scale is None else float(softmax_scale)
     ctx.is_causal = bool(is_causal)

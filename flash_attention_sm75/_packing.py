@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_block_table", "check_cu_seqlens", "check_on_device", "paged_rows"]
+__all__ = ["check_block_table", "check_cu_seqlens", "check_on_device", "paged_rows",
+           "shown"]
 
 
 def check_on_device(ok: torch.Tensor, message: str) -> None:
@@ -45,6 +46,16 @@ def check_on_device(ok: torch.Tensor, message: str) -> None:
         raise ValueError(message)
 
 
+def shown(n) -> str:
+    """``n`` (a size) as a :func:`check_on_device` message shows it: its value, except while
+    torch.compile traces. The message is built on every call, and formatting a size that the
+    graph keeps symbolic (dynamic shapes) would specialise the graph to its value: one
+    recompilation per size until the recompile limit (an error under ``fullgraph=True``)."""
+    if torch.compiler.is_compiling():
+        return "not shown under torch.compile"
+    return str(n)
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int,
                      name: str) -> torch.Tensor:
     """Check on the device (:func:`check_on_device`) that ``cu_seqlens`` (int, ``(batch + 1,)``)
@@ -59,8 +70,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int,
         ok = ok & (lengths >= 0).all() & (lengths <= max_seqlen).all()
     check_on_device(ok, (
         f"flash_attention_sm75: {name} must be non-decreasing offsets starting at >= 0 and "
-        f"ending at <= the number of packed tokens ({total}), with no sequence longer than "
-        f"the max_seqlen passed ({max_seqlen})"))
+        f"ending at <= the number of packed tokens ({shown(total)}), with no sequence longer "
+        f"than the max_seqlen passed ({shown(max_seqlen)})"))
     return lengths
 
 
@@ -75,8 +86,8 @@ def check_block_table(block_table: torch.Tensor, lengths: torch.Tensor, page_siz
     ok = (((block_table >= 0) & (block_table < num_blocks)) | ~used).all()
     check_on_device(ok, (
         f"flash_attention_sm75: block_table must hold block indices in [0, num_blocks = "
-        f"{num_blocks}) for every page that holds keys (the first ceil(length / "
-        f"page_block_size = {page_size}) entries of each row), got one outside"))
+        f"{shown(num_blocks)}) for every page that holds keys (the first ceil(length / "
+        f"page_block_size = {shown(page_size)}) entries of each row), got one outside"))
 
 
 def paged_rows(block_table: torch.Tensor, page_size: int, start: torch.Tensor,

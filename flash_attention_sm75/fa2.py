@@ -486,7 +486,8 @@ def _gather_pages(k, v, cu_k, max_k: int, block_table):
     _packing.check_on_device(
         ((len_k >= 0) & (len_k <= max_k) & (len_k <= block_table.shape[1] * page)).all(),
         f"flash_attention_sm75: cu_seqlens_k must give lengths in [0, max_seqlen_k = "
-        f"{max_k}] that fit the block_table's {block_table.shape[1]} pages of {page}")
+        f"{_packing.shown(max_k)}] that fit the block_table's "
+        f"{_packing.shown(block_table.shape[1])} pages of {_packing.shown(page)}")
     rows = (batch * max_k,) + tuple(k.shape[2:])
     if block_table.shape[1] == 0:  # no pages: every sequence is empty (checked above)
         kg, vg = k.new_zeros(rows), v.new_zeros(rows)
@@ -944,23 +945,24 @@ def _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos
             _packing.check_on_device(
                 (cache_seqlens.to(torch.int64) + q_positions <= rotary_cos.shape[0]).all(),
                 f"{PREFIX}rotary_cos / rotary_sin must have a row for every position of q, "
-                f"cache_seqlens[b] + i for i < {q_positions}; they have {rotary_cos.shape[0]} "
-                f"rows")
+                f"cache_seqlens[b] + i for i < {_packing.shown(q_positions)}; they have "
+                f"{_packing.shown(rotary_cos.shape[0])} rows")
         return
     if cache_seqlens is not None:
         lens = cache_seqlens.to(torch.int64)
         _packing.check_on_device(
             ((lens >= 0) & (lens + seqlen_new <= seqlen_cache)).all(),
             f"{PREFIX}cache_seqlens must be in [0, seqlen_cache - seqlen_new] = [0, "
-            f"{seqlen_cache - seqlen_new}] (seqlen_cache = {seqlen_cache} rows, seqlen_new = "
-            f"{seqlen_new} new keys written at rows cache_seqlens[b] + i), got a value outside")
+            f"{_packing.shown(seqlen_cache - seqlen_new)}] (seqlen_cache = "
+            f"{_packing.shown(seqlen_cache)} rows, seqlen_new = {_packing.shown(seqlen_new)} new "
+            f"keys written at rows cache_seqlens[b] + i), got a value outside")
         end = lens + seqlen_new
         if rotary_cos is not None:
             _packing.check_on_device(
                 (lens + q_positions <= rotary_cos.shape[0]).all(),
                 f"{PREFIX}rotary_cos / rotary_sin must have a row for every position of q, "
-                f"cache_seqlens[b] + i for i < {q_positions}; they have {rotary_cos.shape[0]} "
-                f"rows")
+                f"cache_seqlens[b] + i for i < {_packing.shown(q_positions)}; they have "
+                f"{_packing.shown(rotary_cos.shape[0])} rows")
     else:
         end = torch.full((k_cache.shape[0] if block_table is None else block_table.shape[0],),
                          seqlen_cache, dtype=torch.int64, device=k_cache.device)
@@ -968,7 +970,7 @@ def _check_cache_indices(cache_seqlens, cache_batch_idx, block_table, rotary_cos
         _packing.check_on_device(
             ((cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0])).all(),
             f"{PREFIX}cache_batch_idx must hold cache rows in [0, k_cache.shape[0] = "
-            f"{k_cache.shape[0]}), got a value outside")
+            f"{_packing.shown(k_cache.shape[0])}), got a value outside")
     if block_table is not None:
         _packing.check_block_table(block_table, end, k_cache.shape[1], k_cache.shape[0])
 

@@ -233,6 +233,31 @@ def test_append_and_attend_compiles_fullgraph_with_the_writes():
     assert torch.equal(compiled, eager)
 
 
+def test_compile_does_not_recompile_per_number_of_new_keys():
+    # A prefill chunk or prompt length changes from call to call; the value checks' messages
+    # must not specialise the graph to it (a recompilation per length, an error at the
+    # recompile limit under fullgraph).
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    B, S, h, hk, d = 2, 64, 4, 2, 16
+
+    def step(q, kc, vc, k, v, seqlens):
+        return fa2.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    kc, vc = rand(B, S, hk, d), rand(B, S, hk, d)
+    seqlens = torch.tensor([0, 3], dtype=torch.int32)
+    with torch.no_grad():
+        for n in range(2, torch._dynamo.config.recompile_limit + 4):
+            q, k, v = rand(B, n, h, d), rand(B, n, hk, d), rand(B, n, hk, d)
+            eager_k, eager_v = kc.clone(), vc.clone()
+            want = step(q, eager_k, eager_v, k, v, seqlens)
+            got = compiled(q, kc, vc, k, v, seqlens)
+            assert torch.equal(got, want) and torch.equal(kc, eager_k) and torch.equal(vc, eager_v)
+    assert counters["stats"]["unique_graphs"] <= 2  # the first call's static graph, then one
+
+
 # ---------------------------------------------------------------- found by a break test
 def test_no_new_keys_with_a_head_dim_that_is_padded():
     """An empty k / v (0 new keys) at a head dim the door pads (20) runs like k=None."""

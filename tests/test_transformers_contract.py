@@ -13,6 +13,7 @@
   ``_compatible_flash_implementations`` builds with ``"sm75_attention"``.
 """
 import copy
+import os
 
 import pytest
 import torch
@@ -587,6 +588,40 @@ def test_fullgraph_compile_equals_eager(family, padded, kernel_path):
             raise
     real = am.bool()
     torch.testing.assert_close(got.float()[real], eager.float()[real], atol=1e-2, rtol=1e-2)
+
+
+def test_fullgraph_compile_as_the_first_call_of_the_process():
+    # The first attention call of a process can be a traced one (a training script that compiles
+    # its model before anything else): nothing on the traced path may import a module (dynamo:
+    # "Bad import result", an error under fullgraph=True). A fresh interpreter, so that no
+    # earlier test has already run an eager call.
+    if not _ops.EXTENSION_AVAILABLE:
+        pytest.skip("extension not built")
+    import subprocess
+    import sys
+    code = (
+        "import torch\n"
+        "from flash_attention_sm75.integrations import transformers as hf\n"
+        "from devtools.model_configs import build_random_model\n"
+        "hf.configure(allow_cpu_reference=True)\n"
+        "m = build_random_model('llama', dtype=torch.float16, seed=14,\n"
+        "                       attn_implementation='sm75_attention')\n"
+        "ids = torch.randint(1, 128, (2, 11), generator=torch.Generator().manual_seed(15))\n"
+        "am = torch.ones_like(ids); am[1, :4] = 0\n"
+        "with torch.no_grad():\n"
+        "    got = torch.compile(m, fullgraph=True, backend='eager')(input_ids=ids,\n"
+        "                                                          attention_mask=am).logits\n"
+        "    want = m(input_ids=ids, attention_mask=am).logits\n"
+        "real = am.bool()\n"
+        "torch.testing.assert_close(got.float()[real], want.float()[real], atol=1e-2, rtol=1e-2)\n"
+        "assert hf.get_stats()['kernel'] > 0\n"
+        "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

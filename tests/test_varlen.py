@@ -48,20 +48,20 @@ I32 = torch.int32
 
 FWD_SCHEMA = (
     "flash_attention_sm75::varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
-    "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float? softmax_scale=None, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale=None, "
     "bool is_causal=False, Tensor? seqused_k=None, int window_size_left=-1, "
     "int window_size_right=-1, float softcap=0., Tensor? alibi_slopes=None) "
     "-> (Tensor out, Tensor softmax_lse)")
 BWD_SCHEMA = (
     "flash_attention_sm75::varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
-    "Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-    "int max_seqlen_k, float softmax_scale, bool is_causal, Tensor? seqused_k=None, "
+    "Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+    "SymInt max_seqlen_k, float softmax_scale, bool is_causal, Tensor? seqused_k=None, "
     "bool deterministic=False, Tensor? grad_softmax_lse=None, int window_size_left=-1, "
     "int window_size_right=-1, float softcap=0., Tensor? alibi_slopes=None, "
     "float dropout_p=0., Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)")
 # varlen_fwd's with dropout_p and rng_state in flash-attn's varlen position (after max_seqlen_k)
 DROPOUT_SCHEMA = FWD_SCHEMA.replace("::varlen_fwd(", "::varlen_fwd_dropout(").replace(
-    "int max_seqlen_k, ", "int max_seqlen_k, float dropout_p, Tensor rng_state, ")
+    "SymInt max_seqlen_k, ", "SymInt max_seqlen_k, float dropout_p, Tensor rng_state, ")
 
 
 def _varlen_fwd():
@@ -567,6 +567,32 @@ def test_compile_fullgraph_backends(backend):
     g = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
         assert torch.equal(a, b)
+
+
+def test_compile_dynamic_one_graph_for_every_packed_size():
+    # Packed training changes the token count and the longest document every batch: with
+    # dynamic shapes one graph must serve them all (formatting the sizes into the device
+    # check's message, int() of max_seqlen for the backward, or an `int` schema specialised
+    # each one: a recompilation per batch, an error at the recompile limit under fullgraph).
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+
+    def f(q, k, v, cu, max_seqlen):
+        return fa2.flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for n in range(torch._dynamo.config.recompile_limit + 2):
+        lens = [3 + n, 5, 2 + 2 * n]
+        q, k, v, cu, _ = _case(lens, lens, 4, 2, 32, 70 + n, grad=True)
+        out = compiled(q, k, v, cu, max(lens))
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        ref = f(q, k, v, cu, max(lens))
+        assert torch.equal(out, ref)
+        for a, b in zip(grads, torch.autograd.grad(ref, (q, k, v), g)):
+            assert torch.equal(a, b)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 # ------------------------------------------------------------------------------- validation

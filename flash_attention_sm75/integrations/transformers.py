@@ -868,10 +868,9 @@ def _position_bias_attention(fallback, module, query, key, value, attention_mask
     if reason is None and query.shape[2] == 1 and not _SETTINGS["decode_on_kernel"]:
         reason = "decode (q_len == 1) is configured to use torch SDPA"
     if reason is None:
-        try:
-            from transformers.integrations.sdpa_attention import create_position_bias_mask
-        except ImportError:  # pragma: no cover - transformers without it
-            create_position_bias_mask = None
+        create_position_bias_mask = getattr(_sdpa_attention_module(),
+                                            "create_position_bias_mask", None)
+        if create_position_bias_mask is None:  # pragma: no cover - transformers without it
             reason = ("position_bias: this transformers version has no "
                       "create_position_bias_mask")
     if reason is None:
@@ -1029,14 +1028,21 @@ def _try_kernel(run: Callable[[], torch.Tensor], q_len: int) -> Tuple[
 _SDPA_ATTENTION_MODULE: list = []
 
 
-def _stock_sdpa_forward() -> Callable:
-    """transformers' ``sdpa_attention_forward``, read from its module at every call (a patched
-    attribute is followed), without an import statement per call."""
+def _sdpa_attention_module():
+    """transformers.integrations.sdpa_attention, imported once. :func:`register` imports it, so
+    that no call traced by torch.compile meets an import statement (dynamo cannot trace one:
+    "Bad import result", an error under ``fullgraph=True``)."""
     if not _SDPA_ATTENTION_MODULE:
         from transformers.integrations import sdpa_attention
 
         _SDPA_ATTENTION_MODULE.append(sdpa_attention)
-    return _SDPA_ATTENTION_MODULE[0].sdpa_attention_forward
+    return _SDPA_ATTENTION_MODULE[0]
+
+
+def _stock_sdpa_forward() -> Callable:
+    """transformers' ``sdpa_attention_forward``, read from its module at every call (a patched
+    attribute is followed)."""
+    return _sdpa_attention_module().sdpa_attention_forward
 
 
 def _fall_back(reason: str) -> None:
@@ -1498,6 +1504,7 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    _sdpa_attention_module()  # imported here, never while torch.compile traces a call
     with _REGISTER_LOCK:
         for name in ATTENTION_NAMES:
             AttentionInterface.register(name, flash_attention_sm75_forward)
