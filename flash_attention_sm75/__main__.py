@@ -7,7 +7,9 @@ absolute as Python 3.9+ makes it (joined to the current directory, not normalise
 kept), the directory of its real path (symlinks resolved) first on ``sys.path``, and
 ``sys.argv == [script.py, args...]`` where ``sys.argv[0]`` is that same absolute path (Python
 keeps it as typed; ``runpy.run_path`` sets it to the path it runs). A script that cannot be opened ends the launcher with one line on stderr and
-status 2, as Python does. ``FLASH_ATTENTION_SM75_SDPA=1`` is also set in the environment, so
+status 2, as Python does; a module that cannot be found, or a directory without
+``__main__.py``, with one line and status 1. ``run -- script.py`` runs ``script.py``, as
+``python -- script.py`` does. ``FLASH_ATTENTION_SM75_SDPA=1`` is also set in the environment, so
 that child processes which import ``flash_attention_sm75`` enable it as well.
 ``FLASH_ATTENTION_SM75_SDPA_DEVICES=any`` treats newer GPUs as SM75 (testing).
 """
@@ -55,6 +57,18 @@ def _script_error(script: str):
         return f"can't open file {_abspath(script)!r}: [Errno {e.errno}] {e.strerror}"
 
 
+def _module_error(name: str):
+    """Python's message for a module ``python -m`` cannot find (None if it can find it). Only
+    the lookup: an ImportError raised by the module's own code stays a traceback."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a missing parent package, an empty or relative name
+        found = False
+    return None if found else f"No module named {name}"
+
+
 def _abspath(path: str) -> str:
     # What Python 3.9+ sets as __main__.__file__: the current directory joined to a relative
     # path, without normalising it (os.path.abspath would drop "./" and resolve "..").
@@ -64,16 +78,27 @@ def _abspath(path: str) -> str:
 def main(argv=None) -> None:
     parser, run = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    script = args.script
+    if script and script[0] == "--":  # `run -- script.py`, as `python -- script.py`
+        script = script[1:]
     if args.module is not None:
         if not args.module:
             run.error("argument -m: expected a module name")
         target, rest = args.module[0], args.module[1:]
-    elif args.script:
-        target, rest = args.script[0], args.script[1:]
+        error = _module_error(target)
+        if error is not None:  # one line and status 1, as `python -m` says it
+            sys.stderr.write(f"{PROG} run: {error}\n")
+            raise SystemExit(1)
+    elif script:
+        target, rest = script[0], script[1:]
         error = _script_error(target)
         if error is not None:
             sys.stderr.write(f"{PROG} run: {error}\n")
             raise SystemExit(2)
+        if os.path.isdir(target) and not os.path.exists(os.path.join(target, "__main__.py")):
+            sys.stderr.write(f"{PROG} run: can't find '__main__' module in "
+                             f"{_abspath(target)!r}\n")
+            raise SystemExit(1)
     else:
         run.error("give a script (script.py [args ...]) or a module (-m module [args ...])")
     from . import sdpa_override

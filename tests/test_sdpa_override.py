@@ -370,6 +370,30 @@ def test_launcher_missing_script_is_one_line_and_status_2_like_python(tmp_path):
     assert plain.stderr.endswith(r.stderr.split(" run: ", 1)[1])
 
 
+def test_launcher_double_dash_missing_module_and_directory_like_python(tmp_path):
+    script = tmp_path / "args.py"
+    script.write_text("import sys; print(sys.argv[1:])")
+    plain = _python(None, args=["--", str(script), "a", "--", "b"], cwd=tmp_path)
+    r = _python(None, args=["-m", "flash_attention_sm75", "run", "--", str(script), "a", "--",
+                            "b"], cwd=tmp_path)
+    assert plain.returncode == r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1] == "['a', '--', 'b']"
+    (tmp_path / "empty").mkdir()
+    for args, tail in ((["-m", "no_such_module_here"], "No module named no_such_module_here"),
+                       ([str(tmp_path / "empty")], "can't find '__main__' module in "
+                                                   f"{str(tmp_path / 'empty')!r}")):
+        plain = _python(None, args=args, cwd=tmp_path)
+        r = _python(None, args=["-m", "flash_attention_sm75", "run", *args], cwd=tmp_path)
+        assert plain.returncode == r.returncode == 1
+        assert r.stderr == f"python -m flash_attention_sm75 run: {tail}\n", r.stderr
+        assert plain.stderr.endswith(tail + "\n")
+    # an ImportError of the module's own code stays the module's traceback
+    (tmp_path / "raises_import.py").write_text("raise ImportError('from the module')")
+    r = _python(None, args=["-m", "flash_attention_sm75", "run", "-m", "raises_import"],
+                cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "from the module" in r.stderr
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"is_causal": True}, {"attn_mask": "bool"},
                                     {"dtype": torch.float32, "scale": 0.3}])
 def test_cpu_sdpa_is_unaffected(kwargs):
