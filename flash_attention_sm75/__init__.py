@@ -73,3 +73,7 @@ def __dir__():
 from . import sdpa_override as _sdpa_override  # noqa: E402
 
 _sdpa_override._enable_from_environment()
+# A FLASH_ATTENTION_SM75_STRICT value that is not understood warns now, not first at a fallback.
+from . import sdpa as _sdpa  # noqa: E402
+
+_sdpa._warn_on_bad_environment()

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import numbers
 import os
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -58,7 +59,8 @@ def set_strict(enabled: Optional[bool]) -> None:
     """
     global _strict_override
     if enabled is not None and not isinstance(enabled, bool):
-        raise ValueError(f"flash_attention_sm75: enabled must be a bool or None, got {enabled!r}")
+        raise ValueError(f"flash_attention_sm75.set_strict: enabled must be a bool or None, got "
+                         f"{enabled!r}")
     _strict_override = enabled
 
 
@@ -87,6 +89,17 @@ def is_strict() -> bool:
     return value in _TRUE_STRINGS
 
 
+def _warn_on_bad_environment() -> None:
+    """At import: a ``FLASH_ATTENTION_SM75_STRICT`` value that is not understood warns at once
+    (``RuntimeWarning``); :func:`is_strict` raises the same ``ValueError`` when a call would fall
+    back, so a misspelt value never reads as off."""
+    try:
+        is_strict()
+    except ValueError as e:
+        warnings.warn(f"{e}; calls that would fall back raise this error", RuntimeWarning,
+                      stacklevel=3)
+
+
 @contextlib.contextmanager
 def strict(enabled: bool = True) -> Iterator[None]:
     """Context manager that turns strict mode on (or off) and restores the previous state.
@@ -113,6 +126,8 @@ def strict(enabled: bool = True) -> Iterator[None]:
     ...     out = flash_attention_sm75.scaled_dot_product_attention(q, k, v)
     """
     global _strict_override
+    if not isinstance(enabled, bool):
+        raise ValueError(f"flash_attention_sm75.strict: enabled must be a bool, got {enabled!r}")
     previous = _strict_override
     set_strict(enabled)
     try:

@@ -58,6 +58,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import threading
 import warnings
 from typing import Iterator, Optional
@@ -232,7 +233,10 @@ def _enable_from_environment() -> None:
     or ``FLASH_ATTENTION_SM75_SDPA_DEVICES`` that is not understood, a missing extension or a
     failed registration warns (``RuntimeWarning``, naming the variable and the values
     accepted) and leaves torch's SDPA unchanged. :func:`enable_sdpa` called explicitly still
-    raises."""
+    raises. Under ``python -m flash_attention_sm75`` (the launcher) nothing happens here: the
+    launcher enables the override itself and reports a bad value as its own error."""
+    if _started_as_launcher():
+        return
     try:
         wanted = _env_choice(ENV_VAR, {**{s: True for s in _TRUE_STRINGS},
                                        **{s: False for s in _FALSE_STRINGS}})
@@ -252,6 +256,30 @@ def _enable_from_environment() -> None:
     except RuntimeError as e:  # another library overrides the ops' CUDA kernels
         warnings.warn(f"{e}; {ENV_VAR} is ignored, torch's SDPA is left unchanged",
                       RuntimeWarning, stacklevel=3)
+
+
+# Interpreter options that take a separate value (`python -W error -m ...`).
+_PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def _started_as_launcher() -> bool:
+    """Whether this interpreter was started as ``python [options] -m flash_attention_sm75``:
+    the package is imported then before its ``__main__`` runs, and the launcher, not the
+    environment, decides."""
+    argv = sys.orig_argv[1:]
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-m"):  # `-m name` or `-mname`
+            name = arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            return name in ("flash_attention_sm75", "flash_attention_sm75.__main__")
+        if arg in _PYTHON_OPTIONS_WITH_VALUE:
+            i += 2
+            continue
+        if arg == "-c" or not arg.startswith("-"):  # a command or a script: not the launcher
+            return False
+        i += 1
+    return False
 
 
 def _register() -> torch.library.Library:

@@ -527,8 +527,32 @@ def test_set_strict_and_overrides(monkeypatch):
         assert torch.equal(fa.scaled_dot_product_attention(*args),
                            F.scaled_dot_product_attention(*args))
     assert fa.is_strict()  # back to following the environment
-    with pytest.raises(ValueError, match="enabled must be a bool or None"):
+    with pytest.raises(ValueError, match="set_strict: enabled must be a bool or None"):
         fa.set_strict("yes")
+    for bad in (None, "yes", 1):
+        with pytest.raises(ValueError, match="strict: enabled must be a bool, got"):
+            with fa.strict(bad):
+                pass
+    assert fa.is_strict()  # a refused strict() changed nothing
+
+
+def test_strict_env_var_not_understood_warns_at_import():
+    # Without the warning a misspelt value reads as off until the first call that falls back.
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, FLASH_ATTENTION_SM75_STRICT="ture",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", "import flash_attention_sm75"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("RuntimeWarning") == 1, r.stderr
+    assert "FLASH_ATTENTION_SM75_STRICT='ture' is not understood" in r.stderr
+    env["FLASH_ATTENTION_SM75_STRICT"] = "1"
+    r = subprocess.run([sys.executable, "-c", "import flash_attention_sm75"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr
 
 
 def test_strict_restored_after_exception():

@@ -328,6 +328,35 @@ def test_launcher_reports_a_bad_environment(tmp_path):
     assert r.stderr.startswith("python -m flash_attention_sm75 run:") and so.DEVICES_ENV_VAR in r.stderr
 
 
+def test_launcher_is_not_contradicted_by_the_import(tmp_path):
+    # The package is imported before the launcher's __main__ runs: a value of the variable that
+    # is not understood must not warn "left unchanged" there when the launcher then enables.
+    script = tmp_path / "tiny.py"
+    script.write_text(SCRIPT.format(env=so.ENV_VAR))
+    for launcher in (["-m", "flash_attention_sm75"], ["-W", "default", "-mflash_attention_sm75"]):
+        r = _python(None, args=[*launcher, "run", str(script)], env={so.ENV_VAR: "bogus"},
+                    cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert "Warning" not in r.stderr and "left unchanged" not in r.stderr, r.stderr
+        seen = json.loads(r.stdout.strip().splitlines()[-1])
+        assert seen["enabled"] and seen["registered"] and seen["env"] == "1"
+
+
+@pytest.mark.parametrize("orig_argv,expected", [
+    (["python", "-m", "flash_attention_sm75", "run", "x.py"], True),
+    (["python", "-mflash_attention_sm75.__main__", "run"], True),
+    (["python", "-X", "dev", "-W", "error", "-I", "-m", "flash_attention_sm75"], True),
+    (["python", "-m", "pytest", "-m", "flash_attention_sm75"], False),
+    (["python", "-c", "import x", "-m", "flash_attention_sm75"], False),
+    (["python", "script.py", "-m", "flash_attention_sm75"], False),
+    (["python", "-m"], False),
+    (["python"], False),
+])
+def test_started_as_launcher_reads_the_interpreter_command_line(monkeypatch, orig_argv, expected):
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    assert so._started_as_launcher() is expected
+
+
 @pytest.mark.parametrize("args", [[], ["go", "x.py"], ["run"], ["run", "-m"]])
 def test_launcher_usage_errors(args):
     r = _python(None, args=["-m", "flash_attention_sm75", *args])
