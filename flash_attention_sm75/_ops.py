@@ -142,6 +142,32 @@ def deterministic_backward(enabled: bool = True) -> Iterator[None]:
             _forced = prev
 
 
+# The package's on / off environment variables (FLASH_ATTENTION_SM75_SDPA, _STRICT) read these
+# spellings, case and surrounding blanks ignored.
+TRUE_STRINGS = ("1", "true", "yes", "on")
+FALSE_STRINGS = ("", "0", "false", "no", "off")
+
+
+def env_choice(name: str, choices: dict) -> object:
+    """``choices[value]`` for environment variable ``name`` (unset reads as ``""``; case and
+    surrounding blanks ignored). Raises ``ValueError`` naming the variable, its value as set
+    and the values accepted, for any other value."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value not in choices:
+        shown = sorted(c for c in choices if c)
+        raise ValueError(f"flash_attention_sm75: environment variable {name}={raw!r} is not "
+                         f"understood; use one of {shown} or leave it unset")
+    return choices[value]
+
+
+def env_flag(name: str) -> bool:
+    """An on / off environment variable: :data:`TRUE_STRINGS` on, :data:`FALSE_STRINGS` or
+    unset off, anything else ``ValueError`` (:func:`env_choice`)."""
+    return env_choice(name, {**dict.fromkeys(TRUE_STRINGS, True),
+                             **dict.fromkeys(FALSE_STRINGS, False)})
+
+
 def _deterministic_forced() -> bool:
     """The backward op's ``deterministic`` argument: inside :func:`deterministic_backward`, its
     setting; else ``torch.are_deterministic_algorithms_enabled()``."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
-import os
 import warnings
 from typing import Iterator, Optional
 
@@ -27,8 +26,6 @@ __all__ = ["scaled_dot_product_attention", "why_not_supported", "strict", "set_s
 logger = logging.getLogger("flash_attention_sm75")
 
 STRICT_ENV_VAR = "FLASH_ATTENTION_SM75_STRICT"
-_TRUE_STRINGS = ("1", "true", "yes", "on")
-_FALSE_STRINGS = ("", "0", "false", "no", "off")
 
 # None: follow the environment variable; True/False: set by set_strict()/strict().
 _strict_override: Optional[bool] = None
@@ -80,13 +77,7 @@ def is_strict() -> bool:
     """
     if _strict_override is not None:
         return _strict_override
-    value = os.environ.get(STRICT_ENV_VAR, "").strip().lower()
-    if value not in _TRUE_STRINGS and value not in _FALSE_STRINGS:
-        raise ValueError(
-            f"flash_attention_sm75: environment variable {STRICT_ENV_VAR}={value!r} is not "
-            f"understood; use one of {_TRUE_STRINGS} (strict) or {_FALSE_STRINGS[1:]} / unset "
-            "(fall back)")
-    return value in _TRUE_STRINGS
+    return _ops.env_flag(STRICT_ENV_VAR)
 
 
 def _warn_on_bad_environment() -> None:

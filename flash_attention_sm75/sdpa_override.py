@@ -89,8 +89,6 @@ DEVICES_ENV_VAR = "FLASH_ATTENTION_SM75_SDPA_DEVICES"
 of compute capability >= 7.5 (tests on newer GPUs). Read by :func:`enable_sdpa` when its
 ``treat_as_sm75`` is None."""
 
-_TRUE_STRINGS = ("1", "true", "yes", "on")
-_FALSE_STRINGS = ("", "0", "false", "no", "off")
 
 _FWD = "_scaled_dot_product_efficient_attention"
 _BWD = "_scaled_dot_product_efficient_attention_backward"
@@ -122,18 +120,8 @@ _treat_as_sm75 = False
 
 
 # ----------------------------------------------------------------------------- switches
-def _env_choice(name: str, choices: dict) -> object:
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower()
-    if value not in choices:
-        shown = sorted(c for c in choices if c)
-        raise ValueError(f"flash_attention_sm75: environment variable {name}={raw!r} is not "
-                         f"understood; use one of {shown} or leave it unset")
-    return choices[value]
-
-
 def _devices_from_environment() -> bool:
-    return _env_choice(DEVICES_ENV_VAR, {"": False, "sm75": False, "any": True})
+    return _ops.env_choice(DEVICES_ENV_VAR, {"": False, "sm75": False, "any": True})
 
 
 def enable_sdpa(*, treat_as_sm75: Optional[bool] = None) -> None:
@@ -238,8 +226,7 @@ def _enable_from_environment() -> None:
     if _started_as_launcher():
         return
     try:
-        wanted = _env_choice(ENV_VAR, {**{s: True for s in _TRUE_STRINGS},
-                                       **{s: False for s in _FALSE_STRINGS}})
+        wanted = _ops.env_flag(ENV_VAR)
         treat = _devices_from_environment() if wanted else False
     except ValueError as e:
         warnings.warn(f"{e}; torch's SDPA is left unchanged", RuntimeWarning, stacklevel=3)
@@ -258,26 +245,40 @@ def _enable_from_environment() -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-# Interpreter options that take a separate value (`python -W error -m ...`).
-_PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+# Python's short options that take a value (`-W error`, `-Werror`, `-X dev`); `-c` and `-m`
+# end the options. Long options: only --check-hash-based-pycs takes one.
+_PYTHON_SHORT_OPTIONS_WITH_VALUE = "WX"
+_PYTHON_LONG_OPTIONS_WITH_VALUE = ("--check-hash-based-pycs",)
+_LAUNCHER_MODULES = ("flash_attention_sm75", "flash_attention_sm75.__main__")
 
 
 def _started_as_launcher() -> bool:
-    """Whether this interpreter was started as ``python [options] -m flash_attention_sm75``:
-    the package is imported then before its ``__main__`` runs, and the launcher, not the
-    environment, decides."""
+    """Whether this interpreter was started as ``python [options] -m flash_attention_sm75``
+    (the package is imported then before its ``__main__`` runs, and the launcher, not the
+    environment, decides). Reads ``sys.orig_argv`` as Python parses its own options: clusters
+    of short options (``-Bm``, ``-uWerror``), ``-`` (a script on stdin) and ``--`` (a script
+    follows). Starting the launcher from code (``runpy``, calling its ``main``) is not
+    recognised: the import then acts on the environment as for any program."""
     argv = sys.orig_argv[1:]
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg.startswith("-m"):  # `-m name` or `-mname`
-            name = arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
-            return name in ("flash_attention_sm75", "flash_attention_sm75.__main__")
-        if arg in _PYTHON_OPTIONS_WITH_VALUE:
-            i += 2
-            continue
-        if arg == "-c" or not arg.startswith("-"):  # a command or a script: not the launcher
+        if arg in ("-", "--") or not arg.startswith("-"):  # a script: not the launcher
             return False
+        if arg.startswith("--"):
+            i += 2 if arg in _PYTHON_LONG_OPTIONS_WITH_VALUE else 1
+            continue
+        for j in range(1, len(arg)):
+            option = arg[j]
+            if option == "c":
+                return False
+            if option == "m":
+                name = arg[j + 1:] or (argv[i + 1] if i + 1 < len(argv) else "")
+                return name in _LAUNCHER_MODULES
+            if option in _PYTHON_SHORT_OPTIONS_WITH_VALUE:
+                if j + 1 == len(arg):  # the value is the next argument
+                    i += 1
+                break  # the rest of the cluster is the value
         i += 1
     return False
 

@@ -333,7 +333,8 @@ def test_launcher_is_not_contradicted_by_the_import(tmp_path):
     # is not understood must not warn "left unchanged" there when the launcher then enables.
     script = tmp_path / "tiny.py"
     script.write_text(SCRIPT.format(env=so.ENV_VAR))
-    for launcher in (["-m", "flash_attention_sm75"], ["-W", "default", "-mflash_attention_sm75"]):
+    for launcher in (["-m", "flash_attention_sm75"], ["-W", "default", "-mflash_attention_sm75"],
+                     ["-Bm", "flash_attention_sm75"]):
         r = _python(None, args=[*launcher, "run", str(script)], env={so.ENV_VAR: "bogus"},
                     cwd=tmp_path)
         assert r.returncode == 0, r.stderr
@@ -351,6 +352,15 @@ def test_launcher_is_not_contradicted_by_the_import(tmp_path):
     (["python", "script.py", "-m", "flash_attention_sm75"], False),
     (["python", "-m"], False),
     (["python"], False),
+    (["python", "-Bm", "flash_attention_sm75", "run"], True),
+    (["python", "-uBmflash_attention_sm75", "run"], True),
+    (["python", "-BX", "dev", "-m", "flash_attention_sm75"], True),
+    (["python", "-BWerror", "-m", "flash_attention_sm75"], True),
+    (["python", "-Wm", "-m", "flash_attention_sm75"], True),  # "m" is -W's value
+    (["python", "--check-hash-based-pycs", "always", "-m", "flash_attention_sm75"], True),
+    (["python", "-", "-m", "flash_attention_sm75"], False),  # a script on stdin
+    (["python", "--", "s.py", "-m", "flash_attention_sm75"], False),
+    (["python", "-Bc", "pass", "-m", "flash_attention_sm75"], False),
 ])
 def test_started_as_launcher_reads_the_interpreter_command_line(monkeypatch, orig_argv, expected):
     monkeypatch.setattr(sys, "orig_argv", orig_argv)
