@@ -27,7 +27,9 @@
 # (300), SANITIZE_TIMEOUT (240 per tool), SANITIZE_TOOLS ("memcheck racecheck"), BENCH_TIMEOUT
 # (330), BENCH_ARGS (extra args for bench_forward.py), EXTRA_TIMEOUT (240), PYTEST_ARGS,
 # PYTEST_WORKERS (0; N runs pytest-xdist with N processes, from wheels in .whl/ if needed),
-# ASSUME_BUILT=1 (trust an importable extension instead of rebuilding on a fresh machine).
+# ASSUME_BUILT=1 (trust an importable extension instead of rebuilding on a fresh machine),
+# TEST_PART (one or more of A1 A2 B C D E: the test files in groups that each fit one
+# 10-minute call with PYTEST_WORKERS=15 on an H100/H200, test_paths below; unset: all of tests/).
 
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -218,15 +220,45 @@ do_test() {
       echo "gpu_suite: PYTEST_WORKERS=$PYTEST_WORKERS but pytest-xdist is not importable; serial run"
     fi
   fi
+  local paths=(tests)
+  if [ -n "${TEST_PART:-}" ]; then
+    mapfile -t paths < <(test_paths "$TEST_PART") || true
+    if [ ${#paths[@]} -eq 0 ]; then record test 2 0 "bad TEST_PART '$TEST_PART'"; pack; return; fi
+  fi
   # shellcheck disable=SC2086
   run_logged test "$TEST_TIMEOUT" python3 -m pytest "${mode[@]}" -p no:cacheprovider -rfEs \
-    --durations=10 --junitxml="$OUT/junit.xml" $PYTEST_ARGS tests
+    --durations=10 --junitxml="$OUT/junit.xml" $PYTEST_ARGS "${paths[@]}"
   local rc=$?
   local line
   line=$(grep -E '(passed|failed|error|no tests ran|skipped|deselected)' "$LOGS/test.log" \
          | grep -vE '^(FAILED|ERROR|SKIPPED)' | tail -1 | sed 's/=//g; s/^ *//')
   record test "$rc" $((SECONDS - t0)) "$line"
   pack
+}
+
+# The test files of TEST_PART's groups. A1: the dense kernels; A2: bias, score modifiers,
+# dropout; B: the SDPA wrapper and override, integrations, examples; C: KV cache, ops, varlen,
+# rules, drop-in; D: benchmarks; E: every other tests/test_*.py (CPU-only files).
+test_paths() {
+  local part f listed=" "
+  declare -A G=(
+    [A1]="test_flash_attn test_backward test_head_dims test_window test_varlen_kernels"
+    [A2]="test_attn_bias test_scoremod test_dropout"
+    [B]="test_sdpa test_sdpa_override test_flash_attn_dropin_gpu test_memeff_sm75_baseline test_zero_size test_validation test_transformers_gpu test_transformers_empty_rows test_transformers test_diffusers test_examples"
+    [C]="test_kvcache_gpu test_kvcache test_ops test_varlen test_rules test_flash_attn_dropin"
+    [D]="test_benchmarks"
+  )
+  for part in "${!G[@]}"; do listed+="${G[$part]} "; done
+  for part in $1; do
+    case "$part" in
+      A1|A2|B|C|D) for f in ${G[$part]}; do echo "tests/$f.py"; done ;;
+      E) for f in tests/test_*.py; do
+           f=${f#tests/}; f=${f%.py}
+           [[ "$listed" == *" $f "* ]] || echo "tests/$f.py"
+         done ;;
+      *) echo "gpu_suite: unknown TEST_PART '$part' (choose from: A1 A2 B C D E)" >&2; return 2 ;;
+    esac
+  done
 }
 
 find_sanitizer() {

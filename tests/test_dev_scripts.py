@@ -1,6 +1,6 @@
 """CPU tests of the development scripts in scripts/ that need no GPU for part of their work:
 the ncu stall-sample summary, tune_fwd.py's and tune_bwd.py's source generation and spec checks,
-and the backward problem they share (benchmarks/_common.py)."""
+the backward problem they share (benchmarks/_common.py), and gpu_suite.sh's test groups."""
 import csv
 import os
 import shutil
@@ -205,3 +205,33 @@ def test_newest_torch_step_is_reported_not_run_without_the_free_disk_it_needs(tm
     assert len(summary) == 1 and "newest-torch NOT RUN" in summary[0], r.stdout
     assert "needs 100000000" in summary[0]
     assert not (tmp_path / "build" / "newest-torch" / "venv").exists()
+
+
+def _gpu_suite_parts(parts):
+    script = ROOT / "scripts" / "gpu_suite.sh"
+    body = subprocess.run(["sed", "-n", "/^test_paths() {/,/^}/p", str(script)], check=True,
+                          capture_output=True, text=True).stdout
+    assert body.startswith("test_paths() {"), "scripts/gpu_suite.sh lost its test_paths function"
+    return subprocess.run(["bash", "-c", body + '\ntest_paths "$1"', "_", parts], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+def test_gpu_suite_parts_cover_every_test_file_once():
+    # TEST_PART splits tests/ into groups that each fit one device call; together they must be
+    # the whole suite, each file in one group, and name only files that exist.
+    files = {}
+    for part in ("A1", "A2", "B", "C", "D", "E"):
+        res = _gpu_suite_parts(part)
+        assert res.returncode == 0, res.stderr
+        for f in res.stdout.split():
+            assert f not in files, f"{f} in parts {files.get(f)} and {part}"
+            files[f] = part
+    on_disk = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
+    assert set(files) == on_disk
+    assert files["tests/test_dev_scripts.py"] == "E"
+
+
+def test_gpu_suite_rejects_an_unknown_part():
+    res = _gpu_suite_parts("A3")
+    assert res.returncode == 2
+    assert "A3" in res.stderr and "A1 A2 B C D E" in res.stderr
