@@ -222,8 +222,11 @@ do_test() {
   fi
   local paths=(tests)
   if [ -n "${TEST_PART:-}" ]; then
-    mapfile -t paths < <(test_paths "$TEST_PART") || true
-    if [ ${#paths[@]} -eq 0 ]; then record test 2 0 "bad TEST_PART '$TEST_PART'"; pack; return; fi
+    local listing
+    if ! listing=$(test_paths "$TEST_PART") || [ -z "$listing" ]; then
+      record test 2 0 "bad TEST_PART '$TEST_PART' (choose from: A1 A2 B C D E)"; pack; return
+    fi
+    mapfile -t paths <<< "$listing"
   fi
   # shellcheck disable=SC2086
   run_logged test "$TEST_TIMEOUT" python3 -m pytest "${mode[@]}" -p no:cacheprovider -rfEs \

@@ -231,7 +231,8 @@ def test_gpu_suite_parts_cover_every_test_file_once():
     assert files["tests/test_dev_scripts.py"] == "E"
 
 
-def test_gpu_suite_rejects_an_unknown_part():
-    res = _gpu_suite_parts("A3")
+@pytest.mark.parametrize("parts", ["A3", "A1 A3"])
+def test_gpu_suite_rejects_an_unknown_part(parts):
+    res = _gpu_suite_parts(parts)
     assert res.returncode == 2
     assert "A3" in res.stderr and "A1 A2 B C D E" in res.stderr
