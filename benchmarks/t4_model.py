@@ -209,8 +209,9 @@ BWD_TRAITS = {64: ("64, 64, 64, 8, 1, true", "64, 64, 4, 1, false, false, false"
 
 
 # The K-in-registers dK/dV tile of the plain deterministic calls without a window
-# (Bwd_tile_config::KregTraits, DkdvLaunchTraits::kKregTile): the benchmarks' d = 128 cases.
-BWD_KREG_TRAITS = {128: "128, 16, 4"}
+# (Bwd_tile_config::KregTraits, DkdvLaunchTraits::kKregTile): the benchmarks' d = 64 and 128
+# cases.
+BWD_KREG_TRAITS = {64: "64, 32, 4, 2, true", 128: "128, 16, 4, 2, false"}
 
 
 def dkdv_pattern(d, atomic=False, kreg=True):

@@ -76,7 +76,8 @@ void emit_bwd() {
     using Kr = typename Dp::Kreg;
     emit("^flash_bwd_dkdv_kreg_kernel<Flash_bwd_dkdv_kreg_traits<" +
              std::to_string(Kr::kHeadDim) + ", " + std::to_string(Kr::kBlockM) + ", " +
-             std::to_string(Kr::kNWarps) + ">,",
+             std::to_string(Kr::kNWarps) + ", " + std::to_string(Kr::kMinBlocksPerSm) + ", " +
+             b(Kr::kVInRegs) + ">,",
          Kr::kNThreads, Kr::kSmemSize);
   }
   // a dropout's dK/dV kernel (the extended instantiations), where it has its own traits

@@ -163,34 +163,42 @@ def test_bwd_strided(d, layout):
     check_against_reference(q, k, v, do, True, True)
 
 
+# The 8-warp dK/dV tile (Bwd_tile_config<d>::Traits) of the head dims with a K-in-registers
+# tile, as its kernel name prints it: the atomic mode runs it.
+_DKDV_8WARP_TRAITS = {64: "64, 64, 64, 8", 128: "128, 32, 64, 8"}
+
+
 @cuda_only
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("causal,bottom_right", CAUSAL_MODES)
 @pytest.mark.parametrize("seqlens,heads", [((127, 129), (4, 2)), ((1000, 1000), (8, 1)),
                                            ((1, 1000), (4, 4))])
-def test_bwd_d128_dkdv_kernel_choice(seqlens, heads, causal, bottom_right, deterministic):
-    # d = 128, the plain family without a window: the deterministic mode runs the K-in-registers
-    # dK/dV kernel (Bwd_tile_config<128>::KregTraits, two 4-warp CTAs per Turing SM), the atomic
-    # mode the 8-warp kernel of Traits with the dQ atomics, on every GPU (the plan a Turing SM,
-    # 64 KiB of shared memory, runs). It must be exact either way.
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_dkdv_kernel_choice(d, seqlens, heads, causal, bottom_right, deterministic):
+    # d = 64 and 128, the plain family without a window: the deterministic mode runs the
+    # K-in-registers dK/dV kernel (Bwd_tile_config<d>::KregTraits, 4-warp CTAs, several per
+    # Turing SM), the atomic mode the 8-warp kernel of Traits with the dQ atomics, on every GPU
+    # (the plan a Turing SM, 64 KiB of shared memory, runs). It must be exact either way.
     Sq, Sk = seqlens
-    q, k, v, do = make_inputs(2, Sq, Sk, *heads, 128, "cuda", seed=Sq + Sk)
+    q, k, v, do = make_inputs(2, Sq, Sk, *heads, d, "cuda", seed=Sq + Sk)
     names = cuda_kernels_run(lambda: check_against_reference(q, k, v, do, causal, bottom_right,
                                                              deterministic=deterministic), "dkdv")
     assert len(names) == 1, names
     name = next(iter(names))
     if deterministic:
-        # <traits, Is_causal>
+        # <traits <d, queries per tile, warps, CTAs per SM, V in registers>, Is_causal>
         found = re.search(r"flash_bwd_dkdv_kreg_kernel<(?:flash_sm75::)?"
-                          r"Flash_bwd_dkdv_kreg_traits<128, 16, 4>, (true|false)>", name)
+                          rf"Flash_bwd_dkdv_kreg_traits<{d}, \d+, 4, \d+, (?:true|false)>, "
+                          r"(true|false)>", name)
         assert found, names
         assert found.group(1) == str(causal).lower()
         return
     # Template arguments: <traits, Is_causal, Atomic_dq, Is_local, Is_ext, Drop_only>.
     # (The traits' trailing defaults, column splits and kDropout, may be printed, and so may
     # Drop_only's default.)
-    found = re.search(r"flash_bwd_dkdv_kernel<(?:flash_sm75::)?Flash_bwd_kernel_traits<128, 32, 64, "
-                      r"8(?:, 1)?(?:, true)?>, (true|false), (true|false), (true|false), "
+    found = re.search(r"flash_bwd_dkdv_kernel<(?:flash_sm75::)?Flash_bwd_kernel_traits<"
+                      rf"{_DKDV_8WARP_TRAITS[d]}"
+                      r"(?:, 1)?(?:, true)?>, (true|false), (true|false), (true|false), "
                       r"(true|false)(?:, (true|false))?>", name)
     assert found, names
     assert found.group(1) == str(causal).lower() and found.group(2) == "true"

@@ -134,6 +134,7 @@ def test_t4_model_occupancy_table():
               "forward d=136-256, 64x32 d-split": ("1", "8", "registers"),
               "dK/dV d=128": ("1", "8", "registers"),
               "dK/dV d=128, K in registers": ("2", "8", "registers"),
+              "dK/dV d=64, K in registers": ("2", "8", "registers"),
               "dQ d=64": ("2", "8", "registers"),
               "dK/dV d=256": ("1", "4", "shared memory"),
               "decode d=128, kR=1": ("1", "4", "shared memory")}

@@ -107,27 +107,30 @@ struct Flash_bwd_kernel_traits {
   static_assert(kBlockM <= kNThreads, "one thread per row loads lse and D");
 };
 
-// dK/dV kernel with each warp's K rows in registers (the plain deterministic calls at d = 128:
-// Bwd_tile_config::KregTraits, flash_bwd_dkdv_kreg_kernel). One warp per 16 keys (Bc = 16 x
+// dK/dV kernel with each warp's K rows in registers (the plain deterministic calls at d = 64 and
+// 128: Bwd_tile_config::KregTraits, flash_bwd_dkdv_kreg_kernel). One warp per 16 keys (Bc = 16 x
 // kNWarps), no query splits: warp w holds the A fragments of its keys' K (d / 4 registers)
 // and the dK / dV accumulators of those keys (d / 2 fp32 registers each), and runs over all
-// kBlockM queries of a tile, so S^T takes only its B operand (Q) from shared memory; V's A
-// fragments are re-read from shared memory (V in registers too spills at d = 128). Against
+// kBlockM queries of a tile, so S^T takes only its B operand (Q) from shared memory. V's A
+// fragments are re-read from shared memory every tile (V in registers too spills at d = 128),
+// or with kVInRegs held in registers beside K's (d / 4 more; d = 64). Against
 // Flash_bwd_kernel_traits' 16 x 16 warp tiles, whose two query splits both reload their keys'
-// K and V for every tile, that is one ldmatrix.x4 per 3.2 MMAs instead of one per 2.7.
+// K and V for every tile, that is one ldmatrix.x4 per 3.2 MMAs instead of one per 2.7 (d = 128).
 // Shared memory: two Q buffers (the next tile's Q is stored while the current one is read),
 // one dO tile, one lse / D pair, V; the K tile is staged through V's space before the loop.
-// 29.9 KiB at d = 128, so that two 4-warp CTAs fit a 64 KiB Turing SM (and 2 x 128 threads x
-// 255 registers its 64K registers): the 8 warps per SM of the 8-warp kernel, in two CTAs whose
-// barriers do not stall each other.
-template <int kHeadDim_, int kBlockM_, int kNWarps_>
+// kMinBlocksPerSm CTAs must fit a 64 KiB Turing SM (29.9 KiB at d = 128 with 16-query tiles,
+// 22.8 KiB at d = 64 with 32-query tiles: two each), and __launch_bounds__ holds ptxas to the
+// registers that many CTAs leave (255 for two of 128 threads): the 8 warps per SM of the 8-warp
+// kernel, in CTAs whose barriers do not stall each other.
+template <int kHeadDim_, int kBlockM_, int kNWarps_, int kMinBlocksPerSm_, bool kVInRegs_>
 struct Flash_bwd_dkdv_kreg_traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per tile
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kBlockN = 16 * kNWarps;  // keys per CTA
-  static constexpr int kMinBlocksPerSm = 2;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  static constexpr bool kVInRegs = kVInRegs_;  // V's A fragments in registers, read once
   static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "multiples of 16");
 
   // Padded rows (d + 8 halves), as Flash_bwd_kernel_traits.
@@ -143,9 +146,10 @@ struct Flash_bwd_dkdv_kreg_traits {
   static constexpr int kSmemSize = kOffV + kKVTileBytes;
   static_assert(kOffV % 16 == 0 && kQTileBytes % 16 == 0, "ldmatrix rows must be 16-byte aligned");
   static_assert(kMinBlocksPerSm * kSmemSize <= kSm75MaxSmemPerBlock,
-                "two CTAs must fit the 64 KiB of a Turing SM");
-  static_assert(kMinBlocksPerSm * kNThreads * 256 <= 64 * 1024,
-                "two CTAs of 255 registers must fit the 64K registers of a Turing SM");
+                "kMinBlocksPerSm CTAs must fit the 64 KiB of a Turing SM");
+  // Registers: __launch_bounds__(kNThreads, kMinBlocksPerSm) caps them at 64K / (kMinBlocksPerSm
+  // x kNThreads); ptxas spills rather than exceed that, which check_sm75.py refuses.
+  static_assert(kMinBlocksPerSm * kNThreads <= 1024, "a Turing SM holds 1024 threads");
 
   static constexpr int kKVChunksPerThread = chunks_per_thread<kBlockN, kHeadDim, kNThreads>();
   static constexpr int kQChunksPerThread = chunks_per_thread<kBlockM, kHeadDim, kNThreads>();
@@ -235,7 +239,11 @@ struct Bwd_tile_config;
 template <>
 struct Bwd_tile_config<64> {
   using Traits = Flash_bwd_kernel_traits<64, 64, 64, 8>;
-  using KregTraits = void;  // no K-in-registers dK/dV tile
+  // The plain deterministic calls' dK/dV kernel (as at d = 128): K and V in registers (16 + 16
+  // beside dK / dV's 64: 197 / 202 registers), 32 queries per tile, two 4-warp CTAs of 22.8 KiB
+  // per Turing SM. 16-query tiles with three CTAs per SM (152 / 156 registers, 15.9 KiB) were
+  // 3-11% slower; four CTAs spill (the 128-register cap).
+  using KregTraits = Flash_bwd_dkdv_kreg_traits<64, 32, 4, 2, /*kVInRegs=*/true>;
   using DropoutTraits = Traits;  // dropout.h's generator fits the dK/dV kernel
   using DqTraits = Flash_bwd_dq_kernel_traits<64, 64, 4, 1, false, false>;
   // The dQ kernel of a call with a bias gradient (params.dbias_ptr; the extended, non-band
@@ -263,7 +271,7 @@ struct Bwd_tile_config<128> {
   // The dK/dV kernel of the plain deterministic calls (no score modifier, bias, dropout, packed
   // sequences or lower window diagonal; DkdvLaunchTraits::kKregTile): K in registers, two 4-warp
   // CTAs per SM, the same 64 keys per CTA as Traits (the same grid).
-  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4>;
+  using KregTraits = Flash_bwd_dkdv_kreg_traits<128, 16, 4, 2, /*kVInRegs=*/false>;
   using DropoutTraits = Traits;  // dropout.h's generator fits the dK/dV kernel
   using DqTraits = Flash_bwd_dq_kernel_traits<128, 32, 8, 1, false, true, /*kKVDoubleBuf=*/true>;
   using DqBiasTraits = DqTraits;

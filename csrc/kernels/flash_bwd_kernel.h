@@ -791,7 +791,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 // of the block and all kBlockM queries of each tile:
 //   S^T = K_w Q^T and dP^T = V_w dO^T in one k loop (4 independent MMA chains per warp), then
 //   P^T -> dV += P^T dO -> dS^T = P^T o (dP^T - D) -> dK += dS^T Q,
-// with S^T's A operands from registers, V_w's and every B operand from shared memory. The next
+// with S^T's A operands from registers, V_w's from shared memory (or, with Kt::kVInRegs, from
+// registers loaded once beside K's) and every B operand from shared memory. The next
 // tile's Q is fetched at the top of the iteration and stored to the other Q buffer after S^T /
 // dP^T (nobody reads that buffer in this iteration); its dO, lse and D are fetched then and
 // stored after dK, between two barriers (one dO buffer: two CTAs of this kernel must fit a 64
@@ -842,6 +843,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     // ---- K_w: global -> shared (V's space, padded rows, zero rows outside the key range) ->
     // registers; then V -> shared. k_frag[kk]: the A fragments of k-steps 2kk, 2kk + 1.
     uint32_t k_frag[kD / 16][4];
+    uint32_t v_frag[Kt::kVInRegs ? kD / 16 : 1][4];
     const uint32_t v_a_addr =
         smem_u32addr(sV + (16 * warp + (lane % 16)) * kRowH + (lane / 16) * 8);
     {
@@ -858,6 +860,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(k_frag[kk], v_a_addr + kk * 32);
       __syncthreads();  // every warp holds its K fragments before V overwrites them
       store_tile_r2s_padded<Kt>(kv, sV, tid);
+      if constexpr (Kt::kVInRegs) {  // V_w's A fragments too: the loop then reads no V
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(v_frag[kk], v_a_addr + kk * 32);
+      }
     }
 
     // Iterations run over (q-head of the group, query tile) pairs, query tiles inner. The
@@ -951,7 +958,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
           }
         }
         uint32_t a[4];
-        ldmatrix_x4(a, v_a_addr + kk * 32);
+        if constexpr (Kt::kVInRegs) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[r] = v_frag[kk][r];
+        } else {
+          ldmatrix_x4(a, v_a_addr + kk * 32);
+        }
         const uint32_t a_lo[2] = {a[0], a[1]};
         const uint32_t a_hi[2] = {a[2], a[3]};
 #pragma unroll
