@@ -300,7 +300,8 @@ def model(tflops_h200, ceiling_h200, flop, bytes_moved, clock_ghz, bandwidth_gbs
 # The d = 256 forward is the plain tile's run on an H100 (the fraction of the ceiling measured
 # in that run, as for the H200 runs); the backward's d = 256 is still the H200 run. The d = 128
 # backward is the K-in-registers dK/dV kernel's run on an H100 (3d7be85; that run measured no
-# ceiling: the H100's from the d = 256 run), which replaces --backward's d = 128 rows.
+# ceiling: the H100's from the d = 256 run), which replaces --backward's d = 128 rows; the d = 64
+# backward likewise that kernel's 32-query, V-in-registers form (6c3904e, H100).
 EXTRA_SOURCES = [
     ("forward", "h200_d96_forward.json", "h200_d96_forward.json", (80, 96), "6b1125d"),
     ("backward", "h200_d96_backward.json", "h200_d96_forward.json", (96,), "6b1125d"),
@@ -308,6 +309,7 @@ EXTRA_SOURCES = [
     ("backward", "h200_head_dims_backward.json", "h200_head_dims_forward.json", (256,),
      "6d95427"),
     ("backward", "h100_bwd_kreg_s37.json", "h100_d256_2acc_s36.json", (128,), "3d7be85, H100"),
+    ("backward", "h100_bwd_kreg64_s43.json", "h100_d256_2acc_s36.json", (64,), "6c3904e, H100"),
 ]
 
 
