@@ -9,9 +9,10 @@ A variant is ``[d/][DIR:]SPEC``. DIR (default: csrc/kernels) may name a copy of 
 relative to the repository root or absolute: it is compiled with the kernels' namespace renamed
 by a macro in its translation unit, so every variant's template instantiations are distinct
 symbols in one extension module and a source edit can be timed against the original in one
-build. d (64 or 128) defaults to --d. SPEC of a dK/dV variant (the deterministic mode's
-flash_bwd_dkdv_kernel): ``Br,Bc,warps`` (Flash_bwd_kernel_traits) or ``default``
-(Bwd_tile_config<d>::Traits); of a dQ variant: ``Bc,warps[,...]`` (Flash_bwd_dq_kernel_traits;
+build. d (64 or 128) defaults to --d. SPEC of a dK/dV variant (flash_bwd_dkdv_kernel without
+atomic dQ, the 8-warp kernel; the plain deterministic calls at d = 64 and 128 run the
+K-in-registers kernel instead, which this script does not time): ``Br,Bc,warps``
+(Flash_bwd_kernel_traits) or ``default`` (Bwd_tile_config<d>::Traits); of a dQ variant: ``Bc,warps[,...]`` (Flash_bwd_dq_kernel_traits;
 further numbers are passed on as its later template arguments, kDSplit, kQInSmem, kDbias,
 kKVDoubleBuf: ``32,8`` is d = 128's dQ tile with one K / V buffer, ``32,8,1,0,1,1`` the
 double-buffered one that ships) or ``default`` (Bwd_tile_config<d>::DqTraits).

@@ -55,7 +55,7 @@ void run_mha_bwd_hdim(Flash_bwd_params& params, cudaStream_t stream) {
   }
   {
     // The dK/dV tile (DkdvLaunchTraits): a dropout's (Bwd_tile_config::DropoutTraits, d = 256)
-    // or the K-in-registers one (KregTraits, d = 128), the same grid.
+    // or the K-in-registers one (KregTraits, d = 64 and 128), the same grid.
     using Dk = DkdvLaunchTraits<kHeadDim, Is_ext || Drop>;
     // The dropout-only family always has dropout on: where the dropout tile is another one, the
     // default tile's kernel would be dead code (not instantiated).

@@ -147,23 +147,36 @@ TEST(BwdLaunchPlan, EveryTileFitsATuringSm) {
   EXPECT_EQ(Bwd_tile_config<256>::DqTraits::kSmemSize, 48 * 1024);
 }
 
-// d = 128's K-in-registers dK/dV tile: two CTAs of it fit a Turing SM (64 KiB of shared
-// memory, 64K registers at <= 255 per thread), on the default tile's grid, and only the plain
-// family's non-banded launches run it.
-TEST(BwdLaunchPlan, KregTileFitsTwoPerTuringSm) {
-  using Kr = Bwd_tile_config<128>::KregTraits;
-  using Kt = Bwd_tile_config<128>::Traits;
-  EXPECT_EQ(Kr::kHeadDim, 128);
+// The K-in-registers dK/dV tiles (d = 128: 16-query tiles, V read from shared memory; d = 64:
+// 32-query tiles, V's fragments in registers too): two CTAs of each fit a Turing SM (64 KiB of
+// shared memory, 64K registers at <= 255 per thread), on the default tile's grid, and only the
+// plain family's non-banded launches run them.
+template <int kD>
+void expect_kreg_tile_fits_two_per_turing_sm() {
+  using Kr = typename Bwd_tile_config<kD>::KregTraits;
+  using Kt = typename Bwd_tile_config<kD>::Traits;
+  EXPECT_EQ(Kr::kHeadDim, kD);
   EXPECT_EQ(Kr::kBlockN, Kt::kBlockN);
   EXPECT_EQ(Kr::kMinBlocksPerSm, 2);
   EXPECT_LE(2 * Kr::kSmemSize, 64 * 1024);
   EXPECT_LE(2 * Kr::kNThreads * 256, 64 * 1024);
+  EXPECT_TRUE((DkdvLaunchTraits<kD, false>::template kKregTile<false>));
+  EXPECT_FALSE((DkdvLaunchTraits<kD, false>::template kKregTile<true>));  // banded: 8-warp tile
+  EXPECT_FALSE((DkdvLaunchTraits<kD, true>::template kKregTile<false>));  // extended / dropout
+}
+
+TEST(BwdLaunchPlan, KregTileFitsTwoPerTuringSm) {
+  expect_kreg_tile_fits_two_per_turing_sm<64>();
+  expect_kreg_tile_fits_two_per_turing_sm<128>();
   // Q x 2, dO, lse and D of 16 rows, V of 64 keys; rows padded to 136 halves.
-  EXPECT_EQ(Kr::kSmemSize, 3 * 16 * 136 * 2 + 2 * 16 * 4 + 64 * 136 * 2);
-  EXPECT_TRUE((DkdvLaunchTraits<128, false>::kKregTile<false>));
-  EXPECT_FALSE((DkdvLaunchTraits<128, false>::kKregTile<true>));  // banded: the 8-warp tile
-  EXPECT_FALSE((DkdvLaunchTraits<128, true>::kKregTile<false>));  // extended / dropout families
-  EXPECT_FALSE((DkdvLaunchTraits<64, false>::kKregTile<false>));
+  EXPECT_EQ(Bwd_tile_config<128>::KregTraits::kSmemSize,
+            3 * 16 * 136 * 2 + 2 * 16 * 4 + 64 * 136 * 2);
+  EXPECT_FALSE(Bwd_tile_config<128>::KregTraits::kVInRegs);
+  // d = 64: 32 queries per tile, rows padded to 72 halves (22.75 KiB).
+  EXPECT_EQ(Bwd_tile_config<64>::KregTraits::kBlockM, 32);
+  EXPECT_EQ(Bwd_tile_config<64>::KregTraits::kSmemSize,
+            3 * 32 * 72 * 2 + 2 * 32 * 4 + 64 * 72 * 2);
+  EXPECT_TRUE(Bwd_tile_config<64>::KregTraits::kVInRegs);
   EXPECT_FALSE((DkdvLaunchTraits<96, false>::kKregTile<false>));
   EXPECT_FALSE((DkdvLaunchTraits<256, false>::kKregTile<false>));
 }

@@ -300,7 +300,7 @@ void run_backward(Flash_bwd_params& p) {
   }
   if (!ran_atomic) {
     // As run_mha_bwd_hdim: the dK/dV tile DkdvLaunchTraits picks (a dropout's, d = 256; the
-    // K-in-registers one, d = 128's plain non-banded calls).
+    // K-in-registers one, the plain non-banded calls of d = 64 and 128).
     using Dk = DkdvLaunchTraits<kD, kMod || kDrop>;
     bool ran_other_tile = false;
     if constexpr (Dk::template kKregTile<kLocal>) {
