@@ -12,6 +12,8 @@ host overhead. ``--real-op`` keeps the C++ kernel. Runs anywhere:
     python3 benchmarks/host_overhead.py --fwd-bwd        # forward + backward steps (grad)
     python3 benchmarks/host_overhead.py --hf             # the transformers integration, per stage
     python3 benchmarks/host_overhead.py --hf --profile padded-decode   # cProfile of one HF call
+    python3 benchmarks/host_overhead.py --cuda-step --causal   # GPU: fwd + bwd steps, wall / host ms
+    python3 benchmarks/host_overhead.py --cuda-step --profile flash_attention_forward  # profiler
 
 The SDPA wrapper falls back to torch for CPU tensors. Its kernel path is measured as
 ``sdpa (kernel path)`` by letting the wrapper take CPU tensors (``sdpa._KERNEL_DEVICE_TYPE`` set to
@@ -483,9 +485,91 @@ def hf_main(args) -> None:
         print(f"| {case} | " + " | ".join(cells) + " |")
 
 
+def cuda_step_cases(shape, causal: bool):
+    """name -> one forward + ``torch.autograd.grad`` step on the GPU at (B, H, N, d) = shape,
+    fp16: our three doors and torch's SDPA with only the mem-efficient backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, h, n, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*s):
+        return torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)
+
+    bhsd = [rand(b, h, n, d).requires_grad_() for _ in range(3)]
+    bshd = [rand(b, n, h, d).requires_grad_() for _ in range(3)]
+    dout_bhsd, dout_bshd = rand(b, h, n, d), rand(b, n, h, d)
+
+    def step(f, inputs, dout):
+        return lambda: torch.autograd.grad(f(*inputs), inputs, dout)
+
+    def mem_efficient(q, k, v):
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return {
+        "flash_attn_func": step(lambda q, k, v: fa.flash_attn_func(q, k, v, causal=causal),
+                                bshd, dout_bshd),
+        "flash_attention_forward": step(
+            lambda q, k, v: fa.flash_attention_forward(q, k, v, causal=causal), bhsd, dout_bhsd),
+        "sdpa wrapper": step(
+            lambda q, k, v: fa.scaled_dot_product_attention(q, k, v, is_causal=causal), bhsd,
+            dout_bhsd),
+        "torch mem-efficient": step(mem_efficient, bhsd, dout_bhsd),
+    }
+
+
+def cuda_step_main(args) -> int:
+    """--cuda-step: wall and host milliseconds per forward + backward step, back to back (the
+    host's share is the Python, autograd, checks and launches that run before each step's
+    kernels; a step whose host time reaches its wall time is bound by the host), best of
+    --repeats runs of --n steps; with --profile NAME, torch.profiler's table of 20 steps of that
+    case by CPU self time (what the host time is made of)."""
+    if not torch.cuda.is_available():
+        print("host_overhead.py --cuda-step needs a CUDA device", file=sys.stderr)
+        return 2
+    shape = tuple(args.cuda_shape)
+    fns = cuda_step_cases(shape, args.causal)
+    if args.profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        fn = fns[args.profile]
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        return 0
+    b, h, n, d = shape
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, ms per forward + backward "
+          f"step, best of {args.repeats} x {args.n} steps back to back, B={b} H={h} N={n} d={d} "
+          f"fp16, {'causal' if args.causal else 'non-causal'}")
+    print("| case | wall ms | host ms |")
+    print("|---|---|---|")
+    for name, fn in fns.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        wall = host = float("inf")
+        for _ in range(args.repeats):
+            spent = 0.0
+            t0 = time.perf_counter()
+            for _ in range(args.n):
+                h0 = time.perf_counter()
+                fn()
+                spent += time.perf_counter() - h0
+            torch.cuda.synchronize()
+            wall = min(wall, (time.perf_counter() - t0) / args.n)
+            host = min(host, spent / args.n)
+        print(f"| {name} | {wall * 1e3:.3f} | {host * 1e3:.3f} |")
+    return 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=2000, help="calls per timed run")
+    p.add_argument("--n", type=int, default=None, help="calls per timed run (2000; --cuda-step: 100)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--profile", default=None, help="cProfile this case (name from the table)")
     p.add_argument("--grad", action="store_true", help="with --profile: inputs require grad")
@@ -498,6 +582,12 @@ def main() -> None:
     p.add_argument("--fwd-bwd", action="store_true",
                    help="time forward + backward steps instead (fwd and bwd ops stubbed; "
                         "see fwd_bwd_cases)")
+    p.add_argument("--cuda-step", action="store_true",
+                   help="time forward + backward steps on the GPU instead, with the real kernels, "
+                        "against SDPA mem-efficient (see cuda_step_main; --n defaults to 100)")
+    p.add_argument("--cuda-shape", type=int, nargs=4, default=(4, 16, 1024, 64),
+                   metavar=("B", "H", "N", "D"), help="--cuda-step: the inputs' shape")
+    p.add_argument("--causal", action="store_true", help="--cuda-step: causal attention")
     p.add_argument("--hf", action="store_true",
                    help="time the transformers integration's stages instead (see the docstring)")
     p.add_argument("--hf-model", default="qwen2-0.5b",
@@ -512,6 +602,10 @@ def main() -> None:
                    help="--hf: torch.inference_mode() (as bench_e2e_hf) or torch.no_grad() "
                         "(generate()'s own)")
     args = p.parse_args()
+    if args.cuda_step:
+        args.n = args.n or 100
+        sys.exit(cuda_step_main(args))
+    args.n = args.n or 2000
     torch.set_num_threads(1)
     if not args.real_op:
         install_stub()

@@ -7,6 +7,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 import flash_attention_sm75 as fa
 from repo_scripts import ROOT, load_script, run_script
@@ -391,3 +392,34 @@ def test_e2e_hf_attention_kernels_are_told_apart_by_name():
              "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>"]
     assert all(m.ATTENTION_KERNELS.search(name) for name in attention)
     assert not any(m.ATTENTION_KERNELS.search(name) for name in other)
+
+
+def test_host_overhead_cuda_step_refuses_without_a_gpu():
+    # hide_cuda: the CPU path on any machine; the mode measures real kernels only.
+    r = run("benchmarks/host_overhead.py", "--cuda-step", hide_cuda=True)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "--cuda-step needs a CUDA device" in r.stderr
+    assert "| case |" not in r.stdout
+
+
+@pytest.mark.skipif(not (fa.EXTENSION_AVAILABLE and torch.cuda.is_available()),
+                    reason="needs the extension and a CUDA device")
+@pytest.mark.parametrize("causal", [False, True])
+def test_host_overhead_cuda_step_table(causal):
+    # One run of 5 steps per case: a step's host time is part of its wall time, so host <= wall.
+    args = ["--cuda-step", "--n", "5", "--repeats", "1", "--cuda-shape", "1", "2", "130", "64"]
+    r = run("benchmarks/host_overhead.py", *args, *(["--causal"] if causal else []))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = {}
+    for line in r.stdout.splitlines():
+        m = re.match(r"\| (.+?) \| ([0-9.]+) \| ([0-9.]+) \|$", line)
+        if m:
+            rows[m.group(1)] = (float(m.group(2)), float(m.group(3)))
+    assert set(rows) == {"flash_attn_func", "flash_attention_forward", "sdpa wrapper",
+                         "torch mem-efficient"}, r.stdout
+    for name, (wall, host) in rows.items():
+        assert 0 < host <= wall, (name, wall, host)
+    prof = run("benchmarks/host_overhead.py", "--cuda-step", "--profile", "flash_attn_func",
+               "--cuda-shape", "1", "2", "130", "64")
+    assert prof.returncode == 0, prof.stderr[-2000:]
+    assert "Self CPU" in prof.stdout
