@@ -252,6 +252,43 @@ __device__ __forceinline__ void bias_gather_t(uint32_t (&w)[kWC / 2], const Flas
   }
 }
 
+// The fp32 pairs of a per-query shared array (lse or D) that a lane's S^T columns need:
+// queries qc0 + 8 nt + 2 t and + 1. Read apart from their use where the loads can be issued well
+// before it (the K-in-registers kernel: before the S^T / dP^T loop).
+template <int kWC>
+__device__ __forceinline__ void read_pairs(float2 (&v)[kWC / 8], const float* s, int qc0, int t) {
+#pragma unroll
+  for (int nt = 0; nt < kWC / 8; ++nt) {
+    v[nt] = *reinterpret_cast<const float2*>(s + qc0 + 8 * nt + 2 * t);
+  }
+}
+
+// probs_t without score modifiers, with the tile's lse pairs (read_pairs of sLse) given.
+template <int kWC, bool Is_causal, bool Is_local>
+__device__ __forceinline__ void probs_t_plain(float (&acc_s)[kWC / 8][4],
+                                              uint32_t (&p_frag)[kWC / 8][2],
+                                              const float2 (&lse2)[kWC / 8], int qc0, int t,
+                                              float scale_log2, bool need_mask, int key_g, int m0,
+                                              const KeyRange& kr, int causal_offset,
+                                              int window_lower) {
+#pragma unroll
+  for (int nt = 0; nt < kWC / 8; ++nt) {
+    const int qcol = qc0 + 8 * nt + 2 * t;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = recompute_p(acc_s[nt][e], scale_log2, (e & 1) ? lse2[nt].y : lse2[nt].x);
+      if (need_mask) {
+        const int key = key_g + (e >= 2 ? 8 : 0);
+        const int query = m0 + qcol + (e & 1);
+        if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) p = 0.f;
+      }
+      acc_s[nt][e] = p;
+    }
+    p_frag[nt][0] = pack_half2(acc_s[nt][0], acc_s[nt][1]);
+    p_frag[nt][1] = pack_half2(acc_s[nt][2], acc_s[nt][3]);
+  }
+}
+
 // Bias_ahead: the tile's bias bits were gathered one tile ahead (bias_w, bias_gather_t);
 // otherwise probs_t reads them here.
 template <int kWC, bool Is_causal, bool Is_local, bool Is_ext = false, bool Has_bias = false,
@@ -339,36 +376,23 @@ __device__ __forceinline__ void probs_t(float (&acc_s)[kWC / 8][4], uint32_t (&p
     }
     return;
   }
-#pragma unroll
-  for (int nt = 0; nt < kWC / 8; ++nt) {
-    const int qcol = qc0 + 8 * nt + 2 * t;
-    const float2 lse2 = *reinterpret_cast<const float2*>(sLse + qcol);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float p = recompute_p(acc_s[nt][e], scale_log2, (e & 1) ? lse2.y : lse2.x);
-      if (need_mask) {
-        const int key = key_g + (e >= 2 ? 8 : 0);
-        const int query = m0 + qcol + (e & 1);
-        if (!key_visible<Is_local>(query, key, kr, Is_causal, causal_offset, window_lower)) p = 0.f;
-      }
-      acc_s[nt][e] = p;
-    }
-    p_frag[nt][0] = pack_half2(acc_s[nt][0], acc_s[nt][1]);
-    p_frag[nt][1] = pack_half2(acc_s[nt][2], acc_s[nt][3]);
-  }
+  float2 lse2[kWC / 8];
+  read_pairs<kWC>(lse2, sLse, qc0, t);
+  probs_t_plain<kWC, Is_causal, Is_local>(acc_s, p_frag, lse2, qc0, t, scale_log2, need_mask,
+                                          key_g, m0, kr, causal_offset, window_lower);
 }
 
-// dS^T = P^T o (dP^T - D[query]) as fp16 A fragments (sDsum holds the tile's D).
+// dS^T = P^T o (dP^T - D[query]) as fp16 A fragments, dsum = the tile's D pairs (read_pairs).
 // Dropout: acc_s holds P with the sign of its keep bit (dropout_sign_p), dS^T = P^T o (Z dP^T /
 // (1 - p) - D).
 template <int kWC, bool Dropout = false>
 __device__ __forceinline__ void dsoftmax_t(const float (&acc_s)[kWC / 8][4],
                                            const float (&acc_dp)[kWC / 8][4],
-                                           uint32_t (&ds_frag)[kWC / 8][2], const float* sDsum,
-                                           int qc0, int t, float rp = 1.f) {
+                                           uint32_t (&ds_frag)[kWC / 8][2],
+                                           const float2 (&dsum)[kWC / 8], float rp = 1.f) {
 #pragma unroll
   for (int nt = 0; nt < kWC / 8; ++nt) {
-    const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + qc0 + 8 * nt + 2 * t);
+    const float2 dsum2 = dsum[nt];
     if constexpr (Dropout) {
       ds_frag[nt][0] = pack_half2(dropout_ds(acc_s[nt][0], acc_dp[nt][0], dsum2.x, rp),
                                   dropout_ds(acc_s[nt][1], acc_dp[nt][1], dsum2.y, rp));
@@ -381,6 +405,17 @@ __device__ __forceinline__ void dsoftmax_t(const float (&acc_s)[kWC / 8][4],
     ds_frag[nt][1] = pack_half2(acc_s[nt][2] * (acc_dp[nt][2] - dsum2.x),
                                 acc_s[nt][3] * (acc_dp[nt][3] - dsum2.y));
   }
+}
+
+// The same with the tile's D read from shared memory here (sDsum).
+template <int kWC, bool Dropout = false>
+__device__ __forceinline__ void dsoftmax_t(const float (&acc_s)[kWC / 8][4],
+                                           const float (&acc_dp)[kWC / 8][4],
+                                           uint32_t (&ds_frag)[kWC / 8][2], const float* sDsum,
+                                           int qc0, int t, float rp = 1.f) {
+  float2 dsum2[kWC / 8];
+  read_pairs<kWC>(dsum2, sDsum, qc0, t);
+  dsoftmax_t<kWC, Dropout>(acc_s, acc_dp, ds_frag, dsum2, rp);
 }
 
 // Epilogue: dK * scale and dV of the warp's 16 keys key0 .. key0 + 15 (rows g, g + 8 of the
@@ -923,7 +958,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         smem_u32addr(sQ0 + ((mi >> 1) * 8 + (lane % 8)) * kRowH + (mi & 1) * 8);
     const uint32_t q_t_addr0 =
         smem_u32addr(sQ0 + ((mi & 1) * 8 + (lane % 8)) * kRowH + (mi >> 1) * 8);
-    uint32_t bias_w[kBM / 2];  // probs_t's bias argument, unused without Is_ext
 
     int cur_m = mr.m_block_min;  // query tile of iteration it
     for (int it = 0; it < total; ++it) {
@@ -941,6 +975,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       const bool need_mask =
           !tile_is_unmasked(cur_m, n_block, kBM, kBN, kr, Is_causal, si.causal_off());
       // ---- S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x Br queries per warp), one k loop.
+      // The tile's lse pairs, read before the k loop: read right before P^T, their latency
+      // stalled the P^T FFMAs (ncu, d = 128).
+      float2 lse2[kBM / 8];
+      read_pairs<kBM>(lse2, sLse, 0, t);
       float acc_s[kBM / 8][4];
       float acc_dp[kBM / 8][4];
       zero_acc(acc_s);
@@ -980,14 +1018,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
       // ---- P^T, then dV += P^T dO.
       uint32_t p_frag[kBM / 8][2];
-      probs_t<kBM, Is_causal, false>(acc_s, p_frag, sLse, 0, t, scale_log2, need_mask,
-                                     n0 + 16 * warp + g, m0, kr, si.causal_off(),
-                                     kNoWindowLower, ScoreMod{}, params, bias_w);
+      probs_t_plain<kBM, Is_causal, false>(acc_s, p_frag, lse2, 0, t, scale_log2, need_mask,
+                                           n0 + 16 * warp + g, m0, kr, si.causal_off(),
+                                           kNoWindowLower);
+      float2 dsum2[kBM / 8];  // read a product ahead of their use, as lse2
+      read_pairs<kBM>(dsum2, sDsum, 0, t);
       gemm_rs_t<kBM, kD, kRowB, false>(acc_dv, p_frag, q_t_addr0 + kDofromQ);
 
       // ---- dS^T = P^T o (dP^T - D), then dK += dS^T Q.
       uint32_t ds_frag[kBM / 8][2];
-      dsoftmax_t<kBM>(acc_s, acc_dp, ds_frag, sDsum, 0, t);
+      dsoftmax_t<kBM>(acc_s, acc_dp, ds_frag, dsum2);
       gemm_rs_t<kBM, kD, kRowB, false>(acc_dk, ds_frag, q_t_addr);
       if (has_next) {
         __syncthreads();  // every warp is done with sdO, sLse and sDsum of this tile
