@@ -41,9 +41,22 @@ def number(text: str) -> float:
         return 0.0
 
 
-def opcode(sass: str) -> str:
-    """'@!P2  LDG.E.128 R4, [R2]' -> 'LDG'."""
-    return re.sub(r"^@!?U?P\w+\s+", "", sass.strip()).split(" ")[0].split(".")[0]
+def opcode(sass: str, modifiers: bool = False) -> str:
+    """'@!P2  LDG.E.128 R4, [R2]' -> 'LDG' ('LDG.E.128' with modifiers)."""
+    op = re.sub(r"^@!?U?P\w+\s+", "", sass.strip()).split(" ")[0]
+    return op if modifiers else op.split(".")[0]
+
+
+def stall_columns(header) -> list:
+    """Indices of the stall-reason columns (the "(Not Issued)" ones are a subset of the same
+    samples, not another reason)."""
+    return [i for i, c in enumerate(header) if c.startswith("stall_") and "(Not Issued)" not in c]
+
+
+def main_reasons(header, row, reasons, samples: float) -> str:
+    """The reasons that make up >= 10% of an instruction's samples, as 'stall_x=N ...'."""
+    return " ".join(f"{header[i]}={row[i]}" for i in reasons
+                    if samples and number(row[i]) >= 0.1 * samples)
 
 
 def read(path: str):
@@ -59,7 +72,7 @@ def read(path: str):
 
 def summarise(header, rows, top: int = 45, out=sys.stdout) -> dict:
     isrc, iall = header.index("Source"), header.index(ALL_SAMPLES)
-    reasons = [i for i, c in enumerate(header) if c.startswith("stall_") and "(Not Issued)" not in c]
+    reasons = stall_columns(header)
     per_op = collections.Counter()
     per_reason = collections.defaultdict(collections.Counter)
     for r in rows:
@@ -81,7 +94,7 @@ def summarise(header, rows, top: int = 45, out=sys.stdout) -> dict:
           file=out)
     for r in sorted(rows, key=lambda r: -number(r[iall]))[:top]:
         n = number(r[iall])
-        why = " ".join(f"{header[i]}={r[i]}" for i in reasons if n and number(r[i]) >= 0.1 * n)
+        why = main_reasons(header, r, reasons, n)
         print(f"  {n:8.0f}  {r[isrc].strip()[:70]:70s} {why}", file=out)
     return {"total": total, "per_opcode": dict(per_op),
             "per_reason": {k: sum(v.values()) for k, v in per_reason.items()}}
@@ -105,7 +118,7 @@ def hot_loop(header, rows, min_fraction: float = 0.9, out=sys.stdout) -> list:
     exits and branches reach the maximum), in program order, with samples and the reasons that
     make up >= 10% of each. Returns [(row index, executions, samples, SASS)]."""
     isrc, iall, iexe = header.index("Source"), header.index(ALL_SAMPLES), column(header, EXECUTED)
-    reasons = [i for i, c in enumerate(header) if c.startswith("stall_") and "(Not Issued)" not in c]
+    reasons = stall_columns(header)
     counts = [number(r[iexe]) for r in rows]
     top = max(counts, default=0.0)
     if top <= 0:
@@ -118,7 +131,7 @@ def hot_loop(header, rows, min_fraction: float = 0.9, out=sys.stdout) -> list:
         if counts[k] < min_fraction * body:
             continue
         n = number(r[iall])
-        why = " ".join(f"{header[i]}={r[i]}" for i in reasons if n and number(r[i]) >= 0.1 * n)
+        why = main_reasons(header, r, reasons, n)
         print(f"  {k:5d} {counts[k]:10.0f} {n:7.0f}  {r[isrc].strip()[:60]:60s} {why}", file=out)
         listed.append((k, counts[k], n, r[isrc].strip()))
     return listed
@@ -132,7 +145,7 @@ def wavefronts(header, rows, out=sys.stdout) -> dict:
     for r in rows:
         w = number(r[iw])
         if w:
-            op = re.sub(r"^@!?U?P\w+\s+", "", r[isrc].strip()).split(" ")[0]
+            op = opcode(r[isrc], modifiers=True)
             per[op][0] += w
             per[op][1] += number(r[ii])
     total = sum(v[0] for v in per.values()) or 1.0
