@@ -629,6 +629,66 @@ def test_sliding_window_without_a_mask_runs_the_kernel_window():
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
 
 
+def _window_reference(q, k, v, window, causal):
+    """float64 attention with transformers' FlashAttention window: query i (bottom-right aligned
+    on the keys) sees key j iff 0 <= dist < window (causal) or |dist| < window, dist = i +
+    kv_len - q_len - j. BHSD in, BSHD out (as the attention functions return)."""
+    sq, sk = q.shape[2], k.shape[2]
+    dist = (torch.arange(sq)[:, None] + sk - sq) - torch.arange(sk)[None, :]
+    visible = (dist >= 0) & (dist < window) if causal else dist.abs() < window
+    rep = q.shape[1] // k.shape[1]
+    kd, vd = (t.double().repeat_interleave(rep, 1) for t in (k, v))
+    s = (q.double() @ kd.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    return (p @ vd).transpose(1, 2)
+
+
+@pytest.mark.parametrize("case", ["fp32", "decode", "not-causal", "cpu"])
+def test_sliding_window_without_a_mask_on_the_fallback(case):
+    # The registered entries honour transformers' FlashAttention window without a mask on the
+    # kernel (test above); a call that falls back must give the same window (an explicit mask
+    # for torch SDPA), not plain causal attention. Before: stock SDPA without a mask.
+    sq, sk, w, causal = 11, 11, 4, True
+    if case == "decode":
+        hf.configure(decode_on_kernel=False)
+        sq = 1
+    dtype = torch.float32 if case == "fp32" else torch.float16
+    if case == "not-causal":
+        causal = False
+    if case != "cpu":
+        hf.configure(allow_cpu_reference=True)  # the kernel would run: something else refuses
+    q, k, v = _qkv(2, 4, 2, sq, sk, 64, dtype=dtype, seed=8)
+    if case == "not-causal":
+        q, k, v = q.float(), k.float(), v.float()  # falls back on the dtype
+    mod = _Attn(4, 2, is_causal=causal)
+    with torch.inference_mode():
+        out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, sliding_window=w)
+    assert hf.get_stats()["fallback"] == 1, hf.get_stats()
+    ref = _window_reference(q, k, v, w, causal and sq > 1)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    # The window hides keys here: without it the result differs (so the check above tests it).
+    plain = _window_reference(q, k, v, sk + sq, causal and sq > 1)
+    assert (plain - ref).abs().max() > 0.05
+
+
+def test_sliding_window_and_softcap_without_a_mask_agree_on_kernel_and_fallback():
+    # Gemma 2's softcap falls back to its own SDPA function: the window must reach it too.
+    hf.configure(allow_cpu_reference=True)
+    q, k, v = _qkv(2, 4, 2, 11, 11, 64, seed=3)
+    mod = _Attn(4, 2)
+    with torch.inference_mode():
+        kernel, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, sliding_window=4,
+                                                    softcap=3.0)
+        q, k, v = q.float(), k.float(), v.float()
+        fallback, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, sliding_window=4,
+                                                      softcap=3.0)
+        no_window, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, softcap=3.0)
+    stats = hf.get_stats()
+    assert stats["kernel"] == 1 and stats["fallback"] == 2, stats
+    torch.testing.assert_close(kernel.float(), fallback, atol=2e-3, rtol=2e-3)
+    assert (no_window - fallback).abs().max() > 0.05
+
+
 def test_classify_sliding_window_wider_than_sequence_runs():
     # transformers builds sliding-window masks for Mistral/Qwen2 sliding layers; when the window
     # covers the whole sequence the mask is plain causal and runs on the kernel.

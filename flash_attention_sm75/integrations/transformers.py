@@ -1255,7 +1255,33 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
             if out is not None:
                 return out, None
     _fall_back(reason)
+    if flash_semantics and attention_mask is None:
+        bound = _bind_sdpa_args(args, kwargs)
+        window = _window_mask(module, query, key, bound["is_causal"],
+                              kwargs.get("sliding_window"))
+        if window is not None:
+            return _call_with_mask(fallback, module, query, key, value, window, bound, kwargs)
     return _call_fallback(fallback, module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _window_mask(module, query, key, is_causal, sliding_window) -> Optional[torch.Tensor]:
+    """transformers' FlashAttention window of a call without a mask, as the ``(1, 1, q_len,
+    kv_len)`` bool mask that states it to torch SDPA (the fallback): the window :func:`_plan`
+    gives the kernel (``(sliding_window - 1, sliding_window - 1)``, causal for ``q_len > 1``,
+    bottom-right aligned on all keys). None where it hides no key (``kv_len <= sliding_window``)
+    or ``sliding_window`` is no window; then the call means what it means without one. Device
+    ops only (no host read: traceable and capturable)."""
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
+            or sliding_window < 1 or key.shape[2] <= sliding_window:
+        return None
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = q_len > 1 and _is_causal(module, is_causal)
+    dev = query.device
+    rel_q = torch.arange(q_len, device=dev)
+    rel_k = torch.arange(kv_len, device=dev)
+    one_document = torch.zeros((), dtype=torch.int64, device=dev)
+    return _documents_mask(one_document.expand(q_len), one_document.expand(kv_len), rel_q, rel_k,
+                           kv_len - q_len, causal, sliding_window)
 
 
 def flash_attention_sm75_forward(
@@ -1319,7 +1345,8 @@ def flash_attention_sm75_forward(
           mask whose rows see only the last ``sliding_window`` keys runs on the kernel's
           window); without a mask, a window shorter than the keys runs on the kernel with
           ``window_size = (sliding_window - 1, sliding_window - 1)`` as transformers'
-          FlashAttention path applies it;
+          FlashAttention path applies it, and a call that falls back gets the same window as
+          an explicit mask built on the device (also a decode step configured for torch SDPA);
         * ``output_attentions=True`` falls back (torch SDPA returns no weights either: the
           weights returned are ``None``);
           ``deterministic=True`` falls back only when ``FLASH_SM75_BWD_DQ=atomic`` makes our
