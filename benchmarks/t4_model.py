@@ -1,4 +1,4 @@
-"""Modelled NVIDIA T4 times for the benchmark shapes, from measured H200 runs and the sm_75
+"""Modelled NVIDIA T4 times for the benchmark shapes, from measured H100 / H200 runs and the sm_75
 ptxas resources of the kernels (a model, not a measurement: no Turing GPU was available).
 
     python benchmarks/t4_model.py [--forward benchmarks/results/h200_forward.json]
@@ -8,8 +8,8 @@ ptxas resources of the kernels (a model, not a measurement: no Turing GPU was av
 
 Three parts:
 
-1. Compute model, per measured case (d = 64 / 128 from --forward / --backward, d = 80 / 96 and
-   256 from the head-dim runs in EXTRA_SOURCES; the d = 256 forward's is an H100 run): the kernel
+1. Compute model, per measured case (the runs of the kernels as shipped in EXTRA_SOURCES, H100;
+   --forward / --backward, H200, for head dims none of those covers, and --no-extra): the kernel
    keeps on a T4 the fraction of the ``mma.sync.m16n8k8`` peak it reached on the stand-in GPU
    (ours / the SM75-instruction ceiling measured in the same run), applied to the T4's 65 TFLOP/s fp16 tensor peak at a sustained clock of
    ``--t4-clock`` GHz out of its 1.59 GHz boost (T4s throttle under sustained load), and it
@@ -293,23 +293,22 @@ def model(tflops_h200, ceiling_h200, flop, bytes_moved, clock_ghz, bandwidth_gbs
     return t * 1e3, flop / t / 1e12, "compute" if t_compute >= t_memory else "memory"
 
 
-# Head-dim runs measured on the kernels as shipped, beside --forward / --backward (d = 64 / 128):
-# (pass, results file, file with the run's mma.sync ceiling, head dims taken from it, commit).
-# h200_head_dims_* also holds d = 80 / 96 on the d = 128 kernels (before the 96 bucket): not
-# taken. Its JSON records 564e97f (the device's .git; the tree that ran was 6d95427's kernels).
-# The d = 256 forward is the plain tile's run on an H100 (the fraction of the ceiling measured
-# in that run, as for the H200 runs); the backward's d = 256 is still the H200 run. The d = 128
-# backward is the K-in-registers dK/dV kernel's run on an H100 (3d7be85; that run measured no
-# ceiling: the H100's from the d = 256 run), which replaces --backward's d = 128 rows; the d = 64
-# backward likewise that kernel's 32-query, V-in-registers form (6c3904e, H100).
+# Runs of the kernels as shipped, beside --forward / --backward (the H200 runs at 30aec69 of the
+# d = 64 / 128 kernels as they were then): (pass, results file, file with the run's mma.sync
+# ceiling, head dims taken from it, commit). Their rows replace --forward's / --backward's rows of
+# those head dims. All are H100 runs (T4 plan, session 46 at 7fdf076; the d = 64 / 128 backward
+# is session 45's run of the same kernels, 78d129c, labelled 482eb45 in its JSON before a
+# rebase), each case keeping the fraction of the mma.sync ceiling measured on that H100 (the
+# backward runs measure none: the forward run's, same machine and session for the d = 96 / 256
+# rows, the same H100 model for the d = 64 / 128 rows; the ceilings of four runs there were
+# 495.7-496.1 TFLOP/s).
 EXTRA_SOURCES = [
-    ("forward", "h200_d96_forward.json", "h200_d96_forward.json", (80, 96), "6b1125d"),
-    ("backward", "h200_d96_backward.json", "h200_d96_forward.json", (96,), "6b1125d"),
-    ("forward", "h100_d256_2acc_s36.json", "h100_d256_2acc_s36.json", (256,), "de04c06, H100"),
-    ("backward", "h200_head_dims_backward.json", "h200_head_dims_forward.json", (256,),
-     "6d95427"),
-    ("backward", "h100_bwd_kreg_s37.json", "h100_d256_2acc_s36.json", (128,), "3d7be85, H100"),
-    ("backward", "h100_bwd_kreg64_s43.json", "h100_d256_2acc_s36.json", (64,), "6c3904e, H100"),
+    ("forward", "h100_fwd_s46.json", "h100_fwd_s46.json", (64, 128), "7fdf076, H100"),
+    ("forward", "h100_d80_96_fwd_s46.json", "h100_d80_96_fwd_s46.json", (80, 96),
+     "7fdf076, H100"),
+    ("forward", "h100_d256_fwd_s46.json", "h100_d256_fwd_s46.json", (256,), "7fdf076, H100"),
+    ("backward", "h100_bwd_lseahead_s45.json", "h100_fwd_s46.json", (64, 128), "78d129c, H100"),
+    ("backward", "h100_d96_256_bwd_s46.json", "h100_fwd_s46.json", (96, 256), "7fdf076, H100"),
 ]
 
 
@@ -320,15 +319,17 @@ def _commit(data):
 
 def model_sources(args):
     """[(pass, cases, ceiling, commit)] for the per-case table."""
+    def moved(kind):  # head dims whose rows come from EXTRA_SOURCES instead
+        return set() if args.no_extra else {
+            d for name, _, _, dims, _ in EXTRA_SOURCES if name == kind for d in dims}
+
     fwd = json.loads(pathlib.Path(args.forward).read_text())
-    out = [("forward", fwd["cases"], fwd["sm75_ceiling"]["peak_tflops"], _commit(fwd))]
+    out = [("forward", [c for c in fwd["cases"] if c["d"] not in moved("forward")],
+            fwd["sm75_ceiling"]["peak_tflops"], _commit(fwd))]
     path = pathlib.Path(args.backward)
     if path.exists():
         bwd = json.loads(path.read_text())
-        # head dims whose backward rows come from EXTRA_SOURCES instead
-        moved = set() if args.no_extra else {
-            d for name, _, _, dims, _ in EXTRA_SOURCES if name == "backward" for d in dims}
-        out.append(("backward", [c for c in bwd["cases"] if c["d"] not in moved],
+        out.append(("backward", [c for c in bwd["cases"] if c["d"] not in moved("backward")],
                     fwd["sm75_ceiling"]["peak_tflops"], _commit(bwd)))
     if not args.no_extra:
         for name, f, ceil_f, dims, commit in EXTRA_SOURCES:
@@ -371,11 +372,13 @@ def print_compute(args, res):
     sources = model_sources(args)
     fwd_ceiling = sources[0][2]
     print(f"MODEL, not a measurement: T4 at {args.t4_clock} GHz sustained, "
-          f"{args.t4_bandwidth:.0f} GB/s; H200 fractions from {args.forward} (commit "
+          f"{args.t4_bandwidth:.0f} GB/s; stand-in fractions from {args.forward} (commit "
           f"{sources[0][3]}, ceiling {fwd_ceiling:.1f} TFLOP/s)"
-          + ("" if args.no_extra else " and the head-dim runs (source column)"))
-    print("| pass | d | causal | N | H200 TFLOP/s (% of ceiling) | T4 model ms | T4 model TFLOP/s "
-          "| bound | % of 65 TFLOP/s (gap) | T4 warps/SM | T4 waves (H200) | source |")
+          + ("" if args.no_extra else " where no run of the kernels as shipped covers the head"
+             " dim, else those runs (source column)"))
+    print("| pass | d | causal | N | stand-in TFLOP/s (% of ceiling) | T4 model ms "
+          "| T4 model TFLOP/s | bound | % of 65 TFLOP/s (gap) | T4 warps/SM "
+          "| T4 waves (132 SMs) | source |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     # (pass, our TFLOP/s key, FLOP key, fp16 tensors of B*H*N*d moved through DRAM: forward q,
     #  k, v, out; backward q, k, v, out, dout read and dq, dk, dv written)

@@ -39,12 +39,11 @@ def test_t4_model_covers_every_measured_case(extra):
     fwd = json.loads((ROOT / "benchmarks/results/h200_forward.json").read_text())["cases"]
     bwd = json.loads((ROOT / "benchmarks/results/h200_backward.json").read_text())["cases"]
     expected = len(fwd) + len(bwd)
-    if extra:  # the head-dim runs of the kernels as shipped (d = 80 / 96, 256; d = 128 backward)
+    if extra:  # the runs of the kernels as shipped: they replace the base runs' rows of their d
         for kind, name, _, dims, _ in load_script("benchmarks/t4_model.py").EXTRA_SOURCES:
             cases = json.loads((ROOT / "benchmarks/results" / name).read_text())["cases"]
             expected += sum(c["d"] in dims for c in cases)
-            if kind == "backward":  # they replace the --backward run's rows of those head dims
-                expected -= sum(c["d"] in dims for c in bwd)
+            expected -= sum(c["d"] in dims for c in (bwd if kind == "backward" else fwd))
     assert len(rows) == expected
     for line in rows:
         ms, tflops = (float(x) for x in line.split("|")[6:8])
