@@ -300,7 +300,7 @@ def model(tflops_h200, ceiling_h200, flop, bytes_moved, clock_ghz, bandwidth_gbs
 # is session 45's run of the same kernels, 78d129c, labelled 482eb45 in its JSON before a
 # rebase), each case keeping the fraction of the mma.sync ceiling measured on that H100 (the
 # backward runs measure none: the forward run's, same machine and session for the d = 96 / 256
-# rows, the same H100 model for the d = 64 / 128 rows; the ceilings of four runs there were
+# rows, the same H100 model for the d = 64 / 128 rows; the three runs that measured one gave
 # 495.7-496.1 TFLOP/s).
 EXTRA_SOURCES = [
     ("forward", "h100_fwd_s46.json", "h100_fwd_s46.json", (64, 128), "7fdf076, H100"),
@@ -371,11 +371,15 @@ def case_occupancy(res, name, c):
 def print_compute(args, res):
     sources = model_sources(args)
     fwd_ceiling = sources[0][2]
+    base = f"{args.forward} (commit {sources[0][3]}, ceiling {fwd_ceiling:.1f} TFLOP/s)"
+    if args.no_extra:
+        what = base
+    elif any(cases for _, cases, _, _ in sources[:2]):  # some rows still from the base runs
+        what = base + " and the runs in the source column"
+    else:
+        what = "the runs of the kernels as shipped (source column)"
     print(f"MODEL, not a measurement: T4 at {args.t4_clock} GHz sustained, "
-          f"{args.t4_bandwidth:.0f} GB/s; stand-in fractions from {args.forward} (commit "
-          f"{sources[0][3]}, ceiling {fwd_ceiling:.1f} TFLOP/s)"
-          + ("" if args.no_extra else " where no run of the kernels as shipped covers the head"
-             " dim, else those runs (source column)"))
+          f"{args.t4_bandwidth:.0f} GB/s; stand-in fractions of the ceiling from {what}")
     print("| pass | d | causal | N | stand-in TFLOP/s (% of ceiling) | T4 model ms "
           "| T4 model TFLOP/s | bound | % of 65 TFLOP/s (gap) | T4 warps/SM "
           "| T4 waves (132 SMs) | source |")

@@ -632,7 +632,8 @@ def test_sliding_window_without_a_mask_runs_the_kernel_window():
 def _window_reference(q, k, v, window, causal):
     """float64 attention with transformers' FlashAttention window: query i (bottom-right aligned
     on the keys) sees key j iff 0 <= dist < window (causal) or |dist| < window, dist = i +
-    kv_len - q_len - j. BHSD in, BSHD out (as the attention functions return)."""
+    kv_len - q_len - j; a row that sees no key gives 0. BHSD in, BSHD out (as the attention
+    functions return)."""
     sq, sk = q.shape[2], k.shape[2]
     dist = (torch.arange(sq)[:, None] + sk - sq) - torch.arange(sk)[None, :]
     visible = (dist >= 0) & (dist < window) if causal else dist.abs() < window
@@ -640,32 +641,37 @@ def _window_reference(q, k, v, window, causal):
     kd, vd = (t.double().repeat_interleave(rep, 1) for t in (k, v))
     s = (q.double() @ kd.transpose(-1, -2)) / q.shape[-1] ** 0.5
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    p = p.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # a row that sees no key: 0
     return (p @ vd).transpose(1, 2)
 
 
-@pytest.mark.parametrize("case", ["fp32", "decode", "not-causal", "cpu"])
+@pytest.mark.parametrize("case", ["fp32", "decode", "not-causal", "cpu", "chunk", "more-queries",
+                                  "is-causal-kwarg", "long-cache-decode"])
 def test_sliding_window_without_a_mask_on_the_fallback(case):
     # The registered entries honour transformers' FlashAttention window without a mask on the
     # kernel (test above); a call that falls back must give the same window (an explicit mask
-    # for torch SDPA), not plain causal attention. Before: stock SDPA without a mask.
-    sq, sk, w, causal = 11, 11, 4, True
-    if case == "decode":
+    # for torch SDPA), not the call without it. Before: stock SDPA without a mask.
+    sq, sk, w, causal = {"chunk": (5, 17), "more-queries": (12, 8),
+                         "long-cache-decode": (1, 300)}.get(case, (11, 11)) + (4, True)
+    if case in ("decode", "long-cache-decode"):
         hf.configure(decode_on_kernel=False)
         sq = 1
-    dtype = torch.float32 if case == "fp32" else torch.float16
-    if case == "not-causal":
-        causal = False
+    dtype = torch.float16 if case in ("decode", "cpu", "long-cache-decode") else torch.float32
     if case != "cpu":
         hf.configure(allow_cpu_reference=True)  # the kernel would run: something else refuses
     q, k, v = _qkv(2, 4, 2, sq, sk, 64, dtype=dtype, seed=8)
+    mod = _Attn(4, 2, is_causal=case not in ("not-causal", "is-causal-kwarg"))
+    kw = {"is_causal": True} if case == "is-causal-kwarg" else {}  # the keyword wins
     if case == "not-causal":
-        q, k, v = q.float(), k.float(), v.float()  # falls back on the dtype
-    mod = _Attn(4, 2, is_causal=causal)
+        causal = False
+    calls = 2 if case == "chunk" else 1  # the second: the memoised decision's fallback
     with torch.inference_mode():
-        out, _ = hf.flash_attention_sm75_forward(mod, q, k, v, None, sliding_window=w)
-    assert hf.get_stats()["fallback"] == 1, hf.get_stats()
+        outs = [hf.flash_attention_sm75_forward(mod, q, k, v, None, sliding_window=w, **kw)[0]
+                for _ in range(calls)]
+    assert hf.get_stats()["fallback"] == calls, hf.get_stats()
     ref = _window_reference(q, k, v, w, causal and sq > 1)
-    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    for out in outs:
+        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
     # The window hides keys here: without it the result differs (so the check above tests it).
     plain = _window_reference(q, k, v, sk + sq, causal and sq > 1)
     assert (plain - ref).abs().max() > 0.05

@@ -1260,28 +1260,36 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
         window = _window_mask(module, query, key, bound["is_causal"],
                               kwargs.get("sliding_window"))
         if window is not None:
-            return _call_with_mask(fallback, module, query, key, value, window, bound, kwargs)
+            lo, mask = window
+            return _call_with_mask(fallback, module, query, key[:, :, lo:], value[:, :, lo:],
+                                   mask, bound, kwargs)
     return _call_fallback(fallback, module, query, key, value, attention_mask, *args, **kwargs)
 
 
-def _window_mask(module, query, key, is_causal, sliding_window) -> Optional[torch.Tensor]:
-    """transformers' FlashAttention window of a call without a mask, as the ``(1, 1, q_len,
-    kv_len)`` bool mask that states it to torch SDPA (the fallback): the window :func:`_plan`
-    gives the kernel (``(sliding_window - 1, sliding_window - 1)``, causal for ``q_len > 1``,
-    bottom-right aligned on all keys). None where it hides no key (``kv_len <= sliding_window``)
-    or ``sliding_window`` is no window; then the call means what it means without one. Device
-    ops only (no host read: traceable and capturable)."""
+def _window_mask(module, query, key, is_causal,
+                 sliding_window) -> Optional[Tuple[int, torch.Tensor]]:
+    """transformers' FlashAttention window of a call without a mask, stated to torch SDPA (the
+    fallback): ``(lo, mask)``, the first key any query sees and the ``(1, 1, q_len, kv_len - lo)``
+    bool mask over the keys from ``lo`` on. The window :func:`_plan` gives the kernel:
+    ``(sliding_window - 1, sliding_window - 1)``, causal for ``q_len > 1``, bottom-right aligned
+    on all keys (query ``i``'s diagonal is key ``i + kv_len - q_len``). Keys before ``lo`` are
+    never seen, so the fallback gets neither them nor a mask column for them (a decode step
+    against a long cache attends over the window's keys only). None where the window hides no
+    key (``kv_len <= sliding_window``) or ``sliding_window`` is no window; then the call means
+    what it means without one. Device ops only (no host read: traceable and capturable); the
+    mask is built from 1-D positions (no q_len x kv_len integer matrix)."""
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
             or sliding_window < 1 or key.shape[2] <= sliding_window:
         return None
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = q_len > 1 and _is_causal(module, is_causal)
+    lo = max(0, kv_len - q_len - sliding_window + 1)
     dev = query.device
-    rel_q = torch.arange(q_len, device=dev)
-    rel_k = torch.arange(kv_len, device=dev)
-    one_document = torch.zeros((), dtype=torch.int64, device=dev)
-    return _documents_mask(one_document.expand(q_len), one_document.expand(kv_len), rel_q, rel_k,
-                           kv_len - q_len, causal, sliding_window)
+    diag = torch.arange(kv_len - q_len, kv_len, device=dev)[:, None]  # each query's diagonal
+    keys = torch.arange(lo, kv_len, device=dev)[None, :]
+    visible = keys > diag - sliding_window
+    visible &= (keys <= diag) if causal else (keys < diag + sliding_window)
+    return lo, visible[None, None]
 
 
 def flash_attention_sm75_forward(
