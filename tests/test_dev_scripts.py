@@ -59,40 +59,39 @@ def _write_source_csv(path, rows):
         w.writerows(rows)
 
 
-def test_ncu_source_stalls_hot_loop_lists_the_loop_body_in_program_order(tmp_path):
+def _ncu_view(tmp_path, rows, view: str, *args):
+    """scripts/ncu_source_stalls.py's `view` (hot_loop, wavefronts) on a source CSV of `rows`:
+    (its return value, what it printed)."""
     mod = load_script("scripts/ncu_source_stalls.py")
     path = tmp_path / "src.csv"
+    _write_source_csv(path, rows)
+    header, rows = mod.read(str(path))
+    with (tmp_path / "out.txt").open("w") as out:
+        result = getattr(mod, view)(header, rows, *args, out=out)
+    return result, (tmp_path / "out.txt").read_text()
+
+
+def test_ncu_source_stalls_hot_loop_lists_the_loop_body_in_program_order(tmp_path):
     # A prologue run once per thread block, a loop body run 4,096 times (its back branch and
     # exit test once more), an epilogue; the body's LDSM is consumed two instructions later.
-    _write_source_csv(path, [
+    listed, text = _ncu_view(tmp_path, [
         ["0x00", "S2R R0, SR_TID.X", "10", "0", "16", "0", "0"],
         ["0x10", "LDSM.16.M88.4 R8, [R2]", "5", "0", "4,096", "16,384", "16,384"],
         ["0x20", "IMAD R3, R3, 0x2, RZ", "7", "0", "4,096", "0", "0"],
         ["0x30", "HMMA.1688.F32 R12, R4, R8, R12", "900", "850", "4,096", "0", "0"],
         ["0x40", "@P0 BRA 0x10", "20", "0", "4,112", "0", "0"],
-        ["0x50", "STS.128 [R5], R12", "3", "0", "16", "256", "128"]])
-    header, rows = mod.read(str(path))
-    out = (tmp_path / "out.txt").open("w")
-    listed = mod.hot_loop(header, rows, 0.9, out=out)
-    out.close()
+        ["0x50", "STS.128 [R5], R12", "3", "0", "16", "256", "128"]], "hot_loop", 0.9)
     assert [sass.split(" ")[0] for _, _, _, sass in listed] == ["LDSM.16.M88.4", "IMAD", "HMMA.1688.F32", "@P0"]
     assert [k for k, _, _, _ in listed] == [1, 2, 3, 4]
-    text = (tmp_path / "out.txt").read_text()
     assert "stall_short_sb=850" in text and "S2R" not in text and "STS" not in text
 
 
 def test_ncu_source_stalls_wavefronts_reports_the_excess_over_ideal(tmp_path):
-    mod = load_script("scripts/ncu_source_stalls.py")
-    path = tmp_path / "src.csv"
-    _write_source_csv(path, [
+    per, _ = _ncu_view(tmp_path, [
         ["0x10", "LDSM.16.M88.4 R8, [R2]", "5", "0", "4,096", "16,384", "16,384"],
         ["0x20", "@!P1 LDSM.16.M88.4 R12, [R2+0x20]", "5", "0", "4,096", "16,384", "16,384"],
         ["0x50", "STS.128 [R5], R12", "3", "0", "16", "256", "128"],
-        ["0x60", "HMMA.1688.F32 R12, R4, R8, R12", "9", "0", "4,096", "0", "0"]])
-    header, rows = mod.read(str(path))
-    out = (tmp_path / "out.txt").open("w")
-    per = mod.wavefronts(header, rows, out=out)
-    out.close()
+        ["0x60", "HMMA.1688.F32 R12, R4, R8, R12", "9", "0", "4,096", "0", "0"]], "wavefronts")
     assert per == {"LDSM.16.M88.4": (32768, 32768), "STS.128": (256, 128)}
 
 

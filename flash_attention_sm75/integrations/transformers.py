@@ -446,8 +446,7 @@ def _plan(module, query, key, attention_mask, is_causal, sliding_window=None,
     kv_len = key.shape[2]
     if q_len == 1 and not _SETTINGS["decode_on_kernel"]:
         return None, "decode (q_len == 1) is configured to use torch SDPA"
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
-            or sliding_window < 1:
+    if not _is_window(sliding_window):
         sliding_window = None  # not a window (the flash path rejects it: _window_kwarg)
     if attention_mask is None and flash_semantics and sliding_window is not None \
             and kv_len > sliding_window:
@@ -511,11 +510,15 @@ def _is_causal(module, is_causal) -> bool:
     return bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
 
 
+def _is_window(window) -> bool:
+    """Whether transformers' ``sliding_window`` is a window: a positive int (not a bool)."""
+    return isinstance(window, int) and not isinstance(window, bool) and window >= 1
+
+
 def _window_kwarg(kwargs: dict) -> Optional[int]:
     """transformers' ``sliding_window``: a positive int or None (anything else raises)."""
     window = kwargs.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
+    if window is not None and not _is_window(window):
         raise ValueError(f"flash_attention_sm75: sliding_window must be a positive int or None, "
                          f"got {window!r}")
     return window
@@ -1255,10 +1258,9 @@ def _attention(fallback: Callable, module, query, key, value, attention_mask, ar
             if out is not None:
                 return out, None
     _fall_back(reason)
-    if flash_semantics and attention_mask is None:
+    if flash_semantics and attention_mask is None and _is_window(kwargs.get("sliding_window")):
         bound = _bind_sdpa_args(args, kwargs)
-        window = _window_mask(module, query, key, bound["is_causal"],
-                              kwargs.get("sliding_window"))
+        window = _window_mask(module, query, key, bound["is_causal"], kwargs["sliding_window"])
         if window is not None:
             lo, mask = window
             return _call_with_mask(fallback, module, query, key[:, :, lo:], value[:, :, lo:],
@@ -1278,8 +1280,7 @@ def _window_mask(module, query, key, is_causal,
     key (``kv_len <= sliding_window``) or ``sliding_window`` is no window; then the call means
     what it means without one. Device ops only (no host read: traceable and capturable); the
     mask is built from 1-D positions (no q_len x kv_len integer matrix)."""
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
-            or sliding_window < 1 or key.shape[2] <= sliding_window:
+    if not _is_window(sliding_window) or key.shape[2] <= sliding_window:
         return None
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = q_len > 1 and _is_causal(module, is_causal)
