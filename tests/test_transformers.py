@@ -677,6 +677,25 @@ def test_sliding_window_without_a_mask_on_the_fallback(case):
     assert (plain - ref).abs().max() > 0.05
 
 
+@pytest.mark.parametrize("sq,sk", [(11, 11), (1, 40)])
+def test_sliding_window_fallback_under_torch_compile_matches_eager(sq, sk):
+    # The window mask is built on the device from the shapes: a compiled graph (fullgraph, no
+    # host read) gives the eager result, prefill and decode.
+    q, k, v = _qkv(2, 4, 2, sq, sk, 64, dtype=torch.float32, seed=4)
+    mod = _Attn(4, 2)
+
+    def step(q, k, v):
+        return hf.flash_attention_sm75_forward(mod, q, k, v, None, sliding_window=4)[0]
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        eager = step(q, k, v)
+        compiled = torch.compile(step, backend="eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)  # fp32 reassociation
+    torch.testing.assert_close(eager.double(), _window_reference(q, k, v, 4, sq > 1),
+                               atol=2e-3, rtol=2e-3)
+
+
 def test_sliding_window_and_softcap_without_a_mask_agree_on_kernel_and_fallback():
     # Gemma 2's softcap falls back to its own SDPA function: the window must reach it too.
     hf.configure(allow_cpu_reference=True)
