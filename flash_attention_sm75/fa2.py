@@ -211,6 +211,14 @@ def _require_valid(q, k, v, softmax_scale, names=("q", "k", "v"), alibi_slopes=N
         raise ValueError(PREFIX + reason)
 
 
+def _last_dim_contiguous(*tensors):
+    """flash-attn 2 (``maybe_contiguous``) copies a q / k / v whose last dimension is not
+    contiguous instead of refusing it; so do its functions here (anything that is not a tensor is
+    passed through, for the rulebook to name)."""
+    return tuple(t.contiguous() if isinstance(t, torch.Tensor) and t.dim() >= 1
+                 and t.stride(-1) != 1 else t for t in tensors)
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     # flash-attn takes any strides with a contiguous last dim; the kernels' 16-byte loads need
     # aligned pointers and strides, so a CUDA tensor that has neither is copied. (4-D BSHD, or
@@ -243,6 +251,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             _require_valid(q, k, v, softmax_scale, names)  # names the problem
+    q, k, v = _last_dim_contiguous(q, k, v)
     window, cap = _check_options(causal=causal, dropout_p=dropout_p, window_size=window_size,
                                  softcap=softcap, deterministic=deterministic,
                                  bools=(("return_attn_probs", return_attn_probs),))
@@ -271,7 +280,9 @@ _COMMON_DOC = """
     (flash-attn writes ``+inf`` there). dtype float16 (bfloat16 raises ``ValueError``: Turing
     has no bf16 tensor cores); head_dim up to 256 (one that is not a multiple of 8 is zero-padded
     to the next, as flash-attn does); CUDA tensors, or CPU tensors on the op's reference (forward
-    in float64, backward in float32).
+    in float64, backward in float32). Any strides: a tensor whose last dimension is not
+    contiguous is copied first (as flash-attn does), and so is a CUDA tensor the kernels'
+    16-byte loads cannot read (a data pointer or a stride that is not a multiple of 8 elements).
     Gradients flow to the inputs. ``deterministic=True`` makes this call's backward
     deterministic (as flash-attn); with ``False`` it is deterministic too unless
     ``FLASH_SM75_BWD_DQ=atomic`` (read when the backward runs) selects fp32 atomics for dQ.
@@ -425,6 +436,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                       if rank == 4 else "(total_tokens, nheads, headdim)")
             raise ValueError(f"{PREFIX}{name} must be a {rank}-D tensor {layout}, got "
                              f"{_shape_of(t)}")
+    q, k, v = _last_dim_contiguous(q, k, v)
     cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
     cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
     if cu_q.shape[0] != cu_k.shape[0]:
@@ -522,8 +534,9 @@ _VARLEN_DOC = """
     (flash-attn writes ``+inf``).
 
     How it runs: one call of the varlen op (``torch.ops.flash_attention_sm75.varlen_fwd``) on
-    the packed tokens as they are (any strides with a contiguous last dimension; a CUDA tensor
-    that the kernels' 16-byte loads cannot read is copied), with every option below; its
+    the packed tokens as they are (any strides; a last dimension that is not contiguous is
+    copied, as flash-attn does, and so is a CUDA tensor that the kernels' 16-byte loads cannot
+    read), with every option below; its
     backward (``varlen_bwd``) gives the gradients of q, k, v in the same layout. No host
     synchronisation, so ``torch.compile(fullgraph=True)`` and CUDA-graph capture work. A sequence
     longer than ``max_seqlen_*``, decreasing offsets or offsets outside the packed tensor are
@@ -697,9 +710,13 @@ def flash_attn_with_kvcache(
 
     Parameters
     ----------
-    q : (batch, seqlen_q, nheads, headdim) float16.
+    q : (batch, seqlen_q, nheads, headdim) float16. Any strides (read from a copy when its last
+        dimension is not contiguous or the kernels' 16-byte loads cannot read it, as ``k``, ``v``).
     k_cache, v_cache : (batch_cache, seqlen_cache, nheads_k, headdim), or with ``block_table``
-        (num_blocks, page_block_size, nheads_k, headdim) (any page size). **Updated in place**
+        (num_blocks, page_block_size, nheads_k, headdim) (any page size); a contiguous last
+        dimension (written in place, never copied; where the kernels also read them in place,
+        on CUDA, a 16-byte aligned data pointer and strides that are multiples of 8 elements,
+        as the op checks before any write). **Updated in place**
         when ``k`` / ``v`` are given. Without ``cache_batch_idx`` batch entry b uses cache row
         b (``batch_cache >= batch``, as flash-attn). Must not require grad under grad mode.
     k, v : (batch, seqlen_new, nheads_k, headdim), optional (both or neither; need
@@ -785,6 +802,9 @@ def flash_attn_with_kvcache(
             raise ValueError(f"{PREFIX}{name} must be a 4-D tensor, got {_shape_of(t)}")
     if (k is None) != (v is None):
         raise ValueError(f"{PREFIX}k and v must be given together (new keys and values)")
+    # The caches are written in place: only q and the new k / v may be copied (flash-attn too
+    # requires the caches' last dimension to be contiguous).
+    q, k, v = _last_dim_contiguous(q, k, v)
     paged = block_table is not None
     batch, seqlen_q = q.shape[0], q.shape[1]
     if paged:
@@ -869,6 +889,11 @@ def flash_attn_with_kvcache(
                          rotary_only=on_op and q.is_cuda)
 
     # Every index below is valid now: the writes into k_cache and v_cache cannot stop halfway.
+    # q is only read: one the kernels' 16-byte loads cannot take is copied (as flash_attn_func
+    # does) rather than refused by the op, which on the gathered-copy path below would come
+    # after the appends. (The new k / v rows the op copies itself; the caches are written in
+    # place, so a misaligned one is refused by the op before its writes.)
+    q = _aligned(q)
     with torch.no_grad():
         if rotary_cos is not None:
             base = cache_seqlens.to(torch.int64).view(-1, 1)

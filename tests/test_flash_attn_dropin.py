@@ -312,6 +312,56 @@ def test_flash_attn_func_backward_matches_float64():
         assert_grad_close(a, b, "d" + name)
 
 
+def _last_dim_strided(t):
+    """``t``'s values in a tensor whose last dimension is not contiguous (stride 2)."""
+    wide = torch.empty(t.shape[:-1] + (2 * t.shape[-1],), dtype=t.dtype)
+    wide[..., ::2] = t.detach()
+    out = wide[..., ::2]
+    assert out.stride(-1) == 2 and torch.equal(out, t)
+    return out.requires_grad_(t.requires_grad)
+
+
+def test_last_dim_that_is_not_contiguous_is_copied_as_flash_attn_does():
+    """flash-attn 2 copies a q / k / v whose last dimension is not contiguous
+    (``maybe_contiguous``); its functions here used to refuse one with a ValueError."""
+    q, k, v = rand(2, 5, 4, 32, seed=41), rand(2, 7, 2, 32), rand(2, 7, 2, 32)
+    ref = fa2.flash_attn_func(q, k, v, causal=True)
+    for i in range(3):
+        args = [q, k, v]
+        args[i] = _last_dim_strided(args[i])
+        assert torch.equal(fa2.flash_attn_func(*args, causal=True), ref), f"argument {i}"
+    # the gradient reaches the strided leaf
+    qs = _last_dim_strided(q.detach().requires_grad_(True))
+    qc = q.detach().requires_grad_(True)
+    g = torch.randn_like(ref)
+    fa2.flash_attn_func(qs, k, v, causal=True).backward(g)
+    fa2.flash_attn_func(qc, k, v, causal=True).backward(g)
+    assert torch.equal(qs.grad, qc.grad)
+    # varlen
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 7], dtype=torch.int32)
+    qv, kv, vv = q[0], k[0], v[0]
+    ref_v = fa2.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 3, 4, causal=True)
+    got_v = fa2.flash_attn_varlen_func(_last_dim_strided(qv), kv, _last_dim_strided(vv),
+                                       cu_q, cu_k, 3, 4, causal=True)
+    assert torch.equal(got_v, ref_v)
+    # the KV cache: q and the new keys / values may be copied; the caches are written in place
+    kc, vc = rand(2, 16, 2, 32, seed=42), rand(2, 16, 2, 32)
+    kn, vn = rand(2, 2, 2, 32), rand(2, 2, 2, 32)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    kc2, vc2 = kc.clone(), vc.clone()
+    with torch.no_grad():
+        ref_c = fa2.flash_attn_with_kvcache(q[:, :1], kc, vc, kn, vn, cache_seqlens=lens)
+        got_c = fa2.flash_attn_with_kvcache(_last_dim_strided(q[:, :1]), kc2, vc2,
+                                            _last_dim_strided(kn), _last_dim_strided(vn),
+                                            cache_seqlens=lens)
+    assert torch.equal(got_c, ref_c) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    with pytest.raises(ValueError, match="k_cache must have a contiguous last dimension"):
+        with torch.no_grad():
+            fa2.flash_attn_with_kvcache(q[:, :1], _last_dim_strided(kc), vc, kn, vn,
+                                        cache_seqlens=lens)
+
+
 # ------------------------------------------------------------------------------- varlen
 def _cu(lengths):
     return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)

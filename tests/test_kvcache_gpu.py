@@ -115,6 +115,40 @@ def test_kvcache_op_plain_and_paged(seqlen_q, d, causal, mod):
            opts.get("softcap", 0.0), slopes)
 
 
+@pytest.mark.parametrize("page", [None, 16, 64])
+@pytest.mark.parametrize("d", [64, 60])
+def test_kvcache_misaligned_q_is_read_from_a_copy(page, d):
+    """q at an odd element offset (the kernels' 16-byte loads need aligned pointers):
+    flash_attn_with_kvcache reads an aligned copy of it, as flash_attn_func does, and appends
+    once. It used to refuse such a q in the op, which on the gathered-pages path (pages of 16
+    keys) and the padded head dim's path came after the appends were written."""
+    B, S, h, hk, new, sq = 2, 128, 4, 2, 3, 2
+    torch.manual_seed(seed_from("kvcache_misaligned_q", page, d))
+    q = _rand(B * sq * h * d + 1)[1:].view(B, sq, h, d)
+    assert q.data_ptr() % 16 != 0
+    kc, vc = _rand(B, S, hk, d), _rand(B, S, hk, d)
+    k, v = _rand(B, new, hk, d), _rand(B, new, hk, d)
+    seqlens = torch.tensor([5, 77], dtype=torch.int32, device=DEV)
+    exp_k, exp_v = kc.clone(), vc.clone()
+    for b in range(B):
+        exp_k[b, seqlens[b]:seqlens[b] + new] = k[b]
+        exp_v[b, seqlens[b]:seqlens[b] + new] = v[b]
+    if page is None:
+        ck, cv, table = kc, vc, None
+    else:
+        ck, table = _paged(kc, page)
+        cv = torch.full_like(ck, NAN)
+        cv[table.long().flatten()] = vc.reshape(-1, page, hk, d)
+    with torch.no_grad():
+        out, lse = fa2.flash_attn_with_kvcache(q, ck, cv, k, v, cache_seqlens=seqlens,
+                                               block_table=table, causal=True,
+                                               return_softmax_lse=True)
+    got_k = ck if table is None else ck[table.long()].flatten(1, 2)
+    got_v = cv if table is None else cv[table.long()].flatten(1, 2)
+    assert torch.equal(got_k, exp_k) and torch.equal(got_v, exp_v)
+    _check(out, lse, q, exp_k, exp_v, torch.zeros(B), seqlens + new, True)
+
+
 @pytest.mark.parametrize("seqlen_q", [1, 4])
 @pytest.mark.parametrize("layout", ["batch_idx", "leftpad"])
 def test_kvcache_selected_rows_and_leftpad(seqlen_q, layout):
