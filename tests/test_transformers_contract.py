@@ -4,8 +4,10 @@
   per-document result on every path (registered names; the varlen op via its CPU reference and
   the per-document-mask fallback), for a function call, a whole model with the cache on or
   off, a ``DataCollatorWithFlattening`` training step and a Qwen2.5-VL-shaped vision tower;
-* the keyword-argument allow-list: unknown arguments fall back (strict mode: raise), inert ones
-  run on the kernel, ``s_aux`` / ``sinks`` raise (``softcap`` runs: test_transformers.py),
+* the keyword-argument allow-list: unknown arguments raise on the registered names (a sparse
+  attention's ``indices``) and fall back on the patched ``"sdpa"`` entry (strict mode: raise),
+  inert ones (Trainer's ``num_items_in_batch`` among them) run on the kernel, continuous
+  batching's bookkeeping falls back and generates stock's tokens, ``s_aux`` / ``sinks`` raise (``softcap`` runs: test_transformers.py),
   T5's all-zero ``position_bias``
   runs on the kernel;
 * ``torch.compile(fullgraph=True)`` of tiny Qwen2/Llama models traces and equals eager;
@@ -365,22 +367,70 @@ def test_qwen2_5_vl_vision_tower_matches_sdpa():
 
 
 @needs_op
-def test_unknown_keyword_falls_back_and_strict_mode_raises():
+def test_unknown_keyword_raises_on_the_registered_function():
+    """Under the registered names a model may pass what it folds into the mask only for "eager"
+    / "sdpa" (DeepSeek-V3.2's top-k ``indices``); the SDPA fallback would ignore it, so it is
+    refused (it used to fall back and return dense attention)."""
     hf.configure(allow_cpu_reference=True)
     q, k, v = _qkv(1, 2, 2, 6, 6, 64, seed=9)
     sparse = torch.arange(6)
-    out, _ = hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, indices=sparse)
+    for name in ("indices", "block_indices", "block_table"):
+        with pytest.raises(ValueError, match=rf"\['{name}'\] are not supported.*"
+                                             r"attn_implementation='sdpa' or 'eager'"):
+            hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, **{name: sparse})
+    assert hf.get_stats()["kernel"] == 0 and hf.get_stats()["fallback"] == 0
+    # None means "not used"
+    hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, indices=None)
+    assert hf.get_stats()["kernel"] == 1
+    # The patched "sdpa" entry means what stock SDPA means: it falls back to it (strict: raises)
+    hf.reset_stats()
+    out, _ = hf._attention(sdpa_attention_forward, _Attn(2, 2), q, k, v, None, (),
+                           {"indices": sparse})
     ref, _ = sdpa_attention_forward(_Attn(2, 2), q, k, v, None, indices=sparse)
     assert torch.equal(out, ref)
     stats = hf.get_stats()
     assert stats["kernel"] == 0 and any("['indices']" in r for r in stats["reasons"]), stats
     from flash_attention_sm75 import strict
     with strict(), pytest.raises(ValueError, match="indices"):
-        hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, indices=sparse)
-    # None means "not used": no fallback
-    hf.reset_stats()
-    hf.flash_attention_sm75_forward(_Attn(2, 2), q, k, v, None, indices=None)
-    assert hf.get_stats()["kernel"] == 1
+        hf._attention(sdpa_attention_forward, _Attn(2, 2), q, k, v, None, (),
+                      {"indices": sparse})
+
+
+@needs_op
+def test_sparse_attention_model_is_refused_not_run_dense():
+    """A tiny DeepSeek-V3.2 (top-k sparse attention): stock "sdpa" folds the selection into the
+    mask; under our names transformers passes it as ``indices``. It used to fall back to torch
+    SDPA without it (dense attention: a different result); it raises now."""
+    cls = getattr(transformers, "DeepseekV32ForCausalLM", None)
+    if cls is None:
+        pytest.skip("this transformers has no DeepSeek-V3.2")
+    hf.configure(allow_cpu_reference=True)
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, index_topk=4,
+        index_head_dim=16, index_n_heads=2, first_k_dense_replace=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        sparse = model(ids).logits  # stock sdpa, the selection in the mask
+        model.config.index_topk = 4096
+        for mod in model.modules():
+            if hasattr(mod, "index_topk"):
+                mod.index_topk = 4096
+        dense = model(ids).logits
+        model.config.index_topk = 4
+        for mod in model.modules():
+            if hasattr(mod, "index_topk"):
+                mod.index_topk = 4
+        assert (sparse - dense).abs().max() > 1e-3  # the selection matters here
+        for name in ("flash_attention_sm75", "sm75_attention"):
+            model.set_attn_implementation(name)
+            with pytest.raises(ValueError, match=r"\['indices'\] are not supported"):
+                model(ids)
 
 
 @needs_op
@@ -392,11 +442,62 @@ def test_inert_keywords_run_on_the_kernel():
                   position_embeddings=(torch.ones(1), torch.ones(1)), layer_idx=1,
                   output_router_logits=False, position_ids=torch.arange(6)[None].expand(2, 6),
                   seq_idx=torch.zeros(2, 6, dtype=torch.int32), encoder_hidden_states=None,
-                  sliding_window=None, deterministic=True, output_attentions=False)
+                  sliding_window=None, deterministic=True, output_attentions=False,
+                  num_items_in_batch=torch.tensor(12))
     out, _ = hf.flash_attention_sm75_forward(_Attn(4, 2), q, k, v, None, **kwargs)
     ref, _ = sdpa_attention_forward(_Attn(4, 2), q, k, v, None)
     assert hf.get_stats()["kernel"] == 1, hf.get_stats()
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def _tiny_llama(**extra):
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, initializer_range=0.3,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                   **extra)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@needs_op
+def test_trainer_s_num_items_in_batch_runs_on_the_kernel():
+    """Trainer adds ``num_items_in_batch`` to the inputs of a model whose loss takes it, and it
+    reaches every attention call; it used to send every layer of every step to the fallback."""
+    hf.configure(allow_cpu_reference=True)
+    model = _tiny_llama().half().train()
+    model.set_attn_implementation("sm75_attention")
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(18)).loss.backward()
+    stats = hf.get_stats()
+    assert stats["kernel"] == 2 and stats["fallback"] == 0, stats
+
+
+@needs_op
+def test_continuous_batching_falls_back_and_generates_stock_tokens():
+    """generate_batch passes its cache's bookkeeping (read_index, write_index, logits_indices,
+    logits_processor_args) to attention: not refused; those calls fall back with the packed
+    sequences' per-document mask and give stock "sdpa" generation's tokens."""
+    if not hasattr(transformers.LlamaForCausalLM, "generate_batch"):
+        pytest.skip("this transformers has no continuous batching")
+    hf.configure(allow_cpu_reference=True)
+    base = _tiny_llama().half().eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    gc = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)
+    ref = []
+    for p in prompts:
+        with torch.no_grad():
+            ref.append(base.generate(torch.tensor([p]), generation_config=gc)[0, len(p):].tolist())
+    model = copy.deepcopy(base)
+    model.set_attn_implementation("flash_attention_sm75")
+    with torch.no_grad():
+        out = model.generate_batch(inputs=prompts, generation_config=gc)
+    got = [out[r].generated_tokens for r in sorted(out, key=lambda r: int(r.split("_")[-1]))]
+    assert got == ref
+    stats = hf.get_stats()
+    assert stats["fallback"] > 0 and any("read_index" in r for r in stats["reasons"]), stats
 
 
 @pytest.mark.parametrize("name", ["s_aux", "sinks"])

@@ -282,7 +282,16 @@ _INERT_KWARGS = frozenset({
     # DataCollatorWithFlattening(return_seq_idx=True), which sentence-transformers sets: a
     # per-token sequence index for Mamba-style layers; attention reads cu_seq_lens_*.
     "seq_idx",
+    # Trainer's loss normalisation (a token count), which TransformersKwargs carries into every
+    # attention call of a model whose loss accepts it.
+    "num_items_in_batch",
 })
+# Continuous batching (generate_batch) passes its paged cache's bookkeeping through the model's
+# **kwargs into every attention call. The cache's update has used them before attention runs,
+# so query / key / value are what stock SDPA reads; these calls fall back (a per-document mask
+# over cu_seq_lens_*, compared with stock "sdpa" generation in tests/test_transformers.py).
+# A block_table that is set (keys in pages) is not among them: refused, as any other.
+_CB_KWARGS = frozenset({"read_index", "write_index", "logits_indices", "logits_processor_args"})
 _HANDLED_KWARGS = (frozenset(_SDPA_POSITIONAL) | frozenset(_PACKED_KWARGS)
                    | frozenset(_REFUSED_KWARGS) | _INERT_KWARGS
                    | {"output_attentions", "sliding_window", "position_ids", "deterministic",
@@ -1370,8 +1379,15 @@ def flash_attention_sm75_forward(
         * model-level arguments that do not enter the attention (``use_cache``,
           ``cache_position``, ``past_key_values``, ``position_embeddings``,
           ``output_hidden_states``, ``return_dict``, ``layer_idx``, ``output_router_logits``,
-          ``encoder_hidden_states``, ``seq_idx``) are ignored, as ``sdpa_attention_forward``
-          ignores them.
+          ``encoder_hidden_states``, ``seq_idx``, ``num_items_in_batch``) are ignored, as
+          ``sdpa_attention_forward`` ignores them;
+        * continuous batching's cache bookkeeping (``read_index``, ``write_index``,
+          ``logits_indices``, ``logits_processor_args``; used by the cache before attention)
+          falls back, with the packed sequences' per-document mask;
+        * any other keyword argument that is set raises ``ValueError`` (see Raises): under a
+          name other than ``"eager"`` / ``"sdpa"`` a model may pass what it would otherwise
+          fold into the mask (DeepSeek-V3.2's top-k ``indices``), which the SDPA fallback
+          would ignore.
 
     Returns
     -------
@@ -1404,7 +1420,7 @@ def flash_attention_sm75_forward(
         In strict mode, for a call that would fall back (the message gives the reason); when a
         call falls back and ``FLASH_ATTENTION_SM75_STRICT`` holds an unrecognised value; for
         ``s_aux`` / ``sinks`` (learned attention sinks, gpt-oss), which neither the kernel nor
-        the SDPA fallback implements; for a ``softcap`` that is not ``None`` or a finite number
+        the SDPA fallback implements; for a keyword argument outside the list above; for a ``softcap`` that is not ``None`` or a finite number
         > 0; for malformed ``cu_seq_lens_q/k`` or ``sliding_window`` (on the varlen op's path,
         ``cu_seq_lens`` whose offsets decrease, leave the tokens or exceed ``max_length_q/k``:
         on the CPU; on CUDA a device-side assertion).
@@ -1420,6 +1436,17 @@ def flash_attention_sm75_forward(
                 f"flash_attention_sm75: {name}={shown} ({what}) is not supported, and "
                 f"transformers' SDPA fallback does not apply it; load this model with "
                 f"attn_implementation='eager'")
+    # Under these names (not "eager" / "sdpa") a model may hand attention what it would
+    # otherwise have folded into the mask (DeepSeek-V3.2's top-k `indices`): torch SDPA, the
+    # fallback, would ignore it, so an argument outside the allow-list is refused here.
+    unknown = [name for name in _unknown_kwargs(kwargs) if name not in _CB_KWARGS]
+    if unknown:
+        raise ValueError(
+            f"flash_attention_sm75: keyword argument(s) {unknown} are not supported: "
+            f"transformers passes some arguments only to attention implementations other than "
+            f"'eager' and 'sdpa' (for example a sparse attention's top-k `indices`), where they "
+            f"change the result, and the SDPA fallback would ignore them; load this model with "
+            f"attn_implementation='sdpa' or 'eager'")
     return _attention(_stock_sdpa_forward(), module, query, key, value, attention_mask, args,
                       kwargs, flash_semantics=True)
 
