@@ -209,12 +209,24 @@ def broadcast_base(t: torch.Tensor, dims: Optional[Sequence[int]] = None) -> tor
     return t
 
 
+# A finite "dtype minimum" in an additive mask hides a key exactly (its weight is 0 in torch's
+# float32 softmax, as when the key is skipped) only if it outweighs any gap between two scores
+# the kernels form: the float32 / bfloat16 minimum (-3.4e38) does. Float16's (-65504) does not:
+# a hidden key whose score is 65504 above the row's visible ones keeps its weight in torch, so a
+# mask holding it is not a key range; it runs as a bias (exact) or falls back.
+_BLOCKING_MINIMUM = -1e38
+
+
 def _blocked_values(mask: torch.Tensor, query_dtype: Optional[torch.dtype]) -> torch.Tensor:
-    blocked = torch.isneginf(mask) | (mask == torch.finfo(mask.dtype).min)
+    blocked = torch.isneginf(mask)
+    mins = [torch.finfo(mask.dtype).min]
     if query_dtype is not None and query_dtype.is_floating_point and query_dtype != mask.dtype:
         qmin = torch.finfo(query_dtype).min
-        if qmin >= torch.finfo(mask.dtype).min:  # representable in the mask's dtype
-            blocked |= mask == qmin
+        if qmin >= mins[0]:  # representable in the mask's dtype
+            mins.append(qmin)
+    for value in mins:
+        if value <= _BLOCKING_MINIMUM:
+            blocked |= mask == value
     return blocked
 
 
@@ -247,7 +259,9 @@ def _invalid_reason(mask: torch.Tensor, invalid: list) -> Optional[str]:
     :func:`_classify_uncached` (float masks: other values, empty rows hidden by a finite
     minimum; masks with heads: a difference between heads), or None."""
     if mask.dtype != torch.bool and invalid[0]:
-        return "float attention_mask has values other than 0 and -inf/min-dtype"
+        return ("float attention_mask has values other than 0, -inf and the float32 / bfloat16 "
+                "minimum (float16's minimum is added as a bias: it does not hide a key from "
+                "a score 65504 above the visible ones)")
     if mask.dtype != torch.bool and invalid[1]:
         return ("a query row sees no key but is hidden by the dtype's finite minimum, not "
                 "-inf (torch averages V over such a row; the kernel gives 0)")
@@ -422,13 +436,15 @@ def classify_attention_mask(
     ----------
     attention_mask : torch.Tensor
         4-D ``(B or 1, 1 or H, q_len or 1, kv_len)`` mask: bool (True = attend) or floating point
-        additive (0 = attend, ``-inf`` or the dtype's minimum = masked; any other value makes it
-        fall back). A mask that differs between heads falls back.
+        additive (0 = attend, ``-inf`` or the float32 / bfloat16 minimum = masked; any other
+        value, float16's minimum -65504 included, makes it no key range: a hidden key whose
+        score exceeds the visible ones by 65504 keeps its weight in torch). A mask that differs
+        between heads is no key range either.
     batch_size, q_len, kv_len : int
         Sizes of the query and key tensors.
     query_dtype : torch.dtype, optional
         dtype of the query; the minimum of this dtype also counts as "masked" in a float mask of
-        a wider dtype.
+        a wider dtype (where it is the float32 / bfloat16 minimum).
     exact_empty_rows : bool, optional
         ``True`` (the SDPA wrapper, a drop-in for torch): a float mask in which a query row sees
         no key but is hidden by the finite minimum rather than ``-inf`` falls back, since torch

@@ -488,21 +488,47 @@ def test_classify_broadcast_batch():
 
 
 @pytest.mark.parametrize("blocked", ["-inf", "min"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 def test_classify_float_masks(blocked, dtype):
     _, am = _padded_batch([6, 3], side="left")
     allowed = _hf_mask(2, 6, 6, am)
     value = float("-inf") if blocked == "-inf" else torch.finfo(dtype).min
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, value)
     info, reason = hf.classify_attention_mask(mask, 2, 6, 6, torch.float16)
-    _assert_info(info, reason, True, 6, [0, 3], [6, 6])
+    if blocked == "min" and dtype == torch.float16:
+        # -65504 does not hide a key from a score 65504 above the visible ones: no key range
+        assert info is None and "float16's minimum is added as a bias" in reason
+    else:
+        _assert_info(info, reason, True, 6, [0, 3], [6, 6])
 
 
-def test_classify_float32_mask_with_float16_min():
+@pytest.mark.parametrize("mask_dtype", [torch.float16, torch.float32])
+def test_float16_minimum_is_a_bias_not_a_hidden_key(mask_dtype, monkeypatch):
+    """A key 'hidden' by float16's minimum whose score is 70000 above the visible key's keeps
+    its weight in torch (float32 softmax of s - 65504). Such masks were read as key ranges (the
+    key dropped): the SDPA wrapper returned the visible key's value where torch returns the
+    hidden one's. Now they are no key range; on the kernel they run as a bias."""
+    import flash_attention_sm75 as fa
+    from flash_attention_sm75 import sdpa
+    q = torch.zeros(1, 1, 1, 8)
+    k, v = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8)
+    q[..., 0] = 1.0
+    k[0, 0, 1, 0] = 1.0  # key 1's score: 70000, key 0's: 0
+    v[0, 0, :, 0] = torch.tensor([1.0, -1.0])
+    m = torch.tensor([0.0, torch.finfo(torch.float16).min], dtype=mask_dtype).view(1, 1, 1, 2)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=m.double(), scale=70000.0)
+    assert ref[0, 0, 0, 0] == -1.0  # torch: the "hidden" key wins
+    monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")  # the kernel path, CPU reference
+    assert fa.why_not_supported(q.half(), k.half(), v.half(), attn_mask=m, scale=70000.0) is None
+    out = fa.scaled_dot_product_attention(q.half(), k.half(), v.half(), attn_mask=m,
+                                          scale=70000.0)
+    torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=0)
     allowed = _hf_mask(1, 4, 4)
-    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float16).min)
+    mask = torch.zeros(allowed.shape, dtype=mask_dtype).masked_fill(
+        ~allowed, torch.finfo(torch.float16).min)
     info, reason = hf.classify_attention_mask(mask, 1, 4, 4, torch.float16)
-    _assert_info(info, reason, True, 4, [0], [4])
+    assert info is None and "float16's minimum" in reason
 
 
 @pytest.mark.parametrize("odd", [-1e4, -1.0, 0.5])

@@ -213,14 +213,17 @@ def test_other_call_sizes_get_their_own_entry(classifications):
 
 def _single_row_oracle(mask, batch_size, query_dtype):
     """What a (bm, hm, 1, kv_len) mask must classify as, element by element: fallback for
-    values other than 0/-inf/minimum, heads that differ, every key hidden, or a row whose
+    values other than 0/-inf/the float32 minimum, heads that differ, every key hidden, or a row whose
     visible keys are not one run; else a key range per row."""
     if mask.dtype.is_floating_point:
         allowed = mask == 0
         mins = [torch.finfo(mask.dtype).min]
         if query_dtype is not None and torch.finfo(query_dtype).min >= mins[0]:
             mins.append(torch.finfo(query_dtype).min)
-        blocked = torch.isneginf(mask) | sum(mask == m for m in mins).bool()
+        # only a minimum that outweighs any score gap hides a key (float16's -65504 does not)
+        mins = [m for m in mins if m <= -1e38]
+        blocked = torch.isneginf(mask) | sum((mask == m for m in mins),
+                                             torch.zeros_like(mask, dtype=torch.bool))
         if not bool((allowed | blocked).all()):
             return "values other than"
     else:
