@@ -233,6 +233,28 @@ def _bias_reason(query, key, value, attn_mask, plan_reason: str,
     return f"{plan_reason}; and the kernel cannot read it as a bias: {problem}"
 
 
+_TENSOR_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
+
+
+def _defines_its_own_sdpa(t) -> bool:
+    """A tensor subclass with its own ``__torch_function__``, to which torch's SDPA hands the
+    call: ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left`` / ``causal_lower_right``,
+    whose storage is not the mask) or a user's. (``nn.Parameter`` and ``DTensor`` disable it.)"""
+    if type(t) is torch.Tensor or not isinstance(t, torch.Tensor):
+        return False
+    tf = type(t).__torch_function__
+    tf = getattr(tf, "__func__", tf)
+    return tf is not _TENSOR_TORCH_FUNCTION and tf is not torch._C._disabled_torch_function_impl
+
+
+def _subclass_reason(query, key, value, attn_mask) -> Optional[str]:
+    for name, t in zip(("query", "key", "value", "attn_mask"), (query, key, value, attn_mask)):
+        if _defines_its_own_sdpa(t):
+            return (f"{name} is a {type(t).__module__}.{type(t).__name__}, a tensor subclass that "
+                    f"defines what SDPA computes for it (torch hands it the call)")
+    return None
+
+
 def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
                      enable_gqa) -> Optional[str]:
     """Everything :func:`why_not_supported` checks except the mask's values: the wrapper's own
@@ -240,6 +262,9 @@ def _metadata_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
     the autograd mode. Straight-line checks: the common kernel-path call costs a few us."""
     if not _ops.EXTENSION_AVAILABLE:
         return f"the compiled extension flash_attention_sm75._C is not available ({_ops.EXTENSION_ERROR})"
+    reason = _subclass_reason(query, key, value, attn_mask)
+    if reason is not None:
+        return reason
     if type(is_causal) is not bool:
         return f"is_causal is a {_rules.type_name(is_causal)}; a bool is required (torch raises)"
     if type(enable_gqa) is not bool:
@@ -476,6 +501,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if is_strict():
         raise ValueError(f"flash_attention_sm75: cannot run scaled_dot_product_attention on the "
                          f"FlashAttention kernel (strict mode): {reason}")
+    if _subclass_reason(query, key, value, attn_mask) is not None:
+        # The subclass's own SDPA, with the call as it is (a CausalBias builds its mask on the
+        # query's device, or picks a causal kernel).
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                              dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
     if (enable_gqa and isinstance(key, torch.Tensor) and key.dim() >= 3 and key.shape[-3] == 0
             and isinstance(query, torch.Tensor) and query.dim() >= 3 and query.shape[-3] != 0):
         raise ValueError(_zero_kv_heads_message(query, key))

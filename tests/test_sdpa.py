@@ -948,6 +948,28 @@ def test_rows_hidden_by_a_finite_minimum_follow_torch(name, kernel_device_cpu, o
     assert fa.why_not_supported(q, k, v, attn_mask=inf_mask) is None
 
 
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+@pytest.mark.parametrize("kernel_path", [False, True])
+def test_causal_bias_masks_are_torch_s(variant, kernel_path, monkeypatch):
+    """torch.nn.attention.bias.causal_upper_left / causal_lower_right: tensor subclasses whose
+    storage is not the mask (torch's SDPA hands them the call). The wrapper read their storage
+    as a mask (a wrong result on the kernel path) or crashed on its fallback path
+    (AttributeError); it hands them to torch now."""
+    from torch.nn.attention import bias as attn_bias
+    if kernel_path:
+        monkeypatch.setattr(sdpa, "_KERNEL_DEVICE_TYPE", "cpu")
+    q, k, v = bhsd(b=2, h=2, h_k=2, s_q=5, s_k=9, seed=31)
+    mask = getattr(attn_bias, f"causal_{variant}")(5, 9)
+    reason = fa.why_not_supported(q, k, v, attn_mask=mask)
+    assert reason is not None and "CausalBias" in reason
+    out = fa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    allowed = torch.ones(5, 9, dtype=torch.bool).tril(0 if variant == "upper_left" else 9 - 5)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    with fa.strict(), pytest.raises(ValueError, match="CausalBias"):
+        fa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 @pytest.mark.parametrize("name", ["mask_heads_3_of_2", "mask_heads_kv_under_gqa", "mask_1d"])
 def test_masks_torch_rejects_are_left_to_torch(name, kernel_device_cpu):
     if name == "mask_heads_3_of_2":
