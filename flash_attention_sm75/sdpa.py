@@ -239,8 +239,9 @@ _TENSOR_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
 def _defines_its_own_sdpa(t) -> bool:
     """A tensor subclass with its own ``__torch_function__``, to which torch's SDPA hands the
     call: ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left`` / ``causal_lower_right``,
-    whose storage is not the mask) or a user's. (``nn.Parameter`` and ``DTensor`` disable it.)"""
-    if type(t) is torch.Tensor or not isinstance(t, torch.Tensor):
+    whose storage is not the mask) or a user's. (``nn.Parameter`` and ``DTensor`` disable it;
+    nested tensors, which have one, are the rulebook's: it names them.)"""
+    if type(t) is torch.Tensor or not isinstance(t, torch.Tensor) or t.is_nested:
         return False
     tf = type(t).__torch_function__
     tf = getattr(tf, "__func__", tf)
