@@ -143,8 +143,9 @@ def why_not_supported(
     Takes the arguments of :func:`scaled_dot_product_attention` and reads only their metadata
     (shape, dtype, device, strides, ``requires_grad``), except a mask: once everything else
     passes, ``attn_mask``'s values are classified (a few element-wise device ops and one host
-    synchronisation, cached per mask object; while torch.compile traces or a CUDA graph captures
-    no mask is read and the reason says so).
+    synchronisation at every call: the wrapper keeps no classification, since a caller's mask
+    may be refilled in place through ``.data`` or a NumPy view, which no version counter sees;
+    while torch.compile traces or a CUDA graph captures no mask is read and the reason says so).
 
     Parameters
     ----------
@@ -159,7 +160,7 @@ def why_not_supported(
         2- to 4-D, broadcast to ``(batch, num_heads, seqlen_q, seqlen_k)`` as torch does. A
         mask that is exactly a per-batch-row key range (``leftpad_k[b] <= j < seqused_k[b]``),
         optionally AND a bottom-right causal diagonal (key-padding masks, all-True / all-zero
-        masks; found by reading the mask once, cached per mask object) runs as key ranges,
+        masks; found by reading the mask once per call) runs as key ranges,
         which skip the hidden keys' tiles; any other mask, and every mask while torch.compile
         traces or a CUDA graph captures, is read by the kernel itself as an additive bias
         (through its strides, never expanded). A float mask that requires grad (a learned
