@@ -718,7 +718,8 @@ def _mask_is_the_documents(packing: _Packing, query, key, attention_mask, causal
     mask): the mask transformers builds from restarting ``position_ids`` when it builds one (no
     cache: training with ``use_cache=False``, gradient checkpointing). Then the varlen op gives
     that mask's result at the documents' cost. Bool masks, or float ones of 0 and ``-inf`` /
-    the dtype's minimum only, of one batch row (any head count), on the query's device, not
+    the float32 or bfloat16 minimum only (float16's does not hide a key exactly:
+    ``_masks._blocked_values``), of one batch row (any head count), on the query's device, not
     requiring grad under grad mode (a learned mask's gradient needs the mask on the kernel);
     one host read per mask object (``source``: the packing's tensor, part of the cache key),
     never while tracing or capturing (False there: the caller falls back with the mask)."""
@@ -743,7 +744,7 @@ def _mask_is_the_documents(packing: _Packing, query, key, attention_mask, causal
             same = (m == docs).all()
         else:
             seen = m == 0
-            hidden = (m == float("-inf")) | (m == torch.finfo(m.dtype).min)
+            hidden = _masks._blocked_values(m, None)  # -inf, the float32 / bf16 minimum
             same = ((seen | hidden) & (seen == docs)).all()
         hit = bool(same)  # the one host read
         if cacheable:
