@@ -894,6 +894,9 @@ def flash_attn_with_kvcache(
     # after the appends. (The new k / v rows the op copies itself; the caches are written in
     # place, so a misaligned one is refused by the op before its writes.)
     q = _aligned(q)
+    if not on_op and torch.compiler.is_compiling():
+        # (while tracing q's data pointer is not read: a fresh copy is aligned whatever it is)
+        q = q.clone(memory_format=torch.contiguous_format)
     with torch.no_grad():
         if rotary_cos is not None:
             base = cache_seqlens.to(torch.int64).view(-1, 1)
