@@ -483,6 +483,25 @@ def test_trainer_s_num_items_in_batch_runs_on_the_kernel():
 
 
 @needs_op
+def test_token_type_ids_passed_to_a_decoder_run_on_the_kernel():
+    """A tokenizer that returns token_type_ids, passed whole to a decoder's forward
+    (``model(**batch)``, sentence-transformers): transformers carries them through **kwargs into
+    every attention call, where stock SDPA ignores them; they must not be refused."""
+    hf.configure(allow_cpu_reference=True)
+    model = _tiny_llama().half().eval()
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        for name in ("sm75_attention", "flash_attention_sm75"):
+            model.set_attn_implementation(name)
+            hf.reset_stats()
+            out = model(input_ids=ids, token_type_ids=torch.zeros_like(ids),
+                        mm_token_type_ids=torch.zeros_like(ids)).logits
+            assert hf.get_stats()["kernel"] == 2, hf.get_stats()
+            torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_op
 def test_continuous_batching_falls_back_and_generates_stock_tokens():
     """generate_batch passes its cache's bookkeeping (read_index, write_index, logits_indices,
     logits_processor_args) to attention: not refused; those calls fall back with the packed

@@ -285,6 +285,10 @@ _INERT_KWARGS = frozenset({
     # Trainer's loss normalisation (a token count), which TransformersKwargs carries into every
     # attention call of a model whose loss accepts it.
     "num_items_in_batch",
+    # Tokenizer / processor outputs that a decoder's forward passes on through **kwargs when it
+    # does not read them (a tokenizer that returns token_type_ids, processors called with
+    # return_mm_token_type_ids=True); the models that use them build their masks from them.
+    "token_type_ids", "mm_token_type_ids",
 })
 # Continuous batching (generate_batch) passes its paged cache's bookkeeping through the model's
 # **kwargs into every attention call. The cache's update has used them before attention runs,
@@ -696,11 +700,12 @@ def _explicit_mask(packing: _Packing, query, key, attention_mask, causal: bool,
             mask = mask & attention_mask
         else:
             inside = mask
+            # Other documents' keys: -inf (a finite minimum such as float16's would not hide a
+            # key whose score is far above the document's own).
             mask = torch.where(inside, attention_mask,
-                               torch.finfo(attention_mask.dtype).min).to(attention_mask.dtype)
+                               float("-inf")).to(attention_mask.dtype)
             # A row whose keys in its document are all -inf (or a token in no document) sees no
-            # key: all -inf, so that it gives 0 (_call_fallback) rather than an average over
-            # the other documents' keys, which the dtype minimum above would let it see.
+            # key: all -inf, so that it gives 0 (_call_fallback).
             none = ~(inside & (attention_mask != float("-inf"))).any(-1, keepdim=True)
             mask = mask.masked_fill(none, float("-inf"))
     return mask
@@ -1380,8 +1385,8 @@ def flash_attention_sm75_forward(
         * model-level arguments that do not enter the attention (``use_cache``,
           ``cache_position``, ``past_key_values``, ``position_embeddings``,
           ``output_hidden_states``, ``return_dict``, ``layer_idx``, ``output_router_logits``,
-          ``encoder_hidden_states``, ``seq_idx``, ``num_items_in_batch``) are ignored, as
-          ``sdpa_attention_forward`` ignores them;
+          ``encoder_hidden_states``, ``seq_idx``, ``num_items_in_batch``, ``token_type_ids``,
+          ``mm_token_type_ids``) are ignored, as ``sdpa_attention_forward`` ignores them;
         * continuous batching's cache bookkeeping (``read_index``, ``write_index``,
           ``logits_indices``, ``logits_processor_args``; used by the cache before attention)
           falls back, with the packed sequences' per-document mask;
