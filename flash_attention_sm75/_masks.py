@@ -260,8 +260,8 @@ def _invalid_reason(mask: torch.Tensor, invalid: list) -> Optional[str]:
     minimum; masks with heads: a difference between heads), or None."""
     if mask.dtype != torch.bool and invalid[0]:
         return ("float attention_mask has values other than 0, -inf and the float32 / bfloat16 "
-                "minimum (float16's minimum is added as a bias: it does not hide a key from "
-                "a score 65504 above the visible ones)")
+                "minimum (float16's minimum, -65504, is one: it does not hide a key whose score "
+                "is 65504 above the visible ones)")
     if mask.dtype != torch.bool and invalid[1]:
         return ("a query row sees no key but is hidden by the dtype's finite minimum, not "
                 "-inf (torch averages V over such a row; the kernel gives 0)")

@@ -120,8 +120,9 @@ def test_kvcache_op_plain_and_paged(seqlen_q, d, causal, mod):
 def test_kvcache_misaligned_q_is_read_from_a_copy(page, d):
     """q at an odd element offset (the kernels' 16-byte loads need aligned pointers):
     flash_attn_with_kvcache reads an aligned copy of it, as flash_attn_func does, and appends
-    once. It used to refuse such a q in the op, which on the gathered-pages path (pages of 16
-    keys) and the padded head dim's path came after the appends were written."""
+    once. It used to refuse such a q in the op: before any write on the in-place path (pages
+    of 64 keys, no pages), after the appends on the gathered-pages path (pages of 16). (The
+    padded head dim, 60, always read a padded copy: it guards that path.)"""
     B, S, h, hk, new, sq = 2, 128, 4, 2, 3, 2
     torch.manual_seed(seed_from("kvcache_misaligned_q", page, d))
     q = _rand(B * sq * h * d + 1)[1:].view(B, sq, h, d)

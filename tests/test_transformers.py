@@ -497,7 +497,7 @@ def test_classify_float_masks(blocked, dtype):
     info, reason = hf.classify_attention_mask(mask, 2, 6, 6, torch.float16)
     if blocked == "min" and dtype == torch.float16:
         # -65504 does not hide a key from a score 65504 above the visible ones: no key range
-        assert info is None and "float16's minimum is added as a bias" in reason
+        assert info is None and "float16's minimum, -65504, is one" in reason
     else:
         _assert_info(info, reason, True, 6, [0, 3], [6, 6])
 

@@ -334,11 +334,12 @@ def test_packed_fallback_rows_without_keys_are_zero(backend, kind):
                                              cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
     assert hf.get_stats()["fallback"] == 1
     # The fallback's reference: transformers' function with the documents mask (for a float
-    # mask, the documents AND-ed in as the dtype minimum, as the integration always has).
+    # mask, the other documents' keys at -inf: a finite minimum there would let query 5, whose
+    # own document's keys are all at the minimum, average over other documents' keys too).
     if kind in ("none", "bool"):
         ref_mask = seen
     else:
-        ref_mask = torch.where(documents, mask, torch.finfo(torch.float32).min)
+        ref_mask = torch.where(documents, mask, float("-inf"))
     ref, _ = sdpa_attention_forward(module, q, k, v, ref_mask)
     empty = ~seen.any(-1, keepdim=True)
     if kind == "finite_min":  # query 5 sees its document's keys at finfo.min: not empty
