@@ -37,7 +37,8 @@ a CUDA graph captures (a static cache's decode step under ``mode="reduce-overhea
 by the kernel itself as its ``attn_bias`` (bool or additive, broadcast over heads in place), as
 the rulebook's bias rule allows (with a backward: head_dim up to 128, no softcap). Any
 unsupported input (CPU, fp32/bf16, head_dim not a multiple of 8 in [8, 256],
-``output_attentions``, a keyword argument outside the allow-list, a mask the bias rule refuses)
+``output_attentions``, a mask the bias rule refuses; on the patched ``"sdpa"`` entry also a
+keyword argument outside the allow-list, which the registered names refuse)
 calls transformers' own ``sdpa_attention_forward`` with the original arguments (calls with Gemma
 2's ``softcap``, which runs on the kernel, fall back to that function with the soft-cap applied,
 since torch SDPA has none), and the reason is logged at DEBUG
@@ -1337,7 +1338,7 @@ def flash_attention_sm75_forward(
         :func:`classify_attention_mask` for which masks run on the kernel.
     *args, **kwargs
         The arguments transformers passes (an allow-list; any other argument that is not
-        ``None`` makes the call fall back, or raise in strict mode):
+        ``None`` raises ``ValueError``, last item below):
 
         * ``dropout`` (default 0.0; transformers passes ``module.attention_dropout`` in
           training: attention dropout on the kernel, as torch's semantics, from torch's CUDA
