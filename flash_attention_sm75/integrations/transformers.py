@@ -294,7 +294,7 @@ _INERT_KWARGS = frozenset({
 # Continuous batching (generate_batch) passes its paged cache's bookkeeping through the model's
 # **kwargs into every attention call. The cache's update has used them before attention runs,
 # so query / key / value are what stock SDPA reads; these calls fall back (a per-document mask
-# over cu_seq_lens_*, compared with stock "sdpa" generation in tests/test_transformers.py).
+# over cu_seq_lens_*; compared with stock "sdpa" generation in test_transformers_contract.py).
 # A block_table that is set (keys in pages) is not among them: refused, as any other.
 _CB_KWARGS = frozenset({"read_index", "write_index", "logits_indices", "logits_processor_args"})
 _HANDLED_KWARGS = (frozenset(_SDPA_POSITIONAL) | frozenset(_PACKED_KWARGS)
@@ -1427,10 +1427,11 @@ def flash_attention_sm75_forward(
         In strict mode, for a call that would fall back (the message gives the reason); when a
         call falls back and ``FLASH_ATTENTION_SM75_STRICT`` holds an unrecognised value; for
         ``s_aux`` / ``sinks`` (learned attention sinks, gpt-oss), which neither the kernel nor
-        the SDPA fallback implements; for a keyword argument outside the list above; for a ``softcap`` that is not ``None`` or a finite number
-        > 0; for malformed ``cu_seq_lens_q/k`` or ``sliding_window`` (on the varlen op's path,
-        ``cu_seq_lens`` whose offsets decrease, leave the tokens or exceed ``max_length_q/k``:
-        on the CPU; on CUDA a device-side assertion).
+        the SDPA fallback implements; for a keyword argument outside the list above; for a
+        ``softcap`` that is not ``None`` or a finite number > 0; for malformed
+        ``cu_seq_lens_q/k`` or ``sliding_window`` (on the varlen op's path, ``cu_seq_lens``
+        whose offsets decrease, leave the tokens or exceed ``max_length_q/k``: on the CPU; on
+        CUDA a device-side assertion).
     """
     for name, what in (("s_aux", "learned attention sinks"), ("sinks", "learned attention sinks")):
         if name in kwargs and kwargs[name] is not None:
